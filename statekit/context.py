@@ -1,0 +1,329 @@
+"""The checkpoint context handed to hooks: identity of the save/load, and I/O through it.
+
+Every file written through a :class:`Checkpoint` is recorded for the manifest with its
+size, XXH3-64 checksum, rank and writer (the plugin being called, or ``"statekit"``), in
+the same pass as the write. Reads check size and checksum against the manifest while
+reading when ``verify`` is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any, BinaryIO
+
+import torch
+
+from statekit import codec, format as fmt
+from statekit.errors import CorruptCheckpointError, StatekitError
+from statekit.storage import Storage, storage_errors
+
+CORE = "statekit"
+"""Writer/owner name used for the core's own files and objects."""
+
+
+class _HashingWriter:
+    """File wrapper that checksums and counts what passes through ``write``."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.hasher = fmt.new_hasher()
+        self.size_bytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._f.write(view)
+        self.hasher.update(view)
+        self.size_bytes += len(view)
+        return len(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class Checkpoint:
+    """The context of one save or load, passed to hooks as ``checkpoint``.
+
+    Attributes:
+        url (str): the checkpoint's URL.
+        fs: its fsspec filesystem.
+        rank (int): this process's rank (0 without torch.distributed).
+        world_size (int): number of processes.
+        step (int | None): the training step being saved or loaded.
+        accelerator: the ``accelerate.Accelerator``, or None.
+        options (dict): keyword options not known to the core (``device_map=``...).
+        plugin (str | None): the plugin being called; None while the core runs.
+        objects (dict): stateful objects other than models, by stable key; a plugin that
+            handles one pops it (and owns it).
+        manifest (dict | None): on load, the manifest read; after a save, the committed one.
+        mode (str): ``"save"`` or ``"load"``.
+        verify (bool): on load, check sizes and checksums while reading.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        mode: str,
+        rank: int = 0,
+        world_size: int = 1,
+        step: int | None = None,
+        accelerator: Any = None,
+        options: dict[str, Any] | None = None,
+        objects: dict[str, Any] | None = None,
+        model_keys: dict[int, str] | None = None,
+        manifest: dict[str, Any] | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.storage = storage
+        self.url = storage.url
+        self.fs = storage.fs
+        self.mode = mode
+        self.rank = rank
+        self.world_size = world_size
+        self.step = step
+        self.accelerator = accelerator
+        self.options = dict(options or {})
+        self.objects: dict[str, Any] = objects if objects is not None else {}
+        self.plugin: str | None = None
+        self.manifest = manifest
+        self.verify = verify
+        self.files: dict[str, dict[str, Any]] = {}
+        self.handles_rng = False
+        self._model_keys = dict(model_keys or {})
+        self._records: dict[str, dict[str, Any]] = (
+            {k: dict(v) for k, v in manifest.get("records", {}).items()} if manifest else {}
+        )
+        self._writable = mode == "save"
+
+    # ---------------------------------------------------------------- identity
+
+    @property
+    def records(self) -> dict[str, Any]:
+        """This plugin's records: on save a JSON-able dict stored in the manifest under
+        ``records[<plugin>]``; on load what the plugin stored at save time."""
+        return self._records.setdefault(self.plugin or CORE, {})
+
+    def all_records(self) -> dict[str, dict[str, Any]]:
+        """Records of every plugin (non-empty ones), for the manifest."""
+        return {k: v for k, v in self._records.items() if v}
+
+    def key_of(self, model: torch.nn.Module) -> str:
+        """Stable key of a model of this save/load (``model_0``, or the mapping key).
+
+        Raises:
+            KeyError: the model is not part of this save/load.
+        """
+        return self._model_keys[id(model)]
+
+    def owner_of(self, key: str) -> str | None:
+        """On load: the plugin (or ``"statekit"``) that saved object ``key``, or None."""
+        entry = (self.manifest or {}).get("objects", {}).get(key)
+        return entry.get("owner") if entry else None
+
+    # ---------------------------------------------------------------- writing
+
+    def _check_writable(self, rel: str) -> str:
+        if not self._writable:
+            raise StatekitError(f"{self.url}: checkpoint is not open for writing ({self.mode}); cannot write {rel!r}")
+        fmt.check_relpath(rel, source=self.url)
+        if rel in self.files or rel == fmt.MANIFEST_NAME:
+            raise StatekitError(f"{self.url}/{rel}: written twice in one save (or reserved name)")
+        return rel
+
+    def _record(self, rel: str, size_bytes: int, checksum: str) -> dict[str, Any]:
+        entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": self.plugin or CORE}
+        self.files[rel] = entry
+        return entry
+
+    @contextlib.contextmanager
+    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+        """Open a file of the checkpoint by relative path.
+
+        Args:
+            rel: relative path (no ``..``, no scheme, not absolute).
+            mode: ``"wb"`` (save only: size and checksum are recorded on close) or ``"rb"``.
+
+        Yields:
+            A binary file object.
+
+        Raises:
+            StatekitError: writing during a load, or the same path written twice.
+            CorruptCheckpointError: ``rel`` escapes the checkpoint; on read, the file is
+                listed in the manifest but missing.
+            StorageError: the storage failed (names the URL).
+        """
+        if mode == "wb":
+            self._check_writable(rel)
+            with self.storage.open_write(rel) as f:
+                writer = _HashingWriter(f)
+                yield writer
+            self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher))
+        elif mode == "rb":
+            fmt.check_relpath(rel, source=self.url)
+            f = self._open_read(rel)
+            try:
+                yield f
+            finally:
+                f.close()
+        else:
+            raise ValueError(f"mode must be 'rb' or 'wb', got {mode!r}")
+
+    def save_tensors(
+        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Write a safetensors file, streaming, checksummed in the same pass.
+
+        Args:
+            rel: relative path, normally ending in ``.safetensors``.
+            tensors: ``name -> tensor`` (any device; tied views stored once).
+            metadata: extra ``__metadata__`` (str -> str).
+
+        Returns:
+            The manifest entry (``size_bytes``, ``checksum``, ``rank``, ``writer``).
+
+        Raises:
+            UnsupportedDtypeError: a tensor cannot be stored (names the key).
+            StorageError: the write failed.
+        """
+        self._check_writable(rel)
+        hasher = fmt.new_hasher()
+        with self.storage.open_write(rel) as f:
+            size = fmt.write_tensors(f, tensors, metadata, hasher)
+        return self._record(rel, size, fmt.checksum_string(hasher))
+
+    def save_json(self, rel: str, obj: Any) -> dict[str, Any]:
+        """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values).
+
+        Returns:
+            The manifest entry.
+        """
+        self._check_writable(rel)
+        try:
+            data = json.dumps(obj, indent=1, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise StatekitError(f"{self.url}/{rel}: value is not strict JSON: {exc}") from exc
+        self.storage.write_bytes(rel, data)
+        return self._record(rel, len(data), fmt.checksum_bytes(data))
+
+    def save_state(self, base: str, state: Any) -> list[str]:
+        """Store any codec-able state (see :mod:`statekit.codec`): ``<base>.json`` holds the
+        skeleton, ``<base>.safetensors`` the tensors (only if there are any).
+
+        Returns:
+            The relative paths written.
+
+        Raises:
+            UnsupportedValueError: a value cannot be stored without pickle (names its key path).
+        """
+        skeleton, tensors = codec.encode(state)
+        written = []
+        if tensors:
+            self.save_tensors(f"{base}.safetensors", tensors)
+            written.append(f"{base}.safetensors")
+        self.save_json(f"{base}.json", {"format": fmt.FORMAT, "tensors": bool(tensors), "state": skeleton})
+        written.append(f"{base}.json")
+        return written
+
+    # ---------------------------------------------------------------- reading
+
+    def _open_read(self, rel: str) -> BinaryIO:
+        try:
+            return self.storage.open_read(rel)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
+
+    def _expected(self, rel: str) -> dict[str, Any] | None:
+        if not self.verify or self.manifest is None:
+            return None
+        entry = self.manifest["files"].get(rel)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{self.url}/{rel}: file is not listed in the manifest", path=f"{self.url}/{rel}"
+            )
+        return entry
+
+    def _check(self, rel: str, expected: dict[str, Any] | None, size_bytes: int, hasher: Any) -> None:
+        if expected is None:
+            return
+        url = f"{self.url}/{rel}"
+        if size_bytes != expected["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"{url}: size {size_bytes} bytes, manifest says {expected['size_bytes']}", path=url
+            )
+        actual = fmt.checksum_string(hasher)
+        if actual != expected["checksum"]:
+            raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected['checksum']}", path=url)
+
+    def read_bytes(self, rel: str) -> bytes:
+        """Read a whole file, verified against the manifest when ``verify`` is on.
+
+        Raises:
+            CorruptCheckpointError: missing, or size/checksum mismatch (names the file).
+        """
+        fmt.check_relpath(rel, source=self.url)
+        expected = self._expected(rel)
+        with self._open_read(rel) as f, storage_errors(f"{self.url}/{rel}", "reading"):
+            data = f.read()
+        if expected is not None:
+            hasher = fmt.new_hasher()
+            hasher.update(data)
+            self._check(rel, expected, len(data), hasher)
+        return data
+
+    def load_tensors(
+        self,
+        rel: str,
+        into: Mapping[str, torch.Tensor] | None = None,
+        names: list[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Read a safetensors file of the checkpoint (verified when ``verify`` is on).
+
+        Args:
+            rel: relative path.
+            into: tensors to fill in place (see :func:`statekit.format.read_tensors`).
+            names: read only these names (ignored while verifying, which reads every byte).
+
+        Returns:
+            ``name -> tensor`` (CPU tensors, or the ``into`` targets).
+
+        Raises:
+            CorruptCheckpointError: missing file, malformed header, truncated data, size or
+                checksum mismatch (names the file). With ``into``, targets read before the
+                fault hold new values; the message says the load is incomplete.
+        """
+        fmt.check_relpath(rel, source=self.url)
+        expected = self._expected(rel)
+        url = f"{self.url}/{rel}"
+        hasher = fmt.new_hasher() if expected is not None else None
+        with self._open_read(rel) as f, storage_errors(url, "reading"):
+            size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
+            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher)
+        if expected is not None:
+            self._check(rel, expected, header.data_start + header.data_bytes, hasher)
+        return tensors
+
+    def load_json(self, rel: str) -> Any:
+        """Read a JSON file (verified when ``verify`` is on).
+
+        Raises:
+            CorruptCheckpointError: missing, mismatched or not JSON (names the file).
+        """
+        data = self.read_bytes(rel)
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpointError(f"{self.url}/{rel}: not valid JSON: {exc}", path=f"{self.url}/{rel}") from None
+
+    def load_state(self, base: str) -> Any:
+        """Read what :meth:`save_state` wrote under ``base``.
+
+        Raises:
+            CorruptCheckpointError: a file is missing, malformed or fails verification.
+        """
+        doc = self.load_json(f"{base}.json")
+        if not isinstance(doc, dict) or "state" not in doc:
+            raise CorruptCheckpointError(f"{self.url}/{base}.json: not a statekit state file", path=f"{self.url}/{base}.json")
+        tensors = self.load_tensors(f"{base}.safetensors") if doc.get("tensors") else {}
+        return codec.decode(doc["state"], tensors, source=f"{self.url}/{base}.json")

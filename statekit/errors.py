@@ -1,0 +1,178 @@
+"""The statekit exception hierarchy: one base, leaves that refine a builtin where one fits.
+
+Every error statekit raises on purpose is a :class:`StatekitError`, so callers can catch
+one type. Each leaf also subclasses the builtin it refines (``FileNotFoundError``,
+``FileExistsError``, ``ValueError``...), following orbax's ``NoEntryError(KeyError)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "StatekitError",
+    "StatekitWarning",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "StateMismatchError",
+    "PluginError",
+    "PluginMissingError",
+    "PickleNotAllowedError",
+    "CheckpointExistsError",
+    "UnsupportedDtypeError",
+    "UnsupportedValueError",
+    "StorageError",
+]
+
+
+class StatekitError(Exception):
+    """Base class of every error statekit raises on purpose."""
+
+    __module__ = "statekit"
+
+
+class StatekitWarning(UserWarning):
+    """Warned when statekit restores less than was saved, or a resume cannot be exact."""
+
+    __module__ = "statekit"
+
+
+class CheckpointNotFoundError(StatekitError, FileNotFoundError):
+    """No checkpoint (and no directory) exists at the URL."""
+
+    __module__ = "statekit"
+
+
+class IncompleteCheckpointError(StatekitError):
+    """The directory exists but holds no manifest: a save that never committed."""
+
+    __module__ = "statekit"
+
+
+class CorruptCheckpointError(StatekitError, ValueError):
+    """A file of a committed checkpoint does not match its manifest entry or cannot be parsed.
+
+    Attributes:
+        path: the URL or relative path of the file at fault.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class FormatVersionError(StatekitError, ValueError):
+    """The manifest declares a format this statekit cannot read (for example a newer one)."""
+
+    __module__ = "statekit"
+
+
+class StateMismatchError(StatekitError, ValueError):
+    """Saved state does not fit the object it is loaded into.
+
+    Attributes:
+        missing: keys the object expects and the checkpoint lacks.
+        unexpected: keys the checkpoint has and the object does not expect.
+        mismatched: ``key -> "saved ... vs expected ..."`` for shape or dtype differences.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(
+        self,
+        what: str,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+        mismatched: dict[str, str] | None = None,
+    ) -> None:
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)
+        self.mismatched = dict(mismatched or {})
+        parts = [f"state of {what} does not match the checkpoint"]
+        if self.missing:
+            parts.append(f"missing keys: {_preview(self.missing)}")
+        if self.unexpected:
+            parts.append(f"unexpected keys: {_preview(self.unexpected)}")
+        if self.mismatched:
+            parts.append(
+                "shape/dtype differences: "
+                + _preview([f"{k} ({v})" for k, v in sorted(self.mismatched.items())])
+            )
+        super().__init__("; ".join(parts))
+
+
+class PluginError(StatekitError):
+    """A plugin failed, or broke the hook contract.
+
+    Attributes:
+        plugin_name: the name the plugin is registered under (its entry point name).
+        hook_name: the hook being called, or None when the plugin failed to load.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, plugin_name: str | None = None, hook_name: str | None = None):
+        super().__init__(message)
+        self.plugin_name = plugin_name
+        self.hook_name = hook_name
+
+
+class PluginMissingError(PluginError):
+    """A checkpoint needs a plugin that is not installed (or is blocked).
+
+    Attributes:
+        distribution: the distribution to ``pip install``.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, plugin_name: str, distribution: str | None = None):
+        super().__init__(message, plugin_name=plugin_name)
+        self.distribution = distribution
+
+
+class PickleNotAllowedError(StatekitError, PermissionError):
+    """A foreign checkpoint holds pickle files and the caller did not pass ``allow_pickle=True``."""
+
+    __module__ = "statekit"
+
+
+class CheckpointExistsError(StatekitError, FileExistsError):
+    """A committed checkpoint already exists at the URL and ``overwrite`` was not given."""
+
+    __module__ = "statekit"
+
+
+class UnsupportedValueError(StatekitError, TypeError):
+    """The codec cannot represent a value without pickle; the message names its key path."""
+
+    __module__ = "statekit"
+
+
+class UnsupportedDtypeError(UnsupportedValueError):
+    """A tensor dtype has no safetensors code and no byte-view encoding; names the key."""
+
+    __module__ = "statekit"
+
+
+class StorageError(StatekitError, OSError):
+    """An fsspec/OS error during I/O, with the URL it concerned.
+
+    Attributes:
+        url: the URL of the file or directory.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+def _preview(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"

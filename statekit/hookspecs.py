@@ -1,0 +1,166 @@
+"""The statekit hook contract: the hook specifications, and nothing else.
+
+Each spec is an empty function whose docstring *is* the reference (as in pytest's
+``hookspec.py``). Plugins implement them with :data:`statekit.hookimpl`.
+
+Calling rules common to every hook (see ``docs/hooks.md``):
+
+* The host calls implementations **one at a time** in pluggy's order (``tryfirst``
+  first, then the last registered first), with ``checkpoint.plugin`` set to the name of
+  the plugin being called. Every file written through ``checkpoint`` and every model or
+  object a plugin removes is attributed to that plugin in the manifest.
+* Plugin code runs under an RNG guard: the Python, NumPy and torch random states are put
+  back after each call, so no plugin shifts the training run's random streams. A plugin
+  that manages random state itself sets ``STATEKIT_MANAGES_RNG = True`` (statekit-rng).
+* Hook wrappers (``hookwrapper=True`` / ``wrapper=True``) are not supported.
+* An exception raised by an implementation becomes a :class:`statekit.PluginError`
+  naming the plugin and the hook, with the original exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # annotation-only imports keep this module cheap
+    import torch
+
+    from statekit.context import Checkpoint
+
+hookspec = pluggy.HookspecMarker("statekit")
+
+
+@hookspec
+def statekit_attach(accelerator: Any, objects: MutableMapping[str, Any]) -> None:
+    """Prepare a training run for exact checkpointing.
+
+    Called once, on every rank, when a :class:`statekit.CheckpointManager` is created or
+    :func:`statekit.attach` is called, before the training loop starts.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` of the run, or None when the run uses
+            the mapping API without Accelerate.
+        objects: the run's stateful objects by stable key (``model_0``, ``optimizer_0``,
+            ``scheduler_0``, ``dataloader_0``, ``custom_0``...; or the mapping's own keys).
+            Read-only by convention: a plugin may change the objects (for example give a
+            data loader's sampler a ``torch.Generator`` of its own) but must not add or
+            remove keys.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        Anything the plugin raises becomes a :class:`statekit.PluginError`; the manager or
+        ``attach()`` call fails.
+    """
+
+
+@hookspec
+def statekit_save_state_pre(
+    models: list[torch.nn.Module],
+    weights: list[Mapping[str, torch.Tensor]],
+    output_dir: str,
+    checkpoint: Checkpoint,
+) -> None:
+    """Save state before the core does; optionally take models and objects out of its path.
+
+    Called on every rank, before any I/O of the core, once per save (the Accelerate
+    ``register_save_state_pre_hook`` contract, widened).
+
+    Args:
+        models: the models to save, in stable-key order. A plugin that saves a model
+            itself removes it from this list (``models.remove(m)``) *and* removes the entry
+            at the same index from ``weights``; the core then skips it and the manifest
+            records the plugin as its owner. Removal is matched by identity, so the other
+            models keep their file names.
+        weights: state dicts parallel to ``models``. Entries are lazy: the state dict is
+            computed on first access (no collective is run), and ``weights.pop(i)`` does
+            not compute it. In ``attach`` mode these are Accelerate's own state dicts.
+        output_dir: the checkpoint's URL (``/local/path``, ``s3://bucket/x``...).
+        checkpoint: the :class:`statekit.context.Checkpoint` context: ``url``, ``fs``,
+            ``rank``, ``world_size``, ``step``, ``accelerator``, ``options``, ``plugin``,
+            ``objects`` (other stateful objects by stable key; pop one to own it),
+            ``records`` (a JSON-able dict stored in the manifest for this plugin), and the
+            writers ``open``, ``save_tensors``, ``save_json``, ``save_state``. With an async
+            save the writers stage (copy what they are given) and defer the I/O.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        Anything the plugin raises becomes a :class:`statekit.PluginError` naming plugin
+        and hook. Nothing is committed; the previous checkpoint is untouched.
+    """
+
+
+@hookspec
+def statekit_save_state_post(models: list[torch.nn.Module], output_dir: str, checkpoint: Checkpoint) -> None:
+    """React to a committed checkpoint (upload a copy, log, notify...).
+
+    Called on every rank after the manifest was written and all ranks passed a barrier.
+    With async saving it is called when the background write has committed, from the
+    next ``save()`` or ``wait()``.
+
+    Args:
+        models: every model of the save, including those plugins took.
+        output_dir: the checkpoint's URL.
+        checkpoint: the context; ``checkpoint.manifest`` holds the committed manifest.
+            Writers are closed: a post-hook must not write into the checkpoint.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        Anything the plugin raises becomes a :class:`statekit.PluginError`, but the
+        checkpoint stays committed.
+    """
+
+
+@hookspec
+def statekit_load_state_pre(models: list[torch.nn.Module], input_dir: str, checkpoint: Checkpoint) -> None:
+    """Load state before the core does; take the models and objects this plugin owns.
+
+    Called on every rank after the manifest was read and validated, before the core
+    loads anything (the Accelerate ``register_load_state_pre_hook`` contract, widened).
+
+    Args:
+        models: the models to load into, in stable-key order. A plugin that loads a model
+            itself removes it from the list; the core skips it. A model the manifest
+            records as owned by this plugin *must* be taken, or load fails with
+            :class:`statekit.PluginError`; a model owned by a plugin that is not installed
+            fails with :class:`statekit.PluginMissingError` before any hook runs.
+        input_dir: the checkpoint's URL.
+        checkpoint: the context: as for save, plus ``manifest`` and ``records`` (what this
+            plugin stored in ``checkpoint.records`` at save time), and the readers
+            ``open``, ``load_tensors``, ``load_json``, ``load_state``. ``key_of(model)``
+            and ``owner_of(key)`` give the stable key and the owner recorded at save time.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        Anything the plugin raises becomes a :class:`statekit.PluginError`. Models the
+        core has not loaded yet are untouched; the error says which plugin failed.
+    """
+
+
+@hookspec
+def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, checkpoint: Checkpoint) -> None:
+    """Finish a load after the core restored its objects (statekit-rng restores RNG here, last).
+
+    Called on every rank after every model and object has been restored.
+
+    Args:
+        models: every model of the load, including those plugins took.
+        input_dir: the checkpoint's URL.
+        checkpoint: the context, as for ``statekit_load_state_pre``.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        Anything the plugin raises becomes a :class:`statekit.PluginError`; the models
+        and objects are already restored.
+    """

@@ -1,0 +1,262 @@
+"""The plugin manager: entry-point discovery, blocking, tracing, and one-at-a-time hook calls.
+
+The manager is built on first use by :func:`get_plugin_manager`, never at import time
+(pluggy's eggsample pattern). Environment switches, read when it is built:
+
+* ``STATEKIT_DISABLE_PLUGINS=a,b`` blocks plugins by name (entry-point name);
+* ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points at all;
+* ``STATEKIT_TRACE_PLUGINS=1`` prints every hook call and its result to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from statekit import hookspecs
+from statekit.errors import PluginError
+
+ENTRY_POINT_GROUP = "statekit"
+"""Entry-point group that plugin distributions register under."""
+
+hookimpl = pluggy.HookimplMarker("statekit")
+"""Marker for hook implementations: ``@statekit.hookimpl`` (options as pluggy's)."""
+
+
+@dataclass(frozen=True)
+class PluginSource:
+    """Where a registered plugin came from (shown by ``statekit plugins``).
+
+    Attributes:
+        name: registered name (the entry-point name for installed plugins).
+        origin: ``"entry point"`` or ``"code"``.
+        distribution: distribution name, or None for in-code plugins.
+        version: distribution version, or None.
+        entry_point: ``"module:attr"`` value of the entry point, or None.
+    """
+
+    name: str
+    origin: str
+    distribution: str | None = None
+    version: str | None = None
+    entry_point: str | None = None
+
+
+class PluginManager(pluggy.PluginManager):
+    """A ``pluggy.PluginManager`` for project ``statekit`` that remembers plugin sources."""
+
+    def __init__(self) -> None:
+        super().__init__("statekit")
+        self.add_hookspecs(hookspecs)
+        self.sources: dict[str, PluginSource] = {}
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        """Register a plugin object or module (see ``pluggy.PluginManager.register``).
+
+        Args:
+            plugin: a module or object with ``statekit_*`` functions marked ``@hookimpl``.
+            name: the name to register under; defaults to pluggy's canonical name.
+
+        Returns:
+            The registered name, or None if the name is blocked.
+
+        Raises:
+            PluginError: the plugin implements an unknown hook or a wrapper, or the name
+                is taken.
+        """
+        try:
+            registered = super().register(plugin, name)
+            if registered is not None:
+                self._check_no_wrappers(registered)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            raise PluginError(f"cannot register plugin {name or plugin!r}: {exc}", plugin_name=name) from exc
+        if registered is not None and registered not in self.sources:
+            self.sources[registered] = PluginSource(name=registered, origin="code")
+        return registered
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        """Remove a plugin by object or name (see ``pluggy.PluginManager.unregister``)."""
+        removed = super().unregister(plugin, name)
+        self.sources.pop(name or self.get_name(removed) or "", None) if removed else None
+        return removed
+
+    def _check_no_wrappers(self, name: str) -> None:
+        for hook in self.get_hookcallers(self.get_plugin(name)) or []:
+            for impl in hook.get_hookimpls():
+                if impl.plugin_name == name and (impl.hookwrapper or impl.wrapper):
+                    super().unregister(name=name)
+                    raise pluggy.PluginValidationError(
+                        impl.plugin, f"{hook.name}: hook wrappers are not supported by statekit"
+                    )
+
+    def manages_rng(self) -> bool:
+        """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
+        return any(getattr(p, "STATEKIT_MANAGES_RNG", False) for p in self.get_plugins())
+
+
+def _env_list(name: str) -> list[str]:
+    return [part.strip() for part in os.environ.get(name, "").split(",") if part.strip()]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
+    """Build a new plugin manager: specs, blocked names, entry points, ``check_pending()``.
+
+    Args:
+        autoload: load plugins from entry points of group ``statekit``; defaults to True
+            unless ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD`` is set.
+
+    Returns:
+        A new :class:`PluginManager` (a ``pluggy.PluginManager``).
+
+    Raises:
+        PluginError: an entry point fails to import (naming distribution and entry
+            point), or a plugin implements a hook that does not exist.
+    """
+    pm = PluginManager()
+    for name in _env_list("STATEKIT_DISABLE_PLUGINS"):
+        pm.set_blocked(name)
+    if autoload is None:
+        autoload = not _env_flag("STATEKIT_DISABLE_PLUGIN_AUTOLOAD")
+    if autoload:
+        _load_entry_points(pm)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        name = pm.get_name(exc.plugin)
+        raise PluginError(f"plugin {name!r}: {exc}", plugin_name=name) from exc
+    if _env_flag("STATEKIT_TRACE_PLUGINS"):
+        pm.trace.root.setwriter(sys.stderr.write)
+        pm.enable_tracing()
+    return pm
+
+
+def _load_entry_points(pm: PluginManager) -> None:
+    # Mirrors pluggy.PluginManager.load_setuptools_entrypoints, but attributes failures.
+    for dist in list(metadata.distributions()):
+        for ep in dist.entry_points:
+            if ep.group != ENTRY_POINT_GROUP or pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+                continue
+            dist_name = dist.metadata["name"]
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {ep.name!r} (entry point {ep.value!r} of distribution "
+                    f"{dist_name} {dist.version}) failed to import: {type(exc).__name__}: {exc}",
+                    plugin_name=ep.name,
+                ) from exc
+            pm.register(plugin, name=ep.name)
+            pm.sources[ep.name] = PluginSource(ep.name, "entry point", dist_name, dist.version, ep.value)
+
+
+_lock = threading.Lock()
+_manager: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """Return the process-wide plugin manager, building it on the first call.
+
+    Returns:
+        The :class:`PluginManager`; ``.register(obj, name=...)`` and
+        ``.unregister(name=...)`` add and remove plugins in code.
+
+    Raises:
+        PluginError: as :func:`build_plugin_manager`.
+    """
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = build_plugin_manager()
+        return _manager
+
+
+@contextlib.contextmanager
+def use_plugin_manager(pm: PluginManager) -> Iterator[PluginManager]:
+    """Make ``pm`` the process-wide manager inside the block (tests, embedding hosts)."""
+    global _manager
+    with _lock:
+        previous, _manager = _manager, pm
+    try:
+        yield pm
+    finally:
+        with _lock:
+            _manager = previous
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager, so the next use rebuilds it (re-reads the env)."""
+    global _manager
+    with _lock:
+        _manager = None
+
+
+def call_each(
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    checkpoint: Any,
+    kwargs: dict[str, Any],
+    after_each: Any = None,
+) -> None:
+    """Call every implementation of ``hook_name`` one at a time, attributing each call.
+
+    Implementations run in pluggy's call order (``reversed(get_hookimpls())``: tryfirst,
+    then the last registered first). Before each call ``checkpoint.plugin`` is set to the
+    plugin's name; the call runs under :func:`statekit.rng_guard.rng_guard` unless the
+    plugin declares ``STATEKIT_MANAGES_RNG = True``; afterwards ``after_each(name)`` lets
+    the caller record what the plugin removed from ``models``/``objects``.
+
+    Args:
+        pm: the plugin manager.
+        hook_name: one of the ``statekit_*`` hook names.
+        checkpoint: the context passed as ``checkpoint`` (may be None for ``statekit_attach``).
+        kwargs: every hook argument by name (``checkpoint`` included where the spec has it).
+        after_each: optional ``callable(plugin_name: str) -> None``.
+
+    Raises:
+        PluginError: an implementation raised; ``plugin_name``/``hook_name`` say which,
+            and ``__cause__`` is the original exception.
+    """
+    from statekit.rng_guard import rng_guard
+
+    trace = _env_flag("STATEKIT_TRACE_PLUGINS")
+    hook = getattr(pm.hook, hook_name)
+    for impl in reversed(hook.get_hookimpls()):
+        name = impl.plugin_name
+        if checkpoint is not None:
+            checkpoint.plugin = name
+        args = [kwargs[arg] for arg in impl.argnames]
+        if trace:
+            print(f"statekit: {hook_name} -> plugin {name!r}", file=sys.stderr)
+        guard = contextlib.nullcontext() if getattr(impl.plugin, "STATEKIT_MANAGES_RNG", False) else rng_guard()
+        try:
+            with guard:
+                impl.function(*args)
+        except PluginError as exc:
+            if exc.hook_name is None:
+                exc.hook_name = hook_name
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {name!r} failed in {hook_name}: {type(exc).__name__}: {exc}",
+                plugin_name=name,
+                hook_name=hook_name,
+            ) from exc
+        finally:
+            if checkpoint is not None:
+                checkpoint.plugin = None
+        if trace:
+            print(f"statekit: {hook_name} <- plugin {name!r} done", file=sys.stderr)
+        if after_each is not None:
+            after_each(name)

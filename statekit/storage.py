@@ -1,0 +1,272 @@
+"""fsspec URLs, file I/O with fsync and checksums, and the commit of a checkpoint.
+
+Every location is a URL understood by fsspec (``/local/path``, ``file://``, ``memory://``,
+``s3://``...): fsspec is the backend registry (``fsspec.core.url_to_fs``). Local files
+are opened with the builtin ``open`` so they can be fsynced; remote files are streamed
+through fsspec (s3fs uploads in multipart blocks: no local staging copy).
+
+Commit protocol (DESIGN.md section 5): data files first (fsynced on local disk), then the
+manifest: on local disk written to a temporary name, fsynced, moved into place with
+``os.replace`` (or ``os.link`` for an exclusive create) and the directory fsynced; on an
+object store one single PUT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from statekit.errors import CheckpointExistsError, StatekitError, StorageError
+
+
+def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve a URL to ``(filesystem, path)`` with ``fsspec.core.url_to_fs``.
+
+    Args:
+        url: any fsspec URL or a plain local path.
+        storage_options: keyword arguments for the filesystem (``{"key": ..., "client_kwargs": ...}``).
+
+    Returns:
+        The filesystem and the path within it.
+
+    Raises:
+        StorageError: unknown scheme, or the backend package is missing (the message names it).
+    """
+    if not isinstance(url, (str, os.PathLike)):
+        raise StorageError(f"checkpoint location must be a URL or path string, got {type(url).__name__}", url=str(url))
+    url = os.fspath(url)
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        raise StorageError(f"{url}: the storage backend is not installed: {exc}", url=url) from exc
+    except ValueError as exc:
+        raise StorageError(f"{url}: unsupported URL: {exc}", url=url) from exc
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, action: str) -> Iterator[None]:
+    """Re-raise non-statekit errors of the block as :class:`StorageError` naming ``url``.
+
+    ``FileNotFoundError`` passes through unchanged (callers turn it into the right
+    statekit error), as do statekit's own errors.
+    """
+    try:
+        yield
+    except (StatekitError, FileNotFoundError):
+        raise
+    except Exception as exc:  # fsspec backends raise OSError, botocore errors, aiohttp errors...
+        raise StorageError(f"{action} {url} failed: {type(exc).__name__}: {exc}", url=url) from exc
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a local directory so a rename or create in it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Storage:
+    """One directory (checkpoint or manager root) on an fsspec filesystem.
+
+    Args:
+        url: the directory's URL.
+        storage_options: passed to fsspec.
+        fs: an existing filesystem to reuse (then ``url`` must be on it).
+
+    Raises:
+        StorageError: as :func:`url_to_fs`.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, fs: Any = None) -> None:
+        url = os.fspath(url)
+        if fs is None:
+            fs, path = url_to_fs(url, storage_options)
+        else:
+            path = fs._strip_protocol(url)
+        self.url = url.rstrip("/") or url
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.path: str = path.rstrip("/") or path
+        self.storage_options = storage_options
+        self.is_local = isinstance(fs, LocalFileSystem)
+        self._made_dirs: set[str] = set()
+
+    @property
+    def protocol(self) -> str:
+        """The filesystem's first protocol name (``"file"``, ``"memory"``, ``"s3"``)."""
+        proto = self.fs.protocol
+        return proto[0] if isinstance(proto, (tuple, list)) else proto
+
+    def child(self, rel: str) -> Storage:
+        """A :class:`Storage` for a subdirectory, sharing this filesystem."""
+        return Storage(self.url_of(rel), self.storage_options, fs=self.fs)
+
+    def url_of(self, rel: str) -> str:
+        """URL of a relative path inside this directory."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def path_of(self, rel: str) -> str:
+        """Filesystem path of a relative path inside this directory."""
+        return f"{self.path}/{rel}" if rel else self.path
+
+    # ---------------------------------------------------------------- queries
+
+    def exists(self, rel: str = "") -> bool:
+        """True if the file or directory exists."""
+        with storage_errors(self.url_of(rel), "checking"):
+            return self.fs.exists(self.path_of(rel))
+
+    def size(self, rel: str) -> int:
+        """Size of a file in bytes.
+
+        Raises:
+            FileNotFoundError: no such file.
+        """
+        with storage_errors(self.url_of(rel), "stat of"):
+            return int(self.fs.size(self.path_of(rel)))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under a directory; empty if it does not exist."""
+        path = self.path_of(rel)
+        with storage_errors(self.url_of(rel), "listing"):
+            try:
+                entries = self.fs.ls(path, detail=False, refresh=True) if not self.is_local else os.listdir(path)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+    def find(self) -> list[str]:
+        """Every file under this directory, as relative paths."""
+        with storage_errors(self.url, "listing"):
+            try:
+                found = self.fs.find(self.path)
+            except FileNotFoundError:
+                return []
+        prefix = self.fs._strip_protocol(self.path).rstrip("/") + "/"
+        return sorted(p[len(prefix) :] if p.startswith(prefix) else p.lstrip("/")[len(prefix.lstrip("/")) :] for p in found)
+
+    def invalidate(self) -> None:
+        """Drop fsspec's listing cache for this directory (other writers may have changed it)."""
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.path)
+
+    # ---------------------------------------------------------------- reading
+
+    def open_read(self, rel: str) -> BinaryIO:
+        """Open a file for reading (binary).
+
+        Raises:
+            FileNotFoundError: no such file.
+            StorageError: any other storage failure.
+        """
+        path = self.path_of(rel)
+        with storage_errors(self.url_of(rel), "opening"):
+            if self.is_local:
+                return open(path, "rb")  # noqa: SIM115 - caller closes
+            return self.fs.open(path, "rb")
+
+    def read_bytes(self, rel: str) -> bytes:
+        """Read a whole (small) file."""
+        with storage_errors(self.url_of(rel), "reading"), self.open_read(rel) as f:
+            return f.read()
+
+    # ---------------------------------------------------------------- writing
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+        """Open a file for writing; on success it is flushed and (locally) fsynced.
+
+        Raises:
+            StorageError: the file cannot be created or written (names its URL).
+        """
+        path = self.path_of(rel)
+        url = self.url_of(rel)
+        with storage_errors(url, "writing"):
+            self._makedirs(path.rsplit("/", 1)[0])
+            if self.is_local:
+                with open(path, "wb") as f:
+                    yield f
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                with self.fs.open(path, "wb") as f:
+                    yield f
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a whole (small) file, durably."""
+        with self.open_write(rel) as f:
+            f.write(data)
+
+    def _makedirs(self, path: str) -> None:
+        if path in self._made_dirs:
+            return
+        if self.is_local:
+            os.makedirs(path, exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+        self._made_dirs.add(path)
+
+    def commit(self, rel: str, data: bytes, exclusive: bool = False) -> None:
+        """Write the commit marker (the manifest) atomically, after all data files.
+
+        Args:
+            rel: the manifest's relative path.
+            data: its bytes.
+            exclusive: fail if it exists already (two savers racing for one step).
+
+        Raises:
+            CheckpointExistsError: ``exclusive`` and the manifest exists.
+            StorageError: the write failed; no manifest is left behind.
+        """
+        path = self.path_of(rel)
+        url = self.url_of(rel)
+        with storage_errors(url, "committing"):
+            self._makedirs(path.rsplit("/", 1)[0])
+            if self.is_local:
+                directory = os.path.dirname(path)
+                fsync_dir(directory)  # the data files' directory entries first
+                tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    if exclusive:
+                        try:
+                            os.link(tmp, path)
+                        except FileExistsError:
+                            raise CheckpointExistsError(f"{url} already exists: another save committed it first") from None
+                    else:
+                        os.replace(tmp, path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                fsync_dir(directory)
+            else:
+                if exclusive and self.fs.exists(path):
+                    raise CheckpointExistsError(f"{url} already exists: another save committed it first")
+                self.fs.pipe_file(path, data)
+
+    def remove(self, rel: str) -> None:
+        """Remove one file if it exists."""
+        with storage_errors(self.url_of(rel), "removing"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path_of(rel))
+
+    def remove_tree(self) -> None:
+        """Remove this directory and everything under it (only under its own prefix)."""
+        with storage_errors(self.url, "removing"), contextlib.suppress(FileNotFoundError):
+            if self.fs.exists(self.path):
+                self.fs.rm(self.path, recursive=True)
+        self._made_dirs.clear()
