@@ -1,5 +1,54 @@
-"""statekit: a plugin-based checkpoint and training-state manager for PyTorch."""
+"""statekit: a plugin-based checkpoint and training-state manager for PyTorch.
+
+The public API is re-exported here (``__all__``); everything else is reachable but not
+promised. Importing statekit imports torch, pluggy, fsspec and safetensors' helpers, but
+never accelerate, diffusers or s3fs, and builds no plugin manager (that happens on first
+use, in :func:`get_plugin_manager`).
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from statekit.context import Checkpoint
+from statekit.engine import load, save
+from statekit.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    PickleNotAllowedError,
+    PluginError,
+    PluginMissingError,
+    StatekitError,
+    StatekitWarning,
+    StateMismatchError,
+    StorageError,
+    UnsupportedDtypeError,
+    UnsupportedValueError,
+)
+from statekit.plugins import get_plugin_manager, hookimpl
+
+__all__ = [
+    "__version__",
+    "Checkpoint",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "IncompleteCheckpointError",
+    "PickleNotAllowedError",
+    "PluginError",
+    "PluginMissingError",
+    "StateMismatchError",
+    "StatekitError",
+    "StatekitWarning",
+    "StorageError",
+    "UnsupportedDtypeError",
+    "UnsupportedValueError",
+    "get_plugin_manager",
+    "hookimpl",
+    "load",
+    "save",
+]
