@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from statekit.accelerate import Attachment, attach, load_state, save_state
 from statekit.context import Checkpoint
 from statekit.engine import load, save
 from statekit.errors import (
@@ -28,11 +29,15 @@ from statekit.errors import (
     UnsupportedDtypeError,
     UnsupportedValueError,
 )
+from statekit.manager import CheckpointInfo, CheckpointManager
 from statekit.plugins import get_plugin_manager, hookimpl
 
 __all__ = [
     "__version__",
+    "Attachment",
     "Checkpoint",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -47,8 +52,11 @@ __all__ = [
     "StorageError",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
+    "attach",
     "get_plugin_manager",
     "hookimpl",
     "load",
+    "load_state",
     "save",
+    "save_state",
 ]

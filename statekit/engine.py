@@ -534,6 +534,10 @@ def load_objects(
         if accelerate_format.is_accelerate_checkpoint(storage):
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
         raise
+    if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
+        from statekit import accelerate_format
+
+        return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     rank, world_size = distributed.rank_and_world_size()
     pm = get_plugin_manager()
     saved_objects = manifest["objects"]

@@ -1,0 +1,359 @@
+"""The Accelerate bridge: ``save_state``/``load_state`` of a whole run, and ``attach``.
+
+``save_state(accelerator, url)`` collects what ``Accelerator.save_state`` saves
+(``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``,
+the GradScaler, the step counter) under stable keys (``model_0``, ``optimizer_0``,
+``scheduler_0``, ``dataloader_0``, ``custom_0``, ``scaler``, ``accelerator``) and runs the
+engine, so a plugin that takes ``model_0`` leaves ``model_1`` its own file name.
+
+``attach(accelerator)`` prepares the run for exact resume (data loader tracking and the
+``statekit_attach`` hooks) and registers Accelerate's own pre-hooks, so code that keeps
+calling ``accelerator.save_state(dir)`` runs the statekit plugins, writes a manifest and
+gets post-hooks, which Accelerate lacks. accelerate is never imported here: the
+accelerator object is only used through its attributes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from statekit import __version__, data, distributed, engine, format as fmt
+from statekit.context import CORE, Checkpoint
+from statekit.engine import Entry
+from statekit.plugins import call_each, get_plugin_manager
+from statekit.storage import Storage
+
+
+class AcceleratorCounters:
+    """The accelerator's own counters as a Stateful object: ``step`` (gradient accumulation
+    step) and ``project_configuration.iteration`` (automatic checkpoint naming)."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        """Returns ``{"step": int, "iteration": int}``."""
+        config = getattr(self.accelerator, "project_configuration", None)
+        return {"step": int(self.accelerator.step), "iteration": int(getattr(config, "iteration", 0) or 0)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Set the counters back."""
+        self.accelerator.step = int(state["step"])
+        config = getattr(self.accelerator, "project_configuration", None)
+        if config is not None:
+            config.iteration = int(state["iteration"])
+
+
+def collect(accelerator: Any) -> list[Entry]:
+    """The run's stateful objects under stable keys, in Accelerate's order.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
+
+    Returns:
+        Engine entries: ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``,
+        ``dataloader_<i>`` (per rank), ``custom_<i>``, ``scaler`` (if any), ``accelerator``.
+    """
+    entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(accelerator._models)]
+    entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
+    entries += [Entry(f"scheduler_{i}", "scheduler", s) for i, s in enumerate(accelerator._schedulers)]
+    entries += [Entry(f"dataloader_{i}", "dataloader", d, per_rank=True) for i, d in enumerate(accelerator._dataloaders)]
+    entries += [Entry(f"custom_{i}", "custom", c) for i, c in enumerate(accelerator._custom_objects)]
+    if getattr(accelerator, "scaler", None) is not None:
+        entries.append(Entry("scaler", "scaler", accelerator.scaler))
+    entries.append(Entry("accelerator", "custom", AcceleratorCounters(accelerator)))
+    return entries
+
+
+def save_state(
+    accelerator: Any,
+    url: str,
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
+
+    Call it on every process (as ``accelerator.save_state``).
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
+        url: checkpoint directory URL (local path, ``memory://``, ``s3://``...).
+        step: training step for the manifest (default: None).
+        metadata: JSON-able metadata for the manifest.
+        overwrite: replace a committed checkpoint at ``url``.
+        storage_options: fsspec options.
+        **options: plugin options (``checkpoint.options``).
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        CheckpointExistsError, PluginError, UnsupportedValueError, StorageError: as
+            :func:`statekit.save`.
+    """
+    return engine.save_objects(
+        url,
+        collect(accelerator),
+        step=step,
+        metadata=metadata,
+        overwrite=overwrite,
+        storage_options=storage_options,
+        options=options,
+        accelerator=accelerator,
+    )
+
+
+def load_state(
+    accelerator: Any,
+    url: str,
+    *,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Restore a run saved by :func:`save_state`, or a directory written by
+    ``Accelerator.save_state`` (its pickle files only with ``allow_pickle=True``).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` of the resumed run, after ``prepare()``
+            of the same objects in the same order.
+        url: checkpoint directory URL.
+        verify: check sizes and checksums while reading.
+        allow_pickle: allow the pickle files of an Accelerate-format directory.
+        storage_options: fsspec options.
+        **options: plugin options.
+
+    Returns:
+        The manifest (for an Accelerate directory, a summary with ``format: "accelerate"``).
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
+        StateMismatchError, PluginError, PluginMissingError: as :func:`statekit.load`.
+        PickleNotAllowedError: an Accelerate-format directory and not ``allow_pickle``.
+    """
+    return engine.load_objects(
+        url,
+        collect(accelerator),
+        verify=verify,
+        storage_options=storage_options,
+        options=options,
+        accelerator=accelerator,
+        allow_pickle=allow_pickle,
+    )
+
+
+class Attachment:
+    """Handle returned by :func:`attach`; ``remove()`` undoes the hooks and wrappers."""
+
+    def __init__(self, accelerator: Any, objects: dict[str, Any]) -> None:
+        self.accelerator = accelerator
+        self.objects = objects
+        self._handles: list[Any] = []
+        self._pending: Checkpoint | None = None
+
+    def remove(self) -> None:
+        """Unregister the Accelerate hooks and restore ``save_state``/``load_state``.
+        Data loaders stay tracked (tracking has no cost and keeps positions exact)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.accelerator is not None:
+            for name in ("save_state", "load_state"):
+                self.accelerator.__dict__.pop(name, None)
+            if self.accelerator.__dict__.get("_statekit_attachment") is self:
+                del self.accelerator.__dict__["_statekit_attachment"]
+
+
+def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) -> Attachment:
+    """Attach statekit to a run before its training loop starts.
+
+    Tracks every data loader (exact mid-epoch resume, see :mod:`statekit.data`), calls
+    the ``statekit_attach`` hooks once, and, with an accelerator, registers Accelerate's
+    ``register_save_state_pre_hook``/``register_load_state_pre_hook`` and wraps this
+    instance's ``save_state``/``load_state`` so they run the statekit pre- and post-hooks
+    and write a manifest. Idempotent per accelerator.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` after ``prepare()``, or None.
+        objects: for runs without Accelerate, the mapping given to :func:`statekit.save`.
+
+    Returns:
+        An :class:`Attachment`; ``.remove()`` detaches.
+
+    Raises:
+        PluginError: a ``statekit_attach`` implementation failed.
+    """
+    if accelerator is not None and "_statekit_attachment" in accelerator.__dict__:
+        return accelerator.__dict__["_statekit_attachment"]
+    if accelerator is not None:
+        table = {e.key: e.obj for e in collect(accelerator) if e.kind != "model"}
+    else:
+        table = {k: v for k, v in (objects or {}).items() if not hasattr(v, "parameters")}
+    for obj in table.values():
+        if _is_loader(obj):
+            data.track(obj)
+    attachment = Attachment(accelerator, table)
+    call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": accelerator, "objects": dict(table)})
+    if accelerator is not None:
+        _register_accelerate_hooks(accelerator, attachment)
+        accelerator.__dict__["_statekit_attachment"] = attachment
+    return attachment
+
+
+def _is_loader(obj: Any) -> bool:
+    from torch.utils.data import DataLoader
+
+    return isinstance(obj, DataLoader)
+
+
+# --------------------------------------------------------------------------- attach mode
+
+
+def _register_accelerate_hooks(accelerator: Any, attachment: Attachment) -> None:
+    original_save = accelerator.save_state
+    original_load = accelerator.load_state
+
+    def save_pre_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        checkpoint = attachment._pending
+        if checkpoint is None:  # save_state called through the class, not the wrapper
+            checkpoint = attachment._pending = _attach_checkpoint(accelerator, str(output_dir), "save", attachment)
+        hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
+        hook_weights = list(weights)
+        call_each(
+            get_plugin_manager(),
+            "statekit_save_state_pre",
+            checkpoint,
+            {"models": hook_models, "weights": hook_weights, "output_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
+        kept = {id(w) for w in hook_weights}
+        weights[:] = [w for w in weights if id(w) in kept]
+        checkpoint.plugin = None
+        for key, obj in attachment.objects.items():  # exact positions, which Accelerate does not keep
+            if _is_loader(obj):
+                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj))
+
+    def load_pre_hook(models: list[Any], input_dir: str) -> None:
+        checkpoint = attachment._pending
+        if checkpoint is None:
+            checkpoint = attachment._pending = _attach_checkpoint(accelerator, str(input_dir), "load", attachment)
+        hook_models = list(models)
+        call_each(
+            get_plugin_manager(),
+            "statekit_load_state_pre",
+            checkpoint,
+            {"models": hook_models, "input_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
+        kept = {id(m) for m in hook_models}
+        models[:] = [m for m in models if id(m) in kept]
+
+    def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        attachment._pending = _attach_checkpoint(accelerator, str(output_dir), "save", attachment)
+        try:
+            location = original_save(output_dir, *args, **kwargs)
+            checkpoint = attachment._pending
+            accelerator.wait_for_everyone()
+            manifest = _commit_attached(accelerator, checkpoint, str(location or output_dir))
+            distributed.barrier()
+            checkpoint.manifest = manifest
+            checkpoint._writable = False
+            call_each(
+                get_plugin_manager(),
+                "statekit_save_state_post",
+                checkpoint,
+                {"models": list(accelerator._models), "output_dir": checkpoint.url, "checkpoint": checkpoint},
+            )
+            return location
+        finally:
+            attachment._pending = None
+
+    def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        attachment._pending = _attach_checkpoint(accelerator, str(input_dir), "load", attachment)
+        try:
+            result = original_load(input_dir, *args, **kwargs)
+            checkpoint = attachment._pending
+            for key, obj in attachment.objects.items():
+                rel = f"{key}/rank-{checkpoint.rank:05d}.json"
+                if _is_loader(obj) and checkpoint.storage.exists(rel):
+                    data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]))
+            call_each(
+                get_plugin_manager(),
+                "statekit_load_state_post",
+                checkpoint,
+                {"models": list(accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
+            )
+            return result
+        finally:
+            attachment._pending = None
+
+    attachment._handles.append(accelerator.register_save_state_pre_hook(save_pre_hook))
+    attachment._handles.append(accelerator.register_load_state_pre_hook(load_pre_hook))
+    accelerator.__dict__["save_state"] = save_state
+    accelerator.__dict__["load_state"] = load_state
+
+
+def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attachment) -> Checkpoint:
+    storage = Storage(url)
+    manifest = None
+    if mode == "load" and storage.exists(fmt.MANIFEST_NAME):
+        manifest = engine.read_manifest(storage)
+    models = list(accelerator._models)
+    keys = {id(m): f"model_{i}" for i, m in enumerate(models)}
+    keys.update({id(engine.unwrap_model(m, accelerator)): f"model_{i}" for i, m in enumerate(models)})
+    return Checkpoint(
+        storage,
+        mode=mode,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        step=getattr(accelerator, "step", None),
+        accelerator=accelerator,
+        objects=dict(attachment.objects),  # read-only in attach mode: Accelerate saves them
+        model_keys=keys,
+        manifest=manifest,
+        verify=False,  # Accelerate reads its own files; statekit's are small
+    )
+
+
+def _commit_attached(accelerator: Any, checkpoint: Checkpoint, directory: str) -> dict[str, Any]:
+    """Manifest for a directory Accelerate wrote: every file checksummed (rank 0 reads
+    back Accelerate's files; statekit's own were checksummed while written)."""
+    gathered = distributed.gather_to_rank0(checkpoint.files)
+    manifest = None
+    if checkpoint.rank == 0:
+        storage = Storage(directory)
+        files: dict[str, Any] = {}
+        for rank_files in gathered or []:
+            files.update(rank_files)
+        for rel in storage.find():
+            if rel in files or rel == fmt.MANIFEST_NAME:
+                continue
+            hasher = fmt.new_hasher()
+            size = 0
+            with storage.open_read(rel) as f:
+                while chunk := f.read(fmt.CHUNK_BYTES):
+                    hasher.update(chunk)
+                    size += len(chunk)
+            files[rel] = {"size_bytes": size, "checksum": fmt.checksum_string(hasher), "rank": 0, "writer": "accelerate"}
+        pm = get_plugin_manager()
+        plugins = sorted({f["writer"] for f in files.values()} - {CORE, "accelerate"} | set(checkpoint.all_records()))
+        manifest = {
+            "format": fmt.FORMAT,
+            "statekit_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "step": checkpoint.step,
+            "world_size": checkpoint.world_size,
+            "plugins": {n: (pm.sources[n].version if n in pm.sources and pm.sources[n].version else "unknown") for n in plugins},
+            "objects": {},
+            "records": {**checkpoint.all_records(), CORE: {"layout": "accelerate"}},
+            "files": files,
+            "metadata": {},
+        }
+        storage.commit(fmt.MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"))
+    return distributed.broadcast_from_rank0(manifest)

@@ -1,0 +1,240 @@
+"""Data loader position: exact mid-epoch resume for plain and Accelerate-prepared loaders.
+
+A shuffled loader fixes the order of an epoch when its iterator is built: the sampler
+draws a permutation from its generator (or from the global torch RNG when it has none),
+and the iterator draws ``_base_seed`` from the loader's generator. Replaying an epoch
+exactly therefore needs (1) the generator states *at the start of that epoch* and (2)
+how many batches of it were consumed. Redrawing the permutation (what Accelerate's
+``load_state`` does with a StatefulDataLoader, accelerate#2016) resumes on other batches.
+
+:func:`track` (called by :func:`statekit.attach` and the manager) makes a loader record
+both: its class is swapped for a subclass whose ``__iter__`` snapshots the sampler and
+loader generators before delegating, and counts the batches it yields. After
+:func:`restore_loader`, the next ``iter(loader)`` sets the generators back to the
+epoch-start states and skips the consumed batches at the index level (the batch sampler
+is wrapped while the iterator is built, so skipped samples are never loaded and random
+transforms draw nothing).
+
+statekit-rng gives samplers and loaders generators of their own at attach time, so
+building an iterator never draws from the global RNG (which would shift dropout masks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
+_subclasses: dict[type, type] = {}
+
+
+@dataclass
+class Position:
+    """Where a tracked loader is.
+
+    Attributes:
+        epoch: epochs completed before the current one.
+        batches: batches of the current epoch already yielded to the training loop.
+        start_states: generator role -> ``torch.Generator.get_state()`` at the epoch start.
+        pending: a restored position waiting for the next ``iter()``.
+    """
+
+    epoch: int = 0
+    batches: int = 0
+    start_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: dict[str, Any] | None = None
+    in_epoch: bool = False
+
+
+def _inner(loader: Any) -> Any:
+    """The torch ``DataLoader`` that builds iterators (Accelerate adapters wrap one)."""
+    return loader.__dict__.get("base_dataloader", loader)
+
+
+def generators(loader: Any) -> dict[str, torch.Generator]:
+    """The loader's ``torch.Generator`` objects by role: ``"sampler"`` and ``"loader"``.
+
+    The sampler is found as ``batch_sampler.sampler`` or, for Accelerate's
+    ``BatchSamplerShard``, ``batch_sampler.batch_sampler.sampler``.
+    """
+    inner = _inner(loader)
+    found: dict[str, torch.Generator] = {}
+    sampler = sampler_of(inner)
+    if isinstance(getattr(sampler, "generator", None), torch.Generator):
+        found["sampler"] = sampler.generator
+    if isinstance(getattr(inner, "generator", None), torch.Generator):
+        found["loader"] = inner.generator
+    return found
+
+
+def sampler_of(loader: Any) -> Any:
+    """The index sampler of a loader, looking through batch samplers (None if not found)."""
+    inner = _inner(loader)
+    batch_sampler = getattr(inner, "batch_sampler", None)
+    for candidate in (
+        getattr(batch_sampler, "sampler", None),
+        getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None),
+        getattr(inner, "sampler", None),
+    ):
+        if candidate is not None and not hasattr(candidate, "batch_size"):
+            return candidate
+    return None
+
+
+def is_tracked(loader: Any) -> bool:
+    """True if :func:`track` was applied to the loader."""
+    return "_statekit_position" in loader.__dict__
+
+
+def track(loader: Any) -> Position:
+    """Start recording the loader's epoch-start generator states and consumed batches.
+
+    Args:
+        loader: a ``torch.utils.data.DataLoader`` or an Accelerate ``DataLoaderShard`` /
+            ``DataLoaderDispatcher``. Idempotent.
+
+    Returns:
+        The loader's :class:`Position`.
+    """
+    if is_tracked(loader):
+        return loader.__dict__["_statekit_position"]
+    real = type(loader)
+    sub = _subclasses.get(real)
+    if sub is None:
+        sub = type(real.__name__, (real,), {"__iter__": _tracked_iter, "__module__": real.__module__})
+        _subclasses[real] = sub
+    position = Position(epoch=int(getattr(loader, "iteration", 0) or 0))
+    loader.__dict__["_statekit_position"] = position
+    _CLASS_SLOT.__set__(loader, sub)
+    return position
+
+
+def _tracked_iter(self: Any) -> Iterator[Any]:
+    position: Position = self.__dict__["_statekit_position"]
+    skip = 0
+    if position.pending is not None:
+        pending, position.pending = position.pending, None
+        for role, gen in generators(self).items():
+            state = pending.get("start_states", {}).get(role)
+            if state is not None:
+                gen.set_state(state)
+        position.epoch = pending["epoch"]
+        if hasattr(self, "iteration"):
+            self.iteration = pending["epoch"]
+        skip = pending["batches"]
+        inner = _inner(self)
+        if callable(getattr(inner, "load_state_dict", None)):
+            # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
+            # Accelerate calls it in prepare()); that iterator ignores the skip below.
+            inner.load_state_dict({})
+    position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
+    position.batches = skip
+    position.in_epoch = True
+    restore = _skip_indices(self, skip) if skip else None  # before the iterator is built
+    parent = super(type(self), self).__iter__()
+    try:
+        if skip and restore is None:  # no batch sampler to wrap (iterable dataset): consume
+            for _ in itertools.islice(parent, skip):
+                pass
+        for batch in parent:
+            if restore is not None:
+                restore()
+                restore = None
+            position.batches += 1
+            yield batch
+    finally:
+        if restore is not None:
+            restore()
+    position.in_epoch = False
+    position.epoch += 1
+    position.batches = 0
+
+
+def _skip_indices(loader: Any, count: int) -> Any:
+    """Wrap the inner loader's batch sampler so its next iterator starts ``count`` batches
+    in; returns a function that puts the original back (None if there is none to wrap)."""
+    inner = _inner(loader)
+    original = getattr(inner, "batch_sampler", None)
+    if original is None:
+        return None
+    object.__setattr__(inner, "batch_sampler", _SkipBatches(original, count))
+
+    def restore() -> None:
+        object.__setattr__(inner, "batch_sampler", original)
+
+    return restore
+
+
+class _SkipBatches:
+    """A batch sampler that drops the first ``count`` batches of another."""
+
+    def __init__(self, batch_sampler: Any, count: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.count = count
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.batch_sampler), self.count, None)
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.count, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.batch_sampler, name)
+
+
+def loader_state(loader: Any) -> dict[str, Any]:
+    """The position of a loader, as codec-able state (per rank).
+
+    For a tracked loader: ``{"epoch", "batches", "start_states"}``, normalised so a
+    finished epoch is saved as the start of the next one. For an untracked loader: the
+    epoch counter Accelerate keeps (``iteration``) and, for a ``StatefulDataLoader``, its
+    own ``state_dict()`` (resume then depends on that loader's own logic).
+    """
+    if not is_tracked(loader):
+        state: dict[str, Any] = {"tracked": False, "epoch": int(getattr(loader, "iteration", 0) or 0)}
+        if callable(getattr(loader, "state_dict", None)):
+            state["stateful"] = loader.state_dict()
+        return state
+    position: Position = loader.__dict__["_statekit_position"]
+    epoch, batches, states = position.epoch, position.batches, position.start_states
+    if not position.in_epoch:
+        batches, states = 0, {role: gen.get_state() for role, gen in generators(loader).items()}
+    else:
+        try:
+            length = len(loader)
+        except TypeError:
+            length = None
+        if length is not None and batches >= length:
+            # every batch was delivered: the generators already hold the next epoch's start state
+            epoch, batches = epoch + 1, 0
+            states = {role: gen.get_state() for role, gen in generators(loader).items()}
+    return {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states}
+
+
+def restore_loader(loader: Any, state: dict[str, Any]) -> None:
+    """Put a loader back at a saved position; the next ``iter(loader)`` continues there.
+
+    Args:
+        loader: the loader (tracked or not).
+        state: what :func:`loader_state` returned at save time.
+    """
+    if state.get("tracked"):
+        position = track(loader)
+        position.pending = {
+            "epoch": int(state["epoch"]),
+            "batches": int(state["batches"]),
+            "start_states": dict(state.get("start_states") or {}),
+        }
+        position.epoch = int(state["epoch"])
+        position.batches = int(state["batches"])
+        if hasattr(loader, "iteration"):
+            loader.iteration = int(state["epoch"])
+        return
+    if hasattr(loader, "iteration"):
+        loader.iteration = int(state.get("epoch", 0))
+    if "stateful" in state and callable(getattr(loader, "load_state_dict", None)):
+        loader.load_state_dict(state["stateful"])

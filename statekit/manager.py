@@ -1,0 +1,264 @@
+"""CheckpointManager: checkpoint naming under a root, ``latest``, resume, retention.
+
+Layout under the root URL: ``checkpoint-<step:08d>/`` per checkpoint and ``latest``, a
+hint naming the newest committed one (written after its commit). ``resume()`` always
+scans the manifests (after invalidating fsspec's listing cache) and uses ``latest`` only
+as a hint; a directory without a manifest is never loaded or called latest.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from statekit import distributed, engine, format as fmt
+from statekit.errors import CheckpointNotFoundError, StatekitError, StatekitWarning, StateMismatchError
+from statekit.storage import Storage
+
+_NAME = re.compile(r"^checkpoint-(\d{8,})$")
+LATEST_NAME = "latest"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a manager root.
+
+    Attributes:
+        step: the step in its name.
+        url: its URL.
+        committed: True if its manifest exists.
+        created: UTC ISO 8601 time from the manifest (None if not committed).
+        size_bytes: total bytes listed in the manifest (None if not committed).
+        metrics: the ``metrics`` given to ``save`` (from the manifest metadata).
+    """
+
+    step: int
+    url: str
+    committed: bool
+    created: str | None = None
+    size_bytes: int | None = None
+    metrics: dict[str, Any] | None = None
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of a step: ``checkpoint-00000500``."""
+    return f"checkpoint-{int(step):08d}"
+
+
+def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointInfo]:
+    """Every ``checkpoint-<step>`` directory under a root, oldest step first.
+
+    Args:
+        root_url: the manager root.
+        storage_options: fsspec options.
+        details: read each manifest (created, size, metrics); otherwise only check it exists.
+
+    Returns:
+        :class:`CheckpointInfo` per directory, committed or not.
+
+    Raises:
+        StorageError: the root cannot be listed.
+    """
+    root = Storage(root_url, storage_options)
+    root.invalidate()
+    infos = []
+    for name in root.listdir():
+        match = _NAME.match(name)
+        if not match:
+            continue
+        child = root.child(name)
+        step = int(match.group(1))
+        if not child.exists(fmt.MANIFEST_NAME):
+            infos.append(CheckpointInfo(step, child.url, False))
+            continue
+        if not details:
+            infos.append(CheckpointInfo(step, child.url, True))
+            continue
+        try:
+            manifest = engine.read_manifest(child)
+        except StatekitError:
+            infos.append(CheckpointInfo(step, child.url, True))
+            continue
+        infos.append(
+            CheckpointInfo(
+                step,
+                child.url,
+                True,
+                manifest.get("created"),
+                sum(f["size_bytes"] for f in manifest["files"].values()),
+                manifest["metadata"].get("metrics"),
+            )
+        )
+    return sorted(infos, key=lambda i: i.step)
+
+
+def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete one checkpoint directory: its manifest first (so it stops counting as
+    committed even if the rest of the deletion is interrupted), then everything under it."""
+    storage = Storage(url, storage_options)
+    storage.remove(fmt.MANIFEST_NAME)
+    storage.remove_tree()
+
+
+class CheckpointManager:
+    """Numbered checkpoints of one training run under a root URL.
+
+    Creating a manager attaches statekit to the run (:func:`statekit.attach`): data
+    loaders are tracked for exact mid-epoch resume and the ``statekit_attach`` hooks run.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` after ``prepare()``; or, without
+            Accelerate, a mapping of stateful objects as given to :func:`statekit.save`.
+        root_url: directory URL holding ``checkpoint-<step>/`` and ``latest``.
+        keep_last: keep at most this many committed checkpoints (None: keep all). The
+            checkpoint the run resumed from and the newest one are never deleted, and
+            deletion happens only after the new checkpoint committed.
+        storage_options: fsspec options.
+        **options: plugin options passed to every save and load.
+
+    Raises:
+        ValueError: ``keep_last`` is not a positive integer.
+        PluginError: a ``statekit_attach`` hook failed.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        root_url: str,
+        keep_last: int | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        from statekit.accelerate import attach
+
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        if isinstance(accelerator, Mapping):
+            self.accelerator, self.objects = None, dict(accelerator)
+        else:
+            self.accelerator, self.objects = accelerator, None
+        self.root = Storage(root_url, storage_options)
+        self.root_url = self.root.url
+        self.keep_last = keep_last
+        self.storage_options = storage_options
+        self.options = options
+        self.resumed_from: str | None = None
+        self.attachment = attach(self.accelerator, self.objects)
+
+    # ---------------------------------------------------------------- queries
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint directory under the root (committed or not), oldest first."""
+        return list_checkpoints(self.root_url, self.storage_options)
+
+    def latest(self) -> str | None:
+        """URL of the newest committed checkpoint, or None (scans manifests; ``latest`` is
+        only a hint and is not trusted)."""
+        committed = [i for i in list_checkpoints(self.root_url, self.storage_options, details=False) if i.committed]
+        return committed[-1].url if committed else None
+
+    # ---------------------------------------------------------------- save
+
+    def url_for(self, step: int) -> str:
+        """URL of the checkpoint directory of ``step``."""
+        return self.root.url_of(checkpoint_name(step))
+
+    def save(self, step: int, metrics: Mapping[str, float] | None = None, *, overwrite: bool = False) -> dict[str, Any]:
+        """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
+
+        Args:
+            step: the training step (names the directory).
+            metrics: JSON-able numbers recorded in the manifest (``{"loss": 0.31}``).
+            overwrite: replace an existing committed checkpoint of this step.
+
+        Returns:
+            The committed manifest.
+
+        Raises:
+            CheckpointExistsError: this step is committed already and not ``overwrite``.
+            PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
+        """
+        from statekit.accelerate import save_state
+
+        url = self.url_for(step)
+        metadata = {"metrics": dict(metrics)} if metrics else {}
+        if self.accelerator is not None:
+            manifest = save_state(
+                self.accelerator, url, step=step, metadata=metadata, overwrite=overwrite,
+                storage_options=self.storage_options, **self.options,
+            )
+        else:
+            manifest = engine.save(
+                url, self.objects, step=step, metadata=metadata, overwrite=overwrite,
+                storage_options=self.storage_options, **self.options,
+            )
+        if distributed.rank_and_world_size()[0] == 0:
+            self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+            self._apply_retention(url)
+        distributed.barrier()
+        return manifest
+
+    def _apply_retention(self, newest_url: str) -> None:
+        if self.keep_last is None:
+            return
+        committed = [i for i in self.list() if i.committed]
+        protected = {newest_url, self.resumed_from}
+        surplus = len(committed) - self.keep_last
+        for info in committed:
+            if surplus <= 0:
+                break
+            if info.url in protected:
+                continue
+            delete_checkpoint(info.url, self.storage_options)
+            surplus -= 1
+
+    def wait(self) -> None:
+        """Wait for pending saves (saves are synchronous in this version: returns at once)."""
+
+    # ---------------------------------------------------------------- resume
+
+    def resume(self, *, verify: bool = True) -> int | None:
+        """Load the newest committed checkpoint that loads cleanly; return its step.
+
+        A checkpoint that fails verification or loading is skipped with a
+        :class:`StatekitWarning` naming the file, and the previous committed one is tried
+        (a shape or key mismatch is the caller's error and is raised).
+
+        Args:
+            verify: check sizes and checksums while reading.
+
+        Returns:
+            The step resumed from, or None if the root holds no committed checkpoint.
+
+        Raises:
+            StateMismatchError: the run's objects do not fit the checkpoint.
+            StatekitError: every committed checkpoint failed to load (the last error).
+        """
+        from statekit.accelerate import load_state
+
+        candidates = [i for i in self.list() if i.committed]
+        last_error: StatekitError | None = None
+        for info in reversed(candidates):
+            try:
+                if self.accelerator is not None:
+                    manifest = load_state(self.accelerator, info.url, verify=verify, storage_options=self.storage_options, **self.options)
+                else:
+                    manifest = engine.load(info.url, self.objects, verify=verify, storage_options=self.storage_options, **self.options)
+            except StateMismatchError:
+                raise
+            except (StatekitError, CheckpointNotFoundError) as exc:
+                warnings.warn(
+                    f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning, stacklevel=2
+                )
+                last_error = exc
+                continue
+            self.resumed_from = info.url
+            step = manifest.get("step")
+            return info.step if step is None else int(step)
+        if last_error is not None:
+            raise last_error
+        return None
