@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from statekit.accelerate import Attachment, attach, load_state, save_state
 from statekit.context import Checkpoint
-from statekit.engine import load, save
+from statekit.engine import load, save, verify
 from statekit.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -59,4 +59,5 @@ __all__ = [
     "load_state",
     "save",
     "save_state",
+    "verify",
 ]

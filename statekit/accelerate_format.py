@@ -149,3 +149,86 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
     if accelerator is not None and step is not None:
         accelerator.step = step
     return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
+
+
+def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rewrite a directory written by ``Accelerator.save_state`` in the statekit format.
+
+    Models are streamed tensor file to tensor file (``model_<i>.safetensors``); optimizer,
+    scheduler, scaler, custom and StatefulDataLoader states are unpickled (only with
+    ``allow_pickle=True``) and stored through the codec. Accelerate's
+    ``random_states_<rank>.pkl`` are stored as ``accelerate_rng/rank-<r>`` state files for
+    reference; statekit-rng does not restore them.
+
+    Args:
+        src_url: the Accelerate directory.
+        out_url: the new checkpoint's URL (must not hold a committed checkpoint).
+        allow_pickle: permit unpickling the source's pickle files.
+        storage_options: fsspec options for both URLs.
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        PickleNotAllowedError: the source has pickle files and not ``allow_pickle``.
+        CheckpointExistsError: ``out_url`` holds a committed checkpoint.
+        StatekitError: ``src_url`` is not an Accelerate checkpoint.
+    """
+    import datetime
+    import json
+
+    from statekit import __version__
+    from statekit.context import CORE, Checkpoint
+    from statekit.engine import _prepare_target
+    from statekit.errors import StatekitError
+
+    src = Storage(src_url, storage_options)
+    if not is_accelerate_checkpoint(src):
+        raise StatekitError(f"{src_url} is not a directory written by Accelerator.save_state")
+    names = sorted(n for n in src.listdir() if _ACCELERATE_FILE.match(n))
+    pickled = [n for n in names if not n.endswith(".safetensors")]
+    if pickled and not allow_pickle:
+        read_pickle(src, pickled[0], allow_pickle)
+    out = Storage(out_url, storage_options)
+    _prepare_target(out, overwrite=False)
+    checkpoint = Checkpoint(out, mode="save")
+    objects: dict[str, Any] = {}
+    kinds = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
+             "dl_state_dict": "dataloader", "custom_checkpoint": "custom"}
+    step = None
+    for name in names:
+        stem, _, ext = name.partition(".")
+        base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
+        if stem == "scaler":
+            key, kind = "scaler", "scaler"
+        elif base == "random_states":
+            states = read_pickle(src, name, allow_pickle)
+            step = states.get("step", step)
+            checkpoint.save_state(f"accelerate_rng/rank-{int(index):05d}", states)
+            continue
+        elif base in kinds:
+            kind = kinds[base]
+            key = f"{kind}_{index}"
+        else:
+            continue  # sampler.bin holds a pickled sampler object, not state: nothing to convert
+        if kind == "model":
+            tensors = read_model(src, name, allow_pickle)
+            checkpoint.save_tensors(f"{key}.safetensors", tensors)
+        else:
+            checkpoint.save_state(f"{key}/rank-00000" if kind == "dataloader" else key, read_pickle(src, name, allow_pickle))
+        objects[key] = {"kind": kind, "owner": CORE, "per_rank": kind == "dataloader",
+                        "files": sorted(p for p in checkpoint.files if p.startswith((f"{key}.", f"{key}/")))}
+    manifest = {
+        "format": fmt.FORMAT,
+        "statekit_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "step": step,
+        "world_size": 1,
+        "plugins": {},
+        "objects": objects,
+        "records": {},
+        "files": checkpoint.files,
+        "metadata": {"converted_from": src.url, "source_format": "accelerate"},
+    }
+    out.commit(fmt.MANIFEST_NAME, json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8"))
+    return manifest

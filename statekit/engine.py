@@ -680,3 +680,35 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
             e.obj.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise StateMismatchError(f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json): {type(exc).__name__}: {exc}") from exc
+
+
+def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every file of a committed checkpoint against its manifest (size and checksum).
+
+    Reads each file once, streaming; nothing is loaded into objects.
+
+    Args:
+        url: checkpoint directory URL.
+        storage_options: fsspec options.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: as
+            :func:`read_manifest`.
+        CorruptCheckpointError: the first file that is missing, or whose size or
+            checksum differs; ``.path`` names it.
+    """
+    storage = Storage(url, storage_options)
+    manifest = read_manifest(storage)
+    checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
+    for rel, entry in sorted(manifest["files"].items()):
+        hasher = fmt.new_hasher()
+        size = 0
+        with checkpoint.open(rel, "rb") as f:
+            while chunk := f.read(fmt.CHUNK_BYTES):
+                hasher.update(chunk)
+                size += len(chunk)
+        checkpoint._check(rel, entry, size, hasher)
+    return manifest
