@@ -1,0 +1,158 @@
+"""``statekit convert CKPT OUT --to diffusers``: export a checkpoint as a diffusers pipeline folder.
+
+The output is what ``DiffusionPipeline.save_pretrained`` writes (diffusers
+``pipelines/pipeline_utils.py``): one folder per component and ``model_index.json``::
+
+    OUT/model_index.json            {"_class_name": "DDPMPipeline", "_diffusers_version": "0.42.1",
+                                     "scheduler": ["diffusers", "DDPMScheduler"],
+                                     "unet": ["diffusers", "UNet2DModel"]}
+    OUT/unet/config.json
+    OUT/unet/diffusion_pytorch_model.safetensors
+    OUT/scheduler/scheduler_config.json
+
+Which weights a model folder gets: when the checkpoint holds an EMA of that model, its
+averaged weights (as diffusers' training scripts do before ``save_pretrained`` of the
+final pipeline: ``ema_unet.copy_to(unet.parameters())``); pass ``ema=False`` for the
+trained weights. The config always comes from the model's own folder. Files are copied
+byte for byte, streamed and checked against the manifest's sizes and checksums.
+
+The pipeline class: the ``diffusers_pipeline`` option recorded at save time, else the
+``pipeline_class`` argument, else ``DDPMPipeline`` when the checkpoint holds exactly one
+UNet and one noise scheduler. Without one, the component folders are written and no
+``model_index.json`` (a :class:`statekit.StatekitWarning` says so).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from statekit import CheckpointExistsError, CorruptCheckpointError, StatekitError, StatekitWarning
+from statekit import format as fmt
+from statekit.engine import read_manifest
+from statekit.storage import Storage, storage_errors
+
+from statekit_diffusers import layout
+
+PLUGIN_NAME = "diffusers"
+PIPELINE_RECORD = "_pipeline"
+
+
+def convert(
+    src_url: str,
+    out_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    pipeline_class: str | None = None,
+    ema: bool = True,
+    plugin_name: str = PLUGIN_NAME,
+) -> dict[str, Any]:
+    """Write the diffusers/transformers models of a statekit checkpoint as a pipeline folder.
+
+    Args:
+        src_url: a committed statekit checkpoint (any fsspec URL).
+        out_url: the folder to create (any fsspec URL); must not exist or be empty.
+        storage_options: fsspec options for both URLs.
+        pipeline_class: pipeline class name for ``model_index.json``; overrides the one
+            recorded at save time (``diffusers_pipeline`` option).
+        ema: export EMA weights for models that have an EMA in the checkpoint.
+        plugin_name: the name statekit-diffusers was registered under when saving.
+
+    Returns:
+        The ``model_index.json`` content written (``{}`` when none was written).
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: ``src_url``
+            is not a committed checkpoint.
+        StatekitError: the checkpoint holds no model saved by statekit-diffusers.
+        CheckpointExistsError: ``out_url`` exists and is not empty.
+        CorruptCheckpointError: a copied file does not match the manifest (names it).
+        StorageError: reading or writing failed (names the URL).
+    """
+    src = Storage(src_url, storage_options)
+    manifest = read_manifest(src)
+    records = manifest["records"].get(plugin_name) or {}
+    entries = {k: r for k, r in records.items() if isinstance(r, dict) and isinstance(r.get("folder"), str)}
+    models = {k: r for k, r in entries.items() if r.get("kind") == "model"}
+    if not models:
+        raise StatekitError(f"{src.url}: no diffusers or transformers model was saved by statekit-diffusers in this checkpoint")
+    out = Storage(out_url, storage_options)
+    out.invalidate()
+    if out.listdir():
+        raise CheckpointExistsError(f"{out.url} exists and is not empty; choose a new folder for the export")
+
+    emas = {r.get("model_key"): r for r in entries.values() if r.get("kind") == "ema" and r.get("model_key")}
+    index: dict[str, Any] = {}
+    for key, rec in sorted(models.items(), key=lambda kv: kv[1]["folder"]):
+        folder = rec["folder"]
+        weights_from = emas[key]["folder"] if ema and key in emas else folder
+        _copy(src, out, manifest, f"{folder}/{layout.CONFIG_NAME}", f"{folder}/{layout.CONFIG_NAME}")
+        for rel in _weight_files(manifest, weights_from, rec["library"]):
+            _copy(src, out, manifest, rel, f"{folder}/{rel.split('/', 1)[1]}")
+        index[folder] = [rec["library"], rec["class"]]
+    for rec in entries.values():
+        if rec.get("kind") == "scheduler":
+            rel = f"{rec['folder']}/{layout.SCHEDULER_CONFIG_NAME}"
+            _copy(src, out, manifest, rel, rel)
+            index[rec["folder"]] = [rec.get("library", layout.DIFFUSERS), rec["class"]]
+
+    pipeline = pipeline_class or records.get(PIPELINE_RECORD) or _infer_pipeline(entries)
+    if pipeline is None:
+        warnings.warn(
+            f"{out.url}: wrote the component folders ({', '.join(sorted(index))}) but no model_index.json: "
+            "say which pipeline they form (save with diffusers_pipeline='StableDiffusionPipeline', "
+            "or convert(..., pipeline_class=...))",
+            StatekitWarning,
+            stacklevel=2,
+        )
+        return {}
+    model_index = {"_class_name": pipeline, "_diffusers_version": layout.library_version(layout.DIFFUSERS), **index}
+    out.write_bytes("model_index.json", layout.hf_json(model_index))
+    return model_index
+
+
+def _infer_pipeline(entries: dict[str, dict[str, Any]]) -> str | None:
+    kinds = sorted((r.get("kind"), r.get("folder")) for r in entries.values() if r.get("kind") in ("model", "scheduler"))
+    if kinds == [("model", "unet"), ("scheduler", "scheduler")]:
+        return "DDPMPipeline"
+    return None
+
+
+def _weight_files(manifest: dict[str, Any], folder: str, library: str) -> list[str]:
+    """The weight files (and shard index) of a saved folder, from the manifest."""
+    stem = layout.WEIGHTS_NAME[library].rsplit(".", 1)[0]
+    files = sorted(
+        rel
+        for rel in manifest["files"]
+        if rel.startswith(f"{folder}/") and rel.count("/") == 1 and rel.split("/", 1)[1].startswith(stem)
+    )
+    if not files:
+        raise CorruptCheckpointError(f"the manifest lists no weights under {folder}/", path=folder)
+    return files
+
+
+def _copy(src: Storage, out: Storage, manifest: dict[str, Any], rel: str, out_rel: str) -> None:
+    """Stream one file from the checkpoint to the export, checking size and checksum."""
+    entry = manifest["files"].get(rel)
+    url = src.url_of(rel)
+    if entry is None:
+        raise CorruptCheckpointError(f"{url}: not listed in the manifest", path=url)
+    hasher = fmt.new_hasher()
+    size = 0
+    try:
+        f = src.open_read(rel)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{url}: file is missing", path=url) from None
+    with f, storage_errors(url, "reading"), out.open_write(out_rel) as g:
+        while chunk := f.read(fmt.CHUNK_BYTES):
+            hasher.update(chunk)
+            g.write(chunk)
+            size += len(chunk)
+    checksum = fmt.checksum_string(hasher)
+    if size != entry["size_bytes"] or checksum != entry["checksum"]:
+        out.remove(out_rel)
+        raise CorruptCheckpointError(
+            f"{url}: {size} bytes with checksum {checksum}, the manifest says {entry['size_bytes']} bytes "
+            f"and {entry['checksum']}; the export at {out.url} is incomplete",
+            path=url,
+        )
