@@ -196,7 +196,8 @@ def loader_state(loader: Any) -> dict[str, Any]:
     """
     if not is_tracked(loader):
         state: dict[str, Any] = {"tracked": False, "epoch": int(getattr(loader, "iteration", 0) or 0)}
-        if callable(getattr(loader, "state_dict", None)):
+        # Accelerate adapters always have state_dict(); it works only for stateful loaders
+        if callable(getattr(loader, "state_dict", None)) and getattr(loader, "use_stateful_dataloader", True):
             state["stateful"] = loader.state_dict()
         return state
     position: Position = loader.__dict__["_statekit_position"]
@@ -236,5 +237,7 @@ def restore_loader(loader: Any, state: dict[str, Any]) -> None:
         return
     if hasattr(loader, "iteration"):
         loader.iteration = int(state.get("epoch", 0))
-    if "stateful" in state and callable(getattr(loader, "load_state_dict", None)):
+    if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
+        loader, "use_stateful_dataloader", True
+    ):
         loader.load_state_dict(state["stateful"])

@@ -1,0 +1,86 @@
+"""A tiny Accelerate training setup shared by the bridge, manager and data tests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.dropout = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(torch.relu(self.fc1(x))))
+
+
+class Counter:
+    """A custom object registered with accelerator.register_for_checkpointing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.history: list[tuple[int, float]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+        self.history = list(state["history"])
+
+
+def fresh_accelerator(stateful: bool = False):
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+
+
+def build(seed: int = 0, stateful: bool = False, n: int = 100, batch_size: int = 8):
+    """(accelerator, model, optimizer, loader, scheduler, counter), prepared and seeded."""
+    from accelerate.utils import set_seed
+
+    set_seed(seed)
+    accelerator = fresh_accelerator(stateful)
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(n, 6, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=True)
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, 50) / 50)))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, optimizer, loader, scheduler, counter
+
+
+def train_steps(run, steps: int, start: int = 0, on_step=None) -> list[float]:
+    """Train ``steps`` optimizer steps from step ``start``; returns the losses."""
+    accelerator, model, optimizer, loader, scheduler, counter = run
+    losses: list[float] = []
+    step = start
+    while step < start + steps:
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            counter.count += 1
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(step)
+            if step >= start + steps:
+                break
+    return losses
