@@ -1,0 +1,165 @@
+"""CheckpointManager: naming, latest, exact mid-epoch resume, retention, killed saves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import statekit
+from statekit.manager import checkpoint_name, list_checkpoints
+from statekit.testing import assert_state_equal
+
+from accelerate_helpers import build, train_steps
+
+pytest.importorskip("accelerate")
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["default-loader", "stateful-loader"])
+def test_mid_epoch_resume_is_exact(tmp_path, installed_plugin_manager, stateful):
+    root = str(tmp_path / "run")
+    total, save_at = 30, 17  # 13 batches per epoch: step 17 is batch 4 of epoch 2
+    reference = build(seed=0, stateful=stateful)
+    statekit.CheckpointManager(reference[0], str(tmp_path / "ref"))
+    expected = train_steps(reference, total)
+
+    first = build(seed=0, stateful=stateful)
+    manager = statekit.CheckpointManager(first[0], root)
+    losses = train_steps(first, save_at, on_step=lambda s: manager.save(s) if s == save_at else None)
+    train_steps(first, 5, start=save_at)  # the run goes on past the checkpoint, then dies
+
+    resumed = build(seed=0, stateful=stateful)
+    manager = statekit.CheckpointManager(resumed[0], root)
+    assert manager.resume() == save_at
+    losses += train_steps(resumed, total - save_at, start=save_at)
+    assert losses == expected
+    assert_state_equal(resumed[1].state_dict(), reference[1].state_dict())
+    assert_state_equal(resumed[2].state_dict(), reference[2].state_dict())
+
+
+def test_resume_without_checkpoints_returns_none(tmp_path, installed_plugin_manager):
+    run = build()
+    assert statekit.CheckpointManager(run[0], str(tmp_path / "empty")).resume() is None
+
+
+def test_latest_ignores_incomplete_and_hint(tmp_path, installed_plugin_manager):
+    run = build()
+    root = tmp_path / "run"
+    manager = statekit.CheckpointManager(run[0], str(root))
+    manager.save(5)
+    assert (root / "latest").read_text().strip() == checkpoint_name(5)
+    (root / checkpoint_name(9)).mkdir()  # an interrupted save: no manifest
+    (root / checkpoint_name(9) / "model_0.safetensors").write_bytes(b"partial")
+    (root / "latest").write_text(checkpoint_name(9))  # a stale or lying hint
+    assert manager.latest() == str(root / checkpoint_name(5))
+    assert [(i.step, i.committed) for i in manager.list()] == [(5, True), (9, False)]
+    assert build()[0] is not None
+    assert statekit.CheckpointManager(build()[0], str(root)).resume() == 5
+
+
+def test_keep_last_deletes_only_after_commit_and_never_the_resumed(tmp_path, installed_plugin_manager):
+    run = build()
+    root = str(tmp_path / "run")
+    manager = statekit.CheckpointManager(run[0], root, keep_last=2)
+    for step in (1, 2, 3, 4):
+        manager.save(step)
+    assert [i.step for i in list_checkpoints(root)] == [3, 4]
+
+    resumed = build()
+    manager = statekit.CheckpointManager(resumed[0], root, keep_last=1)
+    assert manager.resume() == 4
+    manager.save(5)
+    manager.save(6)
+    # keep_last=1 would leave only 6, but step 4 is what this run resumed from
+    assert [i.step for i in list_checkpoints(root)] == [4, 6]
+
+
+def test_keep_last_validation(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path), keep_last=0)
+
+
+def test_mapping_api_manager(tmp_path, installed_plugin_manager):
+    model = torch.nn.Linear(3, 3)
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "m"))
+    manager.save(1, metrics={"loss": 0.5})
+    info = manager.list()[0]
+    assert info.metrics == {"loss": 0.5} and info.size_bytes > 0
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    assert manager.resume() == 1
+    assert_state_equal(model.state_dict(), saved)
+
+
+def test_resume_falls_back_from_a_corrupt_checkpoint(tmp_path, installed_plugin_manager):
+    model = torch.nn.Linear(3, 3)
+    root = tmp_path / "m"
+    manager = statekit.CheckpointManager({"model": model}, str(root))
+    manager.save(1)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1)
+    manager.save(2)
+    bad = root / checkpoint_name(2) / "model.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.warns(statekit.StatekitWarning, match=r"checkpoint-00000002/model\.safetensors"):
+        assert manager.resume() == 1
+    assert_state_equal(model.state_dict(), good)
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, torch, statekit
+    root, kill_on = sys.argv[1], int(sys.argv[2])
+    model = torch.nn.Linear(64, 64)
+    manager = statekit.CheckpointManager({"model": model, "t": torch.arange(10.0)}, root)
+    manager.save(1)
+    writes = 0
+    def hook(event, args):
+        global writes
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(root) and args[1] and "w" in str(args[1]):
+            writes += 1
+            if writes == kill_on:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if event == "os.rename" and kill_on == 0:  # os.replace audits as os.rename
+            os.kill(os.getpid(), signal.SIGKILL)
+    with torch.no_grad():
+        model.weight.add_(1)
+    sys.addaudithook(hook)
+    manager.save(2)
+    print("survived")
+    """
+)
+
+
+# The save of step 2 opens for writing: model.safetensors, t.safetensors, t.json, the
+# manifest's temporary file, then ``latest``; 0 kills at the manifest's os.replace.
+@pytest.mark.parametrize("kill_on", [0, 1, 2, 3, 4, 5])
+def test_resume_after_a_killed_save(tmp_path, kill_on):
+    root = str(tmp_path / "run")
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_SAVE)
+    proc = subprocess.run([sys.executable, str(script), root, str(kill_on)], capture_output=True, text=True)
+    model = torch.nn.Linear(64, 64)
+    t = torch.zeros(10)
+    manager = statekit.CheckpointManager({"model": model, "t": t}, root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", statekit.StatekitWarning)
+        step = manager.resume()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    if kill_on == 5:  # killed while writing the ``latest`` hint: step 2 had committed
+        assert step == 2
+    else:
+        assert step == 1  # the interrupted step 2 never became latest
+        assert manager.latest().endswith(checkpoint_name(1))
+    assert torch.equal(t, torch.arange(10.0))
+    statekit.verify(manager.latest())
