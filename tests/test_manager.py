@@ -148,7 +148,8 @@ def test_resume_after_a_killed_save(tmp_path, kill_on):
     root = str(tmp_path / "run")
     script = tmp_path / "save.py"
     script.write_text(KILLED_SAVE)
-    proc = subprocess.run([sys.executable, str(script), root, str(kill_on)], capture_output=True, text=True)
+    env = {**os.environ, "STATEKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}  # a fixed write sequence
+    proc = subprocess.run([sys.executable, str(script), root, str(kill_on)], capture_output=True, text=True, env=env)
     model = torch.nn.Linear(64, 64)
     t = torch.zeros(10)
     manager = statekit.CheckpointManager({"model": model, "t": t}, root)
