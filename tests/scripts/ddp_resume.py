@@ -1,0 +1,39 @@
+"""Run under torchrun (gloo, CPU): Accelerate DDP training with a statekit CheckpointManager.
+
+Usage: torchrun --nproc_per_node 2 ddp_resume.py MODE ROOT OUT
+MODE: reference (train TOTAL steps), first (save at SAVE_AT, go on 3 steps), resume.
+Each rank writes its per-step losses to OUT.rank<r>.json.
+"""
+
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+from accelerate_helpers import build, train_steps  # noqa: E402
+
+import statekit  # noqa: E402
+
+TOTAL, SAVE_AT = 16, 9  # 7 batches per rank per epoch: step 9 is batch 2 of epoch 2
+
+mode, root, out = sys.argv[1:4]
+run = build(seed=0, n=112, batch_size=8)
+accelerator = run[0]
+assert accelerator.num_processes == 2, accelerator.num_processes
+manager = statekit.CheckpointManager(accelerator, root)
+losses = []
+if mode == "reference":
+    losses = train_steps(run, TOTAL)
+elif mode == "first":
+    losses = train_steps(run, SAVE_AT, on_step=lambda s: manager.save(s) if s == SAVE_AT else None)
+    losses += train_steps(run, 3, start=SAVE_AT)
+else:
+    step = manager.resume()
+    assert step == SAVE_AT, step
+    losses = train_steps(run, TOTAL - step, start=step)
+weights = {k: v.tolist() for k, v in accelerator.unwrap_model(run[1]).state_dict().items()}
+with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
+    json.dump({"losses": losses, "weights": weights}, f)
+accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()

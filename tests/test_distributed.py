@@ -1,0 +1,55 @@
+"""Two real torchrun processes (gloo, CPU) with Accelerate DDP: save, kill, resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import statekit
+
+pytest.importorskip("accelerate")
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_resume.py"
+
+
+def _torchrun(*args: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           "--master_addr=127.0.0.1", str(SCRIPT), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _read(prefix: Path) -> list[dict]:
+    return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_resume_is_exact(tmp_path):
+    _torchrun("reference", str(tmp_path / "ref-root"), str(tmp_path / "ref"))
+    root = tmp_path / "root"
+    _torchrun("first", str(root), str(tmp_path / "first"))
+    checkpoint = root / "checkpoint-00000009"
+    manifest = statekit.engine.read_manifest(statekit.storage.Storage(str(checkpoint)))
+    files = manifest["files"]
+    assert manifest["world_size"] == 2
+    assert files["model_0.safetensors"]["rank"] == 0  # replicated: written once
+    assert not any(p.startswith("model_0") and p != "model_0.safetensors" for p in files)
+    for rank in (0, 1):  # per rank: RNG and data loader position, from every rank
+        assert files[f"rng/rank-{rank:05d}.json"]["rank"] == rank
+        assert files[f"dataloader_0/rank-{rank:05d}.json"]["rank"] == rank
+    statekit.verify(str(checkpoint))
+
+    _torchrun("resume", str(root), str(tmp_path / "resumed"))
+    reference, first, resumed = _read(tmp_path / "ref"), _read(tmp_path / "first"), _read(tmp_path / "resumed")
+    for rank in (0, 1):
+        assert first[rank]["losses"][:9] + resumed[rank]["losses"] == reference[rank]["losses"], f"rank {rank}"
+        assert resumed[rank]["weights"] == reference[rank]["weights"]
