@@ -135,7 +135,8 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
                 started = time.perf_counter()
                 manifest = manager.save(step, metrics={"loss": loss.item()})
                 size = sum(f["size_bytes"] for f in manifest["files"].values())
-                log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size})
+                log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size,
+                     "plugins": manifest["plugins"]})
             if step >= args.steps:
                 break
     model.eval()
@@ -342,7 +343,9 @@ def report(args, ref_events: list[dict], run_events: list[dict], ref_final: str,
     print(f"  checkpoints written  {len(saves)}, {saves[-1]['bytes'] if saves else 0:,} bytes each")
     print(f"  save seconds         median {sorted(r['seconds'] for r in saves)[len(saves) // 2]:.4f}" if saves else "")
     print(f"  load seconds         {resume_events[-1]['seconds']:.4f}")
-    print(f"  plugins active       {', '.join(done['plugins']) or 'none'}")
+    active = saves[-1]["plugins"] if saves else {}
+    print(f"  plugins active       {', '.join(f'{k} {v}' for k, v in active.items()) or 'none'}"
+          f" (installed: {', '.join(done['plugins']) or 'none'})")
     print(f"  test accuracy        {done['accuracy']:.4f}")
     if problems:
         print(f"  RESUME NOT EXACT: {len(problems)} differences")
