@@ -112,6 +112,20 @@ class S3Server:
     endpoint_url: str
     port: int
     process: Any = field(repr=False, default=None)
+    _fs: Any = field(repr=False, default=None)
+
+    def filesystem(self) -> Any:
+        """An ``s3fs.S3FileSystem`` on this server, created once and kept out of s3fs's
+        instance cache (so clearing that cache does not cost a new client here).
+
+        Raises:
+            ImportError: s3fs is not installed.
+        """
+        if self._fs is None:
+            import s3fs
+
+            self._fs = s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True)
+        return self._fs
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -230,10 +244,9 @@ def s3_bucket(s3_server: S3Server) -> Iterator[str]:
     s3fs = pytest.importorskip("s3fs", reason='s3fs is not installed (pip install "statekit[s3]")')
     s3fs.S3FileSystem.clear_instance_cache()
     bucket = f"statekit-test-{uuid.uuid4().hex[:16]}"
-    fs = s3fs.S3FileSystem(
-        client_kwargs={"endpoint_url": s3_server.endpoint_url}, key=S3_ACCESS_KEY, secret=S3_ACCESS_KEY, skip_instance_cache=True
-    )
+    fs = s3_server.filesystem()
     fs.mkdir(bucket)
+    fs.invalidate_cache()
     try:
         yield f"s3://{bucket}"
     finally:
