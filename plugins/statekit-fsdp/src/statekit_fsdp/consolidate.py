@@ -1,0 +1,268 @@
+"""Consolidate a checkpoint's models into plain safetensors files (``statekit convert --to safetensors``).
+
+The sharded models statekit-fsdp wrote (per-rank chunk files plus ``metadata.json``) are
+assembled one tensor at a time: the output header is built from the metadata alone
+(names, dtypes, shapes), then for each tensor a full-size buffer is filled from its
+chunks and streamed to the output before the next one is assembled. Peak memory is one
+full tensor plus one chunk; the model is never held whole.
+
+Output (a directory ``out_url``): ``model.safetensors`` when the checkpoint holds one
+model, else ``<key>.safetensors`` per model. Tensor names are the model's fully qualified
+parameter/buffer names (the keys of the unwrapped model's ``state_dict()``), the header
+carries ``__metadata__ {"format": "pt"}``, so ``safetensors.torch.load_file`` and
+transformers/diffusers ``from_pretrained`` (given the model's ``config.json`` beside it)
+read the file. Models saved by the core (replicated ``<key>.safetensors``) are copied the
+same way, with tied-weight aliases written out as separate tensors.
+
+The layout written follows the safetensors specification
+(https://github.com/huggingface/safetensors#format).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections import OrderedDict
+from typing import Any, BinaryIO
+
+import torch
+
+from statekit import CorruptCheckpointError, StatekitError, UnsupportedDtypeError
+from statekit import format as fmt
+from statekit.context import CORE, Checkpoint
+from statekit.engine import read_manifest
+from statekit.storage import Storage
+
+from statekit_fsdp import PLUGIN_NAME
+
+logger = logging.getLogger("statekit_fsdp")
+
+MAX_OPEN_FILES = 64
+"""Shard files kept open at once while assembling (least recently used are closed)."""
+
+_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+
+def consolidate(
+    src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None, verify: bool = True
+) -> list[str]:
+    """Write the full weights of every model of a committed checkpoint as safetensors.
+
+    Args:
+        src_url: the checkpoint (any fsspec URL).
+        out_url: output directory (created if needed; existing files of the same name are
+            replaced).
+        storage_options: fsspec options for both URLs.
+        verify: check each shard file's size and checksum against the manifest first
+            (one streaming pass per file, in 16 MiB reads).
+
+    Returns:
+        The URLs of the files written.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError: no committed checkpoint.
+        CorruptCheckpointError: a file fails verification, or chunks are missing or
+            do not cover a tensor (names the file).
+        UnsupportedDtypeError: a tensor has a dtype safetensors cannot store natively.
+        StatekitError: the checkpoint holds no model this converter can read.
+    """
+    storage = Storage(src_url, storage_options)
+    manifest = read_manifest(storage)
+    models = [(k, o) for k, o in manifest["objects"].items() if o.get("kind") == "model"]
+    readable = [(k, o) for k, o in models if o.get("owner") in (PLUGIN_NAME, CORE)]
+    for key, obj in models:
+        if (key, obj) not in readable:
+            logger.warning("statekit-fsdp: %s: model %r was saved by plugin %r; not consolidated", src_url, key, obj.get("owner"))
+    if not readable:
+        raise StatekitError(
+            f"{src_url}: no model to consolidate (models: {[k for k, _ in models] or 'none'}; "
+            f"only models saved by statekit-fsdp or the core are read)"
+        )
+    out = Storage(out_url, storage_options)
+    written = []
+    for key, obj in readable:
+        name = "model.safetensors" if len(readable) == 1 else f"{key}.safetensors"
+        if obj["owner"] == PLUGIN_NAME:
+            _consolidate_sharded(storage, manifest, key, out, name, verify)
+        else:
+            _copy_replicated(storage, manifest, key, out, name, verify)
+        written.append(out.url_of(name))
+    return written
+
+
+# --------------------------------------------------------------------------- sharded models
+
+
+def _consolidate_sharded(storage: Storage, manifest: dict[str, Any], key: str, out: Storage, out_name: str, verify: bool) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from statekit_fsdp.dcp_storage import narrow, read_metadata
+    from statekit_fsdp.state import REF
+
+    verified = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
+    metadata = read_metadata(verified, key)
+    skeleton = verified.load_state(f"{key}/state")
+    model_part = skeleton.get("model") if isinstance(skeleton, dict) else None
+    if not isinstance(model_part, dict):
+        raise CorruptCheckpointError(f"{storage.url}/{key}/state.json: no model state", path=f"{storage.url}/{key}/state.json")
+    entries: list[tuple[str, str, Any]] = []
+    for fqn, leaf in model_part.items():
+        if not (isinstance(leaf, dict) and REF in leaf):
+            logger.warning("statekit-fsdp: %s: %r of model %r is not a tensor; not written to %s", storage.url, fqn, key, out_name)
+            continue
+        md = metadata.state_dict_metadata.get(leaf[REF])
+        if md is None or not hasattr(md, "chunks"):
+            raise CorruptCheckpointError(f"{storage.url}/{key}/metadata.json: no tensor entry for {leaf[REF]!r}", path=f"{storage.url}/{key}/metadata.json")
+        entries.append((str(fqn), leaf[REF], md))
+
+    if verify:
+        files = sorted(
+            {metadata.storage_data[MetadataIndex(flat, c.offsets)]["file"] for _, flat, md in entries for c in md.chunks}
+        )
+        for rel_file in files:
+            _verify_file(verified, f"{key}/{rel_file}")
+
+    header = _header([(fqn, md.properties.dtype, tuple(md.size)) for fqn, _, md in entries], f"{storage.url}/{key}")
+    reader = _ShardReader(storage, key)
+    try:
+        with out.open_write(out_name) as f:
+            f.write(header)
+            for fqn, flat, md in entries:
+                full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                covered = 0
+                for chunk in md.chunks:
+                    info = metadata.storage_data[MetadataIndex(flat, chunk.offsets)]
+                    part = reader.read(info["file"], info["name"])
+                    if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != full.dtype:
+                        raise CorruptCheckpointError(
+                            f"{storage.url}/{key}/{info['file']}: {info['name']!r} is {list(part.shape)} {part.dtype}, "
+                            f"metadata says {list(chunk.sizes)} {full.dtype}",
+                            path=f"{storage.url}/{key}/{info['file']}",
+                        )
+                    narrow(full, chunk.offsets, chunk.sizes).copy_(part)
+                    covered += part.numel()
+                    del part
+                if covered != full.numel():
+                    raise CorruptCheckpointError(
+                        f"{storage.url}/{key}/metadata.json: chunks of {flat!r} cover {covered} of {full.numel()} elements",
+                        path=f"{storage.url}/{key}/metadata.json",
+                    )
+                _write_tensor(f, full)
+                del full
+    finally:
+        reader.close()
+
+
+class _ShardReader:
+    """Reads single named tensors from shard files, keeping a few files open."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self.storage = storage
+        self.key = key
+        self.files: OrderedDict[str, BinaryIO] = OrderedDict()
+
+    def read(self, rel_file: str, name: str) -> torch.Tensor:
+        rel = f"{self.key}/{rel_file}"
+        f = self.files.get(rel)
+        if f is None:
+            try:
+                f = self.storage.open_read(rel)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{self.storage.url}/{rel}: file is missing", path=f"{self.storage.url}/{rel}") from None
+            self.files[rel] = f
+            while len(self.files) > MAX_OPEN_FILES:
+                self.files.popitem(last=False)[1].close()
+        self.files.move_to_end(rel)
+        f.seek(0)
+        url = self.storage.url_of(rel)
+        tensors, _ = fmt.read_tensors(f, url, None, names=[name])
+        if name not in tensors:
+            raise CorruptCheckpointError(f"{url}: tensor {name!r} is missing", path=url)
+        return tensors[name]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+
+def _verify_file(checkpoint: Checkpoint, rel: str) -> None:
+    """Stream one file through the checksum and compare size and checksum with the manifest."""
+    expected = checkpoint.manifest["files"].get(rel)
+    url = f"{checkpoint.url}/{rel}"
+    if expected is None:
+        raise CorruptCheckpointError(f"{url}: file is not listed in the manifest", path=url)
+    hasher = fmt.new_hasher()
+    size = 0
+    with checkpoint.open(rel, "rb") as f:
+        while True:
+            data = f.read(fmt.CHUNK_BYTES)
+            if not data:
+                break
+            hasher.update(data)
+            size += len(data)
+    if size != expected["size_bytes"]:
+        raise CorruptCheckpointError(f"{url}: size {size} bytes, manifest says {expected['size_bytes']}", path=url)
+    if fmt.checksum_string(hasher) != expected["checksum"]:
+        raise CorruptCheckpointError(f"{url}: checksum {fmt.checksum_string(hasher)}, manifest says {expected['checksum']}", path=url)
+
+
+# --------------------------------------------------------------------------- replicated (core) models
+
+
+def _copy_replicated(storage: Storage, manifest: dict[str, Any], key: str, out: Storage, out_name: str, verify: bool) -> None:
+    files = manifest["objects"][key].get("files") or []
+    rel = f"{key}.safetensors"
+    if f"{key}.json" in files or rel not in manifest["files"]:
+        raise StatekitError(f"{storage.url}: model {key!r} is not stored as plain tensors ({rel}); cannot consolidate it")
+    checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=verify)
+    tensors = checkpoint.load_tensors(rel)  # the core's replicated file: one copy, aliases expanded
+    header = _header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()], f"{storage.url}/{rel}")
+    with out.open_write(out_name) as f:
+        f.write(header)
+        for t in tensors.values():
+            _write_tensor(f, t)
+
+
+# --------------------------------------------------------------------------- safetensors output
+
+
+def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], source: str) -> bytes:
+    """The safetensors header (8-byte length + space-padded JSON) for tensors written in order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        code = _CODES.get(dtype)
+        if code is None:
+            raise UnsupportedDtypeError(f"{source}: tensor {name!r} has dtype {dtype}, which safetensors cannot store natively")
+        if name in header:
+            raise StatekitError(f"{source}: tensor name {name!r} appears twice")
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
+    view = fmt.tensor_bytes(t)
+    for start in range(0, len(view), fmt.CHUNK_BYTES):
+        f.write(view[start : start + fmt.CHUNK_BYTES])

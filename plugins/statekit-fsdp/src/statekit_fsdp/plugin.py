@@ -1,0 +1,269 @@
+"""The statekit-fsdp hooks: sharded save and resharding load of FSDP models and their optimizers.
+
+Registered from the entry point ``fsdp`` (group ``statekit``). Cheap to import:
+``torch.distributed.checkpoint`` and FSDP are imported inside the hooks.
+
+Save (``statekit_save_state_pre``, ``tryfirst``): every model that is sharded (FSDP2
+``fully_shard``, FSDP1 ``FullyShardedDataParallel``, or DTensor parameters), after
+stripping DDP/``torch.compile`` wrappers, is taken from the core together with the
+optimizers over its parameters. Its state comes from DCP's ``get_state_dict`` (keys are
+fully qualified names, independent of the world size) and is written with
+``torch.distributed.checkpoint.save`` and :class:`~statekit_fsdp.dcp_storage.StatekitStorageWriter`
+under ``<key>/`` of the checkpoint::
+
+    <key>/rank-00000.safetensors ...   tensor chunks of each rank (every rank writes its own)
+    <key>/metadata.json                DCP's global metadata as JSON (rank 0)
+    <key>/state.json                   everything that is not a tensor (rank 0, statekit codec)
+
+DCP's collectives run on statekit's own gloo group (:func:`statekit.distributed.statekit_group`),
+never on the training's default group.
+
+Load (``statekit_load_state_pre``, ``tryfirst``): every model this plugin saved is taken
+back; ``get_state_dict`` gives the target layout at the *current* world size, DCP reads
+the overlapping chunks of the saved layout (resharding when the world size changed; a
+log line says so), and ``set_state_dict`` installs model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from statekit import hookimpl
+
+logger = logging.getLogger("statekit_fsdp")
+
+RECORD_FORMAT = 1
+"""Version of what this plugin records per model in the manifest (``records["fsdp"][key]``)."""
+
+
+def _convert_to_safetensors(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    """``statekit convert SRC OUT --to safetensors``: see :func:`statekit_fsdp.consolidate.consolidate`."""
+    from statekit_fsdp.consolidate import consolidate
+
+    consolidate(src_url, out_url, storage_options=storage_options)
+
+
+STATEKIT_CONVERTERS = {"safetensors": _convert_to_safetensors}
+"""Converters offered to ``statekit convert`` (name -> ``fn(src_url, out_url, *, storage_options=None)``)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group() -> Any:
+    """statekit's gloo group when torch.distributed runs, else None (DCP then runs locally)."""
+    if not _distributed():
+        return None
+    from statekit.distributed import statekit_group
+
+    return statekit_group()
+
+
+def _run_dcp(fn: Any, what: str) -> Any:
+    """Run a DCP call; turn its ``CheckpointException`` (a ``BaseException``) into a statekit error.
+
+    If this rank's own failure is a statekit error it is re-raised as is; otherwise a
+    :class:`statekit.CorruptCheckpointError` (when any rank found a corrupt file) or a
+    :class:`statekit.StatekitError` lists every rank's failure.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from statekit import CorruptCheckpointError, StatekitError
+
+    try:
+        with warnings.catch_warnings():
+            # one process without torch.distributed: DCP runs locally, as intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            return fn()
+    except CheckpointException as exc:
+        failures = {}
+        for rank, failure in sorted(exc.failures.items()):
+            failures[rank] = failure[0] if isinstance(failure, tuple) else failure
+        summary = f"{what} failed on rank(s) {sorted(failures)}: " + "; ".join(
+            f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items()
+        )
+        own = failures.get(_rank())
+        if isinstance(own, StatekitError):
+            raise own from None
+        corrupt = [e for e in failures.values() if isinstance(e, CorruptCheckpointError)]
+        if corrupt:
+            raise CorruptCheckpointError(summary, path=getattr(corrupt[0], "path", None)) from None
+        raise StatekitError(summary) from None
+
+
+def _rank() -> int:
+    from statekit.distributed import rank_and_world_size
+
+    return rank_and_world_size()[0]
+
+
+# --------------------------------------------------------------------------- save
+
+
+@hookimpl(tryfirst=True)
+def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: str, checkpoint: Any) -> None:
+    """Take every sharded model (and its optimizers) and write it with DCP, on every rank."""
+    if not models or not _distributed():
+        return  # FSDP and DTensors need torch.distributed: nothing to take
+    from statekit_fsdp.state import sharding_kind, strip_wrappers
+
+    for model in list(models):
+        core = strip_wrappers(model)
+        kind = sharding_kind(core)
+        if kind is None:
+            continue  # replicated (plain or DDP): the core writes it once, from rank 0
+        key = checkpoint.key_of(model)
+        index = next(i for i, m in enumerate(models) if m is model)
+        models.pop(index)
+        weights.pop(index)  # never computes the lazy (gathering) state dict
+        _save_sharded(checkpoint, key, core, kind)
+
+
+def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    from statekit import codec
+    from statekit_fsdp.dcp_storage import StatekitStorageWriter
+    from statekit_fsdp.state import optimizers_of, split_state
+
+    optimizers = optimizers_of(model, checkpoint.objects, key) if _objects_writable(checkpoint) else []
+    for okey, _ in optimizers:
+        checkpoint.objects.pop(okey)
+    if optimizers:
+        model_sd, optim_sd = get_state_dict(model, [o for _, o in optimizers])
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    skeleton, tensors = split_state(state)
+    codec.encode(skeleton)  # every rank checks the non-tensor state before any collective (names the bad key)
+    _run_dcp(
+        lambda: dcp.save(
+            tensors,
+            storage_writer=StatekitStorageWriter(checkpoint, key),
+            planner=dcp.DefaultSavePlanner(),
+            process_group=_group(),
+        ),
+        f"{checkpoint.url}: sharded save of {key!r}",
+    )
+    if checkpoint.rank == 0:
+        checkpoint.save_state(f"{key}/state", skeleton)
+    checkpoint.records[key] = {
+        "format": RECORD_FORMAT,
+        "sharding": kind,
+        "world_size": checkpoint.world_size,
+        "optimizers": [okey for okey, _ in optimizers],
+        "tensors": len(tensors),
+    }
+
+
+def _objects_writable(checkpoint: Any) -> bool:
+    """False in Accelerate's attach mode, where ``checkpoint.objects`` is read-only."""
+    return isinstance(checkpoint.objects, dict)
+
+
+# --------------------------------------------------------------------------- load
+
+
+@hookimpl(tryfirst=True)
+def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Any) -> None:
+    """Take back every model this plugin saved (and its optimizers) and load it, resharding."""
+    from statekit import StatekitError
+
+    mine = checkpoint.plugin
+    for model in list(models):
+        key = checkpoint.key_of(model)
+        if checkpoint.owner_of(key) != mine:
+            continue
+        from statekit_fsdp.state import strip_wrappers
+
+        models.remove(model)
+        _load_sharded(checkpoint, key, strip_wrappers(model))
+    if _objects_writable(checkpoint):
+        for okey in list(checkpoint.objects):
+            if checkpoint.owner_of(okey) == mine:
+                model_key = next((k for k, r in checkpoint.records.items() if okey in r.get("optimizers", [])), None)
+                raise StatekitError(
+                    f"{checkpoint.url}: optimizer {okey!r} was saved sharded together with model {model_key!r}; "
+                    f"load it together with that model"
+                )
+
+
+def _load_sharded(checkpoint: Any, key: str, model: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+
+    from statekit import CorruptCheckpointError, StatekitError, StateMismatchError
+    from statekit_fsdp.dcp_storage import StatekitStorageReader, read_metadata
+    from statekit_fsdp.state import fill_state, global_shape, inner_optimizer, refs_of, split_state
+
+    record = checkpoint.records.get(key)
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise CorruptCheckpointError(
+            f"{checkpoint.url}: manifest has no statekit-fsdp record (format {RECORD_FORMAT}) for {key!r}",
+            path=f"{checkpoint.url}/statekit.json",
+        )
+    saved_optims = list(record.get("optimizers", []))
+    present = [k for k in saved_optims if k in checkpoint.objects] if _objects_writable(checkpoint) else []
+    if present and present != saved_optims:
+        raise StatekitError(
+            f"{checkpoint.url}: model {key!r} was saved with optimizers {saved_optims}; load all of them or none "
+            f"(got {present})"
+        )
+    optimizers = [inner_optimizer(checkpoint.objects.pop(k)) for k in present]
+
+    metadata = read_metadata(checkpoint, key)
+    saved = checkpoint.load_state(f"{key}/state")
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise CorruptCheckpointError(f"{checkpoint.url}/{key}/state.json: no model state", path=f"{checkpoint.url}/{key}/state.json")
+    if not optimizers:
+        saved = {"model": saved["model"]}
+        target = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        target = {"model": model_sd, "optim": optim_sd}
+    _, target_tensors = split_state(target)
+
+    saved_refs = refs_of(saved)
+    saved_set = set(saved_refs)
+    missing = [k for k in target_tensors if k.startswith("model.") and k not in saved_set]
+    unexpected = [k for k in saved_refs if k not in target_tensors]
+    mismatched = {}
+    for k in saved_refs:
+        md = metadata.state_dict_metadata.get(k)
+        if md is None or not hasattr(md, "size"):
+            raise CorruptCheckpointError(f"{checkpoint.url}/{key}/metadata.json: no tensor entry for {k!r}", path=f"{checkpoint.url}/{key}/metadata.json")
+        t = target_tensors.get(k)
+        if t is not None and (tuple(md.size) != global_shape(t) or md.properties.dtype != t.dtype):
+            mismatched[k] = f"saved {list(md.size)} {md.properties.dtype} vs target {list(global_shape(t))} {t.dtype}"
+    if missing or unexpected or mismatched:
+        raise StateMismatchError(f"model {key!r} ({checkpoint.url}/{key}/; the model is untouched)", missing, unexpected, mismatched)
+
+    saved_world = record.get("world_size")
+    if saved_world != checkpoint.world_size and checkpoint.rank == 0:
+        logger.info(
+            "statekit-fsdp: resharding %r from %s to %s processes (%s)", key, saved_world, checkpoint.world_size, checkpoint.url
+        )
+    load_state = {k: target_tensors[k] for k in saved_refs}
+    _run_dcp(
+        lambda: dcp.load(
+            load_state,
+            storage_reader=StatekitStorageReader(checkpoint, key, metadata),
+            planner=dcp.DefaultLoadPlanner(),
+            process_group=_group(),
+        ),
+        f"{checkpoint.url}: sharded load of {key!r}",
+    )
+    filled = fill_state(saved, load_state)
+    if optimizers:
+        set_state_dict(model, optimizers, model_state_dict=filled["model"], optim_state_dict=filled["optim"])
+    else:
+        set_model_state_dict(model, filled["model"])

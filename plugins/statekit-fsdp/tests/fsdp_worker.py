@@ -1,0 +1,208 @@
+"""torchrun worker for the statekit-fsdp tests (also importable for in-process helpers).
+
+Run as ``python -m torch.distributed.run --nproc_per_node=N worker.py COMMAND ...`` with
+the gloo backend on CPU. Commands:
+
+* ``save``: build a model (seed 0), train 3 steps, ``statekit.save`` model + optimizer,
+  dump the full (gathered) state to ``--full``; with ``--then-load FILE`` also load the
+  checkpoint into a fresh model (seed 1) and dump that state to FILE.
+* ``load``: build a fresh model (seed 1), ``statekit.load`` the checkpoint, dump the
+  full state to ``--full``.
+* ``train``: train ``--steps`` steps, saving at ``--save-at``; with ``--resume`` start
+  from the checkpoint instead; write the per-step global losses to ``--losses``.
+
+Flavors: ``fsdp2`` (``fully_shard`` per Linear and at the root), ``fsdp1``
+(``FullyShardedDataParallel(device_id=cpu, use_orig_params=True)``), ``ddp``, ``plain``.
+The full state is written by rank 0 as a safetensors file (``model.<fqn>`` and
+``optim.<path>`` tensors; param_groups as JSON in the metadata).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+GLOBAL_BATCH = 12
+"""Samples per step over all ranks (divisible by 1, 2, 3 and 4)."""
+
+
+class Net(torch.nn.Module):
+    """A tiny MLP with uneven shard sizes at 2, 3 and 4 ranks, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 10)
+        self.hidden = torch.nn.Linear(10, 7)
+        self.out = torch.nn.Linear(7, 5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(torch.relu(self.inp(x))))) * self.scale
+
+
+def rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build(flavor: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (same initial weights on every rank) and its AdamW optimizer."""
+    torch.manual_seed(seed)
+    model = Net()
+    if flavor == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.inp, model.hidden, model.out):
+            fully_shard(layer)
+        fully_shard(model)
+    elif flavor == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    elif flavor == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif flavor != "plain":
+        raise SystemExit(f"unknown flavor {flavor}")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return model, optim
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the global batch of ``step`` (the same data at any world size)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 5, generator=g)
+    rank, world = rank_world()
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+    """One optimizer step; returns the global mean loss (the same number on every rank)."""
+    import torch.distributed as dist
+
+    x, y = batch(step)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    if isinstance(model, torch.nn.Module) and rank_world()[1] > 1 and not _averages_grads(model):
+        for p in model.parameters():  # plain replicated model without DDP: average by hand
+            dist.all_reduce(p.grad)
+            p.grad /= rank_world()[1]
+    optim.step()
+    value = loss.detach().clone()
+    if rank_world()[1] > 1:
+        dist.all_reduce(value)
+        value /= rank_world()[1]
+    return float(value)
+
+
+def _averages_grads(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel, torch.nn.parallel.DistributedDataParallel))
+
+
+def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The gathered model + optimizer state as flat CPU tensors, and param_groups as JSON."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from statekit_fsdp.state import split_state
+
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    msd, osd = get_state_dict(inner, [optim], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    skeleton, tensors = split_state({"model": msd, "optim": osd})
+    groups = [dict(g) for g in osd.get("param_groups", [])]  # cpu_offload: rank 0 only
+    return {k: t.detach().clone().contiguous() for k, t in tensors.items()}, {"param_groups": json.dumps(groups, sort_keys=True)}
+
+
+def dump(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    from safetensors.torch import save_file
+
+    tensors, meta = full_state(model, optim)
+    if rank_world()[0] == 0:
+        save_file(tensors, path, metadata=meta)
+
+
+def storage_options() -> dict | None:
+    return None
+
+
+def main(argv: list[str]) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("FSDP_WORKER_TIMEOUT_S", "150")), exit=True)
+    warnings.simplefilter("ignore", FutureWarning)
+    warnings.simplefilter("ignore", UserWarning)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["save", "load", "train"])
+    parser.add_argument("--flavor", default="fsdp2")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--full")
+    parser.add_argument("--then-load")
+    parser.add_argument("--accelerate", action="store_true")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--save-at", type=int, default=4)
+    parser.add_argument("--losses")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    import statekit
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.flavor in ("fsdp2", "fsdp1", "ddp"):
+        import datetime
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("FSDP_WORKER_TIMEOUT_S", "150"))))
+    try:
+        if args.command == "save":
+            model, optim = build(args.flavor, seed=0)
+            for step in range(3):
+                train_step(model, optim, step)
+            target = optim
+            if args.accelerate:
+                from accelerate import Accelerator
+
+                target = Accelerator(cpu=True).prepare_optimizer(optim)
+            statekit.save(args.url, {"model": model, "optim": target}, step=3)
+            if args.full:
+                dump(args.full, model, optim)
+            if args.then_load:
+                model2, optim2 = build(args.flavor, seed=1)
+                statekit.load(args.url, {"model": model2, "optim": optim2})
+                dump(args.then_load, model2, optim2)
+        elif args.command == "load":
+            model, optim = build(args.flavor, seed=1)
+            statekit.load(args.url, {"model": model, "optim": optim})
+            dump(args.full, model, optim)
+        else:
+            model, optim = build(args.flavor, seed=0)
+            first = 0
+            if args.resume:
+                statekit.load(args.url, {"model": model, "optim": optim})
+                first = args.save_at
+            losses = {}
+            for step in range(first, args.steps):
+                losses[step] = train_step(model, optim, step)
+                if not args.resume and step + 1 == args.save_at:
+                    statekit.save(args.url, {"model": model, "optim": optim}, step=step + 1)
+            if rank_world()[0] == 0:
+                with open(args.losses, "w") as f:
+                    json.dump({str(k): v for k, v in losses.items()}, f)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
