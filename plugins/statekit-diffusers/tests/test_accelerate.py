@@ -211,3 +211,22 @@ def test_ddpm_demo_runs_and_resumes_exactly(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resume exact         yes" in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_async_save_stages_the_diffusers_folders(pm, tmp_path):
+    import inspect
+
+    if "async_save" not in inspect.signature(statekit.CheckpointManager).parameters:
+        pytest.skip("CheckpointManager has no async_save yet")
+    accelerator, unet, vae, head, opt, extra = build(0, ema=True)
+    train_step(unet, opt, extra["ema"])
+    expected = {k: v.clone() for k, v in unet.state_dict().items()}
+    expected_ema = [t.clone() for t in extra["ema"].shadow_params]
+    manager = statekit.CheckpointManager(accelerator, str(tmp_path / "run"), async_save=True)
+    manager.save(1)
+    train_step(unet, opt, extra["ema"])  # change everything while the background write runs
+    manager.wait()
+    accelerator2, unet2, vae2, head2, opt2, extra2 = build(1, ema=True)
+    assert statekit.CheckpointManager(accelerator2, str(tmp_path / "run")).resume() == 1
+    assert all(torch.equal(v, expected[k]) for k, v in unet2.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(extra2["ema"].shadow_params, expected_ema))
