@@ -76,8 +76,12 @@ def save_state(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
+    blocking: bool = True,
+    staging: Any = None,
+    exclusive: bool = False,
+    after_commit: Any = None,
     **options: Any,
-) -> dict[str, Any]:
+) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
 
     Call it on every process (as ``accelerator.save_state``).
@@ -89,10 +93,15 @@ def save_state(
         metadata: JSON-able metadata for the manifest.
         overwrite: replace a committed checkpoint at ``url``.
         storage_options: fsspec options.
+        blocking: False: stage to host memory and write in the background (returns a
+            :class:`statekit.asyncsave.PendingSave`).
+        staging: a :class:`statekit.staging.StagingPool` to reuse (async saves).
+        exclusive: fail if another saver commits this checkpoint first.
+        after_commit: ``callable()`` run right after the commit (used by the manager).
         **options: plugin options (``checkpoint.options``).
 
     Returns:
-        The committed manifest.
+        The committed manifest (or a ``PendingSave`` when not ``blocking``).
 
     Raises:
         CheckpointExistsError, PluginError, UnsupportedValueError, StorageError: as
@@ -107,6 +116,10 @@ def save_state(
         storage_options=storage_options,
         options=options,
         accelerator=accelerator,
+        blocking=blocking,
+        staging=staging,
+        exclusive=exclusive,
+        after_commit=after_commit,
     )
 
 

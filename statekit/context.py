@@ -9,14 +9,16 @@ reading when ``verify`` is on.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import torch
 
 from statekit import codec, format as fmt
 from statekit.errors import CorruptCheckpointError, StatekitError
+from statekit.staging import StagingPool
 from statekit.storage import Storage, storage_errors
 
 CORE = "statekit"
@@ -75,6 +77,7 @@ class Checkpoint:
         model_keys: dict[int, str] | None = None,
         manifest: dict[str, Any] | None = None,
         verify: bool = True,
+        staging: StagingPool | None = None,
     ) -> None:
         self.storage = storage
         self.url = storage.url
@@ -96,6 +99,9 @@ class Checkpoint:
             {k: dict(v) for k, v in manifest.get("records", {}).items()} if manifest else {}
         )
         self._writable = mode == "save"
+        self._staging = staging
+        self._deferred: list[Callable[[], None]] = []
+        self._planned: set[str] = set()
 
     # ---------------------------------------------------------------- identity
 
@@ -128,14 +134,27 @@ class Checkpoint:
         if not self._writable:
             raise StatekitError(f"{self.url}: checkpoint is not open for writing ({self.mode}); cannot write {rel!r}")
         fmt.check_relpath(rel, source=self.url)
-        if rel in self.files or rel == fmt.MANIFEST_NAME:
+        if rel in self._planned or rel == fmt.MANIFEST_NAME:
             raise StatekitError(f"{self.url}/{rel}: written twice in one save (or reserved name)")
+        self._planned.add(rel)
         return rel
 
-    def _record(self, rel: str, size_bytes: int, checksum: str) -> dict[str, Any]:
-        entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": self.plugin or CORE}
+    def _record(self, rel: str, size_bytes: int, checksum: str, writer: str | None = None) -> dict[str, Any]:
+        entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": writer or self.plugin or CORE}
         self.files[rel] = entry
         return entry
+
+    @property
+    def staging(self) -> bool:
+        """True during an async save: writers copy what they are given and defer the I/O
+        to :meth:`flush` (run by the background thread)."""
+        return self._staging is not None
+
+    def flush(self) -> None:
+        """Perform the deferred writes of an async save, in the order they were made."""
+        deferred, self._deferred = self._deferred, []
+        for write in deferred:
+            write()
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
@@ -156,6 +175,11 @@ class Checkpoint:
         """
         if mode == "wb":
             self._check_writable(rel)
+            if self._staging is not None:
+                buffer = io.BytesIO()
+                yield buffer
+                self._defer_bytes(rel, buffer.getvalue())
+                return
             with self.storage.open_write(rel) as f:
                 writer = _HashingWriter(f)
                 yield writer
@@ -188,10 +212,30 @@ class Checkpoint:
             StorageError: the write failed.
         """
         self._check_writable(rel)
+        if self._staging is not None:
+            fmt.build_header(tensors, metadata)  # fail now, on the caller's thread, for bad dtypes
+            staged = self._staging.stage(rel, tensors)
+            writer = self.plugin
+            self._deferred.append(lambda: self._write_tensors(rel, staged, metadata, writer))
+            return {"rank": self.rank, "writer": writer or CORE, "staged": True}
+        return self._write_tensors(rel, tensors, metadata, self.plugin)
+
+    def _write_tensors(
+        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str | None
+    ) -> dict[str, Any]:
         hasher = fmt.new_hasher()
         with self.storage.open_write(rel) as f:
             size = fmt.write_tensors(f, tensors, metadata, hasher)
-        return self._record(rel, size, fmt.checksum_string(hasher))
+        return self._record(rel, size, fmt.checksum_string(hasher), writer)
+
+    def _defer_bytes(self, rel: str, data: bytes) -> None:
+        writer = self.plugin
+
+        def write() -> None:
+            self.storage.write_bytes(rel, data)
+            self._record(rel, len(data), fmt.checksum_bytes(data), writer)
+
+        self._deferred.append(write)
 
     def save_json(self, rel: str, obj: Any) -> dict[str, Any]:
         """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values).
@@ -204,6 +248,9 @@ class Checkpoint:
             data = json.dumps(obj, indent=1, allow_nan=False).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise StatekitError(f"{self.url}/{rel}: value is not strict JSON: {exc}") from exc
+        if self._staging is not None:
+            self._defer_bytes(rel, data)
+            return {"rank": self.rank, "writer": self.plugin or CORE, "staged": True}
         self.storage.write_bytes(rel, data)
         return self._record(rel, len(data), fmt.checksum_bytes(data))
 

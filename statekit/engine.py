@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
+import socket
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ from statekit.errors import (
     UnsupportedValueError,
 )
 from statekit.plugins import call_each, get_plugin_manager
+from statekit.staging import StagingPool
 from statekit.storage import Storage
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -223,14 +227,24 @@ def save_objects(
     options: dict[str, Any] | None = None,
     accelerator: Any = None,
     exclusive: bool = False,
-) -> dict[str, Any]:
+    blocking: bool = True,
+    staging: StagingPool | None = None,
+    after_commit: Any = None,
+) -> Any:
     """Save classified entries (the engine behind :func:`save` and the Accelerate bridge).
 
-    Args: as :func:`save`, plus ``accelerator`` (passed to hooks) and ``exclusive``
-    (commit fails with :class:`CheckpointExistsError` if another saver committed first).
+    Args: as :func:`save`, plus
+        accelerator: passed to hooks as ``checkpoint.accelerator``.
+        exclusive: the commit fails with :class:`CheckpointExistsError` if another saver
+            committed this checkpoint first (the manager sets it).
+        blocking: False stages the state to host memory on this thread and writes from a
+            background thread; returns a :class:`statekit.asyncsave.PendingSave`.
+        staging: the :class:`StagingPool` to reuse for an async save.
+        after_commit: ``callable()`` run after the commit on the writing thread (the
+            manager updates ``latest`` and applies retention there).
 
     Returns:
-        The committed manifest.
+        The committed manifest, or a ``PendingSave`` when not ``blocking``.
     """
     rank, world_size = distributed.rank_and_world_size()
     storage = Storage(url, storage_options)
@@ -254,7 +268,6 @@ def save_objects(
     core_models = [unwrap_model(m, accelerator) for m in models]
     model_keys = {id(m): e.key for m, e in zip(models, model_entries)}
     model_keys.update({id(m): e.key for m, e in zip(core_models, model_entries)})
-    objects = {e.key: e.obj for e in entries if e.kind != "model"}
     checkpoint = Checkpoint(
         storage,
         mode="save",
@@ -263,34 +276,97 @@ def save_objects(
         step=step,
         accelerator=accelerator,
         options=options,
-        objects=dict(objects),
+        objects={e.key: e.obj for e in entries if e.kind != "model"},
         model_keys=model_keys,
+        staging=None if blocking else (staging if staging is not None else StagingPool()),
     )
     owners: dict[str, str] = {}
+    stage_error: Exception | None = None
+    try:
+        _run_pre_hooks_and_write(pm, checkpoint, entries, models, core_models, model_entries, model_keys, owners)
+    except Exception as exc:
+        if world_size == 1:
+            _release_lock(storage, rank)
+            raise
+        stage_error = exc  # every rank must still take part in the agreement below
 
-    def write() -> None:
-        hook_models = list(models)
-        weights: list[Mapping[str, Any]] = [LazyStateDict(m) for m in core_models]
-        claimed_weights = _track_claims(checkpoint, hook_models, weights, model_keys, owners)
-        call_each(
-            pm,
-            "statekit_save_state_pre",
-            checkpoint,
-            {"models": hook_models, "weights": weights, "output_dir": storage.url, "checkpoint": checkpoint},
-            after_each=claimed_weights,
-        )
-        checkpoint.plugin = None
-        remaining = {id(m) for m in hook_models}
-        for m, core_model, entry, weight in zip(models, core_models, model_entries, _weights_of(hook_models, weights, models)):
-            if id(m) not in remaining or rank != 0:
-                continue
-            _save_model(checkpoint, entry.key, weight if weight is not None else LazyStateDict(core_model))
-        for entry in entries:
-            if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
-                continue
-            checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
+    def finish() -> dict[str, Any]:
+        def flush() -> None:
+            if stage_error is not None:
+                raise stage_error
+            checkpoint.flush()
 
-    _agree(write, url)
+        try:
+            _agree(flush, url)
+            manifest = _commit_all(pm, storage, checkpoint, entries, owners, step, metadata, exclusive)
+        except BaseException:
+            _release_lock(storage, rank)  # nothing committed; a retry may take the directory
+            raise
+        checkpoint.manifest = manifest
+        checkpoint._writable = False
+        if after_commit is not None:
+            _agree(after_commit, url)
+        distributed.barrier()
+        return manifest
+
+    def post(manifest: dict[str, Any]) -> None:
+        _warn_if_no_rng(pm, checkpoint)
+        call_each(pm, "statekit_save_state_post", checkpoint, {"models": models, "output_dir": storage.url, "checkpoint": checkpoint})
+
+    if not blocking:
+        from statekit.asyncsave import PendingSave
+
+        return PendingSave(storage.url, finish, post)
+    manifest = finish()
+    post(manifest)
+    return manifest
+
+
+def _run_pre_hooks_and_write(
+    pm: Any,
+    checkpoint: Checkpoint,
+    entries: list[Entry],
+    models: list[Any],
+    core_models: list[Any],
+    model_entries: list[Entry],
+    model_keys: dict[int, str],
+    owners: dict[str, str],
+) -> None:
+    """Pre-hooks one plugin at a time, then the core's own files (or their staged copies)."""
+    rank = checkpoint.rank
+    hook_models = list(models)
+    weights: list[Mapping[str, Any]] = [LazyStateDict(m) for m in core_models]
+    call_each(
+        pm,
+        "statekit_save_state_pre",
+        checkpoint,
+        {"models": hook_models, "weights": weights, "output_dir": checkpoint.url, "checkpoint": checkpoint},
+        after_each=_track_claims(checkpoint, hook_models, weights, model_keys, owners),
+    )
+    checkpoint.plugin = None
+    remaining = {id(m) for m in hook_models}
+    for m, core_model, entry, weight in zip(models, core_models, model_entries, _weights_of(hook_models, weights, models)):
+        if id(m) not in remaining or rank != 0:
+            continue
+        _save_model(checkpoint, entry.key, weight if weight is not None else LazyStateDict(core_model))
+    for entry in entries:
+        if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
+            continue
+        checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
+
+
+def _commit_all(
+    pm: Any,
+    storage: Storage,
+    checkpoint: Checkpoint,
+    entries: list[Entry],
+    owners: dict[str, str],
+    step: int | None,
+    metadata: dict[str, Any],
+    exclusive: bool,
+) -> dict[str, Any]:
+    """Gather every rank's file entries to rank 0, write the manifest there, share it."""
+    rank = checkpoint.rank
     plugin_versions = _plugin_versions(pm, owners, checkpoint)
     gathered = distributed.gather_to_rank0(checkpoint.files)
     manifest = None
@@ -303,20 +379,14 @@ def save_objects(
             "statekit_version": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
             "step": step,
-            "world_size": world_size,
+            "world_size": checkpoint.world_size,
             "plugins": plugin_versions,
             "objects": _objects_table(entries, owners, files, pm),
             "records": checkpoint.all_records(),
             "files": files,
             "metadata": metadata,
         }
-    manifest = _agree(lambda: _commit(storage, manifest, exclusive) if rank == 0 else None, url, broadcast=True)
-    distributed.barrier()
-    checkpoint.manifest = manifest
-    checkpoint._writable = False
-    _warn_if_no_rng(pm, checkpoint)
-    call_each(pm, "statekit_save_state_post", checkpoint, {"models": models, "output_dir": storage.url, "checkpoint": checkpoint})
-    return manifest
+    return _agree(lambda: _commit(storage, manifest, exclusive) if rank == 0 else None, storage.url, broadcast=True)
 
 
 def _weights_of(hook_models: list[Any], weights: list[Any], models: list[Any]) -> list[Any]:
@@ -358,7 +428,21 @@ def _save_model(checkpoint: Checkpoint, key: str, weights: Mapping[str, Any]) ->
         checkpoint.save_state(key, dict(weights))
 
 
+LOCK_NAME = ".statekit-lock"
+"""Created exclusively by the saver that owns a checkpoint directory until it commits."""
+
+LOCK_TIMEOUT_S = 900.0
+"""A lock of another host older than this (seconds) is taken to be left by a crashed save."""
+
+
 def _prepare_target(storage: Storage, overwrite: bool) -> None:
+    """Own the directory for this save: refuse a committed checkpoint (unless
+    ``overwrite``), take the lock, clear leftovers of a crashed save.
+
+    Raises:
+        CheckpointExistsError: committed and not ``overwrite``, or another live save holds
+            the lock (two processes saving the same step: exactly one commits).
+    """
     storage.invalidate()
     if storage.exists(fmt.MANIFEST_NAME):
         if not overwrite:
@@ -366,13 +450,66 @@ def _prepare_target(storage: Storage, overwrite: bool) -> None:
                 f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         storage.remove(fmt.MANIFEST_NAME)  # uncommit first, so a crash below leaves no half checkpoint
-    if storage.exists():
-        storage.remove_tree()  # leftovers of an interrupted save
+    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode()
+    if storage.create_exclusive(LOCK_NAME, lock):
+        if len(storage.listdir()) > 1:  # leftovers of an interrupted save that had no lock
+            for name in storage.listdir():
+                if name != LOCK_NAME:
+                    _remove_entry(storage, name)
+        return
+    holder = _lock_holder(storage)
+    if not overwrite and holder is not None and holder.get("alive", True):
+        raise CheckpointExistsError(
+            f"{storage.url} is being saved by another process ({holder.get('host')} pid {holder.get('pid')}, "
+            f"started {time.time() - holder.get('created', time.time()):.0f} s ago); pass overwrite=True to take over"
+        )
+    storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
+    if not storage.create_exclusive(LOCK_NAME, lock):
+        raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
+
+
+def _release_lock(storage: Storage, rank: int) -> None:
+    if rank == 0:
+        try:
+            storage.remove(LOCK_NAME)
+        except StatekitError:
+            pass  # the storage is failing; a later save finds the lock stale
+
+
+def _remove_entry(storage: Storage, name: str) -> None:
+    child = storage.child(name)
+    if storage.fs.isdir(child.path):
+        child.remove_tree()
+    else:
+        storage.remove(name)
+
+
+def _lock_holder(storage: Storage) -> dict[str, Any] | None:
+    """Who holds the lock, with ``alive`` False when it is certainly stale."""
+    try:
+        holder = json.loads(storage.read_bytes(LOCK_NAME))
+    except (FileNotFoundError, ValueError, StatekitError):
+        return None
+    if not isinstance(holder, dict):
+        return None
+    age = time.time() - float(holder.get("created", 0))
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+            holder["alive"] = holder["pid"] != os.getpid() or age < LOCK_TIMEOUT_S
+        except ProcessLookupError:
+            holder["alive"] = False
+        except PermissionError:
+            holder["alive"] = True
+    else:
+        holder["alive"] = age < LOCK_TIMEOUT_S
+    return holder
 
 
 def _commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[str, Any]:
     data = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
     storage.commit(fmt.MANIFEST_NAME, data, exclusive=exclusive)
+    storage.remove(LOCK_NAME)  # committed: the lock has done its job
     return manifest
 
 

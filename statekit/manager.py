@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from statekit import distributed, engine, format as fmt
+from statekit.asyncsave import PendingSave
 from statekit.errors import CheckpointNotFoundError, StatekitError, StatekitWarning, StateMismatchError
+from statekit.staging import StagingPool
 from statekit.storage import Storage
 
 _NAME = re.compile(r"^checkpoint-(\d{8,})$")
@@ -109,18 +111,31 @@ class CheckpointManager:
     Creating a manager attaches statekit to the run (:func:`statekit.attach`): data
     loaders are tracked for exact mid-epoch resume and the ``statekit_attach`` hooks run.
 
+    Retention: a committed checkpoint is kept if *any* policy keeps it (the last
+    ``keep_last``; the best ``keep_best`` by ``monitor``; every ``keep_every_n_steps``-th
+    step); the others are deleted (manifest first) right after a new checkpoint commits.
+    The newest checkpoint and the one the run resumed from are never deleted. With no
+    policy, every checkpoint is kept. Steps come from directory names, never from listing
+    order, and nothing is renamed, so retention works on object stores.
+
+    Also a context manager: leaving the ``with`` block waits for a pending async save.
+
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``; or, without
             Accelerate, a mapping of stateful objects as given to :func:`statekit.save`.
         root_url: directory URL holding ``checkpoint-<step>/`` and ``latest``.
-        keep_last: keep at most this many committed checkpoints (None: keep all). The
-            checkpoint the run resumed from and the newest one are never deleted, and
-            deletion happens only after the new checkpoint committed.
+        keep_last: keep the newest N committed checkpoints.
+        keep_best: keep the best K by ``metrics[monitor]`` given to :meth:`save`
+            (checkpoints without that metric never count as best).
+        monitor: the metric name for ``keep_best`` (default ``"loss"``).
+        mode: ``"min"`` (default) or ``"max"``: which direction is better.
+        keep_every_n_steps: keep checkpoints whose step is a multiple of M.
+        async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
         storage_options: fsspec options.
         **options: plugin options passed to every save and load.
 
     Raises:
-        ValueError: ``keep_last`` is not a positive integer.
+        ValueError: a policy value is not a positive integer, or ``mode`` is not min/max.
         PluginError: a ``statekit_attach`` hook failed.
     """
 
@@ -130,13 +145,21 @@ class CheckpointManager:
         root_url: str,
         keep_last: int | None = None,
         *,
+        keep_best: int | None = None,
+        monitor: str = "loss",
+        mode: str = "min",
+        keep_every_n_steps: int | None = None,
+        async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         from statekit.accelerate import attach
 
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         if isinstance(accelerator, Mapping):
             self.accelerator, self.objects = None, dict(accelerator)
         else:
@@ -144,6 +167,13 @@ class CheckpointManager:
         self.root = Storage(root_url, storage_options)
         self.root_url = self.root.url
         self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self.keep_every_n_steps = keep_every_n_steps
+        self.async_save = async_save
+        self.staging = StagingPool()
+        self.pending: PendingSave | None = None
         self.storage_options = storage_options
         self.options = options
         self.resumed_from: str | None = None
@@ -167,57 +197,102 @@ class CheckpointManager:
         """URL of the checkpoint directory of ``step``."""
         return self.root.url_of(checkpoint_name(step))
 
-    def save(self, step: int, metrics: Mapping[str, float] | None = None, *, overwrite: bool = False) -> dict[str, Any]:
+    def save(
+        self,
+        step: int,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        overwrite: bool = False,
+        blocking: bool | None = None,
+    ) -> dict[str, Any] | PendingSave:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
+
+        A previous async save is waited for first (and its error raised here).
 
         Args:
             step: the training step (names the directory).
             metrics: JSON-able numbers recorded in the manifest (``{"loss": 0.31}``).
             overwrite: replace an existing committed checkpoint of this step.
+            blocking: False: copy the state to reusable host buffers, return at once, and
+                write from a background thread (default: not ``async_save``).
 
         Returns:
-            The committed manifest.
+            The committed manifest, or (non-blocking) a :class:`PendingSave` whose
+            ``wait()`` returns it.
 
         Raises:
-            CheckpointExistsError: this step is committed already and not ``overwrite``.
+            CheckpointExistsError: this step is committed already (or another process
+                committed it first) and not ``overwrite``.
+            AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
         """
         from statekit.accelerate import save_state
 
+        self.wait()
+        blocking = not self.async_save if blocking is None else blocking
         url = self.url_for(step)
         metadata = {"metrics": dict(metrics)} if metrics else {}
+        common = dict(
+            step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
+            blocking=blocking, staging=self.staging, exclusive=not overwrite,
+            after_commit=lambda: self._after_commit(step, url),
+        )
         if self.accelerator is not None:
-            manifest = save_state(
-                self.accelerator, url, step=step, metadata=metadata, overwrite=overwrite,
-                storage_options=self.storage_options, **self.options,
-            )
+            result = save_state(self.accelerator, url, **common, **self.options)
         else:
-            manifest = engine.save(
-                url, self.objects, step=step, metadata=metadata, overwrite=overwrite,
-                storage_options=self.storage_options, **self.options,
-            )
-        if distributed.rank_and_world_size()[0] == 0:
-            self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
-            self._apply_retention(url)
-        distributed.barrier()
-        return manifest
+            entries = [engine.classify(k, v) for k, v in self.objects.items()]
+            result = engine.save_objects(url, entries, options=self.options, **common)
+        if not blocking:
+            self.pending = result
+        return result
+
+    def _after_commit(self, step: int, url: str) -> None:
+        if distributed.rank_and_world_size()[0] != 0:
+            return
+        self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+        self._apply_retention(url)
 
     def _apply_retention(self, newest_url: str) -> None:
-        if self.keep_last is None:
+        if self.keep_last is None and self.keep_best is None and self.keep_every_n_steps is None:
             return
         committed = [i for i in self.list() if i.committed]
-        protected = {newest_url, self.resumed_from}
-        surplus = len(committed) - self.keep_last
+        keep = {newest_url, self.resumed_from}
+        if self.keep_last is not None:
+            keep |= {i.url for i in committed[-self.keep_last :]}
+        if self.keep_every_n_steps is not None:
+            keep |= {i.url for i in committed if i.step % self.keep_every_n_steps == 0}
+        if self.keep_best is not None:
+            scored = [i for i in committed if isinstance((i.metrics or {}).get(self.monitor), (int, float))]
+            scored.sort(key=lambda i: i.metrics[self.monitor], reverse=self.mode == "max")
+            keep |= {i.url for i in scored[: self.keep_best]}
         for info in committed:
-            if surplus <= 0:
-                break
-            if info.url in protected:
-                continue
-            delete_checkpoint(info.url, self.storage_options)
-            surplus -= 1
+            if info.url not in keep:
+                delete_checkpoint(info.url, self.storage_options)
 
-    def wait(self) -> None:
-        """Wait for pending saves (saves are synchronous in this version: returns at once)."""
+    def wait(self) -> dict[str, Any] | None:
+        """Wait for the pending async save (if any) and run its post-hooks.
+
+        Returns:
+            Its committed manifest, or None if no save was pending.
+
+        Raises:
+            AsyncSaveError: it failed; the message names the URL, ``__cause__`` is the
+                original error with its traceback.
+        """
+        pending, self.pending = self.pending, None
+        return pending.wait() if pending is not None else None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if exc_info[0] is None:
+            self.wait()
+        elif self.pending is not None:  # already failing: don't mask that error
+            try:
+                self.wait()
+            except StatekitError as exc:
+                warnings.warn(f"{exc}", StatekitWarning, stacklevel=2)
 
     # ---------------------------------------------------------------- resume
 
@@ -240,6 +315,7 @@ class CheckpointManager:
         """
         from statekit.accelerate import load_state
 
+        self.wait()
         candidates = [i for i in self.list() if i.committed]
         last_error: StatekitError | None = None
         for info in reversed(candidates):

@@ -254,10 +254,42 @@ class Storage:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)
                 fsync_dir(directory)
-            else:
-                if exclusive and self.fs.exists(path):
+            elif exclusive:
+                if not self.create_exclusive(rel, data):
                     raise CheckpointExistsError(f"{url} already exists: another save committed it first")
+            else:
                 self.fs.pipe_file(path, data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create a small file only if it does not exist (``O_EXCL`` locally; a conditional
+        PUT, ``If-None-Match: *``, on stores that support it through fsspec's
+        ``pipe_file(mode="create")``).
+
+        Returns:
+            True if this call created it, False if it existed.
+        """
+        path = self.path_of(rel)
+        with storage_errors(self.url_of(rel), "creating"):
+            self._makedirs(path.rsplit("/", 1)[0])
+            if self.is_local:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return True
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except Exception as exc:
+                if "PreconditionFailed" in repr(exc) or "412" in str(exc):
+                    return False
+                raise
+            return True
 
     def remove(self, rel: str) -> None:
         """Remove one file if it exists."""

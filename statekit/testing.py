@@ -144,11 +144,12 @@ def _free_port() -> int:
 def _wait_for_http(url: str, process: subprocess.Popen, timeout_s: float) -> str | None:
     """Poll ``url`` until it answers; returns None when up, else why not."""
     deadline = time.monotonic() + timeout_s
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return f"exited with status {process.returncode}"
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with opener.open(url, timeout=1):
                 return None
         except urllib.error.HTTPError:
             return None  # it answered, with an error status: it is up

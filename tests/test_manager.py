@@ -130,7 +130,7 @@ KILLED_SAVE = textwrap.dedent(
             writes += 1
             if writes == kill_on:
                 os.kill(os.getpid(), signal.SIGKILL)
-        if event == "os.rename" and kill_on == 0:  # os.replace audits as os.rename
+        if event in ("os.rename", "os.link") and kill_on == 0:  # the manifest commit (os.replace or os.link)
             os.kill(os.getpid(), signal.SIGKILL)
     with torch.no_grad():
         model.weight.add_(1)
@@ -142,7 +142,7 @@ KILLED_SAVE = textwrap.dedent(
 
 
 # The save of step 2 opens for writing: model.safetensors, t.safetensors, t.json, the
-# manifest's temporary file, then ``latest``; 0 kills at the manifest's os.replace.
+# manifest's temporary file, then ``latest``; 0 kills at the manifest's os.link (exclusive commit).
 @pytest.mark.parametrize("kill_on", [0, 1, 2, 3, 4, 5])
 def test_resume_after_a_killed_save(tmp_path, kill_on):
     root = str(tmp_path / "run")

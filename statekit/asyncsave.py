@@ -1,0 +1,101 @@
+"""Background writes of async saves, and what happens to them at interpreter exit.
+
+``save(..., blocking=False)`` stages the state on the calling thread, then a
+:class:`PendingSave` writes and commits it from a (non-daemon) background thread. The
+next ``save()`` or ``wait()`` joins it: a failure is raised there with the original
+traceback chained and the checkpoint URL in the message; on success the post-hooks run
+there, on the caller's thread. At interpreter exit (where raising can no longer change
+the exit code) pending saves are joined; a failure nobody collected prints its traceback
+and URL and ends the process with exit code 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import traceback
+import weakref
+from typing import Any, Callable
+
+from statekit.errors import StatekitError
+
+_pending: weakref.WeakSet[PendingSave] = weakref.WeakSet()
+
+
+class AsyncSaveError(StatekitError):
+    """A background save failed; ``__cause__`` is the original error (its traceback kept).
+
+    Attributes:
+        url: the checkpoint URL.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class PendingSave:
+    """An async save in flight: ``wait()`` returns the committed manifest or raises.
+
+    Args:
+        url: the checkpoint URL (for messages).
+        finish: ``callable() -> manifest`` writing and committing (run on the thread).
+        post: ``callable(manifest)`` running the post-hooks (run by ``wait()``).
+    """
+
+    def __init__(self, url: str, finish: Callable[[], dict[str, Any]], post: Callable[[dict[str, Any]], None]) -> None:
+        self.url = url
+        self._finish = finish
+        self._post = post
+        self._manifest: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._collected = False
+        self._thread = threading.Thread(target=self._run, name=f"statekit-save {url}", daemon=False)
+        _pending.add(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._manifest = self._finish()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait() or at exit
+            self._error = exc
+
+    def done(self) -> bool:
+        """True once the background write finished (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> dict[str, Any]:
+        """Join the write; run the post-hooks once; return the manifest.
+
+        Raises:
+            AsyncSaveError: the write failed; ``__cause__`` is the original exception.
+            PluginError: a post-hook failed (the checkpoint is committed).
+        """
+        self._thread.join()
+        first = not self._collected
+        self._collected = True
+        if self._error is not None:
+            raise AsyncSaveError(
+                f"background save to {self.url} failed: {type(self._error).__name__}: {self._error}", self.url
+            ) from self._error
+        if first:
+            self._post(self._manifest)  # type: ignore[arg-type]
+        return self._manifest  # type: ignore[return-value]
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    for pending in list(_pending):
+        if pending._collected:
+            continue
+        try:
+            pending.wait()
+        except BaseException:  # noqa: BLE001 - nobody else can report it now
+            print(f"statekit: the background save to {pending.url} failed:", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
