@@ -1,14 +1,9 @@
-"""Core test configuration: the statekit.testing fixtures (plugin managers, storage URLs, S3)."""
+"""Core test configuration: the statekit.testing fixtures (plugin managers, storage URLs, S3).
 
-from __future__ import annotations
+statekit.testing is also a ``pytest11`` entry point named ``statekit.testing``; pytest
+registers a plugin once per name, so asking for it here is harmless when the entry point
+is loaded and needed when it is not (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``, or statekit
+not installed with its entry points).
+"""
 
-import os
-from importlib.metadata import entry_points
-
-# statekit.testing is a pytest11 plugin once statekit is installed with that entry point;
-# registering it a second time through pytest_plugins would fail, so only ask for it when
-# pytest does not load it by itself.
-if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") or not any(
-    ep.value.split(":")[0] == "statekit.testing" for ep in entry_points(group="pytest11")
-):
-    pytest_plugins = ["statekit.testing"]
+pytest_plugins = ["statekit.testing"]

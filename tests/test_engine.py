@@ -209,8 +209,6 @@ def test_load_fills_model_in_place():
 
 
 def test_manifest_fields(storage_url):
-    if not storage_url.startswith("memory://"):
-        pytest.skip("manifest content does not depend on the backend")
     src = trained()
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     manifest = statekit.save(storage_url, src, step=42, metadata={"loss": 0.5, "tags": ["a"]})
@@ -407,6 +405,54 @@ def test_subset_of_checkpoint_loads():
     Storage(url).remove_tree()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine bug: _load_entry restores a 'tensor' entry with copy_(), which broadcasts and casts: "
+    "a saved [1] float32 tensor loads into a [3] float64 target without StateMismatchError",
+)
+@pytest.mark.parametrize(
+    ("saved", "target"),
+    [(torch.ones(1), torch.zeros(3)), (torch.ones(3), torch.zeros(3, dtype=torch.float64))],
+    ids=["broadcast", "dtype"],
+)
+def test_tensor_mismatch_is_not_broadcast_or_cast(saved, target):
+    url = "memory://statekit-tests/tensor-broadcast"
+    statekit.save(url, {"t": saved}, overwrite=True)
+    before = target.clone()
+    try:
+        with pytest.raises(StateMismatchError, match="'t'"):
+            statekit.load(url, {"t": target})
+        assert_state_equal(before, target)
+    finally:
+        Storage(url).remove_tree()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="engine bug: _load_model calls model.load_state_dict() directly for models with extra state "
+    "(model.json): a shape mismatch raises torch's RuntimeError, not StateMismatchError, and the "
+    "parameters that did match are already overwritten",
+)
+def test_extra_state_model_mismatch_leaves_model_untouched():
+    class Extra(WithExtraState):
+        def __init__(self, n):
+            super().__init__()
+            self.lin = nn.Linear(2, n)
+            self.other = nn.Linear(2, 2)
+
+    url = "memory://statekit-tests/extra-mismatch"
+    statekit.save(url, {"model": Extra(2)}, overwrite=True)
+    target = Extra(3)
+    before = {k: v.clone() for k, v in target.state_dict().items() if isinstance(v, torch.Tensor)}
+    try:
+        with pytest.raises(StateMismatchError, match="lin.weight"):
+            statekit.load(url, {"model": target})
+        assert_state_equal(before, {k: v for k, v in target.state_dict().items() if isinstance(v, torch.Tensor)})
+    finally:
+        Storage(url).remove_tree()
+
+
 def test_optimizer_mismatch():
     url = "memory://statekit-tests/optim-mismatch"
     statekit.save(url, {"optim": trained()["optim"]}, overwrite=True)
@@ -485,16 +531,24 @@ def test_read_manifest_incomplete(tmp_path):
         engine.read_manifest(Storage(str(tmp_path / "nope")))
 
 
-@pytest.mark.parametrize("rel", ["model.safetensors", "optim.safetensors", "optim.json", "sched.json"])
-def test_flipped_byte_is_corrupt(storage_url, rel):
-    if storage_url.startswith("s3://") and rel != "model.safetensors":
-        pytest.skip("one S3 case is enough")
+def test_flipped_byte_is_corrupt(storage_url):
     statekit.save(storage_url, trained())
-    flip_byte(storage_url, rel)
+    flip_byte(storage_url, "model.safetensors")
     with pytest.raises(CorruptCheckpointError, match="checksum") as info:
         statekit.load(storage_url, fresh())
-    assert f"{storage_url}/{rel}" in str(info.value)
-    assert info.value.path == f"{storage_url}/{rel}"
+    assert f"{storage_url}/model.safetensors" in str(info.value)
+    assert info.value.path == f"{storage_url}/model.safetensors"
+    assert "partly overwritten" in str(info.value)  # the model was filled while reading
+
+
+@pytest.mark.parametrize("rel", ["optim.safetensors", "optim.json", "sched.json", "counter.json", "statekit.json"])
+def test_flipped_byte_in_other_files(tmp_path, rel):
+    url = str(tmp_path)
+    statekit.save(url, trained())
+    flip_byte(url, rel, offset=-3)
+    with pytest.raises(CorruptCheckpointError) as info:
+        statekit.load(url, fresh())
+    assert f"{url}/{rel}" in str(info.value)
 
 
 def test_flipped_byte_loads_without_verify(tmp_path):
@@ -639,8 +693,15 @@ def test_failed_save_then_retry(tmp_path):
     assert torch.equal(t, torch.ones(1))
 
 
-def test_memory_with_many_ranks_needs_dist():
-    pytest.skip("memory:// with world_size > 1 needs an initialised torch.distributed group")
+def test_memory_refuses_many_ranks(monkeypatch):
+    # no process group here: only the rank/world-size query is faked; the check runs first
+    from statekit import distributed
+
+    monkeypatch.setattr(distributed, "rank_and_world_size", lambda: (0, 2))
+    with pytest.raises(StorageError, match="memory:// is private to each process") as info:
+        statekit.save("memory://statekit-tests/ranks", {"t": torch.ones(1)})
+    assert info.value.url == "memory://statekit-tests/ranks"
+    assert not Storage("memory://statekit-tests/ranks").exists()
 
 
 # --------------------------------------------------------------------------- warnings

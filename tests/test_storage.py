@@ -228,3 +228,27 @@ def test_write_failure_is_storage_error(tmp_path):
 def test_fsync_dir_tolerates_missing(tmp_path):
     st.fsync_dir(str(tmp_path / "missing"))
     st.fsync_dir(str(tmp_path))
+
+
+@pytest.mark.s3
+def test_s3_explicit_storage_options(s3_server, s3_bucket, monkeypatch):
+    """Without AWS_ENDPOINT_URL, S3Server.storage_options reach the server (older s3fs)."""
+    import s3fs
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    s3fs.S3FileSystem.clear_instance_cache()
+    store = st.Storage(f"{s3_bucket}/explicit", storage_options=s3_server.storage_options)
+    store.write_bytes("a", b"1")
+    store.commit("statekit.json", b"{}", exclusive=True)
+    assert store.find() == ["a", "statekit.json"]
+    assert s3_server.filesystem().cat(f"{s3_bucket.removeprefix('s3://')}/explicit/a") == b"1"
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.s3
+def test_s3_environment(s3_server):
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_server.endpoint_url
+    assert os.environ["AWS_ACCESS_KEY_ID"] == "testing"
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "testing"
+    assert os.environ["AWS_DEFAULT_REGION"] == "us-east-1"
+    assert s3_server.endpoint_url.startswith("http://127.0.0.1:")
