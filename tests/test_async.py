@@ -1,0 +1,136 @@
+"""Async saves: staging, one save in flight, errors at the next save/wait and at exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import statekit
+from statekit.asyncsave import AsyncSaveError, PendingSave
+from statekit.manager import checkpoint_name
+from statekit.testing import assert_state_equal
+
+
+def test_checkpoint_holds_the_values_at_save_time(tmp_path, plugin_manager):
+    model = torch.nn.Linear(256, 256)
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path), async_save=True)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    pending = manager.save(1)
+    assert isinstance(pending, PendingSave)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the training loop goes on right away
+    manifest = manager.wait()
+    assert manifest["step"] == 1
+    fresh = torch.nn.Linear(256, 256)
+    statekit.load(str(tmp_path / checkpoint_name(1)), {"model": fresh})
+    assert_state_equal(fresh.state_dict(), expected)
+
+
+def test_staging_buffers_are_reused(tmp_path, plugin_manager):
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optim.step()
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path), async_save=True)
+    manager.save(1)
+    first = manager.staging.allocated_bytes
+    for step in (2, 3, 4):
+        manager.save(step)
+    manager.wait()
+    assert first > 0 and manager.staging.allocated_bytes == first
+
+
+def test_tied_weights_stay_tied_through_staging(tmp_path, plugin_manager):
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path), async_save=True)
+    manager.save(1)
+    manager.wait()
+    target = tmp_path / checkpoint_name(1) / "model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(target), "pt") as f:
+        assert len(list(f.keys())) == 1  # stored once, the alias is in the metadata
+
+
+def test_one_save_in_flight_and_post_hooks_at_wait(tmp_path, plugin_manager):
+    order = []
+
+    class Post:
+        @statekit.hookimpl
+        def statekit_save_state_post(self, checkpoint):
+            order.append(("post", checkpoint.step))
+
+    plugin_manager.register(Post(), name="post")
+    t = torch.zeros(4)
+    manager = statekit.CheckpointManager({"t": t}, str(tmp_path), async_save=True)
+    manager.save(1)
+    assert order == []  # post-hooks run on the caller's thread at the next save/wait
+    manager.save(2)
+    assert order == [("post", 1)]
+    manager.wait()
+    assert order == [("post", 1), ("post", 2)]
+    assert [i.step for i in manager.list()] == [1, 2]
+
+
+def test_failure_in_background_thread_keeps_traceback(tmp_path, plugin_manager, monkeypatch):
+    t = torch.zeros(4)
+    manager = statekit.CheckpointManager({"t": t}, str(tmp_path), async_save=True)
+
+    def broken_flush(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(statekit.Checkpoint, "flush", broken_flush)
+    manager.save(1)
+    with pytest.raises(AsyncSaveError, match=rf"background save to .*{checkpoint_name(1)} failed") as info:
+        manager.save(2)
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.__traceback__ is not None
+    monkeypatch.undo()
+    assert manager.latest() is None  # nothing committed
+    manager.save(3)
+    manager.wait()
+    assert manager.latest().endswith(checkpoint_name(3))
+
+
+def test_context_manager_waits(tmp_path, plugin_manager):
+    t = torch.arange(3.0)
+    with statekit.CheckpointManager({"t": t}, str(tmp_path), async_save=True) as manager:
+        manager.save(1)
+    assert manager.pending is None and manager.latest().endswith(checkpoint_name(1))
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, statekit
+    root = sys.argv[1]
+    manager = statekit.CheckpointManager({"t": torch.zeros(3)}, root, async_save=True)
+    if sys.argv[2] == "fail":
+        statekit.Checkpoint.flush = lambda self: (_ for _ in ()).throw(OSError(5, "disk on fire"))
+    manager.save(1)
+    print("leaving main", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("outcome", ["ok", "fail"])
+def test_pending_save_at_interpreter_exit(tmp_path, outcome):
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    root = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(root), outcome], capture_output=True, text=True, timeout=120)
+    assert "leaving main" in proc.stdout
+    if outcome == "ok":
+        assert proc.returncode == 0, proc.stderr
+        assert (root / checkpoint_name(1) / "statekit.json").exists()
+    else:
+        assert proc.returncode == 1
+        assert f"background save to {root / checkpoint_name(1)} failed" in proc.stderr
+        assert "disk on fire" in proc.stderr and "Traceback" in proc.stderr
+        assert not (root / checkpoint_name(1) / "statekit.json").exists()
