@@ -1,0 +1,312 @@
+"""Save a model whose weights are offloaded (Accelerate hooks) tensor by tensor, in the core's layout.
+
+A model dispatched by ``accelerate.dispatch_model`` / ``load_checkpoint_and_dispatch`` /
+``cpu_offload`` / ``disk_offload`` (or by this plugin) keeps offloaded parameters on the
+meta device; each module's ``AlignDevicesHook`` (``offload=True``) holds a
+``weights_map`` from which ``pre_forward`` fetches them. ``model.state_dict()`` of such
+a model holds meta tensors, so the core cannot save it.
+
+This module writes ``<key>.safetensors`` exactly as the core would (same header: the
+header is built by :func:`statekit.format.build_header`, tied parameters stored once
+and listed as aliases) but streams each tensor's bytes from where they live:
+
+* a tensor of an ``OffloadedWeightsLoader`` index entry that is a ``.dat`` file, or a
+  safetensors entry (``safetensors_file``/``weight_name``), is copied from that file in
+  chunks of :data:`statekit.format.CHUNK_BYTES`: nothing of it is held in memory;
+* any other offloaded tensor is fetched with ``weights_map[name]`` (one tensor at a time);
+* a tensor that is not offloaded (on the CPU or a device) is written from its memory.
+
+Peak memory is one chunk, or one tensor for the second case.
+
+Tied parameters: ``dispatch_model`` replaces offloaded parameters by per-module meta
+tensors, so ``find_tied_parameters`` no longer sees ties among them. The tie groups used
+are the union of ``find_tied_parameters(model)``, the groups recorded when this plugin
+loaded the model, the ``tied_parameters`` save option, and names whose index entries
+point at the same tensor of the same safetensors file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from statekit import format as fmt
+from statekit.errors import CorruptCheckpointError, StatekitError, StateMismatchError, UnsupportedDtypeError
+from statekit_offload import offload_format
+
+
+def _align_hooks(module: torch.nn.Module) -> list[Any]:
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+    return [h for h in hooks if isinstance(h, AlignDevicesHook)]
+
+
+def is_offloaded(model: torch.nn.Module) -> bool:
+    """True if ``model`` has Accelerate hooks that keep weights offloaded: a module whose
+    ``AlignDevicesHook`` has ``offload=True`` and a ``weights_map``.
+
+    Never imports accelerate for a model without ``_hf_hook`` attributes.
+    """
+    if not any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return False
+    return any(h.offload and h.weights_map is not None for m in model.modules() for h in _align_hooks(m))
+
+
+@dataclass(frozen=True)
+class _FileSource:
+    """Bytes of a tensor in a local file: ``nbytes`` from ``offset``."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+def _weights_map_of(model: torch.nn.Module, name: str) -> tuple[Any, str] | None:
+    """The ``(weights_map, key)`` an offload hook would fetch tensor ``name`` from."""
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:depth]))
+        except AttributeError:
+            continue
+        for hook in _align_hooks(module):
+            if hook.offload and hook.weights_map is not None and (depth == len(parts) - 1 or hook.place_submodules):
+                return hook.weights_map, ".".join(parts[depth:])
+    return None
+
+
+def _loader_entry(weights_map: Any, key: str) -> tuple[Any, str]:
+    """Unwrap ``PrefixedDataset`` layers: the innermost mapping and the full key in it."""
+    from accelerate.utils.offload import PrefixedDataset
+
+    while isinstance(weights_map, PrefixedDataset):
+        key = f"{weights_map.prefix}{key}"
+        weights_map = weights_map.dataset
+    return weights_map, key
+
+
+class _Headers:
+    """Parsed headers of safetensors files named by index entries, cached by path."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, fmt.TensorHeader] = {}
+
+    def get(self, path: str) -> fmt.TensorHeader:
+        if path not in self._cache:
+            with open(path, "rb") as f:
+                header, _ = fmt.parse_header(f.read(8), f.read, os.path.getsize(path), path)
+            self._cache[path] = header
+        return self._cache[path]
+
+
+def _file_source(loader: Any, key: str, target: torch.Tensor, headers: _Headers) -> tuple[_FileSource | None, Any]:
+    """Where ``loader[key]``'s bytes are on disk, if they can be copied as they are.
+
+    Returns:
+        ``(source, tie_identity)``: the source (or None when the tensor must be fetched
+        through the loader) and, for safetensors entries, ``(path, weight_name)``.
+    """
+    from accelerate.utils.offload import OffloadedWeightsLoader
+
+    if not isinstance(loader, OffloadedWeightsLoader) or key in loader.state_dict or key not in loader.index:
+        return None, None
+    info = loader.index[key]
+    nbytes = target.numel() * target.element_size()
+    if info.get("safetensors_file") is not None:
+        path = os.path.abspath(info["safetensors_file"])
+        weight_name = info.get("weight_name", key)
+        header = headers.get(path)
+        stored = header.aliases.get(weight_name, weight_name)
+        entry = next((e for e in header.entries if e.name == stored), None)
+        wanted = info.get("dtype")
+        if (
+            entry is None
+            or entry.dtype != target.dtype
+            or tuple(entry.shape) != tuple(target.shape)
+            or (wanted is not None and offload_format.torch_dtype_of(wanted) != target.dtype)
+        ):
+            return None, (path, stored)
+        return _FileSource(path, header.data_start + entry.begin, nbytes), (path, stored)
+    if loader.save_folder is None:
+        return None, None
+    path = offload_format.dat_path(loader.save_folder, key)
+    if (
+        info.get("dtype") != offload_format.offload_dtype_name(target.dtype)
+        or list(info.get("shape", [])) != list(target.shape)
+        or not os.path.isfile(path)
+        or os.path.getsize(path) != (nbytes or offload_format.EMPTY_DAT_BYTES)
+    ):
+        return None, None
+    return _FileSource(path, 0, nbytes), None
+
+
+def _merge_groups(groups: Iterable[Iterable[str]], names: set[str]) -> list[list[str]]:
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for group in groups:
+        members = [n for n in group if n in names]
+        for other in members[1:]:
+            parent[find(other)] = find(members[0])
+    merged: dict[str, list[str]] = {}
+    for n in parent:
+        merged.setdefault(find(n), []).append(n)
+    return [sorted(g) for g in merged.values() if len(g) > 1]
+
+
+def _copy_file(source: _FileSource, out: BinaryIO, name: str) -> None:
+    buffer = memoryview(bytearray(min(fmt.CHUNK_BYTES, max(source.nbytes, 1))))
+    with open(source.path, "rb") as f:
+        f.seek(source.offset)
+        done = 0
+        while done < source.nbytes:
+            piece = buffer[: min(len(buffer), source.nbytes - done)]
+            got = f.readinto(piece)
+            if not got:
+                raise CorruptCheckpointError(
+                    f"{source.path}: truncated while copying offloaded tensor {name!r}", path=source.path
+                )
+            out.write(piece[:got])
+            done += got
+
+
+def save_model(
+    checkpoint: Any,
+    key: str,
+    model: torch.nn.Module,
+    *,
+    tied_parameters: Iterable[Iterable[str]] = (),
+) -> dict[str, Any]:
+    """Write ``<key>.safetensors`` for an offloaded ``model``, tensor by tensor.
+
+    Args:
+        checkpoint: the :class:`statekit.Checkpoint` of the save (rank 0 writes).
+        key: the model's stable key.
+        model: the unwrapped model with Accelerate offload hooks.
+        tied_parameters: extra tie groups (lists of parameter names).
+
+    Returns:
+        The record stored for the model: ``{"file", "tensors", "from_files", "tied"}``.
+
+    Raises:
+        UnsupportedDtypeError: a tensor's dtype cannot be stored (names it).
+        StateMismatchError: an offloaded tensor has no source, or its source's shape or
+            dtype differs from the model's.
+        CorruptCheckpointError: an offload file is shorter than its index says.
+    """
+    from accelerate.utils import find_tied_parameters
+
+    from statekit_offload.loading import offload_info
+
+    rel = f"{key}.safetensors"
+    state = model.state_dict(keep_vars=True)
+    headers = _Headers()
+    sources: dict[str, Any] = {}  # name -> _FileSource | (weights_map, key) | tensor
+    same_file: dict[Any, list[str]] = {}
+    missing = []
+    for name, t in state.items():
+        if t.device.type != "meta":
+            sources[name] = t
+            continue
+        found = _weights_map_of(model, name)
+        if found is None:
+            missing.append(name)
+            continue
+        weights_map, local = found
+        loader, full_key = _loader_entry(weights_map, local)
+        source, identity = _file_source(loader, full_key, t, headers)
+        if identity is not None:
+            same_file.setdefault(identity, []).append(name)
+        sources[name] = source if source is not None else (weights_map, local)
+    if missing:
+        raise StateMismatchError(
+            f"model {key!r}: tensors on the meta device with no offload hook holding their values "
+            "(the model is not fully dispatched)",
+            missing=missing,
+        )
+    info = offload_info(model)
+    groups = [*find_tied_parameters(model), *(info.tied_parameters if info else []), *tied_parameters, *same_file.values()]
+    tied = _merge_groups(groups, set(state))
+
+    # Placeholders carry shape and dtype for the header; one object per tie group, so
+    # statekit.format stores the group once and lists the other names as aliases.
+    placeholders: dict[str, torch.Tensor] = {}
+    group_of = {n: g for g in tied for n in g}
+    for name, t in state.items():
+        group = group_of.get(name)
+        first = group[0] if group else name
+        if group and first in placeholders and name != first:
+            ref = placeholders[first]
+            if ref.shape == t.shape and ref.dtype == t.dtype:
+                placeholders[name] = ref
+                continue
+        try:
+            placeholders[name] = torch.empty((), dtype=t.dtype).expand(t.shape)
+        except (RuntimeError, TypeError) as exc:
+            raise UnsupportedDtypeError(f"tensor {name!r} of model {key!r} has dtype {t.dtype}: {exc}") from exc
+    header, plan = fmt.build_header(placeholders)
+    from_files = 0
+    if checkpoint.rank == 0:
+        with checkpoint.open(rel, "wb") as out:
+            out.write(header)
+            for p in plan:
+                from_files += _write_one(out, p, sources[p.name], state[p.name], key)
+    del placeholders, plan
+    return {"file": rel, "tensors": len(state), "from_files": from_files, "tied": tied}
+
+
+def _write_one(out: BinaryIO, p: Any, source: Any, target: torch.Tensor, key: str) -> int:
+    if isinstance(source, _FileSource):
+        _copy_file(source, out, p.name)
+        return 1
+    if isinstance(source, tuple):
+        weights_map, local = source
+        value = weights_map[local]
+        if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
+            raise StateMismatchError(
+                f"model {key!r}: offloaded tensor {p.name!r} is {list(value.shape)} {value.dtype}, "
+                f"the model expects {list(target.shape)} {target.dtype}",
+                mismatched={p.name: f"offloaded {list(value.shape)} {value.dtype} vs model {list(target.shape)} {target.dtype}"},
+            )
+    else:
+        value = source
+    view = fmt.tensor_bytes(value)
+    if len(view) != p.nbytes:
+        raise StatekitError(f"model {key!r}: tensor {p.name!r} has {len(view)} bytes, expected {p.nbytes}")
+    for start in range(0, len(view), fmt.CHUNK_BYTES):
+        out.write(view[start : start + fmt.CHUNK_BYTES])
+    return 0
+
+
+def load_plain(checkpoint: Any, key: str, model: torch.nn.Module, rel: str) -> None:
+    """Load ``rel`` into a model with real tensors, in place, as the core does.
+
+    Used when a model this plugin saved is loaded without a device map.
+
+    Raises:
+        StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.
+        CorruptCheckpointError: the file is malformed or fails verification.
+    """
+    from statekit_offload import _stream
+    from statekit_offload.loading import _check_shapes
+
+    url = f"{checkpoint.url}/{rel}"
+    targets = model.state_dict()
+    with checkpoint.open(rel, "rb") as f:
+        header = _stream.read_header(f, url, None)
+    _check_shapes(header, targets, f"model {key!r} ({url})")
+    with torch.no_grad():
+        checkpoint.load_tensors(rel, into=targets)
