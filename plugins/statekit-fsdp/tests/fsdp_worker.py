@@ -118,9 +118,11 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[di
     from statekit_fsdp.state import split_state
 
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    msd, osd = get_state_dict(inner, [optim], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload=True (rank 0 only) segfaults for FSDP1 on CPU/gloo in torch 2.13; the
+    # models here are tiny, so every rank gathers the full state.
+    msd, osd = get_state_dict(inner, [optim], options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     skeleton, tensors = split_state({"model": msd, "optim": osd})
-    groups = [dict(g) for g in osd.get("param_groups", [])]  # cpu_offload: rank 0 only
+    groups = [dict(g) for g in osd["param_groups"]]
     return {k: t.detach().clone().contiguous() for k, t in tensors.items()}, {"param_groups": json.dumps(groups, sort_keys=True)}
 
 
@@ -139,6 +141,7 @@ def storage_options() -> dict | None:
 def main(argv: list[str]) -> None:
     import faulthandler
 
+    faulthandler.enable()
     faulthandler.dump_traceback_later(float(os.environ.get("FSDP_WORKER_TIMEOUT_S", "150")), exit=True)
     warnings.simplefilter("ignore", FutureWarning)
     warnings.simplefilter("ignore", UserWarning)

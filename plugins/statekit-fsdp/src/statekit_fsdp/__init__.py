@@ -28,8 +28,8 @@ __all__ = ["PLUGIN_NAME", "__version__", "consolidate"]
 def consolidate(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None, verify: bool = True) -> list[str]:
     """Write the full (unsharded) weights of a checkpoint's models as safetensors files.
 
-    See :func:`statekit_fsdp.consolidate.consolidate` (imported lazily).
+    See :func:`statekit_fsdp.consolidation.consolidate` (imported lazily).
     """
-    from statekit_fsdp.consolidate import consolidate as _consolidate
+    from statekit_fsdp.consolidation import consolidate as _consolidate
 
     return _consolidate(src_url, out_url, storage_options=storage_options, verify=verify)

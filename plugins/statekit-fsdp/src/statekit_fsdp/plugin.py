@@ -39,8 +39,8 @@ RECORD_FORMAT = 1
 
 
 def _convert_to_safetensors(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None) -> None:
-    """``statekit convert SRC OUT --to safetensors``: see :func:`statekit_fsdp.consolidate.consolidate`."""
-    from statekit_fsdp.consolidate import consolidate
+    """``statekit convert SRC OUT --to safetensors``: see :func:`statekit_fsdp.consolidation.consolidate`."""
+    from statekit_fsdp.consolidation import consolidate
 
     consolidate(src_url, out_url, storage_options=storage_options)
 
