@@ -282,3 +282,30 @@ def test_dtensor_model_is_left_to_the_fsdp_plugin(tmp_path, plugin_manager):
     assert seen["left"] == ["sharded"]
     assert manifest["objects"]["sharded"]["owner"] == "fsdp"
     assert manifest["objects"]["plain"]["owner"] == "diffusers"
+
+
+def test_fsdp2_model_goes_to_statekit_fsdp_and_folder_names_avoid_its_key(pm, tmp_path):
+    """With the real statekit-fsdp plugin: a fully_shard UNet is saved by it under its stable
+    key ("unet/"), the plain UNet by statekit-diffusers under another folder."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if pm.get_plugin("fsdp") is None:
+        pytest.skip("statekit-fsdp is not installed")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        sharded, plain = tiny_unet(), tiny_unet(seed=1)
+        fully_shard(sharded)
+        url = str(tmp_path / "ckpt")
+        manifest = statekit.save(url, {"unet": sharded, "plain": plain})
+        assert manifest["objects"]["unet"]["owner"] == "fsdp"
+        assert manifest["objects"]["plain"]["owner"] == "diffusers"
+        assert manifest["records"]["diffusers"]["plain"]["folder"] == "unet_1"
+        fresh_sharded, fresh_plain = tiny_unet(seed=2), tiny_unet(seed=2)
+        fully_shard(fresh_sharded)
+        statekit.load(url, {"unet": fresh_sharded, "plain": fresh_plain})
+    finally:
+        dist.destroy_process_group()
+    assert_same_weights(plain, fresh_plain)
+    for a, b in zip(sharded.state_dict().values(), fresh_sharded.state_dict().values()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())

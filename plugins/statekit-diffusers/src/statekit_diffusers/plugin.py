@@ -228,7 +228,9 @@ def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: s
         return
 
     # Folder names: names given in code first, derived names around them.
-    used = {k for k in checkpoint.objects} | {checkpoint.key_of(m) for m in models} | {"rng"}
+    # Every stable key is reserved (a plugin that ran before may have written "<key>/"), bar our own.
+    all_model_keys = set(getattr(checkpoint, "_model_keys", {}).values()) | {checkpoint.key_of(m) for m in models}
+    used = set(checkpoint.objects) | all_model_keys | {"rng"}
     used -= {m.key for m in taken} | {k for k, _ in emas} | {k for k, _ in schedulers}
     explicit: dict[str, str] = {}
 
