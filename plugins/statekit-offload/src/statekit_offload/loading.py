@@ -41,6 +41,7 @@ import torch
 from statekit import format as fmt
 from statekit.errors import CorruptCheckpointError, StatekitError, StatekitWarning, StateMismatchError, StorageError
 from statekit_offload import _stream, in_use, offload_format
+from statekit_offload._ties import merge_groups
 
 DEVICE_MAP_STRINGS = ("auto", "balanced", "balanced_low_0", "sequential")
 """The string device maps accepted (as ``accelerate.load_checkpoint_and_dispatch``)."""
@@ -311,14 +312,14 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
     url = f"{checkpoint.url}/{rel}"
     expected = checkpoint.manifest["files"][rel] if checkpoint.verify else None
     targets = model.state_dict(keep_vars=True)
-    tied = find_tied_parameters(model)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     device_map = _resolve_device_map(model, opts) if opts.places else {"": "cpu"}
     buffers = {name for name, _ in model.named_buffers()}
     placement = {name: _device_of(name, device_map, f"model {key!r}") for name in targets}
     for name, device in placement.items():
         if device == "disk" and name in buffers and not opts.offload_buffers:
             placement[name] = "cpu"  # Accelerate keeps the buffers of offloaded modules in memory
-    info = OffloadInfo(checkpoint.url, key, device_map, tied_parameters=tied)
+    info = OffloadInfo(checkpoint.url, key, device_map)
     disk = any(d == "disk" for d in placement.values())
     folder = None
     if disk:
@@ -347,6 +348,11 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
         names_of: dict[str, list[str]] = {e.name: [e.name] for e in header.entries}
         for alias, stored in header.aliases.items():
             names_of[stored].append(alias)
+        # Ties: the model's own, and the checkpoint's aliases (names saved as one storage).
+        # A model built under init_empty_weights() has lost its ties (register_parameter
+        # makes a new meta Parameter per name) until tie_weights() is called.
+        tied = merge_groups([*find_tied_parameters(model), *names_of.values()], params)
+        info.tied_parameters = tied
         sinks: dict[str, _stream.Sink] = {}
         for e in header.entries:
             sink = _stream.Sink()

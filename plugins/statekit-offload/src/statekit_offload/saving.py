@@ -37,6 +37,7 @@ import torch
 from statekit import format as fmt
 from statekit.errors import CorruptCheckpointError, StatekitError, StateMismatchError, UnsupportedDtypeError
 from statekit_offload import offload_format
+from statekit_offload._ties import merge_groups
 
 
 def _align_hooks(module: torch.nn.Module) -> list[Any]:
@@ -148,25 +149,6 @@ def _file_source(loader: Any, key: str, target: torch.Tensor, headers: _Headers)
     return _FileSource(path, 0, nbytes), None
 
 
-def _merge_groups(groups: Iterable[Iterable[str]], names: set[str]) -> list[list[str]]:
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for group in groups:
-        members = [n for n in group if n in names]
-        for other in members[1:]:
-            parent[find(other)] = find(members[0])
-    merged: dict[str, list[str]] = {}
-    for n in parent:
-        merged.setdefault(find(n), []).append(n)
-    return [sorted(g) for g in merged.values() if len(g) > 1]
-
-
 def _copy_file(source: _FileSource, out: BinaryIO, name: str) -> None:
     buffer = memoryview(bytearray(min(fmt.CHUNK_BYTES, max(source.nbytes, 1))))
     with open(source.path, "rb") as f:
@@ -239,7 +221,7 @@ def save_model(
         )
     info = offload_info(model)
     groups = [*find_tied_parameters(model), *(info.tied_parameters if info else []), *tied_parameters, *same_file.values()]
-    tied = _merge_groups(groups, set(state))
+    tied = merge_groups(groups, set(state))
 
     # Placeholders carry shape and dtype for the header; one object per tie group, so
     # statekit.format stores the group once and lists the other names as aliases.
