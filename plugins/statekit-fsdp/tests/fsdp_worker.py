@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 
@@ -75,6 +76,12 @@ def build(flavor: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimize
     return model, optim
 
 
+def scheduler(optim: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A cosine schedule (its chained form reads the optimizer's current lr: a resume that
+    restores the optimizer and the schedule inconsistently changes the losses)."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=10)
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the global batch of ``step`` (the same data at any world size)."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -85,7 +92,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
-def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, sched: Any = None) -> float:
     """One optimizer step; returns the global mean loss (the same number on every rank)."""
     import torch.distributed as dist
 
@@ -98,6 +105,8 @@ def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) 
             dist.all_reduce(p.grad)
             p.grad /= rank_world()[1]
     optim.step()
+    if sched is not None:
+        sched.step()
     value = loss.detach().clone()
     if rank_world()[1] > 1:
         dist.all_reduce(value)
@@ -169,14 +178,15 @@ def main(argv: list[str]) -> None:
     try:
         if args.command == "save":
             model, optim = build(args.flavor, seed=0)
+            sched = scheduler(optim)
             for step in range(3):
-                train_step(model, optim, step)
+                train_step(model, optim, step, sched)
             target = optim
             if args.accelerate:
                 from accelerate import Accelerator
 
                 target = Accelerator(cpu=True).prepare_optimizer(optim)
-            statekit.save(args.url, {"model": model, "optim": target}, step=3)
+            statekit.save(args.url, {"model": model, "optim": target, "sched": sched}, step=3)
             if args.full:
                 dump(args.full, model, optim)
             if args.then_load:
@@ -188,16 +198,17 @@ def main(argv: list[str]) -> None:
             statekit.load(args.url, {"model": model, "optim": optim})
             dump(args.full, model, optim)
         else:
-            model, optim = build(args.flavor, seed=0)
+            model, optim = build(args.flavor, seed=0 if not args.resume else 1)
+            sched = scheduler(optim)
             first = 0
             if args.resume:
-                statekit.load(args.url, {"model": model, "optim": optim})
+                statekit.load(args.url, {"model": model, "optim": optim, "sched": sched})
                 first = args.save_at
             losses = {}
             for step in range(first, args.steps):
-                losses[step] = train_step(model, optim, step)
+                losses[step] = train_step(model, optim, step, sched)
                 if not args.resume and step + 1 == args.save_at:
-                    statekit.save(args.url, {"model": model, "optim": optim}, step=step + 1)
+                    statekit.save(args.url, {"model": model, "optim": optim, "sched": sched}, step=step + 1)
             if rank_world()[0] == 0:
                 with open(args.losses, "w") as f:
                     json.dump({str(k): v for k, v in losses.items()}, f)

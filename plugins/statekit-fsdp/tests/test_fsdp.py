@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp_testlib import assert_full_equal, load_full, torchrun
-from fsdp_worker import build, full_state, train_step
+from fsdp_worker import build, full_state, scheduler, train_step
 
 import statekit
 from statekit import CorruptCheckpointError, PluginError, StatekitError, StateMismatchError
@@ -118,6 +118,8 @@ def test_fsdp2_layout_in_manifest(fsdp2_ckpt: dict[str, Path]) -> None:
     manifest = manifest_of(str(fsdp2_ckpt["url"]))
     assert manifest["objects"]["model"]["owner"] == "fsdp"
     assert manifest["objects"]["optim"]["owner"] == "fsdp"  # unwrapped from AcceleratedOptimizer
+    assert manifest["objects"]["sched"]["owner"] == "statekit"  # schedulers stay with the core
+    assert "sched.json" in manifest["files"]
     files = manifest["files"]
     assert files["model/rank-00000.safetensors"]["rank"] == 0
     assert files["model/rank-00001.safetensors"]["rank"] == 1
@@ -330,9 +332,11 @@ def test_resume_at_same_world_size_is_bit_identical(trained: dict[str, Path], tm
 def test_resume_resharded_to_1_continues_the_loss_curve(trained: dict[str, Path]) -> None:
     full = read_losses(trained["losses"])
     model, optim = build("plain", seed=7)
-    statekit.load(str(trained["url"]), {"model": model, "optim": optim})
+    sched = scheduler(optim)
+    statekit.load(str(trained["url"]), {"model": model, "optim": optim, "sched": sched})
+    assert sched.last_epoch == SAVE_AT
     for step in range(SAVE_AT, TRAIN_STEPS):
-        loss = train_step(model, optim, step)
+        loss = train_step(model, optim, step, sched)
         assert math.isclose(loss, full[step], rel_tol=RESHARD_RTOL), (step, loss, full[step])
 
 

@@ -133,13 +133,13 @@ def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
 
     from statekit import codec
     from statekit_fsdp.dcp_storage import StatekitStorageWriter
-    from statekit_fsdp.state import optimizers_of, split_state
+    from statekit_fsdp.state import optimizers_of, split_state, unique
 
     optimizers = optimizers_of(model, checkpoint.objects, key) if _objects_writable(checkpoint) else []
     for okey, _ in optimizers:
         checkpoint.objects.pop(okey)
     if optimizers:
-        model_sd, optim_sd = get_state_dict(model, [o for _, o in optimizers])
+        model_sd, optim_sd = get_state_dict(model, unique([o for _, o in optimizers]))
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model)}
@@ -203,7 +203,7 @@ def _load_sharded(checkpoint: Any, key: str, model: Any) -> None:
 
     from statekit import CorruptCheckpointError, StatekitError, StateMismatchError
     from statekit_fsdp.dcp_storage import StatekitStorageReader, read_metadata
-    from statekit_fsdp.state import fill_state, global_shape, inner_optimizer, refs_of, split_state
+    from statekit_fsdp.state import fill_state, global_shape, inner_optimizer, refs_of, split_state, unique
 
     record = checkpoint.records.get(key)
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
@@ -218,7 +218,9 @@ def _load_sharded(checkpoint: Any, key: str, model: Any) -> None:
             f"{checkpoint.url}: model {key!r} was saved with optimizers {saved_optims}; load all of them or none "
             f"(got {present})"
         )
-    optimizers = [inner_optimizer(checkpoint.objects.pop(k)) for k in present]
+    optimizers = unique([inner_optimizer(checkpoint.objects.pop(k)) for k in present])
+    if None in optimizers:
+        raise StatekitError(f"{checkpoint.url}: {present} must be optimizers (saved as the optimizers of model {key!r})")
 
     metadata = read_metadata(checkpoint, key)
     saved = checkpoint.load_state(f"{key}/state")

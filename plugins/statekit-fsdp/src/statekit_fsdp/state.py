@@ -65,13 +65,20 @@ def sharding_kind(model: torch.nn.Module) -> str | None:
 
 
 def inner_optimizer(obj: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer behind ``obj`` (Accelerate's ``AcceleratedOptimizer`` keeps it
-    in ``.optimizer``), or None when ``obj`` is not an optimizer."""
-    seen = 0
-    while isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer) and seen < 8:
-        obj = obj.optimizer
-        seen += 1
-    return obj if isinstance(obj, torch.optim.Optimizer) else None
+    """The torch optimizer behind ``obj``, or None when ``obj`` is not an optimizer.
+
+    Optimizer wrappers that are optimizers themselves (Accelerate's
+    ``AcceleratedOptimizer`` keeps the real one in ``.optimizer``) are unwrapped. LR
+    schedulers also have an ``.optimizer`` but are not optimizers: None.
+    """
+    if not isinstance(obj, torch.optim.Optimizer):
+        return None
+    for _ in range(8):
+        inner = getattr(obj, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is obj:
+            break
+        obj = inner
+    return obj
 
 
 def optimizers_of(model: torch.nn.Module, objects: Mapping[str, Any], where: str) -> list[tuple[str, torch.optim.Optimizer]]:
@@ -83,7 +90,8 @@ def optimizers_of(model: torch.nn.Module, objects: Mapping[str, Any], where: str
         where: the model's key, named in errors.
 
     Returns:
-        ``[(key, torch_optimizer)]`` in ``objects`` order.
+        ``[(key, torch_optimizer)]`` in ``objects`` order (two keys for one optimizer, say
+        the wrapper and the optimizer it wraps, are both listed).
 
     Raises:
         StatekitError: an optimizer holds parameters of this model *and* other tensors
@@ -106,6 +114,12 @@ def optimizers_of(model: torch.nn.Module, objects: Mapping[str, Any], where: str
             )
         found.append((key, opt))
     return found
+
+
+def unique(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The optimizers without repeats (by identity), in order."""
+    seen: set[int] = set()
+    return [o for o in optimizers if not (id(o) in seen or seen.add(id(o)))]
 
 
 # --------------------------------------------------------------------------- tensor / JSON split
