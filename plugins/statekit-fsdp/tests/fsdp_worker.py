@@ -12,7 +12,8 @@ the gloo backend on CPU. Commands:
   from the checkpoint instead; write the per-step global losses to ``--losses``.
 
 Flavors: ``fsdp2`` (``fully_shard`` per Linear and at the root), ``fsdp1``
-(``FullyShardedDataParallel(device_id=cpu, use_orig_params=True)``), ``ddp``, ``plain``.
+(``FullyShardedDataParallel(device_id=cpu, use_orig_params=True)``), ``fsdp1-flat`` (the same
+with ``use_orig_params=False``: the optimizer sees FlatParameters), ``ddp``, ``plain``.
 The full state is written by rank 0 as a safetensors file (``model.<fqn>`` and
 ``optim.<path>`` tensors; param_groups as JSON in the metadata).
 """
@@ -64,10 +65,10 @@ def build(flavor: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimize
         for layer in (model.inp, model.hidden, model.out):
             fully_shard(layer)
         fully_shard(model)
-    elif flavor == "fsdp1":
+    elif flavor in ("fsdp1", "fsdp1-flat"):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=flavor == "fsdp1")
     elif flavor == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif flavor != "plain":
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> None:
 
     import statekit
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.flavor in ("fsdp2", "fsdp1", "ddp"):
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.flavor in ("fsdp2", "fsdp1", "fsdp1-flat", "ddp"):
         import datetime
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("FSDP_WORKER_TIMEOUT_S", "150"))))

@@ -291,9 +291,12 @@ def test_s3_reshard_4_to_2(s3_bucket: str, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- FSDP1 and DDP
 
 
-def test_fsdp1_round_trip_and_load_into_plain_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flavor", ["fsdp1", pytest.param("fsdp1-flat", marks=pytest.mark.slow)])
+def test_fsdp1_round_trip_and_load_into_plain_model(tmp_path: Path, flavor: str) -> None:
+    """FSDP1 runs on CPU with ``device_id=torch.device("cpu")``; ``fsdp1-flat`` is
+    ``use_orig_params=False`` (the optimizer holds FlatParameters)."""
     url, full, reloaded = tmp_path / "ckpt", tmp_path / "full.safetensors", tmp_path / "reloaded.safetensors"
-    torchrun(2, "save", "--flavor", "fsdp1", "--url", str(url), "--full", str(full), "--then-load", str(reloaded))
+    torchrun(2, "save", "--flavor", flavor, "--url", str(url), "--full", str(full), "--then-load", str(reloaded))
     assert_full_equal(full, reloaded)
     manifest = manifest_of(str(url))
     assert manifest["records"]["fsdp"]["model"]["sharding"] == "fsdp1"
@@ -406,3 +409,25 @@ def test_split_and_fill_state_round_trip() -> None:
     assert fill_state(skeleton, tensors)["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
     with pytest.raises(StatekitError, match="same key"):
         split_state({"a.b": a, "a": {"b": b}})
+
+
+def test_dcp_failures_become_statekit_errors_naming_ranks() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from statekit_fsdp.plugin import _run_dcp
+
+    def failing(*failures: tuple[int, BaseException]) -> object:
+        def fn() -> None:
+            raise CheckpointException("write", {rank: (exc, None) for rank, exc in failures})
+
+        return fn
+
+    with pytest.raises(StatekitError, match=r"rank\(s\) \[1\].*rank 1: ValueError: disk full") as info:
+        _run_dcp(failing((1, ValueError("disk full"))), "sharded save of 'model'")
+    assert type(info.value) is StatekitError
+    with pytest.raises(CorruptCheckpointError, match="rank 1: CorruptCheckpointError: x/rank-00001.safetensors"):
+        _run_dcp(failing((1, CorruptCheckpointError("x/rank-00001.safetensors: checksum"))), "sharded load")
+    own = StateMismatchError("model 'm'", missing=["model.w"])
+    with pytest.raises(StateMismatchError) as raised:  # this rank's (rank 0's) own statekit error, as it is
+        _run_dcp(failing((0, own), (1, ValueError("other"))), "sharded load")
+    assert raised.value is own
