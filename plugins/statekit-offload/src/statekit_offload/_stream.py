@@ -144,3 +144,30 @@ def stream(
                     for out in outs:
                         out.write(piece)
         position += nbytes
+
+
+def check_against_manifest(
+    url: str, expected: Mapping[str, Any] | None, header: fmt.TensorHeader, hasher: Any, consequence: str = ""
+) -> None:
+    """After :func:`stream` read every byte through ``hasher``: compare size and checksum
+    with the file's manifest entry (nothing to do when ``expected`` is None).
+
+    Args:
+        url: the file's URL, named in errors.
+        expected: its manifest entry (``size_bytes``, ``checksum``), or None.
+        header: its parsed header.
+        hasher: the hasher that saw every byte of the file.
+        consequence: what the failure means for the caller, appended to the message.
+
+    Raises:
+        CorruptCheckpointError: size or checksum differs (names the file).
+    """
+    if expected is None:
+        return
+    note = f" ({consequence})" if consequence else ""
+    size = header.data_start + header.data_bytes
+    if size != expected["size_bytes"]:
+        raise CorruptCheckpointError(f"{url}: size {size} bytes, manifest says {expected['size_bytes']}{note}", path=url)
+    actual = fmt.checksum_string(hasher)
+    if actual != expected["checksum"]:
+        raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected['checksum']}{note}", path=url)

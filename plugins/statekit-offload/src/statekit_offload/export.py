@@ -91,7 +91,5 @@ def _export_model(checkpoint: Any, key: str, folder: str) -> None:
             index[name] = offload_format.dat_entry(e.dtype, e.shape)
             sinks[e.name].paths.append(offload_format.dat_path(folder, name))
         _stream.stream(f, header, url, sinks, hasher)
-    from statekit_offload.loading import _verify_end
-
-    _verify_end(checkpoint, rel, expected, header, hasher)
+    _stream.check_against_manifest(url, expected, header, hasher, f"nothing of {folder} is usable")
     offload_format.write_index(folder, index)

@@ -120,8 +120,10 @@ class OffloadInfo:
         offload_folder: the offload folder written, or None when nothing went to disk.
         in_place: tensor names read in place from the checkpoint's safetensors file.
         copied: tensor names copied to ``.dat`` files in the offload folder.
-        in_memory_fallback: disk-mapped tensors kept in CPU memory because Accelerate's
-            offload format cannot hold their dtype (complex32, float4).
+        in_memory_fallback: disk-mapped tensors kept in CPU memory (given to
+            ``dispatch_model`` as its ``state_dict``) because Accelerate's offload format
+            cannot hold their dtype (complex32, float4); a :class:`statekit.StatekitWarning`
+            names them.
         marker: the in-use marker protecting the checkpoint, or None.
         tied_parameters: the tied parameter groups of the model before dispatch
             (``accelerate.utils.find_tied_parameters``).
@@ -267,22 +269,6 @@ def model_file(checkpoint: Any, key: str) -> str:
     return rel
 
 
-def _verify_end(checkpoint: Any, rel: str, expected: dict[str, Any] | None, header: fmt.TensorHeader, hasher: Any) -> None:
-    if expected is None:
-        return
-    url = f"{checkpoint.url}/{rel}"
-    size = header.data_start + header.data_bytes
-    if size != expected["size_bytes"]:
-        raise CorruptCheckpointError(f"{url}: size {size} bytes, manifest says {expected['size_bytes']}", path=url)
-    actual = fmt.checksum_string(hasher)
-    if actual != expected["checksum"]:
-        raise CorruptCheckpointError(
-            f"{url}: checksum {actual}, manifest says {expected['checksum']} (the model is partly loaded: "
-            "load a good checkpoint into a fresh model)",
-            path=url,
-        )
-
-
 def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOptions) -> OffloadInfo:
     """Fill ``model`` from ``<key>.safetensors`` of ``checkpoint`` and dispatch it.
 
@@ -344,7 +330,7 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
     extras: dict[str, torch.Tensor] = {}  # disk-mapped names kept in memory (dtype not offloadable)
     with checkpoint.open(rel, "rb") as f:
         header = _stream.read_header(f, url, expected["size_bytes"] if expected else None, hasher)
-        _check_shapes(header, {k: v for k, v in targets.items()}, f"model {key!r} ({url})")
+        _check_shapes(header, targets, f"model {key!r} ({url})")
         names_of: dict[str, list[str]] = {e.name: [e.name] for e in header.entries}
         for alias, stored in header.aliases.items():
             names_of[stored].append(alias)
@@ -382,7 +368,8 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
             if isinstance(exc, StatekitError):
                 raise
             raise StorageError(f"{url}: loading into offload_folder={folder!r} failed: {exc}", url=folder or url) from exc
-    _verify_end(checkpoint, rel, expected, header, hasher)
+    _stream.check_against_manifest(url, expected, header, hasher, "the model is partly loaded: load a good "
+                                   "checkpoint into a fresh model")
 
     with torch.no_grad():
         for stored, names in names_of.items():
