@@ -8,8 +8,9 @@ the gloo backend on CPU. Commands:
   checkpoint into a fresh model (seed 1) and dump that state to FILE.
 * ``load``: build a fresh model (seed 1), ``statekit.load`` the checkpoint, dump the
   full state to ``--full``.
-* ``train``: train ``--steps`` steps, saving at ``--save-at``; with ``--resume`` start
-  from the checkpoint instead; write the per-step global losses to ``--losses``.
+* ``train``: train ``--steps`` steps with a ``CheckpointManager`` (``--url`` is its root,
+  async saves), saving at ``--save-at``; with ``--resume`` start from the newest
+  checkpoint instead; write the per-step global losses to ``--losses``.
 
 Flavors: ``fsdp2`` (``fully_shard`` per Linear and at the root), ``fsdp1``
 (``FullyShardedDataParallel(device_id=cpu, use_orig_params=True)``), ``fsdp1-flat`` (the same
@@ -199,17 +200,23 @@ def main(argv: list[str]) -> None:
             statekit.load(args.url, {"model": model, "optim": optim})
             dump(args.full, model, optim)
         else:
+            from statekit.manager import CheckpointManager
+
             model, optim = build(args.flavor, seed=0 if not args.resume else 1)
             sched = scheduler(optim)
+            # async: the shards are staged on this thread, written in the background while
+            # training goes on (and changes the parameters)
+            manager = CheckpointManager({"model": model, "optim": optim, "sched": sched}, args.url, async_save=True)
             first = 0
             if args.resume:
-                statekit.load(args.url, {"model": model, "optim": optim, "sched": sched})
-                first = args.save_at
+                first = manager.resume()
+                assert first == args.save_at, first
             losses = {}
             for step in range(first, args.steps):
                 losses[step] = train_step(model, optim, step, sched)
                 if not args.resume and step + 1 == args.save_at:
-                    statekit.save(args.url, {"model": model, "optim": optim, "sched": sched}, step=step + 1)
+                    manager.save(step + 1)
+            manager.wait()
             if rank_world()[0] == 0:
                 with open(args.losses, "w") as f:
                     json.dump({str(k): v for k, v in losses.items()}, f)

@@ -74,7 +74,8 @@ def fsdp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An uninterrupted 2-rank FSDP2 training of TRAIN_STEPS steps that saved at SAVE_AT."""
+    """An uninterrupted 2-rank FSDP2 training of TRAIN_STEPS steps that saved at SAVE_AT
+    (``CheckpointManager``, async: training goes on while the shards are written)."""
     d = tmp_path_factory.mktemp("train")
     paths = {"url": d / "ckpt", "losses": d / "losses.json"}
     torchrun(
@@ -82,6 +83,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "--save-at", str(SAVE_AT), "--losses", str(paths["losses"]),
     )  # fmt: skip
     return paths
+
+
+def plugin_failure(exc: BaseException) -> BaseException:
+    """The error a plugin raised: statekit passes its own errors through (attributed to the
+    plugin) or wraps others in a ``PluginError`` whose ``__cause__`` is the original."""
+    if isinstance(exc, PluginError) and exc.__cause__ is not None:
+        return exc.__cause__
+    return exc
 
 
 def read_losses(path: Path) -> dict[int, float]:
@@ -154,9 +163,9 @@ def test_model_alone_loads_without_its_optimizer(fsdp2_ckpt: dict[str, Path]) ->
 
 def test_optimizer_alone_is_refused(fsdp2_ckpt: dict[str, Path]) -> None:
     model, optim = build("plain", seed=1)
-    with pytest.raises(PluginError, match="load it together with that model") as info:
+    with pytest.raises(StatekitError, match="load it together with that model") as info:
         statekit.load(str(fsdp2_ckpt["url"]), {"optim": optim})
-    assert info.value.plugin_name == "fsdp"
+    assert info.value.plugin_name == "fsdp"  # type: ignore[attr-defined]
 
 
 def test_shape_mismatch_names_keys_and_leaves_model_untouched(fsdp2_ckpt: dict[str, Path]) -> None:
@@ -164,9 +173,9 @@ def test_shape_mismatch_names_keys_and_leaves_model_untouched(fsdp2_ckpt: dict[s
     model.out = torch.nn.Linear(7, 4)
     model.scale = torch.ones(4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(PluginError) as info:
+    with pytest.raises(StatekitError) as info:
         statekit.load(str(fsdp2_ckpt["url"]), {"model": model, "optim": torch.optim.AdamW(model.parameters())})
-    cause = info.value.__cause__
+    cause = plugin_failure(info.value)
     assert isinstance(cause, StateMismatchError)
     assert "model.out.weight" in cause.mismatched
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -180,9 +189,9 @@ def test_corrupt_shard_is_named(fsdp2_ckpt: dict[str, Path], tmp_path: Path) -> 
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     model, optim = build("plain", seed=1)
-    with pytest.raises(PluginError) as info:
+    with pytest.raises(StatekitError) as info:
         statekit.load(str(url), {"model": model, "optim": optim})
-    cause = info.value.__cause__
+    cause = plugin_failure(info.value)
     assert isinstance(cause, CorruptCheckpointError)
     assert "model/rank-00001.safetensors" in str(cause) and "checksum" in str(cause)
 
@@ -198,6 +207,19 @@ def test_consolidate_to_one_safetensors_file(fsdp2_ckpt: dict[str, Path], tmp_pa
     assert_full_equal({k: v for k, v in expected.items() if k.startswith("model.")}, {f"model.{k}": v for k, v in consolidated.items()})
     model, _ = build("plain", seed=1)
     model.load_state_dict(consolidated)  # the FQNs of the plain model
+
+
+def test_statekit_convert_cli_finds_the_converter(fsdp2_ckpt: dict[str, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from statekit.cli import main
+
+    result = CliRunner().invoke(main, ["convert", str(fsdp2_ckpt["url"]), str(tmp_path / "out"), "--to", "safetensors"])
+    assert result.exit_code == 0, result.output
+    expected, _ = load_full(fsdp2_ckpt["full"])
+    consolidated = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(consolidated) == sorted(k.removeprefix("model.") for k in expected if k.startswith("model."))
 
 
 def test_consolidate_refuses_a_corrupt_shard(fsdp2_ckpt: dict[str, Path], tmp_path: Path) -> None:
@@ -336,7 +358,7 @@ def test_resume_resharded_to_1_continues_the_loss_curve(trained: dict[str, Path]
     full = read_losses(trained["losses"])
     model, optim = build("plain", seed=7)
     sched = scheduler(optim)
-    statekit.load(str(trained["url"]), {"model": model, "optim": optim, "sched": sched})
+    statekit.load(f"{trained['url']}/checkpoint-{SAVE_AT:08d}", {"model": model, "optim": optim, "sched": sched})
     assert sched.last_epoch == SAVE_AT
     for step in range(SAVE_AT, TRAIN_STEPS):
         loss = train_step(model, optim, step, sched)
