@@ -106,3 +106,13 @@ def saved(tmp_path, pm):
     with torch.no_grad():
         ref = net(IDS)
     return url, net, ref
+
+
+def raised(error: BaseException, cls: type[BaseException]) -> BaseException:
+    """The ``cls`` error a plugin raised, as the caller sees it: the error itself (the core
+    lets statekit's specific errors through, attributed to the plugin) or the
+    ``__cause__`` of a :class:`statekit.PluginError` (cores that wrap every plugin error)."""
+    if not isinstance(error, cls) and isinstance(error, statekit.PluginError):
+        error = error.__cause__  # type: ignore[assignment]
+    assert isinstance(error, cls), f"expected {cls.__name__}, got {type(error).__name__}: {error}"
+    return error

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 from accelerate.utils import find_tied_parameters
-from conftest import ALL_DISK, IDS, SPLIT_MAP, build_net
+from conftest import ALL_DISK, IDS, SPLIT_MAP, build_net, raised
 
 import statekit
 from statekit_offload import offload_info
@@ -83,11 +83,10 @@ def test_memory_checkpoint_is_copied(pm, tmp_path):
     statekit.load(url, {"model": model}, device_map=SPLIT_MAP, offload_folder=tmp_path / "off")
     assert torch.equal(_forward(model), _forward(net))
     assert offload_info(model).in_place == [] and len(offload_info(model).copied) == 5
-    with pytest.raises(statekit.PluginError) as excinfo:
+    with pytest.raises(statekit.StatekitError) as excinfo:
         statekit.load(url, {"model": build_net(meta=True)}, device_map=SPLIT_MAP, offload_folder=tmp_path / "o2",
                       offload_copy=False)
-    assert isinstance(excinfo.value.__cause__, statekit.StorageError)
-    assert "offload_copy=False" in str(excinfo.value.__cause__)
+    assert "offload_copy=False" in str(raised(excinfo.value, statekit.StorageError))
 
 
 def test_auto_device_map_from_max_memory(saved, tmp_path):
@@ -142,10 +141,9 @@ def test_real_model_without_options_is_left_to_the_core(saved):
 
 def test_missing_offload_folder_names_the_option(saved):
     url, _, _ = saved
-    with pytest.raises(statekit.PluginError) as excinfo:
+    with pytest.raises(statekit.StatekitError) as excinfo:
         statekit.load(url, {"model": build_net(meta=True)}, device_map=ALL_DISK)
-    cause = excinfo.value.__cause__
-    assert isinstance(cause, statekit.StorageError) and isinstance(cause, statekit.StatekitError)
+    cause = raised(excinfo.value, statekit.StorageError)
     assert "offload_folder" in str(cause) and "model.safetensors" in str(cause)
 
 
@@ -154,10 +152,9 @@ def test_unwritable_offload_folder_names_option_and_path(saved, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     for folder in (blocker, blocker / "sub"):
-        with pytest.raises(statekit.PluginError) as excinfo:
+        with pytest.raises(statekit.StatekitError) as excinfo:
             statekit.load(url, {"model": build_net(meta=True)}, device_map=ALL_DISK, offload_folder=folder)
-        cause = excinfo.value.__cause__
-        assert isinstance(cause, statekit.StorageError)
+        cause = raised(excinfo.value, statekit.StorageError)
         assert f"offload_folder={str(folder)!r}" in str(cause) and cause.url == str(folder)
 
 
@@ -168,10 +165,9 @@ def test_read_only_offload_folder(saved, tmp_path):
     folder.mkdir()
     folder.chmod(0o500)
     try:
-        with pytest.raises(statekit.PluginError) as excinfo:
+        with pytest.raises(statekit.StatekitError) as excinfo:
             statekit.load(url, {"model": build_net(meta=True)}, device_map=ALL_DISK, offload_folder=folder)
-        assert isinstance(excinfo.value.__cause__, statekit.StorageError)
-        assert str(folder) in str(excinfo.value.__cause__)
+        assert str(folder) in str(raised(excinfo.value, statekit.StorageError))
     finally:
         folder.chmod(0o700)
 
@@ -190,10 +186,10 @@ def test_corrupt_offloaded_tensor_is_detected(saved, tmp_path):
     data = bytearray(open(path, "rb").read())
     data[-5] ^= 0xFF  # inside the last tensor's bytes
     open(path, "wb").write(bytes(data))
-    with pytest.raises(statekit.PluginError) as excinfo:
+    with pytest.raises(statekit.StatekitError) as excinfo:
         statekit.load(url, {"model": build_net(meta=True)}, device_map=ALL_DISK, offload_folder=tmp_path / "off")
-    assert isinstance(excinfo.value.__cause__, statekit.CorruptCheckpointError)
-    assert "model.safetensors" in str(excinfo.value.__cause__) and "checksum" in str(excinfo.value.__cause__)
+    cause = raised(excinfo.value, statekit.CorruptCheckpointError)
+    assert "model.safetensors" in str(cause) and "checksum" in str(cause)
     model = build_net(meta=True)  # verify=False skips the check (and the bytes of in-place tensors)
     statekit.load(url, {"model": model}, device_map=ALL_DISK, offload_folder=tmp_path / "off2", verify=False)
     assert not torch.equal(_forward(model), ref)
@@ -206,10 +202,9 @@ def test_shape_mismatch_is_listed(saved, tmp_path):
 
     with init_empty_weights():
         wrong = Net(d=8)
-    with pytest.raises(statekit.PluginError) as excinfo:
+    with pytest.raises(statekit.StatekitError) as excinfo:
         statekit.load(url, {"model": wrong}, device_map=ALL_DISK, offload_folder=tmp_path / "off")
-    cause = excinfo.value.__cause__
-    assert isinstance(cause, statekit.StateMismatchError)
+    cause = raised(excinfo.value, statekit.StateMismatchError)
     assert "block.lin.weight" in str(cause) and "untouched" in str(cause)
 
 
@@ -231,3 +226,16 @@ def test_bad_device_map_string(saved, tmp_path):
     url, _, _ = saved
     with pytest.raises(statekit.PluginError, match="device_map='everywhere'"):
         statekit.load(url, {"model": build_net(meta=True)}, device_map="everywhere", offload_folder=tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_cpu_and_disk(saved, tmp_path):
+    url, net, _ = saved
+    model = build_net(meta=True)
+    device_map = {"embed": 0, "block": "cpu", "out": "disk", "head": 0}
+    statekit.load(url, {"model": model}, device_map=device_map, offload_folder=tmp_path / "off")
+    assert model.embed.weight.device.type == "cuda" and model.head.weight is model.embed.weight
+    with torch.no_grad():
+        got = model(IDS.cuda())
+        want = net.cuda()(IDS.cuda())  # the fully loaded model, same kernels
+    assert got.device.type == "cuda" and torch.equal(got, want)

@@ -11,7 +11,7 @@ tensors are ``seek``-ed over. Memory beyond the target tensors: one chunk buffer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -29,10 +29,13 @@ class Sink:
         memory: a writable byte view of a CPU tensor that receives the bytes, or None.
         paths: local files created (truncated) to each receive a copy of the bytes; they
             are open only while this tensor is read.
+        done: called once the tensor's bytes are all in place (e.g. to move the tensor to
+            its device and drop the CPU copy before the next one is read), or None.
     """
 
     memory: memoryview | None = None
     paths: list[str] = field(default_factory=list)
+    done: Callable[[], None] | None = None
 
 
 def read_header(f: BinaryIO, source: str, file_size: int | None, hasher: Any = None) -> fmt.TensorHeader:
@@ -144,6 +147,8 @@ def stream(
                     for out in outs:
                         out.write(piece)
         position += nbytes
+        if sink is not None and sink.done is not None:
+            sink.done()
 
 
 def check_against_manifest(

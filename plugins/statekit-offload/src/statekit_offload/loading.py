@@ -28,6 +28,7 @@ from ``max_memory`` and ``no_split_module_classes``.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import warnings
@@ -326,8 +327,21 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
 
     hasher = fmt.new_hasher() if expected is not None else None
     index: dict[str, Any] = {}
-    in_memory: dict[str, torch.Tensor] = {}  # stored name -> CPU tensor
     extras: dict[str, torch.Tensor] = {}  # disk-mapped names kept in memory (dtype not offloadable)
+
+    def place(names: list[str], value: torch.Tensor | None) -> None:
+        # Called as soon as a tensor is read: a tensor for an accelerator leaves the CPU
+        # before the next one is read, so CPU memory never holds more than one of them.
+        with torch.no_grad():
+            for n in names:
+                if placement[n] == "disk":
+                    if n in info.in_memory_fallback:
+                        extras[n] = value  # type: ignore[assignment]
+                    if targets[n].device.type != "meta":
+                        set_module_tensor_to_device(model, n, "meta")
+                else:
+                    set_module_tensor_to_device(model, n, placement[n], value=value)
+
     with checkpoint.open(rel, "rb") as f:
         header = _stream.read_header(f, url, expected["size_bytes"] if expected else None, hasher)
         _check_shapes(header, targets, f"model {key!r} ({url})")
@@ -359,8 +373,11 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
                     info.copied.append(n)
             if needs_memory:
                 tensor, sink.memory = _stream.empty_for(e)
-                in_memory[e.name] = tensor
-            if sink.memory is not None or sink.paths:
+                sink.done = functools.partial(place, names, tensor)
+                del tensor
+            elif any(targets[n].device.type != "meta" for n in names):
+                sink.done = functools.partial(place, names, None)  # a real tensor going to disk: free it
+            if sink.memory is not None or sink.paths or sink.done is not None:
                 sinks[e.name] = sink
         try:
             _stream.stream(f, header, url, sinks, hasher)
@@ -368,21 +385,11 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
             if isinstance(exc, StatekitError):
                 raise
             raise StorageError(f"{url}: loading into offload_folder={folder!r} failed: {exc}", url=folder or url) from exc
+        finally:
+            sinks.clear()  # the CPU tensors (those placed on the CPU live on in the model)
     _stream.check_against_manifest(url, expected, header, hasher, "the model is partly loaded: load a good "
                                    "checkpoint into a fresh model")
-
     with torch.no_grad():
-        for stored, names in names_of.items():
-            value = in_memory.get(stored)
-            for n in names:
-                if placement[n] == "disk":
-                    if n in info.in_memory_fallback:
-                        extras[n] = value  # type: ignore[assignment]
-                    if targets[n].device.type != "meta":
-                        set_module_tensor_to_device(model, n, "meta")
-                else:
-                    set_module_tensor_to_device(model, n, placement[n], value=value)
-        del in_memory
         retie_parameters(model, tied)
     if info.in_memory_fallback:
         warnings.warn(

@@ -35,7 +35,13 @@ from typing import Any, BinaryIO
 import torch
 
 from statekit import format as fmt
-from statekit.errors import CorruptCheckpointError, StatekitError, StateMismatchError, UnsupportedDtypeError
+from statekit.errors import (
+    CorruptCheckpointError,
+    StatekitError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedDtypeError,
+)
 from statekit_offload import offload_format
 from statekit_offload._ties import merge_groups
 
@@ -139,10 +145,11 @@ def _file_source(loader: Any, key: str, target: torch.Tensor, headers: _Headers)
     if loader.save_folder is None:
         return None, None
     path = offload_format.dat_path(loader.save_folder, key)
+    if not os.path.isfile(path):
+        raise StorageError(f"offloaded tensor {key!r}: its file {path} is missing from the offload folder", url=path)
     if (
         info.get("dtype") != offload_format.offload_dtype_name(target.dtype)
         or list(info.get("shape", [])) != list(target.shape)
-        or not os.path.isfile(path)
         or os.path.getsize(path) != (nbytes or offload_format.EMPTY_DAT_BYTES)
     ):
         return None, None
@@ -188,6 +195,7 @@ def save_model(
         StateMismatchError: an offloaded tensor has no source, or its source's shape or
             dtype differs from the model's.
         CorruptCheckpointError: an offload file is shorter than its index says.
+        StorageError: an offload file is missing or unreadable (names it).
     """
     from accelerate.utils import find_tied_parameters
 
@@ -256,7 +264,11 @@ def _write_one(out: BinaryIO, p: Any, source: Any, target: torch.Tensor, key: st
         return 1
     if isinstance(source, tuple):
         weights_map, local = source
-        value = weights_map[local]
+        try:
+            value = weights_map[local]
+        except OSError as exc:
+            raise StorageError(f"model {key!r}: cannot read offloaded tensor {p.name!r}: {exc}",
+                               url=getattr(exc, "filename", None)) from exc
         if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
             raise StateMismatchError(
                 f"model {key!r}: offloaded tensor {p.name!r} is {list(value.shape)} {value.dtype}, "
