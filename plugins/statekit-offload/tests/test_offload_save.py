@@ -135,3 +135,28 @@ def test_models_without_offload_hooks_are_left_to_the_core(pm, tmp_path):
     manifest = statekit.save(str(tmp_path / "ckpt"), {"model": net})
     assert manifest["objects"]["model"]["owner"] == "statekit"
     assert "offload" not in manifest["records"]
+
+
+def test_tie_group_stored_under_the_first_name_in_state_order(pm, tmp_path):
+    class ZA(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.z = torch.nn.Linear(4, 4, bias=False)
+            self.a = torch.nn.Linear(4, 4, bias=False)
+            self.a.weight = self.z.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.z(x))
+
+    torch.manual_seed(0)
+    model = ZA()
+    x = torch.randn(2, 4)
+    ref = model(x).detach()
+    groups = find_tied_parameters(model)
+    dispatch_model(model, device_map={"z": "disk", "a": "disk"}, offload_dir=str(tmp_path / "acc"))
+    url = str(tmp_path / "ckpt")
+    statekit.save(url, {"model": model}, tied_parameters=groups)
+    assert _header(os.path.join(url, "model.safetensors")).aliases == {"a.weight": "z.weight"}
+    fresh = ZA()
+    statekit.load(url, {"model": fresh})
+    assert fresh.a.weight is fresh.z.weight and torch.equal(fresh(x), ref)

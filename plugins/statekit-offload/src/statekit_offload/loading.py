@@ -6,7 +6,8 @@ once, sequentially, in file order (:mod:`statekit_offload._stream`):
 
 * a tensor whose module is mapped to ``"cpu"`` or an accelerator is read straight into
   a fresh CPU tensor and set on the module with
-  ``accelerate.utils.set_module_tensor_to_device`` (moved to the device when it is one);
+  ``accelerate.utils.set_module_tensor_to_device`` as soon as it is read (moved to the
+  device when it is one, before the next tensor is read);
 * a tensor mapped to ``"disk"`` becomes an entry of an Accelerate offload folder
   (:mod:`statekit_offload.offload_format`): by default, when the checkpoint is on the
   local filesystem, an entry that points into the checkpoint's own safetensors file (no
@@ -17,8 +18,9 @@ once, sequentially, in file order (:mod:`statekit_offload._stream`):
   same pass, and a mismatch raises :class:`statekit.CorruptCheckpointError`.
 
 Then ``accelerate.dispatch_model`` attaches the hooks (``AlignDevicesHook``) that bring
-each module's weights in before its forward, so ``model(x)`` runs. Peak memory: the
-tensors placed in memory, plus one chunk buffer; nothing else of the file is held.
+each module's weights in before its forward, so ``model(x)`` runs. Peak CPU memory: the
+tensors placed on the CPU, one tensor bound for an accelerator, and one chunk buffer;
+nothing else of the file is held.
 
 The device map follows ``accelerate.load_checkpoint_and_dispatch`` (Accelerate 1.x,
 ``big_modeling.py``): a string (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,

@@ -234,19 +234,20 @@ def save_model(
     # Placeholders carry shape and dtype for the header; one object per tie group, so
     # statekit.format stores the group once and lists the other names as aliases.
     placeholders: dict[str, torch.Tensor] = {}
-    group_of = {n: g for g in tied for n in g}
+    group_of = {n: tuple(g) for g in tied for n in g}
+    by_group: dict[tuple[str, ...], torch.Tensor] = {}  # the placeholder of a group's first name met
     for name, t in state.items():
         group = group_of.get(name)
-        first = group[0] if group else name
-        if group and first in placeholders and name != first:
-            ref = placeholders[first]
-            if ref.shape == t.shape and ref.dtype == t.dtype:
-                placeholders[name] = ref
-                continue
+        ref = by_group.get(group) if group else None
+        if ref is not None and ref.shape == t.shape and ref.dtype == t.dtype:
+            placeholders[name] = ref
+            continue
         try:
             placeholders[name] = torch.empty((), dtype=t.dtype).expand(t.shape)
         except (RuntimeError, TypeError) as exc:
             raise UnsupportedDtypeError(f"tensor {name!r} of model {key!r} has dtype {t.dtype}: {exc}") from exc
+        if group and group not in by_group:
+            by_group[group] = placeholders[name]
     header, plan = fmt.build_header(placeholders)
     from_files = 0
     if checkpoint.rank == 0:
