@@ -231,8 +231,9 @@ def save_model(
     groups = [*find_tied_parameters(model), *(info.tied_parameters if info else []), *tied_parameters, *same_file.values()]
     tied = merge_groups(groups, set(state))
 
-    # Placeholders carry shape and dtype for the header; one object per tie group, so
-    # statekit.format stores the group once and lists the other names as aliases.
+    # Placeholders carry shape and dtype for the header (build_header touches no data); one
+    # object per tie group, so statekit.format stores the group once and lists the other
+    # names as aliases. Offloaded tensors get a zero-stride one-element stand-in.
     placeholders: dict[str, torch.Tensor] = {}
     group_of = {n: tuple(g) for g in tied for n in g}
     by_group: dict[tuple[str, ...], torch.Tensor] = {}  # the placeholder of a group's first name met
@@ -242,8 +243,8 @@ def save_model(
         if ref is not None and ref.shape == t.shape and ref.dtype == t.dtype:
             placeholders[name] = ref
             continue
-        try:
-            placeholders[name] = torch.empty((), dtype=t.dtype).expand(t.shape)
+        try:  # a real tensor is its own placeholder: the core's storage-identity ties apply
+            placeholders[name] = t.detach() if t.device.type != "meta" else torch.empty((), dtype=t.dtype).expand(t.shape)
         except (RuntimeError, TypeError) as exc:
             raise UnsupportedDtypeError(f"tensor {name!r} of model {key!r} has dtype {t.dtype}: {exc}") from exc
         if group and group not in by_group:
