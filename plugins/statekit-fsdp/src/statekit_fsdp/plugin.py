@@ -177,14 +177,13 @@ def _objects_writable(checkpoint: Any) -> bool:
 def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Any) -> None:
     """Take back every model this plugin saved (and its optimizers) and load it, resharding."""
     from statekit import StatekitError
+    from statekit_fsdp.state import strip_wrappers
 
     mine = checkpoint.plugin
     for model in list(models):
         key = checkpoint.key_of(model)
         if checkpoint.owner_of(key) != mine:
             continue
-        from statekit_fsdp.state import strip_wrappers
-
         models.remove(model)
         _load_sharded(checkpoint, key, strip_wrappers(model))
     if _objects_writable(checkpoint):
