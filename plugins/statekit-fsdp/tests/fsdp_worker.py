@@ -145,10 +145,6 @@ def dump(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> Non
         save_file(tensors, path, metadata=meta)
 
 
-def storage_options() -> dict | None:
-    return None
-
-
 def main(argv: list[str]) -> None:
     import faulthandler
 
