@@ -183,9 +183,11 @@ def _join(path: str, part: Any) -> str:
 
 
 def _ndarray_to_tensor(a: Any, where: str) -> torch.Tensor:
+    if not a.dtype.isnative:  # big-endian arrays: torch needs native byte order
+        a = a.astype(a.dtype.newbyteorder("="))
     try:
         return torch.from_numpy(a.copy() if not a.flags.c_contiguous else a)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"cannot store {where}: NumPy dtype {a.dtype} has no torch equivalent") from exc
 
 
@@ -220,7 +222,7 @@ def _decode_tagged(tag: str, payload: Any, tensors: Mapping[str, torch.Tensor], 
             for k, x in payload
         }
     if tag == "__dtype__":
-        dtype = getattr(torch, payload)
+        dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{payload!r} is not a torch dtype")
         return dtype

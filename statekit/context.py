@@ -44,6 +44,66 @@ class _HashingWriter:
         return getattr(self._f, name)
 
 
+class _VerifyingReader:
+    """File wrapper that checksums sequential reads and checks them against the manifest
+    when the whole file has been read; a ``seek`` turns checking off (partial reads)."""
+
+    def __init__(self, f: BinaryIO, url: str, expected: dict[str, Any]) -> None:
+        self._f = f
+        self._url = url
+        self._expected = expected
+        self._hasher = fmt.new_hasher()
+        self._size = 0
+        self._sequential = True
+        self._checked = False
+
+    def _account(self, data: Any) -> None:
+        if self._sequential:
+            self._hasher.update(data)
+            self._size += len(data)
+            if self._size > self._expected["size_bytes"]:
+                self._sequential = False
+                raise CorruptCheckpointError(
+                    f"{self._url}: longer than the {self._expected['size_bytes']} bytes the manifest says", path=self._url
+                )
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._account(data)
+        if self._sequential and (not data or n is None or n < 0):
+            self._finish()
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        got = self._f.readinto(buffer)
+        self._account(memoryview(buffer)[:got])
+        if not got:
+            self._finish()
+        return got
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._sequential = False
+        return self._f.seek(offset, whence)
+
+    def _finish(self) -> None:
+        if self._checked or not self._sequential:
+            return
+        self._checked = True
+        if self._size != self._expected["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"{self._url}: size {self._size} bytes, manifest says {self._expected['size_bytes']}", path=self._url
+            )
+        actual = fmt.checksum_string(self._hasher)
+        if actual != self._expected["checksum"]:
+            raise CorruptCheckpointError(f"{self._url}: checksum {actual}, manifest says {self._expected['checksum']}", path=self._url)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 class Checkpoint:
     """The context of one save or load, passed to hooks as ``checkpoint``.
 
@@ -115,6 +175,11 @@ class Checkpoint:
         """Records of every plugin (non-empty ones), for the manifest."""
         return {k: v for k, v in self._records.items() if v}
 
+    @property
+    def model_keys(self) -> list[str]:
+        """Stable keys of every model of this save/load, in order."""
+        return list(dict.fromkeys(self._model_keys.values()))
+
     def key_of(self, model: torch.nn.Module) -> str:
         """Stable key of a model of this save/load (``model_0``, or the mapping key).
 
@@ -133,7 +198,7 @@ class Checkpoint:
     def _check_writable(self, rel: str) -> str:
         if not self._writable:
             raise StatekitError(f"{self.url}: checkpoint is not open for writing ({self.mode}); cannot write {rel!r}")
-        fmt.check_relpath(rel, source=self.url)
+        fmt.check_relpath(rel, source=self.url, error=StatekitError)
         if rel in self._planned or rel == fmt.MANIFEST_NAME:
             raise StatekitError(f"{self.url}/{rel}: written twice in one save (or reserved name)")
         self._planned.add(rel)
@@ -165,7 +230,9 @@ class Checkpoint:
             mode: ``"wb"`` (save only: size and checksum are recorded on close) or ``"rb"``.
 
         Yields:
-            A binary file object.
+            A binary file object. On load with ``verify`` on, a file read sequentially to
+            its end is checked against the manifest's size and checksum (a
+            :class:`CorruptCheckpointError` from ``read``); after a ``seek`` it is not.
 
         Raises:
             StatekitError: writing during a load, or the same path written twice.
@@ -186,9 +253,11 @@ class Checkpoint:
             self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher))
         elif mode == "rb":
             fmt.check_relpath(rel, source=self.url)
+            expected = self._expected(rel)
             f = self._open_read(rel)
+            reader = f if expected is None else _VerifyingReader(f, f"{self.url}/{rel}", expected)
             try:
-                yield f
+                yield reader
             finally:
                 f.close()
         else:

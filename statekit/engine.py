@@ -761,24 +761,19 @@ def load_objects(
 
 def _load_model(checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any]) -> None:
     files = saved.get("files") or [f"{key}.safetensors"]
-    if f"{key}.json" in files:  # a model with extra state, stored through the codec
-        model.load_state_dict(checkpoint.load_state(key))
+    targets = model.state_dict()
+    if f"{key}.json" in files:  # a model with extra (non-tensor) state, stored through the codec
+        state = checkpoint.load_state(key)
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state))
+        model.load_state_dict(state)
         return
     rel = f"{key}.safetensors"
-    targets = model.state_dict()
     header = _header(checkpoint, rel)
-    saved_shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
+    shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
     for alias, name in header.aliases.items():
-        saved_shapes[alias] = saved_shapes[name]
-    mismatched = {
-        k: f"saved {list(saved_shapes[k][0])} {saved_shapes[k][1]} vs model {list(t.shape)} {t.dtype}"
-        for k, t in targets.items()
-        if k in saved_shapes and (tuple(t.shape) != saved_shapes[k][0] or t.dtype != saved_shapes[k][1])
-    }
-    missing = set(targets) - set(saved_shapes)
-    unexpected = set(saved_shapes) - set(targets)
-    if missing or unexpected or mismatched:
-        raise StateMismatchError(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", missing, unexpected, mismatched)
+        shapes[alias] = shapes[name]
+    _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes))
     try:
         with torch.no_grad():
             checkpoint.load_tensors(rel, into=targets)
@@ -786,6 +781,26 @@ def _load_model(checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved:
         raise CorruptCheckpointError(
             f"{exc} (model {key!r} is partly overwritten: load a good checkpoint into it before use)", path=exc.path
         ) from exc
+
+
+def _check_model_state(
+    checkpoint: Checkpoint,
+    key: str,
+    rel: str,
+    targets: Mapping[str, Any],
+    saved_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    saved_keys: set[str],
+) -> None:
+    """Raise :class:`StateMismatchError` before anything is written into the model."""
+    mismatched = {
+        k: f"saved {list(saved_shapes[k][0])} {saved_shapes[k][1]} vs model {list(t.shape)} {t.dtype}"
+        for k, t in targets.items()
+        if isinstance(t, torch.Tensor) and k in saved_shapes and (tuple(t.shape) != saved_shapes[k][0] or t.dtype != saved_shapes[k][1])
+    }
+    missing = set(targets) - saved_keys
+    unexpected = saved_keys - set(targets)
+    if missing or unexpected or mismatched:
+        raise StateMismatchError(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", missing, unexpected, mismatched)
 
 
 def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:
@@ -797,16 +812,26 @@ def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:
 
 
 def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_restored: list[str]) -> None:
-    base = _rank_base(e, checkpoint.rank) if saved.get("per_rank") else e.key
-    if saved.get("per_rank") and f"{base}.json" not in checkpoint.manifest["files"]:
+    per_rank = bool(saved.get("per_rank"))  # as saved: the caller need not repeat per_rank=
+    base = f"{e.key}/rank-{checkpoint.rank:05d}" if per_rank else e.key
+    if per_rank and f"{base}.json" not in checkpoint.manifest["files"]:
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
         return
     state = checkpoint.load_state(base)
+    where = f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json)"
+    if e.kind == "tensor":
+        value = state.get(e.key) if isinstance(state, dict) else None
+        if not isinstance(value, torch.Tensor):
+            raise StateMismatchError(where, missing=[e.key])
+        if value.shape != e.obj.shape or value.dtype != e.obj.dtype:
+            raise StateMismatchError(
+                where, mismatched={e.key: f"saved {list(value.shape)} {value.dtype} vs target {list(e.obj.shape)} {e.obj.dtype}"}
+            )
+        with torch.no_grad():
+            e.obj.copy_(value)
+        return
     try:
-        if e.kind == "tensor":
-            with torch.no_grad():
-                e.obj.copy_(state[e.key])
-        elif e.kind == "dict":
+        if e.kind == "dict":
             e.obj.clear()
             e.obj.update(state)
         elif e.kind == "dataloader":
@@ -816,7 +841,7 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
         else:
             e.obj.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-        raise StateMismatchError(f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json): {type(exc).__name__}: {exc}") from exc
+        raise StateMismatchError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

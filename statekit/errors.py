@@ -32,6 +32,19 @@ class StatekitError(Exception):
 
     __module__ = "statekit"
 
+    def __reduce__(self) -> tuple:
+        # Rebuild from the final message and attributes without calling a subclass's
+        # __init__ (whose signature differs): errors cross processes (multiprocessing,
+        # gathering failures across ranks) intact.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type, args: tuple, attributes: dict) -> StatekitError:
+    error = cls.__new__(cls, *args)  # OSError subclasses need their own __new__
+    BaseException.__init__(error, *args)
+    error.__dict__.update(attributes)
+    return error
+
 
 class StatekitWarning(UserWarning):
     """Warned when statekit restores less than was saved, or a resume cannot be exact."""

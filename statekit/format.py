@@ -324,7 +324,7 @@ def parse_header(prefix: bytes, read_more: Any, file_size: int | None, source: s
             raise bad(f"entry {name!r} lacks dtype/shape/data_offsets") from None
         if code not in _FROM_CODE:
             raise bad(f"entry {name!r} has unknown dtype {code!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in stored_shape) or not all(
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in stored_shape) or not all(
             isinstance(o, int) and not isinstance(o, bool) for o in (begin, end)
         ):
             raise bad(f"entry {name!r} has a malformed shape or offsets")
@@ -336,8 +336,8 @@ def parse_header(prefix: bytes, read_more: Any, file_size: int | None, source: s
         dtype, shape = _FROM_CODE[code], stored_shape
         if name in byte_views:
             dtype = _BYTE_VIEW.get(byte_views[name])  # type: ignore[assignment]
-            if dtype is None or code != "U8" or not stored_shape:
-                raise bad(f"entry {name!r} has unknown stored dtype {byte_views[name]!r}")
+            if dtype is None or code != "U8" or not stored_shape or stored_shape[-1] != dtype.itemsize:
+                raise bad(f"entry {name!r} has unknown stored dtype {byte_views[name]!r} or a wrong item size")
             shape = stored_shape[:-1]
         entries.append(TensorEntry(name, dtype, shape, code, stored_shape, begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
@@ -466,8 +466,14 @@ def _readinto(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
 # --------------------------------------------------------------------------- manifest
 
 
-def check_relpath(path: str, source: str = "manifest") -> str:
+def check_relpath(path: str, source: str = "manifest", error: type[Exception] = CorruptCheckpointError) -> str:
     """Validate a checkpoint-relative path: no scheme, no absolute path, no ``..``.
+
+    Args:
+        path: the relative path.
+        source: what holds it (a manifest URL), named in the error.
+        error: the error class to raise (writers pass a plain ``StatekitError``: a bad
+            path given to a writer is a caller bug, not a corrupt checkpoint).
 
     Returns:
         ``path`` unchanged.
@@ -483,7 +489,8 @@ def check_relpath(path: str, source: str = "manifest") -> str:
         or "\\" in path
         or any(p in ("", ".", "..") for p in parts)
     ):
-        raise CorruptCheckpointError(f"{source}: invalid relative path {path!r} (must stay inside the checkpoint)", path=source)
+        message = f"{source}: invalid relative path {path!r} (must stay inside the checkpoint)"
+        raise error(message, path=source) if error is CorruptCheckpointError else error(message)
     return path
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pluggy
 
 from statekit import hookspecs
-from statekit.errors import PluginError
+from statekit.errors import PluginError, StatekitError
 
 ENTRY_POINT_GROUP = "statekit"
 """Entry-point group that plugin distributions register under."""
@@ -75,7 +75,7 @@ class PluginManager(pluggy.PluginManager):
         try:
             registered = super().register(plugin, name)
             if registered is not None:
-                self._check_no_wrappers(registered)
+                self._check_hooks(registered)
         except (pluggy.PluginValidationError, ValueError) as exc:
             raise PluginError(f"cannot register plugin {name or plugin!r}: {exc}", plugin_name=name) from exc
         if registered is not None and registered not in self.sources:
@@ -84,18 +84,38 @@ class PluginManager(pluggy.PluginManager):
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
         """Remove a plugin by object or name (see ``pluggy.PluginManager.unregister``)."""
+        name = name or (self.get_name(plugin) if plugin is not None else None)
         removed = super().unregister(plugin, name)
-        self.sources.pop(name or self.get_name(removed) or "", None) if removed else None
+        if removed is not None and name is not None:
+            self.sources.pop(name, None)
         return removed
 
-    def _check_no_wrappers(self, name: str) -> None:
+    def check_pending(self) -> None:
+        """Like pluggy's: a ``statekit_*`` function without a spec (a misspelled hook).
+
+        Raises:
+            PluginError: naming the plugin and the unknown hook.
+        """
+        try:
+            super().check_pending()
+        except pluggy.PluginValidationError as exc:
+            name = self.get_name(exc.plugin)
+            raise PluginError(f"plugin {name!r}: {exc}", plugin_name=name) from exc
+
+    def _check_hooks(self, name: str) -> None:
+        """Reject wrappers and hooks without a spec at registration, not at first use."""
         for hook in self.get_hookcallers(self.get_plugin(name)) or []:
             for impl in hook.get_hookimpls():
-                if impl.plugin_name == name and (impl.hookwrapper or impl.wrapper):
+                if impl.plugin_name != name:
+                    continue
+                problem = None
+                if not hook.has_spec():
+                    problem = f"{hook.name} is not a statekit hook (misspelled?)"
+                elif impl.hookwrapper or impl.wrapper:
+                    problem = f"{hook.name}: hook wrappers are not supported by statekit"
+                if problem:
                     super().unregister(name=name)
-                    raise pluggy.PluginValidationError(
-                        impl.plugin, f"{hook.name}: hook wrappers are not supported by statekit"
-                    )
+                    raise pluggy.PluginValidationError(impl.plugin, problem)
 
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
@@ -131,11 +151,7 @@ def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
         autoload = not _env_flag("STATEKIT_DISABLE_PLUGIN_AUTOLOAD")
     if autoload:
         _load_entry_points(pm)
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        name = pm.get_name(exc.plugin)
-        raise PluginError(f"plugin {name!r}: {exc}", plugin_name=name) from exc
+    pm.check_pending()
     if _env_flag("STATEKIT_TRACE_PLUGINS"):
         pm.trace.root.setwriter(sys.stderr.write)
         pm.enable_tracing()
@@ -227,6 +243,11 @@ def call_each(
     Raises:
         PluginError: an implementation raised; ``plugin_name``/``hook_name`` say which,
             and ``__cause__`` is the original exception.
+        StatekitError: an implementation raised one of statekit's specific errors (a
+            subclass such as ``StateMismatchError``, ``CorruptCheckpointError`` or
+            ``StorageError``): it passes through with its type, with ``plugin_name`` and
+            ``hook_name`` set and a note naming them. A plain ``StatekitError`` (misuse of
+            the context) becomes a ``PluginError``.
     """
     from statekit.rng_guard import rng_guard
 
@@ -243,9 +264,19 @@ def call_each(
         try:
             with guard:
                 impl.function(*args)
-        except PluginError as exc:
-            if exc.hook_name is None:
-                exc.hook_name = hook_name
+        except StatekitError as exc:
+            if type(exc) is StatekitError:  # misuse of the context: the plugin's fault
+                raise PluginError(
+                    f"plugin {name!r} failed in {hook_name}: {exc}", plugin_name=name, hook_name=hook_name
+                ) from exc
+            # statekit's specific errors (StateMismatchError, CorruptCheckpointError,
+            # StorageError...) keep their type so callers can catch them, attributed here.
+            if isinstance(exc, PluginError):
+                exc.plugin_name = exc.plugin_name or name
+                exc.hook_name = exc.hook_name or hook_name
+            else:
+                exc.plugin_name, exc.hook_name = name, hook_name  # type: ignore[attr-defined]
+                exc.add_note(f"raised by plugin {name!r} in {hook_name}")
             raise
         except Exception as exc:
             raise PluginError(

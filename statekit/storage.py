@@ -25,12 +25,23 @@ from fsspec.implementations.local import LocalFileSystem
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
 
 
+S3_CLIENT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 60,
+    "retries": {"max_attempts": 3, "mode": "standard"},
+}
+"""botocore client settings statekit uses for ``s3://`` unless ``storage_options`` has
+``config_kwargs``: botocore's own defaults wait 60 s to connect and retry more, so a dead
+endpoint would stall a save for many minutes before the error reaches the training loop."""
+
+
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve a URL to ``(filesystem, path)`` with ``fsspec.core.url_to_fs``.
 
     Args:
         url: any fsspec URL or a plain local path.
-        storage_options: keyword arguments for the filesystem (``{"key": ..., "client_kwargs": ...}``).
+        storage_options: keyword arguments for the filesystem (``{"key": ..., "client_kwargs": ...}``);
+            for ``s3://`` without ``config_kwargs``, :data:`S3_CLIENT_DEFAULTS` are applied.
 
     Returns:
         The filesystem and the path within it.
@@ -41,8 +52,11 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
     if not isinstance(url, (str, os.PathLike)):
         raise StorageError(f"checkpoint location must be a URL or path string, got {type(url).__name__}", url=str(url))
     url = os.fspath(url)
+    options = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        options.setdefault("config_kwargs", S3_CLIENT_DEFAULTS)
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         raise StorageError(f"{url}: the storage backend is not installed: {exc}", url=url) from exc
     except ValueError as exc:

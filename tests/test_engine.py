@@ -296,12 +296,6 @@ def test_per_rank_key(tmp_path):
     assert_state_equal(state, back)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: _load_entry checks the manifest's per_rank flag but builds the file name with "
-    "_rank_base(e, rank), which uses the load-time Entry.per_rank; without per_rank= repeated at load, "
-    "the per-rank state is reported 'not restored' and skipped",
-)
 def test_per_rank_key_loads_from_manifest(tmp_path):
     state = {"pos": {"index": 17}}
     statekit.save(str(tmp_path), state, per_rank=["pos"])
@@ -405,11 +399,6 @@ def test_subset_of_checkpoint_loads():
     Storage(url).remove_tree()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: _load_entry restores a 'tensor' entry with copy_(), which broadcasts and casts: "
-    "a saved [1] float32 tensor loads into a [3] float64 target without StateMismatchError",
-)
 @pytest.mark.parametrize(
     ("saved", "target"),
     [(torch.ones(1), torch.zeros(3)), (torch.ones(3), torch.zeros(3, dtype=torch.float64))],
@@ -427,13 +416,6 @@ def test_tensor_mismatch_is_not_broadcast_or_cast(saved, target):
         Storage(url).remove_tree()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="engine bug: _load_model calls model.load_state_dict() directly for models with extra state "
-    "(model.json): a shape mismatch raises torch's RuntimeError, not StateMismatchError, and the "
-    "parameters that did match are already overwritten",
-)
 def test_extra_state_model_mismatch_leaves_model_untouched():
     class Extra(WithExtraState):
         def __init__(self, n):

@@ -157,11 +157,6 @@ def test_errors_with_attributes_pickle(exc):
     assert type(again) is type(exc) and str(again) == str(exc) and vars(again) == vars(exc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors bug: PluginMissingError requires plugin_name and StateMismatchError rebuilds its message "
-    "from args, so pickling (multiprocessing, gathering errors across ranks) fails or doubles the message",
-)
 @pytest.mark.parametrize(
     "exc",
     [

@@ -355,12 +355,6 @@ def test_malformed_file_is_corrupt_without_size(case):
         fmt.read_tensors(io.BytesIO(data), "/ckpt/m.safetensors")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="format bug: parse_header does not check that a byte-view entry's trailing dimension equals the "
-    "true dtype's itemsize, so torch's view() raises RuntimeError instead of CorruptCheckpointError",
-)
 def test_byte_view_with_wrong_itemsize_is_corrupt():
     data = raw_file(
         {"__metadata__": {"statekit.dtypes": '{"x": "complex128"}'}, "x": {"dtype": "U8", "shape": [2, 3], "data_offsets": [0, 6]}},
@@ -370,12 +364,6 @@ def test_byte_view_with_wrong_itemsize_is_corrupt():
         fmt.read_tensors(io.BytesIO(data), "<src>", len(data))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="format bug: parse_header accepts JSON booleans in a shape (isinstance(True, int)), then "
-    "torch.empty raises TypeError instead of CorruptCheckpointError",
-)
 def test_boolean_in_shape_is_corrupt():
     data = raw_file({"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4)
     with pytest.raises(CorruptCheckpointError, match="<src>"):
