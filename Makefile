@@ -20,11 +20,20 @@ demo-all: $(STAMP)
 	$(PY) examples/resume_demo.py --url memory://statekit-demo
 	$(PY) examples/resume_demo.py --moto
 
+# The core's tests, then each plugin's tests from its own directory (each is its own
+# distribution with its own conftest); every suite runs, and any failure fails the target.
+PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests $(addsuffix /tests,$(PLUGINS))
+	@status=0; \
+	$(PYTEST) tests || status=1; \
+	for plugin in $(PLUGINS); do \
+		echo "== $$plugin"; (cd $$plugin && $(PYTEST) tests) || status=1; \
+	done; \
+	exit $$status
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests $(addsuffix /tests,$(PLUGINS))
+	$(MAKE) test PYTEST_ARGS='-m "not slow"'
 
 install: $(STAMP)
 
