@@ -15,6 +15,7 @@ from statekit.context import Checkpoint
 from statekit.engine import load, save, verify
 from statekit.errors import (
     CheckpointExistsError,
+    CheckpointInUseError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FormatVersionError",

@@ -240,11 +240,13 @@ def _register_accelerate_hooks(accelerator: Any, attachment: Attachment) -> None
             checkpoint = attachment._pending = _attach_checkpoint(accelerator, str(output_dir), "save", attachment)
         hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
         hook_weights = list(weights)
+        owners: dict[str, str] = checkpoint.__dict__.setdefault("attach_owners", {})
         call_each(
             get_plugin_manager(),
             "statekit_save_state_pre",
             checkpoint,
             {"models": hook_models, "weights": hook_weights, "output_dir": checkpoint.url, "checkpoint": checkpoint},
+            after_each=engine._track_claims(checkpoint, hook_models, hook_weights, checkpoint._model_keys, owners),
         )
         kept = {id(w) for w in hook_weights}
         weights[:] = [w for w in weights if id(w) in kept]
@@ -338,6 +340,7 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint, directory: str) -
     """Manifest for a directory Accelerate wrote: every file checksummed (rank 0 reads
     back Accelerate's files; statekit's own were checksummed while written)."""
     gathered = distributed.gather_to_rank0(checkpoint.files)
+    owners = checkpoint.__dict__.get("attach_owners", {})
     manifest = None
     if checkpoint.rank == 0:
         storage = Storage(directory)
@@ -363,7 +366,10 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint, directory: str) -
             "step": checkpoint.step,
             "world_size": checkpoint.world_size,
             "plugins": {n: (pm.sources[n].version if n in pm.sources and pm.sources[n].version else "unknown") for n in plugins},
-            "objects": {},
+            "objects": {
+                f"model_{i}": {"kind": "model", "owner": owners.get(f"model_{i}", "accelerate"), "per_rank": False, "files": []}
+                for i in range(len(accelerator._models))
+            },
             "records": {**checkpoint.all_records(), CORE: {"layout": "accelerate"}},
             "files": files,
             "metadata": {},

@@ -185,7 +185,9 @@ def verify(url: str, as_json: bool) -> None:
 @click.option("--to", "target", default="statekit", show_default=True,
               help="Output format: statekit (from an Accelerate directory) or one a plugin provides.")
 @click.option("--allow-pickle", is_flag=True, help="Allow reading pickle files of the source (runs code from it).")
-def convert(src: str, out: str, target: str, allow_pickle: bool) -> None:
+@click.option("--option", "raw_options", multiple=True, metavar="KEY=VALUE",
+              help="Option for a plugin's converter (VALUE parsed as JSON, else a string); repeatable.")
+def convert(src: str, out: str, target: str, allow_pickle: bool, raw_options: tuple[str, ...]) -> None:
     """Convert a checkpoint: Accelerate directory -> statekit, or statekit -> a plugin's format."""
     from statekit.plugins import get_plugin_manager
 
@@ -201,10 +203,23 @@ def convert(src: str, out: str, target: str, allow_pickle: bool) -> None:
             converters.update(getattr(plugin, "STATEKIT_CONVERTERS", {}) or {})
         if target not in converters:
             raise click.UsageError(f"unknown format {target!r}; available: {', '.join(['statekit', *sorted(converters)])}")
-        converters[target](src, out)
+        converters[target](src, out, **_parse_options(raw_options))
         click.echo(f"wrote {out} ({target})")
     except StatekitError as exc:
         _fail(exc)
+
+
+def _parse_options(raw: tuple[str, ...]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in raw:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.UsageError(f"--option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 @main.command()
@@ -213,18 +228,29 @@ def convert(src: str, out: str, target: str, allow_pickle: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def gc(url: str, dry_run: bool, as_json: bool) -> None:
     """Remove incomplete checkpoints (directories without a manifest) under a manager root."""
+    from statekit.errors import CheckpointInUseError
     from statekit.manager import delete_checkpoint, list_checkpoints
 
+    removed, kept = [], []
     try:
-        incomplete = [i for i in list_checkpoints(url, details=False) if not i.committed]
-        if not dry_run:
-            for info in incomplete:
-                delete_checkpoint(info.url)
+        for info in list_checkpoints(url, details=False):
+            if info.committed:
+                continue
+            try:
+                if not dry_run:
+                    delete_checkpoint(info.url)
+                else:
+                    from statekit.manager import _refuse_if_in_use
+
+                    _refuse_if_in_use(info.url, "delete")
+                removed.append(info.url)
+            except CheckpointInUseError as exc:
+                kept.append({"url": info.url, "reason": str(exc)})
     except StatekitError as exc:
         _fail(exc)
     verb = "would remove" if dry_run else "removed"
-    _emit(as_json, {"dry_run": dry_run, "removed": [i.url for i in incomplete]},
-          "\n".join(f"{verb} {i.url}" for i in incomplete) or "nothing to remove")
+    lines = [f"{verb} {u}" for u in removed] + [f"kept {k['url']} (in use)" for k in kept]
+    _emit(as_json, {"dry_run": dry_run, "removed": removed, "kept": kept}, "\n".join(lines) or "nothing to remove")
 
 
 if __name__ == "__main__":  # pragma: no cover

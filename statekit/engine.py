@@ -110,18 +110,25 @@ def unwrap_model(model: torch.nn.Module, accelerator: Any = None) -> torch.nn.Mo
     """Strip DDP/DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers,
     so state dict keys do not depend on how many processes ran. FSDP models are returned
     as they are (statekit-fsdp handles them)."""
-    if accelerator is not None:
-        try:
-            return accelerator.unwrap_model(model, keep_fp32_wrapper=True)
-        except TypeError:
-            return accelerator.unwrap_model(model)
-    while True:
+    while True:  # our own walk first: Accelerate's unwrap_model also strips FSDP1
+        if _is_fsdp1(model):
+            return model
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             model = model._orig_mod
         else:
-            return model
+            break
+    if accelerator is not None and not _is_fsdp1(model):
+        try:
+            return accelerator.unwrap_model(model, keep_fp32_wrapper=True)
+        except TypeError:
+            return accelerator.unwrap_model(model)
+    return model
+
+
+def _is_fsdp1(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "FullyShardedDataParallel"
 
 
 class LazyStateDict(Mapping):
@@ -444,6 +451,10 @@ def _prepare_target(storage: Storage, overwrite: bool) -> None:
             the lock (two processes saving the same step: exactly one commits).
     """
     storage.invalidate()
+    if overwrite:
+        from statekit.manager import _refuse_if_in_use
+
+        _refuse_if_in_use(storage.url, "overwrite")
     if storage.exists(fmt.MANIFEST_NAME):
         if not overwrite:
             raise CheckpointExistsError(
@@ -792,6 +803,13 @@ def _check_model_state(
     saved_keys: set[str],
 ) -> None:
     """Raise :class:`StateMismatchError` before anything is written into the model."""
+    meta = sorted(k for k, t in targets.items() if isinstance(t, torch.Tensor) and t.device.type == "meta")
+    if meta:
+        raise StateMismatchError(
+            f"model {key!r} ({checkpoint.url}/{rel}) has parameters on the meta device (built under "
+            "init_empty_weights?); the core cannot fill them: pass device_map=/max_memory= with statekit-offload installed",
+            mismatched={k: "meta tensor" for k in meta},
+        )
     mismatched = {
         k: f"saved {list(saved_shapes[k][0])} {saved_shapes[k][1]} vs model {list(t.shape)} {t.dtype}"
         for k, t in targets.items()

@@ -21,6 +21,7 @@ __all__ = [
     "PluginMissingError",
     "PickleNotAllowedError",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
     "StorageError",
@@ -156,6 +157,13 @@ class PickleNotAllowedError(StatekitError, PermissionError):
 
 class CheckpointExistsError(StatekitError, FileExistsError):
     """A committed checkpoint already exists at the URL and ``overwrite`` was not given."""
+
+    __module__ = "statekit"
+
+
+class CheckpointInUseError(StatekitError, PermissionError):
+    """A live process reads the checkpoint in place (an in-use marker, see
+    :mod:`statekit.inuse`): it is not deleted or overwritten."""
 
     __module__ = "statekit"
 

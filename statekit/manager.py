@@ -16,7 +16,13 @@ from typing import Any
 
 from statekit import distributed, engine, format as fmt
 from statekit.asyncsave import PendingSave
-from statekit.errors import CheckpointNotFoundError, StatekitError, StatekitWarning, StateMismatchError
+from statekit.errors import (
+    CheckpointInUseError,
+    CheckpointNotFoundError,
+    StatekitError,
+    StatekitWarning,
+    StateMismatchError,
+)
 from statekit.staging import StagingPool
 from statekit.storage import Storage
 
@@ -97,12 +103,32 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     return sorted(infos, key=lambda i: i.step)
 
 
-def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> None:
+def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *, force: bool = False) -> None:
     """Delete one checkpoint directory: its manifest first (so it stops counting as
-    committed even if the rest of the deletion is interrupted), then everything under it."""
+    committed even if the rest of the deletion is interrupted), then everything under it.
+
+    Args:
+        url: the checkpoint directory.
+        storage_options: fsspec options.
+        force: delete even if a live process reads it in place.
+
+    Raises:
+        CheckpointInUseError: a live in-use marker is present (see :mod:`statekit.inuse`).
+    """
+    if not force:
+        _refuse_if_in_use(url, "delete")
     storage = Storage(url, storage_options)
     storage.remove(fmt.MANIFEST_NAME)
     storage.remove_tree()
+
+
+def _refuse_if_in_use(url: str, action: str) -> None:
+    from statekit.inuse import in_use_markers
+
+    markers = in_use_markers(url)
+    if markers:
+        users = ", ".join(f"{m.host} pid {m.pid}" + (f" ({m.model_key})" if m.model_key else "") for m in markers)
+        raise CheckpointInUseError(f"cannot {action} {url}: it is read in place by a live process: {users}")
 
 
 class CheckpointManager:
@@ -267,7 +293,10 @@ class CheckpointManager:
             keep |= {i.url for i in scored[: self.keep_best]}
         for info in committed:
             if info.url not in keep:
-                delete_checkpoint(info.url, self.storage_options)
+                try:
+                    delete_checkpoint(info.url, self.storage_options)
+                except CheckpointInUseError as exc:
+                    warnings.warn(f"retention kept {info.url}: {exc}", StatekitWarning, stacklevel=2)
 
     def wait(self) -> dict[str, Any] | None:
         """Wait for the pending async save (if any) and run its post-hooks.

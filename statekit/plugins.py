@@ -278,7 +278,9 @@ def call_each(
                 exc.plugin_name, exc.hook_name = name, hook_name  # type: ignore[attr-defined]
                 exc.add_note(f"raised by plugin {name!r} in {hook_name}")
             raise
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # also DCP's CheckpointException, a BaseException
             raise PluginError(
                 f"plugin {name!r} failed in {hook_name}: {type(exc).__name__}: {exc}",
                 plugin_name=name,

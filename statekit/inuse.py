@@ -1,0 +1,221 @@
+"""In-use markers: a checkpoint that a live process reads in place says so, and is not deleted.
+
+When a plugin maps weights onto a checkpoint's own files (statekit-offload reads a local
+safetensors file in place instead of copying it), deleting that checkpoint would break the
+model at its next forward pass. While such a model lives, the plugin keeps a marker file in
+the checkpoint directory::
+
+    <checkpoint>/.in-use-<pid>-<token>
+
+holding JSON ``{"by": "statekit-offload", "pid": <int>, "host": <hostname>,
+"pid_start": <process start time in clock ticks since boot, Linux; or null>,
+"created": <UTC ISO 8601>, "model_key": <str | null>, "offload_folder": <str | null>}``.
+
+A marker is *live* when its host is another machine (it cannot be checked from here), or
+when it is this host and process ``pid`` exists and, where recorded, started at
+``pid_start`` (so a recycled pid does not keep a marker alive). The marker is removed
+when the model is garbage-collected, at interpreter exit, or by :func:`release_in_use`;
+a marker left by a killed process is stale and :func:`remove_stale_markers` deletes it.
+
+``statekit.manager.delete_checkpoint`` (so retention and ``statekit gc``) and saving with
+``overwrite=True`` refuse a checkpoint with a live marker (:class:`CheckpointInUseError`).
+The marker is not listed in the manifest, so ``statekit verify`` ignores it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from statekit.errors import StorageError
+
+MARKER_PREFIX = ".in-use-"
+"""File-name prefix of a marker inside a checkpoint directory."""
+
+MARKER_WRITER = "statekit-offload"
+"""Value of the marker's ``"by"`` field."""
+
+
+@dataclass(frozen=True)
+class InUseMarker:
+    """One marker found in a checkpoint directory.
+
+    Attributes:
+        path: the marker file's local path.
+        pid: the process that uses the checkpoint.
+        host: that process's host name.
+        pid_start: its start time (clock ticks since boot, from ``/proc/<pid>/stat``), or None.
+        created: when the marker was written (UTC ISO 8601).
+        model_key: the stable key of the model that reads the checkpoint, if known.
+        offload_folder: the offload folder whose ``index.json`` points into the checkpoint.
+        live: see the module docstring.
+    """
+
+    path: str
+    pid: int
+    host: str
+    pid_start: int | None
+    created: str
+    model_key: str | None
+    offload_folder: str | None
+    live: bool
+
+
+def local_dir(url: str) -> str:
+    """Local filesystem path of a checkpoint URL (plain path or ``file://``).
+
+    Raises:
+        StorageError: the URL is not on the local filesystem (markers live next to local
+            files only, since only local files are read in place).
+    """
+    from statekit.storage import Storage
+
+    storage = Storage(url)
+    if not storage.is_local:
+        raise StorageError(f"{url}: in-use markers exist only for checkpoints on the local filesystem", url=url)
+    return os.path.abspath(storage.path)
+
+
+def _process_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:  # field 22, counted after the parenthesised command name (which may hold spaces)
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_live(doc: dict[str, Any]) -> bool:
+    if doc.get("host") != socket.gethostname():
+        return True
+    pid = doc.get("pid")
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return False
+    start = doc.get("pid_start")
+    return start is None or _process_start(pid) in (None, start)
+
+
+def mark_in_use(
+    url: str, *, model_key: str | None = None, offload_folder: str | None = None, by: str = MARKER_WRITER
+) -> str:
+    """Write a marker saying that this process reads checkpoint ``url`` in place.
+
+    Args:
+        url: the checkpoint directory (local path or ``file://`` URL).
+        model_key: the stable key of the model that uses it (recorded for people).
+        offload_folder: the offload folder that points into it (recorded for people).
+        by: the distribution writing the marker.
+
+    Returns:
+        The marker's local path (give it to :func:`release_in_use`).
+
+    Raises:
+        StorageError: the checkpoint is not local, or the marker cannot be written.
+    """
+    folder = local_dir(url)
+    pid = os.getpid()
+    path = os.path.join(folder, f"{MARKER_PREFIX}{pid}-{uuid.uuid4().hex[:12]}")
+    doc = {
+        "by": by,
+        "pid": pid,
+        "host": socket.gethostname(),
+        "pid_start": _process_start(pid),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "model_key": model_key,
+        "offload_folder": offload_folder,
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+    except OSError as exc:
+        raise StorageError(f"{url}: cannot write in-use marker {path}: {exc}", url=url) from exc
+    return path
+
+
+def release_in_use(marker: str) -> None:
+    """Remove a marker written by :func:`mark_in_use` (a missing marker is fine)."""
+    try:
+        os.remove(marker)
+    except FileNotFoundError:
+        pass
+
+
+def in_use_markers(url: str, *, include_stale: bool = False) -> list[InUseMarker]:
+    """The markers of checkpoint ``url``, live ones only unless ``include_stale``.
+
+    Unreadable or foreign files with the marker prefix count as live (never delete what
+    cannot be understood). A checkpoint that is not on the local filesystem has none
+    (only local files are read in place).
+    """
+    try:
+        folder = local_dir(url)
+    except StorageError:
+        return []
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith(MARKER_PREFIX))
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            if not isinstance(doc, dict):
+                raise ValueError("not an object")
+        except (OSError, ValueError):
+            doc = {}
+        pid = doc.get("pid") if isinstance(doc.get("pid"), int) else -1
+        live = _is_live(doc) if doc else True
+        marker = InUseMarker(
+            path=path,
+            pid=pid,
+            host=str(doc.get("host", "")),
+            pid_start=doc.get("pid_start") if isinstance(doc.get("pid_start"), int) else None,
+            created=str(doc.get("created", "")),
+            model_key=doc.get("model_key"),
+            offload_folder=doc.get("offload_folder"),
+            live=live,
+        )
+        if live or include_stale:
+            found.append(marker)
+    return found
+
+
+def is_in_use(url: str) -> bool:
+    """True if checkpoint ``url`` has a live marker (see :func:`in_use_markers`)."""
+    return bool(in_use_markers(url))
+
+
+def remove_stale_markers(url: str) -> list[str]:
+    """Delete the markers of ``url`` whose process has ended.
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    for marker in in_use_markers(url, include_stale=True):
+        if not marker.live:
+            release_in_use(marker.path)
+            removed.append(marker.path)
+    return removed
