@@ -32,9 +32,17 @@ _ACCELERATE_FILE = re.compile(
 )
 
 
+_ACCELERATE_ONLY = re.compile(
+    r"^(model\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
+    r"scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
+)
+
+
 def is_accelerate_checkpoint(storage: Storage) -> bool:
-    """True if the directory holds files named as ``Accelerator.save_state`` names them."""
-    return any(_ACCELERATE_FILE.match(name) for name in storage.listdir())
+    """True if the directory holds files only ``Accelerator.save_state`` writes (an
+    interrupted statekit save, with ``model_0.safetensors`` or a lock, is not one)."""
+    names = storage.listdir()
+    return ".statekit-lock" not in names and any(_ACCELERATE_ONLY.match(name) for name in names)
 
 
 def _suffix(i: int) -> str:

@@ -1,0 +1,150 @@
+"""The bad-input catalogue (docs/bad-input.md): every bad input and the error it gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import statekit
+from statekit.storage import Storage
+
+
+def _saved(tmp_path, **extra):
+    url = str(tmp_path / "c")
+    statekit.save(url, {"model": torch.nn.Linear(4, 2), **extra})
+    return url
+
+
+def test_wrong_url_scheme():
+    with pytest.raises(statekit.StorageError, match="nosuch://x") as info:
+        statekit.save("nosuch://x/ckpt", {"t": torch.zeros(1)})
+    assert info.value.url == "nosuch://x/ckpt"
+
+
+def test_missing_credentials(s3_server, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"client_kwargs": {"endpoint_url": s3_server.endpoint_url}, "skip_instance_cache": True}
+    with pytest.raises(statekit.StorageError, match=r"s3://nocreds/ckpt.*(?i:credential)"):
+        statekit.save("s3://nocreds/ckpt", {"t": torch.zeros(1)}, storage_options=options)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(statekit.CheckpointNotFoundError, match="no checkpoint at"):
+        statekit.load(str(tmp_path / "nothing"), {"t": torch.zeros(1)})
+
+
+def test_incomplete_checkpoint(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model_0.safetensors").write_bytes(b"x")  # statekit's name, not Accelerate's
+    with pytest.raises(statekit.IncompleteCheckpointError, match="never committed"):
+        statekit.load(str(tmp_path / "half"), {"model": torch.nn.Linear(4, 2)})
+
+
+def test_newer_format_version(tmp_path):
+    url = _saved(tmp_path)
+    manifest = json.loads((tmp_path / "c" / "statekit.json").read_text())
+    manifest["format"] = "statekit/2"
+    (tmp_path / "c" / "statekit.json").write_text(json.dumps(manifest))
+    with pytest.raises(statekit.FormatVersionError, match="statekit/2.*upgrade statekit"):
+        statekit.load(url, {"model": torch.nn.Linear(4, 2)})
+
+
+def test_plugin_needed_but_not_installed(tmp_path, plugin_manager):
+    class Taker:
+        @statekit.hookimpl
+        def statekit_save_state_pre(self, models, weights, checkpoint):
+            models.pop(0)
+            weights.pop(0)
+
+    plugin_manager.register(Taker(), name="taker")
+    url = _saved(tmp_path)
+    plugin_manager.unregister(name="taker")
+    with pytest.raises(statekit.PluginMissingError, match="pip install statekit-taker") as info:
+        statekit.load(url, {"model": torch.nn.Linear(4, 2)})
+    assert info.value.plugin_name == "taker" and info.value.distribution == "statekit-taker"
+
+
+@pytest.mark.parametrize(
+    ("target", "pattern"),
+    [
+        (torch.nn.Linear(4, 3), r"shape/dtype differences: .*weight \(saved \[2, 4\]"),
+        (torch.nn.Linear(4, 2).double(), r"torch.float32 vs model \[2, 4\] torch.float64"),
+        (torch.nn.Linear(4, 2, bias=False), r"unexpected keys: bias"),
+        (torch.nn.Sequential(torch.nn.Linear(4, 2)), r"missing keys: 0.bias, 0.weight"),
+    ],
+    ids=["shape", "dtype", "unexpected-key", "missing-key"],
+)
+def test_shape_dtype_key_mismatch(tmp_path, target, pattern):
+    url = _saved(tmp_path)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(statekit.StateMismatchError, match=pattern):
+        statekit.load(url, {"model": target})
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())  # untouched
+
+
+def test_object_missing_from_checkpoint(tmp_path):
+    url = _saved(tmp_path)
+    with pytest.raises(statekit.StateMismatchError, match="missing keys: optim"):
+        statekit.load(url, {"model": torch.nn.Linear(4, 2), "optim": torch.optim.SGD([torch.zeros(1)], lr=1)})
+
+
+def test_world_size_mismatch_warns_what_was_not_restored(tmp_path):
+    url = str(tmp_path / "c")
+    statekit.save(url, {"pos": {"batch": 3}}, per_rank=("pos",))
+    path = tmp_path / "c" / "statekit.json"
+    manifest = json.loads(path.read_text())
+    manifest["world_size"] = 4
+    path.write_text(json.dumps(manifest))
+    state: dict = {}
+    with pytest.warns(statekit.StatekitWarning, match=r"ranks 1\.\.3 for pos \(saved with world size 4, loaded with 1\)"):
+        statekit.load(url, {"pos": state})
+    assert state == {"batch": 3}  # rank 0's state is restored
+
+
+def test_malformed_manifest_json(tmp_path):
+    url = _saved(tmp_path)
+    (tmp_path / "c" / "statekit.json").write_text('{"format": "statekit/1", ')
+    with pytest.raises(statekit.CorruptCheckpointError, match=r"statekit.json: manifest is not valid JSON"):
+        statekit.load(url, {"model": torch.nn.Linear(4, 2)})
+
+
+def test_malformed_safetensors_header(tmp_path):
+    url = _saved(tmp_path)
+    target = tmp_path / "c" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[8:12] = b"!!!!"  # break the JSON header; size stays the same
+    target.write_bytes(bytes(data))
+    with pytest.raises(statekit.CorruptCheckpointError, match=r"model.safetensors"):
+        statekit.load(url, {"model": torch.nn.Linear(4, 2)}, verify=False)
+    with pytest.raises(statekit.CorruptCheckpointError, match=r"model.safetensors: malformed safetensors header"):
+        statekit.load(url, {"model": torch.nn.Linear(4, 2)})
+
+
+def test_value_without_pickle_free_form(tmp_path):
+    with pytest.raises(statekit.UnsupportedValueError, match=r"state\['fn'\]"):
+        statekit.save(str(tmp_path / "c"), {"d": {"fn": lambda: 1}})
+
+
+def test_committed_checkpoint_not_overwritten(tmp_path):
+    url = _saved(tmp_path)
+    with pytest.raises(statekit.CheckpointExistsError, match="overwrite=True"):
+        statekit.save(url, {"model": torch.nn.Linear(4, 2)})
+
+
+def test_memory_url_with_many_ranks(monkeypatch):
+    monkeypatch.setattr(statekit.distributed, "rank_and_world_size", lambda: (0, 2))
+    with pytest.raises(statekit.StorageError, match="memory:// is private to each process"):
+        statekit.save("memory://x/c", {"t": torch.zeros(1)})
+
+
+def test_unsafe_state_key(tmp_path):
+    with pytest.raises(statekit.UnsupportedValueError, match="file-name-safe"):
+        statekit.save(str(tmp_path / "c"), {"../evil": torch.zeros(1)})
