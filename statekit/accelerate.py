@@ -164,7 +164,12 @@ def load_state(
 
 
 class Attachment:
-    """Handle returned by :func:`attach`; ``remove()`` undoes the hooks and wrappers."""
+    """Handle returned by :func:`attach`; ``remove()`` undoes the hooks and wrappers.
+
+    Args:
+        accelerator: the attached ``accelerate.Accelerator`` (None for the mapping API).
+        objects: the run's stateful objects by stable key.
+    """
 
     def __init__(self, accelerator: Any, objects: dict[str, Any]) -> None:
         self.accelerator = accelerator

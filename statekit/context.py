@@ -172,7 +172,11 @@ class Checkpoint:
         return self._records.setdefault(self.plugin or CORE, {})
 
     def all_records(self) -> dict[str, dict[str, Any]]:
-        """Records of every plugin (non-empty ones), for the manifest."""
+        """Records of every plugin (non-empty ones), for the manifest.
+
+        Returns:
+            ``{plugin name: records}`` for every plugin whose records are not empty.
+        """
         return {k: v for k, v in self._records.items() if v}
 
     @property
@@ -183,13 +187,28 @@ class Checkpoint:
     def key_of(self, model: torch.nn.Module) -> str:
         """Stable key of a model of this save/load (``model_0``, or the mapping key).
 
+        Args:
+            model: a model of this save or load (matched by identity).
+
+        Returns:
+            The stable key, e.g. ``"model_0"`` with Accelerate or ``"model"`` for
+            ``statekit.save(url, {"model": m})``.
+
         Raises:
             KeyError: the model is not part of this save/load.
         """
         return self._model_keys[id(model)]
 
     def owner_of(self, key: str) -> str | None:
-        """On load: the plugin (or ``"statekit"``) that saved object ``key``, or None."""
+        """On load: the plugin (or ``"statekit"``) that saved object ``key``, or None.
+
+        Args:
+            key: a stable key (``model_0``, ``optimizer_0``, a mapping key...).
+
+        Returns:
+            The owner's plugin name, ``"statekit"`` for the core, or None when the
+            manifest does not list ``key`` (or on save).
+        """
         entry = (self.manifest or {}).get("objects", {}).get(key)
         return entry.get("owner") if entry else None
 
@@ -309,8 +328,16 @@ class Checkpoint:
     def save_json(self, rel: str, obj: Any) -> dict[str, Any]:
         """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values).
 
+        Args:
+            rel: path relative to the checkpoint (``"mine/config.json"``).
+            obj: a JSON-serialisable value.
+
         Returns:
             The manifest entry.
+
+        Raises:
+            StatekitError: ``obj`` is not strict JSON, or the path is not a valid
+                relative path.
         """
         self._check_writable(rel)
         try:
@@ -326,6 +353,10 @@ class Checkpoint:
     def save_state(self, base: str, state: Any) -> list[str]:
         """Store any codec-able state (see :mod:`statekit.codec`): ``<base>.json`` holds the
         skeleton, ``<base>.safetensors`` the tensors (only if there are any).
+
+        Args:
+            base: relative path without extension (``"mine/state"``).
+            state: nested state (dicts, lists, tuples, scalars, tensors, NumPy arrays).
 
         Returns:
             The relative paths written.
@@ -375,6 +406,12 @@ class Checkpoint:
     def read_bytes(self, rel: str) -> bytes:
         """Read a whole file, verified against the manifest when ``verify`` is on.
 
+        Args:
+            rel: path relative to the checkpoint.
+
+        Returns:
+            The file's bytes.
+
         Raises:
             CorruptCheckpointError: missing, or size/checksum mismatch (names the file).
         """
@@ -423,6 +460,12 @@ class Checkpoint:
     def load_json(self, rel: str) -> Any:
         """Read a JSON file (verified when ``verify`` is on).
 
+        Args:
+            rel: path relative to the checkpoint.
+
+        Returns:
+            The decoded JSON value.
+
         Raises:
             CorruptCheckpointError: missing, mismatched or not JSON (names the file).
         """
@@ -434,6 +477,12 @@ class Checkpoint:
 
     def load_state(self, base: str) -> Any:
         """Read what :meth:`save_state` wrote under ``base``.
+
+        Args:
+            base: the ``base`` given to :meth:`save_state`.
+
+        Returns:
+            The state, with the same types as saved.
 
         Raises:
             CorruptCheckpointError: a file is missing, malformed or fails verification.

@@ -208,19 +208,34 @@ class CheckpointManager:
     # ---------------------------------------------------------------- queries
 
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint directory under the root (committed or not), oldest first."""
+        """Every checkpoint directory under the root (committed or not), oldest first.
+
+        Returns:
+            One :class:`CheckpointInfo` per ``checkpoint-<step>`` directory.
+        """
         return list_checkpoints(self.root_url, self.storage_options)
 
     def latest(self) -> str | None:
         """URL of the newest committed checkpoint, or None (scans manifests; ``latest`` is
-        only a hint and is not trusted)."""
+        only a hint and is not trusted).
+
+        Returns:
+            The URL, or None when no checkpoint under the root is committed.
+        """
         committed = [i for i in list_checkpoints(self.root_url, self.storage_options, details=False) if i.committed]
         return committed[-1].url if committed else None
 
     # ---------------------------------------------------------------- save
 
     def url_for(self, step: int) -> str:
-        """URL of the checkpoint directory of ``step``."""
+        """URL of the checkpoint directory of ``step``.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            ``<root>/checkpoint-<step:08d>``.
+        """
         return self.root.url_of(checkpoint_name(step))
 
     def save(
