@@ -1,0 +1,100 @@
+"""Byte progress bars for long operations (verify, convert, diff; saves and loads later).
+
+A bar shows bytes done, bytes/s and the time left (``rich.progress``), on standard error.
+It is drawn only for people: silent when standard error is not a terminal, or when the
+environment variable ``STATEKIT_PROGRESS`` is ``0``; ``STATEKIT_PROGRESS=1`` forces it on
+(for a terminal that Python does not recognise). ``rich`` is imported only when a bar is
+actually drawn, so importing this module costs nothing.
+
+Usage::
+
+    from statekit.progress import progress
+
+    with progress(total_bytes, "verify") as advance:
+        for chunk in chunks:
+            ...
+            advance(len(chunk))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+ENV_VAR = "STATEKIT_PROGRESS"
+"""Environment variable: ``0`` turns progress bars off, ``1`` forces them on."""
+
+
+def progress_enabled(stream: TextIO | None = None) -> bool:
+    """Whether a progress bar would be drawn now.
+
+    Args:
+        stream: the stream the bar would be drawn on (default ``sys.stderr``).
+
+    Returns:
+        False if ``STATEKIT_PROGRESS=0``; True if ``STATEKIT_PROGRESS=1``; else whether
+        ``stream`` is a terminal (``isatty()``).
+    """
+    setting = os.environ.get(ENV_VAR, "").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
+
+
+def _noop(_: int = 0) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def progress(total_bytes: int | None, description: str, *, stream: TextIO | None = None) -> Iterator[Callable[[int], None]]:
+    """A byte progress bar, or a no-op when bars are off (see :func:`progress_enabled`).
+
+    Args:
+        total_bytes: bytes the operation will process (None: unknown, no ETA).
+        description: a short label drawn left of the bar (``"verify"``).
+        stream: where to draw (default ``sys.stderr``).
+
+    Yields:
+        ``advance(n_bytes)``: call it as bytes are processed. The bar is removed when
+        the block exits (``transient``), so it leaves no trace in the output.
+    """
+    stream = sys.stderr if stream is None else stream
+    if not progress_enabled(stream):
+        yield _noop
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = Console(file=stream, force_terminal=True)
+    bar: Any = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task(description, total=total_bytes)
+
+        def advance(n_bytes: int = 0) -> None:
+            bar.advance(task, n_bytes)
+
+        yield advance
