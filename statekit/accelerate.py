@@ -148,8 +148,9 @@ def load_state(
         The manifest (for an Accelerate directory, a summary with ``format: "accelerate"``).
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
-        StateMismatchError, PluginError, PluginMissingError: as :func:`statekit.load`.
+        StatekitError: as :func:`statekit.load` (``CheckpointNotFoundError``,
+            ``IncompleteCheckpointError``, ``CorruptCheckpointError``,
+            ``StateMismatchError``, ``PluginError``, ``PluginMissingError``).
         PickleNotAllowedError: an Accelerate-format directory and not ``allow_pickle``.
     """
     return engine.load_objects(

@@ -52,8 +52,8 @@ def statekit_attach(accelerator: Any, objects: MutableMapping[str, Any]) -> None
         Nothing; return values are ignored.
 
     Raises:
-        Anything the plugin raises becomes a :class:`statekit.PluginError`; the manager or
-        ``attach()`` call fails.
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`;
+            the manager or ``attach()`` call fails.
     """
 
 
@@ -90,8 +90,9 @@ def statekit_save_state_pre(
         Nothing; return values are ignored.
 
     Raises:
-        Anything the plugin raises becomes a :class:`statekit.PluginError` naming plugin
-        and hook. Nothing is committed; the previous checkpoint is untouched.
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`
+            naming plugin and hook. Nothing is committed; the previous checkpoint is
+            untouched.
     """
 
 
@@ -113,8 +114,8 @@ def statekit_save_state_post(models: list[torch.nn.Module], output_dir: str, che
         Nothing; return values are ignored.
 
     Raises:
-        Anything the plugin raises becomes a :class:`statekit.PluginError`, but the
-        checkpoint stays committed.
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`,
+            but the checkpoint stays committed.
     """
 
 
@@ -141,8 +142,9 @@ def statekit_load_state_pre(models: list[torch.nn.Module], input_dir: str, check
         Nothing; return values are ignored.
 
     Raises:
-        Anything the plugin raises becomes a :class:`statekit.PluginError`. Models the
-        core has not loaded yet are untouched; the error says which plugin failed.
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`.
+            Models the core has not loaded yet are untouched; the error says which
+            plugin failed.
     """
 
 
@@ -161,6 +163,6 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
         Nothing; return values are ignored.
 
     Raises:
-        Anything the plugin raises becomes a :class:`statekit.PluginError`; the models
-        and objects are already restored.
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`;
+            the models and objects are already restored.
     """

@@ -17,6 +17,9 @@ Fixtures:
 * ``storage_url``: a fresh checkpoint URL, parametrized over ``memory``, ``file`` and
   ``s3`` (the ``s3`` case carries the ``s3`` marker: deselect it with ``-m "not s3"``).
 * ``assert_state_equal``: :func:`assert_state_equal`, as a fixture.
+* ``tiny_accelerate``: a prepared CPU ``Accelerator`` with a tiny model, AdamW, a shuffled
+  data loader and a ``LambdaLR`` scheduler (:class:`TinyAccelerate`); skipped if
+  accelerate is not installed.
 
 S3 access: s3fs (2024.6 and later, with botocore >= 1.31) reads ``AWS_ENDPOINT_URL``
 from the environment, so ``fsspec``/``statekit`` calls on ``s3://`` URLs reach the moto
@@ -46,12 +49,14 @@ import pytest
 
 __all__ = [
     "S3Server",
+    "TinyAccelerate",
     "assert_state_equal",
     "installed_plugin_manager",
     "plugin_manager",
     "s3_bucket",
     "s3_server",
     "storage_url",
+    "tiny_accelerate",
 ]
 
 S3_ACCESS_KEY = "testing"
@@ -443,3 +448,88 @@ def _numpy_difference(np: Any, a: Any, b: Any, path: str) -> str | None:
     if np.ascontiguousarray(a).tobytes() != np.ascontiguousarray(b).tobytes():
         return f"{path}: NumPy values differ ({a.dtype}, shape {list(a.shape)}): {_short(a)} vs {_short(b)}"
     return None
+
+
+# --------------------------------------------------------------------------- a tiny Accelerate run
+
+
+@dataclass
+class TinyAccelerate:
+    """A small prepared Accelerate training setup (yielded by the ``tiny_accelerate`` fixture).
+
+    Attributes:
+        accelerator: a CPU ``accelerate.Accelerator`` (fresh state).
+        model: a prepared ``Linear(4, 8) -> ReLU -> Dropout(0.1) -> Linear(8, 2)`` model.
+        optimizer: a prepared ``torch.optim.AdamW`` (lr 1e-2) over the model's parameters.
+        loader: a prepared, shuffled ``DataLoader`` of 32 samples (4 features, 2 classes) in
+            batches of 4.
+        scheduler: a prepared ``LambdaLR`` with a linear decay over 100 steps.
+    """
+
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    loader: Any
+    scheduler: Any
+
+    def train_step(self, batch: Any) -> float:
+        """Run one optimisation step (cross-entropy loss) on a batch of the loader.
+
+        Args:
+            batch: a ``(inputs, targets)`` batch yielded by :attr:`loader`.
+
+        Returns:
+            The loss of the step, as a float.
+        """
+        import torch
+
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        self.accelerator.backward(loss)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return float(loss.detach())
+
+
+@pytest.fixture
+def tiny_accelerate() -> Iterator[TinyAccelerate]:
+    """A prepared CPU Accelerate run: tiny model, AdamW, shuffled loader, ``LambdaLR``.
+
+    Seeded (``accelerate.utils.set_seed(0)``), so two uses in one test build identical
+    runs. Accelerate's process-wide state is reset before and after, so each test gets a
+    fresh ``Accelerator``. accelerate is imported here, not at module import.
+
+    Yields:
+        A :class:`TinyAccelerate`.
+
+    Skips:
+        When accelerate is not installed (``pip install "statekit[accelerate]"``).
+    """
+    pytest.importorskip("accelerate", reason='accelerate is not installed (pip install "statekit[accelerate]")')
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import set_seed
+
+    def reset() -> None:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+    reset()
+    set_seed(0)
+    try:
+        accelerator = Accelerator(cpu=True)
+        g = torch.Generator().manual_seed(1234)
+        x = torch.randn(32, 4, generator=g)
+        y = torch.randint(0, 2, (32,), generator=g)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2)
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / 100))
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        yield TinyAccelerate(accelerator, model, optimizer, loader, scheduler)
+    finally:
+        reset()
