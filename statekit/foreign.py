@@ -511,7 +511,10 @@ def _detect(storage: Storage) -> str:
         return "statekit"
     if _DCP_METADATA in names:
         return "dcp"
-    if any(_ACCELERATE_FILE.match(n) for n in names):
+    accelerate = [n for n in names if _ACCELERATE_FILE.match(n)]
+    # save_state always writes random_states_<rank>.pkl; a lone model.safetensors next to
+    # statekit's .json files is an uncommitted statekit save, not an Accelerate directory
+    if any(not n.endswith(".safetensors") for n in accelerate) or (accelerate and not any(n.endswith(".json") for n in names)):
         return "accelerate"
     if any(n.endswith((".safetensors", ".json")) for n in names):
         raise IncompleteCheckpointError(

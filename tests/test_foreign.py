@@ -1,0 +1,170 @@
+"""Cross-format reading (statekit.foreign): detection, listing from metadata, one-tensor reads, diff."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import fsspec
+import pytest
+import safetensors.torch
+import torch
+
+import statekit
+from statekit.errors import CheckpointNotFoundError, IncompleteCheckpointError, PickleNotAllowedError, StatekitError
+from statekit.foreign import FORMATS, detect_format, diff, open_checkpoint
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 4, generator=g), "b": torch.arange(5, dtype=torch.int64), "h": torch.ones(2, dtype=torch.bfloat16)}
+
+
+def _dcp_save(state, path):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def test_formats_listed():
+    assert FORMATS == ("statekit", "accelerate", "dcp", "safetensors", "torch")
+
+
+def test_safetensors_file_header_listing_and_ranged_read(tmp_path):
+    state = _state()
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(state, str(path), metadata={"who": "me"})
+    assert detect_format(str(path)) == "safetensors"
+    reader = open_checkpoint(str(path))
+    infos = reader.tensors()
+    assert set(infos) == {"w", "b", "h"}
+    assert (infos["w"].dtype, infos["w"].shape, infos["w"].size_bytes, infos["w"].file) == ("float32", (3, 4), 48, "m.safetensors")
+    assert infos["h"].dtype == "bfloat16" and reader.metadata["who"] == "me"
+    for name, t in state.items():
+        assert torch.equal(reader.load_tensor(name), t)
+    with pytest.raises(KeyError, match="nope"):
+        reader.load_tensor("nope")
+
+
+def test_torch_file_needs_allow_pickle(tmp_path):
+    state = {"model": _state(), "step": 3}
+    path = tmp_path / "ckpt.pt"
+    torch.save(state, path)
+    assert detect_format(str(path)) == "torch"
+    with pytest.raises(PickleNotAllowedError, match="ckpt.pt"):
+        open_checkpoint(str(path))
+    reader = open_checkpoint(str(path), allow_pickle=True)
+    assert set(reader.tensors()) == {"model.w", "model.b", "model.h"}
+    assert torch.equal(reader.load_tensor("model.w"), state["model"]["w"])
+    assert reader.tensors()["model.b"].size_bytes == 40
+
+
+def test_dcp_directory_needs_allow_pickle(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    state = {"model": model.state_dict(), "extra": {"t": torch.arange(6).reshape(2, 3)}, "step": 7}
+    _dcp_save(state, tmp_path / "dcp")
+    assert sorted(os.listdir(tmp_path / "dcp"))[0] == ".metadata"
+    assert detect_format(str(tmp_path / "dcp")) == "dcp"
+    with pytest.raises(PickleNotAllowedError, match=r"dcp/\.metadata"):
+        open_checkpoint(str(tmp_path / "dcp"))
+    reader = open_checkpoint(str(tmp_path / "dcp"), allow_pickle=True)
+    infos = reader.tensors()
+    assert set(infos) == {"model.weight", "model.bias", "extra.t"}
+    assert infos["model.weight"].shape == (3, 4) and infos["extra.t"].dtype == "int64"
+    assert infos["model.weight"].file.endswith(".distcp") and reader.metadata["objects"] == ["step"]
+    assert torch.equal(reader.load_tensor("model.weight"), model.weight.detach())
+    assert torch.equal(reader.load_tensor("extra.t"), state["extra"]["t"])
+
+
+def test_accelerate_directory(tmp_path):
+    from accelerate_helpers import build, train_steps
+
+    run = build(seed=0)
+    train_steps(run, 3)
+    accelerator, model, optimizer = run[0], run[1], run[2]
+    accelerator.save_state(str(tmp_path / "acc"))
+    names = set(os.listdir(tmp_path / "acc"))
+    assert {"model.safetensors", "optimizer.bin"} <= names, names
+    assert detect_format(str(tmp_path / "acc")) == "accelerate"
+    reader = open_checkpoint(str(tmp_path / "acc"))
+    assert "optimizer.bin" in reader.skipped
+    assert set(reader.tensors()) == {f"model.safetensors:{k}" for k in model.state_dict()}
+    assert torch.equal(reader.load_tensor("model.safetensors:fc1.weight"), model.fc1.weight.detach())
+    full = open_checkpoint(str(tmp_path / "acc"), allow_pickle=True)
+    assert not full.skipped
+    exp_avg = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(full.load_tensor("optimizer.bin:state.0.exp_avg"), exp_avg)
+
+
+def test_statekit_checkpoint_keys_by_file(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    statekit.save(str(tmp_path / "ck"), {"model": model}, step=1)
+    assert detect_format(str(tmp_path / "ck")) == "statekit"
+    reader = open_checkpoint(str(tmp_path / "ck"))
+    assert reader.metadata["step"] == 1
+    assert torch.equal(reader.load_tensor("model.safetensors:weight"), model.weight.detach())
+    assert torch.equal(reader.load_tensor("weight"), model.weight.detach())  # a unique bare name
+
+
+def test_remote_memory_urls():
+    fs = fsspec.filesystem("memory")
+    state = _state()
+    with fs.open("/foreign/m.safetensors", "wb") as f:
+        f.write(safetensors.torch.save(state))
+    reader = open_checkpoint("memory://foreign/m.safetensors")
+    assert reader.format == "safetensors" and torch.equal(reader.load_tensor("w"), state["w"])
+    model = torch.nn.Linear(3, 3)
+    statekit.save("memory://foreign/ck", {"model": model})
+    assert torch.equal(open_checkpoint("memory://foreign/ck").load_tensor("model.safetensors:bias"), model.bias.detach())
+    buf = __import__("io").BytesIO()
+    torch.save(state, buf)
+    fs.pipe("/foreign/t.pt", buf.getvalue())
+    assert torch.equal(open_checkpoint("memory://foreign/t.pt", allow_pickle=True).load_tensor("b"), state["b"])
+    fs.rm("/foreign", recursive=True)
+
+
+def test_remote_dcp(tmp_path):
+    _dcp_save({"x": torch.arange(4.0)}, tmp_path / "dcp")
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(tmp_path / "dcp"):
+        fs.pipe(f"/rdcp/{name}", (tmp_path / "dcp" / name).read_bytes())
+    with pytest.raises(PickleNotAllowedError):
+        open_checkpoint("memory://rdcp")
+    assert torch.equal(open_checkpoint("memory://rdcp", allow_pickle=True).load_tensor("x"), torch.arange(4.0))
+    fs.rm("/rdcp", recursive=True)
+
+
+def test_detection_errors(tmp_path):
+    with pytest.raises(CheckpointNotFoundError):
+        detect_format(str(tmp_path / "missing"))
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model.safetensors").write_bytes(safetensors.torch.save(_state()))
+    assert detect_format(str(tmp_path / "half")) == "accelerate"  # save_state of a lone model
+    (tmp_path / "half" / "optim.json").write_text("{}")
+    with pytest.raises(IncompleteCheckpointError, match="statekit.json"):
+        detect_format(str(tmp_path / "half"))
+    (tmp_path / "junk.txt").write_text("hello world, not a checkpoint")
+    with pytest.raises(StatekitError, match="not a safetensors or torch file"):
+        detect_format(str(tmp_path / "junk.txt"))
+
+
+def test_diff_reports_added_removed_changed_and_values(tmp_path):
+    a = {"same": torch.ones(3), "moved": torch.zeros(2, 2), "gone": torch.ones(1), "reshaped": torch.ones(4), "cast": torch.ones(2)}
+    b = {"same": torch.ones(3), "moved": torch.tensor([[0.0, 0.25], [-1.5, 0.0]]), "new": torch.ones(1),
+         "reshaped": torch.ones(2, 2), "cast": torch.ones(2, dtype=torch.float64)}
+    safetensors.torch.save_file(a, str(tmp_path / "a.safetensors"))
+    safetensors.torch.save_file(b, str(tmp_path / "b.safetensors"))
+    report = diff(open_checkpoint(str(tmp_path / "a.safetensors")), open_checkpoint(str(tmp_path / "b.safetensors")))
+    assert report["added"] == ["new"] and report["removed"] == ["gone"]
+    assert {c["key"] for c in report["changed"]} == {"reshaped", "cast"}
+    values = {t["key"]: (t["max_abs_diff"], t["equal"]) for t in report["tensors"]}
+    assert values == {"same": (0.0, True), "moved": (1.5, False), "cast": (0.0, False)}
+    assert report["size_delta_bytes"] == (tmp_path / "b.safetensors").stat().st_size - (tmp_path / "a.safetensors").stat().st_size
+    assert report["identical"] is False
+    same = diff(open_checkpoint(str(tmp_path / "a.safetensors")), open_checkpoint(str(tmp_path / "a.safetensors")))
+    assert same["identical"] is True and not same["added"] and not same["files"]
