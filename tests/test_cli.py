@@ -91,3 +91,136 @@ def test_gc_removes_incomplete(tmp_path):
 def test_convert_unknown_format_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["convert", str(tmp_path), str(tmp_path / "o"), "--to", "nope"])
     assert result.exit_code == 2 and "unknown format" in result.output
+
+
+# --------------------------------------------------------------------------- diff, other formats, progress
+
+
+def _momentum_run(tmp_path):
+    """Two manager checkpoints (steps 10, 20) one SGD-with-momentum step apart."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "mrun"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    snapshots = []
+    for step in (10, 20):
+        optim.step()
+        manager.save(step)
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return tmp_path / "mrun", snapshots
+
+
+def test_diff_between_manager_checkpoints_names_changed_tensors(tmp_path):
+    root, (w10, w20) = _momentum_run(tmp_path)
+    a, b = str(root / "checkpoint-00000010"), str(root / "checkpoint-00000020")
+    result = _run("diff", a, b, "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.output)
+    values = {t["key"]: t["max_abs_diff"] for t in report["tensors"]}
+    for name in ("weight", "bias"):
+        expected = (w20[name].double() - w10[name].double()).abs().max().item()
+        assert values[f"model.safetensors:{name}"] == expected
+    # momentum buffer: 1 after the first step, 0.9 * 1 + 1 after the second (float32)
+    one = torch.ones((), dtype=torch.float32)
+    expected_buf = (one * 0.9 + one - one).double().item()
+    assert values["optim.safetensors:state.0.momentum_buffer"] == expected_buf
+    assert values["optim.safetensors:state.1.momentum_buffer"] == expected_buf
+    assert {k for k, t in ((t["key"], t) for t in report["tensors"]) if not t["equal"]} == {
+        "model.safetensors:weight", "model.safetensors:bias",
+        "optim.safetensors:state.0.momentum_buffer", "optim.safetensors:state.1.momentum_buffer"}
+    assert report["added"] == [] and report["removed"] == [] and report["identical"] is False
+    assert report["a"]["size_bytes"] == sum(f.stat().st_size for f in (root / "checkpoint-00000010").rglob("*")
+                                            if f.is_file() and f.name != "statekit.json")
+    assert {f["file"] for f in report["files"]} == {"model.safetensors", "optim.safetensors"}
+    text = _run("diff", a, b).output
+    assert "4 tensors differ, 2 equal" in text
+    assert "model.safetensors:weight" in text and "optim.safetensors:state.0.momentum_buffer" in text
+    assert "rng/rank-00000.safetensors:torch" not in text  # equal tensors are listed only with --all
+    assert "rng/rank-00000.safetensors:torch" in _run("diff", a, b, "--all").output
+
+
+def test_diff_identical_checkpoints_shows_no_changes(tmp_path):
+    root, _ = _momentum_run(tmp_path)
+    a = str(root / "checkpoint-00000010")
+    report = json.loads(_run("diff", a, a, "--json").output)
+    assert report["identical"] is True and report["size_delta_bytes"] == 0
+    assert all(t["equal"] and t["max_abs_diff"] == 0.0 for t in report["tensors"])
+    text = _run("diff", a, a).output
+    assert "identical: 6 tensors equal" in text and "max abs diff" not in text
+
+
+def test_diff_missing_side_exits_1(tmp_path):
+    root, _ = _momentum_run(tmp_path)
+    result = CliRunner().invoke(main, ["diff", str(root / "checkpoint-00000010"), str(tmp_path / "nope")])
+    assert result.exit_code == 1 and "no checkpoint at" in result.output
+
+
+def test_inspect_foreign_formats(tmp_path):
+    import warnings
+
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    safetensors.torch.save_file({"w": torch.ones(2, 3)}, str(tmp_path / "m.safetensors"))
+    text = _run("inspect", str(tmp_path / "m.safetensors"), "--tensors").output
+    assert "safetensors" in text and "[2, 3]" in text and "24 B" in text
+    payload = json.loads(_run("inspect", str(tmp_path / "m.safetensors"), "--tensors", "--json").output)
+    assert payload["format"] == "safetensors" and payload["tensors"] == [
+        {"key": "w", "name": "w", "dtype": "float32", "shape": [2, 3], "size_bytes": 24, "file": "m.safetensors"}]
+
+    torch.save({"x": torch.zeros(4)}, tmp_path / "t.pt")
+    refused = CliRunner().invoke(main, ["inspect", str(tmp_path / "t.pt")])
+    assert refused.exit_code == 1 and "t.pt is a pickle file" in refused.output
+    assert json.loads(_run("inspect", str(tmp_path / "t.pt"), "--allow-pickle", "--json").output)["tensor_count"] == 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": torch.nn.Linear(2, 2).state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    refused = CliRunner().invoke(main, ["inspect", str(tmp_path / "dcp")])
+    assert refused.exit_code == 1 and ".metadata is a pickle file" in refused.output and "--allow-pickle" in refused.output
+    payload = json.loads(_run("inspect", str(tmp_path / "dcp"), "--allow-pickle", "--tensors", "--json").output)
+    assert payload["format"] == "dcp" and {t["key"] for t in payload["tensors"]} == {"model.weight", "model.bias"}
+
+
+def test_inspect_accelerate_directory_without_pickle(tmp_path):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from accelerate_helpers import build
+
+    accelerator = build(seed=0)[0]
+    accelerator.save_state(str(tmp_path / "acc"))
+    text = _run("inspect", str(tmp_path / "acc"), "--tensors").output
+    assert "format      accelerate" in text and "model.safetensors:fc1.weight" in text
+    assert "not read" in text and "optimizer.bin" in text
+
+
+def test_progress_silent_off_a_terminal(tmp_path):
+    checkpoint = _root(tmp_path) / "checkpoint-00000001"
+    result = _run("verify", str(checkpoint))
+    assert result.output.startswith("ok: ") and result.output.count("\n") == 1  # no bar, nothing else
+
+
+def test_progress_bar_on_a_fake_terminal(monkeypatch):
+    import io
+
+    from statekit.progress import progress, progress_enabled
+
+    class FakeTTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = FakeTTY()
+    monkeypatch.delenv("STATEKIT_PROGRESS", raising=False)
+    assert progress_enabled(stream) and not progress_enabled(io.StringIO())
+    with progress(4 * 1024 * 1024, "verify", stream=stream) as advance:
+        advance(2 * 1024 * 1024)
+    assert "verify" in stream.getvalue() and "MiB" in stream.getvalue()
+    monkeypatch.setenv("STATEKIT_PROGRESS", "0")
+    quiet = FakeTTY()
+    with progress(10, "verify", stream=quiet) as advance:
+        advance(10)
+    assert quiet.getvalue() == ""
