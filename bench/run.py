@@ -1,0 +1,286 @@
+"""Checkpoint benchmark: statekit against Accelerate, torch.save, safetensors and DCP.
+
+Usage::
+
+    python bench/run.py --size 256MiB|1GiB|3GiB [--dtype fp32|bf16] [--runs 5]
+                        [--json out.json] [--skip-s3] [--skip-scale] [--s3-runs N]
+
+The state is a model of large ``nn.Linear`` layers plus its AdamW state after one step,
+about ``--size`` bytes in all (weights one third, exp_avg and exp_avg_sq the rest). Every
+measurement runs in a fresh interpreter (``bench/_workers.py``): peak RSS is
+``ru_maxrss`` after the operation minus the RSS right before it. Saves are durable on
+every side (statekit fsyncs itself; Accelerate's, torch.save's, safetensors' outputs are
+fsynced after the call; DCP uses ``sync_files=True``). Loads restore into a fresh model
+and optimizer with the files dropped from the page cache first.
+
+The limits come from the same run: a sequential write of the same bytes with fsync (best
+of buffered and ``O_DIRECT``), a cold read back (best of buffered and ``O_DIRECT``), and
+one memcpy of the state. S3 runs against a moto server started here on 127.0.0.1 at a
+fixed 256 MiB. Scale runs statekit under ``torchrun`` (gloo) with 1, 2 and 4 ranks
+writing one checkpoint of the same total size.
+
+``--json FILE`` writes one record per measurement:
+``{"system", "op", "storage", "state_bytes", "seconds", "peak_rss_bytes", "run"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "_workers.py")
+SCALE = os.path.join(HERE, "_scale.py")
+UNITS = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+S3_SIZE = 256 * 1024**2
+
+LOCAL_PLAN = [
+    # (system, op) in order; a load follows its save (it reads the files the save wrote)
+    ("limit", "write"),
+    ("limit", "read"),
+    ("limit", "memcpy"),
+    ("statekit", "save"),
+    ("statekit", "load"),
+    ("statekit", "async"),
+    ("accelerate", "save"),
+    ("accelerate", "load"),
+    ("torch", "save"),
+    ("torch", "load"),
+    ("safetensors", "save"),
+    ("safetensors", "load"),
+    ("dcp", "save"),
+    ("dcp", "load"),
+]
+S3_PLAN = [("s3fs", "save"), ("s3fs", "load"), ("statekit", "save"), ("statekit", "load"), ("dcp", "save"), ("dcp", "load")]
+
+
+def parse_size(text: str) -> int:
+    for unit, mult in UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    return int(text)
+
+
+def run_worker(system: str, op: str, directory: str, size: int, dtype: str, endpoint: str = "") -> dict:
+    cmd = [sys.executable, WORKER, system, op, directory, str(size), dtype] + ([endpoint] if endpoint else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{system} {op} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def records_for(system: str, op: str, storage: str, res: dict, run: int) -> list[dict]:
+    base = {"system": system, "storage": storage, "state_bytes": res["state_bytes"], "peak_rss_bytes": res["peak_rss_bytes"], "run": run}
+    if op == "async":
+        return [
+            {**base, "op": "async_block", "seconds": res["blocking_seconds"]},
+            {**base, "op": "async_total", "seconds": res["seconds"]},
+        ]
+    rec = {**base, "op": op, "seconds": res["seconds"]}
+    if "method" in res:
+        rec["method"] = res["method"]
+    return [rec]
+
+
+def bench_local(size: int, dtype: str, runs: int, workdir: str, log) -> list[dict]:
+    out = []
+    for run in range(runs):
+        for system, op in LOCAL_PLAN:
+            d = os.path.join(workdir, f"{system}-{run}")
+            if op in ("save", "write", "memcpy", "async") or system == "limit":
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
+            res = run_worker(system, op, d, size, dtype)
+            recs = records_for(system, op, "local", res, run)
+            out += recs
+            for r in recs:
+                log(f"  run {run} {system:12s} {r['op']:12s} {r['seconds']:8.3f} s  peak +{r['peak_rss_bytes'] / 2**20:8.1f} MiB")
+            if op == "load" or (system == "statekit" and op == "async"):
+                shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def bench_s3(dtype: str, runs: int, workdir: str, log) -> list[dict]:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    out = []
+    try:
+        import s3fs
+
+        sys.path.insert(0, HERE)
+        from _workers import s3_options
+
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+        fs = s3fs.S3FileSystem(**s3_options(endpoint))
+        for run in range(runs):
+            for system, op in S3_PLAN:
+                res = run_worker(system, op, workdir, S3_SIZE, dtype, endpoint)
+                recs = records_for(system, op, "s3", res, run)
+                out += recs
+                for r in recs:
+                    log(f"  run {run} s3 {system:10s} {r['op']:8s} {r['seconds']:8.3f} s  peak +{r['peak_rss_bytes'] / 2**20:8.1f} MiB")
+                if op == "load":  # moto keeps every object in memory: delete between runs
+                    fs.invalidate_cache()
+                    if fs.exists(f"bench/{system}"):
+                        fs.rm(f"bench/{system}", recursive=True)
+    finally:
+        server.stop()
+    return out
+
+
+def bench_scale(size: int, dtype: str, runs: int, workdir: str, log) -> list[dict]:
+    out = []
+    for n in (1, 2, 4):
+        for run in range(runs):
+            d = os.path.join(workdir, f"scale-{n}-{run}")
+            res_file = os.path.join(workdir, f"scale-{n}-{run}.json")
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                SCALE, d, str(size), dtype, res_file,
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if proc.returncode != 0:
+                raise RuntimeError(f"scale {n} failed:\n{proc.stderr[-3000:]}")
+            with open(res_file) as f:
+                res = json.load(f)
+            shutil.rmtree(d, ignore_errors=True)
+            out.append(
+                {"system": f"statekit-{n}rank", "op": "save", "storage": "local", "state_bytes": res["state_bytes"],
+                 "seconds": res["seconds"], "peak_rss_bytes": res["peak_rss_bytes"], "run": run, "ranks": n,
+                 "per_rank_bytes": res["per_rank_bytes"]}
+            )
+            log(f"  run {run} scale {n} ranks {res['seconds']:8.3f} s")
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(records: list[dict]) -> dict[tuple[str, str, str], dict]:
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["storage"], r["system"], r["op"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        secs = [r["seconds"] for r in rs]
+        peaks = [r["peak_rss_bytes"] for r in rs]
+        med = statistics.median(secs)
+        out[key] = {
+            "seconds": med,
+            "min": min(secs),
+            "max": max(secs),
+            "gbps": rs[0]["state_bytes"] / med / 1e9 if med > 0 else float("inf"),
+            "peak": statistics.median(peaks),
+            "state_bytes": rs[0]["state_bytes"],
+            "n": len(rs),
+            "ranks": rs[0].get("ranks"),
+        }
+    return out
+
+
+def table(records: list[dict]) -> str:
+    s = summarize(records)
+    lines = []
+    hdr = f"{'storage':7s} {'system':16s} {'op':12s} {'median s':>9s} {'min-max s':>15s} {'GB/s':>7s} {'peak+MiB':>9s} {'x limit':>8s} {'x Accel':>8s}"
+    lines += [hdr, "-" * len(hdr)]
+    limit = {"save": s.get(("local", "limit", "write")), "load": s.get(("local", "limit", "read"))}
+    accel = {"save": s.get(("local", "accelerate", "save")), "load": s.get(("local", "accelerate", "load"))}
+    s3raw = {"save": s.get(("s3", "s3fs", "save")), "load": s.get(("s3", "s3fs", "load"))}
+    for (storage, system, op), v in sorted(s.items(), key=lambda kv: (kv[0][0] != "local", kv[0][1] != "limit", kv[0][1], kv[0][2])):
+        kind = "save" if op in ("save", "async_total", "write") else "load" if op in ("load", "read") else None
+        ref = (s3raw if storage == "s3" else limit).get(kind) if kind else None
+        xl = f"{v['seconds'] / ref['seconds']:.2f}" if ref else ""
+        acc = accel.get(kind) if storage == "local" and kind else None
+        xa = f"{acc['seconds'] / v['seconds']:.2f}" if acc else ""
+        lines.append(
+            f"{storage:7s} {system:16s} {op:12s} {v['seconds']:9.3f} {v['min']:7.3f}-{v['max']:<7.3f} {v['gbps']:7.2f} "
+            f"{v['peak'] / 2**20:9.1f} {xl:>8s} {xa:>8s}"
+        )
+    lines.append("")
+    lines.append("x limit: time / limit time (local: disk write/read limit; s3: raw s3fs pipe/cat); x Accel: Accelerate time / this time")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1GiB", help="total state bytes: 256MiB, 1GiB, 3GiB...")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--runs", type=int, default=5, help="fresh-process measurements per system and op (local)")
+    ap.add_argument("--s3-runs", type=int, default=None, help="runs for S3 and scale (default: --runs)")
+    ap.add_argument("--json", default=None, help="write one record per measurement to this file")
+    ap.add_argument("--skip-s3", action="store_true")
+    ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--skip-local", action="store_true")
+    ap.add_argument("--workdir", default=None, help="directory for checkpoint files (default: a temp dir on the disk of this repo)")
+    args = ap.parse_args(argv)
+    size = parse_size(args.size)
+    extra_runs = args.s3_runs if args.s3_runs is not None else args.runs
+    root = args.workdir or os.path.join(os.path.dirname(REPO), "tmp-bench")
+    os.makedirs(root, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="statekit-bench-", dir=root)
+    started = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - started:7.1f}s]{msg}", flush=True)
+
+    records: list[dict] = []
+    try:
+        if not args.skip_local:
+            log(f" local disk, {args.size} {args.dtype}, {args.runs} runs, in {workdir}")
+            records += bench_local(size, args.dtype, args.runs, workdir, log)
+        if not args.skip_s3:
+            log(f" S3 (moto), 256MiB {args.dtype}, {extra_runs} runs")
+            records += bench_s3(args.dtype, extra_runs, workdir, log)
+        if not args.skip_scale:
+            log(f" scale: torchrun 1/2/4 ranks, {args.size} total, {extra_runs} runs")
+            records += bench_scale(size, args.dtype, extra_runs, workdir, log)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+    print()
+    print(table(records))
+    scale = [r for r in records if r["system"].startswith("statekit-") and r["system"].endswith("rank")]
+    if scale:
+        s = summarize(scale)
+        print()
+        print("scale (one checkpoint of the same total size):")
+        for (_, system, _), v in sorted(s.items(), key=lambda kv: kv[1]["ranks"]):
+            n = v["ranks"]
+            total = v["state_bytes"] / v["seconds"] / 1e9
+            print(f"  {n} rank(s): {v['seconds']:.3f} s, total {total:.2f} GB/s, per rank {total / n:.2f} GB/s")
+    print(f"\nwall time {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
