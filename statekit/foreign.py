@@ -463,10 +463,10 @@ def _is_file(storage: Storage) -> bool:
 def _sniff_file(storage: Storage) -> str:
     with storage.open_read("") as f:
         head = f.read(16)
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
-        return "torch"
-    if len(head) >= 9 and head[8:9] == b"{":
+    if len(head) >= 9 and head[8:9] == b"{":  # before the pickle check: a header length may start with 0x80
         return "safetensors"
+    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+        return "torch"
     name = _basename(storage.url).lower()
     if name.endswith(".safetensors"):
         return "safetensors"
@@ -579,8 +579,8 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         A JSON-able dict: ``a``/``b`` (url, format, size_bytes, tensor_bytes,
         skipped), ``added``/``removed`` (lists of keys), ``changed`` (shape or dtype
         changes: ``{key, a: {dtype, shape}, b: {...}}``), ``tensors`` (per compared key:
-        ``{key, dtype, shape, max_abs_diff, equal}``), ``files`` (files whose size differs,
-        or whose manifest checksum differs for two statekit checkpoints:
+        ``{key, dtype, shape, max_abs_diff, equal}``), ``files`` (for two directories of one
+        format: files whose size differs, or whose manifest checksum differs for statekit:
         ``{file, a_bytes, b_bytes, checksum_equal}``; a missing side is None), ``size_delta_bytes``
         (``b.size_bytes - a.size_bytes``), ``identical`` (no key added, removed,
         changed, or differing in value).
@@ -610,7 +610,8 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
     sums_a = {rel: e["checksum"] for rel, e in a.metadata.get("files", {}).items()} if a.format == "statekit" else {}
     sums_b = {rel: e["checksum"] for rel, e in b.metadata.get("files", {}).items()} if b.format == "statekit" else {}
     files = []
-    for rel in sorted(set(sa["files"]) | set(sb["files"])):
+    directories = a.format == b.format and a.format in ("statekit", "accelerate", "dcp")
+    for rel in sorted(set(sa["files"]) | set(sb["files"])) if directories else []:
         size_a, size_b = sa["files"].get(rel), sb["files"].get(rel)
         same = sums_a.get(rel) == sums_b.get(rel) if rel in sums_a and rel in sums_b else None
         if size_a != size_b or same is False:

@@ -168,3 +168,30 @@ def test_diff_reports_added_removed_changed_and_values(tmp_path):
     assert report["identical"] is False
     same = diff(open_checkpoint(str(tmp_path / "a.safetensors")), open_checkpoint(str(tmp_path / "a.safetensors")))
     assert same["identical"] is True and not same["added"] and not same["files"]
+
+
+def test_safetensors_header_length_starting_with_pickle_magic(tmp_path):
+    """A header of 640 bytes starts with 0x80 0x02, pickle protocol 2's marker: still safetensors."""
+    for pad in range(500, 700):
+        data = safetensors.torch.save({"w" * pad: torch.ones(2)})
+        if data[:2] == b"\x80\x02":
+            break
+    else:  # pragma: no cover
+        pytest.skip("no header of length 0x80 found")
+    (tmp_path / "x.safetensors").write_bytes(data)
+    (tmp_path / "x.bin").write_bytes(data)
+    assert detect_format(str(tmp_path / "x.safetensors")) == "safetensors"
+    assert detect_format(str(tmp_path / "x.bin")) == "safetensors"
+
+
+def test_diff_across_formats_matches_tensor_names(tmp_path):
+    model = torch.nn.Linear(8, 4)
+    safetensors.torch.save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["bias"][1] += 2.0
+    torch.save(state, tmp_path / "m.pt")
+    report = diff(open_checkpoint(str(tmp_path / "m.safetensors")), open_checkpoint(str(tmp_path / "m.pt"), allow_pickle=True))
+    assert report["a"]["format"] == "safetensors" and report["b"]["format"] == "torch"
+    expected = (state["bias"].double() - model.bias.detach().double()).abs().max().item()
+    assert {t["key"]: t["max_abs_diff"] for t in report["tensors"]} == {"weight": 0.0, "bias": expected}
+    assert report["files"] == [] and not report["identical"]
