@@ -69,7 +69,7 @@ def _fail(exc: Exception) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="statekit")
 def main() -> None:
-    """statekit: inspect, verify and convert PyTorch training checkpoints."""
+    """statekit: inspect, compare, verify and convert PyTorch training checkpoints."""
 
 
 @main.command()
