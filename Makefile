@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-all test test-fast install clean
+.PHONY: demo demo-all test test-fast install clean docs package template-test
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -37,6 +37,33 @@ test-fast: $(STAMP)
 
 install: $(STAMP)
 
+# The documentation site (MkDocs + Material + mkdocstrings), into site/. --strict: a broken
+# link, a missing page or reference, or a docstring griffe cannot parse fails the build.
+DOCS_STAMP := $(VENV)/.statekit-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Wheels and sdists of statekit, every plugin and the plugin template, installed into a
+# fresh virtual environment and smoke-tested there (.ci/package.sh).
+package: $(STAMP)
+	PY=$(abspath $(PY)) bash .ci/package.sh
+
+# The plugin template, as a third party would use it: pip install (not editable), run its
+# tests from its own directory, then uninstall it so it does not join other test runs.
+TEMPLATE := examples/plugin-template
+
+template-test: $(STAMP)
+	$(PY) -m pip install -q --no-deps ./$(TEMPLATE)
+	@status=0; (cd $(TEMPLATE) && $(PYTEST) tests) || status=1; \
+	rm -rf $(TEMPLATE)/build; \
+	$(PY) -m pip uninstall -q -y statekit-metrics; \
+	exit $$status
+
 $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -45,4 +72,4 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
