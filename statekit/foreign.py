@@ -309,7 +309,7 @@ class AccelerateReader(CheckpointReader):
         for rel in self._names:
             if rel.endswith(".safetensors"):
                 out += self._safetensors_infos(rel)
-            elif self.allow_pickle and not rel.startswith("random_states_"):
+            elif self.allow_pickle:
                 out += self._pickles.infos(rel, rel)
         return out
 
@@ -412,7 +412,11 @@ class DCPReader(CheckpointReader):
         dtype = meta.properties.dtype
         out = torch.empty(tuple(meta.size), dtype=dtype)
         for idx, stored in self._chunks(info.name):
-            chunk_meta = meta.chunks[idx.index] if idx.index is not None else meta.chunks[0]
+            # the chunk is the one at the index's offsets (MetadataIndex.index is only a lookup hint)
+            chunk_meta = next((c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset or ())), None)
+            if chunk_meta is None:
+                url = self.storage.url_of(_DCP_METADATA)
+                raise CorruptCheckpointError(f"{url}: no chunk of {info.name!r} at offsets {idx.offset}", path=url)
             sizes, offsets = tuple(chunk_meta.sizes), tuple(chunk_meta.offsets)
             if getattr(stored, "transform_descriptors", None):
                 raise StatekitError(
