@@ -177,3 +177,14 @@ def test_readme_links_every_page():
     readme = (ROOT / "README.md").read_text()
     missing = [page for page in _pages() if f"docs/{page}" not in readme]
     assert not missing, f"README.md does not link: {missing}"
+
+
+def test_every_plugin_has_a_page():
+    plugins = sorted(p.name.removeprefix("statekit-") for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file())
+    missing = [name for name in plugins if not (DOCS / "plugins" / f"{name}.md").is_file()]
+    assert not missing, f"plugins without a page docs/plugins/<name>.md: {missing}"
+
+
+def test_manifest_schema_is_linked_from_the_format_page():
+    assert (ROOT / "statekit" / "manifest.schema.json").is_file()
+    assert "statekit/manifest.schema.json" in (DOCS / "format.md").read_text()
