@@ -176,8 +176,15 @@ class CheckpointReader:
 
     # --------------------------------------------------------- shared helpers
 
+    def _header(self, rel: str) -> fmt.TensorHeader:
+        """The parsed header of a safetensors file (cached: a diff reads many tensors of one file)."""
+        cache = self.__dict__.setdefault("_headers", {})
+        if rel not in cache:
+            cache[rel] = _read_header(self.storage, rel)
+        return cache[rel]
+
     def _safetensors_infos(self, rel: str) -> list[TensorInfo]:
-        header = _read_header(self.storage, rel)
+        header = self._header(rel)
         infos = [TensorInfo(e.name, _dtype_name(e.dtype), tuple(e.shape), e.end - e.begin, rel or _basename(self.url))
                  for e in header.entries]
         by_name = {e.name: e for e in header.entries}
@@ -187,9 +194,26 @@ class CheckpointReader:
         return infos
 
     def _safetensors_load(self, rel: str, name: str) -> torch.Tensor:
-        with self.storage.open_read(rel) as f:
-            tensors, _ = fmt.read_tensors(f, self.storage.url_of(rel), self.storage.size(rel), names=[name])
-        return tensors[name]
+        """Read one tensor: seek to its offsets and read only its bytes (a ranged read remotely)."""
+        header = self._header(rel)
+        name = header.aliases.get(name, name)
+        entry = next(e for e in header.entries if e.name == name)
+        stored = entry.dtype if tuple(entry.shape) == tuple(entry.stored_shape) else torch.uint8  # byte views: U8
+        buffer = torch.empty(entry.stored_shape, dtype=stored)
+        nbytes = entry.end - entry.begin
+        if nbytes:
+            url = self.storage.url_of(rel)
+            with self.storage.open_read(rel) as f:
+                f.seek(header.data_start + entry.begin)
+                view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < nbytes:
+                    data = f.read(min(fmt.CHUNK_BYTES, nbytes - done))
+                    if not data:
+                        raise CorruptCheckpointError(f"{url}: truncated while reading tensor {name!r}", path=url)
+                    view[done : done + len(data)] = data
+                    done += len(data)
+        return buffer if stored == entry.dtype else buffer.view(entry.dtype).reshape(entry.shape)
 
 
 def _basename(url: str) -> str:
@@ -326,7 +350,7 @@ class SafetensorsReader(CheckpointReader):
 
     def __init__(self, storage: Storage, allow_pickle: bool) -> None:
         super().__init__(storage, allow_pickle)
-        self.metadata = dict(_read_header(storage, "").metadata)
+        self.metadata = dict(self._header("").metadata)
 
     def files(self) -> dict[str, int]:
         """The file itself."""
@@ -571,8 +595,9 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
     Tensors are matched by key (:meth:`CheckpointReader.key`; ``file:tensor`` for
     statekit and Accelerate directories). For every key in both with the same shape,
     the maximum absolute difference is computed from one pair of tensors at a time (in
-    float64; ``nan`` if either holds a NaN at a position, ``inf`` for infinities that
-    differ); the two checkpoints are never in memory whole.
+    float64; ``inf`` where infinities differ, ``nan`` where only one side is NaN; equal
+    infinities and NaN against NaN count as no difference); the two checkpoints are
+    never in memory whole.
 
     Args:
         a: the old checkpoint.
@@ -604,7 +629,7 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
             continue
         x, y = a.load_tensor(key), b.load_tensor(key)
         max_abs = _max_abs_diff(x, y)
-        equal = ia.dtype == ib.dtype and torch.equal(x, y)
+        equal = ia.dtype == ib.dtype and (torch.equal(x, y) or max_abs == 0.0)
         del x, y
         compared.append({"key": key, "dtype": ib.dtype, "shape": list(ib.shape), "max_abs_diff": max_abs, "equal": equal})
         if advance is not None:
@@ -642,7 +667,8 @@ def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float | None:
     else:
         xd, yd = x.to(torch.float64), y.to(torch.float64)
         d = (xd - yd).abs()
-        d = torch.where(xd == yd, torch.zeros((), dtype=torch.float64), d)  # inf == inf: no difference
+        same = (xd == yd) | (torch.isnan(xd) & torch.isnan(yd))  # inf == inf and NaN at NaN: no difference
+        d = torch.where(same, torch.zeros((), dtype=torch.float64), d)
     return float(d.max().item())
 
 

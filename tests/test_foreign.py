@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -195,3 +196,19 @@ def test_diff_across_formats_matches_tensor_names(tmp_path):
     expected = (state["bias"].double() - model.bias.detach().double()).abs().max().item()
     assert {t["key"]: t["max_abs_diff"] for t in report["tensors"]} == {"weight": 0.0, "bias": expected}
     assert report["files"] == [] and not report["identical"]
+
+
+def test_diff_nan_inf_and_byte_views(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    a = {"x": torch.tensor([nan, inf, 1.0]), "y": torch.tensor([1.0, 2.0]), "c": torch.tensor([1 + 2j], dtype=torch.complex128)}
+    b = {"x": torch.tensor([nan, inf, 1.0]), "y": torch.tensor([nan, 2.0]), "c": torch.tensor([1 + 1j], dtype=torch.complex128)}
+    statekit.save(str(tmp_path / "a"), {"s": a})
+    statekit.save(str(tmp_path / "b"), {"s": b})
+    ra, rb = open_checkpoint(str(tmp_path / "a")), open_checkpoint(str(tmp_path / "b"))
+    key = next(k for k in ra.tensors() if k.endswith(":x"))
+    ckey = next(k for k in ra.tensors() if k.endswith(":c"))
+    assert ra.tensors()[ckey].dtype == "complex128" and ra.tensors()[ckey].shape == (1,)  # stored as a U8 byte view
+    assert torch.equal(ra.load_tensor(ckey), a["c"])
+    values = {t["key"].rsplit(":", 1)[1]: (t["max_abs_diff"], t["equal"]) for t in diff(ra, rb)["tensors"]}
+    assert values["x"] == (0.0, True) and values["c"] == (1.0, False)
+    assert math.isnan(values["y"][0]) and values["y"][1] is False
