@@ -224,3 +224,24 @@ def test_progress_bar_on_a_fake_terminal(monkeypatch):
     with progress(10, "verify", stream=quiet) as advance:
         advance(10)
     assert quiet.getvalue() == ""
+
+
+def test_inspect_and_diff_remote_memory_urls():
+    import fsspec
+
+    model = torch.nn.Linear(2, 2)
+    statekit.save("memory://cli-remote/a", {"model": model})
+    before = model.bias.detach().clone()
+    with torch.no_grad():
+        model.bias.add_(0.5)
+    expected = (model.bias.detach().double() - before.double()).abs().max().item()
+    statekit.save("memory://cli-remote/b", {"model": model})
+    try:
+        payload = json.loads(_run("inspect", "memory://cli-remote/a", "--tensors", "--json").output)
+        assert payload["format"] == "statekit/1" and "model.safetensors" in payload["tensors"]
+        report = json.loads(_run("diff", "memory://cli-remote/a", "memory://cli-remote/b", "--json").output)
+        values = {t["key"]: t["max_abs_diff"] for t in report["tensors"] if t["key"].startswith("model.")}
+        assert values == {"model.safetensors:weight": 0.0,
+                          "model.safetensors:bias": expected}
+    finally:
+        fsspec.filesystem("memory").rm("/cli-remote", recursive=True)
