@@ -212,3 +212,38 @@ def test_diff_nan_inf_and_byte_views(tmp_path):
     values = {t["key"].rsplit(":", 1)[1]: (t["max_abs_diff"], t["equal"]) for t in diff(ra, rb)["tensors"]}
     assert values["x"] == (0.0, True) and values["c"] == (1.0, False)
     assert math.isnan(values["y"][0]) and values["y"][1] is False
+
+
+def test_dcp_tensor_assembled_from_chunks(tmp_path):
+    """A sharded tensor (two row chunks in two .distcp files, as two ranks write it) reads whole."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    root = tmp_path / "sharded"
+    root.mkdir()
+    chunks, storage_data = [], {}
+    for rank, rows in enumerate((slice(0, 2), slice(2, 6))):
+        buf = io.BytesIO()
+        torch.save(full[rows].clone(), buf)
+        (root / f"__{rank}_0.distcp").write_bytes(b"pad" + buf.getvalue())
+        offsets = torch.Size([rows.start, 0])
+        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows.stop - rows.start, 4])))
+        storage_data[MetadataIndex("w", offsets, rank)] = _StorageInfo(f"__{rank}_0.distcp", 3, len(buf.getvalue()))
+    meta = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([6, 4]), chunks)},
+        storage_data=storage_data,
+    )
+    (root / ".metadata").write_bytes(pickle.dumps(meta))
+    reader = open_checkpoint(str(root), allow_pickle=True)
+    assert reader.tensors()["w"].file == "__0_0.distcp,__1_0.distcp" and reader.tensors()["w"].size_bytes == 96
+    assert torch.equal(reader.load_tensor("w"), full)
