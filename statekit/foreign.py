@@ -533,7 +533,9 @@ def _detect(storage: Storage) -> str:
     names = storage.listdir()
     if not names:
         if storage.exists():
-            raise StatekitError(f"{storage.url} is an empty directory, not a checkpoint")
+            raise IncompleteCheckpointError(
+                f"{storage.url} is an empty directory: no {fmt.MANIFEST_NAME} (a save that never committed), not a checkpoint"
+            )
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}")
     if fmt.MANIFEST_NAME in names:
         return "statekit"

@@ -144,6 +144,8 @@ def test_detection_errors(tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         detect_format(str(tmp_path / "missing"))
     (tmp_path / "half").mkdir()
+    with pytest.raises(IncompleteCheckpointError, match="empty directory"):
+        detect_format(str(tmp_path / "half"))
     (tmp_path / "half" / "model.safetensors").write_bytes(safetensors.torch.save(_state()))
     assert detect_format(str(tmp_path / "half")) == "accelerate"  # save_state of a lone model
     (tmp_path / "half" / "optim.json").write_text("{}")
