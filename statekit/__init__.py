@@ -14,6 +14,7 @@ from statekit.accelerate import Attachment, attach, load_state, save_state
 from statekit.context import Checkpoint
 from statekit.engine import load, save, verify
 from statekit.errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     CheckpointInUseError,
     CheckpointNotFoundError,
@@ -35,6 +36,7 @@ from statekit.plugins import get_plugin_manager, hookimpl
 
 __all__ = [
     "__version__",
+    "AsyncSaveError",
     "Attachment",
     "Checkpoint",
     "CheckpointInfo",

@@ -19,23 +19,9 @@ import traceback
 import weakref
 from typing import Any, Callable
 
-from statekit.errors import StatekitError
+from statekit.errors import AsyncSaveError
 
 _pending: weakref.WeakSet[PendingSave] = weakref.WeakSet()
-
-
-class AsyncSaveError(StatekitError):
-    """A background save failed; ``__cause__`` is the original error (its traceback kept).
-
-    Attributes:
-        url: the checkpoint URL.
-    """
-
-    __module__ = "statekit"
-
-    def __init__(self, message: str, url: str) -> None:
-        super().__init__(message)
-        self.url = url
 
 
 class PendingSave:

@@ -499,10 +499,16 @@ def _lock_holder(storage: Storage) -> dict[str, Any] | None:
     """Who holds the lock, with ``alive`` False when it is certainly stale."""
     try:
         holder = json.loads(storage.read_bytes(LOCK_NAME))
-    except (FileNotFoundError, ValueError, StatekitError):
+    except FileNotFoundError:
         return None
-    if not isinstance(holder, dict):
-        return None
+    except (ValueError, StatekitError):
+        holder = None
+    if not isinstance(holder, dict):  # unreadable: alive unless the file is old
+        try:
+            age = time.time() - storage.fs.modified(storage.path_of(LOCK_NAME)).timestamp()
+        except Exception:  # noqa: BLE001 - no modification time on this store
+            age = 0.0
+        return {"host": "?", "pid": "?", "created": time.time() - age, "alive": age < LOCK_TIMEOUT_S}
     age = time.time() - float(holder.get("created", 0))
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         try:

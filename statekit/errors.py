@@ -22,6 +22,7 @@ __all__ = [
     "PickleNotAllowedError",
     "CheckpointExistsError",
     "CheckpointInUseError",
+    "AsyncSaveError",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
     "StorageError",
@@ -166,6 +167,20 @@ class CheckpointInUseError(StatekitError, PermissionError):
     :mod:`statekit.inuse`): it is not deleted or overwritten."""
 
     __module__ = "statekit"
+
+
+class AsyncSaveError(StatekitError):
+    """A background (async) save failed; ``__cause__`` is the original error, its traceback kept.
+
+    Attributes:
+        url: the checkpoint URL.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
 
 
 class UnsupportedValueError(StatekitError, TypeError):

@@ -463,14 +463,21 @@ class Storage:
         with storage_errors(self.url_of(rel), "creating"):
             self._makedirs(path.rsplit("/", 1)[0])
             if self.is_local:
+                # Written under a temporary name, then hard-linked: the link is atomic and
+                # exclusive, so no reader ever sees the file created but still empty.
+                tmp = f"{path}.{uuid.uuid4().hex}.tmp"
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileExistsError:
-                    return False
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        return False
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
                 return True
             try:
                 self.fs.pipe_file(path, data, mode="create")

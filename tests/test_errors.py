@@ -20,6 +20,8 @@ LEAVES = {
     "PluginMissingError": None,
     "PickleNotAllowedError": PermissionError,
     "CheckpointExistsError": FileExistsError,
+    "CheckpointInUseError": PermissionError,
+    "AsyncSaveError": None,
     "UnsupportedValueError": TypeError,
     "UnsupportedDtypeError": TypeError,
     "StorageError": OSError,
