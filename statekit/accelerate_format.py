@@ -187,7 +187,7 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
 
     from statekit import __version__
     from statekit.context import CORE, Checkpoint
-    from statekit.engine import _prepare_target
+    from statekit.locking import prepare_target
     from statekit.errors import StatekitError
 
     src = Storage(src_url, storage_options)
@@ -198,7 +198,7 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
     if pickled and not allow_pickle:
         read_pickle(src, pickled[0], allow_pickle)
     out = Storage(out_url, storage_options)
-    _prepare_target(out, overwrite=False)
+    prepare_target(out, overwrite=False)
     checkpoint = Checkpoint(out, mode="save")
     objects: dict[str, Any] = {}
     kinds = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",

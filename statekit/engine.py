@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import re
-import socket
-import time
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from statekit import __version__, codec, distributed, format as fmt
+from statekit import __version__, distributed, format as fmt
 from statekit.context import CORE, Checkpoint
 from statekit.errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -40,141 +34,13 @@ from statekit.errors import (
     StorageError,
     UnsupportedValueError,
 )
+from statekit.entries import Entry, LazyStateDict, _rank_base, _state_of, classify, unwrap_model  # noqa: F401
+from statekit.locking import LOCK_NAME, prepare_target, release_lock  # noqa: F401
 from statekit.plugins import call_each, get_plugin_manager
 from statekit.staging import StagingPool
 from statekit.storage import Storage
 
-_SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _warned_rng = False
-
-
-# --------------------------------------------------------------------------- entries
-
-
-@dataclass
-class Entry:
-    """One stateful object of a save or load.
-
-    Attributes:
-        key: stable key, also the base of its file names (``model_0``, ``optim``).
-        kind: ``model``, ``optimizer``, ``scheduler``, ``dataloader``, ``scaler``,
-            ``tensor``, ``dict`` or ``custom``.
-        obj: the object.
-        per_rank: every rank writes its own copy (``<key>/rank-00000.*``).
-    """
-
-    key: str
-    kind: str
-    obj: Any
-    per_rank: bool = False
-
-
-def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
-    """Decide how an object is stored.
-
-    Raises:
-        UnsupportedValueError: the key is not a safe file name, or the object has no
-            ``state_dict``/``load_state_dict`` and is not a tensor or dict.
-    """
-    if not isinstance(key, str) or not _SAFE_KEY.match(key) or key == fmt.MANIFEST_NAME.split(".")[0]:
-        raise UnsupportedValueError(
-            f"state key {key!r} must be a file-name-safe string (letters, digits, '_', '.', '-')"
-        )
-    from torch.utils.data import DataLoader
-
-    if isinstance(obj, torch.nn.Module):
-        kind = "model"
-    elif isinstance(obj, torch.optim.Optimizer):
-        kind = "optimizer"
-    elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or type(obj).__name__ == "AcceleratedScheduler":
-        kind = "scheduler"
-    elif isinstance(obj, DataLoader):
-        kind = "dataloader"
-    elif isinstance(obj, torch.amp.GradScaler):
-        kind = "scaler"
-    elif isinstance(obj, torch.Tensor):
-        kind = "tensor"
-    elif isinstance(obj, dict):
-        kind = "dict"
-    elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-        kind = "custom"
-    else:
-        raise UnsupportedValueError(
-            f"state[{key!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
-            "pass modules, optimizers, schedulers, data loaders, tensors, dicts or Stateful objects"
-        )
-    return Entry(key, kind, obj, kind == "dataloader" if per_rank is None else per_rank)
-
-
-def unwrap_model(model: torch.nn.Module, accelerator: Any = None) -> torch.nn.Module:
-    """Strip DDP/DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers,
-    so state dict keys do not depend on how many processes ran. FSDP models are returned
-    as they are (statekit-fsdp handles them)."""
-    while True:  # our own walk first: Accelerate's unwrap_model also strips FSDP1
-        if _is_fsdp1(model):
-            return model
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-            model = model._orig_mod
-        else:
-            break
-    if accelerator is not None and not _is_fsdp1(model):
-        try:
-            return accelerator.unwrap_model(model, keep_fp32_wrapper=True)
-        except TypeError:
-            return accelerator.unwrap_model(model)
-    return model
-
-
-def _is_fsdp1(model: torch.nn.Module) -> bool:
-    return type(model).__name__ == "FullyShardedDataParallel"
-
-
-class LazyStateDict(Mapping):
-    """A model's state dict computed on first access (``weights`` entries of the save hooks).
-
-    Popping the entry from ``weights`` never computes it; no collective is run.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._model = model
-        self._state: dict[str, Any] | None = None
-
-    def _get(self) -> dict[str, Any]:
-        if self._state is None:
-            self._state = self._model.state_dict()
-        return self._state
-
-    def __getitem__(self, key: str) -> Any:
-        return self._get()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
-
-    @property
-    def computed(self) -> bool:
-        """True once the state dict has been computed."""
-        return self._state is not None
-
-
-def _state_of(entry: Entry) -> Any:
-    if entry.kind == "tensor":
-        return {entry.key: entry.obj}
-    if entry.kind == "dict":
-        return entry.obj
-    if entry.kind == "dataloader":
-        from statekit import data
-
-        return data.loader_state(entry.obj)
-    return entry.obj.state_dict()
-
-
-def _rank_base(entry: Entry, rank: int) -> str:
-    return f"{entry.key}/rank-{rank:05d}" if entry.per_rank else entry.key
 
 
 # --------------------------------------------------------------------------- save
@@ -268,7 +134,7 @@ def save_objects(
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
 
-    _agree(lambda: _prepare_target(storage, overwrite) if rank == 0 else None, url)
+    _agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
 
     models = [e.obj for e in entries if e.kind == "model"]
     model_entries = [e for e in entries if e.kind == "model"]
@@ -293,7 +159,7 @@ def save_objects(
         _run_pre_hooks_and_write(pm, checkpoint, entries, models, core_models, model_entries, model_keys, owners)
     except Exception as exc:
         if world_size == 1:
-            _release_lock(storage, rank)
+            release_lock(storage, rank)
             raise
         stage_error = exc  # every rank must still take part in the agreement below
 
@@ -307,7 +173,7 @@ def save_objects(
             _agree(flush, url)
             manifest = _commit_all(pm, storage, checkpoint, entries, owners, step, metadata, exclusive)
         except BaseException:
-            _release_lock(storage, rank)  # nothing committed; a retry may take the directory
+            release_lock(storage, rank)  # nothing committed; a retry may take the directory
             raise
         checkpoint.manifest = manifest
         checkpoint._writable = False
@@ -433,94 +299,6 @@ def _save_model(checkpoint: Checkpoint, key: str, weights: Mapping[str, Any]) ->
         checkpoint.save_tensors(f"{key}.safetensors", weights)
     else:  # modules with extra (non-tensor) state: the codec keeps it, still no pickle
         checkpoint.save_state(key, dict(weights))
-
-
-LOCK_NAME = ".statekit-lock"
-"""Created exclusively by the saver that owns a checkpoint directory until it commits."""
-
-LOCK_TIMEOUT_S = 900.0
-"""A lock of another host older than this (seconds) is taken to be left by a crashed save."""
-
-
-def _prepare_target(storage: Storage, overwrite: bool) -> None:
-    """Own the directory for this save: refuse a committed checkpoint (unless
-    ``overwrite``), take the lock, clear leftovers of a crashed save.
-
-    Raises:
-        CheckpointExistsError: committed and not ``overwrite``, or another live save holds
-            the lock (two processes saving the same step: exactly one commits).
-    """
-    storage.invalidate()
-    if overwrite:
-        from statekit.manager import _refuse_if_in_use
-
-        _refuse_if_in_use(storage.url, "overwrite")
-    if storage.exists(fmt.MANIFEST_NAME):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
-            )
-        storage.remove(fmt.MANIFEST_NAME)  # uncommit first, so a crash below leaves no half checkpoint
-    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode()
-    if storage.create_exclusive(LOCK_NAME, lock):
-        if len(storage.listdir()) > 1:  # leftovers of an interrupted save that had no lock
-            for name in storage.listdir():
-                if name != LOCK_NAME:
-                    _remove_entry(storage, name)
-        return
-    holder = _lock_holder(storage)
-    if not overwrite and holder is not None and holder.get("alive", True):
-        raise CheckpointExistsError(
-            f"{storage.url} is being saved by another process ({holder.get('host')} pid {holder.get('pid')}, "
-            f"started {time.time() - holder.get('created', time.time()):.0f} s ago); pass overwrite=True to take over"
-        )
-    storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
-    if not storage.create_exclusive(LOCK_NAME, lock):
-        raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
-
-
-def _release_lock(storage: Storage, rank: int) -> None:
-    if rank == 0:
-        try:
-            storage.remove(LOCK_NAME)
-        except StatekitError:
-            pass  # the storage is failing; a later save finds the lock stale
-
-
-def _remove_entry(storage: Storage, name: str) -> None:
-    child = storage.child(name)
-    if storage.fs.isdir(child.path):
-        child.remove_tree()
-    else:
-        storage.remove(name)
-
-
-def _lock_holder(storage: Storage) -> dict[str, Any] | None:
-    """Who holds the lock, with ``alive`` False when it is certainly stale."""
-    try:
-        holder = json.loads(storage.read_bytes(LOCK_NAME))
-    except FileNotFoundError:
-        return None
-    except (ValueError, StatekitError):
-        holder = None
-    if not isinstance(holder, dict):  # unreadable: alive unless the file is old
-        try:
-            age = time.time() - storage.fs.modified(storage.path_of(LOCK_NAME)).timestamp()
-        except Exception:  # noqa: BLE001 - no modification time on this store
-            age = 0.0
-        return {"host": "?", "pid": "?", "created": time.time() - age, "alive": age < LOCK_TIMEOUT_S}
-    age = time.time() - float(holder.get("created", 0))
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        try:
-            os.kill(holder["pid"], 0)
-            holder["alive"] = holder["pid"] != os.getpid() or age < LOCK_TIMEOUT_S
-        except ProcessLookupError:
-            holder["alive"] = False
-        except PermissionError:
-            holder["alive"] = True
-    else:
-        holder["alive"] = age < LOCK_TIMEOUT_S
-    return holder
 
 
 def _commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[str, Any]:

@@ -473,7 +473,7 @@ class Storage:
                         os.fsync(f.fileno())
                     try:
                         os.link(tmp, path)
-                    except FileExistsError:
+                    except (FileExistsError, FileNotFoundError):  # lost the race (or the directory was cleared)
                         return False
                 finally:
                     with contextlib.suppress(FileNotFoundError):

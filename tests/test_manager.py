@@ -126,7 +126,9 @@ KILLED_SAVE = textwrap.dedent(
     writes = 0
     def hook(event, args):
         global writes
-        if event == "open" and isinstance(args[0], str) and args[0].startswith(root) and args[1] and "w" in str(args[1]):
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(root) and (
+            (args[1] and "w" in str(args[1])) or (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR))
+        ):
             writes += 1
             if writes == kill_on:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -141,9 +143,9 @@ KILLED_SAVE = textwrap.dedent(
 )
 
 
-# The save of step 2 opens for writing: model.safetensors, t.safetensors, t.json, the
-# manifest's temporary file, then ``latest``; 0 kills at the manifest's os.link (exclusive commit).
-@pytest.mark.parametrize("kill_on", [0, 1, 2, 3, 4, 5])
+# The k-th open for writing of the save of step 2 (the lock, the data files, the manifest's
+# temporary file, ``latest``); 0 kills at the manifest's os.link (the exclusive commit).
+@pytest.mark.parametrize("kill_on", [0, 1, 2, 3, 4, 5, 6])
 def test_resume_after_a_killed_save(tmp_path, kill_on):
     root = str(tmp_path / "run")
     script = tmp_path / "save.py"
@@ -157,10 +159,10 @@ def test_resume_after_a_killed_save(tmp_path, kill_on):
         warnings.simplefilter("ignore", statekit.StatekitWarning)
         step = manager.resume()
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    if kill_on == 5:  # killed while writing the ``latest`` hint: step 2 had committed
-        assert step == 2
-    else:
-        assert step == 1  # the interrupted step 2 never became latest
-        assert manager.latest().endswith(checkpoint_name(1))
+    committed = (tmp_path / "run" / checkpoint_name(2) / "statekit.json").exists()
+    assert step == (2 if committed else 1)  # an interrupted step 2 never becomes latest
+    assert manager.latest().endswith(checkpoint_name(step))
+    if kill_on == 0:
+        assert step == 1  # killed at the commit itself
     assert torch.equal(t, torch.arange(10.0))
     statekit.verify(manager.latest())

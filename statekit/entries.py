@@ -1,0 +1,145 @@
+"""The objects of a save or load: how each is classified, unwrapped and turned into state.
+
+Stable keys name the files (``model_0`` for Accelerate's first model, or the mapping key
+given to :func:`statekit.save`); see ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from statekit import format as fmt
+from statekit.errors import UnsupportedValueError
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+@dataclass
+class Entry:
+    """One stateful object of a save or load.
+
+    Attributes:
+        key: stable key, also the base of its file names (``model_0``, ``optim``).
+        kind: ``model``, ``optimizer``, ``scheduler``, ``dataloader``, ``scaler``,
+            ``tensor``, ``dict`` or ``custom``.
+        obj: the object.
+        per_rank: every rank writes its own copy (``<key>/rank-00000.*``).
+    """
+
+    key: str
+    kind: str
+    obj: Any
+    per_rank: bool = False
+
+
+def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
+    """Decide how an object is stored.
+
+    Raises:
+        UnsupportedValueError: the key is not a safe file name, or the object has no
+            ``state_dict``/``load_state_dict`` and is not a tensor or dict.
+    """
+    if not isinstance(key, str) or not _SAFE_KEY.match(key) or key == fmt.MANIFEST_NAME.split(".")[0]:
+        raise UnsupportedValueError(
+            f"state key {key!r} must be a file-name-safe string (letters, digits, '_', '.', '-')"
+        )
+    from torch.utils.data import DataLoader
+
+    if isinstance(obj, torch.nn.Module):
+        kind = "model"
+    elif isinstance(obj, torch.optim.Optimizer):
+        kind = "optimizer"
+    elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or type(obj).__name__ == "AcceleratedScheduler":
+        kind = "scheduler"
+    elif isinstance(obj, DataLoader):
+        kind = "dataloader"
+    elif isinstance(obj, torch.amp.GradScaler):
+        kind = "scaler"
+    elif isinstance(obj, torch.Tensor):
+        kind = "tensor"
+    elif isinstance(obj, dict):
+        kind = "dict"
+    elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        kind = "custom"
+    else:
+        raise UnsupportedValueError(
+            f"state[{key!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
+            "pass modules, optimizers, schedulers, data loaders, tensors, dicts or Stateful objects"
+        )
+    return Entry(key, kind, obj, kind == "dataloader" if per_rank is None else per_rank)
+
+
+def unwrap_model(model: torch.nn.Module, accelerator: Any = None) -> torch.nn.Module:
+    """Strip DDP/DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers,
+    so state dict keys do not depend on how many processes ran. FSDP models are returned
+    as they are (statekit-fsdp handles them)."""
+    while True:  # our own walk first: Accelerate's unwrap_model also strips FSDP1
+        if _is_fsdp1(model):
+            return model
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    if accelerator is not None and not _is_fsdp1(model):
+        try:
+            return accelerator.unwrap_model(model, keep_fp32_wrapper=True)
+        except TypeError:
+            return accelerator.unwrap_model(model)
+    return model
+
+
+def _is_fsdp1(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "FullyShardedDataParallel"
+
+
+class LazyStateDict(Mapping):
+    """A model's state dict computed on first access (``weights`` entries of the save hooks).
+
+    Popping the entry from ``weights`` never computes it; no collective is run.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._state: dict[str, Any] | None = None
+
+    def _get(self) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self._model.state_dict()
+        return self._state
+
+    def __getitem__(self, key: str) -> Any:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    @property
+    def computed(self) -> bool:
+        """True once the state dict has been computed."""
+        return self._state is not None
+
+
+def _state_of(entry: Entry) -> Any:
+    if entry.kind == "tensor":
+        return {entry.key: entry.obj}
+    if entry.kind == "dict":
+        return entry.obj
+    if entry.kind == "dataloader":
+        from statekit import data
+
+        return data.loader_state(entry.obj)
+    return entry.obj.state_dict()
+
+
+def _rank_base(entry: Entry, rank: int) -> str:
+    return f"{entry.key}/rank-{rank:05d}" if entry.per_rank else entry.key

@@ -1,0 +1,106 @@
+"""The save lock: one saver owns a checkpoint directory from its first file to its commit.
+
+``.statekit-lock`` is created exclusively (a hard link of a written temporary file on local
+disk; a conditional PUT on object stores) before any file is written, and removed after
+the commit. A second saver of the same directory gets :class:`CheckpointExistsError`
+instead of clearing the first one's files as "leftovers". A lock is stale when its
+process is gone (same host) or older than :data:`LOCK_TIMEOUT_S` (another host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from statekit import format as fmt
+from statekit.errors import CheckpointExistsError, StatekitError
+from statekit.storage import Storage
+
+LOCK_NAME = ".statekit-lock"
+"""Created exclusively by the saver that owns a checkpoint directory until it commits."""
+
+LOCK_TIMEOUT_S = 900.0
+"""A lock of another host older than this (seconds) is taken to be left by a crashed save."""
+
+
+def prepare_target(storage: Storage, overwrite: bool) -> None:
+    """Own the directory for this save: refuse a committed checkpoint (unless
+    ``overwrite``), take the lock, clear leftovers of a crashed save.
+
+    Raises:
+        CheckpointExistsError: committed and not ``overwrite``, or another live save holds
+            the lock (two processes saving the same step: exactly one commits).
+    """
+    storage.invalidate()
+    if overwrite:
+        from statekit.manager import _refuse_if_in_use
+
+        _refuse_if_in_use(storage.url, "overwrite")
+    if storage.exists(fmt.MANIFEST_NAME):
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
+            )
+        storage.remove(fmt.MANIFEST_NAME)  # uncommit first, so a crash below leaves no half checkpoint
+    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode()
+    if storage.create_exclusive(LOCK_NAME, lock):
+        for name in storage.listdir():  # leftovers of an interrupted save that had no lock
+            if not name.startswith(LOCK_NAME):  # (another saver's lock attempt is not ours to remove)
+                _remove_entry(storage, name)
+        return
+    holder = _lock_holder(storage)
+    if not overwrite and holder is not None and holder.get("alive", True):
+        raise CheckpointExistsError(
+            f"{storage.url} is being saved by another process ({holder.get('host')} pid {holder.get('pid')}, "
+            f"started {time.time() - holder.get('created', time.time()):.0f} s ago); pass overwrite=True to take over"
+        )
+    storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
+    if not storage.create_exclusive(LOCK_NAME, lock):
+        raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
+
+
+def release_lock(storage: Storage, rank: int) -> None:
+    if rank == 0:
+        try:
+            storage.remove(LOCK_NAME)
+        except StatekitError:
+            pass  # the storage is failing; a later save finds the lock stale
+
+
+def _remove_entry(storage: Storage, name: str) -> None:
+    child = storage.child(name)
+    if storage.fs.isdir(child.path):
+        child.remove_tree()
+    else:
+        storage.remove(name)
+
+
+def _lock_holder(storage: Storage) -> dict[str, Any] | None:
+    """Who holds the lock, with ``alive`` False when it is certainly stale."""
+    try:
+        holder = json.loads(storage.read_bytes(LOCK_NAME))
+    except FileNotFoundError:
+        return None
+    except (ValueError, StatekitError):
+        holder = None
+    if not isinstance(holder, dict):  # unreadable: alive unless the file is old
+        try:
+            age = time.time() - storage.fs.modified(storage.path_of(LOCK_NAME)).timestamp()
+        except Exception:  # noqa: BLE001 - no modification time on this store
+            age = 0.0
+        return {"host": "?", "pid": "?", "created": time.time() - age, "alive": age < LOCK_TIMEOUT_S}
+    age = time.time() - float(holder.get("created", 0))
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+            holder["alive"] = holder["pid"] != os.getpid() or age < LOCK_TIMEOUT_S
+        except ProcessLookupError:
+            holder["alive"] = False
+        except PermissionError:
+            holder["alive"] = True
+    else:
+        holder["alive"] = age < LOCK_TIMEOUT_S
+    return holder
