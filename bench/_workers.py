@@ -433,11 +433,15 @@ def main() -> None:
 
         statekit.plugins.get_plugin_manager()
     elif system == "dcp":
-        import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.checkpoint.state_dict  # noqa: F401
-        from torch.distributed.checkpoint import _fsspec_filesystem  # noqa: F401
+        import importlib
+
+        for mod in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+                    "torch.distributed.checkpoint._fsspec_filesystem"):
+            importlib.import_module(mod)
     elif system == "safetensors":
-        import safetensors.torch  # noqa: F401
+        import importlib
+
+        importlib.import_module("safetensors.torch")
     fn = OPS[(system, op)]
     import gc
 
