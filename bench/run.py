@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="1GiB", help="total state bytes: 256MiB, 1GiB, 3GiB...")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--runs", type=int, default=5, help="fresh-process measurements per system and op (local)")
-    ap.add_argument("--s3-runs", type=int, default=None, help="runs for S3 and scale (default: --runs)")
+    ap.add_argument("--s3-runs", type=int, default=1, help="runs for S3 and scale (default 1: keeps --size 1GiB under 20 min on 2 vCPUs)")
     ap.add_argument("--json", default=None, help="write one record per measurement to this file")
     ap.add_argument("--skip-s3", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="directory for checkpoint files (default: a temp dir on the disk of this repo)")
     args = ap.parse_args(argv)
     size = parse_size(args.size)
-    extra_runs = args.s3_runs if args.s3_runs is not None else args.runs
+    extra_runs = args.s3_runs
     root = args.workdir or os.path.join(os.path.dirname(REPO), "tmp-bench")
     os.makedirs(root, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="statekit-bench-", dir=root)
