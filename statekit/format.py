@@ -208,6 +208,9 @@ def write_tensors(
         UnsupportedDtypeError: a tensor cannot be stored (names the key).
     """
     header, planned = build_header(tensors, metadata)
+    preallocate = getattr(f, "preallocate", None)  # statekit.storage.DirectWriter: contiguous extents
+    if callable(preallocate):
+        preallocate(len(header) + sum(p.nbytes for p in planned))
     f.write(header)
     if hasher is not None:
         hasher.update(header)
