@@ -306,8 +306,10 @@ def _num(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def verify(url: str, as_json: bool) -> None:
     """Check every file's size and checksum against the manifest; exit 1 naming the bad file."""
+    from statekit.engine import verify as verify_checkpoint
+
     try:
-        manifest = _verify_with_progress(url)
+        manifest = verify_checkpoint(url)
     except StatekitError as exc:
         if as_json:
             click.echo(json.dumps({"ok": False, "url": url, "error": str(exc), "file": getattr(exc, "path", None)}))
@@ -316,31 +318,6 @@ def verify(url: str, as_json: bool) -> None:
     total = sum(f["size_bytes"] for f in manifest["files"].values())
     _emit(as_json, {"ok": True, "url": url, "files": len(manifest["files"]), "size_bytes": total},
           f"ok: {len(manifest['files'])} files, {_human(total)} verified ({url})")
-
-
-def _verify_with_progress(url: str) -> dict[str, Any]:
-    """:func:`statekit.engine.verify`, file by file, advancing a progress bar per chunk."""
-    from statekit import format as fmt
-    from statekit.context import Checkpoint
-    from statekit.engine import read_manifest
-    from statekit.progress import progress
-    from statekit.storage import Storage
-
-    storage = Storage(url)
-    manifest = read_manifest(storage)
-    checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
-    total = sum(e["size_bytes"] for e in manifest["files"].values())
-    with progress(total, "verify") as advance:
-        for rel, entry in sorted(manifest["files"].items()):
-            hasher = fmt.new_hasher()
-            size = 0
-            with checkpoint.open(rel, "rb") as f:
-                while chunk := f.read(fmt.CHUNK_BYTES):
-                    hasher.update(chunk)
-                    size += len(chunk)
-                    advance(len(chunk))
-            checkpoint._check(rel, entry, size, hasher)
-    return manifest
 
 
 @main.command()

@@ -649,7 +649,9 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
 def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check every file of a committed checkpoint against its manifest (size and checksum).
 
-    Reads each file once, streaming; nothing is loaded into objects.
+    Reads each file once, streaming (the checkpoint's verifying reader checks size and
+    checksum at the end of each file); nothing is loaded into objects. Shows a progress
+    bar on a terminal (:mod:`statekit.progress`).
 
     Args:
         url: checkpoint directory URL.
@@ -664,15 +666,16 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
         CorruptCheckpointError: the first file that is missing, or whose size or
             checksum differs; ``.path`` names it.
     """
+    from statekit.progress import progress
+
     storage = Storage(url, storage_options)
     manifest = read_manifest(storage)
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
-    for rel, entry in sorted(manifest["files"].items()):
-        hasher = fmt.new_hasher()
-        size = 0
-        with checkpoint.open(rel, "rb") as f:
-            while chunk := f.read(fmt.CHUNK_BYTES):
-                hasher.update(chunk)
-                size += len(chunk)
-        checkpoint._check(rel, entry, size, hasher)
+    total = sum(entry["size_bytes"] for entry in manifest["files"].values())
+    with progress(total, "verify") as advance:
+        for rel in sorted(manifest["files"]):
+            with checkpoint.open(rel, "rb") as f:
+                while chunk := f.read(fmt.CHUNK_BYTES):
+                    advance(len(chunk))
+                f.read()  # end of file: the reader compares size and checksum here
     return manifest

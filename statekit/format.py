@@ -20,6 +20,7 @@ import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, BinaryIO
 
 import torch
@@ -59,6 +60,8 @@ _NATIVE: dict[torch.dtype, str] = {
     torch.complex64: "C64",
 }
 _FROM_CODE = {code: dtype for dtype, code in _NATIVE.items()}
+SAFETENSORS_CODES: Mapping[torch.dtype, str] = MappingProxyType(_NATIVE)
+"""torch dtype -> safetensors dtype code, for the dtypes stored natively (read-only)."""
 _ITEMSIZE = {code: torch.empty((), dtype=dtype).element_size() for dtype, code in _NATIVE.items()}
 
 # dtypes stored as byte views ("U8" with a trailing itemsize dimension), true dtype in metadata.
