@@ -8,7 +8,7 @@ use, in :func:`get_plugin_manager`).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from statekit._version import __version__
 
 from statekit.accelerate import Attachment, attach, load_state, save_state
 from statekit.context import Checkpoint

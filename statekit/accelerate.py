@@ -16,20 +16,29 @@ accelerator object is only used through its attributes.
 from __future__ import annotations
 
 import datetime
-import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from statekit import __version__, data, distributed, engine, format as fmt
+from statekit._version import __version__
+from statekit import data, distributed, engine, format as fmt
 from statekit.context import CORE, Checkpoint
 from statekit.engine import Entry
+from statekit.errors import CorruptCheckpointError
+from statekit.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
 from statekit.plugins import call_each, get_plugin_manager
 from statekit.storage import Storage
 
 
 class AcceleratorCounters:
     """The accelerator's own counters as a Stateful object: ``step`` (gradient accumulation
-    step) and ``project_configuration.iteration`` (automatic checkpoint naming)."""
+    step) and ``project_configuration.iteration`` (automatic checkpoint naming).
+
+    Both are saved; a load restores ``step`` only and leaves ``iteration`` alone, as
+    ``Accelerator.load_state`` does: ``iteration`` counts the saves of *this* process and
+    names its next ``checkpoint_<n>``, so rewinding it would aim the next save at an
+    existing checkpoint.
+    """
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
@@ -40,11 +49,8 @@ class AcceleratorCounters:
         return {"step": int(self.accelerator.step), "iteration": int(getattr(config, "iteration", 0) or 0)}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Set the counters back."""
+        """Set ``step`` back (``iteration`` is left as it is, see the class docstring)."""
         self.accelerator.step = int(state["step"])
-        config = getattr(self.accelerator, "project_configuration", None)
-        if config is not None:
-            config.iteration = int(state["iteration"])
 
 
 def collect(accelerator: Any) -> list[Entry]:
@@ -107,7 +113,8 @@ def save_state(
         CheckpointExistsError, PluginError, UnsupportedValueError, StorageError: as
             :func:`statekit.save`.
     """
-    return engine.save_objects(
+    _ensure_hooks_plugin(get_plugin_manager())
+    result = engine.save_objects(
         url,
         collect(accelerator),
         step=step,
@@ -121,6 +128,10 @@ def save_state(
         exclusive=exclusive,
         after_commit=after_commit,
     )
+    config = getattr(accelerator, "project_configuration", None)
+    if config is not None:  # as Accelerator.save_state: one more save of this run
+        config.iteration = int(getattr(config, "iteration", 0) or 0) + 1
+    return result
 
 
 def load_state(
@@ -153,6 +164,7 @@ def load_state(
             ``StateMismatchError``, ``PluginError``, ``PluginMissingError``).
         PickleNotAllowedError: an Accelerate-format directory and not ``allow_pickle``.
     """
+    _ensure_hooks_plugin(get_plugin_manager())
     return engine.load_objects(
         url,
         collect(accelerator),
@@ -237,13 +249,22 @@ def _is_loader(obj: Any) -> bool:
 
 
 def _register_accelerate_hooks(accelerator: Any, attachment: Attachment) -> None:
-    original_save = accelerator.save_state
-    original_load = accelerator.load_state
+    """Register Accelerate pre-hooks and wrap this instance's ``save_state``/``load_state``.
+
+    The checkpoint context is built inside the pre-hooks, from the directory Accelerate
+    passes them: Accelerate resolves automatic checkpoint naming (``checkpoint_<n>``) and
+    ``load_state()`` without an argument (the newest folder) before it calls its hooks, so
+    statekit writes and reads exactly where Accelerate does.
+    """
+    originals = {"save": accelerator.save_state, "load": accelerator.load_state}
+
+    def context(mode: str, directory: Any) -> Checkpoint:
+        if attachment._pending is None:  # first hook of this call (or a call through the class)
+            attachment._pending = _attach_checkpoint(accelerator, os.fspath(directory), mode, attachment)
+        return attachment._pending
 
     def save_pre_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
-        checkpoint = attachment._pending
-        if checkpoint is None:  # save_state called through the class, not the wrapper
-            checkpoint = attachment._pending = _attach_checkpoint(accelerator, str(output_dir), "save", attachment)
+        checkpoint = context("save", output_dir)
         hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
         hook_weights = list(weights)
         owners: dict[str, str] = checkpoint.__dict__.setdefault("attach_owners", {})
@@ -262,9 +283,8 @@ def _register_accelerate_hooks(accelerator: Any, attachment: Attachment) -> None
                 checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj))
 
     def load_pre_hook(models: list[Any], input_dir: str) -> None:
-        checkpoint = attachment._pending
-        if checkpoint is None:
-            checkpoint = attachment._pending = _attach_checkpoint(accelerator, str(input_dir), "load", attachment)
+        checkpoint = context("load", input_dir)
+        _check_statekit_files(checkpoint)  # before Accelerate restores anything
         hook_models = list(models)
         call_each(
             get_plugin_manager(),
@@ -275,49 +295,51 @@ def _register_accelerate_hooks(accelerator: Any, attachment: Attachment) -> None
         kept = {id(m) for m in hook_models}
         models[:] = [m for m in models if id(m) in kept]
 
-    def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        attachment._pending = _attach_checkpoint(accelerator, str(output_dir), "save", attachment)
-        try:
-            location = original_save(output_dir, *args, **kwargs)
-            checkpoint = attachment._pending
-            accelerator.wait_for_everyone()
-            manifest = _commit_attached(accelerator, checkpoint, str(location or output_dir))
-            distributed.barrier()
-            checkpoint.manifest = manifest
-            checkpoint._writable = False
-            call_each(
-                get_plugin_manager(),
-                "statekit_save_state_post",
-                checkpoint,
-                {"models": list(accelerator._models), "output_dir": checkpoint.url, "checkpoint": checkpoint},
-            )
-            return location
-        finally:
-            attachment._pending = None
+    def finish_save(checkpoint: Checkpoint) -> None:
+        accelerator.wait_for_everyone()
+        checkpoint.manifest = _commit_attached(accelerator, checkpoint)
+        distributed.barrier()
+        checkpoint._writable = False
+        call_each(
+            get_plugin_manager(),
+            "statekit_save_state_post",
+            checkpoint,
+            {"models": list(accelerator._models), "output_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
 
-    def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        attachment._pending = _attach_checkpoint(accelerator, str(input_dir), "load", attachment)
-        try:
-            result = original_load(input_dir, *args, **kwargs)
-            checkpoint = attachment._pending
-            for key, obj in attachment.objects.items():
-                rel = f"{key}/rank-{checkpoint.rank:05d}.json"
-                if _is_loader(obj) and checkpoint.storage.exists(rel):
-                    data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]))
-            call_each(
-                get_plugin_manager(),
-                "statekit_load_state_post",
-                checkpoint,
-                {"models": list(accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
-            )
-            return result
-        finally:
-            attachment._pending = None
+    def finish_load(checkpoint: Checkpoint) -> None:
+        for key, obj in attachment.objects.items():
+            rel = f"{key}/rank-{checkpoint.rank:05d}.json"
+            if _is_loader(obj) and checkpoint.storage.exists(rel):
+                data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]))
+        call_each(
+            get_plugin_manager(),
+            "statekit_load_state_post",
+            checkpoint,
+            {"models": list(accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
 
+    def wrapper(mode: str, finish: Any) -> Any:
+        def call(directory: Any = None, *args: Any, **kwargs: Any) -> Any:
+            attachment._pending = None
+            try:
+                result = originals[mode](directory, *args, **kwargs)
+                if attachment._pending is not None:  # None: Accelerate returned before its hooks
+                    finish(attachment._pending)
+                return result
+            finally:
+                attachment._pending = None
+
+        call.__name__ = f"{mode}_state"
+        call.__doc__ = getattr(originals[mode], "__doc__", None)
+        return call
+
+    for hook in (save_pre_hook, load_pre_hook):
+        hook.statekit_attach_hook = True  # type: ignore[attr-defined]  # not a user hook: see accelerate_hooks
     attachment._handles.append(accelerator.register_save_state_pre_hook(save_pre_hook))
     attachment._handles.append(accelerator.register_load_state_pre_hook(load_pre_hook))
-    accelerator.__dict__["save_state"] = save_state
-    accelerator.__dict__["load_state"] = load_state
+    accelerator.__dict__["save_state"] = wrapper("save", finish_save)
+    accelerator.__dict__["load_state"] = wrapper("load", finish_load)
 
 
 def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attachment) -> Checkpoint:
@@ -328,7 +350,7 @@ def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attach
     models = list(accelerator._models)
     keys = {id(m): f"model_{i}" for i, m in enumerate(models)}
     keys.update({id(engine.unwrap_model(m, accelerator)): f"model_{i}" for i, m in enumerate(models)})
-    return Checkpoint(
+    checkpoint = Checkpoint(
         storage,
         mode=mode,
         rank=accelerator.process_index,
@@ -340,29 +362,40 @@ def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attach
         manifest=manifest,
         verify=False,  # Accelerate reads its own files; statekit's are small
     )
+    checkpoint.accelerate_runs_hooks = True  # Accelerate calls its registered hooks itself
+    return checkpoint
 
 
-def _commit_attached(accelerator: Any, checkpoint: Checkpoint, directory: str) -> dict[str, Any]:
+def _check_statekit_files(checkpoint: Checkpoint) -> None:
+    """Fail before Accelerate restores anything if a file statekit or a plugin wrote is
+    missing or has the wrong size (a half-restored run is worse than a refused load)."""
+    if checkpoint.manifest is None:
+        return
+    for rel, entry in checkpoint.manifest["files"].items():
+        if entry.get("writer") == "accelerate":
+            continue
+        url = checkpoint.storage.url_of(rel)
+        if not checkpoint.storage.exists(rel):
+            raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was loaded", path=url)
+        size = checkpoint.storage.size(rel)
+        if size != entry["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"{url}: size {size} bytes, the manifest says {entry['size_bytes']}; nothing was loaded", path=url
+            )
+
+
+def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> dict[str, Any]:
     """Manifest for a directory Accelerate wrote: every file checksummed (rank 0 reads
     back Accelerate's files; statekit's own were checksummed while written)."""
     gathered = distributed.gather_to_rank0(checkpoint.files)
     owners = checkpoint.__dict__.get("attach_owners", {})
     manifest = None
     if checkpoint.rank == 0:
-        storage = Storage(directory)
-        files: dict[str, Any] = {}
+        storage = checkpoint.storage
         for rank_files in gathered or []:
-            files.update(rank_files)
-        for rel in storage.find():
-            if rel in files or rel == fmt.MANIFEST_NAME:
-                continue
-            hasher = fmt.new_hasher()
-            size = 0
-            with storage.open_read(rel) as f:
-                while chunk := f.read(fmt.CHUNK_BYTES):
-                    hasher.update(chunk)
-                    size += len(chunk)
-            files[rel] = {"size_bytes": size, "checksum": fmt.checksum_string(hasher), "rank": 0, "writer": "accelerate"}
+            checkpoint.files.update(rank_files)
+        checkpoint.record_unlisted("accelerate")
+        files = checkpoint.files
         pm = get_plugin_manager()
         plugins = sorted({f["writer"] for f in files.values()} - {CORE, "accelerate"} | set(checkpoint.all_records()))
         manifest = {
@@ -380,5 +413,5 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint, directory: str) -
             "files": files,
             "metadata": {},
         }
-        storage.commit(fmt.MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"))
+        engine._commit(storage, manifest, exclusive=False)
     return distributed.broadcast_from_rank0(manifest)

@@ -185,7 +185,7 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
     import datetime
     import json
 
-    from statekit import __version__
+    from statekit._version import __version__
     from statekit.context import CORE, Checkpoint
     from statekit.locking import prepare_target
     from statekit.errors import StatekitError

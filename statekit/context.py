@@ -154,6 +154,10 @@ class Checkpoint:
         self.verify = verify
         self.files: dict[str, dict[str, Any]] = {}
         self.handles_rng = False
+        # Accelerate's registered pre-hooks: attach mode leaves them to Accelerate; a
+        # writer name here makes the commit record files written around the checkpoint.
+        self.accelerate_runs_hooks = False
+        self.record_unlisted_at_commit: str | None = None
         self._model_keys = dict(model_keys or {})
         self._records: dict[str, dict[str, Any]] = (
             {k: dict(v) for k, v in manifest.get("records", {}).items()} if manifest else {}
@@ -227,6 +231,38 @@ class Checkpoint:
         entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": writer or self.plugin or CORE}
         self.files[rel] = entry
         return entry
+
+    def record_unlisted(self, writer: str) -> list[str]:
+        """Checksum every file under the checkpoint that was written around it (not through
+        :meth:`open`/``save_*``) and record it for the manifest as written by ``writer``.
+
+        Used where foreign code writes into the directory itself: Accelerate's own
+        ``save_state`` in attach mode, functions registered with Accelerate's
+        ``register_save_state_pre_hook``. Hidden names (the save lock, temporary files,
+        in-use markers) and the manifest are skipped. Reads each new file once.
+
+        Args:
+            writer: the ``writer`` recorded for these files (``"accelerate"``...).
+
+        Returns:
+            The relative paths recorded, sorted.
+
+        Raises:
+            StorageError: a file cannot be listed or read (names the URL).
+        """
+        added = []
+        for rel in self.storage.find():
+            if rel in self.files or rel == fmt.MANIFEST_NAME or rel.rsplit("/", 1)[-1].startswith("."):
+                continue
+            hasher = fmt.new_hasher()
+            size = 0
+            with self.storage.open_read(rel) as f, storage_errors(self.storage.url_of(rel), "reading"):
+                while chunk := f.read(fmt.CHUNK_BYTES):
+                    hasher.update(chunk)
+                    size += len(chunk)
+            self.files[rel] = {"size_bytes": size, "checksum": fmt.checksum_string(hasher), "rank": self.rank, "writer": writer}
+            added.append(rel)
+        return added
 
     @property
     def staging(self) -> bool:

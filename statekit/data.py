@@ -131,6 +131,10 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
             # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
             # Accelerate calls it in prepare()); that iterator ignores the skip below.
             inner.load_state_dict({})
+            # A position Accelerate's own load_state restored (``next_iter_state``) would
+            # skip the consumed batches a second time: statekit's position replaces it.
+            if getattr(inner, "next_iter_state", None) is not None:
+                inner.next_iter_state = None
     position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
     position.batches = skip
     position.in_epoch = True

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from statekit import __version__, distributed, format as fmt
+from statekit._version import __version__
+from statekit import distributed, format as fmt
 from statekit.context import CORE, Checkpoint
 from statekit.errors import (
     CheckpointNotFoundError,
@@ -244,9 +245,11 @@ def _commit_all(
     gathered = distributed.gather_to_rank0(checkpoint.files)
     manifest = None
     if rank == 0:
-        files: dict[str, Any] = {}
         for rank_files in gathered or []:
-            files.update(rank_files)
+            checkpoint.files.update(rank_files)
+        if checkpoint.record_unlisted_at_commit:  # files Accelerate's registered hooks wrote
+            checkpoint.record_unlisted(checkpoint.record_unlisted_at_commit)
+        files = checkpoint.files
         manifest = {
             "format": fmt.FORMAT,
             "statekit_version": __version__,
@@ -334,6 +337,8 @@ def _agree(fn: Any, url: str, broadcast: bool = False) -> Any:
 
 def _plugin_versions(pm: Any, owners: dict[str, str], checkpoint: Checkpoint) -> dict[str, str]:
     names = set(owners.values()) | {f["writer"] for f in checkpoint.files.values()} | set(checkpoint.all_records())
+    if checkpoint.record_unlisted_at_commit:
+        names.add(checkpoint.record_unlisted_at_commit)
     names.discard(CORE)
     versions = {}
     for name in sorted(names):

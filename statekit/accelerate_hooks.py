@@ -1,0 +1,114 @@
+"""Accelerate's registered save/load pre-hooks, run under ``statekit.save_state``/``load_state``.
+
+Code written for Accelerate registers functions with
+``accelerator.register_save_state_pre_hook(fn)`` (called as ``fn(models, weights,
+output_dir)``) and ``register_load_state_pre_hook(fn)`` (``fn(models, input_dir)``):
+diffusers' training scripts save a UNet with ``save_pretrained`` there and pop its
+``weights`` entry, and load it back with ``from_pretrained`` after popping it from
+``models``. So that such code keeps working when the calls are routed to statekit, the
+bridge runs them as one built-in plugin, :data:`HOOKS_PLUGIN`, with Accelerate's
+signatures and semantics (``Accelerator.save_state``/``load_state`` in accelerate 1.x,
+https://github.com/huggingface/accelerate/blob/main/src/accelerate/accelerator.py):
+
+- save: every hook gets ``(models, weights, output_dir)`` in registration order; a
+  ``weights`` entry a hook removes takes its model out of the core path (the manifest
+  records the model as owned by ``accelerate-hooks``); files the hooks write into the
+  directory themselves are checksummed into the manifest at the commit.
+- load: every hook gets ``(models, input_dir)``; a model a hook removes from ``models``
+  is not loaded by the core.
+- Hooks use local paths (``os.path.join``, ``save_pretrained``), so they run only for
+  checkpoints on local disk; for any other URL the save or load is refused before
+  anything is written or loaded.
+
+In attach mode Accelerate calls its hooks itself, so this plugin does nothing there; the
+hooks :func:`statekit.attach` registers are never run by it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statekit._version import __version__
+from statekit.errors import PluginError
+from statekit.plugins import PluginSource, hookimpl
+
+HOOKS_PLUGIN = "accelerate-hooks"
+"""Name of the built-in plugin that runs Accelerate's registered pre-hooks."""
+
+
+def user_hooks(accelerator: Any, mode: str) -> list[Any]:
+    """Functions registered on ``accelerator`` for ``mode`` ("save" or "load"), in
+    registration order, without the ones :func:`statekit.attach` registered."""
+    table = getattr(accelerator, "_save_model_state_pre_hook" if mode == "save" else "_load_model_state_pre_hook", None)
+    return [h for h in (table or {}).values() if not getattr(h, "statekit_attach_hook", False)]
+
+
+def _runs_here(checkpoint: Any) -> bool:
+    return checkpoint.accelerator is not None and not getattr(checkpoint, "accelerate_runs_hooks", False)
+
+
+def _local_dir(checkpoint: Any, hooks: list[Any], mode: str) -> str:
+    if checkpoint.storage.is_local:
+        return checkpoint.storage.path
+    names = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
+    raise PluginError(
+        f"{checkpoint.url}: the accelerator has {mode}_state pre-hooks registered with Accelerate ({names}); "
+        "they write and read local paths, so statekit runs them only for checkpoints on local disk. "
+        "Save locally, or port them to a statekit plugin (statekit_save_state_pre/statekit_load_state_pre)",
+        plugin_name=HOOKS_PLUGIN,
+        hook_name=f"statekit_{mode}_state_pre",
+    )
+
+
+class AccelerateHooks:
+    """The built-in plugin that runs an accelerator's registered pre-hooks (see the module)."""
+
+    @hookimpl(tryfirst=True)
+    def statekit_save_state_pre(self, models: list[Any], weights: list[Any], checkpoint: Any) -> None:
+        """Run the save pre-hooks; a removed ``weights`` entry takes its model."""
+        if not _runs_here(checkpoint):
+            return
+        hooks = user_hooks(checkpoint.accelerator, "save")
+        if not hooks:
+            return
+        directory = _local_dir(checkpoint, hooks, "save")
+        hook_models, hook_weights = list(models), list(weights)
+        for hook in hooks:
+            hook(hook_models, hook_weights, directory)
+        kept = {id(w) for w in hook_weights}
+        for i in reversed(range(len(weights))):
+            if id(weights[i]) not in kept:
+                del models[i], weights[i]
+        checkpoint.record_unlisted_at_commit = HOOKS_PLUGIN
+
+    @hookimpl(tryfirst=True)
+    def statekit_load_state_pre(self, models: list[Any], checkpoint: Any) -> None:
+        """Run the load pre-hooks; a model removed from ``models`` is theirs to load."""
+        if not _runs_here(checkpoint):
+            return
+        hooks = user_hooks(checkpoint.accelerator, "load")
+        owned = [k for k in checkpoint.model_keys if checkpoint.owner_of(k) == HOOKS_PLUGIN]
+        if owned and not hooks:
+            raise PluginError(
+                f"{checkpoint.url}: {', '.join(owned)} was saved by a function registered with "
+                "accelerator.register_save_state_pre_hook; register its load counterpart with "
+                "accelerator.register_load_state_pre_hook before loading",
+                plugin_name=HOOKS_PLUGIN,
+                hook_name="statekit_load_state_pre",
+            )
+        if not hooks:
+            return
+        directory = _local_dir(checkpoint, hooks, "load")
+        hook_models = list(models)
+        for hook in hooks:
+            hook(hook_models, directory)
+        kept = {id(m) for m in hook_models}
+        models[:] = [m for m in models if id(m) in kept]
+
+
+def ensure_registered(pm: Any) -> None:
+    """Register :class:`AccelerateHooks` as :data:`HOOKS_PLUGIN` on ``pm`` once (a name
+    blocked with ``STATEKIT_DISABLE_PLUGINS`` stays blocked)."""
+    if pm.get_plugin(HOOKS_PLUGIN) is None and not pm.is_blocked(HOOKS_PLUGIN):
+        pm.register(AccelerateHooks(), name=HOOKS_PLUGIN)
+        pm.sources[HOOKS_PLUGIN] = PluginSource(HOOKS_PLUGIN, "built-in", "statekit", __version__)
