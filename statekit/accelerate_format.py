@@ -13,6 +13,7 @@ is loaded.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import random
@@ -91,20 +92,53 @@ def read_model(storage: Storage, rel: str, allow_pickle: bool, into: dict[str, t
     return read_pickle(storage, rel, allow_pickle)
 
 
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set the global generators from one ``random_states_<rank>.pkl`` dict, as
+    ``accelerate.checkpointing.load_accelerator_state`` does (Python ``random``, NumPy,
+    torch CPU, CUDA when present)."""
+    random.setstate(states["random_state"])
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None and "numpy_random_seed" in states:
+        np_random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+
+
+def _rng_snapshot() -> dict[str, Any]:
+    states: dict[str, Any] = {"random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        states["numpy_random_seed"] = np_random.get_state()
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _index(key: str) -> int:
+    return int(key.rsplit("_", 1)[1]) if re.search(r"_\d+$", key) else 0
+
+
 def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerator: Any = None) -> dict[str, Any]:
     """Restore entries (stable keys ``model_0``, ``optimizer_0``...) from an Accelerate directory.
 
-    Every needed file is located, and pickle permission checked, before anything is
-    loaded, so a refused load leaves every object untouched.
+    All or nothing: every needed file is located, pickle permission checked, every file
+    read and every model's keys, shapes and dtypes checked before anything is applied;
+    the other objects are then applied with a snapshot each, and if one fails
+    (an optimizer whose parameter groups differ, say) the ones already applied and the
+    random generators are put back before the error is raised. Model state dict keys are
+    matched after removing the ``_orig_mod.``/``module.`` prefixes Accelerate keeps
+    (:func:`statekit.entries.strip_wrapper_prefixes`).
 
     Returns:
         A manifest-like dict: ``{"format": "accelerate", "step": ..., "objects": {...}}``.
 
     Raises:
         PickleNotAllowedError: a needed file is pickle and ``allow_pickle`` is False.
-        StateMismatchError: an object has no file, or its state does not fit.
+        StateMismatchError: an object has no file, or its state does not fit; nothing
+            was changed.
     """
-    from statekit.engine import unwrap_model
+    from statekit.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 
     names = set(storage.listdir())
     plan: list[tuple[Any, str]] = []
@@ -113,8 +147,7 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
         kind = "custom" if e.kind in ("custom", "dict", "tensor") else e.kind
         if e.key == "accelerator":
             continue
-        index = int(e.key.rsplit("_", 1)[1]) if re.search(r"_\d+$", e.key) else 0
-        rel = file_for(kind, index, names)
+        rel = file_for(kind, _index(e.key), names)
         if rel is None:
             if kind == "dataloader":
                 continue  # Accelerate writes loader state only for stateful/seedable samplers
@@ -122,51 +155,79 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
             continue
         plan.append((e, rel))
     if missing:
-        raise StateMismatchError(f"Accelerate checkpoint {storage.url}", missing=missing)
-    rank = 0
-    if accelerator is not None:
-        rank = accelerator.process_index
+        raise StateMismatchError(f"Accelerate checkpoint {storage.url} (nothing was loaded)", missing=missing)
+    rank = accelerator.process_index if accelerator is not None else 0
     rng_file = file_for("rng", 0, names, rank)
     pickled = [rel for _, rel in plan if not rel.endswith(".safetensors")] + ([rng_file] if rng_file else [])
     if pickled and not allow_pickle:
         read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
+
+    # 1. read and check everything; nothing is applied yet
+    staged: list[tuple[Any, str, Any]] = []
     for e, rel in plan:
         if e.kind == "model":
             model = unwrap_model(e.obj, accelerator)
-            state = read_model(storage, rel, allow_pickle)
-            result = model.load_state_dict(state, strict=False)
-            if result.missing_keys or result.unexpected_keys:
-                raise StateMismatchError(f"model {e.key!r} ({storage.url_of(rel)})", result.missing_keys, result.unexpected_keys)
-        elif e.kind == "dataloader":
-            state = read_pickle(storage, rel, allow_pickle)
-            if rel.startswith("dl_state_dict") and callable(getattr(e.obj, "load_state_dict", None)):
-                e.obj.load_state_dict(state)
+            targets = model.state_dict()
+            state = strip_wrapper_prefixes(read_model(storage, rel, allow_pickle), targets)
+            saved = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None) for k, v in state.items()}
+            check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+            staged.append((model, rel, state))
         else:
-            e.obj.load_state_dict(read_pickle(storage, rel, allow_pickle))
-    step = None
-    if rng_file:
-        states = read_pickle(storage, rng_file, allow_pickle)
-        step = states.get("step")
-        random.setstate(states["random_state"])
-        np_random = sys.modules.get("numpy.random")
-        if np_random is not None and "numpy_random_seed" in states:
-            np_random.set_state(states["numpy_random_seed"])
-        torch.set_rng_state(states["torch_manual_seed"])
-        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
-            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+            staged.append((e, rel, read_pickle(storage, rel, allow_pickle)))
+    rng_states = read_pickle(storage, rng_file, allow_pickle) if rng_file else None
+
+    # 2. apply: objects that can refuse first (with undo), the checked models last
+    undo: list[Any] = []
+    rng_before = _rng_snapshot()
+    try:
+        for e, rel, state in staged:
+            if isinstance(e, torch.nn.Module):
+                continue
+            if e.kind == "dataloader":
+                if rel.startswith("dl_state_dict") and callable(getattr(e.obj, "load_state_dict", None)):
+                    e.obj.load_state_dict(state)
+                continue
+            # an optimizer's load_state_dict replaces its state tensors (it never writes
+            # into them), so its current state_dict() is a snapshot without a copy
+            before = e.obj.state_dict() if e.kind == "optimizer" else copy.deepcopy(e.obj.state_dict())
+            e.obj.load_state_dict(state)
+            undo.append((e.obj, before))
+        if rng_states is not None:
+            restore_rng(rng_states)
+    except Exception as exc:
+        for obj, before in reversed(undo):
+            obj.load_state_dict(before)
+        restore_rng(rng_before)
+        raise StateMismatchError(
+            f"Accelerate checkpoint {storage.url}: {type(exc).__name__}: {exc} (every object was put back as it was)"
+        ) from exc
+    with torch.no_grad():
+        for model, _, state in staged:
+            if isinstance(model, torch.nn.Module):
+                model.load_state_dict(state)
+    step = rng_states.get("step") if rng_states is not None else None
     if accelerator is not None and step is not None:
         accelerator.step = step
     return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
 
 
+ACCELERATE_RNG = "accelerate_rng"
+"""Key of the random states a converted Accelerate checkpoint carries (per rank); the
+core restores them on load as Accelerate's ``load_state`` would."""
+
+
 def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rewrite a directory written by ``Accelerator.save_state`` in the statekit format.
 
-    Models are streamed tensor file to tensor file (``model_<i>.safetensors``); optimizer,
-    scheduler, scaler, custom and StatefulDataLoader states are unpickled (only with
-    ``allow_pickle=True``) and stored through the codec. Accelerate's
-    ``random_states_<rank>.pkl`` are stored as ``accelerate_rng/rank-<r>`` state files for
-    reference; statekit-rng does not restore them.
+    The result loads with :func:`statekit.load_state` and ``CheckpointManager.resume()``
+    into the same run and restores what ``Accelerator.load_state`` of the source restores:
+    models (streamed tensor file to tensor file as ``model_<i>.safetensors``, the
+    ``_orig_mod.``/``module.`` prefixes removed), optimizers, schedulers, scaler, custom
+    objects, StatefulDataLoader positions (``dl_state_dict``), the step counter
+    (``accelerator``) and the random states of every rank (``accelerate_rng/rank-<r>``,
+    restored by the core on load). Pickle files are unpickled only with
+    ``allow_pickle=True`` and stored through the codec. ``sampler.bin`` (a pickled sampler
+    object, not state) is not converted.
 
     Args:
         src_url: the Accelerate directory.
@@ -183,12 +244,13 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
         StatekitError: ``src_url`` is not an Accelerate checkpoint.
     """
     import datetime
-    import json
 
     from statekit._version import __version__
     from statekit.context import CORE, Checkpoint
-    from statekit.locking import prepare_target
+    from statekit.engine import _commit
+    from statekit.entries import strip_wrapper_prefixes
     from statekit.errors import StatekitError
+    from statekit.locking import prepare_target, release_lock
 
     src = Storage(src_url, storage_options)
     if not is_accelerate_checkpoint(src):
@@ -199,44 +261,53 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
         read_pickle(src, pickled[0], allow_pickle)
     out = Storage(out_url, storage_options)
     prepare_target(out, overwrite=False)
-    checkpoint = Checkpoint(out, mode="save")
-    objects: dict[str, Any] = {}
-    kinds = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
-             "dl_state_dict": "dataloader", "custom_checkpoint": "custom"}
-    step = None
-    for name in names:
-        stem, _, ext = name.partition(".")
-        base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
-        if stem == "scaler":
-            key, kind = "scaler", "scaler"
-        elif base == "random_states":
-            states = read_pickle(src, name, allow_pickle)
-            step = states.get("step", step)
-            checkpoint.save_state(f"accelerate_rng/rank-{int(index):05d}", states)
-            continue
-        elif base in kinds:
-            kind = kinds[base]
-            key = f"{kind}_{index}"
-        else:
-            continue  # sampler.bin holds a pickled sampler object, not state: nothing to convert
-        if kind == "model":
-            tensors = read_model(src, name, allow_pickle)
-            checkpoint.save_tensors(f"{key}.safetensors", tensors)
-        else:
-            checkpoint.save_state(f"{key}/rank-00000" if kind == "dataloader" else key, read_pickle(src, name, allow_pickle))
-        objects[key] = {"kind": kind, "owner": CORE, "per_rank": kind == "dataloader",
-                        "files": sorted(p for p in checkpoint.files if p.startswith((f"{key}.", f"{key}/")))}
-    manifest = {
-        "format": fmt.FORMAT,
-        "statekit_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "step": step,
-        "world_size": 1,
-        "plugins": {},
-        "objects": objects,
-        "records": {},
-        "files": checkpoint.files,
-        "metadata": {"converted_from": src.url, "source_format": "accelerate"},
-    }
-    out.commit(fmt.MANIFEST_NAME, json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8"))
-    return manifest
+    try:
+        checkpoint = Checkpoint(out, mode="save")
+        objects: dict[str, Any] = {}
+        kinds = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
+                 "dl_state_dict": "dataloader", "custom_checkpoint": "custom"}
+        step = None
+        for name in names:
+            stem, _, ext = name.partition(".")
+            base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
+            if stem == "scaler":
+                key, kind = "scaler", "scaler"
+            elif base == "random_states":
+                states = read_pickle(src, name, allow_pickle)
+                step = states.get("step", step)
+                checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
+                continue
+            elif base in kinds:
+                kind = kinds[base]
+                key = f"{kind}_{index}"
+            else:
+                continue  # sampler.bin holds a pickled sampler object, not state: nothing to convert
+            if kind == "model":
+                checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
+            elif kind == "dataloader":  # the form statekit.data.restore_loader takes for a stateful loader
+                checkpoint.save_state(f"{key}/rank-00000", {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)})
+            else:
+                checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
+            objects[key] = {"kind": kind, "owner": CORE, "per_rank": kind == "dataloader",
+                            "files": sorted(p for p in checkpoint.files if p.startswith((f"{key}.", f"{key}/")))}
+        counters = checkpoint.save_state("accelerator", {"step": int(step or 0), "iteration": 0})
+        objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counters)}
+        rng_files = sorted(p for p in checkpoint.files if p.startswith(f"{ACCELERATE_RNG}/"))
+        if rng_files:
+            objects[ACCELERATE_RNG] = {"kind": "rng", "owner": CORE, "per_rank": True, "files": rng_files}
+        manifest = {
+            "format": fmt.FORMAT,
+            "statekit_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "step": step,
+            "world_size": max(1, len(rng_files)),
+            "plugins": {},
+            "objects": objects,
+            "records": {},
+            "files": checkpoint.files,
+            "metadata": {"converted_from": src.url, "source_format": "accelerate"},
+        }
+        return _commit(out, manifest, exclusive=True)
+    except BaseException:
+        release_lock(out, 0)
+        raise

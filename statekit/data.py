@@ -48,6 +48,7 @@ class Position:
     start_states: dict[str, torch.Tensor] = field(default_factory=dict)
     pending: dict[str, Any] | None = None
     in_epoch: bool = False
+    foreign: bool = False
 
 
 def _inner(loader: Any) -> Any:
@@ -135,6 +136,11 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
             # skip the consumed batches a second time: statekit's position replaces it.
             if getattr(inner, "next_iter_state", None) is not None:
                 inner.next_iter_state = None
+    elif getattr(_inner(self), "next_iter_state", None) is not None:
+        # A StatefulDataLoader restored by someone else (Accelerate's load_state of an
+        # Accelerate checkpoint): it continues from its own state, so until this epoch
+        # ends its position is its own state_dict(), not statekit's counters.
+        position.foreign = True
     position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
     position.batches = skip
     position.in_epoch = True
@@ -154,6 +160,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         if restore is not None:
             restore()
     position.in_epoch = False
+    position.foreign = False
     position.epoch += 1
     position.batches = 0
 
@@ -206,6 +213,11 @@ def loader_state(loader: Any) -> dict[str, Any]:
         return state
     position: Position = loader.__dict__["_statekit_position"]
     epoch, batches, states = position.epoch, position.batches, position.start_states
+    restored = getattr(_inner(loader), "next_iter_state", None)
+    if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
+        # a loader resumed by its own state (see _tracked_iter): save that state
+        own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
+        return {"tracked": False, "epoch": epoch, "stateful": own}
     if not position.in_epoch:
         batches, states = 0, {role: gen.get_state() for role, gen in generators(loader).items()}
     else:
@@ -239,8 +251,8 @@ def restore_loader(loader: Any, state: dict[str, Any]) -> None:
         if hasattr(loader, "iteration"):
             loader.iteration = int(state["epoch"])
         return
-    if hasattr(loader, "iteration"):
-        loader.iteration = int(state.get("epoch", 0))
+    if hasattr(loader, "iteration") and "epoch" in state:
+        loader.iteration = int(state["epoch"])
     if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
         loader, "use_stateful_dataloader", True
     ):

@@ -35,7 +35,7 @@ from statekit.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from statekit.entries import Entry, LazyStateDict, _rank_base, _state_of, classify, unwrap_model  # noqa: F401
+from statekit.entries import Entry, LazyStateDict, _rank_base, _state_of, check_fit, classify, unwrap_model  # noqa: F401
 from statekit.locking import LOCK_NAME, prepare_target, release_lock  # noqa: F401
 from statekit.plugins import call_each, get_plugin_manager
 from statekit.staging import StagingPool
@@ -545,6 +545,7 @@ def load_objects(
         if e.kind == "model" or e.key in taken:
             continue
         _load_entry(checkpoint, e, saved_objects[e.key], not_restored)
+    _restore_accelerate_rng(checkpoint, saved_objects)
     saved_world = manifest.get("world_size", 1)
     if saved_world > world_size and rank == 0:
         per_rank_keys = [k for k, o in saved_objects.items() if o.get("per_rank")]
@@ -557,6 +558,18 @@ def load_objects(
         warnings.warn(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning, stacklevel=3)
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
     return manifest
+
+
+def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any]) -> None:
+    """A checkpoint converted from Accelerate carries its random states: restore this
+    rank's, as ``Accelerator.load_state`` of the source would (statekit-rng, which runs
+    later, leaves a checkpoint without its records alone)."""
+    from statekit import accelerate_format
+
+    entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
+    base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
+    if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
+        accelerate_format.restore_rng(checkpoint.load_state(base))
 
 
 def _load_model(checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any]) -> None:
@@ -599,15 +612,8 @@ def _check_model_state(
             "init_empty_weights?); the core cannot fill them: pass device_map=/max_memory= with statekit-offload installed",
             mismatched={k: "meta tensor" for k in meta},
         )
-    mismatched = {
-        k: f"saved {list(saved_shapes[k][0])} {saved_shapes[k][1]} vs model {list(t.shape)} {t.dtype}"
-        for k, t in targets.items()
-        if isinstance(t, torch.Tensor) and k in saved_shapes and (tuple(t.shape) != saved_shapes[k][0] or t.dtype != saved_shapes[k][1])
-    }
-    missing = set(targets) - saved_keys
-    unexpected = saved_keys - set(targets)
-    if missing or unexpected or mismatched:
-        raise StateMismatchError(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", missing, unexpected, mismatched)
+    saved = {k: saved_shapes.get(k, (None, None)) for k in saved_keys}
+    check_fit(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", targets, saved)
 
 
 def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:

@@ -95,6 +95,67 @@ def unwrap_model(model: torch.nn.Module, accelerator: Any = None) -> torch.nn.Mo
     return model
 
 
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+"""State dict key prefixes of ``torch.compile`` (``OptimizedModule._orig_mod``) and
+DDP/DataParallel (``.module``) wrappers, which Accelerate keeps in the files it writes."""
+
+
+def strip_wrapper_prefixes(state: Mapping[str, Any], expected: Any = None) -> dict[str, Any]:
+    """A state dict with the wrapper prefixes removed (see :data:`WRAPPER_PREFIXES`).
+
+    A prefix is removed, as often as wrappers were nested, only while *every* key carries
+    it, and, when ``expected`` keys are given, only while the keys do not already fit them
+    (a model whose own first submodule is named ``module`` keeps its keys).
+
+    Args:
+        state: ``name -> value`` as read from a checkpoint file.
+        expected: the target model's state dict keys, or None (readers without a target:
+            inspect, diff, convert).
+
+    Returns:
+        A new dict in the same order, keys stripped.
+    """
+    keys = list(state)
+    wanted = set(expected) if expected is not None else None
+    prefix_len = 0
+    while keys:
+        current = [k[prefix_len:] for k in keys]
+        if wanted is not None and set(current) <= wanted:
+            break
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in current)), None)
+        if prefix is None:
+            break
+        prefix_len += len(prefix)
+    return {k[prefix_len:]: v for k, v in state.items()} if prefix_len else dict(state)
+
+
+def check_fit(where: str, targets: Mapping[str, Any], saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """The one "does this state fit this model" check, run before anything is written.
+
+    Args:
+        where: what is being loaded, for the message (``"model 'model_0' (<url>)"``).
+        targets: the model's state dict (``name -> Tensor``; non-tensor extra state allowed).
+        saved: ``name -> (shape, dtype)`` of the saved state (every saved key; entries
+            that are not tensors may carry ``(None, None)``).
+
+    Raises:
+        StateMismatchError: keys missing or unexpected, or a tensor's shape or dtype
+            differs; every difference is listed.
+    """
+    from statekit.errors import StateMismatchError
+
+    mismatched = {
+        k: f"saved {list(saved[k][0])} {saved[k][1]} vs model {list(t.shape)} {t.dtype}"
+        for k, t in targets.items()
+        if isinstance(t, torch.Tensor) and saved.get(k, (None, None))[0] is not None
+        and (tuple(t.shape) != tuple(saved[k][0]) or t.dtype != saved[k][1])
+    }
+    missing = set(targets) - set(saved)
+    unexpected = set(saved) - set(targets)
+    if missing or unexpected or mismatched:
+        raise StateMismatchError(where, missing, unexpected, mismatched)
+
+
 def _is_fsdp1(model: torch.nn.Module) -> bool:
     return type(model).__name__ == "FullyShardedDataParallel"
 
