@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from statekit import distributed, engine, format as fmt
+from statekit import accelerate_format, distributed, engine, format as fmt
 from statekit.asyncsave import PendingSave
 from statekit.errors import (
     CheckpointInUseError,
     CheckpointNotFoundError,
+    PickleNotAllowedError,
     StatekitError,
     StatekitWarning,
     StateMismatchError,
@@ -27,6 +28,7 @@ from statekit.staging import StagingPool
 from statekit.storage import Storage
 
 _NAME = re.compile(r"^checkpoint-(\d{8,})$")
+_ACCELERATE_NAME = re.compile(r"^checkpoint_(\d+)$")  # ProjectConfiguration(automatic_checkpoint_naming=True)
 LATEST_NAME = "latest"
 
 
@@ -41,6 +43,9 @@ class CheckpointInfo:
         created: UTC ISO 8601 time from the manifest (None if not committed).
         size_bytes: total bytes listed in the manifest (None if not committed).
         metrics: the ``metrics`` given to ``save`` (from the manifest metadata).
+        accelerate: True for a ``checkpoint_<n>`` folder of Accelerate's automatic
+            naming (``step`` is then ``n``); committed means it has a manifest (attach
+            mode) or Accelerate's files.
     """
 
     step: int
@@ -49,6 +54,7 @@ class CheckpointInfo:
     created: str | None = None
     size_bytes: int | None = None
     metrics: dict[str, Any] | None = None
+    accelerate: bool = False
 
 
 def checkpoint_name(step: int) -> str:
@@ -57,7 +63,11 @@ def checkpoint_name(step: int) -> str:
 
 
 def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointInfo]:
-    """Every ``checkpoint-<step>`` directory under a root, oldest step first.
+    """Every checkpoint directory under a root, oldest first.
+
+    ``checkpoint-<step>`` directories are the manager's; ``checkpoint_<n>`` folders are
+    Accelerate's automatic naming (a run migrating to statekit), listed before the
+    manager's (a migrated run writes its statekit checkpoints after them), by ``n``.
 
     Args:
         root_url: the manager root.
@@ -74,21 +84,23 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     root.invalidate()
     infos = []
     for name in root.listdir():
-        match = _NAME.match(name)
+        match = _NAME.match(name) or _ACCELERATE_NAME.match(name)
         if not match:
             continue
         child = root.child(name)
         step = int(match.group(1))
+        accelerate = match.re is _ACCELERATE_NAME
         if not child.exists(fmt.MANIFEST_NAME):
-            infos.append(CheckpointInfo(step, child.url, False))
+            committed = accelerate and accelerate_format.is_accelerate_checkpoint(child)
+            infos.append(CheckpointInfo(step, child.url, committed, accelerate=accelerate))
             continue
         if not details:
-            infos.append(CheckpointInfo(step, child.url, True))
+            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
             continue
         try:
             manifest = engine.read_manifest(child)
         except StatekitError:
-            infos.append(CheckpointInfo(step, child.url, True))
+            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
             continue
         infos.append(
             CheckpointInfo(
@@ -98,9 +110,10 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
                 manifest.get("created"),
                 sum(f["size_bytes"] for f in manifest["files"].values()),
                 manifest["metadata"].get("metrics"),
+                accelerate,
             )
         )
-    return sorted(infos, key=lambda i: i.step)
+    return sorted(infos, key=lambda i: (not i.accelerate, i.step))
 
 
 def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *, force: bool = False) -> None:
@@ -158,6 +171,10 @@ class CheckpointManager:
         keep_every_n_steps: keep checkpoints whose step is a multiple of M.
         async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
         storage_options: fsspec options.
+        allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
+            ``checkpoint_<n>`` folders under the root (a run migrating from
+            ``automatic_checkpoint_naming``); without it such a resume raises
+            :class:`PickleNotAllowedError` naming the file.
         **options: plugin options passed to every save and load.
 
     Raises:
@@ -177,6 +194,7 @@ class CheckpointManager:
         keep_every_n_steps: int | None = None,
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
         **options: Any,
     ) -> None:
         from statekit.accelerate import attach
@@ -201,6 +219,7 @@ class CheckpointManager:
         self.staging = StagingPool()
         self.pending: PendingSave | None = None
         self.storage_options = storage_options
+        self.allow_pickle = allow_pickle
         self.options = options
         self.resumed_from: str | None = None
         self.attachment = attach(self.accelerator, self.objects)
@@ -240,7 +259,7 @@ class CheckpointManager:
 
     def save(
         self,
-        step: int,
+        step: int | None = None,
         metrics: Mapping[str, float] | None = None,
         *,
         overwrite: bool = False,
@@ -251,7 +270,10 @@ class CheckpointManager:
         A previous async save is waited for first (and its error raised here).
 
         Args:
-            step: the training step (names the directory).
+            step: the training step (names the directory). None: automatic naming, one
+                more than the highest checkpoint under the root (Accelerate's
+                ``checkpoint_<n>`` folders included; 0 for an empty root), and not less
+                than the accelerator's ``project_configuration.iteration``.
             metrics: JSON-able numbers recorded in the manifest (``{"loss": 0.31}``).
             overwrite: replace an existing committed checkpoint of this step.
             blocking: False: copy the state to reusable host buffers, return at once, and
@@ -270,6 +292,8 @@ class CheckpointManager:
         from statekit.accelerate import save_state
 
         self.wait()
+        if step is None:
+            step = self.next_step()
         blocking = not self.async_save if blocking is None else blocking
         url = self.url_for(step)
         metadata = {"metrics": dict(metrics)} if metrics else {}
@@ -287,6 +311,14 @@ class CheckpointManager:
             self.pending = result
         return result
 
+    def next_step(self) -> int:
+        """The step :meth:`save` uses without one: one more than the highest checkpoint
+        under the root (any kind, committed or not), at least the accelerator's
+        ``project_configuration.iteration``; agreed by every rank (rank 0 decides)."""
+        highest = max((i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)), default=-1)
+        config = getattr(self.accelerator, "project_configuration", None)
+        return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
+
     def _after_commit(self, step: int, url: str) -> None:
         if distributed.rank_and_world_size()[0] != 0:
             return
@@ -296,7 +328,7 @@ class CheckpointManager:
     def _apply_retention(self, newest_url: str) -> None:
         if self.keep_last is None and self.keep_best is None and self.keep_every_n_steps is None:
             return
-        committed = [i for i in self.list() if i.committed]
+        committed = [i for i in self.list() if i.committed and not i.accelerate]  # never Accelerate's folders
         keep = {newest_url, self.resumed_from}
         if self.keep_last is not None:
             keep |= {i.url for i in committed[-self.keep_last :]}
@@ -351,11 +383,20 @@ class CheckpointManager:
             verify: check sizes and checksums while reading.
 
         Returns:
-            The step resumed from, or None if the root holds no committed checkpoint.
+            The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
+            or None if the root holds no committed checkpoint.
+
+        A root of Accelerate's automatic naming (``checkpoint_<n>`` folders, with or
+        without statekit manifests) resumes from its newest complete folder: one whose
+        load fails for a missing file (an interrupted Accelerate save looks like that) is
+        skipped with a warning, like a corrupt checkpoint. Pickle files load only with
+        the manager's ``allow_pickle=True``.
 
         Raises:
             StateMismatchError: the run's objects do not fit the checkpoint.
-            StatekitError: every committed checkpoint failed to load (the last error).
+            PickleNotAllowedError: an Accelerate folder needs pickle and not ``allow_pickle``.
+            StatekitError: every committed checkpoint failed to load (the last error,
+                naming its folder).
         """
         from statekit.accelerate import load_state
 
@@ -365,11 +406,27 @@ class CheckpointManager:
         for info in reversed(candidates):
             try:
                 if self.accelerator is not None:
-                    manifest = load_state(self.accelerator, info.url, verify=verify, storage_options=self.storage_options, **self.options)
+                    manifest = load_state(
+                        self.accelerator, info.url, verify=verify, storage_options=self.storage_options,
+                        allow_pickle=self.allow_pickle, **self.options,
+                    )
                 else:
-                    manifest = engine.load(info.url, self.objects, verify=verify, storage_options=self.storage_options, **self.options)
-            except StateMismatchError:
+                    manifest = engine.load(
+                        info.url, self.objects, verify=verify, storage_options=self.storage_options,
+                        allow_pickle=self.allow_pickle, **self.options,
+                    )
+            except PickleNotAllowedError:
                 raise
+            except StateMismatchError as exc:
+                if not (info.accelerate and exc.missing and not exc.mismatched):
+                    raise
+                warnings.warn(
+                    f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
+                    StatekitWarning,
+                    stacklevel=2,
+                )
+                last_error = exc
+                continue
             except (StatekitError, CheckpointNotFoundError) as exc:
                 warnings.warn(
                     f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning, stacklevel=2
@@ -378,7 +435,9 @@ class CheckpointManager:
                 continue
             self.resumed_from = info.url
             step = manifest.get("step")
-            return info.step if step is None else int(step)
+            # Accelerate's folders count saves, not steps (their "step" is the gradient
+            # accumulation counter): the folder's number is what continues the naming
+            return info.step if step is None or info.accelerate else int(step)
         if last_error is not None:
             raise last_error
         return None
