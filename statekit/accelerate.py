@@ -197,7 +197,7 @@ class Attachment:
             handle.remove()
         self._handles.clear()
         if self.accelerator is not None:
-            for name in ("save_state", "load_state"):
+            for name in ("save_state", "load_state", "prepare"):
                 self.accelerator.__dict__.pop(name, None)
             if self.accelerator.__dict__.get("_statekit_attachment") is self:
                 del self.accelerator.__dict__["_statekit_attachment"]
@@ -224,19 +224,42 @@ def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) ->
     """
     if accelerator is not None and "_statekit_attachment" in accelerator.__dict__:
         return accelerator.__dict__["_statekit_attachment"]
+    attachment = Attachment(accelerator, {})
     if accelerator is not None:
-        table = {e.key: e.obj for e in collect(accelerator) if e.kind != "model"}
+        _adopt(attachment, {e.key: e.obj for e in collect(accelerator) if e.kind != "model"})
+        _register_accelerate_hooks(accelerator, attachment)
+        _wrap_prepare(accelerator, attachment)
+        accelerator.__dict__["_statekit_attachment"] = attachment
     else:
-        table = {k: v for k, v in (objects or {}).items() if not hasattr(v, "parameters")}
+        _adopt(attachment, {k: v for k, v in (objects or {}).items() if not hasattr(v, "parameters")})
+    return attachment
+
+
+def _adopt(attachment: Attachment, table: dict[str, Any]) -> None:
+    """Track the loaders among ``table`` and run ``statekit_attach`` for it."""
     for obj in table.values():
         if _is_loader(obj):
             data.track(obj)
-    attachment = Attachment(accelerator, table)
-    call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": accelerator, "objects": dict(table)})
-    if accelerator is not None:
-        _register_accelerate_hooks(accelerator, attachment)
-        accelerator.__dict__["_statekit_attachment"] = attachment
-    return attachment
+    attachment.objects.update(table)
+    call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": attachment.accelerator, "objects": dict(table)})
+
+
+def _wrap_prepare(accelerator: Any, attachment: Attachment) -> None:
+    """Objects prepared after ``attach`` (attach right after ``Accelerator()``, or several
+    ``prepare`` calls) join the attachment, so their loaders are tracked before the first
+    epoch starts."""
+    original = accelerator.prepare
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        table = {e.key: e.obj for e in collect(accelerator) if e.kind != "model"}
+        added = {k: v for k, v in table.items() if attachment.objects.get(k) is not v}
+        if added:
+            _adopt(attachment, added)
+        return result
+
+    prepare.__doc__ = getattr(original, "__doc__", None)
+    accelerator.__dict__["prepare"] = prepare
 
 
 def _is_loader(obj: Any) -> bool:

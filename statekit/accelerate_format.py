@@ -190,8 +190,8 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
             # an optimizer's load_state_dict replaces its state tensors (it never writes
             # into them), so its current state_dict() is a snapshot without a copy
             before = e.obj.state_dict() if e.kind == "optimizer" else copy.deepcopy(e.obj.state_dict())
+            undo.append((e.obj, before))  # before the call: a load_state_dict may fail halfway
             e.obj.load_state_dict(state)
-            undo.append((e.obj, before))
         if rng_states is not None:
             restore_rng(rng_states)
     except Exception as exc:

@@ -37,7 +37,10 @@ def statekit_attach(accelerator: Any, objects: MutableMapping[str, Any]) -> None
     """Prepare a training run for exact checkpointing.
 
     Called once, on every rank, when a :class:`statekit.CheckpointManager` is created or
-    :func:`statekit.attach` is called, before the training loop starts.
+    :func:`statekit.attach` is called, before the training loop starts; and, for an
+    accelerator attached before (or between) its ``prepare()`` calls, again after each
+    later ``prepare()`` with only the objects that call added (so a data loader prepared
+    after ``attach`` is prepared for exact resume too).
 
     Args:
         accelerator: the ``accelerate.Accelerator`` of the run, or None when the run uses
