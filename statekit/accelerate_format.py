@@ -300,7 +300,7 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
             "statekit_version": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
             "step": step,
-            "world_size": max(1, len(rng_files)),
+            "world_size": max(1, sum(1 for n in names if n.startswith("random_states_"))),
             "plugins": {},
             "objects": objects,
             "records": {},

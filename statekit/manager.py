@@ -314,7 +314,11 @@ class CheckpointManager:
     def next_step(self) -> int:
         """The step :meth:`save` uses without one: one more than the highest checkpoint
         under the root (any kind, committed or not), at least the accelerator's
-        ``project_configuration.iteration``; agreed by every rank (rank 0 decides)."""
+        ``project_configuration.iteration``; agreed by every rank (rank 0 decides).
+
+        Returns:
+            The step number for the next automatically named checkpoint.
+        """
         highest = max((i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)), default=-1)
         config = getattr(self.accelerator, "project_configuration", None)
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))

@@ -287,6 +287,7 @@ def test_convert_then_load_restores_what_accelerate_restores(tmp_path, installed
     manifest = convert(str(tmp_path / "acc"), str(tmp_path / "sk"), allow_pickle=True)
     assert not (tmp_path / "sk" / ".statekit-lock").exists()
     assert statekit.verify(str(tmp_path / "sk"))["files"] == manifest["files"]
+    assert manifest["world_size"] == 1
 
     # each load restores the global RNG, from which the loaders draw: read each run right after its load
     by_accelerate = build(seed=6, stateful=True)
