@@ -54,7 +54,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -63,7 +62,6 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -146,6 +144,18 @@ ENGAGEMENT = {
 that must each have gone through statekit, and the post-hook counter that proves it."""
 
 TAIL_LINES = 12
+SUMMARY_EXCEPTION_LINES = 6
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+_STATEKIT_FILE = re.compile(r"/statekit/|/plugins/statekit-[^/]+/|/statekit_[a-z]+/")
+_PLUGIN_FILE = re.compile(r"/plugins/statekit-[^/]+/|/statekit_[a-z]+/")
+
+
+def _short_path(path: str) -> str:
+    for marker in ("/accelerate-tests/", str(ROOT) + "/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
 
 
 # --------------------------------------------------------------------------- results
@@ -161,8 +171,31 @@ class Outcome:
     props: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def tail(self, lines: int = TAIL_LINES) -> str:
-        body = (self.text or self.message).rstrip().splitlines()
+        body = [line for line in (self.text or self.message).rstrip().splitlines() if not _CARETS.match(line)]
         return "\n".join("        " + line for line in body[-lines:])
+
+    def summary(self) -> str:
+        """The failing line of the Accelerate test, the outermost and innermost statekit
+        frames, and the exception (from the ``--tb=native`` traceback); else :meth:`tail`."""
+        lines = [line for line in (self.text or self.message).rstrip().splitlines() if not _CARETS.match(line)]
+        frames = [(i, m) for i, line in enumerate(lines) if (m := _FRAME.match(line))]
+        if not frames:
+            return self.tail()
+
+        def code(i: int) -> str:
+            return lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+
+        picked = [f for f in frames if "/accelerate-tests/" in f[1]["file"]][-1:]
+        ours = [f for f in frames if _STATEKIT_FILE.search(f[1]["file"])]
+        plugins = [f for f in ours if _PLUGIN_FILE.search(f[1]["file"])]
+        for frame in ours[:1] + plugins[-2:] + ours[-1:]:  # outermost, plugins, innermost
+            if frame not in picked:
+                picked.append(frame)
+        out = [f"{_short_path(m['file'])}:{m['line']} in {m['func']}: {code(i)}" for i, m in picked]
+        last = frames[-1][0]
+        start = last + (2 if code(last) else 1)
+        out += [line.strip() for line in lines[start:]][:SUMMARY_EXCEPTION_LINES]
+        return "\n".join("        " + (line if len(line) <= 300 else line[:300] + "...") for line in out)
 
 
 @dataclasses.dataclass
@@ -190,7 +223,7 @@ class ModeResult:
 
     def describe(self, ids: list[str]) -> str:
         return "\n".join(
-            f"  {i} [{self.outcomes[i].status}]\n{self.outcomes[i].tail()}" if i in self.outcomes else f"  {i} [not run]"
+            f"  {i} [{self.outcomes[i].status}]\n{self.outcomes[i].summary()}" if i in self.outcomes else f"  {i} [not run]"
             for i in ids
         )
 
@@ -450,7 +483,8 @@ class Conformance:
                 "",
             ]
             for i in r.ids("failed", "error"):
-                lines += [f"* `{i}` [{r.outcomes[i].status}]", "", "```", r.outcomes[i].tail(40), "```", ""]
+                o = r.outcomes[i]
+                lines += [f"* `{i}` [{o.status}]", "", "```", o.summary(), "", "(traceback tail)", o.tail(40), "```", ""]
         (self.out / "report.md").write_text("\n".join(lines))
         summary = {
             mode: {"returncode": r.returncode, "duration_s": round(r.duration_s, 1), "counts": r.counts(),
@@ -544,15 +578,21 @@ def test_untouched_baseline(conformance: Conformance) -> None:
     """Mode (a): the selected tests all pass or skip with Accelerate alone."""
     r = conformance.run("untouched")
     _print_mode(r)
-    assert set(r.outcomes) == set(conformance.selected), (
-        f"(a) ran {len(r.outcomes)} tests, {len(conformance.selected)} were selected; not run: "
-        f"{sorted(set(conformance.selected) - set(r.outcomes))}; unexpected: {sorted(set(r.outcomes) - set(conformance.selected))}"
-    )
+    problems = []
+    if set(r.outcomes) != set(conformance.selected):
+        problems.append(
+            f"mode (a) ran {len(r.outcomes)} tests, {len(conformance.selected)} were selected; not run: "
+            f"{sorted(set(conformance.selected) - set(r.outcomes))}; unexpected: "
+            f"{sorted(set(r.outcomes) - set(conformance.selected))}"
+        )
     bad = r.ids("failed", "error")
-    assert not bad, (
-        f"mode (a) untouched: Accelerate's own tests fail without statekit, so this environment cannot judge statekit:\n"
-        + r.describe(bad)
-    )
+    if bad:
+        problems.append(
+            "mode (a) untouched: Accelerate's own tests fail without statekit, so this environment cannot judge "
+            "statekit:\n" + r.describe(bad)
+        )
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
 
 
 @pytest.mark.parametrize("mode", ["attach_init", "attach_prepare"])
@@ -561,7 +601,8 @@ def test_attach_mode_matches_untouched(conformance: Conformance, mode: str) -> N
     and statekit's post-hooks ran for every save and load."""
     _print_mode(conformance.run(mode))
     problems = _compare_with_untouched(conformance, mode, {})
-    assert not problems, "\n\n".join(problems)
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
 
 
 def test_dropin_only_allowed_failures(conformance: Conformance) -> None:
@@ -574,7 +615,8 @@ def test_dropin_only_allowed_failures(conformance: Conformance) -> None:
                 if o.props.get("accelerate_save_impl", 0) or o.props.get("accelerate_load_impl", 0)]
     if fallback:
         problems.append("mode (d) dropin: Accelerate's own save_state/load_state was called:\n" + "\n".join(fallback))
-    assert not problems, "\n\n".join(problems)
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -582,10 +624,13 @@ def test_no_stray_files(conformance: Conformance, mode: str) -> None:
     """Nothing is left in the run's working directory (for example ``./None``), and the
     run leaves no more in ``TMPDIR`` than Accelerate alone does."""
     r = conformance.run(mode)
-    assert not r.strays, (
-        f"mode {MODES[mode].label} {mode} left files in its working directory {r.cwd}: {r.strays[:50]}"
-    )
+    problems = []
+    if r.strays:
+        problems.append(f"mode {MODES[mode].label} {mode} left files in its working directory {r.cwd}: {r.strays[:50]}")
     if mode != "untouched":
         base = conformance.run("untouched")
         extra = sorted(set(r.tmp_leftovers) - set(base.tmp_leftovers))
-        assert not extra, f"mode {MODES[mode].label} {mode} left files in TMPDIR that (a) does not: {extra[:50]}"
+        if extra:
+            problems.append(f"mode {MODES[mode].label} {mode} left files in TMPDIR that (a) does not: {extra[:50]}")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)

@@ -1,12 +1,14 @@
 """Mode (c): ``statekit.attach(accelerator)`` once, after the first ``prepare()`` of each
 ``Accelerator`` (what ``docs/migrating.md`` shows: prepare, then attach).
 
-``attach`` is idempotent per accelerator: a second call returns the first attachment
-and changes nothing, and the object table it tracks (data loaders, the objects handed to
-the ``statekit_attach`` hooks) is taken when it is first called. Calling it again after
-later ``prepare()`` calls would therefore do nothing, so it is called once; later
-``prepare()`` calls of an attached accelerator are counted (``prepare_after_attach``) so
-that a failure caused by objects statekit does not know about can be told apart.
+``attach`` is idempotent per accelerator: a second call returns the first attachment and
+changes nothing, so calling it again after later ``prepare()`` calls would add nothing;
+it is called once. Whether objects prepared after ``attach`` join the attachment (their
+loaders tracked, ``statekit_attach`` run for them) is statekit's business (``attach``
+once took its object table only when called; it now also wraps the instance's
+``prepare`` for that). Later ``prepare()`` calls of an attached accelerator are counted
+(``prepare_after_attach``), so that a failure involving objects prepared after ``attach``
+can be told apart.
 """
 
 from __future__ import annotations

@@ -6,15 +6,15 @@ call site of the test code:
 
 * ``accelerator.save_state(dir)`` -> ``statekit.save_state(accelerator, dir)``;
 * ``accelerator.load_state(dir)`` -> ``statekit.load_state(accelerator, dir)``;
-* ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`` ->
-  ``statekit.CheckpointManager(accelerator, root, keep_last=N)``, one manager per
-  accelerator, created at its first automatically named save or load, with
-  ``root = <project_dir>/checkpoints`` (where Accelerate puts its ``checkpoint_<i>``
-  folders). With automatic naming on, ``save_state(...)`` is ``manager.save(step)`` with
-  ``step = project_configuration.iteration``, which then goes up by one, as Accelerate
-  does; like Accelerate, a directory passed to ``save_state`` is then ignored.
-  ``load_state()`` without a directory is ``manager.resume()``; with a directory it is
-  ``statekit.load_state(accelerator, dir)``.
+* ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`` +
+  ``save_state()``/``load_state()`` -> ``manager = statekit.CheckpointManager(accelerator,
+  f"{project_dir}/checkpoints", keep_last=N)``; ``manager.save()``/``manager.resume()``:
+  one manager per accelerator, created at its first automatically named save or load.
+  With automatic naming on, ``save_state(...)`` is ``manager.save()`` (the manager picks
+  the step; like Accelerate, a directory passed to ``save_state`` is then ignored);
+  ``load_state()`` without a directory is ``manager.resume()``, with a directory
+  ``statekit.load_state(accelerator, dir)``. ``project_configuration.iteration`` is left
+  to statekit (``statekit.save_state`` counts it up as ``Accelerator.save_state`` does).
 
 Arguments statekit has no use for: ``safe_serialization`` (statekit never pickles) and
 ``load_kwargs``/``map_location`` (statekit loads into the prepared objects where they
@@ -72,11 +72,9 @@ def save_state(self: Any, output_dir: str | os.PathLike[str] | None = None, safe
     config = self.project_configuration
     if config.automatic_checkpoint_naming:
         manager = manager_of(self)
-        step = config.iteration
         common.count("dropin_manager_save")
-        manager.save(step)
-        config.iteration += 1
-        return manager.url_for(step)
+        manifest = manager.save()
+        return manager.url_for(manifest["step"])
     if output_dir is None:
         raise TypeError("save_state() without output_dir needs automatic_checkpoint_naming (Accelerate: os.makedirs(None))")
     url = os.fspath(output_dir)
