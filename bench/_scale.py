@@ -5,7 +5,7 @@ Usage (run by ``bench/run.py``)::
     torchrun --nproc-per-node=N bench/_scale.py DIR TOTAL_BYTES DTYPE RESULT_JSON
 
 Each rank builds ``TOTAL_BYTES / N`` of model+AdamW state (as ``bench/_workers.py``) and
-saves it as per-rank state with ``statekit.engine.save(..., per_rank=("shard",))``; the
+saves it as per-rank state with ``statekit.api.saveload.save(..., per_rank=("shard",))``; the
 time is from a barrier before the save to the end of the save on rank 0 (the commit).
 Rank 0 writes ``{"seconds", "state_bytes", "per_rank_bytes", "peak_rss_bytes"}``.
 """
@@ -39,7 +39,7 @@ def main() -> None:
     base = rss_bytes()
     dist.barrier()
     t0 = time.perf_counter()
-    statekit.engine.save(d, {"shard": shard}, per_rank=("shard",))
+    statekit.api.saveload.save(d, {"shard": shard}, per_rank=("shard",))
     seconds = time.perf_counter() - t0
     peak = peak_bytes() - base
     sizes = [None] * world

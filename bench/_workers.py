@@ -149,18 +149,18 @@ def op_statekit_save(d, model, optim, ctx):
     import statekit
 
     url = ctx.get("url", d)
-    statekit.engine.save(url, {"model": model, "optim": optim}, storage_options=ctx.get("so"))
+    statekit.api.saveload.save(url, {"model": model, "optim": optim}, storage_options=ctx.get("so"))
 
 
 def op_statekit_load(d, model, optim, ctx):
     import statekit
 
-    statekit.engine.load(ctx.get("url", d), {"model": model, "optim": optim}, storage_options=ctx.get("so"))
+    statekit.api.saveload.load(ctx.get("url", d), {"model": model, "optim": optim}, storage_options=ctx.get("so"))
 
 
 def op_statekit_async(d, model, optim, ctx):
     """Second async save (staging buffers warm): blocking time, then total until committed."""
-    from statekit.engine import classify, save_objects
+    from statekit.api.saveload import classify, save_objects
 
     entries = [classify("model", model), classify("optim", optim)]
     t0 = time.perf_counter()
@@ -419,8 +419,8 @@ def main() -> None:
             del tensors, ctx["tensors"]
             model = optim = None
     if system == "statekit" and op == "async":
-        from statekit.engine import classify, save_objects
-        from statekit.staging import StagingPool
+        from statekit.api.saveload import classify, save_objects
+        from statekit.engine.staging import StagingPool
 
         ctx["pool"] = StagingPool()
         entries = [classify("model", model), classify("optim", optim)]
@@ -431,7 +431,7 @@ def main() -> None:
     if system.startswith("statekit"):
         import statekit
 
-        statekit.plugins.get_plugin_manager()
+        statekit.hooks.registry.get_plugin_manager()
     elif system == "dcp":
         import importlib
 

@@ -205,8 +205,8 @@ def run_and_kill(cmd: list[str], log: Path, kill_at: int) -> int:
 
 def compare_final(a: str, b: str) -> list[str]:
     """Differences between two final states written by ``train`` (empty if bit-identical)."""
-    from statekit.context import Checkpoint
-    from statekit.engine import read_manifest
+    from statekit.engine.context import Checkpoint
+    from statekit.api.saveload import read_manifest
     from statekit.storage import Storage
 
     states = {}

@@ -207,13 +207,13 @@ def run_and_kill(cmd: list[str], log: Path, kill_at: int) -> int:
 def compare_final(a: str, b: str) -> list[str]:
     """Differences between two final states written by ``train`` (empty if bit-identical)."""
     import statekit
-    from statekit.context import Checkpoint
+    from statekit.engine.context import Checkpoint
     from statekit.storage import Storage
 
     problems = []
     tensors = {}
     for name, url in (("reference", a), ("resumed", b)):
-        checkpoint = Checkpoint(Storage(url), mode="load", manifest=statekit.engine.read_manifest(Storage(url)))
+        checkpoint = Checkpoint(Storage(url), mode="load", manifest=statekit.api.saveload.read_manifest(Storage(url)))
         tensors[name] = {
             "model": checkpoint.load_tensors("model.safetensors"),
             "optimizer": checkpoint.load_state("optimizer"),

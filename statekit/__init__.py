@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from statekit._version import __version__
 
-from statekit.accelerate import Attachment, attach, load_state, save_state
-from statekit.context import Checkpoint
-from statekit.engine import load, save, verify
+from statekit.api.bridge import Attachment, attach, load_state, save_state
+from statekit.engine.context import Checkpoint
+from statekit.api.saveload import load, save, verify
 from statekit.errors import (
     AsyncSaveError,
     CheckpointExistsError,
@@ -31,8 +31,8 @@ from statekit.errors import (
     UnsupportedDtypeError,
     UnsupportedValueError,
 )
-from statekit.manager import CheckpointInfo, CheckpointManager
-from statekit.plugins import get_plugin_manager, hookimpl
+from statekit.api.manager import CheckpointInfo, CheckpointManager
+from statekit.hooks.registry import get_plugin_manager, hookimpl
 
 __all__ = [
     "__version__",

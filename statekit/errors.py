@@ -164,7 +164,7 @@ class CheckpointExistsError(StatekitError, FileExistsError):
 
 class CheckpointInUseError(StatekitError, PermissionError):
     """A live process reads the checkpoint in place (an in-use marker, see
-    :mod:`statekit.inuse`): it is not deleted or overwritten."""
+    :mod:`statekit.storage.inuse`): it is not deleted or overwritten."""
 
     __module__ = "statekit"
 

@@ -110,7 +110,7 @@ def test_attach_runs_plugins_around_accelerator_save_state(tmp_path, plugin_mana
     names = set(os.listdir(target))
     assert "model.safetensors" not in names  # the plugin took the only model
     assert {"statekit.json", "recorder.json", "optimizer.bin"} <= names
-    manifest = statekit.engine.read_manifest(statekit.storage.Storage(target))
+    manifest = statekit.api.saveload.read_manifest(statekit.storage.Storage(target))
     assert manifest["files"]["recorder.json"]["writer"] == "recorder"
     assert manifest["files"]["optimizer.bin"]["writer"] == "accelerate"
     statekit.verify(target)
@@ -162,14 +162,14 @@ def test_malicious_pickle_never_runs(tmp_path, installed_plugin_manager):
     with pytest.raises(statekit.PickleNotAllowedError):
         statekit.load_state(other[0], target)
     with pytest.raises(statekit.PickleNotAllowedError):
-        statekit.accelerate_format.convert(target, str(tmp_path / "converted"))
+        statekit.foreign.accelerate.convert(target, str(tmp_path / "converted"))
     assert not marker.exists()
 
 
 def test_convert_accelerate_directory(tmp_path, installed_plugin_manager):
     run, target = _accelerate_dir(tmp_path)
     out = str(tmp_path / "converted")
-    manifest = statekit.accelerate_format.convert(target, out, allow_pickle=True)
+    manifest = statekit.foreign.accelerate.convert(target, out, allow_pickle=True)
     assert {"model_0", "optimizer_0", "scheduler_0", "custom_0"} <= set(manifest["objects"])
     statekit.verify(out)
     model = build(seed=5)[1]

@@ -132,7 +132,7 @@ def test_compiled_model_in_attach_mode_loads_into_a_plain_model_and_back(tmp_pat
     statekit.load_state(back_acc, str(tmp_path / "plain"))
     assert_state_equal(back._orig_mod.state_dict(), compiled._orig_mod.state_dict())
 
-    from statekit.accelerate_format import convert
+    from statekit.foreign.accelerate import convert
 
     manifest = convert(str(tmp_path / "c"), str(tmp_path / "converted"), allow_pickle=True)
     assert "model_0.safetensors" in manifest["files"]
@@ -272,7 +272,7 @@ def test_manager_skips_an_incomplete_accelerate_folder(tmp_path, installed_plugi
 
 
 def test_convert_then_load_restores_what_accelerate_restores(tmp_path, installed_plugin_manager):
-    from statekit.accelerate_format import convert
+    from statekit.foreign.accelerate import convert
 
     source = build(seed=4, stateful=True)
     source[0].scaler = None

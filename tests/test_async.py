@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import statekit
-from statekit.asyncsave import AsyncSaveError, PendingSave
-from statekit.manager import checkpoint_name
+from statekit.api.asyncsave import AsyncSaveError, PendingSave
+from statekit.api.manager import checkpoint_name
 from statekit.testing import assert_state_equal
 
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import statekit
 from statekit.cli import main
-from statekit.manager import CheckpointManager
+from statekit.api.manager import CheckpointManager
 
 
 def _run(*args: str):
@@ -35,7 +35,7 @@ def test_plugins_lists_installed_with_versions(installed_plugin_manager):
 
 def test_plugins_marks_blocked(monkeypatch):
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "rng")
-    with statekit.plugins.use_plugin_manager(statekit.plugins.build_plugin_manager()):
+    with statekit.hooks.registry.use_plugin_manager(statekit.hooks.registry.build_plugin_manager()):
         rows = {r["name"]: r for r in json.loads(_run("plugins", "--json").output)}
     assert rows["rng"]["blocked"] is True
 

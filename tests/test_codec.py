@@ -11,7 +11,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from statekit import codec, format as fmt
+from statekit import format as fmt
+
+from statekit.format import codec
 from statekit.errors import CorruptCheckpointError, UnsupportedValueError
 from statekit.testing import assert_state_equal
 

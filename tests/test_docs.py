@@ -1,6 +1,6 @@
 """Meta-tests on the documentation (as datasette does): the docs cannot fall behind the code.
 
-* every hookspec in ``statekit/hookspecs.py`` has a section in ``docs/hooks.md`` (a
+* every hookspec in ``statekit/hooks/hookspecs.py`` has a section in ``docs/hooks.md`` (a
   mkdocstrings ``:::`` directive, rendered with the exact signature as heading) and a
   ``test_hook_<name>`` test somewhere under ``tests/``;
 * every public name in ``statekit.__all__`` has a docstring, with ``Args:`` when it takes
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import statekit
-import statekit.hookspecs
+import statekit.hooks.hookspecs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -28,7 +28,7 @@ HOOKS_PAGE = DOCS / "hooks.md"
 
 HOOKSPECS = sorted(
     name
-    for name, obj in vars(statekit.hookspecs).items()
+    for name, obj in vars(statekit.hooks.hookspecs).items()
     if name.startswith("statekit_") and callable(obj) and hasattr(obj, "statekit_spec")
 )
 
@@ -48,10 +48,10 @@ def test_hookspecs_found():
 @pytest.mark.parametrize("hook", HOOKSPECS)
 def test_hook_has_docs_section(hook):
     text = HOOKS_PAGE.read_text()
-    assert re.search(rf"^::: statekit\.hookspecs\.{hook}\s*$", text, re.M), (
-        f"docs/hooks.md has no '::: statekit.hookspecs.{hook}' section"
+    assert re.search(rf"^::: statekit\.hooks\.hookspecs\.{hook}\s*$", text, re.M), (
+        f"docs/hooks.md has no '::: statekit.hooks.hookspecs.{hook}' section"
     )
-    doc = inspect.getdoc(getattr(statekit.hookspecs, hook)) or ""
+    doc = inspect.getdoc(getattr(statekit.hooks.hookspecs, hook)) or ""
     for section in ("Args:", "Returns:", "Raises:"):
         assert section in doc, f"{hook} docstring lacks {section}"
 

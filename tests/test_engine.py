@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import statekit
-from statekit import engine, format as fmt
+from statekit import format as fmt
+from statekit.api import saveload as engine
 from statekit.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

@@ -9,7 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import statekit
-from statekit import codec, engine, format as fmt
+from statekit import format as fmt
+from statekit.format import codec
+from statekit.api import saveload as engine
 from statekit.storage import Storage
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 import statekit
 from statekit.cli import main
-from statekit.inuse import in_use_markers, mark_in_use, release_in_use
-from statekit.manager import checkpoint_name, delete_checkpoint, list_checkpoints
+from statekit.storage.inuse import in_use_markers, mark_in_use, release_in_use
+from statekit.api.manager import checkpoint_name, delete_checkpoint, list_checkpoints
 
 
 def test_retention_keeps_a_checkpoint_in_use(tmp_path, plugin_manager):
@@ -44,7 +44,7 @@ def test_delete_and_overwrite_refuse_a_live_marker(tmp_path, plugin_manager):
 def test_marker_of_a_dead_process_is_stale(tmp_path, plugin_manager):
     url = str(tmp_path / "c")
     statekit.save(url, {"t": torch.zeros(2)})
-    code = f"from statekit.inuse import mark_in_use; print(mark_in_use({url!r}))"
+    code = f"from statekit.storage.inuse import mark_in_use; print(mark_in_use({url!r}))"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     assert in_use_markers(url) == [] and len(in_use_markers(url, include_stale=True)) == 1
     delete_checkpoint(url)  # a stale marker does not protect it

@@ -17,8 +17,11 @@ import torch
 from torch import nn
 
 import statekit
-from statekit import engine, format as fmt, hookimpl, hookspecs, plugins
-from statekit.context import Checkpoint
+from statekit import format as fmt, hookimpl
+from statekit.api import saveload as engine
+from statekit.hooks import hookspecs
+from statekit.hooks import registry as plugins
+from statekit.engine.context import Checkpoint
 from statekit.errors import PluginError, PluginMissingError, StatekitError
 from statekit.storage import Storage
 from statekit.testing import assert_state_equal

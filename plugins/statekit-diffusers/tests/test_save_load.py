@@ -15,7 +15,7 @@ from conftest import assert_same_weights, tiny_cond_unet, tiny_unet, tiny_vae, t
 
 import statekit
 from statekit import PluginError, StatekitError, StateMismatchError
-from statekit.plugins import build_plugin_manager, use_plugin_manager
+from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
 
 import statekit_diffusers
 

@@ -37,7 +37,7 @@ TRAIN_STEPS, SAVE_AT = 8, 4
 
 
 def manifest_of(url: str) -> dict:
-    from statekit.engine import read_manifest
+    from statekit.api.saveload import read_manifest
     from statekit.storage import Storage
 
     return read_manifest(Storage(url))
@@ -51,7 +51,7 @@ def fsdp_only() -> object:
     """In this process statekit runs with this plugin alone (the torchrun workers load
     every installed plugin, as a user's run does)."""
     import statekit_fsdp.plugin
-    from statekit.plugins import build_plugin_manager, use_plugin_manager
+    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
 
     pm = build_plugin_manager(autoload=False)
     pm.register(statekit_fsdp.plugin, name="fsdp")
@@ -425,7 +425,7 @@ def test_split_and_fill_state_round_trip() -> None:
     skeleton, tensors = split_state(state)
     assert tensors == {"model.w": a, "optim.state.w.step": b}
     assert refs_of(skeleton) == ["model.w", "optim.state.w.step"]
-    from statekit import codec
+    from statekit.format import codec
 
     codec.encode(skeleton)  # JSON-able through the codec, no tensors left
     assert fill_state(skeleton, tensors)["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)

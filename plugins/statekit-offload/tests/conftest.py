@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import statekit
-import statekit.plugins
+import statekit.hooks.registry
 import statekit_offload.plugin
 
 
@@ -27,11 +27,11 @@ def _quiet() -> Iterator[None]:
 
 
 @pytest.fixture
-def pm() -> Iterator[statekit.plugins.PluginManager]:
+def pm() -> Iterator[statekit.hooks.registry.PluginManager]:
     """A fresh process-wide plugin manager with only statekit-offload registered (as ``offload``)."""
-    manager = statekit.plugins.build_plugin_manager(autoload=False)
+    manager = statekit.hooks.registry.build_plugin_manager(autoload=False)
     manager.register(statekit_offload.plugin, name="offload")
-    with statekit.plugins.use_plugin_manager(manager):
+    with statekit.hooks.registry.use_plugin_manager(manager):
         yield manager
 
 

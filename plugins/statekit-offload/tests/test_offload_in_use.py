@@ -84,7 +84,7 @@ def test_entry_point_and_cheap_import():
 
 def test_installed_plugin_is_discovered(monkeypatch):
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGINS", raising=False)
-    pm = statekit.plugins.build_plugin_manager(autoload=True)
+    pm = statekit.hooks.registry.build_plugin_manager(autoload=True)
     assert pm.get_plugin("offload") is not None
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "offload")
-    assert statekit.plugins.build_plugin_manager(autoload=True).get_plugin("offload") is None
+    assert statekit.hooks.registry.build_plugin_manager(autoload=True).get_plugin("offload") is None

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-import statekit.plugins
+import statekit.hooks.registry
 import statekit_rng.plugin as rng_plugin
 
 
@@ -45,11 +45,11 @@ class FakeDeviceModule:
 
 
 @pytest.fixture
-def pm(monkeypatch: pytest.MonkeyPatch) -> Iterator[statekit.plugins.PluginManager]:
+def pm(monkeypatch: pytest.MonkeyPatch) -> Iterator[statekit.hooks.registry.PluginManager]:
     """A freshly built process-wide plugin manager (entry points loaded, nothing blocked)."""
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    with statekit.plugins.use_plugin_manager(statekit.plugins.build_plugin_manager()) as manager:
+    with statekit.hooks.registry.use_plugin_manager(statekit.hooks.registry.build_plugin_manager()) as manager:
         yield manager
 
 

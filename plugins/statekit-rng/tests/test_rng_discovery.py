@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-import statekit.plugins
+import statekit.hooks.registry
 import statekit_rng.plugin as rng_plugin
 
 
 def test_entry_point_registers_plugin_rng(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    pm = statekit.plugins.build_plugin_manager()
+    pm = statekit.hooks.registry.build_plugin_manager()
     assert pm.get_plugin("rng") is rng_plugin
     source = pm.sources["rng"]
     assert (source.origin, source.distribution, source.version, source.entry_point) == (
@@ -32,13 +32,13 @@ def test_entry_point_registers_plugin_rng(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_disable_plugins_env_blocks_rng(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "rng")
-    pm = statekit.plugins.build_plugin_manager()
+    pm = statekit.hooks.registry.build_plugin_manager()
     assert pm.get_plugin("rng") is None
     assert pm.is_blocked("rng")
     assert not pm.manages_rng()
 
 
-def test_hook_order_snapshot_first_restore_last(pm: statekit.plugins.PluginManager) -> None:
+def test_hook_order_snapshot_first_restore_last(pm: statekit.hooks.registry.PluginManager) -> None:
     class Other:
         @statekit.hookimpl
         def statekit_save_state_pre(self, checkpoint):  # pragma: no cover - never called
@@ -49,7 +49,7 @@ def test_hook_order_snapshot_first_restore_last(pm: statekit.plugins.PluginManag
             pass
 
     pm.register(Other(), name="other")
-    # statekit.plugins.call_each calls reversed(get_hookimpls()): first in that order runs first.
+    # statekit.hooks.registry.call_each calls reversed(get_hookimpls()): first in that order runs first.
     save_order = [i.plugin_name for i in reversed(pm.hook.statekit_save_state_pre.get_hookimpls())]
     load_order = [i.plugin_name for i in reversed(pm.hook.statekit_load_state_post.get_hookimpls())]
     assert save_order[0] == "rng"

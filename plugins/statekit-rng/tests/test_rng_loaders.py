@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 import statekit
-import statekit.plugins
+import statekit.hooks.registry
 import statekit_rng.plugin as rng_plugin
 
 
@@ -20,7 +20,7 @@ def _dataset(n: int = 20) -> TensorDataset:
 
 def _attach(pm, objects: dict) -> None:
     """Call statekit_attach the way the host does (one plugin at a time)."""
-    statekit.plugins.call_each(pm, "statekit_attach", None, {"accelerator": None, "objects": objects})
+    statekit.hooks.registry.call_each(pm, "statekit_attach", None, {"accelerator": None, "objects": objects})
 
 
 def _epoch(loader) -> list[list[int]]:
@@ -171,7 +171,7 @@ def test_loader_that_lost_its_random_sampler_warns(pm, memory_url: str, fake_dev
 
 
 def test_loader_saved_by_the_core_round_trips(pm, memory_url: str, fake_devices) -> None:
-    pytest.importorskip("statekit.data", reason="the core's data-loader support (statekit/data.py) is not there yet")
+    pytest.importorskip("statekit.engine.data", reason="the core's data-loader support (statekit/engine/data.py) is not there yet")
     fake_devices(None)
     loader = DataLoader(_dataset(), batch_size=4, shuffle=True)
     _attach(pm, {"dl": loader})

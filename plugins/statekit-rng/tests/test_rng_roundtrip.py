@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import statekit
-import statekit.engine
-import statekit.plugins
+import statekit.api.saveload
+import statekit.hooks.registry
 import statekit_rng.plugin as rng_plugin
 
 
@@ -75,17 +75,17 @@ def test_host_rng_guard_does_not_undo_restore(pm, memory_url: str, fake_devices)
         statekit_load_state_pre = staticmethod(rng_plugin.statekit_load_state_pre)
         statekit_load_state_post = staticmethod(rng_plugin.statekit_load_state_post)
 
-    bare = statekit.plugins.build_plugin_manager(autoload=False)
+    bare = statekit.hooks.registry.build_plugin_manager(autoload=False)
     bare.register(Unflagged(), name="rng")  # same name: same records
     _seed_all(3)
-    with statekit.plugins.use_plugin_manager(bare):
+    with statekit.hooks.registry.use_plugin_manager(bare):
         statekit.save(memory_url, {"w": torch.ones(2)})
     expected = _draw()
 
     _seed_all(77)
     scrambled = _draw()
     _seed_all(77)
-    with statekit.plugins.use_plugin_manager(bare):
+    with statekit.hooks.registry.use_plugin_manager(bare):
         statekit.load(memory_url, {"w": torch.ones(2)})
     _assert_same(_draw(), scrambled)  # guarded: the restore was undone
 
@@ -96,13 +96,13 @@ def test_host_rng_guard_does_not_undo_restore(pm, memory_url: str, fake_devices)
 
 def test_no_unsaved_rng_warning_with_plugin(pm, memory_url: str, monkeypatch: pytest.MonkeyPatch, fake_devices) -> None:
     fake_devices(None)
-    monkeypatch.setattr(statekit.engine, "_warned_rng", False)
+    monkeypatch.setattr(statekit.api.saveload, "_warned_rng", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", statekit.StatekitWarning)
         statekit.save(memory_url, {"w": torch.ones(2)})
 
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "rng")
-    with statekit.plugins.use_plugin_manager(statekit.plugins.build_plugin_manager()):
+    with statekit.hooks.registry.use_plugin_manager(statekit.hooks.registry.build_plugin_manager()):
         with pytest.warns(statekit.StatekitWarning, match="random-number-generator"):
             statekit.save(memory_url + "-2", {"w": torch.ones(2)})
 
@@ -111,16 +111,16 @@ def test_checkpoint_without_rng_records_loads_silently(
     memory_url: str, monkeypatch: pytest.MonkeyPatch, fake_devices
 ) -> None:
     fake_devices("cuda", 2)  # would warn about devices if the plugin acted
-    monkeypatch.setattr(statekit.engine, "_warned_rng", True)  # the core's one-time warning is not under test
+    monkeypatch.setattr(statekit.api.saveload, "_warned_rng", True)  # the core's one-time warning is not under test
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "rng")
-    with statekit.plugins.use_plugin_manager(statekit.plugins.build_plugin_manager()):
+    with statekit.hooks.registry.use_plugin_manager(statekit.hooks.registry.build_plugin_manager()):
         manifest = statekit.save(memory_url, {"w": torch.ones(2)})
     assert "rng" not in manifest["records"]
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGINS")
     _seed_all(8)
     expected = _draw()
     _seed_all(8)
-    with statekit.plugins.use_plugin_manager(statekit.plugins.build_plugin_manager()):
+    with statekit.hooks.registry.use_plugin_manager(statekit.hooks.registry.build_plugin_manager()):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             statekit.load(memory_url, {"w": torch.ones(2)})

@@ -18,7 +18,7 @@ import torch
 
 import statekit
 import statekit_rng.plugin as rng_plugin
-from statekit.context import Checkpoint
+from statekit.engine.context import Checkpoint
 from statekit.storage import Storage
 
 SCRIPT = Path(__file__).with_name("_rng_two_ranks.py")
@@ -64,7 +64,7 @@ def test_rank_without_saved_state_warns(pm, memory_url: str, fake_devices) -> No
     fake_devices(None)
     manifest = statekit.save(memory_url, {"w": torch.ones(2)})
     checkpoint = Checkpoint(Storage(memory_url), mode="load", rank=1, world_size=2, manifest=manifest)
-    checkpoint.plugin = "rng"  # as statekit.plugins.call_each sets it
+    checkpoint.plugin = "rng"  # as statekit.hooks.registry.call_each sets it
     torch.manual_seed(4)
     before = torch.get_rng_state()
     with pytest.warns(statekit.StatekitWarning) as caught:

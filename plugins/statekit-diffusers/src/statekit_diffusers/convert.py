@@ -29,7 +29,7 @@ from typing import Any
 
 from statekit import CheckpointExistsError, CorruptCheckpointError, StatekitError, StatekitWarning
 from statekit import format as fmt
-from statekit.engine import read_manifest
+from statekit.api.saveload import read_manifest
 from statekit.storage import Storage, storage_errors
 
 from statekit_diffusers import layout

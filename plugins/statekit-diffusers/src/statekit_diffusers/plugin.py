@@ -38,7 +38,7 @@ import torch
 
 from statekit import CorruptCheckpointError, StatekitError, StateMismatchError, hookimpl
 from statekit import format as fmt
-from statekit.engine import unwrap_model
+from statekit.api.saveload import unwrap_model
 
 from statekit_diffusers import layout, settings
 from statekit_diffusers.convert import convert

@@ -30,8 +30,8 @@ import torch
 
 from statekit import CorruptCheckpointError, StatekitError, UnsupportedDtypeError
 from statekit import format as fmt
-from statekit.context import CORE, Checkpoint
-from statekit.engine import read_manifest
+from statekit.engine.context import CORE, Checkpoint
+from statekit.api.saveload import read_manifest
 from statekit.storage import Storage
 
 from statekit_fsdp import PLUGIN_NAME

@@ -131,7 +131,7 @@ def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    from statekit import codec
+    from statekit.format import codec
     from statekit_fsdp.dcp_storage import StatekitStorageWriter
     from statekit_fsdp.state import optimizers_of, split_state, unique
 

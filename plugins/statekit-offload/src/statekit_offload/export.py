@@ -34,14 +34,14 @@ def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: as
-            :func:`statekit.engine.read_manifest`.
+            :func:`statekit.api.saveload.read_manifest`.
         StatekitError: the checkpoint has no model stored as a tensor file.
         StorageError: ``out_url`` is not local, not writable, or already holds an offload index.
         UnsupportedDtypeError: a tensor's dtype has no offload encoding (complex32, float4; names it).
         CorruptCheckpointError: a tensor file fails verification (names it).
     """
-    from statekit.context import Checkpoint
-    from statekit.engine import read_manifest
+    from statekit.engine.context import Checkpoint
+    from statekit.api.saveload import read_manifest
     from statekit.storage import Storage
 
     from statekit_offload.loading import check_offload_folder

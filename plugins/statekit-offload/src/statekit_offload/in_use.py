@@ -1,7 +1,7 @@
-"""In-use markers (moved into the core as :mod:`statekit.inuse`, which retention, ``gc`` and
+"""In-use markers (moved into the core as :mod:`statekit.storage.inuse`, which retention, ``gc`` and
 ``overwrite=True`` respect); re-exported here for the plugin's public API."""
 
-from statekit.inuse import (  # noqa: F401
+from statekit.storage.inuse import (  # noqa: F401
     MARKER_PREFIX,
     MARKER_WRITER,
     InUseMarker,
@@ -12,4 +12,4 @@ from statekit.inuse import (  # noqa: F401
     release_in_use,
     remove_stale_markers,
 )
-from statekit.inuse import _is_live, _pid_alive, _process_start  # noqa: F401
+from statekit.storage.inuse import _is_live, _pid_alive, _process_start  # noqa: F401

@@ -32,7 +32,7 @@ from statekit import hookimpl
 from statekit.errors import StatekitError
 
 if TYPE_CHECKING:
-    from statekit.context import Checkpoint
+    from statekit.engine.context import Checkpoint
 
 
 def _export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
@@ -54,7 +54,7 @@ def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: s
         StateMismatchError: an offloaded tensor has no source or a source of another shape/dtype.
         UnsupportedDtypeError: a tensor cannot be stored (names it).
     """
-    from statekit.engine import unwrap_model
+    from statekit.api.saveload import unwrap_model
 
     from statekit_offload.saving import is_offloaded, save_model
 
@@ -81,8 +81,8 @@ def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Check
         StateMismatchError: keys, shapes or dtypes differ (listed).
         CorruptCheckpointError: the tensor file fails verification.
     """
-    from statekit.context import CORE
-    from statekit.engine import unwrap_model
+    from statekit.engine.context import CORE
+    from statekit.api.saveload import unwrap_model
 
     from statekit_offload.loading import LoadOptions, has_meta_tensors, load_model, model_file
     from statekit_offload.saving import is_offloaded, load_plain

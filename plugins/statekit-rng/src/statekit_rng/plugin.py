@@ -48,7 +48,7 @@ import torch
 from statekit import CorruptCheckpointError, FormatVersionError, StatekitWarning, hookimpl
 
 if TYPE_CHECKING:
-    from statekit.context import Checkpoint
+    from statekit.engine.context import Checkpoint
 
 STATEKIT_MANAGES_RNG = True
 """Tells the host that this plugin manages random state itself: no RNG guard around its
@@ -199,7 +199,7 @@ def find_sampler(loader: Any) -> Any:
     .sampler`` (Accelerate's ``BatchSamplerShard`` around the original batch sampler) and
     ``loader.sampler``, looking through a batch sampler found there (a ``BatchSampler``
     passed as ``sampler=`` with ``batch_size=None``), as ``accelerate.data_loader.get_sampler``
-    and ``statekit.data.sampler_of`` do.
+    and ``statekit.engine.data.sampler_of`` do.
 
     Args:
         loader: a ``torch.utils.data.DataLoader`` (or an Accelerate ``DataLoaderShard`` /

@@ -14,8 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from statekit import accelerate_format, distributed, engine, format as fmt
-from statekit.asyncsave import PendingSave
+from statekit import distributed, format as fmt
+
+from statekit.foreign import accelerate as accelerate_format
+
+from statekit.api import saveload as engine
+from statekit.api.asyncsave import PendingSave
 from statekit.errors import (
     CheckpointInUseError,
     CheckpointNotFoundError,
@@ -24,7 +28,7 @@ from statekit.errors import (
     StatekitWarning,
     StateMismatchError,
 )
-from statekit.staging import StagingPool
+from statekit.engine.staging import StagingPool
 from statekit.storage import Storage
 
 _NAME = re.compile(r"^checkpoint-(\d{8,})$")
@@ -126,7 +130,7 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
         force: delete even if a live process reads it in place.
 
     Raises:
-        CheckpointInUseError: a live in-use marker is present (see :mod:`statekit.inuse`).
+        CheckpointInUseError: a live in-use marker is present (see :mod:`statekit.storage.inuse`).
     """
     if not force:
         _refuse_if_in_use(url, "delete")
@@ -136,7 +140,7 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
 
 
 def _refuse_if_in_use(url: str, action: str) -> None:
-    from statekit.inuse import in_use_markers
+    from statekit.storage.inuse import in_use_markers
 
     markers = in_use_markers(url)
     if markers:
@@ -197,7 +201,7 @@ class CheckpointManager:
         allow_pickle: bool = False,
         **options: Any,
     ) -> None:
-        from statekit.accelerate import attach
+        from statekit.api.bridge import attach
 
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -289,7 +293,7 @@ class CheckpointManager:
             AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
         """
-        from statekit.accelerate import save_state
+        from statekit.api.bridge import save_state
 
         self.wait()
         if step is None:
@@ -402,7 +406,7 @@ class CheckpointManager:
             StatekitError: every committed checkpoint failed to load (the last error,
                 naming its folder).
         """
-        from statekit.accelerate import load_state
+        from statekit.api.bridge import load_state
 
         self.wait()
         candidates = [i for i in self.list() if i.committed]

@@ -27,7 +27,7 @@ import pluggy
 if TYPE_CHECKING:  # annotation-only imports keep this module cheap
     import torch
 
-    from statekit.context import Checkpoint
+    from statekit.engine.context import Checkpoint
 
 hookspec = pluggy.HookspecMarker("statekit")
 
@@ -82,7 +82,7 @@ def statekit_save_state_pre(
             computed on first access (no collective is run), and ``weights.pop(i)`` does
             not compute it. In ``attach`` mode these are Accelerate's own state dicts.
         output_dir: the checkpoint's URL (``/local/path``, ``s3://bucket/x``...).
-        checkpoint: the :class:`statekit.context.Checkpoint` context: ``url``, ``fs``,
+        checkpoint: the :class:`statekit.engine.context.Checkpoint` context: ``url``, ``fs``,
             ``rank``, ``world_size``, ``step``, ``accelerator``, ``options``, ``plugin``,
             ``objects`` (other stateful objects by stable key; pop one to own it),
             ``records`` (a JSON-able dict stored in the manifest for this plugin), and the

@@ -78,7 +78,7 @@ def plugins(as_json: bool) -> None:
     """List plugins: name, distribution, version, origin and hooks (blocked ones marked)."""
     from importlib import metadata
 
-    from statekit.plugins import ENTRY_POINT_GROUP, get_plugin_manager
+    from statekit.hooks.registry import ENTRY_POINT_GROUP, get_plugin_manager
 
     try:
         pm = get_plugin_manager()
@@ -118,7 +118,7 @@ def plugins(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ls(url: str, as_json: bool) -> None:
     """List the checkpoints under a manager root URL: step, time, size, committed."""
-    from statekit.manager import list_checkpoints
+    from statekit.api.manager import list_checkpoints
 
     try:
         infos = list_checkpoints(url)
@@ -306,7 +306,7 @@ def _num(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def verify(url: str, as_json: bool) -> None:
     """Check every file's size and checksum against the manifest; exit 1 naming the bad file."""
-    from statekit.engine import verify as verify_checkpoint
+    from statekit.api.saveload import verify as verify_checkpoint
 
     try:
         manifest = verify_checkpoint(url)
@@ -330,12 +330,12 @@ def verify(url: str, as_json: bool) -> None:
               help="Option for a plugin's converter (VALUE parsed as JSON, else a string); repeatable.")
 def convert(src: str, out: str, target: str, allow_pickle: bool, raw_options: tuple[str, ...]) -> None:
     """Convert a checkpoint: Accelerate directory -> statekit, or statekit -> a plugin's format."""
-    from statekit.plugins import get_plugin_manager
+    from statekit.hooks.registry import get_plugin_manager
     from statekit.progress import progress
 
     try:
         if target == "statekit":
-            from statekit.accelerate_format import convert as convert_accelerate
+            from statekit.foreign.accelerate import convert as convert_accelerate
 
             total = _source_bytes(src)
             with progress(total, "convert") as advance:
@@ -389,7 +389,7 @@ def _parse_options(raw: tuple[str, ...]) -> dict[str, Any]:
 def gc(url: str, dry_run: bool, as_json: bool) -> None:
     """Remove incomplete checkpoints (directories without a manifest) under a manager root."""
     from statekit.errors import CheckpointInUseError
-    from statekit.manager import delete_checkpoint, list_checkpoints
+    from statekit.api.manager import delete_checkpoint, list_checkpoints
 
     removed, kept = [], []
     try:
@@ -400,7 +400,7 @@ def gc(url: str, dry_run: bool, as_json: bool) -> None:
                 if not dry_run:
                     delete_checkpoint(info.url)
                 else:
-                    from statekit.manager import _refuse_if_in_use
+                    from statekit.api.manager import _refuse_if_in_use
 
                     _refuse_if_in_use(info.url, "delete")
                 removed.append(info.url)

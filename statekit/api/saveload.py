@@ -22,7 +22,7 @@ import torch
 
 from statekit._version import __version__
 from statekit import distributed, format as fmt
-from statekit.context import CORE, Checkpoint
+from statekit.engine.context import CORE, Checkpoint
 from statekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -35,10 +35,10 @@ from statekit.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from statekit.entries import Entry, LazyStateDict, _rank_base, _state_of, check_fit, classify, unwrap_model  # noqa: F401
-from statekit.locking import LOCK_NAME, prepare_target, release_lock  # noqa: F401
-from statekit.plugins import call_each, get_plugin_manager
-from statekit.staging import StagingPool
+from statekit.engine.entries import Entry, LazyStateDict, _rank_base, _state_of, check_fit, classify, unwrap_model  # noqa: F401
+from statekit.engine.locking import LOCK_NAME, prepare_target, release_lock  # noqa: F401
+from statekit.hooks.registry import call_each, get_plugin_manager
+from statekit.engine.staging import StagingPool
 from statekit.storage import Storage
 
 _warned_rng = False
@@ -112,7 +112,7 @@ def save_objects(
         exclusive: the commit fails with :class:`CheckpointExistsError` if another saver
             committed this checkpoint first (the manager sets it).
         blocking: False stages the state to host memory on this thread and writes from a
-            background thread; returns a :class:`statekit.asyncsave.PendingSave`.
+            background thread; returns a :class:`statekit.api.asyncsave.PendingSave`.
         staging: the :class:`StagingPool` to reuse for an async save.
         after_commit: ``callable()`` run after the commit on the writing thread (the
             manager updates ``latest`` and applies retention there).
@@ -188,7 +188,7 @@ def save_objects(
         call_each(pm, "statekit_save_state_post", checkpoint, {"models": models, "output_dir": storage.url, "checkpoint": checkpoint})
 
     if not blocking:
-        from statekit.asyncsave import PendingSave
+        from statekit.api.asyncsave import PendingSave
 
         return PendingSave(storage.url, finish, post)
     manifest = finish()
@@ -466,13 +466,13 @@ def load_objects(
     try:
         manifest = read_manifest(storage)
     except IncompleteCheckpointError:
-        from statekit import accelerate_format
+        from statekit.foreign import accelerate as accelerate_format
 
         if accelerate_format.is_accelerate_checkpoint(storage):
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
         raise
     if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
-        from statekit import accelerate_format
+        from statekit.foreign import accelerate as accelerate_format
 
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     rank, world_size = distributed.rank_and_world_size()
@@ -564,7 +564,7 @@ def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any
     """A checkpoint converted from Accelerate carries its random states: restore this
     rank's, as ``Accelerator.load_state`` of the source would (statekit-rng, which runs
     later, leaves a checkpoint without its records alone)."""
-    from statekit import accelerate_format
+    from statekit.foreign import accelerate as accelerate_format
 
     entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
     base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
@@ -648,7 +648,7 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
             e.obj.clear()
             e.obj.update(state)
         elif e.kind == "dataloader":
-            from statekit import data
+            from statekit.engine import data
 
             data.restore_loader(e.obj, state)
         else:

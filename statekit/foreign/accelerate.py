@@ -128,7 +128,7 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
     (an optimizer whose parameter groups differ, say) the ones already applied and the
     random generators are put back before the error is raised. Model state dict keys are
     matched after removing the ``_orig_mod.``/``module.`` prefixes Accelerate keeps
-    (:func:`statekit.entries.strip_wrapper_prefixes`).
+    (:func:`statekit.engine.entries.strip_wrapper_prefixes`).
 
     Returns:
         A manifest-like dict: ``{"format": "accelerate", "step": ..., "objects": {...}}``.
@@ -138,7 +138,7 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
         StateMismatchError: an object has no file, or its state does not fit; nothing
             was changed.
     """
-    from statekit.entries import check_fit, strip_wrapper_prefixes, unwrap_model
+    from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 
     names = set(storage.listdir())
     plan: list[tuple[Any, str]] = []
@@ -246,11 +246,11 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
     import datetime
 
     from statekit._version import __version__
-    from statekit.context import CORE, Checkpoint
-    from statekit.engine import _commit
-    from statekit.entries import strip_wrapper_prefixes
+    from statekit.engine.context import CORE, Checkpoint
+    from statekit.api.saveload import _commit
+    from statekit.engine.entries import strip_wrapper_prefixes
     from statekit.errors import StatekitError
-    from statekit.locking import prepare_target, release_lock
+    from statekit.engine.locking import prepare_target, release_lock
 
     src = Storage(src_url, storage_options)
     if not is_accelerate_checkpoint(src):
@@ -284,7 +284,7 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
                 continue  # sampler.bin holds a pickled sampler object, not state: nothing to convert
             if kind == "model":
                 checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
-            elif kind == "dataloader":  # the form statekit.data.restore_loader takes for a stateful loader
+            elif kind == "dataloader":  # the form statekit.engine.data.restore_loader takes for a stateful loader
                 checkpoint.save_state(f"{key}/rank-00000", {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)})
             else:
                 checkpoint.save_state(key, read_pickle(src, name, allow_pickle))

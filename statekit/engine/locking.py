@@ -36,7 +36,7 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
     """
     storage.invalidate()
     if overwrite:
-        from statekit.manager import _refuse_if_in_use
+        from statekit.api.manager import _refuse_if_in_use
 
         _refuse_if_in_use(storage.url, "overwrite")
     if storage.exists(fmt.MANIFEST_NAME):

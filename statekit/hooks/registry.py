@@ -21,7 +21,7 @@ from typing import Any
 
 import pluggy
 
-from statekit import hookspecs
+from statekit.hooks import hookspecs
 from statekit.errors import PluginError, StatekitError
 
 ENTRY_POINT_GROUP = "statekit"
@@ -229,7 +229,7 @@ def call_each(
 
     Implementations run in pluggy's call order (``reversed(get_hookimpls())``: tryfirst,
     then the last registered first). Before each call ``checkpoint.plugin`` is set to the
-    plugin's name; the call runs under :func:`statekit.rng_guard.rng_guard` unless the
+    plugin's name; the call runs under :func:`statekit.hooks.rng_guard.rng_guard` unless the
     plugin declares ``STATEKIT_MANAGES_RNG = True``; afterwards ``after_each(name)`` lets
     the caller record what the plugin removed from ``models``/``objects``.
 
@@ -249,7 +249,7 @@ def call_each(
             ``hook_name`` set and a note naming them. A plain ``StatekitError`` (misuse of
             the context) becomes a ``PluginError``.
     """
-    from statekit.rng_guard import rng_guard
+    from statekit.hooks.rng_guard import rng_guard
 
     trace = _env_flag("STATEKIT_TRACE_PLUGINS")
     hook = getattr(pm.hook, hook_name)

@@ -21,12 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from statekit._version import __version__
-from statekit import data, distributed, engine, format as fmt
-from statekit.context import CORE, Checkpoint
-from statekit.engine import Entry
+from statekit import distributed, format as fmt
+from statekit.engine import data
+from statekit.api import saveload as engine
+from statekit.engine.context import CORE, Checkpoint
+from statekit.api.saveload import Entry
 from statekit.errors import CorruptCheckpointError
-from statekit.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
-from statekit.plugins import call_each, get_plugin_manager
+from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
+from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 
 
@@ -100,8 +102,8 @@ def save_state(
         overwrite: replace a committed checkpoint at ``url``.
         storage_options: fsspec options.
         blocking: False: stage to host memory and write in the background (returns a
-            :class:`statekit.asyncsave.PendingSave`).
-        staging: a :class:`statekit.staging.StagingPool` to reuse (async saves).
+            :class:`statekit.api.asyncsave.PendingSave`).
+        staging: a :class:`statekit.engine.staging.StagingPool` to reuse (async saves).
         exclusive: fail if another saver commits this checkpoint first.
         after_commit: ``callable()`` run right after the commit (used by the manager).
         **options: plugin options (``checkpoint.options``).
@@ -206,7 +208,7 @@ class Attachment:
 def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) -> Attachment:
     """Attach statekit to a run before its training loop starts.
 
-    Tracks every data loader (exact mid-epoch resume, see :mod:`statekit.data`), calls
+    Tracks every data loader (exact mid-epoch resume, see :mod:`statekit.engine.data`), calls
     the ``statekit_attach`` hooks once, and, with an accelerator, registers Accelerate's
     ``register_save_state_pre_hook``/``register_load_state_pre_hook`` and wraps this
     instance's ``save_state``/``load_state`` so they run the statekit pre- and post-hooks

@@ -16,9 +16,11 @@ from typing import Any, BinaryIO
 
 import torch
 
-from statekit import codec, format as fmt
+from statekit import format as fmt
+
+from statekit.format import codec
 from statekit.errors import CorruptCheckpointError, StatekitError
-from statekit.staging import StagingPool
+from statekit.engine.staging import StagingPool
 from statekit.storage import Storage, storage_errors
 
 CORE = "statekit"
@@ -387,7 +389,7 @@ class Checkpoint:
         return self._record(rel, len(data), fmt.checksum_bytes(data))
 
     def save_state(self, base: str, state: Any) -> list[str]:
-        """Store any codec-able state (see :mod:`statekit.codec`): ``<base>.json`` holds the
+        """Store any codec-able state (see :mod:`statekit.format.codec`): ``<base>.json`` holds the
         skeleton, ``<base>.safetensors`` the tensors (only if there are any).
 
         Args:

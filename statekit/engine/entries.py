@@ -196,7 +196,7 @@ def _state_of(entry: Entry) -> Any:
     if entry.kind == "dict":
         return entry.obj
     if entry.kind == "dataloader":
-        from statekit import data
+        from statekit.engine import data
 
         return data.loader_state(entry.obj)
     return entry.obj.state_dict()

@@ -76,14 +76,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def plugin_manager() -> Iterator[Any]:
-    """A fresh :class:`statekit.plugins.PluginManager` with no entry points loaded,
+    """A fresh :class:`statekit.hooks.registry.PluginManager` with no entry points loaded,
     installed as the process-wide manager for the duration of the test.
 
     Register throwaway plugins on it (``plugin_manager.register(Plugin(), name="x")``);
     ``statekit.save``/``load`` use it. The environment switches
     (``STATEKIT_DISABLE_PLUGINS``, ``STATEKIT_TRACE_PLUGINS``) are read when it is built.
     """
-    from statekit.plugins import build_plugin_manager, use_plugin_manager
+    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
 
     pm = build_plugin_manager(autoload=False)
     with use_plugin_manager(pm):
@@ -94,7 +94,7 @@ def plugin_manager() -> Iterator[Any]:
 def installed_plugin_manager() -> Iterator[Any]:
     """A fresh plugin manager with every installed entry point of group ``statekit``
     loaded (``autoload=True``), installed as the process-wide manager for the test."""
-    from statekit.plugins import build_plugin_manager, use_plugin_manager
+    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
 
     pm = build_plugin_manager(autoload=True)
     with use_plugin_manager(pm):

@@ -5,7 +5,7 @@ Formats (detected automatically by :func:`detect_format`):
 - ``statekit``: a directory with ``statekit.json`` (the manifest); tensors are listed
   from the safetensors headers of every file in the manifest.
 - ``accelerate``: a directory written by ``Accelerator.save_state`` (file names as in
-  :mod:`statekit.accelerate_format`); ``model*.safetensors`` headers are read directly,
+  :mod:`statekit.foreign.accelerate`); ``model*.safetensors`` headers are read directly,
   the pickle files (``optimizer.bin``, ``pytorch_model.bin``...) only with ``allow_pickle``
   (without it they are listed in :attr:`CheckpointReader.skipped`).
 - ``dcp``: a ``torch.distributed.checkpoint`` directory (``.metadata`` + ``*.distcp``).
@@ -294,7 +294,7 @@ class StatekitReader(CheckpointReader):
     keyed_by_file = True
 
     def __init__(self, storage: Storage, allow_pickle: bool) -> None:
-        from statekit.engine import read_manifest
+        from statekit.api.saveload import read_manifest
 
         super().__init__(storage, allow_pickle)
         self.manifest = read_manifest(storage)

@@ -30,7 +30,7 @@ from typing import Any
 
 from statekit._version import __version__
 from statekit.errors import PluginError
-from statekit.plugins import PluginSource, hookimpl
+from statekit.hooks.registry import PluginSource, hookimpl
 
 HOOKS_PLUGIN = "accelerate-hooks"
 """Name of the built-in plugin that runs Accelerate's registered pre-hooks."""

@@ -1,0 +1,1 @@
+"""The public API behind the facade: save/load through the hooks, the Accelerate bridge, attach, CheckpointManager, async saves."""

@@ -1,0 +1,1 @@
+"""The engine: the checkpoint context, entries, data-loader positions, staging, writing, reading and the commit (no pluggy)."""

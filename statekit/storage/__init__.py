@@ -1,0 +1,5 @@
+"""Storage: fsspec URLs and the commit protocol, the O_DIRECT writer, in-use markers."""
+
+from statekit.storage.fs import DirectWriter, Storage, fsync_dir, storage_errors, url_to_fs
+
+__all__ = ["DirectWriter", "Storage", "fsync_dir", "storage_errors", "url_to_fs"]
