@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from statekit._version import __version__
 
-from statekit.api.bridge import Attachment, attach, load_state, save_state
+from statekit.api.attach import Attachment, attach
+from statekit.api.bridge import load_state, save_state
 from statekit.engine.context import Checkpoint
-from statekit.api.saveload import load, save, verify
+from statekit.api.saveload import load, save
+from statekit.engine.read import verify
 from statekit.errors import (
     AsyncSaveError,
     CheckpointExistsError,
@@ -31,7 +33,8 @@ from statekit.errors import (
     UnsupportedDtypeError,
     UnsupportedValueError,
 )
-from statekit.api.manager import CheckpointInfo, CheckpointManager
+from statekit.api.listing import CheckpointInfo
+from statekit.api.manager import CheckpointManager
 from statekit.hooks.registry import get_plugin_manager, hookimpl
 
 __all__ = [

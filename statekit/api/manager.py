@@ -8,18 +8,18 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from statekit import distributed, format as fmt
+from statekit import distributed
 
-from statekit.foreign import accelerate as accelerate_format
 
-from statekit.api import saveload as engine
+from statekit.api import saveload
+from statekit.api.attach import attach
+from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
+from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_checkpoint, list_checkpoints
 from statekit.errors import (
     CheckpointInUseError,
     CheckpointNotFoundError,
@@ -30,123 +30,6 @@ from statekit.errors import (
 )
 from statekit.engine.staging import StagingPool
 from statekit.storage import Storage
-
-_NAME = re.compile(r"^checkpoint-(\d{8,})$")
-_ACCELERATE_NAME = re.compile(r"^checkpoint_(\d+)$")  # ProjectConfiguration(automatic_checkpoint_naming=True)
-LATEST_NAME = "latest"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint directory under a manager root.
-
-    Attributes:
-        step: the step in its name.
-        url: its URL.
-        committed: True if its manifest exists.
-        created: UTC ISO 8601 time from the manifest (None if not committed).
-        size_bytes: total bytes listed in the manifest (None if not committed).
-        metrics: the ``metrics`` given to ``save`` (from the manifest metadata).
-        accelerate: True for a ``checkpoint_<n>`` folder of Accelerate's automatic
-            naming (``step`` is then ``n``); committed means it has a manifest (attach
-            mode) or Accelerate's files.
-    """
-
-    step: int
-    url: str
-    committed: bool
-    created: str | None = None
-    size_bytes: int | None = None
-    metrics: dict[str, Any] | None = None
-    accelerate: bool = False
-
-
-def checkpoint_name(step: int) -> str:
-    """Directory name of a step: ``checkpoint-00000500``."""
-    return f"checkpoint-{int(step):08d}"
-
-
-def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointInfo]:
-    """Every checkpoint directory under a root, oldest first.
-
-    ``checkpoint-<step>`` directories are the manager's; ``checkpoint_<n>`` folders are
-    Accelerate's automatic naming (a run migrating to statekit), listed before the
-    manager's (a migrated run writes its statekit checkpoints after them), by ``n``.
-
-    Args:
-        root_url: the manager root.
-        storage_options: fsspec options.
-        details: read each manifest (created, size, metrics); otherwise only check it exists.
-
-    Returns:
-        :class:`CheckpointInfo` per directory, committed or not.
-
-    Raises:
-        StorageError: the root cannot be listed.
-    """
-    root = Storage(root_url, storage_options)
-    root.invalidate()
-    infos = []
-    for name in root.listdir():
-        match = _NAME.match(name) or _ACCELERATE_NAME.match(name)
-        if not match:
-            continue
-        child = root.child(name)
-        step = int(match.group(1))
-        accelerate = match.re is _ACCELERATE_NAME
-        if not child.exists(fmt.MANIFEST_NAME):
-            committed = accelerate and accelerate_format.is_accelerate_checkpoint(child)
-            infos.append(CheckpointInfo(step, child.url, committed, accelerate=accelerate))
-            continue
-        if not details:
-            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
-            continue
-        try:
-            manifest = engine.read_manifest(child)
-        except StatekitError:
-            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
-            continue
-        infos.append(
-            CheckpointInfo(
-                step,
-                child.url,
-                True,
-                manifest.get("created"),
-                sum(f["size_bytes"] for f in manifest["files"].values()),
-                manifest["metadata"].get("metrics"),
-                accelerate,
-            )
-        )
-    return sorted(infos, key=lambda i: (not i.accelerate, i.step))
-
-
-def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *, force: bool = False) -> None:
-    """Delete one checkpoint directory: its manifest first (so it stops counting as
-    committed even if the rest of the deletion is interrupted), then everything under it.
-
-    Args:
-        url: the checkpoint directory.
-        storage_options: fsspec options.
-        force: delete even if a live process reads it in place.
-
-    Raises:
-        CheckpointInUseError: a live in-use marker is present (see :mod:`statekit.storage.inuse`).
-    """
-    if not force:
-        _refuse_if_in_use(url, "delete")
-    storage = Storage(url, storage_options)
-    storage.remove(fmt.MANIFEST_NAME)
-    storage.remove_tree()
-
-
-def _refuse_if_in_use(url: str, action: str) -> None:
-    from statekit.storage.inuse import in_use_markers
-
-    markers = in_use_markers(url)
-    if markers:
-        users = ", ".join(f"{m.host} pid {m.pid}" + (f" ({m.model_key})" if m.model_key else "") for m in markers)
-        raise CheckpointInUseError(f"cannot {action} {url}: it is read in place by a live process: {users}")
-
 
 class CheckpointManager:
     """Numbered checkpoints of one training run under a root URL.
@@ -201,8 +84,6 @@ class CheckpointManager:
         allow_pickle: bool = False,
         **options: Any,
     ) -> None:
-        from statekit.api.bridge import attach
-
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -293,8 +174,6 @@ class CheckpointManager:
             AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
         """
-        from statekit.api.bridge import save_state
-
         self.wait()
         if step is None:
             step = self.next_step()
@@ -309,8 +188,8 @@ class CheckpointManager:
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
         else:
-            entries = [engine.classify(k, v) for k, v in self.objects.items()]
-            result = engine.save_objects(url, entries, options=self.options, **common)
+            entries = [saveload.classify(k, v) for k, v in self.objects.items()]
+            result = saveload.save_objects(url, entries, options=self.options, **common)
         if not blocking:
             self.pending = result
         return result
@@ -406,8 +285,6 @@ class CheckpointManager:
             StatekitError: every committed checkpoint failed to load (the last error,
                 naming its folder).
         """
-        from statekit.api.bridge import load_state
-
         self.wait()
         candidates = [i for i in self.list() if i.committed]
         last_error: StatekitError | None = None
@@ -419,7 +296,7 @@ class CheckpointManager:
                         allow_pickle=self.allow_pickle, **self.options,
                     )
                 else:
-                    manifest = engine.load(
+                    manifest = saveload.load(
                         info.url, self.objects, verify=verify, storage_options=self.storage_options,
                         allow_pickle=self.allow_pickle, **self.options,
                     )

@@ -257,3 +257,8 @@ def restore_loader(loader: Any, state: dict[str, Any]) -> None:
         loader, "use_stateful_dataloader", True
     ):
         loader.load_state_dict(state["stateful"])
+
+
+def is_loader(obj: Any) -> bool:
+    """True for a ``torch.utils.data.DataLoader`` (Accelerate's adapters included)."""
+    return isinstance(obj, torch.utils.data.DataLoader)

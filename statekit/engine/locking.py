@@ -18,6 +18,7 @@ from typing import Any
 from statekit import format as fmt
 from statekit.errors import CheckpointExistsError, StatekitError
 from statekit.storage import Storage
+from statekit.storage.inuse import refuse_if_in_use
 
 LOCK_NAME = ".statekit-lock"
 """Created exclusively by the saver that owns a checkpoint directory until it commits."""
@@ -36,9 +37,7 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
     """
     storage.invalidate()
     if overwrite:
-        from statekit.api.manager import _refuse_if_in_use
-
-        _refuse_if_in_use(storage.url, "overwrite")
+        refuse_if_in_use(storage.url, "overwrite")
     if storage.exists(fmt.MANIFEST_NAME):
         if not overwrite:
             raise CheckpointExistsError(

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from statekit.errors import StorageError
+from statekit.errors import CheckpointInUseError, StorageError
 
 MARKER_PREFIX = ".in-use-"
 """File-name prefix of a marker inside a checkpoint directory."""
@@ -200,6 +200,22 @@ def in_use_markers(url: str, *, include_stale: bool = False) -> list[InUseMarker
         if live or include_stale:
             found.append(marker)
     return found
+
+
+def refuse_if_in_use(url: str, action: str) -> None:
+    """Refuse to delete or overwrite a checkpoint a live process reads in place.
+
+    Args:
+        url: the checkpoint directory.
+        action: what was about to happen (``"delete"``, ``"overwrite"``), for the message.
+
+    Raises:
+        CheckpointInUseError: a live in-use marker is present; names host, pid and model.
+    """
+    markers = in_use_markers(url)
+    if markers:
+        users = ", ".join(f"{m.host} pid {m.pid}" + (f" ({m.model_key})" if m.model_key else "") for m in markers)
+        raise CheckpointInUseError(f"cannot {action} {url}: it is read in place by a live process: {users}")
 
 
 def is_in_use(url: str) -> bool:

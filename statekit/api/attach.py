@@ -1,0 +1,285 @@
+"""Attach mode: ``statekit.attach(accelerator)`` and the code that keeps calling
+``accelerator.save_state`` / ``load_state``.
+
+``attach`` tracks the run's data loaders (exact mid-epoch resume, :mod:`statekit.engine.data`),
+runs the ``statekit_attach`` hooks, and for an accelerator registers Accelerate's own
+pre-hooks and wraps this instance's ``save_state``, ``load_state`` and ``prepare``:
+
+- the checkpoint context is built inside the pre-hooks, from the directory Accelerate
+  hands them: Accelerate resolves automatic checkpoint naming (``checkpoint_<n>``) and
+  ``load_state()`` without an argument (the newest folder) before it calls its hooks, so
+  statekit writes and reads exactly where Accelerate does;
+- after Accelerate's save, the manifest lists and checksums every file (Accelerate's own,
+  untouched, included) and the post-hooks run; after its load, statekit's exact loader
+  positions replace Accelerate's and the post-hooks run;
+- objects prepared after ``attach`` join the attachment.
+
+accelerate is never imported here: the accelerator is used through its attributes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from statekit import distributed, format as fmt
+from statekit.api.bridge import collect
+from statekit.api.saveload import plugin_versions
+from statekit.engine import commit as commits, data
+from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.entries import unwrap_model
+from statekit.errors import CorruptCheckpointError
+from statekit.format.manifest import read_manifest
+from statekit.hooks.claims import track_save_claims
+from statekit.hooks.registry import call_each, get_plugin_manager
+from statekit.storage import Storage
+
+ACCELERATE_WRITER = "accelerate"
+"""``writer`` of the files Accelerate's ``save_state`` wrote, in an attach-mode manifest."""
+
+
+class Attachment:
+    """Handle returned by :func:`attach`; ``remove()`` undoes the hooks and wrappers.
+
+    Args:
+        accelerator: the attached ``accelerate.Accelerator`` (None for the mapping API).
+        objects: the run's stateful objects by stable key.
+    """
+
+    def __init__(self, accelerator: Any, objects: dict[str, Any]) -> None:
+        self.accelerator = accelerator
+        self.objects = objects
+        self._handles: list[Any] = []
+        self._pending: Checkpoint | None = None
+
+    def remove(self) -> None:
+        """Unregister the Accelerate hooks and restore ``save_state``/``load_state``/``prepare``.
+        Data loaders stay tracked (tracking has no cost and keeps positions exact)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.accelerator is not None:
+            for name in ("save_state", "load_state", "prepare"):
+                self.accelerator.__dict__.pop(name, None)
+            if self.accelerator.__dict__.get("_statekit_attachment") is self:
+                del self.accelerator.__dict__["_statekit_attachment"]
+
+
+def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) -> Attachment:
+    """Attach statekit to a run before its training loop starts.
+
+    Tracks every data loader, calls the ``statekit_attach`` hooks, and, with an
+    accelerator, registers Accelerate's ``register_save_state_pre_hook`` /
+    ``register_load_state_pre_hook`` and wraps this instance's ``save_state`` /
+    ``load_state`` / ``prepare`` (see the module docstring). Call it right after
+    ``Accelerator()`` or after ``prepare()``. Idempotent per accelerator.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``, or None.
+        objects: for runs without Accelerate, the mapping given to :func:`statekit.save`.
+
+    Returns:
+        An :class:`Attachment`; ``.remove()`` detaches.
+
+    Raises:
+        PluginError: a ``statekit_attach`` implementation failed.
+    """
+    if accelerator is not None and "_statekit_attachment" in accelerator.__dict__:
+        return accelerator.__dict__["_statekit_attachment"]
+    attachment = Attachment(accelerator, {})
+    if accelerator is None:
+        _adopt(attachment, {k: v for k, v in (objects or {}).items() if not hasattr(v, "parameters")})
+        return attachment
+    _adopt(attachment, _non_models(accelerator))
+    _AttachedCalls(accelerator, attachment).install()
+    accelerator.__dict__["_statekit_attachment"] = attachment
+    return attachment
+
+
+def _non_models(accelerator: Any) -> dict[str, Any]:
+    return {e.key: e.obj for e in collect(accelerator) if e.kind != "model"}
+
+
+def _adopt(attachment: Attachment, table: dict[str, Any]) -> None:
+    """Track the loaders among ``table`` and run ``statekit_attach`` for it."""
+    for obj in table.values():
+        if data.is_loader(obj):
+            data.track(obj)
+    attachment.objects.update(table)
+    call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": attachment.accelerator, "objects": dict(table)})
+
+
+class _AttachedCalls:
+    """The pre-hooks registered with Accelerate and the wrappers of one attached accelerator."""
+
+    def __init__(self, accelerator: Any, attachment: Attachment) -> None:
+        self.accelerator = accelerator
+        self.attachment = attachment
+        self.originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "prepare")}
+
+    def install(self) -> None:
+        """Register the pre-hooks and put the wrappers on the instance."""
+        for hook in (self.save_pre_hook, self.load_pre_hook):
+            hook.__func__.statekit_attach_hook = True  # not a user hook: see api.accelerate_hooks
+        handles = self.attachment._handles
+        handles.append(self.accelerator.register_save_state_pre_hook(self.save_pre_hook))
+        handles.append(self.accelerator.register_load_state_pre_hook(self.load_pre_hook))
+        self.accelerator.__dict__["save_state"] = self._wrapper("save", self.finish_save)
+        self.accelerator.__dict__["load_state"] = self._wrapper("load", self.finish_load)
+        self.accelerator.__dict__["prepare"] = self.prepare
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        """``Accelerator.prepare``; the objects it adds join the attachment."""
+        result = self.originals["prepare"](*args, **kwargs)
+        added = {k: v for k, v in _non_models(self.accelerator).items() if self.attachment.objects.get(k) is not v}
+        if added:
+            _adopt(self.attachment, added)
+        return result
+
+    def _wrapper(self, mode: str, finish: Any) -> Any:
+        original = self.originals[f"{mode}_state"]
+        attachment = self.attachment
+
+        def call(directory: Any = None, *args: Any, **kwargs: Any) -> Any:
+            attachment._pending = None
+            try:
+                result = original(directory, *args, **kwargs)
+                if attachment._pending is not None:  # None: Accelerate returned before its hooks
+                    finish(attachment._pending)
+                return result
+            finally:
+                attachment._pending = None
+
+        call.__name__ = f"{mode}_state"
+        call.__doc__ = getattr(original, "__doc__", None)
+        return call
+
+    def context(self, mode: str, directory: Any) -> Checkpoint:
+        """The checkpoint of the call in progress, built by its first pre-hook."""
+        if self.attachment._pending is None:
+            self.attachment._pending = _attach_checkpoint(self.accelerator, os.fspath(directory), mode, self.attachment)
+        return self.attachment._pending
+
+    def save_pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        """Accelerate's save pre-hook: the statekit pre-hooks, then the loader positions."""
+        checkpoint = self.context("save", output_dir)
+        hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
+        hook_weights = list(weights)
+        owners: dict[str, str] = checkpoint.__dict__.setdefault("attach_owners", {})
+        call_each(
+            get_plugin_manager(),
+            "statekit_save_state_pre",
+            checkpoint,
+            {"models": hook_models, "weights": hook_weights, "output_dir": checkpoint.url, "checkpoint": checkpoint},
+            after_each=track_save_claims(checkpoint, hook_models, hook_weights, checkpoint._model_keys, owners),
+        )
+        kept = {id(w) for w in hook_weights}
+        weights[:] = [w for w in weights if id(w) in kept]
+        checkpoint.plugin = None
+        for key, obj in self.attachment.objects.items():  # exact positions, which Accelerate does not keep
+            if data.is_loader(obj):
+                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj))
+
+    def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
+        """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""
+        checkpoint = self.context("load", input_dir)
+        _check_statekit_files(checkpoint)  # before Accelerate restores anything
+        hook_models = list(models)
+        call_each(
+            get_plugin_manager(),
+            "statekit_load_state_pre",
+            checkpoint,
+            {"models": hook_models, "input_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
+        kept = {id(m) for m in hook_models}
+        models[:] = [m for m in models if id(m) in kept]
+
+    def finish_save(self, checkpoint: Checkpoint) -> None:
+        """After Accelerate's save: commit the manifest, then the post-hooks."""
+        self.accelerator.wait_for_everyone()
+        checkpoint.manifest = _commit_attached(self.accelerator, checkpoint)
+        distributed.barrier()
+        checkpoint._writable = False
+        call_each(
+            get_plugin_manager(),
+            "statekit_save_state_post",
+            checkpoint,
+            {"models": list(self.accelerator._models), "output_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
+
+    def finish_load(self, checkpoint: Checkpoint) -> None:
+        """After Accelerate's load: statekit's loader positions, then the post-hooks."""
+        for key, obj in self.attachment.objects.items():
+            rel = f"{key}/rank-{checkpoint.rank:05d}.json"
+            if data.is_loader(obj) and checkpoint.storage.exists(rel):
+                data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]))
+        call_each(
+            get_plugin_manager(),
+            "statekit_load_state_post",
+            checkpoint,
+            {"models": list(self.accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
+
+
+def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attachment) -> Checkpoint:
+    storage = Storage(url)
+    manifest = None
+    if mode == "load" and storage.exists(fmt.MANIFEST_NAME):
+        manifest = read_manifest(storage)
+    models = list(accelerator._models)
+    keys = {id(m): f"model_{i}" for i, m in enumerate(models)}
+    keys.update({id(unwrap_model(m, accelerator)): f"model_{i}" for i, m in enumerate(models)})
+    checkpoint = Checkpoint(
+        storage,
+        mode=mode,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        step=getattr(accelerator, "step", None),
+        accelerator=accelerator,
+        objects=dict(attachment.objects),  # read-only in attach mode: Accelerate saves them
+        model_keys=keys,
+        manifest=manifest,
+        verify=False,  # Accelerate reads its own files; statekit's are small
+    )
+    checkpoint.accelerate_runs_hooks = True  # Accelerate calls its registered hooks itself
+    return checkpoint
+
+
+def _check_statekit_files(checkpoint: Checkpoint) -> None:
+    """Fail before Accelerate restores anything if a file statekit or a plugin wrote is
+    missing or has the wrong size (a half-restored run is worse than a refused load)."""
+    if checkpoint.manifest is None:
+        return
+    for rel, entry in checkpoint.manifest["files"].items():
+        if entry.get("writer") == ACCELERATE_WRITER:
+            continue
+        url = checkpoint.storage.url_of(rel)
+        if not checkpoint.storage.exists(rel):
+            raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was loaded", path=url)
+        size = checkpoint.storage.size(rel)
+        if size != entry["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"{url}: size {size} bytes, the manifest says {entry['size_bytes']}; nothing was loaded", path=url
+            )
+
+
+def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> dict[str, Any]:
+    """Manifest for a directory Accelerate wrote, through the one manifest builder: every
+    file checksummed (rank 0 reads back Accelerate's files; statekit's own were
+    checksummed while written)."""
+    checkpoint.record_unlisted_at_commit = ACCELERATE_WRITER
+    owners = checkpoint.__dict__.get("attach_owners", {})
+    names = {f["writer"] for f in checkpoint.files.values()} | set(checkpoint.all_records()) | set(owners.values())
+    plugins = plugin_versions(get_plugin_manager(), names - {ACCELERATE_WRITER})
+    files = commits.gather_files(checkpoint)
+    manifest = None
+    if checkpoint.rank == 0:
+        objects = {
+            f"model_{i}": {"kind": "model", "owner": owners.get(f"model_{i}", ACCELERATE_WRITER), "per_rank": False, "files": []}
+            for i in range(len(accelerator._models))
+        }
+        records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
+        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records)
+        commits.commit(checkpoint.storage, manifest, exclusive=False)
+    return distributed.broadcast_from_rank0(manifest)

@@ -1,0 +1,122 @@
+"""Checkpoints under a manager root: naming (``checkpoint-<step:08d>``, and Accelerate's
+``checkpoint_<n>`` of a migrating run), listing, and deletion (manifest first)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from statekit import format as fmt
+from statekit.errors import StatekitError
+from statekit.foreign import accelerate as accelerate_format
+from statekit.format.manifest import read_manifest
+from statekit.storage import Storage
+from statekit.storage.inuse import refuse_if_in_use
+
+_NAME = re.compile(r"^checkpoint-(\d{8,})$")
+_ACCELERATE_NAME = re.compile(r"^checkpoint_(\d+)$")  # ProjectConfiguration(automatic_checkpoint_naming=True)
+LATEST_NAME = "latest"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a manager root.
+
+    Attributes:
+        step: the step in its name.
+        url: its URL.
+        committed: True if its manifest exists.
+        created: UTC ISO 8601 time from the manifest (None if not committed).
+        size_bytes: total bytes listed in the manifest (None if not committed).
+        metrics: the ``metrics`` given to ``save`` (from the manifest metadata).
+        accelerate: True for a ``checkpoint_<n>`` folder of Accelerate's automatic
+            naming (``step`` is then ``n``); committed means it has a manifest (attach
+            mode) or Accelerate's files.
+    """
+
+    step: int
+    url: str
+    committed: bool
+    created: str | None = None
+    size_bytes: int | None = None
+    metrics: dict[str, Any] | None = None
+    accelerate: bool = False
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of a step: ``checkpoint-00000500``."""
+    return f"checkpoint-{int(step):08d}"
+
+
+def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointInfo]:
+    """Every checkpoint directory under a root, oldest first.
+
+    ``checkpoint-<step>`` directories are the manager's; ``checkpoint_<n>`` folders are
+    Accelerate's automatic naming (a run migrating to statekit), listed before the
+    manager's (a migrated run writes its statekit checkpoints after them), by ``n``.
+
+    Args:
+        root_url: the manager root.
+        storage_options: fsspec options.
+        details: read each manifest (created, size, metrics); otherwise only check it exists.
+
+    Returns:
+        :class:`CheckpointInfo` per directory, committed or not.
+
+    Raises:
+        StorageError: the root cannot be listed.
+    """
+    root = Storage(root_url, storage_options)
+    root.invalidate()
+    infos = []
+    for name in root.listdir():
+        match = _NAME.match(name) or _ACCELERATE_NAME.match(name)
+        if not match:
+            continue
+        child = root.child(name)
+        step = int(match.group(1))
+        accelerate = match.re is _ACCELERATE_NAME
+        if not child.exists(fmt.MANIFEST_NAME):
+            committed = accelerate and accelerate_format.is_accelerate_checkpoint(child)
+            infos.append(CheckpointInfo(step, child.url, committed, accelerate=accelerate))
+            continue
+        if not details:
+            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
+            continue
+        try:
+            manifest = read_manifest(child)
+        except StatekitError:
+            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
+            continue
+        infos.append(
+            CheckpointInfo(
+                step,
+                child.url,
+                True,
+                manifest.get("created"),
+                sum(f["size_bytes"] for f in manifest["files"].values()),
+                manifest["metadata"].get("metrics"),
+                accelerate,
+            )
+        )
+    return sorted(infos, key=lambda i: (not i.accelerate, i.step))
+
+
+def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *, force: bool = False) -> None:
+    """Delete one checkpoint directory: its manifest first (so it stops counting as
+    committed even if the rest of the deletion is interrupted), then everything under it.
+
+    Args:
+        url: the checkpoint directory.
+        storage_options: fsspec options.
+        force: delete even if a live process reads it in place.
+
+    Raises:
+        CheckpointInUseError: a live in-use marker is present (see :mod:`statekit.storage.inuse`).
+    """
+    if not force:
+        refuse_if_in_use(url, "delete")
+    storage = Storage(url, storage_options)
+    storage.remove(fmt.MANIFEST_NAME)
+    storage.remove_tree()

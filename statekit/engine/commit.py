@@ -1,0 +1,153 @@
+"""The commit: the one manifest builder and the one commit path of every save.
+
+Used by the save path (:mod:`statekit.api.saveload`), attach mode
+(:mod:`statekit.api.attach`) and ``statekit convert`` (:mod:`statekit.foreign.accelerate`):
+every rank's file entries are gathered to rank 0, the manifest is built there
+(:func:`build_manifest`), written last and atomically (:func:`commit`, see
+``docs/format.md``), and the save lock is released. :func:`agree` makes every rank raise
+when one rank failed, so no rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from statekit import distributed, format as fmt
+from statekit._version import __version__
+from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.entries import Entry
+from statekit.engine.locking import LOCK_NAME
+from statekit.errors import StatekitError
+from statekit.storage import Storage
+
+
+def agree(fn: Any, url: str, broadcast: bool = False) -> Any:
+    """Run ``fn()`` on this rank; if any rank failed, every rank raises (no rank hangs).
+
+    Args:
+        fn: ``callable() -> result``, run on every rank.
+        url: the checkpoint URL, for the message.
+        broadcast: return rank 0's result on every rank.
+
+    Returns:
+        ``fn()``'s result (rank 0's when ``broadcast``).
+
+    Raises:
+        Exception: this rank's own error, or a :class:`StatekitError` naming the first
+            rank that failed and its error.
+    """
+    rank, world = distributed.rank_and_world_size()
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:
+        if world == 1:
+            raise
+        error = exc
+    if world == 1:
+        return result
+    failures = distributed.gather_to_rank0(None if error is None else (rank, f"{type(error).__name__}: {error}"))
+    verdict = [f for f in failures or [] if f is not None] if rank == 0 else None
+    verdict = distributed.broadcast_from_rank0(verdict)
+    if error is not None:
+        raise error
+    if verdict:
+        first_rank, message = verdict[0]
+        raise StatekitError(f"{url}: rank {first_rank} failed: {message}")
+    return distributed.broadcast_from_rank0(result) if broadcast else result
+
+
+def gather_files(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """Every rank's file entries, merged on rank 0 (None on other ranks). Files written
+    around the checkpoint (``checkpoint.record_unlisted_at_commit``) are recorded here."""
+    gathered = distributed.gather_to_rank0(checkpoint.files)
+    if checkpoint.rank != 0:
+        return None
+    for rank_files in gathered or []:
+        checkpoint.files.update(rank_files)
+    if checkpoint.record_unlisted_at_commit:  # files Accelerate's registered hooks wrote
+        checkpoint.record_unlisted(checkpoint.record_unlisted_at_commit)
+    return checkpoint.files
+
+
+def objects_table(
+    entries: list[Entry], owners: dict[str, str], files: dict[str, Any], distributions: dict[str, str]
+) -> dict[str, Any]:
+    """The manifest's ``objects``: kind, owner, per_rank, the core's files, and for objects
+    a plugin owns the distribution to install (``distributions[owner]``)."""
+    table = {}
+    for e in entries:
+        owner = owners.get(e.key, CORE)
+        prefix = f"{e.key}/" if e.per_rank else f"{e.key}."
+        item: dict[str, Any] = {
+            "kind": e.kind,
+            "owner": owner,
+            "per_rank": e.per_rank,
+            "files": sorted(p for p in files if p.startswith(prefix)) if owner == CORE else [],
+        }
+        if owner != CORE:
+            item["owner_distribution"] = distributions.get(owner) or f"statekit-{owner}"
+        table[e.key] = item
+    return table
+
+
+def build_manifest(
+    checkpoint: Checkpoint,
+    files: dict[str, Any],
+    objects: dict[str, Any],
+    *,
+    plugins: dict[str, str],
+    metadata: dict[str, Any] | None = None,
+    records: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
+    ``statekit/manifest.schema.json``).
+
+    Args:
+        checkpoint: the save's context (``step`` and ``world_size`` come from it).
+        files: relative path -> ``{size_bytes, checksum, rank, writer}``.
+        objects: stable key -> object entry (:func:`objects_table`).
+        plugins: plugin name -> version, for every plugin that wrote or owns something.
+        metadata: JSON-able user metadata.
+        records: plugin name -> records (default: the checkpoint's).
+
+    Returns:
+        The manifest dict, ready for :func:`commit`.
+    """
+    return {
+        "format": fmt.FORMAT,
+        "statekit_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "step": checkpoint.step,
+        "world_size": checkpoint.world_size,
+        "plugins": dict(plugins),
+        "objects": objects,
+        "records": checkpoint.all_records() if records is None else records,
+        "files": files,
+        "metadata": dict(metadata or {}),
+    }
+
+
+def commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[str, Any]:
+    """Write the manifest last, atomically, and release the save lock.
+
+    Args:
+        storage: the checkpoint directory.
+        manifest: from :func:`build_manifest`; strict JSON (no NaN or infinity).
+        exclusive: fail if another saver committed this checkpoint first.
+
+    Returns:
+        ``manifest``.
+
+    Raises:
+        CheckpointExistsError: ``exclusive`` and the manifest exists.
+        StorageError: the storage failed; nothing is committed.
+        ValueError: the manifest is not strict JSON.
+    """
+    data = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+    storage.commit(fmt.MANIFEST_NAME, data, exclusive=exclusive)
+    storage.remove(LOCK_NAME)  # committed: the lock has done its job
+    return manifest

@@ -1,0 +1,163 @@
+"""Reading a checkpoint into objects: models (fit-checked before anything is written),
+per-rank and replicated object state, and whole-checkpoint verification.
+
+No plugin code runs here: :mod:`statekit.api.saveload` calls the hooks and hands this
+module what no plugin took.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from statekit import format as fmt
+from statekit.engine import data
+from statekit.engine.context import Checkpoint
+from statekit.engine.entries import Entry, check_fit
+from statekit.errors import CorruptCheckpointError, StateMismatchError
+from statekit.progress import progress
+from statekit.format.manifest import read_manifest
+from statekit.storage import Storage
+
+
+def load_models(checkpoint: Checkpoint, core_models: list[torch.nn.Module], keys: list[str], saved_objects: dict[str, Any]) -> None:
+    """Fill every model in place from its ``<key>.safetensors`` (or codec file), each
+    checked against its saved keys, shapes and dtypes first.
+
+    Raises:
+        StateMismatchError: a model does not fit (that model is untouched).
+        CorruptCheckpointError: a file fails verification (names it).
+    """
+    for model, key in zip(core_models, keys):
+        load_model(checkpoint, key, model, saved_objects[key])
+
+
+def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+    """Restore every non-model entry; returns what could not be restored (per-rank state
+    of a rank the checkpoint has no file for), for one warning.
+
+    Raises:
+        StateMismatchError: an object refused its state (names the object and file).
+    """
+    not_restored: list[str] = []
+    for e in entries:
+        _load_entry(checkpoint, e, saved_objects[e.key], not_restored)
+    return not_restored
+
+
+def load_model(checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    files = saved.get("files") or [f"{key}.safetensors"]
+    targets = model.state_dict()
+    if f"{key}.json" in files:  # a model with extra (non-tensor) state, stored through the codec
+        state = checkpoint.load_state(key)
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state))
+        model.load_state_dict(state)
+        return
+    rel = f"{key}.safetensors"
+    header = _header(checkpoint, rel)
+    shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
+    for alias, name in header.aliases.items():
+        shapes[alias] = shapes[name]
+    _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes))
+    try:
+        with torch.no_grad():
+            checkpoint.load_tensors(rel, into=targets)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"{exc} (model {key!r} is partly overwritten: load a good checkpoint into it before use)", path=exc.path
+        ) from exc
+
+
+def _check_model_state(
+    checkpoint: Checkpoint,
+    key: str,
+    rel: str,
+    targets: Mapping[str, Any],
+    saved_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    saved_keys: set[str],
+) -> None:
+    """Raise :class:`StateMismatchError` before anything is written into the model."""
+    meta = sorted(k for k, t in targets.items() if isinstance(t, torch.Tensor) and t.device.type == "meta")
+    if meta:
+        raise StateMismatchError(
+            f"model {key!r} ({checkpoint.url}/{rel}) has parameters on the meta device (built under "
+            "init_empty_weights?); the core cannot fill them: pass device_map=/max_memory= with statekit-offload installed",
+            mismatched={k: "meta tensor" for k in meta},
+        )
+    saved = {k: saved_shapes.get(k, (None, None)) for k in saved_keys}
+    check_fit(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", targets, saved)
+
+
+def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:
+    url = f"{checkpoint.url}/{rel}"
+    with checkpoint.open(rel, "rb") as f:
+        size = checkpoint.manifest["files"].get(rel, {}).get("size_bytes") if checkpoint.manifest else None
+        header, _ = fmt.parse_header(f.read(8), f.read, size, url)
+    return header
+
+
+def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_restored: list[str]) -> None:
+    per_rank = bool(saved.get("per_rank"))  # as saved: the caller need not repeat per_rank=
+    base = f"{e.key}/rank-{checkpoint.rank:05d}" if per_rank else e.key
+    if per_rank and f"{base}.json" not in checkpoint.manifest["files"]:
+        not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
+        return
+    state = checkpoint.load_state(base)
+    where = f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json)"
+    if e.kind == "tensor":
+        value = state.get(e.key) if isinstance(state, dict) else None
+        if not isinstance(value, torch.Tensor):
+            raise StateMismatchError(where, missing=[e.key])
+        if value.shape != e.obj.shape or value.dtype != e.obj.dtype:
+            raise StateMismatchError(
+                where, mismatched={e.key: f"saved {list(value.shape)} {value.dtype} vs target {list(e.obj.shape)} {e.obj.dtype}"}
+            )
+        with torch.no_grad():
+            e.obj.copy_(value)
+        return
+    try:
+        if e.kind == "dict":
+            e.obj.clear()
+            e.obj.update(state)
+        elif e.kind == "dataloader":
+            data.restore_loader(e.obj, state)
+        else:
+            e.obj.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise StateMismatchError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every file of a committed checkpoint against its manifest (size and checksum).
+
+    Reads each file once, streaming (the checkpoint's verifying reader checks size and
+    checksum at the end of each file); nothing is loaded into objects. Shows a progress
+    bar on a terminal (:mod:`statekit.progress`).
+
+    Args:
+        url: checkpoint directory URL.
+        storage_options: fsspec options.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: as
+            :func:`read_manifest`.
+        CorruptCheckpointError: the first file that is missing, or whose size or
+            checksum differs; ``.path`` names it.
+    """
+    storage = Storage(url, storage_options)
+    manifest = read_manifest(storage)
+    checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
+    total = sum(entry["size_bytes"] for entry in manifest["files"].values())
+    with progress(total, "verify") as advance:
+        for rel in sorted(manifest["files"]):
+            with checkpoint.open(rel, "rb") as f:
+                while chunk := f.read(fmt.CHUNK_BYTES):
+                    advance(len(chunk))
+                f.read()  # end of file: the reader compares size and checksum here
+    return manifest

@@ -1,0 +1,52 @@
+"""Writing what no plugin took: the core's model files (rank 0) and object state
+(replicated state on rank 0, per-rank state on every rank), through the checkpoint.
+
+No plugin code runs here: :mod:`statekit.api.saveload` calls the hooks first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from statekit.engine.context import Checkpoint
+from statekit.engine.entries import Entry, LazyStateDict, _rank_base, _state_of
+
+
+def write_core_state(
+    checkpoint: Checkpoint,
+    entries: list[Entry],
+    models: list[Any],
+    core_models: list[torch.nn.Module],
+    weights: list[Mapping[str, Any] | None],
+) -> None:
+    """Write (or, during an async save, stage) the core's share of a save.
+
+    Args:
+        checkpoint: the save's context; ``checkpoint.objects`` holds the objects no plugin took.
+        entries: every entry of the save.
+        models: the models no plugin took (as given, possibly wrapped).
+        core_models: the same models unwrapped, in the same order.
+        weights: per model, the state dict the hooks left (None: compute it).
+    """
+    rank = checkpoint.rank
+    if rank == 0:
+        for model, core_model, weight in zip(models, core_models, weights):
+            save_model(checkpoint, checkpoint.key_of(model), weight if weight is not None else LazyStateDict(core_model))
+    for entry in entries:
+        if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
+            continue
+        checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
+
+
+def save_model(checkpoint: Checkpoint, key: str, weights: Mapping[str, Any]) -> None:
+    """Write one model's state dict: ``<key>.safetensors``, or through the codec when it
+    carries non-tensor extra state."""
+    if all(isinstance(v, torch.Tensor) for v in weights.values()):
+        checkpoint.save_tensors(f"{key}.safetensors", weights)
+    else:  # modules with extra (non-tensor) state: the codec keeps it, still no pickle
+        checkpoint.save_state(key, dict(weights))
+
+

@@ -1,0 +1,135 @@
+"""The manifest (``statekit.json``, format ``statekit/1``): its name, validation and reading.
+
+The manifest lists every file of a committed checkpoint with its size and checksum, the
+objects saved and who saved them; its presence marks the checkpoint committed. The
+schema is ``statekit/manifest.schema.json``, explained in ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from statekit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
+from statekit.storage import Storage
+
+FORMAT = "statekit/1"
+"""The manifest's ``format`` value this version writes and reads."""
+
+MANIFEST_NAME = "statekit.json"
+"""File name of the manifest; its presence marks a committed checkpoint."""
+
+_FIELDS: dict[str, type] = {
+    "statekit_version": str,
+    "created": str,
+    "world_size": int,
+    "plugins": dict,
+    "objects": dict,
+    "files": dict,
+    "metadata": dict,
+    "records": dict,
+}
+"""The manifest's required fields and their JSON types."""
+
+
+def check_relpath(path: str, source: str = "manifest", error: type[Exception] = CorruptCheckpointError) -> str:
+    """Validate a checkpoint-relative path: no scheme, no absolute path, no ``..``.
+
+    Args:
+        path: the relative path.
+        source: what holds it (a manifest URL), named in the error.
+        error: the error class to raise (writers pass a plain ``StatekitError``: a bad
+            path given to a writer is a caller bug, not a corrupt checkpoint).
+
+    Returns:
+        ``path`` unchanged.
+
+    Raises:
+        CorruptCheckpointError: the path escapes the checkpoint or is malformed.
+    """
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        not parts
+        or "://" in path
+        or path.startswith("/")
+        or "\\" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        message = f"{source}: invalid relative path {path!r} (must stay inside the checkpoint)"
+        raise error(message, path=source) if error is CorruptCheckpointError else error(message)
+    return path
+
+
+def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
+    """Check a parsed manifest against format version 1 (see ``docs/format.md``).
+
+    Args:
+        manifest: the parsed JSON.
+        source: the manifest's URL, named in errors.
+
+    Returns:
+        The manifest, unchanged.
+
+    Raises:
+        FormatVersionError: ``format`` is not ``statekit/1`` (a newer or foreign format).
+        CorruptCheckpointError: a required field is missing or has the wrong type.
+    """
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{source}: manifest is not a JSON object", path=source)
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        if isinstance(fmt, str) and fmt.startswith("statekit/"):
+            raise FormatVersionError(
+                f"{source}: checkpoint format {fmt!r} is not supported by this statekit (reads {FORMAT!r}); upgrade statekit"
+            )
+        raise CorruptCheckpointError(f"{source}: not a statekit manifest (format={fmt!r})", path=source)
+    for key, typ in _FIELDS.items():
+        if not isinstance(manifest.get(key), typ) or isinstance(manifest.get(key), bool):
+            raise CorruptCheckpointError(f"{source}: manifest field {key!r} missing or not {typ.__name__}", path=source)
+    if manifest.get("step") is not None and (not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool)):
+        raise CorruptCheckpointError(f"{source}: manifest field 'step' is not an integer", path=source)
+    for path, entry in manifest["files"].items():
+        check_relpath(path, source)
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size_bytes"), int)
+            or not isinstance(entry.get("checksum"), str)
+            or not isinstance(entry.get("rank"), int)
+        ):
+            raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r} is malformed", path=source)
+    for key, obj in manifest["objects"].items():
+        if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str) or not isinstance(obj.get("owner"), str):
+            raise CorruptCheckpointError(f"{source}: manifest entry for object {key!r} is malformed", path=source)
+    return manifest
+
+
+def read_manifest(storage: Storage) -> dict[str, Any]:
+    """Read and validate the manifest of a checkpoint directory.
+
+    Args:
+        storage: the checkpoint directory.
+
+    Returns:
+        The validated manifest.
+
+    Raises:
+        CheckpointNotFoundError: nothing exists at the URL.
+        IncompleteCheckpointError: the directory exists without a manifest.
+        CorruptCheckpointError: the manifest is not valid JSON or not format 1.
+        FormatVersionError: the manifest is of a newer format.
+    """
+    url = storage.url_of(MANIFEST_NAME)
+    storage.invalidate()
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        if storage.exists():
+            raise IncompleteCheckpointError(
+                f"{storage.url} has no {MANIFEST_NAME}: the save that wrote it never committed"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{url}: manifest is not valid JSON: {exc}", path=url) from None
+    return validate_manifest(manifest, url)
