@@ -155,12 +155,13 @@ def op_statekit_save(d, model, optim, ctx):
 def op_statekit_load(d, model, optim, ctx):
     import statekit
 
-    statekit.api.saveload.load(ctx.get("url", d), {"model": model, "optim": optim}, storage_options=ctx.get("so"))
+    statekit.api.loading.load(ctx.get("url", d), {"model": model, "optim": optim}, storage_options=ctx.get("so"))
 
 
 def op_statekit_async(d, model, optim, ctx):
     """Second async save (staging buffers warm): blocking time, then total until committed."""
-    from statekit.api.saveload import classify, save_objects
+    from statekit.api.saveload import save_objects
+    from statekit.engine.entries import classify
 
     entries = [classify("model", model), classify("optim", optim)]
     t0 = time.perf_counter()
@@ -419,7 +420,8 @@ def main() -> None:
             del tensors, ctx["tensors"]
             model = optim = None
     if system == "statekit" and op == "async":
-        from statekit.api.saveload import classify, save_objects
+        from statekit.api.saveload import save_objects
+        from statekit.engine.entries import classify
         from statekit.engine.staging import StagingPool
 
         ctx["pool"] = StagingPool()

@@ -13,7 +13,8 @@ from statekit._version import __version__
 from statekit.api.attach import Attachment, attach
 from statekit.api.bridge import load_state, save_state
 from statekit.engine.context import Checkpoint
-from statekit.api.saveload import load, save
+from statekit.api.loading import load
+from statekit.api.saveload import save
 from statekit.engine.read import verify
 from statekit.errors import (
     AsyncSaveError,

@@ -110,7 +110,7 @@ def test_attach_runs_plugins_around_accelerator_save_state(tmp_path, plugin_mana
     names = set(os.listdir(target))
     assert "model.safetensors" not in names  # the plugin took the only model
     assert {"statekit.json", "recorder.json", "optimizer.bin"} <= names
-    manifest = statekit.api.saveload.read_manifest(statekit.storage.Storage(target))
+    manifest = statekit.format.manifest.read_manifest(statekit.storage.Storage(target))
     assert manifest["files"]["recorder.json"]["writer"] == "recorder"
     assert manifest["files"]["optimizer.bin"]["writer"] == "accelerate"
     statekit.verify(target)

@@ -38,7 +38,7 @@ def test_two_process_ddp_resume_is_exact(tmp_path):
     root = tmp_path / "root"
     _torchrun("first", str(root), str(tmp_path / "first"))
     checkpoint = root / "checkpoint-00000009"
-    manifest = statekit.api.saveload.read_manifest(statekit.storage.Storage(str(checkpoint)))
+    manifest = statekit.format.manifest.read_manifest(statekit.storage.Storage(str(checkpoint)))
     files = manifest["files"]
     assert manifest["world_size"] == 2
     assert files["model_0.safetensors"]["rank"] == 0  # replicated: written once

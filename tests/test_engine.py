@@ -13,6 +13,8 @@ from torch import nn
 import statekit
 from statekit import format as fmt
 from statekit.api import saveload as engine
+from statekit.format.manifest import read_manifest
+from statekit.engine.entries import LazyStateDict, unwrap_model
 from statekit.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -213,7 +215,7 @@ def test_manifest_fields(storage_url):
     src = trained()
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     manifest = statekit.save(storage_url, src, step=42, metadata={"loss": 0.5, "tags": ["a"]})
-    assert manifest == engine.read_manifest(Storage(storage_url))
+    assert manifest == read_manifest(Storage(storage_url))
     assert json.loads(Storage(storage_url).read_bytes(fmt.MANIFEST_NAME)) == manifest
     assert manifest["format"] == "statekit/1"
     assert manifest["statekit_version"] == statekit.__version__
@@ -310,8 +312,8 @@ def test_per_rank_key_loads_from_manifest(tmp_path):
 def test_unwrap_model_strips_data_parallel():
     net = Net()
     wrapped = nn.DataParallel(net, device_ids=[]) if not torch.cuda.is_available() else nn.DataParallel(net)
-    assert engine.unwrap_model(wrapped) is net
-    assert engine.unwrap_model(net) is net
+    assert unwrap_model(wrapped) is net
+    assert unwrap_model(net) is net
 
 
 def test_wrapped_model_saves_plain_keys(tmp_path):
@@ -331,7 +333,7 @@ def test_lazy_state_dict():
             return super().state_dict(*args, **kwargs)
 
     m = Counting(2, 2)
-    lazy = engine.LazyStateDict(m)
+    lazy = LazyStateDict(m)
     assert not lazy.computed and Counting.calls == 0
     assert sorted(lazy) == ["bias", "weight"]
     assert lazy.computed and Counting.calls == 1
@@ -509,9 +511,9 @@ def test_incomplete(storage_url):
 def test_read_manifest_incomplete(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"partial")
     with pytest.raises(IncompleteCheckpointError, match="statekit.json"):
-        engine.read_manifest(Storage(str(tmp_path)))
+        read_manifest(Storage(str(tmp_path)))
     with pytest.raises(CheckpointNotFoundError):
-        engine.read_manifest(Storage(str(tmp_path / "nope")))
+        read_manifest(Storage(str(tmp_path / "nope")))
 
 
 def test_flipped_byte_is_corrupt(storage_url):

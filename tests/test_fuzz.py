@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import statekit
 from statekit import format as fmt
 from statekit.format import codec
-from statekit.api import saveload as engine
+from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -94,7 +94,7 @@ def test_manifest_bytes(data):
     storage = Storage("memory://fuzz/manifest")
     storage.write_bytes("statekit.json", data)
     try:
-        engine.read_manifest(storage)
+        read_manifest(storage)
     except statekit.StatekitError:
         pass
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import statekit
-from statekit.api.saveload import read_manifest
+from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -19,6 +19,7 @@ from torch import nn
 import statekit
 from statekit import format as fmt, hookimpl
 from statekit.api import saveload as engine
+from statekit.engine.entries import LazyStateDict
 from statekit.hooks import hookspecs
 from statekit.hooks import registry as plugins
 from statekit.engine.context import Checkpoint
@@ -199,7 +200,7 @@ def test_hook_statekit_save_state_pre(plugin_manager, tmp_path):
     assert call["models"] == [model, other]
     assert call["models"][0] is model and call["models"][1] is other
     assert len(call["weights"]) == 2 and call["lazy"] == [False, False]
-    assert isinstance(call["weights"][0], engine.LazyStateDict)
+    assert isinstance(call["weights"][0], LazyStateDict)
     assert_state_equal(dict(call["weights"][0]), dict(model.state_dict()))
     assert call["output_dir"] == url and isinstance(call["output_dir"], str)
     ckpt = call["checkpoint"]

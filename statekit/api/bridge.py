@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from statekit.api import saveload
+from statekit.api import loading, saveload
 from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
 from statekit.engine.entries import Entry
 from statekit.hooks.registry import get_plugin_manager
@@ -159,7 +159,7 @@ def load_state(
         PickleNotAllowedError: an Accelerate-format directory and not ``allow_pickle``.
     """
     _ensure_hooks_plugin(get_plugin_manager())
-    return saveload.load_objects(
+    return loading.load_objects(
         url,
         collect(accelerator),
         verify=verify,

@@ -15,10 +15,11 @@ from typing import Any
 from statekit import distributed
 
 
-from statekit.api import saveload
+from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
+from statekit.engine.entries import classify
 from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_checkpoint, list_checkpoints
 from statekit.errors import (
     CheckpointInUseError,
@@ -188,7 +189,7 @@ class CheckpointManager:
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
         else:
-            entries = [saveload.classify(k, v) for k, v in self.objects.items()]
+            entries = [classify(k, v) for k, v in self.objects.items()]
             result = saveload.save_objects(url, entries, options=self.options, **common)
         if not blocking:
             self.pending = result
@@ -296,7 +297,7 @@ class CheckpointManager:
                         allow_pickle=self.allow_pickle, **self.options,
                     )
                 else:
-                    manifest = saveload.load(
+                    manifest = loading.load(
                         info.url, self.objects, verify=verify, storage_options=self.storage_options,
                         allow_pickle=self.allow_pickle, **self.options,
                     )

@@ -1,10 +1,9 @@
-"""Save and load through the hooks: the orchestration of every save and load.
+"""Save through the hooks: the orchestration of every save.
 
-``save(url, {"model": m, "optim": o})`` and ``load(url, {...})`` are the mapping API; the
-Accelerate bridge and the manager build their entries and call :func:`save_objects` /
-:func:`load_objects`. The writing, reading and commit themselves are the engine's
-(:mod:`statekit.engine.write`, :mod:`statekit.engine.read`, :mod:`statekit.engine.commit`);
-this module runs the plugins around them.
+``save(url, {"model": m, "optim": o})`` is the mapping API; the Accelerate bridge and the
+manager build their entries and call :func:`save_objects`. The writing and the commit
+themselves are the engine's (:mod:`statekit.engine.write`, :mod:`statekit.engine.commit`);
+this module runs the plugins around them. Loading is :mod:`statekit.api.loading`.
 
 Save sequence (every rank): check the target, run ``statekit_save_state_pre`` one plugin
 at a time, write what no plugin took (replicated state on rank 0 only, per-rank state
@@ -21,23 +20,13 @@ from typing import Any
 
 from statekit import distributed
 from statekit.api.asyncsave import PendingSave
-from statekit.engine import commit as commits, read, write
+from statekit.engine import commit as commits, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
 from statekit.engine.locking import prepare_target, release_lock
 from statekit.engine.staging import StagingPool
-from statekit.errors import (
-    IncompleteCheckpointError,
-    PluginError,
-    PluginMissingError,
-    StatekitWarning,
-    StateMismatchError,
-    StorageError,
-    UnsupportedValueError,
-)
-from statekit.foreign import accelerate as accelerate_format
-from statekit.format.manifest import read_manifest
-from statekit.hooks.claims import track_load_claims, track_save_claims
+from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError
+from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.storage import Storage
 
@@ -130,7 +119,7 @@ def save_objects(
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
     commits.agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
-    checkpoint = _context(storage, "save", entries, accelerator, options, step=step, staging=staging)
+    checkpoint = context_for(storage, "save", entries, accelerator, options, step=step, staging=staging)
     models = [e.obj for e in entries if e.kind == "model"]
     owners: dict[str, str] = {}
     stage_error: Exception | None = None
@@ -183,7 +172,7 @@ def _target(url: str, storage_options: dict[str, Any] | None, world_size: int) -
     return storage
 
 
-def _context(
+def context_for(
     storage: Storage, mode: str, entries: list[Entry], accelerator: Any, options: dict[str, Any] | None, **kwargs: Any
 ) -> Checkpoint:
     """The checkpoint context of a save or load of ``entries``; model keys map both the
@@ -279,152 +268,3 @@ def _warn_if_no_rng(pm: PluginManager, checkpoint: Checkpoint) -> None:
             StatekitWarning,
             stacklevel=3,
         )
-
-
-# --------------------------------------------------------------------------- load
-
-
-def load(
-    url: str,
-    state: Mapping[str, Any],
-    *,
-    verify: bool = True,
-    allow_pickle: bool = False,
-    per_rank: tuple[str, ...] | list[str] = (),
-    storage_options: dict[str, Any] | None = None,
-    **options: Any,
-) -> dict[str, Any]:
-    """Restore a mapping of stateful objects from a committed checkpoint, in place.
-
-    Args:
-        url: checkpoint directory URL.
-        state: ``key -> object`` as given to :func:`save`; every key must be in the
-            checkpoint. Models are filled in place (the optimizer keeps its parameters).
-        verify: check every file's size and checksum against the manifest while reading.
-        allow_pickle: permit pickle files of foreign (Accelerate) checkpoints.
-        per_rank: as for :func:`save`.
-        storage_options: fsspec options.
-        **options: options for plugins (``checkpoint.options``), e.g. ``device_map=``.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: see
-            :func:`read_manifest`.
-        CorruptCheckpointError: a file fails verification or is malformed (names it).
-        StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.
-        PluginMissingError: an object was saved by a plugin that is not installed.
-        PluginError: a plugin failed, or did not take an object it owns.
-    """
-    entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
-    return load_objects(url, entries, verify=verify, storage_options=storage_options, options=options, allow_pickle=allow_pickle)
-
-
-def load_objects(
-    url: str,
-    entries: list[Entry],
-    *,
-    verify: bool = True,
-    storage_options: dict[str, Any] | None = None,
-    options: dict[str, Any] | None = None,
-    accelerator: Any = None,
-    allow_pickle: bool = False,
-) -> dict[str, Any]:
-    """Load classified entries (the engine behind :func:`load` and the Accelerate bridge).
-
-    A directory written by ``Accelerator.save_state`` (no manifest, or a manifest of
-    attach mode) is read by :func:`statekit.foreign.accelerate.load`, all or nothing.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        As :func:`load`.
-    """
-    storage = Storage(url, storage_options)
-    try:
-        manifest = read_manifest(storage)
-    except IncompleteCheckpointError:
-        if accelerate_format.is_accelerate_checkpoint(storage):
-            return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
-        raise
-    if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
-        return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
-    pm = get_plugin_manager()
-    saved_objects = manifest["objects"]
-    _check_loadable(pm, storage, entries, saved_objects)
-    checkpoint = _context(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
-    models = [e.obj for e in entries if e.kind == "model"]
-    keys = [e.key for e in entries if e.kind == "model"]
-    hook_models = list(models)
-    taken: dict[str, str] = {}
-    call_each(
-        pm,
-        "statekit_load_state_pre",
-        checkpoint,
-        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
-        after_each=track_load_claims(checkpoint, hook_models, models, keys, [e.key for e in entries if e.kind != "model"], taken),
-    )
-    _check_owners_took(storage, entries, saved_objects, taken)
-    core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
-    read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects)
-    not_restored = read.load_entries(checkpoint, [e for e in entries if e.kind != "model" and e.key not in taken], saved_objects)
-    _restore_accelerate_rng(checkpoint, saved_objects)
-    not_restored += _ranks_not_restored(manifest, checkpoint)
-    if not_restored:
-        warnings.warn(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning, stacklevel=3)
-    call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
-    return manifest
-
-
-def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: dict[str, Any]) -> None:
-    """Every entry is in the checkpoint, and every plugin that owns one is installed."""
-    missing = [e.key for e in entries if e.key not in saved_objects]
-    if missing:
-        raise StateMismatchError(f"checkpoint {storage.url}", missing=missing)
-    for e in entries:
-        owner = saved_objects[e.key]["owner"]
-        if owner != CORE and pm.get_plugin(owner) is None:
-            dist_name = saved_objects[e.key].get("owner_distribution", f"statekit-{owner}")
-            blocked = " (it is blocked by STATEKIT_DISABLE_PLUGINS)" if pm.is_blocked(owner) else ""
-            raise PluginMissingError(
-                f"{storage.url}: {e.key!r} was saved by plugin {owner!r}, which is not available{blocked}; "
-                f"pip install {dist_name}",
-                plugin_name=owner,
-                distribution=dist_name,
-            )
-
-
-def _check_owners_took(storage: Storage, entries: list[Entry], saved_objects: dict[str, Any], taken: dict[str, str]) -> None:
-    for e in entries:
-        owner = saved_objects[e.key]["owner"]
-        if owner != CORE and taken.get(e.key) != owner:
-            raise PluginError(
-                f"{storage.url}: {e.key!r} was saved by plugin {owner!r}, which did not load it in statekit_load_state_pre",
-                plugin_name=owner,
-                hook_name="statekit_load_state_pre",
-            )
-
-
-def _ranks_not_restored(manifest: dict[str, Any], checkpoint: Checkpoint) -> list[str]:
-    saved_world = manifest.get("world_size", 1)
-    if saved_world <= checkpoint.world_size or checkpoint.rank != 0:
-        return []
-    per_rank_keys = [k for k, o in manifest["objects"].items() if o.get("per_rank")]
-    if not per_rank_keys:
-        return []
-    return [
-        f"per-rank state of ranks {checkpoint.world_size}..{saved_world - 1} for {', '.join(per_rank_keys)} "
-        f"(saved with world size {saved_world}, loaded with {checkpoint.world_size})"
-    ]
-
-
-def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any]) -> None:
-    """A checkpoint converted from Accelerate carries its random states: restore this
-    rank's, as ``Accelerator.load_state`` of the source would (statekit-rng, which runs
-    later, leaves a checkpoint without its records alone)."""
-    entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
-    base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
-    if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
-        accelerate_format.restore_rng(checkpoint.load_state(base))

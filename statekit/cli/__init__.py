@@ -306,7 +306,7 @@ def _num(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def verify(url: str, as_json: bool) -> None:
     """Check every file's size and checksum against the manifest; exit 1 naming the bad file."""
-    from statekit.api.saveload import verify as verify_checkpoint
+    from statekit.engine.read import verify as verify_checkpoint
 
     try:
         manifest = verify_checkpoint(url)
