@@ -71,6 +71,7 @@ def progress(total_bytes: int | None, description: str, *, stream: TextIO | None
     if not progress_enabled(stream):
         yield _noop
         return
+    # rich is imported only when a bar is shown: it costs start-up time otherwise
     from rich.console import Console
     from rich.progress import (
         BarColumn,

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.errors import UnsupportedValueError
+from statekit.engine import data
+from statekit.errors import StateMismatchError, UnsupportedValueError
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -48,15 +49,13 @@ def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
         raise UnsupportedValueError(
             f"state key {key!r} must be a file-name-safe string (letters, digits, '_', '.', '-')"
         )
-    from torch.utils.data import DataLoader
-
     if isinstance(obj, torch.nn.Module):
         kind = "model"
     elif isinstance(obj, torch.optim.Optimizer):
         kind = "optimizer"
     elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or type(obj).__name__ == "AcceleratedScheduler":
         kind = "scheduler"
-    elif isinstance(obj, DataLoader):
+    elif isinstance(obj, torch.utils.data.DataLoader):
         kind = "dataloader"
     elif isinstance(obj, torch.amp.GradScaler):
         kind = "scaler"
@@ -142,8 +141,6 @@ def check_fit(where: str, targets: Mapping[str, Any], saved: Mapping[str, tuple[
         StateMismatchError: keys missing or unexpected, or a tensor's shape or dtype
             differs; every difference is listed.
     """
-    from statekit.errors import StateMismatchError
-
     mismatched = {
         k: f"saved {list(saved[k][0])} {saved[k][1]} vs model {list(t.shape)} {t.dtype}"
         for k, t in targets.items()
@@ -196,8 +193,6 @@ def _state_of(entry: Entry) -> Any:
     if entry.kind == "dict":
         return entry.obj
     if entry.kind == "dataloader":
-        from statekit.engine import data
-
         return data.loader_state(entry.obj)
     return entry.obj.state_dict()
 

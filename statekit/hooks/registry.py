@@ -23,6 +23,7 @@ import pluggy
 
 from statekit.hooks import hookspecs
 from statekit.errors import PluginError, StatekitError
+from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
 """Entry-point group that plugin distributions register under."""
@@ -249,8 +250,6 @@ def call_each(
             ``hook_name`` set and a note naming them. A plain ``StatekitError`` (misuse of
             the context) becomes a ``PluginError``.
     """
-    from statekit.hooks.rng_guard import rng_guard
-
     trace = _env_flag("STATEKIT_TRACE_PLUGINS")
     hook = getattr(pm.hook, hook_name)
     for impl in reversed(hook.get_hookimpls()):

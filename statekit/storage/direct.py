@@ -4,6 +4,7 @@ reused aligned buffers and a writer thread) and :func:`fsync_dir`."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import threading
@@ -141,8 +142,6 @@ class DirectWriter:
                 except OSError as exc:
                     if not self.direct or exc.errno != 22:  # EINVAL: O_DIRECT refused here
                         raise
-                    import fcntl
-
                     fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                     self.direct = False
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from statekit.errors import CheckpointInUseError, StorageError
+from statekit.storage.fs import Storage
 
 MARKER_PREFIX = ".in-use-"
 """File-name prefix of a marker inside a checkpoint directory."""
@@ -73,8 +74,6 @@ def local_dir(url: str) -> str:
         StorageError: the URL is not on the local filesystem (markers live next to local
             files only, since only local files are read in place).
     """
-    from statekit.storage import Storage
-
     storage = Storage(url)
     if not storage.is_local:
         raise StorageError(f"{url}: in-use markers exist only for checkpoints on the local filesystem", url=url)
