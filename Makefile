@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-all test test-fast install clean docs package template-test
+.PHONY: demo demo-all test test-fast install clean docs package template-test lint
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -36,6 +36,11 @@ test-fast: $(STAMP)
 	$(MAKE) test PYTEST_ARGS='-m "not slow"'
 
 install: $(STAMP)
+
+# The layer contract and the plugin-API contract (import-linter, [tool.importlinter] in
+# pyproject.toml): a module imports only layers below it; plugins only statekit.plugin_api.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
 
 # The documentation site (MkDocs + Material + mkdocstrings), into site/. --strict: a broken
 # link, a missing page or reference, or a docstring griffe cannot parse fails the build.
