@@ -135,6 +135,7 @@ def load_state(
     verify: bool = True,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    strict: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Restore a run saved by :func:`save_state`, or a directory written by
@@ -147,6 +148,8 @@ def load_state(
         verify: check sizes and checksums while reading.
         allow_pickle: allow the pickle files of an Accelerate-format directory.
         storage_options: fsspec options.
+        strict: False loads what matches (see :func:`statekit.load`); not for a
+            directory written by ``Accelerator.save_state``, which loads all or nothing.
         **options: plugin options.
 
     Returns:
@@ -167,4 +170,5 @@ def load_state(
         options=options,
         accelerator=accelerator,
         allow_pickle=allow_pickle,
+        strict=strict,
     )

@@ -33,6 +33,7 @@ def load(
     allow_pickle: bool = False,
     per_rank: tuple[str, ...] | list[str] = (),
     storage_options: dict[str, Any] | None = None,
+    strict: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Restore a mapping of stateful objects from a committed checkpoint, in place.
@@ -45,10 +46,15 @@ def load(
         allow_pickle: permit pickle files of foreign (Accelerate) checkpoints.
         per_rank: as for :func:`save`.
         storage_options: fsspec options.
+        strict: False (the name torch and Accelerate use) loads what matches: a model
+            gets the state dict keys it shares with the checkpoint, an object the
+            checkpoint lacks is left alone; shapes and dtypes must still match.
         **options: options for plugins (``checkpoint.options``), e.g. ``device_map=``.
 
     Returns:
-        The manifest.
+        The manifest. Not ``strict``: with ``"incompatible_keys"``: stable key ->
+        ``{"missing_keys": [...], "unexpected_keys": [...]}`` for every model the core
+        loaded, and ``"missing_objects"``: the keys the checkpoint did not hold.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: see
@@ -59,7 +65,9 @@ def load(
         PluginError: a plugin failed, or did not take an object it owns.
     """
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
-    return load_objects(url, entries, verify=verify, storage_options=storage_options, options=options, allow_pickle=allow_pickle)
+    return load_objects(
+        url, entries, verify=verify, storage_options=storage_options, options=options, allow_pickle=allow_pickle, strict=strict
+    )
 
 
 def load_objects(
@@ -71,6 +79,7 @@ def load_objects(
     options: dict[str, Any] | None = None,
     accelerator: Any = None,
     allow_pickle: bool = False,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load classified entries (the engine behind :func:`load` and the Accelerate bridge).
 
@@ -94,6 +103,9 @@ def load_objects(
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     pm = get_plugin_manager()
     saved_objects = manifest["objects"]
+    missing_objects = sorted(e.key for e in entries if e.key not in saved_objects)
+    if not strict:  # load what the checkpoint holds
+        entries = [e for e in entries if e.key in saved_objects]
     _check_loadable(pm, storage, entries, saved_objects)
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
     models = [e.obj for e in entries if e.kind == "model"]
@@ -109,13 +121,15 @@ def load_objects(
     )
     _check_owners_took(storage, entries, saved_objects, taken)
     core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
-    read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects)
+    incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
     not_restored = read.load_entries(checkpoint, [e for e in entries if e.kind != "model" and e.key not in taken], saved_objects)
     _restore_accelerate_rng(checkpoint, saved_objects)
     not_restored += _ranks_not_restored(manifest, checkpoint)
     if not_restored:
         warnings.warn(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning, stacklevel=3)
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
+    if not strict:
+        manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}
     return manifest
 
 

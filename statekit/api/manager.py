@@ -108,6 +108,7 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.options = options
         self.resumed_from: str | None = None
+        self.resumed_manifest: dict[str, Any] | None = None
         self.attachment = attach(self.accelerator, self.objects)
 
     # ---------------------------------------------------------------- queries
@@ -260,25 +261,28 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resume
 
-    def resume(self, *, verify: bool = True) -> int | None:
+    def resume(self, *, verify: bool = True, strict: bool = True) -> int | None:
         """Load the newest committed checkpoint that loads cleanly; return its step.
 
         A checkpoint that fails verification or loading is skipped with a
         :class:`StatekitWarning` naming the file, and the previous committed one is tried
         (a shape or key mismatch is the caller's error and is raised).
 
-        Args:
-            verify: check sizes and checksums while reading.
-
-        Returns:
-            The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
-            or None if the root holds no committed checkpoint.
-
         A root of Accelerate's automatic naming (``checkpoint_<n>`` folders, with or
         without statekit manifests) resumes from its newest complete folder: one whose
         load fails for a missing file (an interrupted Accelerate save looks like that) is
         skipped with a warning, like a corrupt checkpoint. Pickle files load only with
         the manager's ``allow_pickle=True``.
+
+        Args:
+            verify: check sizes and checksums while reading.
+            strict: False loads what matches (see :func:`statekit.load`); the missing and
+                unexpected keys are in ``self.resumed_manifest["incompatible_keys"]``.
+
+        Returns:
+            The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
+            or None if the root holds no committed checkpoint. The manifest loaded is
+            ``self.resumed_manifest``.
 
         Raises:
             StateMismatchError: the run's objects do not fit the checkpoint.
@@ -287,20 +291,10 @@ class CheckpointManager:
                 naming its folder).
         """
         self.wait()
-        candidates = [i for i in self.list() if i.committed]
         last_error: StatekitError | None = None
-        for info in reversed(candidates):
+        for info in reversed([i for i in self.list() if i.committed]):
             try:
-                if self.accelerator is not None:
-                    manifest = load_state(
-                        self.accelerator, info.url, verify=verify, storage_options=self.storage_options,
-                        allow_pickle=self.allow_pickle, **self.options,
-                    )
-                else:
-                    manifest = loading.load(
-                        info.url, self.objects, verify=verify, storage_options=self.storage_options,
-                        allow_pickle=self.allow_pickle, **self.options,
-                    )
+                manifest = self._load(info.url, verify, strict)
             except PickleNotAllowedError:
                 raise
             except StateMismatchError as exc:
@@ -319,6 +313,7 @@ class CheckpointManager:
                 )
                 last_error = exc
                 continue
+            self.resumed_manifest = manifest
             self.resumed_from = info.url
             step = manifest.get("step")
             # Accelerate's folders count saves, not steps (their "step" is the gradient
@@ -327,3 +322,9 @@ class CheckpointManager:
         if last_error is not None:
             raise last_error
         return None
+
+    def _load(self, url: str, verify: bool, strict: bool) -> dict[str, Any]:
+        common = dict(verify=verify, storage_options=self.storage_options, allow_pickle=self.allow_pickle, strict=strict)
+        if self.accelerator is not None:
+            return load_state(self.accelerator, url, **common, **self.options)
+        return loading.load(url, self.objects, **common, **self.options)

@@ -22,16 +22,33 @@ from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
 
 
-def load_models(checkpoint: Checkpoint, core_models: list[torch.nn.Module], keys: list[str], saved_objects: dict[str, Any]) -> None:
+def load_models(
+    checkpoint: Checkpoint,
+    core_models: list[torch.nn.Module],
+    keys: list[str],
+    saved_objects: dict[str, Any],
+    strict: bool = True,
+) -> dict[str, dict[str, list[str]]]:
     """Fill every model in place from its ``<key>.safetensors`` (or codec file), each
     checked against its saved keys, shapes and dtypes first.
+
+    Args:
+        checkpoint: the load's context.
+        core_models: the unwrapped models, parallel to ``keys``.
+        keys: their stable keys.
+        saved_objects: the manifest's ``objects``.
+        strict: False loads the state dict keys the model and the checkpoint share (as
+            ``load_state_dict(strict=False)``); shapes and dtypes must still match.
+
+    Returns:
+        Stable key -> ``{"missing_keys": [...], "unexpected_keys": [...]}`` (empty lists
+        when strict).
 
     Raises:
         StateMismatchError: a model does not fit (that model is untouched).
         CorruptCheckpointError: a file fails verification (names it).
     """
-    for model, key in zip(core_models, keys):
-        load_model(checkpoint, key, model, saved_objects[key])
+    return {key: load_model(checkpoint, key, model, saved_objects[key], strict) for model, key in zip(core_models, keys)}
 
 
 def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
@@ -47,28 +64,34 @@ def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: di
     return not_restored
 
 
-def load_model(checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+def load_model(
+    checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any], strict: bool = True
+) -> dict[str, list[str]]:
+    """Fill one model in place (see :func:`load_models`); returns its missing and
+    unexpected keys (empty when strict)."""
     files = saved.get("files") or [f"{key}.safetensors"]
     targets = model.state_dict()
     if f"{key}.json" in files:  # a model with extra (non-tensor) state, stored through the codec
         state = checkpoint.load_state(key)
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
-        _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state))
-        model.load_state_dict(state)
-        return
+        report = _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state), strict)
+        model.load_state_dict(state, strict=strict)
+        return report
     rel = f"{key}.safetensors"
     header = _header(checkpoint, rel)
     shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
     for alias, name in header.aliases.items():
         shapes[alias] = shapes[name]
-    _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes))
+    report = _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes), strict)
+    shared = {k: t for k, t in targets.items() if k in shapes}
     try:
         with torch.no_grad():
-            checkpoint.load_tensors(rel, into=targets)
+            checkpoint.load_tensors(rel, into=shared)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(
             f"{exc} (model {key!r} is partly overwritten: load a good checkpoint into it before use)", path=exc.path
         ) from exc
+    return report
 
 
 def _check_model_state(
@@ -78,8 +101,11 @@ def _check_model_state(
     targets: Mapping[str, Any],
     saved_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
     saved_keys: set[str],
-) -> None:
-    """Raise :class:`StateMismatchError` before anything is written into the model."""
+    strict: bool = True,
+) -> dict[str, list[str]]:
+    """Raise :class:`StateMismatchError` before anything is written into the model;
+    not ``strict``: only shapes and dtypes of the shared keys must match, and the missing
+    and unexpected keys are returned."""
     meta = sorted(k for k, t in targets.items() if isinstance(t, torch.Tensor) and t.device.type == "meta")
     if meta:
         raise StateMismatchError(
@@ -88,7 +114,12 @@ def _check_model_state(
             mismatched={k: "meta tensor" for k in meta},
         )
     saved = {k: saved_shapes.get(k, (None, None)) for k in saved_keys}
+    report = {"missing_keys": sorted(set(targets) - saved_keys), "unexpected_keys": sorted(saved_keys - set(targets))}
+    if not strict:
+        targets = {k: t for k, t in targets.items() if k in saved}
+        saved = {k: v for k, v in saved.items() if k in targets}
     check_fit(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", targets, saved)
+    return report if not strict else {"missing_keys": [], "unexpected_keys": []}
 
 
 def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:
