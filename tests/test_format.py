@@ -176,7 +176,7 @@ def test_empty_mapping():
 
 
 def test_large_tensor_is_chunked(monkeypatch):
-    monkeypatch.setattr(fmt, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(fmt.tensors, "CHUNK_BYTES", 1000)  # the module that streams tensor data
     t = torch.randn(3001)
     out, _ = read_bytes(write_bytes({"big": t, "small": torch.ones(2)}))
     assert torch.equal(out["big"], t)

@@ -3,7 +3,7 @@
 Every file written through a :class:`Checkpoint` is recorded for the manifest with its
 size, XXH3-64 checksum, rank and writer (the plugin being called, or ``"statekit"``), in
 the same pass as the write. Reads check size and checksum against the manifest while
-reading when ``verify`` is on.
+reading when ``verify`` is on (the reading half is :mod:`statekit.engine.context_read`).
 """
 
 from __future__ import annotations
@@ -12,101 +12,32 @@ import contextlib
 import io
 import json
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from statekit import format as fmt
-
-from statekit.format import codec
-from statekit.errors import CorruptCheckpointError, StatekitError
+from statekit.engine.context_read import CheckpointReads
 from statekit.engine.staging import StagingPool
+from statekit.errors import StatekitError
+from statekit.format import codec
 from statekit.storage import Storage, storage_errors
+from statekit.storage.hashing import HashingWriter
 
 CORE = "statekit"
 """Writer/owner name used for the core's own files and objects."""
 
 
-class _HashingWriter:
-    """File wrapper that checksums and counts what passes through ``write``."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self.hasher = fmt.new_hasher()
-        self.size_bytes = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._f.write(view)
-        self.hasher.update(view)
-        self.size_bytes += len(view)
-        return len(view)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
-class _VerifyingReader:
-    """File wrapper that checksums sequential reads and checks them against the manifest
-    when the whole file has been read; a ``seek`` turns checking off (partial reads)."""
-
-    def __init__(self, f: BinaryIO, url: str, expected: dict[str, Any]) -> None:
-        self._f = f
-        self._url = url
-        self._expected = expected
-        self._hasher = fmt.new_hasher()
-        self._size = 0
-        self._sequential = True
-        self._checked = False
-
-    def _account(self, data: Any) -> None:
-        if self._sequential:
-            self._hasher.update(data)
-            self._size += len(data)
-            if self._size > self._expected["size_bytes"]:
-                self._sequential = False
-                raise CorruptCheckpointError(
-                    f"{self._url}: longer than the {self._expected['size_bytes']} bytes the manifest says", path=self._url
-                )
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self._account(data)
-        if self._sequential and (not data or n is None or n < 0):
-            self._finish()
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        got = self._f.readinto(buffer)
-        self._account(memoryview(buffer)[:got])
-        if not got:
-            self._finish()
-        return got
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._sequential = False
-        return self._f.seek(offset, whence)
-
-    def _finish(self) -> None:
-        if self._checked or not self._sequential:
-            return
-        self._checked = True
-        if self._size != self._expected["size_bytes"]:
-            raise CorruptCheckpointError(
-                f"{self._url}: size {self._size} bytes, manifest says {self._expected['size_bytes']}", path=self._url
-            )
-        actual = fmt.checksum_string(self._hasher)
-        if actual != self._expected["checksum"]:
-            raise CorruptCheckpointError(f"{self._url}: checksum {actual}, manifest says {self._expected['checksum']}", path=self._url)
+class _TextFile(io.TextIOWrapper):
+    """Text view of a checkpoint file: ``close()`` flushes and lets go of the binary file,
+    which the checkpoint closes (and records in the manifest) itself."""
 
     def close(self) -> None:
-        self._f.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
+        with contextlib.suppress(ValueError):  # already let go of
+            self.detach()
 
 
-class Checkpoint:
+class Checkpoint(CheckpointReads):
     """The context of one save or load, passed to hooks as ``checkpoint``.
 
     Attributes:
@@ -280,45 +211,56 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
-        """Open a file of the checkpoint by relative path.
+        """Open a file of the checkpoint by relative path, in binary or text mode.
+
+        Text modes work as fsspec's ``open`` does: the binary file is wrapped in an
+        ``io.TextIOWrapper`` (UTF-8 here, universal newlines); size and checksum are those
+        of the encoded bytes. Every mode works during an async save too (the bytes are
+        written by the background thread).
 
         Args:
             rel: relative path (no ``..``, no scheme, not absolute).
-            mode: ``"wb"`` (save only: size and checksum are recorded on close) or ``"rb"``.
+            mode: ``"wb"`` or ``"w"`` (save only: size and checksum are recorded when the
+                block ends), ``"rb"`` or ``"r"``.
 
         Yields:
-            A binary file object. On load with ``verify`` on, a file read sequentially to
-            its end is checked against the manifest's size and checksum (a
+            A binary file object (``"wb"``, ``"rb"``) or a UTF-8 text file object (``"w"``,
+            ``"r"``). On load with ``verify`` on, a file read sequentially to its end is
+            checked against the manifest's size and checksum (a
             :class:`CorruptCheckpointError` from ``read``); after a ``seek`` it is not.
+            Closing a text file object inside the block only flushes it.
 
         Raises:
+            ValueError: ``mode`` is none of the four.
             StatekitError: writing during a load, or the same path written twice.
             CorruptCheckpointError: ``rel`` escapes the checkpoint; on read, the file is
                 listed in the manifest but missing.
             StorageError: the storage failed (names the URL).
         """
-        if mode == "wb":
-            self._check_writable(rel)
-            if self._staging is not None:
-                buffer = io.BytesIO()
-                yield buffer
-                self._defer_bytes(rel, buffer.getvalue())
+        if mode not in ("rb", "wb", "r", "w"):
+            raise ValueError(f"mode must be 'rb', 'wb', 'r' or 'w', got {mode!r}")
+        with (self._writing(rel) if mode.startswith("w") else self._reading(rel)) as f:
+            if mode.endswith("b"):
+                yield f
                 return
-            with self.storage.open_write(rel) as f:
-                writer = _HashingWriter(f)
-                yield writer
-            self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher))
-        elif mode == "rb":
-            fmt.check_relpath(rel, source=self.url)
-            expected = self._expected(rel)
-            f = self._open_read(rel)
-            reader = f if expected is None else _VerifyingReader(f, f"{self.url}/{rel}", expected)
+            text = _TextFile(f, encoding="utf-8")
             try:
-                yield reader
+                yield text
             finally:
-                f.close()
-        else:
-            raise ValueError(f"mode must be 'rb' or 'wb', got {mode!r}")
+                text.close()  # flushes into f; f itself is closed (and recorded) by its opener
+
+    @contextlib.contextmanager
+    def _writing(self, rel: str) -> Iterator[Any]:
+        self._check_writable(rel)
+        if self._staging is not None:
+            buffer = io.BytesIO()
+            yield buffer
+            self._defer_bytes(rel, buffer.getvalue())
+            return
+        with self.storage.open_write(rel) as f:
+            writer = HashingWriter(f)
+            yield writer
+        self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher))
 
     def save_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
@@ -410,123 +352,3 @@ class Checkpoint:
         self.save_json(f"{base}.json", {"format": fmt.FORMAT, "tensors": bool(tensors), "state": skeleton})
         written.append(f"{base}.json")
         return written
-
-    # ---------------------------------------------------------------- reading
-
-    def _open_read(self, rel: str) -> BinaryIO:
-        try:
-            return self.storage.open_read(rel)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
-
-    def _expected(self, rel: str) -> dict[str, Any] | None:
-        if not self.verify or self.manifest is None:
-            return None
-        entry = self.manifest["files"].get(rel)
-        if entry is None:
-            raise CorruptCheckpointError(
-                f"{self.url}/{rel}: file is not listed in the manifest", path=f"{self.url}/{rel}"
-            )
-        return entry
-
-    def _check(self, rel: str, expected: dict[str, Any] | None, size_bytes: int, hasher: Any) -> None:
-        if expected is None:
-            return
-        url = f"{self.url}/{rel}"
-        if size_bytes != expected["size_bytes"]:
-            raise CorruptCheckpointError(
-                f"{url}: size {size_bytes} bytes, manifest says {expected['size_bytes']}", path=url
-            )
-        actual = fmt.checksum_string(hasher)
-        if actual != expected["checksum"]:
-            raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected['checksum']}", path=url)
-
-    def read_bytes(self, rel: str) -> bytes:
-        """Read a whole file, verified against the manifest when ``verify`` is on.
-
-        Args:
-            rel: path relative to the checkpoint.
-
-        Returns:
-            The file's bytes.
-
-        Raises:
-            CorruptCheckpointError: missing, or size/checksum mismatch (names the file).
-        """
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
-        with self._open_read(rel) as f, storage_errors(f"{self.url}/{rel}", "reading"):
-            data = f.read()
-        if expected is not None:
-            hasher = fmt.new_hasher()
-            hasher.update(data)
-            self._check(rel, expected, len(data), hasher)
-        return data
-
-    def load_tensors(
-        self,
-        rel: str,
-        into: Mapping[str, torch.Tensor] | None = None,
-        names: list[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Read a safetensors file of the checkpoint (verified when ``verify`` is on).
-
-        Args:
-            rel: relative path.
-            into: tensors to fill in place (see :func:`statekit.format.read_tensors`).
-            names: read only these names (ignored while verifying, which reads every byte).
-
-        Returns:
-            ``name -> tensor`` (CPU tensors, or the ``into`` targets).
-
-        Raises:
-            CorruptCheckpointError: missing file, malformed header, truncated data, size or
-                checksum mismatch (names the file). With ``into``, targets read before the
-                fault hold new values; the message says the load is incomplete.
-        """
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
-        url = f"{self.url}/{rel}"
-        hasher = fmt.new_hasher() if expected is not None else None
-        with self._open_read(rel) as f, storage_errors(url, "reading"):
-            size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
-            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher)
-        if expected is not None:
-            self._check(rel, expected, header.data_start + header.data_bytes, hasher)
-        return tensors
-
-    def load_json(self, rel: str) -> Any:
-        """Read a JSON file (verified when ``verify`` is on).
-
-        Args:
-            rel: path relative to the checkpoint.
-
-        Returns:
-            The decoded JSON value.
-
-        Raises:
-            CorruptCheckpointError: missing, mismatched or not JSON (names the file).
-        """
-        data = self.read_bytes(rel)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpointError(f"{self.url}/{rel}: not valid JSON: {exc}", path=f"{self.url}/{rel}") from None
-
-    def load_state(self, base: str) -> Any:
-        """Read what :meth:`save_state` wrote under ``base``.
-
-        Args:
-            base: the ``base`` given to :meth:`save_state`.
-
-        Returns:
-            The state, with the same types as saved.
-
-        Raises:
-            CorruptCheckpointError: a file is missing, malformed or fails verification.
-        """
-        doc = self.load_json(f"{base}.json")
-        if not isinstance(doc, dict) or "state" not in doc:
-            raise CorruptCheckpointError(f"{self.url}/{base}.json: not a statekit state file", path=f"{self.url}/{base}.json")
-        tensors = self.load_tensors(f"{base}.safetensors") if doc.get("tensors") else {}
-        return codec.decode(doc["state"], tensors, source=f"{self.url}/{base}.json")

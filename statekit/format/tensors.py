@@ -1,0 +1,180 @@
+"""Tensor data to and from safetensors files, streamed in chunks with the checksum in the same pass.
+
+statekit writes the safetensors layout itself so that tensor memory streams straight to
+the file (``memoryview`` of each tensor, in chunks): ``safetensors.torch.save`` first
+builds the whole file as one ``bytes`` object. Reading fills existing tensors in place
+where it can. Headers are built and parsed by :mod:`statekit.format.header`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, BinaryIO
+
+import torch
+
+from statekit.errors import CorruptCheckpointError
+from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
+from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
+
+CHUNK_BYTES = 16 * 1024 * 1024
+"""Largest single write/read: big enough for sequential I/O, small enough to bound buffers."""
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of one tensor's data on the CPU (copies only if it must:
+    another device, non-contiguous, conjugate or negative bit set)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_tensors(
+    f: BinaryIO,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    hasher: Any = None,
+) -> int:
+    """Stream ``tensors`` to ``f`` as a safetensors file, one tensor (chunk) at a time.
+
+    Peak extra memory is one chunk, or one tensor when it must be copied to the CPU or
+    made contiguous; no serialised copy of the whole file is built.
+
+    Args:
+        f: a binary file open for writing (local file or fsspec file).
+        tensors: ``name -> tensor``. Identical views of one storage (tied weights) are
+            stored once and listed in ``__metadata__["statekit.aliases"]``.
+        metadata: extra ``__metadata__`` entries (str -> str).
+        hasher: an :func:`new_hasher` updated with every byte written, or None.
+
+    Returns:
+        The file size in bytes.
+
+    Raises:
+        UnsupportedDtypeError: a tensor cannot be stored (names the key).
+    """
+    header, planned = build_header(tensors, metadata)
+    preallocate = getattr(f, "preallocate", None)  # statekit.storage.DirectWriter: contiguous extents
+    if callable(preallocate):
+        preallocate(len(header) + sum(p.nbytes for p in planned))
+    f.write(header)
+    if hasher is not None:
+        hasher.update(header)
+    size = len(header)
+    for p in planned:
+        view = tensor_bytes(p.tensor)
+        for start in range(0, len(view), CHUNK_BYTES):
+            chunk = view[start : start + CHUNK_BYTES]
+            f.write(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
+        size += len(view)
+    return size
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_tensors(
+    f: BinaryIO,
+    source: str,
+    file_size: int | None = None,
+    *,
+    into: Mapping[str, torch.Tensor] | None = None,
+    names: Iterable[str] | None = None,
+    hasher: Any = None,
+) -> tuple[dict[str, torch.Tensor], TensorHeader]:
+    """Read a safetensors file sequentially, optionally straight into existing tensors.
+
+    Args:
+        f: a binary file open for reading at offset 0.
+        source: its URL, named in errors.
+        file_size: its size in bytes if known (validates the data section).
+        into: ``name -> tensor`` to fill in place. A CPU, contiguous target of the same
+            dtype and shape receives the bytes directly (no intermediate copy); any other
+            target is filled with ``copy_`` from a one-tensor buffer.
+        names: read only these names (others are skipped with ``seek``); all if None.
+            Ignored when ``hasher`` is given, which needs every byte.
+        hasher: updated with every byte of the file (for checksum verification).
+
+    Returns:
+        ``(tensors, header)``: ``tensors`` maps every (selected) name, aliases included, to
+        a CPU tensor, or to the ``into`` target that was filled.
+
+    Raises:
+        CorruptCheckpointError: malformed header or truncated data; names ``source``.
+    """
+    header = read_header(f, source, file_size, hasher)
+    wanted = None if names is None or hasher is not None else set(names)
+    if wanted is not None:
+        wanted |= {header.aliases[a] for a in wanted if a in header.aliases}
+    out: dict[str, torch.Tensor] = {}
+    position = 0
+    for e in header.entries:
+        if wanted is not None and e.name not in wanted:
+            continue
+        if e.begin != position:
+            f.seek(header.data_start + e.begin)
+            position = e.begin
+        target = into.get(e.name) if into is not None else None
+        out[e.name] = _read_one(f, e, target, source, hasher)
+        position = e.end
+    for alias, name in header.aliases.items():
+        if name in out and (wanted is None or alias in wanted or name in wanted):
+            target = into.get(alias) if into is not None else None
+            if target is not None and target is not out[name]:
+                with torch.no_grad():
+                    target.copy_(out[name])
+                out[alias] = target
+            else:
+                out[alias] = out[name]
+    return out, header
+
+
+def _read_one(f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: str, hasher: Any) -> torch.Tensor:
+    direct = (
+        target is not None
+        and e.dtype in NATIVE_DTYPES
+        and target.device.type == "cpu"
+        and target.dtype == e.dtype
+        and tuple(target.shape) == e.shape
+        and target.is_contiguous()
+    )
+    buffer = target.detach() if direct and target is not None else torch.empty(e.stored_shape, dtype=DTYPE_FROM_CODE[e.code])
+    nbytes = e.end - e.begin
+    if nbytes:
+        view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        _readinto(f, view, source, e.name)
+        if hasher is not None:
+            hasher.update(view)
+    if direct:
+        return target  # type: ignore[return-value]
+    result = buffer.view(e.dtype).reshape(e.shape) if e.dtype not in NATIVE_DTYPES else buffer
+    if target is not None:
+        with torch.no_grad():
+            target.copy_(result)
+        return target
+    return result
+
+
+def _readinto(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
+    done, total = 0, len(view)
+    readinto = getattr(f, "readinto", None)
+    while done < total:
+        want = min(CHUNK_BYTES, total - done)
+        if readinto is not None:
+            got = readinto(view[done : done + want])
+        else:
+            data = f.read(want)
+            got = len(data)
+            view[done : done + got] = data
+        if not got:
+            raise CorruptCheckpointError(f"{source}: truncated while reading tensor {name!r}", path=source)
+        done += got

@@ -1,0 +1,252 @@
+"""Checksums while bytes move: the XXH3-64 hasher, a hashing writer and a verifying reader.
+
+Every file of a checkpoint is listed in the manifest with its size and checksum, xxHash
+XXH3-64 (https://xxhash.com, package ``xxhash``) written as ``"xxh3_64:<16 hex digits>"``.
+The checksum is computed in the same pass as the write (:class:`HashingWriter`) and checked
+in the same pass as the read (:class:`VerifyingReader`): no file is read twice. This module
+owns the hasher; :mod:`statekit.format` re-exports :func:`new_hasher`,
+:func:`checksum_string` and :func:`checksum_bytes` as part of the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+import xxhash
+
+from statekit.errors import CorruptCheckpointError
+
+
+def new_hasher() -> Any:
+    """Return a fresh XXH3-64 hasher.
+
+    Returns:
+        An object with ``update(bytes-like)`` and ``hexdigest()``.
+    """
+    return xxhash.xxh3_64()
+
+
+def checksum_string(hasher: Any) -> str:
+    """Format a hasher's digest as the manifest stores it.
+
+    Args:
+        hasher: a hasher from :func:`new_hasher` that has seen the file's bytes.
+
+    Returns:
+        ``"xxh3_64:<16 hex digits>"``.
+    """
+    return f"xxh3_64:{hasher.hexdigest()}"
+
+
+def checksum_bytes(data: bytes) -> str:
+    """Checksum of an in-memory buffer, as the manifest stores it.
+
+    Args:
+        data: the whole file's bytes.
+
+    Returns:
+        ``"xxh3_64:<16 hex digits>"``.
+    """
+    return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def check_against(url: str, expected: Mapping[str, Any], size_bytes: int, hasher: Any) -> None:
+    """Compare what was read with a file's manifest entry: size first, then checksum.
+
+    Args:
+        url: the file's URL, named in the error.
+        expected: its manifest entry (``size_bytes``, ``checksum``).
+        size_bytes: bytes read.
+        hasher: the hasher that saw every byte read.
+
+    Raises:
+        CorruptCheckpointError: size or checksum differs (names the file).
+    """
+    if size_bytes != expected["size_bytes"]:
+        raise CorruptCheckpointError(f"{url}: size {size_bytes} bytes, manifest says {expected['size_bytes']}", path=url)
+    actual = checksum_string(hasher)
+    if actual != expected["checksum"]:
+        raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected['checksum']}", path=url)
+
+
+class HashingWriter:
+    """File wrapper that checksums and counts what passes through ``write``.
+
+    It answers the ``io`` queries (``writable``, ``readable``, ``seekable``, ``closed``,
+    ``flush``) itself, so ``io.TextIOWrapper`` can wrap it; other attributes are the
+    wrapped file's.
+
+    Args:
+        f: a binary file open for writing.
+
+    Attributes:
+        hasher: the XXH3-64 hasher of everything written.
+        size_bytes (int): bytes written.
+    """
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.hasher = new_hasher()
+        self.size_bytes = 0
+
+    def write(self, data: Any) -> int:
+        """Write ``data`` (any bytes-like object) and account for it.
+
+        Args:
+            data: the bytes to write.
+
+        Returns:
+            The number of bytes written.
+        """
+        view = memoryview(data).cast("B")
+        self._f.write(view)
+        self.hasher.update(view)
+        self.size_bytes += len(view)
+        return len(view)
+
+    def writable(self) -> bool:
+        """Always True."""
+        return True
+
+    def readable(self) -> bool:
+        """Always False."""
+        return False
+
+    def seekable(self) -> bool:
+        """Always False: a seek would break the checksum computed in order."""
+        return False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the wrapped file is closed."""
+        return bool(getattr(self._f, "closed", False))
+
+    def flush(self) -> None:
+        """Flush the wrapped file, if it can be flushed."""
+        flush = getattr(self._f, "flush", None)
+        if flush is not None:
+            flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class VerifyingReader:
+    """File wrapper that checksums sequential reads and checks them against a manifest
+    entry once the whole file has been read; a ``seek`` turns checking off (partial reads).
+
+    The check runs when a read returns no data, or when ``read()`` / ``read(-1)`` reads
+    the rest; reading past the size the manifest gives fails at once.
+
+    Args:
+        f: a binary file open for reading at offset 0.
+        url: its URL, named in errors.
+        expected: its manifest entry (``size_bytes``, ``checksum``).
+    """
+
+    def __init__(self, f: BinaryIO, url: str, expected: Mapping[str, Any]) -> None:
+        self._f = f
+        self._url = url
+        self._expected = expected
+        self._hasher = new_hasher()
+        self._size = 0
+        self._sequential = True
+        self._checked = False
+
+    def _account(self, data: Any) -> None:
+        if self._sequential:
+            self._hasher.update(data)
+            self._size += len(data)
+            if self._size > self._expected["size_bytes"]:
+                self._sequential = False
+                raise CorruptCheckpointError(
+                    f"{self._url}: longer than the {self._expected['size_bytes']} bytes the manifest says", path=self._url
+                )
+
+    def read(self, n: int = -1) -> bytes:
+        """Read up to ``n`` bytes (all with ``-1``), checking the file at its end.
+
+        Args:
+            n: bytes to read, or -1 / None for the rest of the file.
+
+        Returns:
+            The bytes read (empty at the end of the file).
+
+        Raises:
+            CorruptCheckpointError: the file is longer than, or its size or checksum
+                differs from, what the manifest says (names the file).
+        """
+        data = self._f.read(n)
+        self._account(data)
+        if self._sequential and (not data or n is None or n < 0):
+            self._finish()
+        return data
+
+    def read1(self, n: int = -1) -> bytes:
+        """As :meth:`read` (``io.TextIOWrapper`` reads through ``read1``).
+
+        Args:
+            n: bytes to read, or -1 for the rest of the file.
+
+        Returns:
+            The bytes read (empty at the end of the file).
+        """
+        return self.read(n)
+
+    def readinto(self, buffer: Any) -> int:
+        """Read into a writable buffer, checking the file at its end.
+
+        Args:
+            buffer: a writable bytes-like object.
+
+        Returns:
+            The number of bytes read (0 at the end of the file).
+
+        Raises:
+            CorruptCheckpointError: as :meth:`read`.
+        """
+        got = self._f.readinto(buffer)
+        self._account(memoryview(buffer)[:got])
+        if not got:
+            self._finish()
+        return got
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Seek in the file; from then on nothing is checked.
+
+        Args:
+            offset: as ``io.IOBase.seek``.
+            whence: as ``io.IOBase.seek``.
+
+        Returns:
+            The new position.
+        """
+        self._sequential = False
+        return self._f.seek(offset, whence)
+
+    def readable(self) -> bool:
+        """Always True."""
+        return True
+
+    def writable(self) -> bool:
+        """Always False."""
+        return False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the wrapped file is closed."""
+        return bool(getattr(self._f, "closed", False))
+
+    def _finish(self) -> None:
+        if self._checked or not self._sequential:
+            return
+        self._checked = True
+        check_against(self._url, self._expected, self._size, self._hasher)
+
+    def close(self) -> None:
+        """Close the wrapped file (nothing is checked)."""
+        self._f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
