@@ -102,6 +102,32 @@ def test_accelerate_directory(tmp_path):
     assert torch.equal(full.load_tensor("optimizer.bin:state.0.exp_avg"), exp_avg)
 
 
+def test_accelerate_directory_of_compiled_model_lists_names_without_wrapper_prefixes(tmp_path):
+    """Accelerate keeps torch.compile's ``_orig_mod.`` prefix in its model files; inspect and diff strip it."""
+    from accelerate_helpers import fresh_accelerator
+
+    accelerator = fresh_accelerator()
+    torch.manual_seed(0)
+    compiled = accelerator.prepare(torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))))
+    plain = compiled._orig_mod
+    accelerator.save_state(str(tmp_path / "c"))
+    accelerator.save_state(str(tmp_path / "bin"), safe_serialization=False)
+    assert all(k.startswith("_orig_mod.") for k in safetensors.torch.load_file(str(tmp_path / "c" / "model.safetensors")))
+    reader = open_checkpoint(str(tmp_path / "c"))
+    assert set(reader.tensors()) == {f"model.safetensors:{k}" for k in plain.state_dict()}
+    assert torch.equal(reader.load_tensor("model.safetensors:0.weight"), plain[0].weight.detach())
+    pickled = open_checkpoint(str(tmp_path / "bin"), allow_pickle=True)
+    assert {k for k in pickled.tensors() if k.startswith("pytorch_model.bin:")} == {
+        f"pytorch_model.bin:{k}" for k in plain.state_dict()
+    }
+    assert torch.equal(pickled.load_tensor("pytorch_model.bin:1.bias"), plain[1].bias.detach())
+    statekit.save(str(tmp_path / "s"), {"model": plain})
+    report = diff(reader, open_checkpoint(str(tmp_path / "s")))
+    model_keys = {f"model.safetensors:{k}" for k in plain.state_dict()}
+    assert not model_keys & set(report["added"]) and not report["removed"] and not report["changed"]
+    assert {t["key"] for t in report["tensors"]} == model_keys and all(t["equal"] for t in report["tensors"])
+
+
 def test_statekit_checkpoint_keys_by_file(tmp_path):
     model = torch.nn.Linear(4, 2)
     statekit.save(str(tmp_path / "ck"), {"model": model}, step=1)

@@ -1,0 +1,108 @@
+"""``statekit inspect``: one checkpoint of any readable format, from its metadata only."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from statekit import format as fmt
+from statekit.cli.output import console, emit, fail, human, rich_table, shape
+from statekit.errors import StatekitError
+from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
+
+
+@click.command()
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the manifest for a statekit checkpoint).")
+@click.option("--tensors", is_flag=True, help="Also list every tensor: name, dtype, shape, size (metadata only).")
+@click.option("--allow-pickle", is_flag=True,
+              help="Allow reading pickle files (DCP .metadata, torch files, Accelerate .bin/.pkl): runs code from them.")
+def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool) -> None:
+    """Show a checkpoint: statekit, Accelerate directory, DCP directory, safetensors or torch file.
+
+    For a statekit checkpoint: step, world size, plugins, objects and files from the manifest.
+    For the other formats: the format, files and tensor totals. Only metadata is read.
+    """
+    try:
+        reader = open_checkpoint(url, allow_pickle=allow_pickle)
+        if reader.format == "statekit":
+            manifest = reader.manifest  # type: ignore[attr-defined]
+            headers = _tensor_headers(reader) if tensors else {}
+        else:
+            summary = reader.summary()
+            infos = list(reader.tensors().items()) if tensors else []
+    except StatekitError as exc:
+        fail(exc)
+    if reader.format == "statekit":
+        _show_statekit(reader.url, manifest, headers, as_json, tensors)
+    else:
+        _show_foreign(reader, summary, infos, as_json, tensors)
+
+
+def _show_foreign(reader: CheckpointReader, summary: dict[str, Any], infos: list[tuple[str, TensorInfo]], as_json: bool,
+                  tensors: bool) -> None:
+    """A checkpoint of another format: format, files, tensor totals (and tensors)."""
+    if as_json:
+        payload = {**summary, **({"tensors": [{"key": k, **i.to_json()} for k, i in infos]} if tensors else {})}
+        emit(True, payload, "")
+        return
+    out = console()
+    lines = [
+        f"checkpoint  {reader.url}",
+        f"format      {reader.format}",
+        f"files       {len(summary['files'])} files, {human(summary['size_bytes'])}",
+        f"tensors     {summary['tensor_count']} tensors, {human(summary['tensor_bytes'])}",
+    ]
+    if summary["metadata"]:
+        lines.append(f"metadata    {json.dumps(summary['metadata'], default=str)}")
+    if summary["skipped"]:
+        lines.append(f"not read    {', '.join(summary['skipped'])} (pickle: use --allow-pickle)")
+    out.print("\n".join(lines), markup=False)
+    out.print(rich_table([[rel, human(size)] for rel, size in summary["files"].items()], ["file", "size"], right=(1,)))
+    if tensors:
+        out.print(rich_table([[k, i.dtype, shape(i.shape), human(i.size_bytes)] for k, i in infos],
+                             ["tensor", "dtype", "shape", "size"], right=(3,)))
+
+
+def _show_statekit(url: str, manifest: dict[str, Any], headers: dict[str, list[dict[str, Any]]], as_json: bool,
+                   tensors: bool) -> None:
+    """A statekit checkpoint: the manifest's step, plugins, objects and files (and tensors)."""
+    if as_json:
+        emit(True, {**manifest, "tensors": headers} if tensors else manifest, "")
+        return
+    out = console()
+    total = sum(f["size_bytes"] for f in manifest["files"].values())
+    lines = [
+        f"checkpoint  {url}",
+        f"format      {manifest['format']} (statekit {manifest['statekit_version']}), created {manifest['created']}",
+        f"step        {manifest.get('step')}    world size {manifest['world_size']}    "
+        f"{len(manifest['files'])} files, {human(total)}",
+        f"plugins     {', '.join(f'{k} {v}' for k, v in manifest['plugins'].items()) or 'none'}",
+    ]
+    if manifest["metadata"]:
+        lines.append(f"metadata    {json.dumps(manifest['metadata'])}")
+    out.print("\n".join(lines), markup=False)
+    if manifest["objects"]:
+        out.print(rich_table([[k, o["kind"], o["owner"], "per rank" if o.get("per_rank") else "replicated"]
+                              for k, o in manifest["objects"].items()], ["object", "kind", "owner", "scope"]))
+    out.print(rich_table([[p, human(f["size_bytes"]), str(f["rank"]), f.get("writer", "-"), f["checksum"]]
+                          for p, f in sorted(manifest["files"].items())],
+                         ["file", "size", "rank", "writer", "checksum"], right=(1, 2)))
+    for rel, entries in headers.items():
+        out.print(rich_table([[e["name"], e["dtype"], shape(e["shape"]) if e["dtype"] != "alias" else f"-> {e['shape']}"]
+                              for e in entries], ["tensor", "dtype", "shape"], title=f"{rel}:"))
+
+
+def _tensor_headers(reader: Any) -> dict[str, list[dict[str, Any]]]:
+    """``file -> [{name, dtype, shape}]`` for every safetensors file (aliases: dtype "alias"),
+    from the headers as :func:`statekit.format.read_header` parses them."""
+    out = {}
+    for rel in sorted(reader.manifest["files"]):
+        if not rel.endswith(".safetensors"):
+            continue
+        header = reader.header(rel)
+        out[rel] = [{"name": e.name, "dtype": fmt.dtype_name(e.dtype), "shape": list(e.shape)} for e in header.entries]
+        out[rel] += [{"name": a, "dtype": "alias", "shape": t} for a, t in header.aliases.items()]
+    return out

@@ -1,0 +1,225 @@
+"""What every checkpoint reader shares: :class:`TensorInfo`, :class:`CheckpointReader`, safetensors access.
+
+A reader lists tensors from metadata only and reads one tensor at a time; the safetensors
+helpers here read a header once per file (through :func:`statekit.format.read_header`, the
+one header reader) and one tensor by seeking to its offsets (a ranged read remotely).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from statekit import format as fmt
+from statekit.engine.entries import strip_wrapper_prefixes
+from statekit.errors import CorruptCheckpointError
+from statekit.storage import Storage
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, as listed from metadata (no data read).
+
+    Attributes:
+        name: the tensor's name inside its file (``"fc1.weight"``, ``"state.0.exp_avg"``).
+        dtype: the torch dtype name (``"float32"``).
+        shape: the shape.
+        size_bytes: ``numel * itemsize``, bytes.
+        file: the file holding it, relative to the checkpoint (for a single-file
+            checkpoint, the file name; for DCP, the ``.distcp`` file(s), comma-separated).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    size_bytes: int
+    file: str
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (``shape`` as a list)."""
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+
+def tensor_infos(tensors: Mapping[str, torch.Tensor], file: str) -> list[TensorInfo]:
+    """:class:`TensorInfo` of in-memory tensors (unpickled files), in mapping order.
+
+    Args:
+        tensors: ``name -> tensor``.
+        file: the file holding them, as listed.
+
+    Returns:
+        One info per tensor.
+    """
+    return [TensorInfo(n, fmt.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), file)
+            for n, t in tensors.items()]
+
+
+def basename(url: str) -> str:
+    """The last component of a URL or path (``"m.safetensors"``)."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _stripped_names(names: Iterable[str]) -> dict[str, str]:
+    """``listed name -> stored name``, the model wrapper prefixes removed from the listed names."""
+    stored = list(names)
+    return dict(zip(strip_wrapper_prefixes(dict.fromkeys(stored)), stored))
+
+
+class CheckpointReader:
+    """A checkpoint opened for inspection. Build one with :func:`statekit.foreign.open_checkpoint`.
+
+    Attributes:
+        url: the checkpoint's URL.
+        format: one of :data:`statekit.foreign.FORMATS`.
+        keyed_by_file: True for directory formats with several tensor files
+            (statekit, accelerate): keys are ``"file:tensor"``; else keys are tensor names.
+        skipped: files that were not read (pickle files without ``allow_pickle``).
+        metadata: format-specific facts (the statekit manifest, the DCP step...), JSON-able.
+    """
+
+    format = ""
+    keyed_by_file = False
+
+    def __init__(self, storage: Storage, allow_pickle: bool) -> None:
+        self.storage = storage
+        self.url = storage.url
+        self.allow_pickle = allow_pickle
+        self.skipped: list[str] = []
+        self.metadata: dict[str, Any] = {}
+        self._tensors: dict[str, TensorInfo] | None = None
+        self._headers: dict[str, fmt.TensorHeader] = {}
+        self._renamed: dict[str, dict[str, str]] = {}  # rel -> {listed name: stored name}
+
+    def key(self, info: TensorInfo) -> str:
+        """The key of a tensor in :meth:`tensors` (``"file:tensor"`` or ``"tensor"``).
+
+        Args:
+            info: a tensor of this checkpoint.
+
+        Returns:
+            Its key.
+        """
+        return f"{info.file}:{info.name}" if self.keyed_by_file else info.name
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor, keyed as :meth:`key`, in file then data order (metadata only).
+
+        Raises:
+            CorruptCheckpointError: a header or metadata file is malformed (names it).
+        """
+        if self._tensors is None:
+            self._tensors = {self.key(i): i for i in self._list()}
+        return self._tensors
+
+    def files(self) -> dict[str, int]:
+        """``relative path -> size in bytes`` of the checkpoint's files."""
+        return {rel: self.storage.size(rel) for rel in self.storage.find()}
+
+    def total_bytes(self) -> int:
+        """Sum of :meth:`files` sizes, bytes."""
+        return sum(self.files().values())
+
+    def load_tensor(self, key: str) -> torch.Tensor:
+        """Read one tensor (CPU), and only it where the format allows ranged reads.
+
+        Args:
+            key: a key of :meth:`tensors`; a bare tensor name is accepted when unique.
+
+        Returns:
+            The tensor.
+
+        Raises:
+            KeyError: no such tensor.
+            PickleNotAllowedError: the tensor lives in a pickle file and not ``allow_pickle``.
+        """
+        return self._load(self._info(key))
+
+    def _info(self, key: str) -> TensorInfo:
+        tensors = self.tensors()
+        if key in tensors:
+            return tensors[key]
+        matches = [i for i in tensors.values() if i.name == key]
+        if len(matches) == 1:
+            return matches[0]
+        raise KeyError(f"{self.url}: no tensor {key!r}" + (" (ambiguous: give file:tensor)" if matches else ""))
+
+    def _list(self) -> list[TensorInfo]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _load(self, info: TensorInfo) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able description: url, format, files, tensor count and bytes, skipped files."""
+        tensors = self.tensors()
+        files = self.files()
+        return {
+            "url": self.url,
+            "format": self.format,
+            "files": files,
+            "size_bytes": sum(files.values()),
+            "tensor_count": len(tensors),
+            "tensor_bytes": sum(i.size_bytes for i in tensors.values()),
+            "skipped": list(self.skipped),
+            "metadata": self.metadata,
+        }
+
+    # --------------------------------------------------------- safetensors files
+
+    def header(self, rel: str) -> fmt.TensorHeader:
+        """The parsed header of one safetensors file (cached: a diff reads many tensors of one file).
+
+        Args:
+            rel: the file, relative to the checkpoint (``""`` for a single-file checkpoint).
+
+        Returns:
+            Its header, as :func:`statekit.format.read_header` parses it.
+
+        Raises:
+            CorruptCheckpointError: the header is malformed (names the file).
+        """
+        if rel not in self._headers:
+            with self.storage.open_read(rel) as f:
+                self._headers[rel] = fmt.read_header(f, self.storage.url_of(rel), self.storage.size(rel))
+        return self._headers[rel]
+
+    def _safetensors_infos(self, rel: str, model: bool = False) -> list[TensorInfo]:
+        """The tensors of one safetensors file; for a model state dict (``model``), named
+        without the wrapper prefixes (``_orig_mod.``, ``module.``) Accelerate keeps."""
+        header = self.header(rel)
+        label = rel or basename(self.url)
+        by_name = {e.name: e for e in header.entries}
+        stored = [(e.name, e) for e in header.entries] + [(a, by_name[t]) for a, t in header.aliases.items()]
+        listed = list(_stripped_names(n for n, _ in stored)) if model else [n for n, _ in stored]
+        if model:
+            self._renamed[rel] = dict(zip(listed, (n for n, _ in stored)))
+        return [TensorInfo(name, fmt.dtype_name(e.dtype), tuple(e.shape), e.end - e.begin, label)
+                for name, (_, e) in zip(listed, stored)]
+
+    def _safetensors_load(self, rel: str, name: str) -> torch.Tensor:
+        """Read one tensor: seek to its offsets and read only its bytes (a ranged read remotely)."""
+        header = self.header(rel)
+        name = self._renamed.get(rel, {}).get(name, name)
+        name = header.aliases.get(name, name)
+        entry = next(e for e in header.entries if e.name == name)
+        stored = entry.dtype if tuple(entry.shape) == tuple(entry.stored_shape) else torch.uint8  # byte views: U8
+        buffer = torch.empty(entry.stored_shape, dtype=stored)
+        nbytes = entry.end - entry.begin
+        if nbytes:
+            url = self.storage.url_of(rel)
+            with self.storage.open_read(rel) as f:
+                f.seek(header.data_start + entry.begin)
+                view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < nbytes:
+                    data = f.read(min(fmt.CHUNK_BYTES, nbytes - done))
+                    if not data:
+                        raise CorruptCheckpointError(f"{url}: truncated while reading tensor {name!r}", path=url)
+                    view[done : done + len(data)] = data
+                    done += len(data)
+        return buffer if stored == entry.dtype else buffer.view(entry.dtype).reshape(entry.shape)

@@ -1,0 +1,126 @@
+"""Pickle files of foreign checkpoints: the one ``allow_pickle`` gate and the one unpickler.
+
+Pickle can run arbitrary code on load, so a pickle file is read only when the caller
+passed ``allow_pickle=True`` (``--allow-pickle`` on the command line); without it
+:class:`statekit.PickleNotAllowedError` names the file before a byte of it is read.
+Unpickling tries ``torch.load(weights_only=True)`` first and falls back to the full
+unpickler only where the restricted one refuses the file.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from statekit.engine.entries import strip_wrapper_prefixes
+from statekit.errors import PickleNotAllowedError
+from statekit.storage import Storage
+
+
+def refuse_pickle(url: str, allow_pickle: bool, what: str | None = None, remedy: str = "--allow-pickle") -> None:
+    """The gate: raise unless the caller allowed unpickling.
+
+    Args:
+        url: the pickle file, named in the error.
+        allow_pickle: the caller's permission.
+        what: what the file is (``"Accelerate format"``, ``"DCP metadata"``), or None.
+        remedy: how to allow it, as the message suggests.
+
+    Raises:
+        PickleNotAllowedError: ``allow_pickle`` is False.
+    """
+    if not allow_pickle:
+        kind = f" ({what})" if what else ""
+        raise PickleNotAllowedError(
+            f"{url} is a pickle file{kind}; pickle can run arbitrary code on load, so statekit reads it only with "
+            f"allow_pickle=True ({remedy})"
+        )
+
+
+def load_pickle(
+    storage: Storage,
+    rel: str,
+    allow_pickle: bool,
+    *,
+    what: str | None = None,
+    remedy: str = "--allow-pickle",
+    mmap: bool = False,
+) -> Any:
+    """Unpickle one file of a foreign checkpoint, only if the caller allowed it.
+
+    Args:
+        storage: the checkpoint (directory, or the file itself with ``rel=""``).
+        rel: the file, relative to ``storage``.
+        allow_pickle: the caller's permission (see :func:`refuse_pickle`).
+        what: what the file is, for the refusal message.
+        remedy: how to allow it, for the refusal message.
+        mmap: memory-map a local file (``torch.load(mmap=True)``) instead of reading it
+            whole: for read-only inspection only, since the tensors then share the file's
+            pages (a file rewritten in place under them would change or fault them).
+
+    Returns:
+        The unpickled object (tensors on the CPU).
+
+    Raises:
+        PickleNotAllowedError: ``allow_pickle`` is False (names the file; nothing is read).
+    """
+    refuse_pickle(storage.url_of(rel), allow_pickle, what, remedy)
+    if mmap and storage.is_local:
+        path = storage.path_of(rel)
+        for kwargs in ({"weights_only": True, "mmap": True}, {"weights_only": True}, {"weights_only": False}):
+            try:
+                return torch.load(path, map_location="cpu", **kwargs)
+            except (pickle.UnpicklingError, RuntimeError, ValueError):
+                if kwargs["weights_only"] is False:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+    data = storage.read_bytes(rel)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    """Collect the tensors of a nested state into ``out``, named by dotted paths (``state.0.exp_avg``).
+
+    Args:
+        value: the nested state (mappings, lists, tuples, tensors; anything else is skipped).
+        prefix: the dotted path of ``value`` (``""`` at the top).
+        out: filled with ``path -> tensor``.
+    """
+    if isinstance(value, torch.Tensor):
+        out[prefix or "tensor"] = value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+
+
+class PickleFiles:
+    """Lazily unpickled torch files, flattened to ``name -> tensor`` (one cache per reader).
+
+    Args:
+        load: ``load(rel)`` unpickles one file (and applies the ``allow_pickle`` gate).
+        is_model: ``is_model(rel)`` is True for files holding a model state dict, whose
+            wrapper prefixes (``_orig_mod.``, ``module.``) are removed from the names.
+    """
+
+    def __init__(self, load: Callable[[str], Any], is_model: Callable[[str], bool] = lambda rel: False) -> None:
+        self._load = load
+        self._is_model = is_model
+        self._cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def tensors(self, rel: str) -> dict[str, torch.Tensor]:
+        """``name -> tensor`` of one file (unpickled on first use)."""
+        if rel not in self._cache:
+            flat: dict[str, torch.Tensor] = {}
+            flatten(self._load(rel), "", flat)
+            self._cache[rel] = strip_wrapper_prefixes(flat) if self._is_model(rel) else flat
+        return self._cache[rel]
