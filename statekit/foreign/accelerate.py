@@ -1,4 +1,9 @@
-"""Reading directories written by ``Accelerator.save_state`` (no statekit manifest).
+"""Directories written by ``Accelerator.save_state``: their file names, pickle gate, ``load`` and ``convert``.
+
+This module is the one reader of Accelerate directories: the inspection reader
+(:class:`statekit.foreign.readers.AccelerateReader`), :func:`load` and :func:`convert`
+all take the file names (:func:`accelerate_files`) and the pickle gate
+(:func:`read_pickle`) from here.
 
 File names follow ``accelerate.checkpointing.save_accelerator_state`` and
 ``save_custom_state`` (accelerate 1.x): ``model[_i].safetensors`` or
@@ -14,17 +19,21 @@ is loaded.
 from __future__ import annotations
 
 import copy
-import io
-import pickle
 import random
 import re
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from statekit import format as fmt
-from statekit.errors import PickleNotAllowedError, StateMismatchError
+from statekit.engine.commit import build_manifest, commit
+from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
+from statekit.engine.locking import prepare_target, release_lock
+from statekit.errors import StatekitError, StateMismatchError
+from statekit.foreign.pickles import load_pickle
 from statekit.storage import Storage
 
 _ACCELERATE_FILE = re.compile(
@@ -37,6 +46,46 @@ _ACCELERATE_ONLY = re.compile(
     r"^(model\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
     r"scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
 )
+
+
+_MODEL_FILE = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
+
+
+def accelerate_files(names: Iterable[str]) -> list[str]:
+    """The names, among ``names``, of files ``Accelerator.save_state`` writes (sorted).
+
+    Args:
+        names: file names of a directory.
+
+    Returns:
+        Those matching Accelerate's file names (see the module docstring).
+    """
+    return sorted(n for n in names if _ACCELERATE_FILE.match(n))
+
+
+def pickle_files(names: Iterable[str]) -> list[str]:
+    """The Accelerate files, among ``names``, that are pickles (all but the safetensors
+    model files): they are read only with ``allow_pickle``.
+
+    Args:
+        names: Accelerate file names (as :func:`accelerate_files` returns them).
+
+    Returns:
+        The pickle files, in the given order.
+    """
+    return [n for n in names if not n.endswith(".safetensors")]
+
+
+def is_model_file(name: str) -> bool:
+    """True for the files holding a model state dict (``model[_i].safetensors``, ``pytorch_model[_i].bin``).
+
+    Args:
+        name: an Accelerate file name.
+
+    Returns:
+        Whether it is a model file.
+    """
+    return bool(_MODEL_FILE.match(name))
 
 
 def is_accelerate_checkpoint(storage: Storage) -> bool:
@@ -64,23 +113,27 @@ def file_for(kind: str, index: int, names: set[str], rank: int = 0) -> str | Non
     return next((c for c in candidates if c in names), None)
 
 
-def read_pickle(storage: Storage, rel: str, allow_pickle: bool) -> Any:
-    """Unpickle one file of a foreign checkpoint, only if the caller allowed it.
+def read_pickle(storage: Storage, rel: str, allow_pickle: bool, *, mmap: bool = False) -> Any:
+    """Unpickle one file of an Accelerate checkpoint, only if the caller allowed it (the
+    Accelerate pickle gate, used by :func:`load`, :func:`convert` and the inspection reader).
+
+    Args:
+        storage: the Accelerate directory.
+        rel: the file's name.
+        allow_pickle: the caller's permission.
+        mmap: memory-map a local file (read-only inspection; see
+            :func:`statekit.foreign.pickles.load_pickle`).
+
+    Returns:
+        The unpickled object.
 
     Raises:
         PickleNotAllowedError: ``allow_pickle`` is False (names the file; nothing is read).
     """
-    url = storage.url_of(rel)
-    if not allow_pickle:
-        raise PickleNotAllowedError(
-            f"{url} is a pickle file (Accelerate format); pickle can run arbitrary code on load, so statekit "
-            "reads it only with allow_pickle=True (or convert the checkpoint with `statekit convert --allow-pickle`)"
-        )
-    data = storage.read_bytes(rel)
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return load_pickle(
+        storage, rel, allow_pickle, what="Accelerate format",
+        remedy="or convert the checkpoint with `statekit convert --allow-pickle`", mmap=mmap,
+    )
 
 
 def read_model(storage: Storage, rel: str, allow_pickle: bool, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -128,7 +181,15 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
     (an optimizer whose parameter groups differ, say) the ones already applied and the
     random generators are put back before the error is raised. Model state dict keys are
     matched after removing the ``_orig_mod.``/``module.`` prefixes Accelerate keeps
-    (:func:`statekit.engine.entries.strip_wrapper_prefixes`).
+    (:func:`statekit.engine.entries.strip_wrapper_prefixes`). Follows
+    ``accelerate.checkpointing.load_accelerator_state`` for what is restored.
+
+    Args:
+        storage: the Accelerate directory.
+        entries: the run's classified objects (:class:`statekit.engine.entries.Entry`).
+        allow_pickle: permit unpickling the directory's pickle files.
+        accelerator: the run's Accelerator (its ``process_index`` picks the random-state
+            file; its ``step`` is set from it), or None.
 
     Returns:
         A manifest-like dict: ``{"format": "accelerate", "step": ..., "objects": {...}}``.
@@ -138,45 +199,60 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
         StateMismatchError: an object has no file, or its state does not fit; nothing
             was changed.
     """
-    from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
-
     names = set(storage.listdir())
-    plan: list[tuple[Any, str]] = []
-    missing = []
-    for e in entries:
-        kind = "custom" if e.kind in ("custom", "dict", "tensor") else e.kind
-        if e.key == "accelerator":
-            continue
-        rel = file_for(kind, _index(e.key), names)
-        if rel is None:
-            if kind == "dataloader":
-                continue  # Accelerate writes loader state only for stateful/seedable samplers
-            missing.append(e.key)
-            continue
-        plan.append((e, rel))
-    if missing:
-        raise StateMismatchError(f"Accelerate checkpoint {storage.url} (nothing was loaded)", missing=missing)
+    plan = _plan_load(storage, entries, names)
     rank = accelerator.process_index if accelerator is not None else 0
     rng_file = file_for("rng", 0, names, rank)
     pickled = [rel for _, rel in plan if not rel.endswith(".safetensors")] + ([rng_file] if rng_file else [])
     if pickled and not allow_pickle:
         read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
+    staged = _read_and_check(storage, plan, allow_pickle, accelerator)  # nothing is applied yet
+    rng_states = read_pickle(storage, rng_file, allow_pickle) if rng_file else None
+    _apply_all_or_nothing(storage, staged, rng_states)
+    step = rng_states.get("step") if rng_states is not None else None
+    if accelerator is not None and step is not None:
+        accelerator.step = step
+    return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
 
-    # 1. read and check everything; nothing is applied yet
+
+def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tuple[Any, str]]:
+    """``(entry, file name)`` for every entry with a file; raises if one has none."""
+    plan: list[tuple[Any, str]] = []
+    missing = []
+    for e in entries:
+        if e.key == "accelerator":
+            continue
+        kind = "custom" if e.kind in ("custom", "dict", "tensor") else e.kind
+        rel = file_for(kind, _index(e.key), names)
+        if rel is not None:
+            plan.append((e, rel))
+        elif kind != "dataloader":  # Accelerate writes loader state only for stateful/seedable samplers
+            missing.append(e.key)
+    if missing:
+        raise StateMismatchError(f"Accelerate checkpoint {storage.url} (nothing was loaded)", missing=missing)
+    return plan
+
+
+def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle: bool, accelerator: Any) -> list[tuple[Any, str, Any]]:
+    """Read every planned file; check each model's state fits it (the one fit check,
+    :func:`statekit.engine.entries.check_fit`). Returns ``(model or entry, file, state)``."""
     staged: list[tuple[Any, str, Any]] = []
     for e, rel in plan:
-        if e.kind == "model":
-            model = unwrap_model(e.obj, accelerator)
-            targets = model.state_dict()
-            state = strip_wrapper_prefixes(read_model(storage, rel, allow_pickle), targets)
-            saved = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None) for k, v in state.items()}
-            check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
-            staged.append((model, rel, state))
-        else:
+        if e.kind != "model":
             staged.append((e, rel, read_pickle(storage, rel, allow_pickle)))
-    rng_states = read_pickle(storage, rng_file, allow_pickle) if rng_file else None
+            continue
+        model = unwrap_model(e.obj, accelerator)
+        targets = model.state_dict()
+        state = strip_wrapper_prefixes(read_model(storage, rel, allow_pickle), targets)
+        saved = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None) for k, v in state.items()}
+        check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+        staged.append((model, rel, state))
+    return staged
 
-    # 2. apply: objects that can refuse first (with undo), the checked models last
+
+def _apply_all_or_nothing(storage: Storage, staged: list[tuple[Any, str, Any]], rng_states: dict[str, Any] | None) -> None:
+    """Apply staged states: objects that can refuse first, each with a snapshot to undo,
+    then the random states, then the already checked models."""
     undo: list[Any] = []
     rng_before = _rng_snapshot()
     try:
@@ -205,10 +281,6 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
         for model, _, state in staged:
             if isinstance(model, torch.nn.Module):
                 model.load_state_dict(state)
-    step = rng_states.get("step") if rng_states is not None else None
-    if accelerator is not None and step is not None:
-        accelerator.step = step
-    return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
 
 
 ACCELERATE_RNG = "accelerate_rng"
@@ -243,71 +315,66 @@ def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_o
         CheckpointExistsError: ``out_url`` holds a committed checkpoint.
         StatekitError: ``src_url`` is not an Accelerate checkpoint.
     """
-    import datetime
-
-    from statekit._version import __version__
-    from statekit.engine.context import CORE, Checkpoint
-    from statekit.api.saveload import _commit
-    from statekit.engine.entries import strip_wrapper_prefixes
-    from statekit.errors import StatekitError
-    from statekit.engine.locking import prepare_target, release_lock
-
     src = Storage(src_url, storage_options)
     if not is_accelerate_checkpoint(src):
         raise StatekitError(f"{src_url} is not a directory written by Accelerator.save_state")
-    names = sorted(n for n in src.listdir() if _ACCELERATE_FILE.match(n))
-    pickled = [n for n in names if not n.endswith(".safetensors")]
+    names = accelerate_files(src.listdir())
+    pickled = pickle_files(names)
     if pickled and not allow_pickle:
-        read_pickle(src, pickled[0], allow_pickle)
+        read_pickle(src, pickled[0], allow_pickle)  # raises, naming the file
     out = Storage(out_url, storage_options)
     prepare_target(out, overwrite=False)
     try:
-        checkpoint = Checkpoint(out, mode="save")
+        world_size = max(1, sum(1 for n in names if n.startswith("random_states_")))
+        checkpoint = Checkpoint(out, mode="save", world_size=world_size)
         objects: dict[str, Any] = {}
-        kinds = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
-                 "dl_state_dict": "dataloader", "custom_checkpoint": "custom"}
-        step = None
         for name in names:
-            stem, _, ext = name.partition(".")
-            base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
-            if stem == "scaler":
-                key, kind = "scaler", "scaler"
-            elif base == "random_states":
-                states = read_pickle(src, name, allow_pickle)
-                step = states.get("step", step)
-                checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
-                continue
-            elif base in kinds:
-                kind = kinds[base]
-                key = f"{kind}_{index}"
-            else:
-                continue  # sampler.bin holds a pickled sampler object, not state: nothing to convert
-            if kind == "model":
-                checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
-            elif kind == "dataloader":  # the form statekit.engine.data.restore_loader takes for a stateful loader
-                checkpoint.save_state(f"{key}/rank-00000", {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)})
-            else:
-                checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
-            objects[key] = {"kind": kind, "owner": CORE, "per_rank": kind == "dataloader",
-                            "files": sorted(p for p in checkpoint.files if p.startswith((f"{key}.", f"{key}/")))}
-        counters = checkpoint.save_state("accelerator", {"step": int(step or 0), "iteration": 0})
+            converted = _convert_file(src, checkpoint, name, allow_pickle)
+            if converted is not None:
+                key, kind = converted
+                objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
+        counters = checkpoint.save_state("accelerator", {"step": int(checkpoint.step or 0), "iteration": 0})
         objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counters)}
-        rng_files = sorted(p for p in checkpoint.files if p.startswith(f"{ACCELERATE_RNG}/"))
-        if rng_files:
-            objects[ACCELERATE_RNG] = {"kind": "rng", "owner": CORE, "per_rank": True, "files": rng_files}
-        manifest = {
-            "format": fmt.FORMAT,
-            "statekit_version": __version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
-            "step": step,
-            "world_size": max(1, sum(1 for n in names if n.startswith("random_states_"))),
-            "plugins": {},
-            "objects": objects,
-            "records": {},
-            "files": checkpoint.files,
-            "metadata": {"converted_from": src.url, "source_format": "accelerate"},
-        }
-        return _commit(out, manifest, exclusive=True)
+        if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
+            objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
+        metadata = {"converted_from": src.url, "source_format": "accelerate"}
+        manifest = build_manifest(checkpoint, checkpoint.files, objects, plugins={}, metadata=metadata, records={})
+        return commit(out, manifest, exclusive=True)
     except BaseException:
         release_lock(out, 0)
         raise
+
+
+_CONVERTED_KINDS = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
+                    "dl_state_dict": "dataloader", "custom_checkpoint": "custom", "scaler": "scaler"}
+
+
+def _convert_file(src: Storage, checkpoint: Checkpoint, name: str, allow_pickle: bool) -> tuple[str, str] | None:
+    """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of the object
+    it holds, or None (random states, recorded under :data:`ACCELERATE_RNG` and setting
+    ``checkpoint.step``; ``sampler.bin``, a pickled sampler object and not state)."""
+    stem = name.partition(".")[0]
+    base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
+    if base == "random_states":
+        states = read_pickle(src, name, allow_pickle)
+        checkpoint.step = states.get("step", checkpoint.step)
+        checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
+        return None
+    kind = _CONVERTED_KINDS.get(base)
+    if kind is None:
+        return None
+    key = "scaler" if kind == "scaler" else f"{kind}_{index}"
+    if kind == "model":
+        checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
+    elif kind == "dataloader":  # the form statekit.engine.data.restore_loader takes for a stateful loader
+        checkpoint.save_state(f"{key}/rank-00000", {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)})
+    else:
+        checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
+    return key, kind
+
+
+def _object_entry(checkpoint: Checkpoint, key: str, kind: str, *, per_rank: bool) -> dict[str, Any]:
+    """The manifest ``objects`` entry of a converted object owned by the core."""
+    prefix = f"{key}/" if per_rank else f"{key}."
+    files = sorted(p for p in checkpoint.files if p.startswith(prefix))
+    return {"kind": kind, "owner": CORE, "per_rank": per_rank, "files": files}
