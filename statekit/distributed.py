@@ -7,6 +7,7 @@ group can never interleave with them (KempnerForge#104).
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch.distributed as dist
@@ -28,9 +29,19 @@ def statekit_group() -> Any:
     global _group, _group_key
     key = id(dist.distributed_c10d._get_default_group())
     if _group is None or _group_key != key:
+        if _group is None:
+            atexit.register(_forget_group)
         _group = dist.new_group(backend="gloo")
         _group_key = key
     return _group
+
+
+def _forget_group() -> None:
+    """Drop statekit's reference to its group at exit, while the interpreter is whole: a
+    gloo group first freed during interpreter finalization can abort the process
+    ("terminate called without an active exception", pytorch/pytorch PR 179291)."""
+    global _group, _group_key
+    _group = _group_key = None
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
