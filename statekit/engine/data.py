@@ -52,8 +52,11 @@ class Position:
 
 
 def _inner(loader: Any) -> Any:
-    """The torch ``DataLoader`` that builds iterators (Accelerate adapters wrap one)."""
-    return loader.__dict__.get("base_dataloader", loader)
+    """The torch ``DataLoader`` that builds iterators: Accelerate's adapters wrap one as
+    ``base_dataloader`` and delegate reads to it (an attribute set on the adapter would not
+    reach it)."""
+    base = loader.__dict__.get("base_dataloader")
+    return base if base is not None else loader
 
 
 def generators(loader: Any) -> dict[str, torch.Generator]:
@@ -73,7 +76,22 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
 
 
 def sampler_of(loader: Any) -> Any:
-    """The index sampler of a loader, looking through batch samplers (None if not found)."""
+    """The sampler that draws a data loader's indices (the one holding its generator).
+
+    The one sampler lookup of statekit (statekit-rng uses it too). Looks, in order, at
+    ``batch_sampler.sampler``, ``batch_sampler.batch_sampler.sampler`` (Accelerate's
+    ``BatchSamplerShard`` around the original batch sampler) and ``sampler`` of the torch
+    loader (the one an Accelerate adapter wraps), looking through a batch sampler found
+    there (a ``BatchSampler`` passed as ``sampler=`` with ``batch_size=None``), as
+    ``accelerate.data_loader.get_sampler`` does.
+
+    Args:
+        loader: a ``torch.utils.data.DataLoader``, or an Accelerate ``DataLoaderShard`` /
+            ``DataLoaderDispatcher``.
+
+    Returns:
+        The sampler object, or None if the loader has none.
+    """
     inner = _inner(loader)
     batch_sampler = getattr(inner, "batch_sampler", None)
     for candidate in (
@@ -81,9 +99,18 @@ def sampler_of(loader: Any) -> Any:
         getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None),
         getattr(inner, "sampler", None),
     ):
-        if candidate is not None and not hasattr(candidate, "batch_size"):
+        if candidate is None:
+            continue
+        if not _is_batch_sampler(candidate):
             return candidate
+        nested = getattr(candidate, "sampler", None)
+        if nested is not None and not _is_batch_sampler(nested):
+            return nested
     return None
+
+
+def _is_batch_sampler(obj: Any) -> bool:
+    return isinstance(obj, torch.utils.data.BatchSampler) or hasattr(obj, "batch_size")
 
 
 def is_tracked(loader: Any) -> bool:

@@ -37,7 +37,7 @@ TRAIN_STEPS, SAVE_AT = 8, 4
 
 
 def manifest_of(url: str) -> dict:
-    from statekit.api.saveload import read_manifest
+    from statekit.format.manifest import read_manifest
     from statekit.storage import Storage
 
     return read_manifest(Storage(url))
@@ -390,7 +390,7 @@ def test_metadata_json_round_trip() -> None:
         TensorStorageMetadata,
     )
 
-    from statekit_fsdp.dcp_storage import metadata_from_json, metadata_to_json
+    from statekit_fsdp.dcp_metadata import metadata_from_json, metadata_to_json
 
     md = Metadata(
         state_dict_metadata={

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import statekit
+import statekit_rng.devices as rng_devices
 import statekit_rng.plugin as rng_plugin
 
 
@@ -116,7 +117,7 @@ class _MpsLike:
 
 def test_per_device_module_is_adapted() -> None:
     module = _MpsLike()
-    adapted = rng_plugin._PerDeviceRng(module)
+    adapted = rng_devices._PerDeviceRng(module)
     states = adapted.get_rng_state_all()
     first = torch.rand(2, generator=module.generator)
     adapted.set_rng_state_all(states)

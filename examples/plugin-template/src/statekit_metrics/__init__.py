@@ -1,8 +1,9 @@
 """statekit-metrics: an example statekit plugin (the plugin template of the statekit docs).
 
 It writes ``metrics.json`` (the checkpoint's step and the JSON-able save options) into
-every checkpoint and reads it back on load. Importing this package is cheap: it imports
-nothing but the standard library.
+every checkpoint and reads it back on load. Importing this package is cheap: besides the
+standard library it imports only :mod:`statekit.plugin_api`, the names statekit promises
+to plugins.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ are left out. On load (``statekit_load_state_post``) the file is read back, veri
 against the manifest, and made available as :func:`last_loaded`; a load option
 ``metrics_out=<dict>`` receives it too. A checkpoint saved without the plugin loads
 unchanged.
+
+A plugin imports statekit names from :mod:`statekit.plugin_api` only: the names promised
+to plugins (``docs/plugin-api.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import statekit
+from statekit.plugin_api import Checkpoint, StatekitError, hookimpl
 
 FILE = "metrics.json"
 """Path of the plugin's file, relative to the checkpoint."""
@@ -49,15 +52,15 @@ def _json_options(options: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-@statekit.hookimpl
-def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: str, checkpoint: Any) -> None:
+@hookimpl
+def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: str, checkpoint: Checkpoint) -> None:
     """Write ``metrics.json`` (rank 0 only: the file is replicated).
 
     Args:
         models: the models of the save (left to the core).
         weights: their state dicts (not accessed).
         output_dir: the checkpoint's URL.
-        checkpoint: the save's :class:`statekit.Checkpoint` context.
+        checkpoint: the save's :class:`statekit.plugin_api.Checkpoint` context.
     """
     if checkpoint.rank != 0:
         return
@@ -65,20 +68,20 @@ def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: s
     checkpoint.records["file"] = FILE
 
 
-@statekit.hookimpl
-def statekit_load_state_post(models: list[Any], input_dir: str, checkpoint: Any) -> None:
+@hookimpl
+def statekit_load_state_post(models: list[Any], input_dir: str, checkpoint: Checkpoint) -> None:
     """Read ``metrics.json`` back, if this plugin wrote it.
 
     Args:
         models: the models of the load (already restored).
         input_dir: the checkpoint's URL.
-        checkpoint: the load's :class:`statekit.Checkpoint` context; ``records`` is what
+        checkpoint: the load's :class:`statekit.plugin_api.Checkpoint` context; ``records`` is what
             the save stored.
 
     Raises:
-        statekit.CorruptCheckpointError: the file is missing or fails verification
+        CorruptCheckpointError: the file is missing or fails verification
             (passed through with its type).
-        statekit.StatekitError: ``metrics_out`` is given and is not a dict.
+        StatekitError: ``metrics_out`` is given and is not a dict.
     """
     rel = checkpoint.records.get("file")
     if rel is None:  # saved without this plugin
@@ -88,5 +91,5 @@ def statekit_load_state_post(models: list[Any], input_dir: str, checkpoint: Any)
     out = checkpoint.options.get("metrics_out")
     if out is not None:
         if not isinstance(out, dict):
-            raise statekit.StatekitError(f"{input_dir}: option metrics_out must be a dict, got {type(out).__name__}")
+            raise StatekitError(f"{input_dir}: option metrics_out must be a dict, got {type(out).__name__}")
         out.update(value)

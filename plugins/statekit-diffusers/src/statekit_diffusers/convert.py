@@ -14,7 +14,8 @@ Which weights a model folder gets: when the checkpoint holds an EMA of that mode
 averaged weights (as diffusers' training scripts do before ``save_pretrained`` of the
 final pipeline: ``ema_unet.copy_to(unet.parameters())``); pass ``ema=False`` for the
 trained weights. The config always comes from the model's own folder. Files are copied
-byte for byte, streamed and checked against the manifest's sizes and checksums.
+byte for byte, streamed through statekit's verifying reader (``checkpoint.open``), which
+checks them against the manifest's sizes and checksums in the same pass.
 
 The pipeline class: the ``diffusers_pipeline`` option recorded at save time, else the
 ``pipeline_class`` argument, else ``DDPMPipeline`` when the checkpoint holds exactly one
@@ -27,15 +28,25 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from statekit import CheckpointExistsError, CorruptCheckpointError, StatekitError, StatekitWarning
-from statekit import format as fmt
-from statekit.api.saveload import read_manifest
-from statekit.storage import Storage, storage_errors
+from statekit.plugin_api import (
+    CHUNK_BYTES,
+    Checkpoint,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StatekitError,
+    StatekitWarning,
+    Storage,
+    read_manifest,
+    storage_errors,
+)
 
 from statekit_diffusers import layout
 
 PLUGIN_NAME = "diffusers"
+"""The name statekit-diffusers is registered under (its records in the manifest)."""
+
 PIPELINE_RECORD = "_pipeline"
+"""Records key of the pipeline class name (never a stable key: those start with a letter or digit)."""
 
 
 def convert(
@@ -82,18 +93,19 @@ def convert(
         raise CheckpointExistsError(f"{out.url} exists and is not empty; choose a new folder for the export")
 
     emas = {r.get("model_key"): r for r in entries.values() if r.get("kind") == "ema" and r.get("model_key")}
+    checkpoint = Checkpoint(src, mode="load", manifest=manifest, verify=True)
     index: dict[str, Any] = {}
     for key, rec in sorted(models.items(), key=lambda kv: kv[1]["folder"]):
         folder = rec["folder"]
         weights_from = emas[key]["folder"] if ema and key in emas else folder
-        _copy(src, out, manifest, f"{folder}/{layout.CONFIG_NAME}", f"{folder}/{layout.CONFIG_NAME}")
+        _copy(checkpoint, out, f"{folder}/{layout.CONFIG_NAME}", f"{folder}/{layout.CONFIG_NAME}")
         for rel in _weight_files(manifest, weights_from, rec["library"]):
-            _copy(src, out, manifest, rel, f"{folder}/{rel.split('/', 1)[1]}")
+            _copy(checkpoint, out, rel, f"{folder}/{rel.split('/', 1)[1]}")
         index[folder] = [rec["library"], rec["class"]]
     for rec in entries.values():
         if rec.get("kind") == "scheduler":
             rel = f"{rec['folder']}/{layout.SCHEDULER_CONFIG_NAME}"
-            _copy(src, out, manifest, rel, rel)
+            _copy(checkpoint, out, rel, rel)
             index[rec["folder"]] = [rec.get("library", layout.DIFFUSERS), rec["class"]]
 
     pipeline = pipeline_class or records.get(PIPELINE_RECORD) or _infer_pipeline(entries)
@@ -131,28 +143,14 @@ def _weight_files(manifest: dict[str, Any], folder: str, library: str) -> list[s
     return files
 
 
-def _copy(src: Storage, out: Storage, manifest: dict[str, Any], rel: str, out_rel: str) -> None:
-    """Stream one file from the checkpoint to the export, checking size and checksum."""
-    entry = manifest["files"].get(rel)
-    url = src.url_of(rel)
-    if entry is None:
-        raise CorruptCheckpointError(f"{url}: not listed in the manifest", path=url)
-    hasher = fmt.new_hasher()
-    size = 0
+def _copy(checkpoint: Checkpoint, out: Storage, rel: str, out_rel: str) -> None:
+    """Stream one file from the checkpoint to the export; the checkpoint's verifying reader
+    checks size and checksum against the manifest when the whole file has been read."""
+    url = f"{checkpoint.url}/{rel}"
     try:
-        f = src.open_read(rel)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{url}: file is missing", path=url) from None
-    with f, storage_errors(url, "reading"), out.open_write(out_rel) as g:
-        while chunk := f.read(fmt.CHUNK_BYTES):
-            hasher.update(chunk)
-            g.write(chunk)
-            size += len(chunk)
-    checksum = fmt.checksum_string(hasher)
-    if size != entry["size_bytes"] or checksum != entry["checksum"]:
+        with checkpoint.open(rel, "rb") as f, storage_errors(url, "reading"), out.open_write(out_rel) as g:
+            while chunk := f.read(CHUNK_BYTES):
+                g.write(chunk)
+    except CorruptCheckpointError as exc:
         out.remove(out_rel)
-        raise CorruptCheckpointError(
-            f"{url}: {size} bytes with checksum {checksum}, the manifest says {entry['size_bytes']} bytes "
-            f"and {entry['checksum']}; the export at {out.url} is incomplete",
-            path=url,
-        )
+        raise CorruptCheckpointError(f"{exc}; the export at {out.url} is incomplete", path=exc.path) from None

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from statekit import StatekitError
+from statekit.plugin_api import StatekitError
 
 DIFFUSERS = "diffusers"
 TRANSFORMERS = "transformers"

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from statekit import StatekitError, StatekitWarning
+from statekit.plugin_api import StatekitError, StatekitWarning
 
 from statekit_diffusers import layout
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from statekit import StatekitError
+from statekit.plugin_api import StatekitError
 
 from statekit_diffusers import layout
 

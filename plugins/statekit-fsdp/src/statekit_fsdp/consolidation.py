@@ -28,12 +28,19 @@ from typing import Any, BinaryIO
 
 import torch
 
-from statekit import CorruptCheckpointError, StatekitError, UnsupportedDtypeError
-from statekit import format as fmt
-from statekit.engine.context import CORE, Checkpoint
-from statekit.api.saveload import read_manifest
-from statekit.storage import Storage
-
+from statekit.plugin_api import (
+    CHUNK_BYTES,
+    CORE,
+    SAFETENSORS_CODES,
+    Checkpoint,
+    CorruptCheckpointError,
+    StatekitError,
+    Storage,
+    UnsupportedDtypeError,
+    read_manifest,
+    read_tensors,
+    tensor_bytes,
+)
 from statekit_fsdp import PLUGIN_NAME
 
 logger = logging.getLogger("statekit_fsdp")
@@ -41,7 +48,7 @@ logger = logging.getLogger("statekit_fsdp")
 MAX_OPEN_FILES = 64
 """Shard files kept open at once while assembling (least recently used are closed)."""
 
-_CODES = fmt.SAFETENSORS_CODES  # safetensors dtype codes, as statekit writes them
+_CODES = SAFETENSORS_CODES  # safetensors dtype codes, as statekit writes them
 
 
 def consolidate(
@@ -55,7 +62,7 @@ def consolidate(
             replaced).
         storage_options: fsspec options for both URLs.
         verify: check each shard file's size and checksum against the manifest first
-            (one streaming pass per file, in 16 MiB reads).
+            (one streaming pass per file through statekit's verifying reader, in 16 MiB reads).
 
     Returns:
         The URLs of the files written.
@@ -97,7 +104,8 @@ def consolidate(
 def _consolidate_sharded(storage: Storage, manifest: dict[str, Any], key: str, out: Storage, out_name: str, verify: bool) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from statekit_fsdp.dcp_storage import narrow, read_metadata
+    from statekit_fsdp.dcp_metadata import read_metadata
+    from statekit_fsdp.dcp_storage import narrow
     from statekit_fsdp.state import REF
 
     verified = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
@@ -176,7 +184,7 @@ class _ShardReader:
         self.files.move_to_end(rel)
         f.seek(0)
         url = self.storage.url_of(rel)
-        tensors, _ = fmt.read_tensors(f, url, None, names=[name])
+        tensors, _ = read_tensors(f, url, None, names=[name])
         if name not in tensors:
             raise CorruptCheckpointError(f"{url}: tensor {name!r} is missing", path=url)
         return tensors[name]
@@ -188,24 +196,11 @@ class _ShardReader:
 
 
 def _verify_file(checkpoint: Checkpoint, rel: str) -> None:
-    """Stream one file through the checksum and compare size and checksum with the manifest."""
-    expected = checkpoint.manifest["files"].get(rel)
-    url = f"{checkpoint.url}/{rel}"
-    if expected is None:
-        raise CorruptCheckpointError(f"{url}: file is not listed in the manifest", path=url)
-    hasher = fmt.new_hasher()
-    size = 0
+    """Read one file to its end through the checkpoint's verifying reader, which compares
+    its size and checksum with the manifest (in reads of :data:`CHUNK_BYTES`)."""
     with checkpoint.open(rel, "rb") as f:
-        while True:
-            data = f.read(fmt.CHUNK_BYTES)
-            if not data:
-                break
-            hasher.update(data)
-            size += len(data)
-    if size != expected["size_bytes"]:
-        raise CorruptCheckpointError(f"{url}: size {size} bytes, manifest says {expected['size_bytes']}", path=url)
-    if fmt.checksum_string(hasher) != expected["checksum"]:
-        raise CorruptCheckpointError(f"{url}: checksum {fmt.checksum_string(hasher)}, manifest says {expected['checksum']}", path=url)
+        while f.read(CHUNK_BYTES):
+            pass
 
 
 # --------------------------------------------------------------------------- replicated (core) models
@@ -247,6 +242,6 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], source: str
 
 
 def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
-    view = fmt.tensor_bytes(t)
-    for start in range(0, len(view), fmt.CHUNK_BYTES):
-        f.write(view[start : start + fmt.CHUNK_BYTES])
+    view = tensor_bytes(t)
+    for start in range(0, len(view), CHUNK_BYTES):
+        f.write(view[start : start + CHUNK_BYTES])

@@ -15,7 +15,7 @@ under ``<key>/`` of the checkpoint::
     <key>/metadata.json                DCP's global metadata as JSON (rank 0)
     <key>/state.json                   everything that is not a tensor (rank 0, statekit codec)
 
-DCP's collectives run on statekit's own gloo group (:func:`statekit.distributed.statekit_group`),
+DCP's collectives run on statekit's own gloo group (:func:`statekit.plugin_api.statekit_group`),
 never on the training's default group.
 
 Load (``statekit_load_state_pre``, ``tryfirst``): every model this plugin saved is taken
@@ -30,7 +30,15 @@ import logging
 import warnings
 from typing import Any
 
-from statekit import hookimpl
+from statekit.plugin_api import (
+    CorruptCheckpointError,
+    StatekitError,
+    StateMismatchError,
+    encode,
+    hookimpl,
+    rank_and_world_size,
+    statekit_group,
+)
 
 logger = logging.getLogger("statekit_fsdp")
 
@@ -62,8 +70,6 @@ def _group() -> Any:
     """statekit's gloo group when torch.distributed runs, else None (DCP then runs locally)."""
     if not _distributed():
         return None
-    from statekit.distributed import statekit_group
-
     return statekit_group()
 
 
@@ -75,8 +81,6 @@ def _run_dcp(fn: Any, what: str) -> Any:
     :class:`statekit.StatekitError` lists every rank's failure.
     """
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from statekit import CorruptCheckpointError, StatekitError
 
     try:
         with warnings.catch_warnings():
@@ -100,8 +104,6 @@ def _run_dcp(fn: Any, what: str) -> Any:
 
 
 def _rank() -> int:
-    from statekit.distributed import rank_and_world_size
-
     return rank_and_world_size()[0]
 
 
@@ -131,7 +133,6 @@ def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    from statekit.format import codec
     from statekit_fsdp.dcp_storage import StatekitStorageWriter
     from statekit_fsdp.state import optimizers_of, split_state, unique
 
@@ -144,7 +145,7 @@ def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
     else:
         state = {"model": get_model_state_dict(model)}
     skeleton, tensors = split_state(state)
-    codec.encode(skeleton)  # every rank checks the non-tensor state before any collective (names the bad key)
+    encode(skeleton)  # every rank checks the non-tensor state before any collective (names the bad key)
     _run_dcp(
         lambda: dcp.save(
             tensors,
@@ -176,7 +177,6 @@ def _objects_writable(checkpoint: Any) -> bool:
 @hookimpl(tryfirst=True)
 def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Any) -> None:
     """Take back every model this plugin saved (and its optimizers) and load it, resharding."""
-    from statekit import StatekitError
     from statekit_fsdp.state import strip_wrappers
 
     mine = checkpoint.plugin
@@ -200,27 +200,12 @@ def _load_sharded(checkpoint: Any, key: str, model: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
-    from statekit import CorruptCheckpointError, StatekitError, StateMismatchError
-    from statekit_fsdp.dcp_storage import StatekitStorageReader, read_metadata
-    from statekit_fsdp.state import fill_state, global_shape, inner_optimizer, refs_of, split_state, unique
+    from statekit_fsdp.dcp_metadata import read_metadata
+    from statekit_fsdp.dcp_storage import StatekitStorageReader
+    from statekit_fsdp.state import fill_state, refs_of, split_state
 
-    record = checkpoint.records.get(key)
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        raise CorruptCheckpointError(
-            f"{checkpoint.url}: manifest has no statekit-fsdp record (format {RECORD_FORMAT}) for {key!r}",
-            path=f"{checkpoint.url}/statekit.json",
-        )
-    saved_optims = list(record.get("optimizers", []))
-    present = [k for k in saved_optims if k in checkpoint.objects] if _objects_writable(checkpoint) else []
-    if present and present != saved_optims:
-        raise StatekitError(
-            f"{checkpoint.url}: model {key!r} was saved with optimizers {saved_optims}; load all of them or none "
-            f"(got {present})"
-        )
-    optimizers = unique([inner_optimizer(checkpoint.objects.pop(k)) for k in present])
-    if None in optimizers:
-        raise StatekitError(f"{checkpoint.url}: {present} must be optimizers (saved as the optimizers of model {key!r})")
-
+    record = _record(checkpoint, key)
+    optimizers = _saved_optimizers(checkpoint, key, record)
     metadata = read_metadata(checkpoint, key)
     saved = checkpoint.load_state(f"{key}/state")
     if not isinstance(saved, dict) or "model" not in saved:
@@ -234,20 +219,7 @@ def _load_sharded(checkpoint: Any, key: str, model: Any) -> None:
     _, target_tensors = split_state(target)
 
     saved_refs = refs_of(saved)
-    saved_set = set(saved_refs)
-    missing = [k for k in target_tensors if k.startswith("model.") and k not in saved_set]
-    unexpected = [k for k in saved_refs if k not in target_tensors]
-    mismatched = {}
-    for k in saved_refs:
-        md = metadata.state_dict_metadata.get(k)
-        if md is None or not hasattr(md, "size"):
-            raise CorruptCheckpointError(f"{checkpoint.url}/{key}/metadata.json: no tensor entry for {k!r}", path=f"{checkpoint.url}/{key}/metadata.json")
-        t = target_tensors.get(k)
-        if t is not None and (tuple(md.size) != global_shape(t) or md.properties.dtype != t.dtype):
-            mismatched[k] = f"saved {list(md.size)} {md.properties.dtype} vs target {list(global_shape(t))} {t.dtype}"
-    if missing or unexpected or mismatched:
-        raise StateMismatchError(f"model {key!r} ({checkpoint.url}/{key}/; the model is untouched)", missing, unexpected, mismatched)
-
+    _check_target(checkpoint, key, metadata, saved_refs, target_tensors)
     saved_world = record.get("world_size")
     if saved_world != checkpoint.world_size and checkpoint.rank == 0:
         logger.info(
@@ -268,3 +240,52 @@ def _load_sharded(checkpoint: Any, key: str, model: Any) -> None:
         set_state_dict(model, optimizers, model_state_dict=filled["model"], optim_state_dict=filled["optim"])
     else:
         set_model_state_dict(model, filled["model"])
+
+
+def _record(checkpoint: Any, key: str) -> dict[str, Any]:
+    """This plugin's record of model ``key`` (see :func:`_save_sharded`)."""
+    record = checkpoint.records.get(key)
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise CorruptCheckpointError(
+            f"{checkpoint.url}: manifest has no statekit-fsdp record (format {RECORD_FORMAT}) for {key!r}",
+            path=f"{checkpoint.url}/statekit.json",
+        )
+    return record
+
+
+def _saved_optimizers(checkpoint: Any, key: str, record: dict[str, Any]) -> list[Any]:
+    """Take the optimizers saved with model ``key`` from ``checkpoint.objects``: all of them, or none."""
+    from statekit_fsdp.state import inner_optimizer, unique
+
+    saved_optims = list(record.get("optimizers", []))
+    present = [k for k in saved_optims if k in checkpoint.objects] if _objects_writable(checkpoint) else []
+    if present and present != saved_optims:
+        raise StatekitError(
+            f"{checkpoint.url}: model {key!r} was saved with optimizers {saved_optims}; load all of them or none "
+            f"(got {present})"
+        )
+    optimizers = unique([inner_optimizer(checkpoint.objects.pop(k)) for k in present])
+    if None in optimizers:
+        raise StatekitError(f"{checkpoint.url}: {present} must be optimizers (saved as the optimizers of model {key!r})")
+    return optimizers
+
+
+def _check_target(checkpoint: Any, key: str, metadata: Any, saved_refs: list[str], target_tensors: dict[str, Any]) -> None:
+    """Compare the saved tensors (global shapes from DCP's metadata) with the load's targets,
+    before anything is read. Optimizer state may be missing (an optimizer without state yet);
+    model tensors may not."""
+    from statekit_fsdp.state import global_shape
+
+    saved_set = set(saved_refs)
+    missing = [k for k in target_tensors if k.startswith("model.") and k not in saved_set]
+    unexpected = [k for k in saved_refs if k not in target_tensors]
+    mismatched = {}
+    for k in saved_refs:
+        md = metadata.state_dict_metadata.get(k)
+        if md is None or not hasattr(md, "size"):
+            raise CorruptCheckpointError(f"{checkpoint.url}/{key}/metadata.json: no tensor entry for {k!r}", path=f"{checkpoint.url}/{key}/metadata.json")
+        t = target_tensors.get(k)
+        if t is not None and (tuple(md.size) != global_shape(t) or md.properties.dtype != t.dtype):
+            mismatched[k] = f"saved {list(md.size)} {md.properties.dtype} vs target {list(global_shape(t))} {t.dtype}"
+    if missing or unexpected or mismatched:
+        raise StateMismatchError(f"model {key!r} ({checkpoint.url}/{key}/; the model is untouched)", missing, unexpected, mismatched)

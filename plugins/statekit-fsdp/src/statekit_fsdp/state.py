@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from statekit import StatekitError
+from statekit.plugin_api import StatekitError
 
 REF = "__dcp__"
 """Key of a skeleton leaf that stands for a tensor stored through DCP."""

@@ -36,27 +36,28 @@ __all__ = [
     "remove_stale_markers",
 ]
 
+# The in-use markers are statekit's own (statekit.plugin_api); this package re-exports them.
 _WHERE = {
-    "InUseMarker": "in_use",
-    "in_use_markers": "in_use",
-    "is_in_use": "in_use",
-    "mark_in_use": "in_use",
-    "release_in_use": "in_use",
-    "remove_stale_markers": "in_use",
-    "LoadOptions": "loading",
-    "OffloadInfo": "loading",
-    "check_offload_folder": "loading",
-    "offload_info": "loading",
-    "is_offloaded": "saving",
-    "export": "export",
+    "InUseMarker": "statekit.plugin_api",
+    "in_use_markers": "statekit.plugin_api",
+    "is_in_use": "statekit.plugin_api",
+    "mark_in_use": "statekit.plugin_api",
+    "release_in_use": "statekit.plugin_api",
+    "remove_stale_markers": "statekit.plugin_api",
+    "LoadOptions": "statekit_offload.options",
+    "OffloadInfo": "statekit_offload.loading",
+    "check_offload_folder": "statekit_offload.options",
+    "offload_info": "statekit_offload.loading",
+    "is_offloaded": "statekit_offload.saving",
+    "export": "statekit_offload.export",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        import importlib
+        import importlib  # lazy: importing this package stays cheap
 
-        value = getattr(importlib.import_module(f"statekit_offload.{_WHERE[name]}"), name)
+        value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'statekit_offload' has no attribute {name!r}")

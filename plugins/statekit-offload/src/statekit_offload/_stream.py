@@ -2,10 +2,13 @@
 
 A tensor can be read straight into a CPU tensor's memory (no intermediate copy), copied
 in bounded chunks into any number of new files (``.dat`` files of an offload folder),
-both, or skipped. With a hasher every byte of the file passes through it, so the
-checksum recorded in the manifest is checked in the same pass; without one, skipped
-tensors are ``seek``-ed over. Memory beyond the target tensors: one chunk buffer of
-:data:`statekit.format.CHUNK_BYTES`.
+both, or skipped. The file comes from ``checkpoint.open(rel, "rb")``: with verification
+on it is statekit's verifying reader, so with ``read_all`` every byte of the file passes
+through the checksum and :func:`verify_to_end` checks size and checksum against the
+manifest in the same pass; without it, skipped tensors are ``seek``-ed over. The header
+is read by statekit's one header reader (:func:`statekit.plugin_api.read_header`).
+Memory beyond the target tensors: one chunk buffer of
+:data:`statekit.plugin_api.CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -13,12 +16,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
-from statekit import format as fmt
-from statekit.errors import CorruptCheckpointError
+from statekit.plugin_api import CHUNK_BYTES, DTYPE_FROM_CODE, NATIVE_DTYPES, CorruptCheckpointError, TensorEntry, TensorHeader
 
 
 @dataclass
@@ -38,40 +40,14 @@ class Sink:
     done: Callable[[], None] | None = None
 
 
-def read_header(f: BinaryIO, source: str, file_size: int | None, hasher: Any = None) -> fmt.TensorHeader:
-    """Read and validate the header of a safetensors file open at offset 0.
-
-    Args:
-        f: the file.
-        source: its URL, named in errors.
-        file_size: its size in bytes if known.
-        hasher: updated with the header bytes, or None.
-
-    Raises:
-        CorruptCheckpointError: malformed header (names ``source``).
-    """
-    prefix = f.read(8)
-    if hasher is not None:
-        hasher.update(prefix)
-
-    def read_more(n: int) -> bytes:
-        data = f.read(n)
-        if hasher is not None:
-            hasher.update(data)
-        return data
-
-    header, _ = fmt.parse_header(prefix, read_more, file_size, source)
-    return header
-
-
-def empty_for(entry: fmt.TensorEntry) -> tuple[torch.Tensor, memoryview]:
+def empty_for(entry: TensorEntry) -> tuple[torch.Tensor, memoryview]:
     """A fresh CPU tensor of ``entry``'s true dtype and shape, and a writable byte view of it.
 
     Byte-view dtypes (complex128, float8 fnuz...) are allocated as their stored ``uint8``
-    layout and viewed as the true dtype, as :func:`statekit.format.read_tensors` does.
+    layout and viewed as the true dtype, as :func:`statekit.plugin_api.read_tensors` does.
     """
-    stored = torch.empty(entry.stored_shape, dtype=fmt._FROM_CODE[entry.code])
-    tensor = stored.view(entry.dtype).reshape(entry.shape) if entry.dtype not in fmt._NATIVE else stored
+    stored = torch.empty(entry.stored_shape, dtype=DTYPE_FROM_CODE[entry.code])
+    tensor = stored.view(entry.dtype).reshape(entry.shape) if entry.dtype not in NATIVE_DTYPES else stored
     view = memoryview(stored.reshape(-1).view(torch.uint8).numpy()) if stored.numel() else memoryview(bytearray())
     return tensor, view
 
@@ -80,7 +56,7 @@ def _readinto(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
     done, total = 0, len(view)
     readinto = getattr(f, "readinto", None)
     while done < total:
-        want = min(fmt.CHUNK_BYTES, total - done)
+        want = min(CHUNK_BYTES, total - done)
         if readinto is not None:
             got = readinto(view[done : done + want])
         else:
@@ -94,19 +70,21 @@ def _readinto(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
 
 def stream(
     f: BinaryIO,
-    header: fmt.TensorHeader,
+    header: TensorHeader,
     source: str,
     sinks: Mapping[str, Sink],
-    hasher: Any = None,
+    read_all: bool = False,
 ) -> None:
     """Read the data section of a safetensors file once, in file order, into ``sinks``.
 
     Args:
-        f: the file, positioned right after the header (as :func:`read_header` leaves it).
+        f: the file, positioned right after the header (as
+            :func:`statekit.plugin_api.read_header` leaves it).
         header: its parsed header.
         source: its URL, named in errors.
         sinks: stored tensor name -> :class:`Sink`; other tensors are skipped.
-        hasher: updated with every data byte (then nothing is skipped by seeking).
+        read_all: read every data byte, skipped tensors included (a verifying reader then
+            sees the whole file); otherwise skipped tensors are seeked over.
 
     Raises:
         CorruptCheckpointError: the file is truncated (names ``source`` and the tensor).
@@ -115,7 +93,7 @@ def stream(
     buffer: list[memoryview] = []  # one chunk buffer, allocated when first needed
     for e in header.entries:
         sink = sinks.get(e.name)
-        if sink is None and hasher is None:
+        if sink is None and not read_all:
             continue
         offset = header.data_start + e.begin
         if position != offset:
@@ -131,19 +109,15 @@ def stream(
                 if len(sink.memory) != nbytes:
                     raise CorruptCheckpointError(f"{source}: tensor {e.name!r} size differs from its target", path=source)
                 _readinto(f, sink.memory, source, e.name)
-                if hasher is not None:
-                    hasher.update(sink.memory)
-                for start in range(0, nbytes, fmt.CHUNK_BYTES):
+                for start in range(0, nbytes, CHUNK_BYTES):
                     for out in outs:
-                        out.write(sink.memory[start : start + fmt.CHUNK_BYTES])
+                        out.write(sink.memory[start : start + CHUNK_BYTES])
             else:
                 if not buffer:
-                    buffer.append(memoryview(bytearray(fmt.CHUNK_BYTES)))
-                for start in range(0, nbytes, fmt.CHUNK_BYTES):
-                    piece = buffer[0][: min(fmt.CHUNK_BYTES, nbytes - start)]
+                    buffer.append(memoryview(bytearray(CHUNK_BYTES)))
+                for start in range(0, nbytes, CHUNK_BYTES):
+                    piece = buffer[0][: min(CHUNK_BYTES, nbytes - start)]
                     _readinto(f, piece, source, e.name)
-                    if hasher is not None:
-                        hasher.update(piece)
                     for out in outs:
                         out.write(piece)
         position += nbytes
@@ -151,28 +125,21 @@ def stream(
             sink.done()
 
 
-def check_against_manifest(
-    url: str, expected: Mapping[str, Any] | None, header: fmt.TensorHeader, hasher: Any, consequence: str = ""
-) -> None:
-    """After :func:`stream` read every byte through ``hasher``: compare size and checksum
-    with the file's manifest entry (nothing to do when ``expected`` is None).
+def verify_to_end(f: BinaryIO, consequence: str) -> None:
+    """After :func:`stream` read every byte (``read_all``): read to the end of ``f``, so
+    statekit's verifying reader compares size and checksum with the file's manifest entry.
+
+    Call it only when ``f`` verifies (``checkpoint.verify`` on): a plain file would just
+    return what follows the data section.
 
     Args:
-        url: the file's URL, named in errors.
-        expected: its manifest entry (``size_bytes``, ``checksum``), or None.
-        header: its parsed header.
-        hasher: the hasher that saw every byte of the file.
+        f: the file from ``checkpoint.open(rel, "rb")``.
         consequence: what the failure means for the caller, appended to the message.
 
     Raises:
-        CorruptCheckpointError: size or checksum differs (names the file).
+        CorruptCheckpointError: size or checksum differs (names the file and the consequence).
     """
-    if expected is None:
-        return
-    note = f" ({consequence})" if consequence else ""
-    size = header.data_start + header.data_bytes
-    if size != expected["size_bytes"]:
-        raise CorruptCheckpointError(f"{url}: size {size} bytes, manifest says {expected['size_bytes']}{note}", path=url)
-    actual = fmt.checksum_string(hasher)
-    if actual != expected["checksum"]:
-        raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected['checksum']}{note}", path=url)
+    try:
+        f.read()
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc} ({consequence})", path=exc.path) from None

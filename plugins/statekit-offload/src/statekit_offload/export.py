@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from statekit.errors import StatekitError, StorageError, UnsupportedDtypeError
+from statekit.plugin_api import Checkpoint, StatekitError, Storage, StorageError, UnsupportedDtypeError, read_header, read_manifest
 from statekit_offload import _stream, offload_format
+from statekit_offload.options import check_offload_folder
 
 
 def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
@@ -34,18 +35,12 @@ def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: as
-            :func:`statekit.api.saveload.read_manifest`.
+            :func:`statekit.plugin_api.read_manifest`.
         StatekitError: the checkpoint has no model stored as a tensor file.
         StorageError: ``out_url`` is not local, not writable, or already holds an offload index.
         UnsupportedDtypeError: a tensor's dtype has no offload encoding (complex32, float4; names it).
         CorruptCheckpointError: a tensor file fails verification (names it).
     """
-    from statekit.engine.context import Checkpoint
-    from statekit.api.saveload import read_manifest
-    from statekit.storage import Storage
-
-    from statekit_offload.loading import check_offload_folder
-
     storage = Storage(src_url, storage_options)
     manifest = read_manifest(storage)
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
@@ -70,15 +65,11 @@ def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None
 
 
 def _export_model(checkpoint: Any, key: str, folder: str) -> None:
-    from statekit import format as fmt
-
     rel = f"{key}.safetensors"
     url = f"{checkpoint.url}/{rel}"
-    expected = checkpoint.manifest["files"][rel]
-    hasher = fmt.new_hasher()
     index: dict[str, Any] = {}
-    with checkpoint.open(rel, "rb") as f:
-        header = _stream.read_header(f, url, expected["size_bytes"], hasher)
+    with checkpoint.open(rel, "rb") as f:  # statekit's verifying reader: every byte is checked
+        header = read_header(f, url, checkpoint.manifest["files"][rel]["size_bytes"])
         sinks = {e.name: _stream.Sink() for e in header.entries}
         names = [(e.name, e) for e in header.entries]
         by_name = {e.name: e for e in header.entries}
@@ -90,6 +81,6 @@ def _export_model(checkpoint: Any, key: str, folder: str) -> None:
                 )
             index[name] = offload_format.dat_entry(e.dtype, e.shape)
             sinks[e.name].paths.append(offload_format.dat_path(folder, name))
-        _stream.stream(f, header, url, sinks, hasher)
-    _stream.check_against_manifest(url, expected, header, hasher, f"nothing of {folder} is usable")
+        _stream.stream(f, header, url, sinks, read_all=True)
+        _stream.verify_to_end(f, f"nothing of {folder} is usable")
     offload_format.write_index(folder, index)

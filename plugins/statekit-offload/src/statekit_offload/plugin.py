@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from statekit import hookimpl
-from statekit.errors import StatekitError
+from statekit.plugin_api import CORE, StatekitError, hookimpl, unwrap_model
 
 if TYPE_CHECKING:
-    from statekit.engine.context import Checkpoint
+    from statekit.plugin_api import Checkpoint
 
 
 def _export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
@@ -54,8 +53,6 @@ def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: s
         StateMismatchError: an offloaded tensor has no source or a source of another shape/dtype.
         UnsupportedDtypeError: a tensor cannot be stored (names it).
     """
-    from statekit.api.saveload import unwrap_model
-
     from statekit_offload.saving import is_offloaded, save_model
 
     for i in reversed(range(len(models))):
@@ -81,10 +78,8 @@ def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Check
         StateMismatchError: keys, shapes or dtypes differ (listed).
         CorruptCheckpointError: the tensor file fails verification.
     """
-    from statekit.engine.context import CORE
-    from statekit.api.saveload import unwrap_model
-
-    from statekit_offload.loading import LoadOptions, has_meta_tensors, load_model, model_file
+    from statekit_offload.loading import has_meta_tensors, load_model, model_file
+    from statekit_offload.options import LoadOptions
     from statekit_offload.saving import is_offloaded, load_plain
 
     opts = LoadOptions.from_options(checkpoint.options)

@@ -7,12 +7,12 @@ meta device; each module's ``AlignDevicesHook`` (``offload=True``) holds a
 a model holds meta tensors, so the core cannot save it.
 
 This module writes ``<key>.safetensors`` exactly as the core would (same header: the
-header is built by :func:`statekit.format.build_header`, tied parameters stored once
+header is built by :func:`statekit.plugin_api.build_header`, tied parameters stored once
 and listed as aliases) but streams each tensor's bytes from where they live:
 
 * a tensor of an ``OffloadedWeightsLoader`` index entry that is a ``.dat`` file, or a
   safetensors entry (``safetensors_file``/``weight_name``), is copied from that file in
-  chunks of :data:`statekit.format.CHUNK_BYTES`: nothing of it is held in memory;
+  chunks of :data:`statekit.plugin_api.CHUNK_BYTES`: nothing of it is held in memory;
 * any other offloaded tensor is fetched with ``weights_map[name]`` (one tensor at a time);
 * a tensor that is not offloaded (on the CPU or a device) is written from its memory.
 
@@ -34,13 +34,17 @@ from typing import Any, BinaryIO
 
 import torch
 
-from statekit import format as fmt
-from statekit.errors import (
+from statekit.plugin_api import (
+    CHUNK_BYTES,
     CorruptCheckpointError,
     StatekitError,
     StateMismatchError,
     StorageError,
+    TensorHeader,
     UnsupportedDtypeError,
+    build_header,
+    read_header,
+    tensor_bytes,
 )
 from statekit_offload import offload_format
 from statekit_offload._ties import merge_groups
@@ -104,13 +108,12 @@ class _Headers:
     """Parsed headers of safetensors files named by index entries, cached by path."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, fmt.TensorHeader] = {}
+        self._cache: dict[str, TensorHeader] = {}
 
-    def get(self, path: str) -> fmt.TensorHeader:
+    def get(self, path: str) -> TensorHeader:
         if path not in self._cache:
             with open(path, "rb") as f:
-                header, _ = fmt.parse_header(f.read(8), f.read, os.path.getsize(path), path)
-            self._cache[path] = header
+                self._cache[path] = read_header(f, path, os.path.getsize(path))
         return self._cache[path]
 
 
@@ -157,7 +160,7 @@ def _file_source(loader: Any, key: str, target: torch.Tensor, headers: _Headers)
 
 
 def _copy_file(source: _FileSource, out: BinaryIO, name: str) -> None:
-    buffer = memoryview(bytearray(min(fmt.CHUNK_BYTES, max(source.nbytes, 1))))
+    buffer = memoryview(bytearray(min(CHUNK_BYTES, max(source.nbytes, 1))))
     with open(source.path, "rb") as f:
         f.seek(source.offset)
         done = 0
@@ -231,9 +234,28 @@ def save_model(
     groups = [*find_tied_parameters(model), *(info.tied_parameters if info else []), *tied_parameters, *same_file.values()]
     tied = merge_groups(groups, set(state))
 
-    # Placeholders carry shape and dtype for the header (build_header touches no data); one
-    # object per tie group, so statekit.format stores the group once and lists the other
-    # names as aliases. Offloaded tensors get a zero-stride one-element stand-in.
+    placeholders = _placeholders(state, tied, key)
+    header, plan = build_header(placeholders)
+    from_files = 0
+    if checkpoint.rank == 0:
+        with checkpoint.open(rel, "wb") as out:
+            out.write(header)
+            for p in plan:
+                from_files += _write_one(out, p, sources[p.name], state[p.name], key)
+    del placeholders, plan
+    return {"file": rel, "tensors": len(state), "from_files": from_files, "tied": tied}
+
+
+def _placeholders(state: dict[str, torch.Tensor], tied: list[list[str]], key: str) -> dict[str, torch.Tensor]:
+    """Stand-ins carrying shape and dtype for the header (build_header touches no data).
+
+    One object per tie group, so the format stores the group once and lists the other
+    names as aliases. Offloaded tensors get a zero-stride one-element stand-in; a real
+    tensor is its own placeholder (the format's storage-identity ties apply).
+
+    Raises:
+        UnsupportedDtypeError: a dtype cannot make a stand-in (names the tensor).
+    """
     placeholders: dict[str, torch.Tensor] = {}
     group_of = {n: tuple(g) for g in tied for n in g}
     by_group: dict[tuple[str, ...], torch.Tensor] = {}  # the placeholder of a group's first name met
@@ -243,21 +265,13 @@ def save_model(
         if ref is not None and ref.shape == t.shape and ref.dtype == t.dtype:
             placeholders[name] = ref
             continue
-        try:  # a real tensor is its own placeholder: the core's storage-identity ties apply
+        try:
             placeholders[name] = t.detach() if t.device.type != "meta" else torch.empty((), dtype=t.dtype).expand(t.shape)
         except (RuntimeError, TypeError) as exc:
             raise UnsupportedDtypeError(f"tensor {name!r} of model {key!r} has dtype {t.dtype}: {exc}") from exc
         if group and group not in by_group:
             by_group[group] = placeholders[name]
-    header, plan = fmt.build_header(placeholders)
-    from_files = 0
-    if checkpoint.rank == 0:
-        with checkpoint.open(rel, "wb") as out:
-            out.write(header)
-            for p in plan:
-                from_files += _write_one(out, p, sources[p.name], state[p.name], key)
-    del placeholders, plan
-    return {"file": rel, "tensors": len(state), "from_files": from_files, "tied": tied}
+    return placeholders
 
 
 def _write_one(out: BinaryIO, p: Any, source: Any, target: torch.Tensor, key: str) -> int:
@@ -279,11 +293,11 @@ def _write_one(out: BinaryIO, p: Any, source: Any, target: torch.Tensor, key: st
             )
     else:
         value = source
-    view = fmt.tensor_bytes(value)
+    view = tensor_bytes(value)
     if len(view) != p.nbytes:
         raise StatekitError(f"model {key!r}: tensor {p.name!r} has {len(view)} bytes, expected {p.nbytes}")
-    for start in range(0, len(view), fmt.CHUNK_BYTES):
-        out.write(view[start : start + fmt.CHUNK_BYTES])
+    for start in range(0, len(view), CHUNK_BYTES):
+        out.write(view[start : start + CHUNK_BYTES])
     return 0
 
 
@@ -296,13 +310,12 @@ def load_plain(checkpoint: Any, key: str, model: torch.nn.Module, rel: str) -> N
         StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.
         CorruptCheckpointError: the file is malformed or fails verification.
     """
-    from statekit_offload import _stream
-    from statekit_offload.loading import _check_shapes
+    from statekit_offload.loading import check_shapes
 
     url = f"{checkpoint.url}/{rel}"
     targets = model.state_dict()
     with checkpoint.open(rel, "rb") as f:
-        header = _stream.read_header(f, url, None)
-    _check_shapes(header, targets, f"model {key!r} ({url})")
+        header = read_header(f, url, None)
+    check_shapes(header, targets, f"model {key!r} ({url})")
     with torch.no_grad():
         checkpoint.load_tensors(rel, into=targets)

@@ -1,0 +1,131 @@
+"""The generators of data loaders: giving loaders their own, saving and restoring them by key.
+
+A data loader has up to two generators, by role: its own (``loader.generator``: seeds the
+worker processes) and its sampler's (draws the shuffling permutation). The sampler is
+found with statekit's one sampler lookup, :func:`statekit.plugin_api.sampler_of`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from statekit.plugin_api import sampler_of
+
+LOADER_ROLE = "loader"
+"""Key of a data loader's own generator (``loader.generator``: seeds the worker processes)."""
+
+SAMPLER_ROLE = "sampler"
+"""Key of the generator of a data loader's sampler (draws the shuffling permutation)."""
+
+_ROLE_INDEX = {LOADER_ROLE: 0, SAMPLER_ROLE: 1}
+
+
+def data_loaders(objects: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The data loaders among ``objects``, as ``(stable key, loader)``."""
+    from torch.utils.data import DataLoader
+
+    for key, obj in objects.items():
+        # Accelerate's DataLoaderShard / DataLoaderDispatcher pass this check: their
+        # ``__class__`` property reports the wrapped DataLoader's class.
+        if isinstance(obj, DataLoader):
+            yield key, obj
+
+
+def _loader_core(loader: Any) -> Any:
+    """The torch DataLoader whose ``__iter__`` runs: Accelerate's adapters wrap one as
+    ``base_dataloader`` and delegate reads to it, but an attribute set on the adapter would
+    not reach it."""
+    base = vars(loader).get("base_dataloader")
+    return base if base is not None else loader
+
+
+def find_sampler(loader: Any) -> Any:
+    """Return the sampler that draws a data loader's indices (the one holding its generator).
+
+    statekit's own sampler lookup (:func:`statekit.plugin_api.sampler_of`): looks, in
+    order, at ``loader.batch_sampler.sampler``, ``loader.batch_sampler.batch_sampler.sampler``
+    (Accelerate's ``BatchSamplerShard`` around the original batch sampler) and
+    ``loader.sampler``, looking through a batch sampler found there (a ``BatchSampler``
+    passed as ``sampler=`` with ``batch_size=None``), as ``accelerate.data_loader.get_sampler``
+    does.
+
+    Args:
+        loader: a ``torch.utils.data.DataLoader`` (or an Accelerate ``DataLoaderShard`` /
+            ``DataLoaderDispatcher``).
+
+    Returns:
+        The sampler object, or None if the loader has none.
+    """
+    return sampler_of(loader)
+
+
+def generator_holders(loader: Any) -> dict[str, Any]:
+    """``role -> object with a ``generator`` attribute`` for a data loader."""
+    holders = {LOADER_ROLE: _loader_core(loader)}
+    sampler = find_sampler(loader)
+    if sampler is not None and hasattr(sampler, "generator"):
+        holders[SAMPLER_ROLE] = sampler
+    return holders
+
+
+def derive_seed(base_seed: int, key: str, role: str) -> int:
+    """A 64-bit seed for one generator, derived without touching any random stream.
+
+    Args:
+        base_seed: the run's seed (``torch.initial_seed()``).
+        key: stable key of the data loader (``dataloader_0``).
+        role: ``"loader"`` or ``"sampler"``.
+
+    Returns:
+        An int in ``[0, 2**64)``: the first 8 bytes (little-endian) of BLAKE2b of
+        ``"statekit-rng/<base_seed>/<key>/<role index>"``; stable across processes,
+        machines and Python versions (unlike ``hash()``).
+    """
+    text = f"statekit-rng/{base_seed}/{key}/{_ROLE_INDEX.get(role, role)}"
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def new_generator(device: Any = None) -> torch.Generator:
+    """A new ``torch.Generator`` on ``device`` (default: ``torch.get_default_device()``)."""
+    if device is None:
+        device = torch.get_default_device() if hasattr(torch, "get_default_device") else "cpu"
+    return torch.Generator(device=device)
+
+
+def generator_entry(generator: torch.Generator) -> dict[str, Any]:
+    """What is saved of one generator: its device and state."""
+    return {"device": str(generator.device), "state": generator.get_state()}
+
+
+def restore_loaders(saved: Mapping[str, Any], loaders: Mapping[str, Any], not_restored: list[str]) -> None:
+    """Set the generators of ``loaders`` to the ``saved`` states (``key -> role -> entry``).
+
+    A loader or sampler with ``generator=None`` gets a new generator; what cannot be
+    restored is appended to ``not_restored``, one item per generator.
+    """
+    for key, roles in saved.items():
+        loader = loaders.get(key)
+        if loader is None:
+            continue  # not part of this load
+        holders = generator_holders(loader)
+        for role, entry in roles.items():
+            what = f"data loader {key!r}: {role} generator"
+            holder = holders.get(role)
+            if holder is None:
+                not_restored.append(f"{what} (the loader has no {role} with a 'generator' attribute now)")
+                continue
+            generator = getattr(holder, "generator", None)
+            created = not isinstance(generator, torch.Generator)
+            if created:
+                generator = new_generator(entry["device"])
+            try:
+                generator.set_state(entry["state"])
+            except (RuntimeError, TypeError, ValueError) as exc:
+                not_restored.append(f"{what} (saved on {entry['device']}, now on {generator.device}: {exc})")
+                continue
+            if created:
+                holder.generator = generator

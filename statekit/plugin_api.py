@@ -1,0 +1,150 @@
+"""The plugin API: the one module of statekit a plugin imports from.
+
+A statekit plugin (see ``docs/writing-a-plugin.md``) imports statekit names from here and
+nowhere else: ``from statekit.plugin_api import hookimpl, Checkpoint, StatekitError``.
+Every name below is re-exported from the module that owns it; none is implemented here.
+
+What is promised, for every name in ``__all__``:
+
+* it stays importable from ``statekit.plugin_api`` under that name, whatever module of
+  the core owns it (the core's internal layout can change between releases; this module
+  follows it);
+* its documented behaviour (its docstring, rendered on the "Plugin API" page of the docs)
+  is what a plugin may rely on; keyword arguments and attributes not documented there are
+  not part of it.
+
+Everything else in statekit (modules under ``statekit.engine``, ``statekit.api``,
+``statekit.format``..., names starting with ``_``) is reachable but not promised to
+plugins. The test ``tests/test_plugin_api.py`` parses the plugins of this repository and
+its plugin template and fails on any other statekit import. The API holds what those
+plugins use, no more: every error class, and the names below.
+
+The names, by topic:
+
+* hooks: :data:`hookimpl`, the marker of hook implementations;
+* the checkpoint context: :class:`Checkpoint` (I/O through the checkpoint, every file
+  recorded in the manifest and verified on read) and :data:`CORE`, the owner and writer
+  name of the core;
+* errors: every statekit error class and :class:`StatekitWarning`;
+* storage: :class:`Storage` (a checkpoint location: any fsspec URL) and
+  :func:`storage_errors`;
+* the format: safetensors headers and tensor streams (:func:`read_header`, the one
+  header reader; :func:`build_header`, :func:`read_tensors`, :func:`tensor_bytes`,
+  :class:`TensorHeader`, :class:`TensorEntry`, :data:`CHUNK_BYTES`), the dtype tables
+  (:data:`SAFETENSORS_CODES`, :data:`NATIVE_DTYPES`, :data:`DTYPE_FROM_CODE`), the state
+  codec's :func:`encode`, and :func:`read_manifest`. There is no checksum helper: files
+  read through the checkpoint (``checkpoint.open(rel, "rb")``, ``read_bytes``,
+  ``load_tensors``...) are verified against the manifest's size and checksum as they are
+  read, and files written through it are recorded with theirs;
+* models and data: :func:`unwrap_model`, :func:`check_fit` (the one "does this state fit
+  this model" check) and :func:`sampler_of` (the one sampler lookup);
+* in-use markers of checkpoints read in place (retention, ``statekit gc`` and
+  ``overwrite=True`` respect them): :func:`mark_in_use`, :func:`release_in_use`,
+  :func:`in_use_markers`, :func:`is_in_use`, :func:`remove_stale_markers`,
+  :class:`InUseMarker`;
+* processes: :func:`rank_and_world_size` and :func:`statekit_group` (statekit's own gloo
+  group, for a plugin's collectives).
+"""
+
+from __future__ import annotations
+
+from statekit.distributed import rank_and_world_size, statekit_group
+from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.data import sampler_of
+from statekit.engine.entries import check_fit, unwrap_model
+from statekit.errors import (
+    AsyncSaveError,
+    CheckpointExistsError,
+    CheckpointInUseError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    PickleNotAllowedError,
+    PluginError,
+    PluginMissingError,
+    StatekitError,
+    StatekitWarning,
+    StateMismatchError,
+    StorageError,
+    UnsupportedDtypeError,
+    UnsupportedValueError,
+)
+from statekit.format import (
+    CHUNK_BYTES,
+    DTYPE_FROM_CODE,
+    NATIVE_DTYPES,
+    SAFETENSORS_CODES,
+    TensorEntry,
+    TensorHeader,
+    build_header,
+    read_header,
+    read_tensors,
+    tensor_bytes,
+)
+from statekit.format.codec import encode
+from statekit.format.manifest import read_manifest
+from statekit.hooks.registry import hookimpl
+from statekit.storage import Storage, storage_errors
+from statekit.storage.inuse import (
+    InUseMarker,
+    in_use_markers,
+    is_in_use,
+    mark_in_use,
+    release_in_use,
+    remove_stale_markers,
+)
+
+__all__ = [
+    # hooks and the checkpoint context
+    "CORE",
+    "Checkpoint",
+    "hookimpl",
+    # errors
+    "AsyncSaveError",
+    "CheckpointExistsError",
+    "CheckpointInUseError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "IncompleteCheckpointError",
+    "PickleNotAllowedError",
+    "PluginError",
+    "PluginMissingError",
+    "StateMismatchError",
+    "StatekitError",
+    "StatekitWarning",
+    "StorageError",
+    "UnsupportedDtypeError",
+    "UnsupportedValueError",
+    # storage
+    "Storage",
+    "storage_errors",
+    # the format
+    "CHUNK_BYTES",
+    "DTYPE_FROM_CODE",
+    "NATIVE_DTYPES",
+    "SAFETENSORS_CODES",
+    "TensorEntry",
+    "TensorHeader",
+    "build_header",
+    "encode",
+    "read_header",
+    "read_manifest",
+    "read_tensors",
+    "tensor_bytes",
+    # models and data
+    "check_fit",
+    "sampler_of",
+    "unwrap_model",
+    # in-use markers
+    "InUseMarker",
+    "in_use_markers",
+    "is_in_use",
+    "mark_in_use",
+    "release_in_use",
+    "remove_stale_markers",
+    # processes
+    "rank_and_world_size",
+    "statekit_group",
+]
