@@ -24,27 +24,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import statekit
 
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4 and 6 processes
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def build(seed: int = 0):
     """A small MLP, sharded with FSDP2 (one group per layer plus the root), AdamW and a cosine schedule."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)
@@ -60,8 +63,6 @@ def build(seed: int = 0):
 
 def batch(step: int):
     """This rank's slice of step ``step``'s global batch: a fixed random teacher's regression task."""
-    import torch
-
     g = torch.Generator().manual_seed(step)
     x = torch.randn(GLOBAL_BATCH, 16, generator=g)
     teacher = torch.Generator().manual_seed(12345)
@@ -74,9 +75,6 @@ def batch(step: int):
 
 def step_once(model, optim, sched, step: int) -> float:
     """One training step; returns the loss averaged over all ranks (the global batch loss)."""
-    import torch
-    import torch.distributed as dist
-
     x, y = batch(step)
     loss = torch.nn.functional.mse_loss(model(x), y)
     optim.zero_grad(set_to_none=True)
@@ -90,13 +88,6 @@ def step_once(model, optim, sched, step: int) -> float:
 
 def run(mode: str, directory: Path, steps: int, save_at: int) -> None:
     """Body of one torchrun process (``train`` or ``resume``)."""
-    import logging
-    import warnings
-
-    import torch.distributed as dist
-
-    import statekit
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows statekit-fsdp's resharding line
     warnings.simplefilter("ignore", statekit.StatekitWarning)  # e.g. RNG state of ranks that no longer exist
     dist.init_process_group("gloo")

@@ -3,6 +3,7 @@ disk; corrupted files; two savers racing for one step."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import os
@@ -20,7 +21,7 @@ import torch
 
 import statekit
 from statekit.api.manager import checkpoint_name
-from statekit.testing import assert_state_equal
+from statekit.testing import assert_state_equal, start_moto_server
 
 from fault_helpers import make_state
 
@@ -98,36 +99,21 @@ def test_sigkill_at_every_point_of_the_write_sequence(tmp_path, plugin_manager):
 
 
 @pytest.fixture
-def frozen_s3(tmp_path):
-    """A dedicated moto server this test may freeze with SIGSTOP."""
+def frozen_s3():
+    """A dedicated moto server this test may freeze with SIGSTOP (the environment is left
+    alone: the test reaches it through ``storage_options``, with short timeouts)."""
     pytest.importorskip("moto")
     s3fs = pytest.importorskip("s3fs")
-    import socket
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(300):
+    with start_moto_server(environment=False) as server:
+        options = {**server.storage_options,
+                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
+                   "skip_instance_cache": True}
+        s3fs.S3FileSystem(**options).mkdir("frozen")
         try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except Exception:
-            time.sleep(0.05)
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint},
-               "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
-               "skip_instance_cache": True}
-    s3fs.S3FileSystem(**options).mkdir("frozen")
-    try:
-        yield server, options
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            server.send_signal(signal.SIGCONT)
-        server.terminate()
-        server.wait()
+            yield server.process, options
+        finally:  # a stopped server ignores SIGTERM until continued
+            with contextlib.suppress(ProcessLookupError):
+                server.process.send_signal(signal.SIGCONT)
 
 
 def test_s3_outage_during_save_is_a_storage_error(frozen_s3, plugin_manager):
@@ -187,8 +173,6 @@ def test_disk_full_during_save(tmp_path, plugin_manager, monkeypatch):
         how = "tmpfs"
         if mounted is None:  # no mount permission: inject ENOSPC after 3 MiB of writes
             how = "ENOSPC injection"
-            import builtins
-
             real_open = builtins.open
             written = {"bytes": 0}
 

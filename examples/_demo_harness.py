@@ -1,0 +1,300 @@
+"""The kill-and-resume orchestration shared by ``resume_demo.py`` and ``ddpm_demo.py``.
+
+A demo script keeps only what is its own (the model, the data, one training step, what
+its final state holds, its report rows); this module does the rest:
+
+1. a reference training to N steps, in a fresh process;
+2. the same training in a child process killed with SIGKILL at a random step in the
+   middle of an epoch (with a ``memory://`` URL, in this process: :class:`Abandon`
+   stands in for the SIGKILL, as ``memory://`` is private to each process);
+3. a new process that resumes from the newest committed checkpoint and trains to N;
+
+each run logs its steps, saves and resume as JSON lines (:func:`jsonl_logger`), which
+:mod:`_demo_report` compares and reports on. ``--moto`` starts a local moto S3 server with
+:func:`statekit.testing.start_moto_server`.
+
+The scripts import it as ``_demo_harness`` (and ``_demo_report``): Python puts a
+script's folder first on ``sys.path``, so ``python examples/resume_demo.py`` finds it
+from any directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import statekit
+
+try:  # pytest and moto come with statekit[test]: only --moto needs them
+    from statekit.testing import start_moto_server
+except ImportError:  # pragma: no cover - an environment without pytest
+    start_moto_server = None
+
+BUCKET = "statekit-demo"
+"""The bucket ``--moto`` creates on the local server."""
+
+Log = Callable[[dict], None]
+Train = Callable[..., None]
+"""``train(args, log, resume, abandon_at=None)``: one demo's training, to ``args.steps``."""
+
+
+class Abandon(Exception):
+    """Stands in for SIGKILL when the checkpoints live in this process (memory://)."""
+
+
+# --------------------------------------------------------------------------- options
+
+
+def demo_parser(
+    doc: str, slug: str, *, steps: int, steps_help: str, save_every: int, keep_last: int
+) -> argparse.ArgumentParser:
+    """The options every demo has (a demo adds its own), and the hidden worker options."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--url", default=None, help=f"checkpoint root URL (default: ./runs/{slug}-<id>)")
+    parser.add_argument("--moto", action="store_true", help=f"start a local moto S3 server and use s3://{BUCKET}/...")
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps}: {steps_help})")
+    parser.add_argument("--save-every", type=int, default=save_every)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--keep-last", type=int, default=keep_last)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-at", type=int, default=None, help="step to kill at (default: random, mid-epoch)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--log", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--final", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+@contextlib.contextmanager
+def demo_storage(args: argparse.Namespace, slug: str) -> Iterator[None]:
+    """Fill in ``args.url`` (``./runs/<slug>-<id>``, or ``s3://statekit-demo/<slug>-<id>``
+    with ``--moto``); with ``--moto``, run a local moto S3 server (the ``AWS_*``
+    environment points at it, for this process and its workers) until the block ends."""
+    if not args.moto:
+        args.url = args.url or str(Path("runs") / f"{slug}-{uuid.uuid4().hex[:8]}")
+        yield
+        return
+    if start_moto_server is None:
+        raise SystemExit('--moto needs pytest and moto: pip install "statekit[test]"')
+    with start_moto_server() as server:
+        server.filesystem().mkdir(BUCKET)
+        args.url = args.url or f"s3://{BUCKET}/{slug}-{uuid.uuid4().hex[:8]}"
+        print(f"moto S3 server at {server.endpoint_url}")
+        yield
+
+
+# --------------------------------------------------------------------------- the training loop
+
+
+def resume_step(manager: statekit.CheckpointManager, log: Log) -> int:
+    """Resume from the newest committed checkpoint (step 0 if none), logging how long it took."""
+    started = time.perf_counter()
+    step = manager.resume() or 0
+    log({"event": "resume", "step": step, "seconds": time.perf_counter() - started})
+    return step
+
+
+def train_steps(
+    args: argparse.Namespace,
+    manager: statekit.CheckpointManager,
+    loader: Iterable[Any],
+    train_step: Callable[[Any], float],
+    log: Log,
+    *,
+    describe_save: Callable[[dict], dict],
+    step: int = 0,
+    abandon_at: int | None = None,
+) -> int:
+    """Run ``train_step(batch)`` (which returns the loss) from ``step`` to ``args.steps``,
+    epoch after epoch; log every step; save every ``args.save_every`` steps (logging the
+    time, the size and ``describe_save(manifest)``). Returns the last step.
+
+    Raises:
+        Abandon: at step ``abandon_at``, right after logging it.
+    """
+    while step < args.steps:
+        for batch in loader:
+            loss = train_step(batch)
+            step += 1
+            log({"event": "step", "step": step, "loss": loss})
+            if abandon_at is not None and step == abandon_at:
+                raise Abandon(step)
+            if step % args.save_every == 0:
+                started = time.perf_counter()
+                manifest = manager.save(step, metrics={"loss": loss})
+                size = sum(f["size_bytes"] for f in manifest["files"].values())
+                log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size,
+                     **describe_save(manifest)})
+            if step >= args.steps:
+                break
+    return step
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def jsonl_logger(path: Path) -> Log:
+    """A ``log(record)`` that appends ``record`` to ``path`` as one JSON line, flushed."""
+    handle = path.open("a", buffering=1)
+
+    def log(record: dict) -> None:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+
+    return log
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a JSON-lines log (none if it does not exist yet)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- the three runs
+
+
+@dataclass
+class Runs:
+    """Where the reference run and the killed-and-resumed run write their logs and final states."""
+
+    work: Path
+    ref_log: Path = field(init=False)
+    run_log: Path = field(init=False)
+    ref_final: str = field(init=False)
+    run_final: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ref_log, self.run_log = self.work / "reference.jsonl", self.work / "run.jsonl"
+        self.ref_final, self.run_final = str(self.work / "final-reference"), str(self.work / "final-resumed")
+
+    def ref_events(self) -> list[dict]:
+        return read_log(self.ref_log)
+
+    def run_events(self) -> list[dict]:
+        return read_log(self.run_log)
+
+
+def choose_kill_step(kill_at: int | None, save_every: int, steps: int, batches_per_epoch: int) -> int:
+    """``kill_at`` if it is mid-epoch, else a random mid-epoch step after the first save."""
+    rng = random.Random()
+    while kill_at is None or kill_at % batches_per_epoch == 0:
+        kill_at = rng.randrange(save_every + 1, steps - 1)
+    return kill_at
+
+
+def kill_and_resume(
+    args: argparse.Namespace,
+    *,
+    title: str,
+    script: str,
+    train: Train,
+    worker_flags: list[str],
+    batches_per_epoch: int,
+    work_prefix: str,
+) -> Runs:
+    """Steps 1 to 3 of the demo (see the module docstring), printing progress.
+
+    Args:
+        args: the parsed options (``url``, ``steps``, ``save_every``, ``kill_at``...).
+        title: the demo's name in the first line.
+        script: the demo script, run with ``--worker`` for each run (not for memory://).
+        train: the demo's training function.
+        worker_flags: the demo's own options, passed on to each worker.
+        batches_per_epoch: batches in one epoch (the kill step is never at its end).
+        work_prefix: prefix of the temporary folder for the logs and final states.
+
+    Returns:
+        The :class:`Runs`, once the resumed run has finished.
+    """
+    runs = Runs(Path(tempfile.mkdtemp(prefix=work_prefix)))
+    kill_at = choose_kill_step(args.kill_at, args.save_every, args.steps, batches_per_epoch)
+    print(f"{title}: {args.steps} steps, checkpoint every {args.save_every} to {args.url}")
+    ref_args = argparse.Namespace(**{**vars(args), "url": f"{args.url.rstrip('/')}-reference",
+                                     "log": str(runs.ref_log), "final": runs.ref_final})
+    run_args = argparse.Namespace(**{**vars(args), "log": str(runs.run_log), "final": runs.run_final})
+    runner = _Runner(train, script, worker_flags, in_process=args.url.startswith("memory://"))
+    print("1. reference run ...", flush=True)
+    runner.run(ref_args, resume=False)
+    batch = kill_at % batches_per_epoch
+    print(f"2. run killed at step {kill_at} (mid-epoch: batch {batch} of {batches_per_epoch}) ...", flush=True)
+    killed_at = runner.run(run_args, resume=False, kill_at=kill_at)
+    print(f"   killed after step {killed_at}")
+    print("3. resumed run ...", flush=True)
+    runner.run(run_args, resume=True)
+    return runs
+
+
+@dataclass
+class _Runner:
+    """Runs a demo's training in a worker process, or in this process for memory:// URLs."""
+
+    train: Train
+    script: str
+    worker_flags: list[str]
+    in_process: bool
+
+    def run(self, args: argparse.Namespace, resume: bool, kill_at: int | None = None) -> int | None:
+        """Train to the end, or until killed at ``kill_at``; returns the last step seen when killed."""
+        if self.in_process:
+            with contextlib.suppress(Abandon):
+                self.train(args, jsonl_logger(Path(args.log)), resume=resume, abandon_at=kill_at)
+            return kill_at
+        command = self.command(args, resume)
+        if kill_at is None:
+            run_to_end(command)
+            return None
+        return run_and_kill(command, Path(args.log), kill_at)
+
+    def command(self, args: argparse.Namespace, resume: bool) -> list[str]:
+        cmd = [sys.executable, self.script, "--worker", "--url", args.url, "--steps", str(args.steps),
+               "--save-every", str(args.save_every), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+               "--keep-last", str(args.keep_last), "--log", str(args.log), "--final", args.final, *self.worker_flags]
+        if resume:
+            cmd.append("--resume")
+        return cmd
+
+
+def run_to_end(cmd: list[str]) -> None:
+    """Run a worker to its end.
+
+    Raises:
+        SystemExit: the worker failed.
+    """
+    result = subprocess.run(cmd)
+    if result.returncode != 0:
+        raise SystemExit(f"worker failed with exit code {result.returncode}: {' '.join(cmd)}")
+
+
+def run_and_kill(cmd: list[str], log: Path, kill_at: int) -> int:
+    """Start the worker and SIGKILL it once it reports step >= kill_at; returns the last step seen.
+
+    Raises:
+        SystemExit: the worker finished before it could be killed.
+    """
+    child = subprocess.Popen(cmd)
+    try:
+        while child.poll() is None:
+            steps = [r["step"] for r in read_log(log) if r["event"] == "step"]
+            if steps and steps[-1] >= kill_at:
+                os.kill(child.pid, signal.SIGKILL)
+                child.wait()
+                return steps[-1]
+            time.sleep(0.002)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    raise SystemExit(f"the worker finished (exit code {child.returncode}) before it could be killed at step {kill_at}")
