@@ -29,7 +29,7 @@ The names, by topic:
 * storage: :class:`Storage` (a checkpoint location: any fsspec URL) and
   :func:`storage_errors`;
 * the format: safetensors headers and tensor streams (:func:`read_header`, the one
-  header reader; :func:`build_header`, :func:`read_tensors`, :func:`tensor_bytes`,
+  header reader; :func:`build_header`, :func:`read_tensors`, :func:`read_exactly_into`, :func:`tensor_bytes`,
   :class:`TensorHeader`, :class:`TensorEntry`, :data:`CHUNK_BYTES`), the dtype tables
   (:data:`SAFETENSORS_CODES`, :data:`NATIVE_DTYPES`, :data:`DTYPE_FROM_CODE`), the state
   codec's :func:`encode`, and :func:`read_manifest`. There is no checksum helper: files
@@ -78,6 +78,7 @@ from statekit.format import (
     TensorEntry,
     TensorHeader,
     build_header,
+    read_exactly_into,
     read_header,
     read_tensors,
     tensor_bytes,
@@ -129,6 +130,7 @@ __all__ = [
     "TensorHeader",
     "build_header",
     "encode",
+    "read_exactly_into",
     "read_header",
     "read_manifest",
     "read_tensors",

@@ -151,7 +151,7 @@ def _read_one(f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: 
     nbytes = e.end - e.begin
     if nbytes:
         view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
-        _readinto(f, view, source, e.name)
+        read_exactly_into(f, view, source, e.name)
         if hasher is not None:
             hasher.update(view)
     if direct:
@@ -164,7 +164,19 @@ def _read_one(f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: 
     return result
 
 
-def _readinto(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
+def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
+    """Fill ``view`` from ``f`` in chunks of :data:`CHUNK_BYTES` (``readinto`` when the
+    file has it, so the bytes land in place without a copy).
+
+    Args:
+        f: a binary file positioned at the tensor's first byte.
+        view: the destination, ``len(view)`` bytes (a tensor's storage as bytes).
+        source: the file's URL, for the message.
+        name: the tensor's name, for the message.
+
+    Raises:
+        CorruptCheckpointError: the file ends before ``view`` is full (names file and tensor).
+    """
     done, total = 0, len(view)
     readinto = getattr(f, "readinto", None)
     while done < total:

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import torch
 
-from statekit.plugin_api import CHUNK_BYTES, DTYPE_FROM_CODE, NATIVE_DTYPES, CorruptCheckpointError, TensorEntry, TensorHeader
+from statekit.plugin_api import CHUNK_BYTES, DTYPE_FROM_CODE, NATIVE_DTYPES, CorruptCheckpointError, TensorEntry, TensorHeader, read_exactly_into
 
 
 @dataclass
@@ -50,22 +50,6 @@ def empty_for(entry: TensorEntry) -> tuple[torch.Tensor, memoryview]:
     tensor = stored.view(entry.dtype).reshape(entry.shape) if entry.dtype not in NATIVE_DTYPES else stored
     view = memoryview(stored.reshape(-1).view(torch.uint8).numpy()) if stored.numel() else memoryview(bytearray())
     return tensor, view
-
-
-def _readinto(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
-    done, total = 0, len(view)
-    readinto = getattr(f, "readinto", None)
-    while done < total:
-        want = min(CHUNK_BYTES, total - done)
-        if readinto is not None:
-            got = readinto(view[done : done + want])
-        else:
-            data = f.read(want)
-            got = len(data)
-            view[done : done + got] = data
-        if not got:
-            raise CorruptCheckpointError(f"{source}: truncated while reading tensor {name!r}", path=source)
-        done += got
 
 
 def stream(
@@ -108,7 +92,7 @@ def stream(
             if sink is not None and sink.memory is not None:
                 if len(sink.memory) != nbytes:
                     raise CorruptCheckpointError(f"{source}: tensor {e.name!r} size differs from its target", path=source)
-                _readinto(f, sink.memory, source, e.name)
+                read_exactly_into(f, sink.memory, source, e.name)
                 for start in range(0, nbytes, CHUNK_BYTES):
                     for out in outs:
                         out.write(sink.memory[start : start + CHUNK_BYTES])
@@ -117,7 +101,7 @@ def stream(
                     buffer.append(memoryview(bytearray(CHUNK_BYTES)))
                 for start in range(0, nbytes, CHUNK_BYTES):
                     piece = buffer[0][: min(CHUNK_BYTES, nbytes - start)]
-                    _readinto(f, piece, source, e.name)
+                    read_exactly_into(f, piece, source, e.name)
                     for out in outs:
                         out.write(piece)
         position += nbytes
