@@ -256,7 +256,16 @@ def loader_state(loader: Any) -> dict[str, Any]:
             # every batch was delivered: the generators already hold the next epoch's start state
             epoch, batches = epoch + 1, 0
             states = {role: gen.get_state() for role, gen in generators(loader).items()}
-    return {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states}
+    # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
+    return {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
+
+
+def dataset_length(loader: Any) -> int | None:
+    """``len(loader.dataset)``, or None for a dataset without a length (an iterable one)."""
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return None
 
 
 def restore_loader(loader: Any, state: dict[str, Any]) -> None:
@@ -267,14 +276,21 @@ def restore_loader(loader: Any, state: dict[str, Any]) -> None:
         state: what :func:`loader_state` returned at save time.
     """
     if state.get("tracked"):
+        batches = int(state["batches"])
+        saved_length, live_length = state.get("dataset_length"), dataset_length(loader)
+        if saved_length is not None and live_length is not None and saved_length != live_length:
+            # Another dataset length draws another permutation and other batches: the
+            # consumed-batch count no longer names the consumed samples, so the interrupted
+            # epoch restarts from its first batch (the resume fingerprint warns about it).
+            batches = 0
         position = track(loader)
         position.pending = {
             "epoch": int(state["epoch"]),
-            "batches": int(state["batches"]),
+            "batches": batches,
             "start_states": dict(state.get("start_states") or {}),
         }
         position.epoch = int(state["epoch"])
-        position.batches = int(state["batches"])
+        position.batches = batches
         if hasattr(loader, "iteration"):
             loader.iteration = int(state["epoch"])
         return
