@@ -26,6 +26,8 @@ __all__ = [
     "UnsupportedDtypeError",
     "UnsupportedValueError",
     "StorageError",
+    "ResumeFingerprintWarning",
+    "ResumeMismatchError",
 ]
 
 
@@ -52,6 +54,34 @@ class StatekitWarning(UserWarning):
     """Warned when statekit restores less than was saved, or a resume cannot be exact."""
 
     __module__ = "statekit"
+
+
+class ResumeFingerprintWarning(StatekitWarning):
+    """A setting the exactness of a resume depends on differs between the saved run and
+    the resuming one (the manifest's ``fingerprint``); the message names the setting, the
+    saved and the live value, and what it does to the resume."""
+
+    __module__ = "statekit"
+
+
+class ResumeMismatchError(StatekitError, ValueError):
+    """The resuming run differs from the saved one in a way that breaks an exact resume,
+    with ``strict_resume=True`` (or, always, a gradient accumulation change while the
+    checkpoint holds gradients saved mid-accumulation). Raised before anything is loaded.
+
+    Attributes:
+        differences: one message per difference: ``"<setting> <saved> -> <live>: <effect>"``.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, url: str, differences: Iterable[str]) -> None:
+        self.differences = list(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(
+            f"{url}: the resuming run differs from the saved one ({len(self.differences)} "
+            f"difference(s)); nothing was loaded:\n{lines}"
+        )
 
 
 class CheckpointNotFoundError(StatekitError, FileNotFoundError):
