@@ -25,11 +25,12 @@ LEAVES = {
     "UnsupportedValueError": TypeError,
     "UnsupportedDtypeError": TypeError,
     "StorageError": OSError,
+    "ResumeMismatchError": ValueError,
 }
 
 
 def test_every_error_is_listed():
-    exported = {name for name in errors.__all__ if name not in ("StatekitError", "StatekitWarning")}
+    exported = {name for name in errors.__all__ if name != "StatekitError" and not name.endswith("Warning")}
     assert exported == set(LEAVES)
 
 
@@ -52,6 +53,8 @@ def test_base_and_warning():
     assert statekit.StatekitWarning.__module__ == "statekit"
     assert issubclass(statekit.StatekitWarning, UserWarning)
     assert not issubclass(statekit.StatekitWarning, statekit.StatekitError)
+    assert issubclass(statekit.ResumeFingerprintWarning, statekit.StatekitWarning)
+    assert statekit.ResumeFingerprintWarning.__module__ == "statekit"
     assert repr(statekit.StatekitError("x")) == "StatekitError('x')"
 
 
