@@ -123,6 +123,8 @@ class StateMismatchError(StatekitError, ValueError):
         missing: keys the object expects and the checkpoint lacks.
         unexpected: keys the checkpoint has and the object does not expect.
         mismatched: ``key -> "saved ... vs expected ..."`` for shape or dtype differences.
+        reason: any other difference, in words (a saved Enum class this process has not
+            imported), or None.
     """
 
     __module__ = "statekit"
@@ -133,6 +135,7 @@ class StateMismatchError(StatekitError, ValueError):
         missing: Iterable[str] = (),
         unexpected: Iterable[str] = (),
         mismatched: dict[str, str] | None = None,
+        reason: str | None = None,
     ) -> None:
         self.missing = sorted(missing)
         self.unexpected = sorted(unexpected)
@@ -147,6 +150,9 @@ class StateMismatchError(StatekitError, ValueError):
                 "shape/dtype differences: "
                 + _preview([f"{k} ({v})" for k, v in sorted(self.mismatched.items())])
             )
+        self.reason = reason
+        if reason:
+            parts.append(reason)
         super().__init__("; ".join(parts))
 
 
