@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from statekit.api import fingerprint as fingerprints
 from statekit.api.saveload import context_for
 from statekit.engine import read
 from statekit.engine.context import CORE, Checkpoint
@@ -34,9 +35,14 @@ def load(
     per_rank: tuple[str, ...] | list[str] = (),
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
+    strict_resume: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Restore a mapping of stateful objects from a committed checkpoint, in place.
+
+    A training state (the mapping holds an optimizer, LR scheduler or data loader) is a
+    resume: the checkpoint's resume fingerprint is compared with the live objects first
+    (``docs/concepts.md``, Resume fingerprint); loading weights alone is not compared.
 
     Args:
         url: checkpoint directory URL.
@@ -49,6 +55,9 @@ def load(
         strict: False (the name torch and Accelerate use) loads what matches: a model
             gets the state dict keys it shares with the checkpoint, an object the
             checkpoint lacks is left alone; shapes and dtypes must still match.
+        strict_resume: raise :class:`ResumeMismatchError` for a fingerprint difference
+            instead of warning :class:`ResumeFingerprintWarning` (and compare even
+            when the mapping holds no training state).
         **options: options for plugins (``checkpoint.options``), e.g. ``device_map=``.
 
     Returns:
@@ -63,10 +72,13 @@ def load(
         StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.
         PluginMissingError: an object was saved by a plugin that is not installed.
         PluginError: a plugin failed, or did not take an object it owns.
+        ResumeMismatchError: see :func:`statekit.api.fingerprint.check`; nothing loaded.
     """
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
+    resume = strict_resume or any(e.kind in ("optimizer", "scheduler", "dataloader") for e in entries)
     return load_objects(
-        url, entries, verify=verify, storage_options=storage_options, options=options, allow_pickle=allow_pickle, strict=strict
+        url, entries, verify=verify, storage_options=storage_options, options=options, allow_pickle=allow_pickle,
+        strict=strict, compare_fingerprint=resume, strict_resume=strict_resume,
     )
 
 
@@ -80,11 +92,15 @@ def load_objects(
     accelerator: Any = None,
     allow_pickle: bool = False,
     strict: bool = True,
+    compare_fingerprint: bool = True,
+    strict_resume: bool = False,
 ) -> dict[str, Any]:
     """Load classified entries (the engine behind :func:`load` and the Accelerate bridge).
 
     A directory written by ``Accelerator.save_state`` (no manifest, or a manifest of
     attach mode) is read by :func:`statekit.foreign.accelerate.load`, all or nothing.
+    With ``compare_fingerprint`` the manifest's resume fingerprint is compared with the
+    live run before anything is loaded (:func:`statekit.api.fingerprint.check`).
 
     Returns:
         The manifest.
@@ -99,6 +115,9 @@ def load_objects(
         if accelerate_format.is_accelerate_checkpoint(storage):
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
         raise
+    if compare_fingerprint:
+        live = fingerprints.compute(entries, accelerator)
+        fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume, stacklevel=4)
     if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     pm = get_plugin_manager()

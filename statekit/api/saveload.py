@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from statekit import distributed
+from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
 from statekit.engine import commit as commits, write
 from statekit.engine.context import CORE, Checkpoint
@@ -120,6 +121,7 @@ def save_objects(
     commits.agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
     checkpoint = context_for(storage, "save", entries, accelerator, options, step=step, staging=staging)
+    fingerprint = fingerprints.compute(entries, accelerator, rng=[])  # now: an async save writes this moment's state
     models = [e.obj for e in entries if e.kind == "model"]
     owners: dict[str, str] = {}
     stage_error: Exception | None = None
@@ -139,7 +141,7 @@ def save_objects(
 
         try:
             commits.agree(flush, url)
-            manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive)
+            manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint)
         except BaseException:
             release_lock(storage, rank)  # nothing committed; a retry may take the directory
             raise
@@ -223,15 +225,18 @@ def _commit(
     owners: dict[str, str],
     metadata: dict[str, Any],
     exclusive: bool,
+    fingerprint: dict[str, Any],
 ) -> dict[str, Any]:
-    """Gather every rank's file entries to rank 0, build and commit the manifest there, share it."""
+    """Gather every rank's file entries to rank 0, build and commit the manifest there
+    (with the resume ``fingerprint``, its RNG kinds from what the plugins saved), share it."""
     plugins = _plugin_versions(pm, owners, checkpoint)
     files = commits.gather_files(checkpoint)
     manifest = None
     if checkpoint.rank == 0:
         distributions = {n: s.distribution for n, s in pm.sources.items() if s.distribution}
         objects = commits.objects_table(entries, owners, files, distributions)
-        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata)
+        fingerprint = {**fingerprint, "rng": fingerprints.rng_saved(checkpoint.all_records(), files)}
+        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata, fingerprint=fingerprint)
     storage = checkpoint.storage
     return commits.agree(
         lambda: commits.commit(storage, manifest, exclusive) if checkpoint.rank == 0 else None, storage.url, broadcast=True

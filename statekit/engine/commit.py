@@ -102,6 +102,7 @@ def build_manifest(
     plugins: dict[str, str],
     metadata: dict[str, Any] | None = None,
     records: dict[str, Any] | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
@@ -113,11 +114,13 @@ def build_manifest(
         plugins: plugin name -> version, for every plugin that wrote or owns something.
         metadata: JSON-able user metadata.
         records: plugin name -> records (default: the checkpoint's).
+        fingerprint: the resume fingerprint (JSON object, built by
+            :mod:`statekit.api.fingerprint`; the engine only records it); None: none.
 
     Returns:
         The manifest dict, ready for :func:`commit`.
     """
-    return {
+    manifest = {
         "format": fmt.FORMAT,
         "statekit_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -129,6 +132,9 @@ def build_manifest(
         "files": files,
         "metadata": dict(metadata or {}),
     }
+    if fingerprint is not None:
+        manifest["fingerprint"] = fingerprint
+    return manifest
 
 
 def commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[str, Any]:

@@ -72,7 +72,8 @@ def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
 
     Raises:
         FormatVersionError: ``format`` is not ``statekit/1`` (a newer or foreign format).
-        CorruptCheckpointError: a required field is missing or has the wrong type.
+        CorruptCheckpointError: a required field is missing or has the wrong type, or the
+            optional ``fingerprint`` is not an object.
     """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{source}: manifest is not a JSON object", path=source)
@@ -88,6 +89,8 @@ def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{source}: manifest field {key!r} missing or not {typ.__name__}", path=source)
     if manifest.get("step") is not None and (not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool)):
         raise CorruptCheckpointError(f"{source}: manifest field 'step' is not an integer", path=source)
+    if "fingerprint" in manifest and not isinstance(manifest["fingerprint"], dict):  # optional (older checkpoints lack it)
+        raise CorruptCheckpointError(f"{source}: manifest field 'fingerprint' is not an object", path=source)
     for path, entry in manifest["files"].items():
         check_relpath(path, source)
         if (

@@ -1,0 +1,379 @@
+"""The resume fingerprint: what an exact resume depends on, recorded at save time and
+compared with the resuming run.
+
+A checkpoint restores state, not settings. A run resumed with another per-device batch
+size, dataset length, sampler, world size, gradient accumulation or precision loads
+without an error and then trains differently from the run it continues. The manifest's
+``fingerprint`` (``docs/format.md``) records those settings; a resume
+(``CheckpointManager.resume``, ``statekit.load_state``, and ``statekit.load`` of a
+training state) compares it with the live run and, for each difference, warns with a
+:class:`ResumeFingerprintWarning` naming the setting, the saved and the live value, and
+what it does to the resume; with ``strict_resume=True`` it raises
+:class:`ResumeMismatchError` listing every difference instead, before anything is loaded.
+Version differences (python, torch, accelerate, statekit) are informational: they warn,
+never raise. A gradient accumulation change while the checkpoint holds gradients saved
+mid-accumulation always raises: those gradients cannot be used.
+
+The fingerprint (a JSON object; a value that cannot be determined is null and is not
+compared; a checkpoint without a fingerprint is not compared at all)::
+
+    {"world_size": 2, "gradient_accumulation_steps": 4, "accumulating": false,
+     "mixed_precision": "bf16", "rng": ["numpy", "python", "torch"],
+     "dataloaders": {"dataloader_0": {"batch_size": 8, "dataset_length": 60000,
+         "drop_last": false, "even_batches": true, "num_workers": 2,
+         "sampler": "RandomSampler", "shuffle": true, "seed": null}},
+     "versions": {"python": "3.11.9", "torch": "2.13.0", "accelerate": "1.15.0",
+         "statekit": "0.4.0"}}
+
+The settings follow what Accelerate's ``prepare_data_loader`` and ``BatchSamplerShard``
+use to shard an epoch (``batch_size``, ``drop_last``, ``even_batches``, ``split_batches``:
+https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py) and
+what :mod:`statekit.engine.data` needs to replay one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import platform
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from statekit import distributed
+from statekit._version import __version__
+from statekit.engine import data
+from statekit.engine.entries import Entry
+from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError
+from statekit.hooks.registry import get_plugin_manager
+
+CPU_RNG_KINDS = ("numpy", "python", "torch")
+"""The host generators statekit-rng (and Accelerate's ``save_state``) save."""
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None = None) -> dict[str, Any]:
+    """The fingerprint of the live run.
+
+    Args:
+        entries: the objects saved or loaded (their data loaders are described by key).
+        accelerator: the run's ``accelerate.Accelerator``, or None (the mapping API:
+            gradient accumulation and mixed precision are then null, not compared).
+        rng: the RNG kinds; None: those the installed plugins restore (:func:`rng_live`).
+
+    Returns:
+        The fingerprint dict (module docstring), strict JSON.
+    """
+    world_size = distributed.rank_and_world_size()[1]
+    steps = getattr(accelerator, "gradient_accumulation_steps", None) if accelerator is not None else None
+    precision = getattr(accelerator, "mixed_precision", None) if accelerator is not None else None
+    return {
+        "world_size": world_size,
+        "gradient_accumulation_steps": int(steps) if steps is not None else None,
+        "accumulating": _accumulating(accelerator) if accelerator is not None else None,
+        "mixed_precision": str(precision) if precision is not None else None,
+        "rng": sorted(rng) if rng is not None else rng_live(),
+        "dataloaders": {e.key: loader_fingerprint(e.obj, accelerator, world_size) for e in entries if data.is_loader(e.obj)},
+        "versions": versions(),
+    }
+
+
+def _accumulating(accelerator: Any) -> bool:
+    """Between two optimizer steps of gradient accumulation (Accelerate's counters, as
+    ``statekit.engine.gradients.accumulating`` reads them)."""
+    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+    return steps > 1 and not bool(getattr(accelerator, "sync_gradients", True))
+
+
+def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1) -> dict[str, Any]:
+    """What a data loader's position depends on.
+
+    Args:
+        loader: a ``torch.utils.data.DataLoader`` or an Accelerate-prepared one.
+        accelerator: its Accelerator (``even_batches`` when the batch sampler has none).
+        world_size: processes sharing the loader's epoch (Accelerate's ``total_batch_size``
+            spans them all).
+
+    Returns:
+        ``{"batch_size"`` (per device), ``"dataset_length"``, ``"drop_last"``,
+        ``"even_batches"``, ``"num_workers"``, ``"sampler"`` (class name), ``"shuffle"``,
+        ``"seed"}``; None where the loader does not say.
+    """
+    batch_sampler = _get(loader, "batch_sampler")
+    sampler = data.sampler_of(loader)
+    total = _get(loader, "total_batch_size")  # Accelerate's: every process's batches together
+    if isinstance(total, int) and _get(loader, "_is_accelerate_prepared"):
+        batch_size = total // max(int(getattr(accelerator, "num_processes", world_size) or 1), 1)
+    else:
+        batch_size = _get(loader, "batch_size") or _get(batch_sampler, "batch_size")
+    even = _get(batch_sampler, "even_batches")
+    if even is None and accelerator is not None and _get(loader, "_is_accelerate_prepared"):
+        even = getattr(accelerator, "even_batches", None)
+    drop_last = _get(batch_sampler, "drop_last")
+    return {
+        "batch_size": _int(batch_size),
+        "dataset_length": data.dataset_length(loader),
+        "drop_last": bool(drop_last if drop_last is not None else _get(loader, "drop_last")),
+        "even_batches": bool(even) if even is not None else None,
+        "num_workers": _int(_get(loader, "num_workers")),
+        "sampler": type(sampler).__name__ if sampler is not None else None,
+        "shuffle": _shuffles(sampler),
+        "seed": _int(_get(sampler, "seed", _get(sampler, "initial_seed"))),
+    }
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    """An attribute, or ``default`` where reading it fails (adapters delegate lazily)."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # a property of a half-built or iterable-dataset loader
+        return default
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _shuffles(sampler: Any) -> bool | None:
+    if isinstance(sampler, torch.utils.data.RandomSampler):  # Accelerate's SeedableRandomSampler too
+        return True
+    if isinstance(sampler, torch.utils.data.SequentialSampler):
+        return False
+    shuffle = _get(sampler, "shuffle")  # DistributedSampler
+    return shuffle if isinstance(shuffle, bool) else None
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    """``{"python", "torch", "statekit"}`` and ``"accelerate"`` when installed (read from
+    its distribution metadata: accelerate is not imported)."""
+    found = {"python": platform.python_version(), "torch": torch.__version__, "statekit": __version__}
+    try:
+        found["accelerate"] = importlib.metadata.version("accelerate")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return found
+
+
+def rng_live() -> list[str]:
+    """The RNG kinds this process restores: the host generators and the accelerator's
+    device type when a plugin manages RNG state (statekit-rng), else none."""
+    if not get_plugin_manager().manages_rng():
+        return []
+    kinds = list(CPU_RNG_KINDS)
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None and accel.is_available():
+        kinds.append(accel.current_accelerator().type)
+    return sorted(kinds)
+
+
+def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]:
+    """The RNG kinds a checkpoint holds, from statekit-rng's records (``records["rng"]``:
+    host generators and ``device_type``) or Accelerate's ``random_states_<i>.pkl`` files.
+
+    Args:
+        records: the manifest's records (plugin name -> records).
+        files: the manifest's files (relative path -> entry).
+
+    Returns:
+        Sorted kind names; empty when no random state was saved.
+    """
+    rng = records.get("rng")
+    if isinstance(rng, Mapping):
+        return sorted([*CPU_RNG_KINDS, *([rng["device_type"]] if rng.get("device_type") else [])])
+    if any(p.startswith("random_states_") for p in files):  # Accelerate's own (attach mode)
+        return list(CPU_RNG_KINDS)
+    return []
+
+
+# --------------------------------------------------------------------------- compare
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One setting that differs between the saved run and the resuming one.
+
+    Attributes:
+        setting: the setting's name as messages show it ("dataset length").
+        saved: the saved value.
+        live: the live value.
+        effect: what the difference does to the resume.
+        level: ``"info"`` (warned, never raised: versions), ``"warning"`` (raised with
+            ``strict_resume``) or ``"error"`` (always raised).
+        where: the data loader's key, for a loader setting.
+    """
+
+    setting: str
+    saved: Any
+    live: Any
+    effect: str
+    level: str = "warning"
+    where: str | None = None
+
+    @property
+    def message(self) -> str:
+        """``"<setting> <saved> -> <live> (<where>): <effect>"``."""
+        where = f" ({self.where})" if self.where else ""
+        return f"{self.setting} {_show(self.saved)} -> {_show(self.live)}{where}: {self.effect}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
+_RUN_EFFECTS = {
+    "world_size": ("world size", "the data position is remapped to the new world size (elastic resume)"),
+    "mixed_precision": (
+        "mixed precision",
+        "forward and backward run in another precision: losses will not match bit for bit",
+    ),
+}
+
+_LOADER_EFFECTS = {
+    "dataset_length": ("dataset length", "the data position cannot be mapped; the epoch restarts"),
+    "batch_size": (
+        "per-device batch size",
+        "the saved position counts batches of the old size: the interrupted epoch resumes at "
+        "another sample (samples are skipped or seen twice)",
+    ),
+    "sampler": ("sampler", "the epoch's order differs: the saved position names other samples"),
+    "shuffle": ("shuffle", "the epoch's order differs: the saved position names other samples"),
+    "seed": ("sampler seed", "the epoch's permutation differs: the saved position names other samples"),
+    "drop_last": ("drop_last", "the epoch's last, partial batch is kept or dropped differently: the epoch's end differs"),
+    "even_batches": (
+        "even_batches",
+        "the epoch's last batches are padded differently across ranks: samples at the epoch's end are "
+        "repeated or left out differently",
+    ),
+    "num_workers": (
+        "num_workers",
+        "batches are built in other processes with their own seeds: random transforms inside the dataset "
+        "draw other numbers (a deterministic dataset gives the same batches)",
+    ),
+}
+
+_VERSION_EFFECTS = {
+    "torch": "kernels may differ, losses may not match bit for bit",
+    "accelerate": "its data sharding and RNG handling may differ, losses may not match bit for bit",
+    "python": "the random module and hashing may differ, losses may not match bit for bit",
+    "statekit": "informational: the checkpoint was written by another statekit",
+}
+
+
+def compare(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[Difference]:
+    """Every difference between a saved fingerprint and the live one.
+
+    A field null (or absent) on either side is not compared; a data loader only one side
+    has is not compared (``strict=False`` loads may leave it out).
+
+    Args:
+        saved: the manifest's ``fingerprint``.
+        live: :func:`compute` of the resuming run.
+
+    Returns:
+        The differences, run settings first, then per data loader, then versions.
+    """
+    out = [_accumulation(saved, live)] if _differs(saved, live, "gradient_accumulation_steps") else []
+    for key, (setting, effect) in _RUN_EFFECTS.items():
+        if _differs(saved, live, key):
+            out.append(Difference(setting, saved[key], live[key], effect))
+    if _differs(saved, live, "rng"):
+        out.append(_rng(saved["rng"], live["rng"]))
+    live_loaders = live.get("dataloaders") or {}
+    for name, loader in sorted((saved.get("dataloaders") or {}).items()):
+        if isinstance(loader, Mapping) and isinstance(live_loaders.get(name), Mapping):
+            for key, (setting, effect) in _LOADER_EFFECTS.items():
+                if _differs(loader, live_loaders[name], key):
+                    out.append(Difference(setting, loader[key], live_loaders[name][key], effect, where=name))
+    saved_versions, live_versions = saved.get("versions") or {}, live.get("versions") or {}
+    for name, effect in _VERSION_EFFECTS.items():
+        if _differs(saved_versions, live_versions, name):
+            out.append(Difference(name, saved_versions[name], live_versions[name], effect, level="info"))
+    return out
+
+
+def _differs(saved: Mapping[str, Any], live: Mapping[str, Any], key: str) -> bool:
+    a, b = saved.get(key), live.get(key)
+    if isinstance(a, list) and isinstance(b, list):
+        return sorted(map(str, a)) != sorted(map(str, b))
+    return a is not None and b is not None and a != b
+
+
+def _accumulation(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Difference:
+    before, after = saved["gradient_accumulation_steps"], live["gradient_accumulation_steps"]
+    if saved.get("accumulating"):
+        return Difference(
+            "gradient accumulation steps",
+            before,
+            after,
+            f"the checkpoint holds gradients saved mid-accumulation (a window of {before} micro-batches), "
+            f"which cannot be used in windows of {after}; resume with gradient_accumulation_steps={before} "
+            "or from a checkpoint saved at an optimizer step (accelerator.sync_gradients True)",
+            level="error",
+        )
+    return Difference(
+        "gradient accumulation steps",
+        before,
+        after,
+        "each optimizer step sums another number of micro-batches: optimizer steps and the "
+        "learning-rate schedule after the resume differ from the saved run's",
+    )
+
+
+def _rng(saved: list[str], live: list[str]) -> Difference:
+    lost = sorted(set(saved) - set(live))
+    new = sorted(set(live) - set(saved))
+    parts = []
+    if lost:
+        parts.append(f"the saved {', '.join(lost)} random state is not restored here (statekit-rng not installed, "
+                     "or another device)")
+    if new:
+        parts.append(f"the checkpoint holds no {', '.join(new)} random state; those generators continue from "
+                     "this process's seed")
+    return Difference("RNG state", sorted(saved), sorted(live), "; ".join(parts) + ": random draws (dropout, "
+                      "augmentation) differ from the saved run's")
+
+
+def check(
+    manifest: Mapping[str, Any], live: Mapping[str, Any], url: str, *, strict_resume: bool = False, stacklevel: int = 3
+) -> list[Difference]:
+    """Compare a checkpoint's fingerprint with the live run: warn, or raise.
+
+    Args:
+        manifest: the checkpoint's manifest; without ``fingerprint`` (written before it
+            existed, or by Accelerate itself) nothing is compared.
+        live: :func:`compute` of the resuming run.
+        url: the checkpoint URL, for messages.
+        strict_resume: raise instead of warning for every difference but versions.
+        stacklevel: of the warnings (point them at the user's call).
+
+    Returns:
+        The differences found (each warned, unless raised).
+
+    Raises:
+        ResumeMismatchError: ``strict_resume`` and a setting other than a version
+            differs, or gradients saved mid-accumulation meet another
+            ``gradient_accumulation_steps`` (always); lists every non-version difference.
+            Version differences are warned first.
+    """
+    saved = manifest.get("fingerprint")
+    if not isinstance(saved, Mapping):
+        return []
+    if any(p.startswith("random_states_") for p in manifest.get("files", {})):
+        # Accelerate's own random states: its loader restores them whatever is installed
+        live = {**live, "rng": sorted(set(live.get("rng") or []) | set(CPU_RNG_KINDS))}
+    differences = compare(saved, live)
+    refused = [d for d in differences if d.level == "error" or (strict_resume and d.level == "warning")]
+    for d in differences:
+        if not refused or d.level == "info":
+            warnings.warn(f"{url}: resume fingerprint: {d.message}", ResumeFingerprintWarning, stacklevel=stacklevel)
+    if refused:
+        raise ResumeMismatchError(url, [d.message for d in differences if d.level != "info"])
+    return differences
