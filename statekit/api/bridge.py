@@ -136,6 +136,7 @@ def load_state(
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
+    strict_resume: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Restore a run saved by :func:`save_state`, or a directory written by
@@ -150,6 +151,9 @@ def load_state(
         storage_options: fsspec options.
         strict: False loads what matches (see :func:`statekit.load`); not for a
             directory written by ``Accelerator.save_state``, which loads all or nothing.
+        strict_resume: raise :class:`ResumeMismatchError` when the checkpoint's resume
+            fingerprint differs from this run (other than versions) instead of warning
+            :class:`ResumeFingerprintWarning` (:mod:`statekit.api.fingerprint`).
         **options: plugin options.
 
     Returns:
@@ -160,6 +164,7 @@ def load_state(
             ``IncompleteCheckpointError``, ``CorruptCheckpointError``,
             ``StateMismatchError``, ``PluginError``, ``PluginMissingError``).
         PickleNotAllowedError: an Accelerate-format directory and not ``allow_pickle``.
+        ResumeMismatchError: see ``strict_resume``; nothing was loaded.
     """
     _ensure_hooks_plugin(get_plugin_manager())
     return loading.load_objects(
@@ -171,4 +176,5 @@ def load_state(
         accelerator=accelerator,
         allow_pickle=allow_pickle,
         strict=strict,
+        strict_resume=strict_resume,
     )

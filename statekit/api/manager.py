@@ -25,6 +25,7 @@ from statekit.errors import (
     CheckpointInUseError,
     CheckpointNotFoundError,
     PickleNotAllowedError,
+    ResumeMismatchError,
     StatekitError,
     StatekitWarning,
     StateMismatchError,
@@ -261,7 +262,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resume
 
-    def resume(self, *, verify: bool = True, strict: bool = True) -> int | None:
+    def resume(self, *, verify: bool = True, strict: bool = True, strict_resume: bool = False) -> int | None:
         """Load the newest committed checkpoint that loads cleanly; return its step.
 
         A checkpoint that fails verification or loading is skipped with a
@@ -274,10 +275,17 @@ class CheckpointManager:
         skipped with a warning, like a corrupt checkpoint. Pickle files load only with
         the manager's ``allow_pickle=True``.
 
+        Before loading, the checkpoint's resume fingerprint is compared with the run
+        (``docs/concepts.md``, Resume fingerprint): each difference is a
+        :class:`ResumeFingerprintWarning` naming the setting, the saved and the live value
+        and what it does to the resume.
+
         Args:
             verify: check sizes and checksums while reading.
             strict: False loads what matches (see :func:`statekit.load`); the missing and
                 unexpected keys are in ``self.resumed_manifest["incompatible_keys"]``.
+            strict_resume: raise :class:`ResumeMismatchError` for a fingerprint
+                difference other than a version, instead of warning.
 
         Returns:
             The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
@@ -286,6 +294,9 @@ class CheckpointManager:
 
         Raises:
             StateMismatchError: the run's objects do not fit the checkpoint.
+            ResumeMismatchError: ``strict_resume`` and the run differs from the newest
+                checkpoint's (every difference listed; nothing loaded), or gradients saved
+                mid-accumulation meet another ``gradient_accumulation_steps``.
             PickleNotAllowedError: an Accelerate folder needs pickle and not ``allow_pickle``.
             StatekitError: every committed checkpoint failed to load (the last error,
                 naming its folder).
@@ -294,8 +305,8 @@ class CheckpointManager:
         last_error: StatekitError | None = None
         for info in reversed([i for i in self.list() if i.committed]):
             try:
-                manifest = self._load(info.url, verify, strict)
-            except PickleNotAllowedError:
+                manifest = self._load(info.url, verify, strict, strict_resume)
+            except (PickleNotAllowedError, ResumeMismatchError):  # the run's settings: an older checkpoint fits no better
                 raise
             except StateMismatchError as exc:
                 if not (info.accelerate and exc.missing and not exc.mismatched):
@@ -323,8 +334,12 @@ class CheckpointManager:
             raise last_error
         return None
 
-    def _load(self, url: str, verify: bool, strict: bool) -> dict[str, Any]:
-        common = dict(verify=verify, storage_options=self.storage_options, allow_pickle=self.allow_pickle, strict=strict)
+    def _load(self, url: str, verify: bool, strict: bool, strict_resume: bool) -> dict[str, Any]:
+        common = dict(
+            verify=verify, storage_options=self.storage_options, allow_pickle=self.allow_pickle, strict=strict,
+            strict_resume=strict_resume,
+        )
         if self.accelerator is not None:
             return load_state(self.accelerator, url, **common, **self.options)
-        return loading.load(url, self.objects, **common, **self.options)
+        entries = [classify(k, v) for k, v in self.objects.items()]  # a resume: the fingerprint is always compared
+        return loading.load_objects(url, entries, options=self.options, **common)
