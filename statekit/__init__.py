@@ -38,6 +38,7 @@ from statekit.errors import (
 )
 from statekit.api.listing import CheckpointInfo
 from statekit.api.manager import CheckpointManager
+from statekit.api.trainer_hook import CheckpointHook, TrainerProgress
 from statekit.hooks.registry import get_plugin_manager, hookimpl
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointHook",
     "CheckpointExistsError",
     "CheckpointInUseError",
     "CheckpointNotFoundError",
@@ -62,6 +64,7 @@ __all__ = [
     "StatekitError",
     "StatekitWarning",
     "StorageError",
+    "TrainerProgress",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
     "attach",
