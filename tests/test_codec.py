@@ -223,7 +223,7 @@ def test_bytes():
     out = roundtrip(state)
     assert out["b"] == b"\x00\xffabc" and type(out["b"]) is bytes
     assert out["e"] == b""
-    assert out["ba"] == b"xy"  # bytearray comes back as bytes
+    assert out["ba"] == b"xy" and type(out["ba"]) is bytearray  # codec version 2: no longer narrowed to bytes
 
 
 def test_torch_dtype_and_size():
@@ -327,9 +327,9 @@ def test_colliding_tensor_names_are_unique():
         ({"opt": {"param_groups": [{"lr": 0.1, "fn": lambda x: x}]}}, "state['opt']['param_groups'][0]['fn']"),
         ({"a": [1, (2, object())]}, "state['a'][1][1]"),
         ({5: {"k": print}}, "state[5]['k']"),
-        ([{"x": complex(1, 2)}], "state[0]['x']"),
+        ([{"x": range(3)}], "state[0]['x']"),
     ],
-    ids=["lambda", "object", "builtin", "complex"],
+    ids=["lambda", "object", "builtin", "range"],
 )
 def test_unsupported_value_names_key_path(state, where):
     with pytest.raises(UnsupportedValueError) as info:

@@ -342,13 +342,15 @@ class Checkpoint(CheckpointReads):
             The relative paths written.
 
         Raises:
-            UnsupportedValueError: a value cannot be stored without pickle (names its key path).
+            UnsupportedValueError: a value cannot be stored with its exact type without pickle
+                (names its key path, ``<base>/config/mode``, and its type), before any file is written.
         """
-        skeleton, tensors = codec.encode(state)
+        skeleton, tensors = codec.encode(state, root=base)
         written = []
         if tensors:
             self.save_tensors(f"{base}.safetensors", tensors)
             written.append(f"{base}.safetensors")
-        self.save_json(f"{base}.json", {"format": fmt.FORMAT, "tensors": bool(tensors), "state": skeleton})
+        doc = {"format": fmt.FORMAT, "codec": codec.VERSION, "tensors": bool(tensors), "state": skeleton}
+        self.save_json(f"{base}.json", doc)
         written.append(f"{base}.json")
         return written

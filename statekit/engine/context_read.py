@@ -153,9 +153,13 @@ class CheckpointReads:
 
         Raises:
             CorruptCheckpointError: a file is missing, malformed or fails verification.
+            StateMismatchError: a saved Enum or namedtuple class is not imported in this
+                process (loading never imports code), or lacks the saved value.
+            FormatVersionError: the file's codec version is newer than this statekit reads.
         """
         doc = self.load_json(f"{base}.json")
         if not isinstance(doc, dict) or "state" not in doc:
             raise CorruptCheckpointError(f"{self.url}/{base}.json: not a statekit state file", path=f"{self.url}/{base}.json")
         tensors = self.load_tensors(f"{base}.safetensors") if doc.get("tensors") else {}
-        return codec.decode(doc["state"], tensors, source=f"{self.url}/{base}.json")
+        source = f"{self.url}/{base}.json"
+        return codec.decode(doc["state"], tensors, source=source, root=base, version=doc.get("codec", 1))

@@ -5,246 +5,452 @@ a data loader position...) and returns a JSON-able *skeleton* in which every ten
 NumPy array is replaced by a reference to an entry of a flat ``{name: torch.Tensor}``
 mapping, which the format layer writes to a safetensors file. ``decode`` reverses it.
 
-Representation (plain JSON where JSON is exact, a one-key tagged object elsewhere):
+Every value comes back with its exact type, or is refused at save time with
+:class:`statekit.UnsupportedValueError` naming its key path (``custom_0/config/mode``) and
+its type; a subclass of a stored type is refused, never narrowed (the rules are in
+:mod:`statekit.format.codec_types`). Representation (plain JSON where JSON is exact, a
+one-key tagged object elsewhere; codec version 2 added the tags marked 2):
 
-==========================  ======================================================
-value                       skeleton
-==========================  ======================================================
-None, bool, int, str        itself
-float (finite)              itself (``-0.0`` kept)
-float inf / -inf / nan      ``{"__float__": "inf" | "-inf" | "nan"}``
-list                        list
-tuple / torch.Size          ``{"__tuple__": [...]}`` / ``{"__size__": [...]}``
-set / frozenset             ``{"__set__": [...]}`` / ``{"__frozenset__": [...]}``
-dict, str keys, no tag key  object (insertion order kept)
-any other dict              ``{"__dict__": [[key, value], ...]}`` (int, float, tuple... keys)
-torch.Tensor                ``{"__tensor__": name}``
-numpy.ndarray               ``{"__ndarray__": name}`` (stored as a tensor)
-numpy scalar                ``{"__npscalar__": name}`` (a 0-dim array)
-torch.dtype                 ``{"__dtype__": "float32"}``
-bytes                       ``{"__bytes__": base64}``
-==========================  ======================================================
+============================  =====================================================================
+value (exact type)            skeleton
+============================  =====================================================================
+None, bool, str               itself
+int                           itself; beyond 2000 bits ``{"__int__": "-0x1f..."}`` (2)
+float                         itself (``-0.0`` kept); ``{"__float__": "inf" | "-inf" | "nan"}``
+complex                       ``{"__complex__": [real, imag]}`` (2)
+list                          list
+tuple / torch.Size            ``{"__tuple__": [...]}`` / ``{"__size__": [...]}``
+namedtuple                    ``{"__namedtuple__": ["module:qualname", [...]]}`` (2)
+set / frozenset               ``{"__set__": [...]}`` / ``{"__frozenset__": [...]}``
+dict, str keys, no tag key    object (insertion order kept)
+any other dict                ``{"__dict__": [[key, value], ...]}`` (int, float, tuple... keys)
+collections.OrderedDict       ``{"__odict__": [[key, value], ...]}`` (2)
+collections.defaultdict       ``{"__defaultdict__": ["list", [[key, value], ...]]}`` (2)
+enum.Enum member              ``{"__enum__": ["module:qualname", value]}`` (2)
+torch.Tensor                  ``{"__tensor__": name}``; requires_grad: ``{"__gradtensor__": name}`` (2)
+torch.nn.Parameter            ``{"__parameter__": [name, requires_grad]}`` (2)
+numpy.ndarray                 ``{"__ndarray__": name}``; big-endian: ``{"__ndarray_dtype__": [name, ">i4"]}`` (2)
+numpy scalar                  ``{"__npscalar__": name}`` (a 0-dim array)
+torch.dtype / torch.device    ``{"__dtype__": "float32"}`` / ``{"__device__": "cuda:0"}`` (2)
+bytes / bytearray             ``{"__bytes__": base64}`` / ``{"__bytearray__": base64}`` (2)
+fractions.Fraction            ``{"__fraction__": [numerator, denominator]}`` (2)
+decimal.Decimal               ``{"__decimal__": "1.50"}`` (2)
+============================  =====================================================================
 
-Anything else raises :class:`statekit.UnsupportedValueError` naming its key path.
+Anything else raises :class:`statekit.UnsupportedValueError` naming its key path and type.
 """
 
 from __future__ import annotations
 
 import base64
+import enum
 import math
 import sys
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from statekit.errors import CorruptCheckpointError, UnsupportedValueError
+from statekit.errors import CorruptCheckpointError, FormatVersionError, StatekitError, StateMismatchError
+from statekit.format import codec_types as ct
 
-_TAGS = frozenset(
-    {
-        "__float__",
-        "__tuple__",
-        "__size__",
-        "__set__",
-        "__frozenset__",
-        "__dict__",
-        "__tensor__",
-        "__ndarray__",
-        "__npscalar__",
-        "__dtype__",
-        "__bytes__",
-    }
+VERSION = 2
+"""The codec version :func:`encode` writes (``"codec"`` in a state file); 1 (no
+``"codec"`` key) is the version before the tags marked 2 in the module table."""
+
+_V1_TAGS = frozenset(
+    {"__float__", "__tuple__", "__size__", "__set__", "__frozenset__", "__dict__"}
+    | {"__tensor__", "__ndarray__", "__npscalar__", "__dtype__", "__bytes__"}
 )
+_V2_TAGS = frozenset(
+    {"__int__", "__complex__", "__namedtuple__", "__odict__", "__defaultdict__", "__enum__", "__gradtensor__"}
+    | {"__parameter__", "__ndarray_dtype__", "__device__", "__bytearray__", "__fraction__", "__decimal__"}
+)
+_TAGS = _V1_TAGS | _V2_TAGS
+"""Every tag; a str-keyed dict with one of them as a key is escaped as ``__dict__``."""
+_TAGS_BY_VERSION = {1: _V1_TAGS, 2: _TAGS}
 
 
-def encode(state: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+def encode(state: Any, prefix: str = "", root: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``state`` into a JSON-able skeleton and a flat tensor mapping.
 
     Args:
         state: a nested structure of the types in the module table.
         prefix: prepended to tensor names (``"state.0.exp_avg"``), for readable files.
+        root: the state's own key (the file base, ``"custom_0"``), first in error key paths.
 
     Returns:
         ``(skeleton, tensors)``: ``skeleton`` is ``json.dumps``-able with
-        ``allow_nan=False``; ``tensors`` maps unique names to the original tensors (not
-        copies). A tensor that appears twice (same object) is stored once.
+        ``allow_nan=False`` at any ``sys.set_int_max_str_digits`` setting; ``tensors``
+        maps unique names to the original tensors (not copies; a NumPy array in native
+        byte order shares its memory). A tensor that appears twice (same object) is
+        stored once.
 
     Raises:
-        UnsupportedValueError: a value has no representation; the message gives its key
-            path (``state['opt']['param_groups'][0]['fn']``).
+        UnsupportedValueError: a value has no exact representation; the message gives its
+            key path and Python position (``custom_0/opt/fn (state['opt']['fn'])``) and type.
     """
-    encoder = _Encoder()
-    skeleton = encoder.encode(state, prefix, "state")
+    encoder = _Encoder(prefix, root)
+    skeleton = encoder.encode(state, ())
     return skeleton, encoder.tensors
 
 
-def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor], source: str = "<memory>") -> Any:
+def decode(
+    skeleton: Any, tensors: Mapping[str, torch.Tensor], source: str = "<memory>", root: str = "", version: int = VERSION
+) -> Any:
     """Rebuild the state ``encode`` split.
 
     Args:
         skeleton: the JSON skeleton.
         tensors: the tensors it references, by name.
         source: the file the skeleton came from, for error messages.
+        root: the state's own key, first in error key paths.
+        version: the codec version that wrote it (a state file's ``"codec"``; 1 without one).
+            Version 1 skeletons know only the version-1 tags: a dict that looks like a newer
+            tag is plain data there.
 
     Returns:
-        The state, with tuples, int keys, NumPy arrays and scalars restored.
+        The state, every value with the type it was saved with.
 
     Raises:
         CorruptCheckpointError: the skeleton is malformed or references a missing tensor.
+        StateMismatchError: a saved Enum or namedtuple class is not imported in this process
+            (statekit never imports while loading), or no longer has the saved value.
+        FormatVersionError: ``version`` is newer than this statekit reads.
     """
-    return _decode(skeleton, tensors, source, "state")
+    if type(version) is not int or version not in _TAGS_BY_VERSION:
+        raise FormatVersionError(f"{source}: codec version {version!r}; this statekit reads versions 1 to {VERSION}, upgrade it")
+    return _Decoder(tensors, source, root, _TAGS_BY_VERSION[version]).decode(skeleton, ())
+
+
+def _item(parts: ct.Parts, key: Any) -> ct.Parts:
+    return (*parts, ("item", key))
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, prefix: str, root: str) -> None:
+        self.prefix, self.root = prefix, root
         self.tensors: dict[str, torch.Tensor] = {}
         self._names_by_id: dict[int, str] = {}
+        self._exact: dict[type, Callable[[Any, ct.Parts], Any]] = {
+            type(None): _itself, bool: _itself, str: _itself, int: _int, float: _float, complex: self._complex,
+            list: self._list, tuple: self._tuple, dict: self._dict, OrderedDict: self._pairs, defaultdict: self._defaultdict,
+            set: self._set, frozenset: self._set, bytes: _bytes, bytearray: _bytes,
+            torch.Tensor: self._tensor, torch.nn.Parameter: self._tensor, torch.Size: _size,
+            torch.dtype: _dtype, torch.device: _device,
+        }  # fmt: skip
 
-    def _name(self, path: str) -> str:
+    def where(self, parts: ct.Parts) -> str:
+        return ct.describe(self.root, parts)
+
+    def _store(self, t: torch.Tensor, parts: ct.Parts) -> str:
+        existing = self._names_by_id.get(id(t))
+        if existing is not None:
+            return existing
+        segments = ["key" if kind == "key" else str(p) for kind, p in parts]
+        path = ".".join([self.prefix, *segments] if self.prefix else segments)
         name = path or "tensor"
         i = 1
         while name in self.tensors:
             name = f"{path}#{i}"
             i += 1
-        return name
-
-    def _tensor(self, t: torch.Tensor, path: str) -> str:
-        existing = self._names_by_id.get(id(t))
-        if existing is not None:
-            return existing
-        name = self._name(path)
         self.tensors[name] = t
         self._names_by_id[id(t)] = name
         return name
 
-    def encode(self, v: Any, path: str, where: str) -> Any:
-        if v is None or isinstance(v, (bool, str)):
-            return v
-        if isinstance(v, int):
-            return int(v)
-        if isinstance(v, float) and not _is_numpy(v):
-            if math.isfinite(v):
-                return float(v)
-            return {"__float__": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if isinstance(v, torch.Tensor):
-            if _is_dtensor(v):
-                raise UnsupportedValueError(
-                    f"{where} is a DTensor (a shard of a distributed tensor); install and enable "
-                    "statekit-fsdp to save sharded models, the core path never writes a shard as a whole tensor"
-                )
-            return {"__tensor__": self._tensor(v, path)}
-        if isinstance(v, torch.Size):
-            return {"__size__": [int(x) for x in v]}
-        if isinstance(v, tuple):
-            return {"__tuple__": [self.encode(x, _join(path, i), f"{where}[{i}]") for i, x in enumerate(v)]}
-        if isinstance(v, list):
-            return [self.encode(x, _join(path, i), f"{where}[{i}]") for i, x in enumerate(v)]
-        if isinstance(v, Mapping):
-            return self._mapping(v, path, where)
-        if isinstance(v, (set, frozenset)):
-            tag = "__frozenset__" if isinstance(v, frozenset) else "__set__"
-            return {tag: [self.encode(x, _join(path, i), f"{where}{{{i}}}") for i, x in enumerate(v)]}
-        if isinstance(v, torch.dtype):
-            return {"__dtype__": str(v).removeprefix("torch.")}
-        if isinstance(v, (bytes, bytearray)):
-            return {"__bytes__": base64.b64encode(bytes(v)).decode("ascii")}
+    def encode(self, v: Any, parts: ct.Parts) -> Any:
+        method = self._exact.get(type(v))
+        return method(v, parts) if method is not None else self._other(v, parts)
+
+    def _complex(self, v: complex, parts: ct.Parts) -> Any:
+        return {"__complex__": [_float(v.real, parts), _float(v.imag, parts)]}
+
+    def _list(self, v: list[Any], parts: ct.Parts) -> Any:
+        return [self.encode(x, _item(parts, i)) for i, x in enumerate(v)]
+
+    def _tuple(self, v: tuple[Any, ...], parts: ct.Parts) -> Any:
+        return {"__tuple__": self._list(v, parts)}  # type: ignore[arg-type]
+
+    def _set(self, v: set[Any] | frozenset[Any], parts: ct.Parts) -> Any:
+        tag = "__frozenset__" if type(v) is frozenset else "__set__"
+        return {tag: [self.encode(x, (*parts, ("member", i))) for i, x in enumerate(v)]}
+
+    def _dict(self, m: dict[Any, Any], parts: ct.Parts) -> Any:
+        if all(type(k) is str and k not in _TAGS for k in m):
+            return {k: self.encode(v, _item(parts, k)) for k, v in m.items()}
+        return {"__dict__": self._pairs(m, parts)["__odict__"]}
+
+    def _pairs(self, m: Mapping[Any, Any], parts: ct.Parts) -> Any:
+        keys = (*parts, ("key", None))
+        return {"__odict__": [[self.encode(k, keys), self.encode(v, _item(parts, k))] for k, v in m.items()]}
+
+    def _defaultdict(self, m: defaultdict[Any, Any], parts: ct.Parts) -> Any:
+        factory = ct.FACTORY_NAMES.get(m.default_factory) if _hashable(m.default_factory) else None
+        if factory is None:
+            raise ct.UnsupportedValueError(
+                f"cannot store {self.where(parts)}: collections.defaultdict whose default_factory is "
+                f"{m.default_factory!r}; only None and builtin types ({', '.join(ct.DEFAULT_FACTORIES)}) can be "
+                "restored without code: store dict(value) and rebuild the defaultdict after loading"
+            )
+        return {"__defaultdict__": [factory, self._pairs(m, parts)["__odict__"]]}
+
+    def _tensor(self, t: torch.Tensor, parts: ct.Parts) -> Any:
+        ct.check_tensor(t, self.where(parts))
+        name = self._store(t, parts)
+        if type(t) is torch.nn.Parameter:
+            return {"__parameter__": [name, bool(t.requires_grad)]}
+        return {"__gradtensor__": name} if t.requires_grad else {"__tensor__": name}
+
+    def _other(self, v: Any, parts: ct.Parts) -> Any:
         np = sys.modules.get("numpy")
-        if np is not None:
-            if isinstance(v, np.ndarray):
-                return {"__ndarray__": self._tensor(_ndarray_to_tensor(v, where), path)}
-            if isinstance(v, np.generic):
-                return {"__npscalar__": self._tensor(_ndarray_to_tensor(np.asarray(v), where), path)}
-        raise UnsupportedValueError(
-            f"cannot store {where} without pickle: value of type {type(v).__module__}.{type(v).__qualname__}; "
-            "store tensors, numbers, strings, lists, tuples, dicts or NumPy arrays"
-        )
-
-    def _mapping(self, m: Mapping[Any, Any], path: str, where: str) -> Any:
-        if all(isinstance(k, str) for k in m) and not any(k in _TAGS for k in m):
-            return {k: self.encode(v, _join(path, k), f"{where}[{k!r}]") for k, v in m.items()}
-        pairs = []
-        for k, v in m.items():
-            key = self.encode(k, _join(path, "key"), f"{where}.keys()")
-            pairs.append([key, self.encode(v, _join(path, k), f"{where}[{k!r}]")])
-        return {"__dict__": pairs}
-
-
-def _is_numpy(v: Any) -> bool:
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(v, np.generic)
+        if np is not None and type(v) is np.ndarray:
+            tensor, order = ct.ndarray_to_tensor(v, self.where(parts), "numpy.ndarray")
+            name = self._store(tensor, parts)
+            return {"__ndarray_dtype__": [name, order]} if order else {"__ndarray__": name}
+        if np is not None and isinstance(v, np.generic) and type(v) is v.dtype.type:
+            tensor, _ = ct.ndarray_to_tensor(np.asarray(v), self.where(parts), ct.type_name(type(v)))
+            return {"__npscalar__": self._store(tensor, parts)}
+        if isinstance(v, enum.Enum):
+            name = ct.check_nameable(v, "Enum", self.where(parts))
+            return {"__enum__": [name, self.encode(v.value, (*parts, ("attr", "value")))]}
+        if ct.is_namedtuple_class(type(v)):
+            name = ct.check_nameable(v, "namedtuple", self.where(parts))
+            return {"__namedtuple__": [name, self._list(v, parts)]}  # type: ignore[arg-type]
+        if type(v) is getattr(sys.modules.get("fractions"), "Fraction", None):
+            return {"__fraction__": [_int(v.numerator, parts), _int(v.denominator, parts)]}
+        if type(v) is getattr(sys.modules.get("decimal"), "Decimal", None):
+            return {"__decimal__": str(v)}
+        if isinstance(v, torch.Tensor):
+            ct.check_tensor(v, self.where(parts))  # raises: a tensor subclass
+        raise ct.refusal(v, self.where(parts))
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
+def _itself(v: Any, parts: ct.Parts) -> Any:
+    return v
 
 
-def _join(path: str, part: Any) -> str:
-    return f"{path}.{part}" if path else str(part)
+def _int(v: int, parts: ct.Parts) -> Any:
+    return int(v) if v.bit_length() <= ct.PLAIN_INT_BITS else {"__int__": hex(v)}
 
 
-def _ndarray_to_tensor(a: Any, where: str) -> torch.Tensor:
-    if not a.dtype.isnative:  # big-endian arrays: torch needs native byte order
-        a = a.astype(a.dtype.newbyteorder("="))
+def _float(v: float, parts: ct.Parts) -> Any:
+    if math.isfinite(v):
+        return float(v)
+    return {"__float__": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+
+
+def _bytes(v: bytes | bytearray, parts: ct.Parts) -> Any:
+    return {"__bytearray__" if type(v) is bytearray else "__bytes__": base64.b64encode(v).decode("ascii")}
+
+
+def _size(v: torch.Size, parts: ct.Parts) -> Any:
+    return {"__size__": [int(x) for x in v]}
+
+
+def _dtype(v: torch.dtype, parts: ct.Parts) -> Any:
+    return {"__dtype__": str(v).removeprefix("torch.")}
+
+
+def _device(v: torch.device, parts: ct.Parts) -> Any:
+    return {"__device__": str(v)}
+
+
+def _hashable(v: Any) -> bool:
     try:
-        return torch.from_numpy(a.copy() if not a.flags.c_contiguous else a)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(f"cannot store {where}: NumPy dtype {a.dtype} has no torch equivalent") from exc
+        hash(v)
+    except TypeError:
+        return False
+    return True
 
 
-def _decode(v: Any, tensors: Mapping[str, torch.Tensor], source: str, where: str) -> Any:
-    if isinstance(v, list):
-        return [_decode(x, tensors, source, f"{where}[{i}]") for i, x in enumerate(v)]
-    if not isinstance(v, dict):
-        return v
-    if len(v) == 1:
-        ((tag, payload),) = v.items()
-        if tag in _TAGS:
-            try:
-                return _decode_tagged(tag, payload, tensors, source, where)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CorruptCheckpointError(
-                    f"{source}: malformed value at {where} ({tag}): {type(exc).__name__}: {exc}", path=source
-                ) from exc
-    return {k: _decode(x, tensors, source, f"{where}[{k!r}]") for k, x in v.items()}
+class _Decoder:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], source: str, root: str, tags: frozenset[str]) -> None:
+        self.tensors, self.source, self.root, self.tags = tensors, source, root, tags
+        self._wrapped: dict[tuple[str, str], torch.Tensor] = {}  # (tag, name) -> Parameter / grad tensor: one object per name
+
+    def decode(self, v: Any, parts: ct.Parts) -> Any:
+        if type(v) is list:
+            return [self.decode(x, _item(parts, i)) for i, x in enumerate(v)]
+        if type(v) is not dict:
+            return v
+        if len(v) == 1:
+            ((tag, payload),) = v.items()
+            if tag in self.tags:
+                try:
+                    return self._tagged(tag, payload, parts)
+                except StatekitError:
+                    raise
+                except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ArithmeticError) as exc:
+                    raise CorruptCheckpointError(
+                        f"{self.source}: malformed value at {ct.describe(self.root, parts)} ({tag}): {type(exc).__name__}: {exc}",
+                        path=self.source,
+                    ) from exc
+        return {k: self.decode(x, _item(parts, k)) for k, x in v.items()}
+
+    def _tagged(self, tag: str, payload: Any, parts: ct.Parts) -> Any:
+        simple = _SIMPLE.get(tag)
+        if simple is not None:
+            return simple(payload)
+        if tag in ("__tensor__", "__gradtensor__", "__parameter__", "__ndarray__", "__npscalar__", "__ndarray_dtype__"):
+            return self._tensor(tag, payload, parts)
+        if tag in ("__dict__", "__odict__", "__defaultdict__"):
+            return self._mapping(tag, payload, parts)
+        if tag in ("__enum__", "__namedtuple__"):
+            return self._class_value(tag, payload, parts)
+        items = self.decode(_list(payload), parts)
+        if tag == "__complex__":
+            real, imag = (_float_of(x) for x in items)
+            return complex(real, imag)
+        if tag == "__fraction__":
+            num, den = items
+            return _stdlib("fractions").Fraction(_int_of(num), _int_of(den))
+        return _SEQUENCES[tag](items)
+
+    def _lookup(self, name: Any, parts: ct.Parts) -> torch.Tensor:
+        if not isinstance(name, str) or name not in self.tensors:
+            raise CorruptCheckpointError(
+                f"{self.source}: {ct.describe(self.root, parts)} references tensor {name!r}, which is not stored", path=self.source
+            )
+        return self.tensors[name]
+
+    def _tensor(self, tag: str, payload: Any, parts: ct.Parts) -> Any:
+        if tag == "__parameter__":
+            name, requires_grad = payload
+            if type(requires_grad) is not bool:
+                raise TypeError(f"requires_grad {requires_grad!r} is not a bool")
+        else:
+            name, requires_grad = (payload[0] if tag == "__ndarray_dtype__" else payload), True
+        t = self._lookup(name, parts)
+        if tag in ("__parameter__", "__gradtensor__"):
+            key = (tag, name)
+            if key not in self._wrapped:
+                self._wrapped[key] = (
+                    torch.nn.Parameter(t, requires_grad=requires_grad) if tag == "__parameter__" else t.detach().requires_grad_(True)
+                )
+            return self._wrapped[key]
+        if tag == "__tensor__":
+            return t
+        array = t.numpy()
+        if tag == "__npscalar__":
+            return array[()]
+        if tag == "__ndarray_dtype__":
+            dtype = sys.modules["numpy"].dtype(payload[1])  # numpy is loaded: t.numpy() ran
+            if dtype.isnative or dtype.newbyteorder("=") != array.dtype:
+                raise ValueError(f"{payload[1]!r} is not the non-native form of the stored dtype {array.dtype}")
+            return array.astype(dtype)
+        return array
+
+    def _mapping(self, tag: str, payload: Any, parts: ct.Parts) -> Any:
+        factory = None
+        if tag == "__defaultdict__":
+            factory_name, payload = payload
+            factory = ct.DEFAULT_FACTORIES[factory_name]
+        pairs = []
+        for pair in _list(payload):
+            k, x = pair
+            key = self.decode(k, (*parts, ("key", None)))
+            if not _hashable(key):
+                raise TypeError(f"a {type(key).__name__} cannot be a dict key")
+            pairs.append((key, self.decode(x, _item(parts, key))))
+        if tag == "__dict__":
+            return dict(pairs)
+        return OrderedDict(pairs) if tag == "__odict__" else defaultdict(factory, pairs)
+
+    def _class_value(self, tag: str, payload: Any, parts: ct.Parts) -> Any:
+        name, raw = payload
+        if not isinstance(name, str):
+            raise TypeError(f"class name {name!r} is not a str")
+        what = "Enum" if tag == "__enum__" else "namedtuple"
+        cls = ct.resolve_class(name)
+        if tag == "__enum__":
+            base_ok = isinstance(cls, type) and issubclass(cls, enum.Enum)
+        else:
+            base_ok = ct.is_namedtuple_class(cls)
+        where = ct.describe(self.root, parts)
+        if not base_ok:
+            found = "finds no such class" if cls is None else f"finds {cls!r} there, not {'an' if what == 'Enum' else 'a'} {what} class"
+            raise StateMismatchError(
+                f"{where} in {self.source}",
+                reason=f"the value was saved as a member of {what} class {name.replace(':', '.')}, and this process "
+                f"{found} under that name; statekit never imports code while loading: import {name.partition(':')[0]} "
+                "(the module defining the class) before loading",
+            )
+        if tag == "__namedtuple__":
+            items = self.decode(_list(raw), parts)
+            if len(items) != len(cls._fields):
+                raise StateMismatchError(
+                    f"{where} in {self.source}",
+                    reason=f"namedtuple {name.replace(':', '.')} was saved with {len(items)} fields, the class now has "
+                    f"{len(cls._fields)} {cls._fields}",
+                )
+            return tuple.__new__(cls, items)  # as pickle does: no user __new__ / __init__ runs
+        value = self.decode(raw, (*parts, ("attr", "value")))
+        try:
+            return cls(value)
+        except ValueError:
+            raise StateMismatchError(
+                f"{where} in {self.source}", reason=f"enum class {name.replace(':', '.')} has no member with the saved value {value!r}"
+            ) from None
 
 
-def _decode_tagged(tag: str, payload: Any, tensors: Mapping[str, torch.Tensor], source: str, where: str) -> Any:
-    if tag == "__tensor__":
-        return _lookup(tensors, payload, source, where)
-    if tag in ("__ndarray__", "__npscalar__"):
-        array = _lookup(tensors, payload, source, where).numpy()
-        return array[()] if tag == "__npscalar__" else array
-    if tag == "__float__":
-        return {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[payload]
-    if tag == "__dict__":
-        return {
-            _hashable(_decode(k, tensors, source, f"{where}.keys()")): _decode(x, tensors, source, f"{where}[{k!r}]")
-            for k, x in payload
-        }
-    if tag == "__dtype__":
-        dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{payload!r} is not a torch dtype")
-        return dtype
-    if tag == "__bytes__":
-        return base64.b64decode(payload, validate=True)
-    items = [_decode(x, tensors, source, f"{where}[{i}]") for i, x in enumerate(payload)]
-    if tag == "__tuple__":
-        return tuple(items)
-    if tag == "__size__":
-        return torch.Size(items)
-    if tag == "__set__":
-        return set(items)
-    return frozenset(items)
+def _list(payload: Any) -> list[Any]:
+    if type(payload) is not list:
+        raise TypeError(f"expected a JSON list, found {type(payload).__name__}")
+    return payload
 
 
-def _lookup(tensors: Mapping[str, torch.Tensor], name: Any, source: str, where: str) -> torch.Tensor:
-    if not isinstance(name, str) or name not in tensors:
-        raise CorruptCheckpointError(f"{source}: {where} references tensor {name!r}, which is not stored", path=source)
-    return tensors[name]
+def _str(payload: Any) -> str:
+    if type(payload) is not str:
+        raise TypeError(f"expected a JSON string, found {type(payload).__name__}")
+    return payload
 
 
-def _hashable(k: Any) -> Any:
-    if isinstance(k, list):
-        raise TypeError("a list cannot be a dict key")
-    return k
+def _int_of(v: Any) -> int:
+    if type(v) is not int:
+        raise TypeError(f"expected an int, found {type(v).__name__}")
+    return v
+
+
+def _float_of(v: Any) -> float:
+    if type(v) not in (float, int):
+        raise TypeError(f"expected a float, found {type(v).__name__}")
+    return float(v)
+
+
+def _hex_int(payload: Any) -> int:
+    text = _str(payload)
+    if not text.removeprefix("-").startswith("0x"):
+        raise ValueError(f"{text[:20]!r} is not a hex int")
+    return int(text, 16)
+
+
+def _torch_dtype(payload: Any) -> torch.dtype:
+    dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{payload!r} is not a torch dtype")
+    return dtype
+
+
+def _stdlib(name: str) -> Any:
+    # A fixed standard-library module chosen by statekit, never a name read from the file.
+    if name not in ("fractions", "decimal"):
+        raise ValueError(name)
+    return sys.modules.get(name) or __import__(name)
+
+
+_SIMPLE: dict[str, Callable[[Any], Any]] = {
+    "__float__": lambda p: {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[p],
+    "__int__": _hex_int,
+    "__dtype__": _torch_dtype,
+    "__device__": lambda p: torch.device(_str(p)),
+    "__bytes__": lambda p: base64.b64decode(_str(p), validate=True),
+    "__bytearray__": lambda p: bytearray(base64.b64decode(_str(p), validate=True)),
+    "__decimal__": lambda p: _stdlib("decimal").Decimal(_str(p)),
+}
+_SEQUENCES: dict[str, Callable[[list[Any]], Any]] = {
+    "__tuple__": tuple,
+    "__size__": torch.Size,
+    "__set__": set,
+    "__frozenset__": frozenset,
+}

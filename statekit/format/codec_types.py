@@ -1,0 +1,274 @@
+"""The codec's type rules: key paths, class names, tensor and NumPy checks, refusals.
+
+:mod:`statekit.format.codec` walks a state tree; this module decides, per value, whether
+it can be stored with its exact type and builds the :class:`statekit.UnsupportedValueError`
+when not. Two rules hold throughout:
+
+- **No narrowing.** A value whose type is a subclass of a stored type (a ``str``
+  subclass, a ``dict`` subclass, a tensor subclass...) but is not itself handled is
+  refused at save time; it never loads as its base type.
+- **No imports while loading.** A class-valued type (an ``Enum``, a ``namedtuple``) is
+  stored as ``"module:qualname"`` and resolved through ``sys.modules`` and the
+  ``__dict__`` of the module and classes (no ``getattr``, so no lazy-import hook runs). A
+  class that cannot be found that way at save time (defined inside a function, shadowed)
+  is refused at save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from statekit.errors import UnsupportedDtypeError, UnsupportedValueError
+from statekit.format.dtypes import BYTE_VIEW_DTYPES, NATIVE_DTYPES, dtype_name
+
+PLAIN_INT_BITS = 2000
+"""Ints up to this many bits are JSON numbers; larger ones are stored as hex strings.
+
+2000 bits is about 602 decimal digits, below the smallest limit Python allows for
+int <-> decimal str conversion (``sys.set_int_max_str_digits``, at least 640; default 4300),
+so neither the writer's ``json.dumps`` nor the reader's ``json.loads`` can hit the limit.
+Hex conversion has no such limit."""
+
+DEFAULT_FACTORIES: dict[str, Any] = {
+    "None": None,
+    **{t.__name__: t for t in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)},
+}
+"""``defaultdict.default_factory`` values that round-trip (by name): None and builtin types."""
+
+FACTORY_NAMES: dict[Any, str] = {factory: name for name, factory in DEFAULT_FACTORIES.items()}
+"""The inverse of :data:`DEFAULT_FACTORIES`."""
+
+Parts = tuple[tuple[str, Any], ...]
+"""A value's position: ``("item", key)`` for a subscript (dict key, list index),
+``("key", None)`` for a dict's keys, ``("member", i)`` for a set item, ``("attr", name)``
+for an attribute (an Enum's ``value``)."""
+
+
+def key_path(root: str, parts: Parts) -> str:
+    """The slash-separated key path of a value (``"custom_0/config/mode"``).
+
+    Args:
+        root: the file's base (``"custom_0"``, ``"dataloader_0/rank-00000"``), or ``""``.
+        parts: the value's position inside the state (see :data:`Parts`).
+
+    Returns:
+        The path; ``root`` alone (or ``"<state>"``) for the state itself.
+    """
+    names = [str(p) if kind in ("item", "attr") else ("<key>" if kind == "key" else f"<item {p}>") for kind, p in parts]
+    return "/".join([root, *names] if root else names) or "<state>"
+
+
+def subscript(parts: Parts) -> str:
+    """The Python expression of a value's position (``"state['config']['mode']"``)."""
+    text = "state"
+    for kind, p in parts:
+        text += f"[{p!r}]" if kind == "item" else (".keys()" if kind == "key" else (f".{p}" if kind == "attr" else f"{{{p}}}"))
+    return text
+
+
+def describe(root: str, parts: Parts) -> str:
+    """Both forms, for messages: ``"custom_0/config/mode (state['config']['mode'])"``."""
+    return f"{key_path(root, parts)} ({subscript(parts)})"
+
+
+def type_name(cls: type) -> str:
+    """``module.qualname`` of a type (``"collections.OrderedDict"``, ``"builtins.int"``)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def class_name(cls: type) -> str | None:
+    """The name under which the codec stores ``cls`` (``"pkg.mod:Outer.Mode"``), or None.
+
+    Args:
+        cls: an ``Enum`` or ``namedtuple`` class.
+
+    Returns:
+        ``"module:qualname"`` when :func:`resolve_class` finds ``cls`` itself under it in
+        this process; None when it cannot (a class defined inside a function, whose
+        qualname holds ``<locals>``, or one shadowed by another object of that name).
+    """
+    module, qualname = getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
+        return None
+    name = f"{module}:{qualname}"
+    return name if resolve_class(name) is cls else None
+
+
+def resolve_class(name: str) -> Any:
+    """Find a class by its stored name without importing anything.
+
+    Args:
+        name: ``"module:qualname"`` as written by :func:`class_name`.
+
+    Returns:
+        The object found by looking ``module`` up in ``sys.modules`` and each part of
+        ``qualname`` in the ``__dict__`` of the previous one (so no module ``__getattr__``
+        and no import runs), or None when a step is missing.
+
+    Raises:
+        ValueError: ``name`` is not of the form ``module:qualname``.
+    """
+    module, sep, qualname = name.partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"{name!r} is not a 'module:qualname' class name")
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        namespace = getattr(obj, "__dict__", None) if obj is not None else None
+        if not isinstance(namespace, Mapping):
+            return None
+        obj = namespace.get(part)
+    return obj
+
+
+def is_namedtuple_class(cls: Any) -> bool:
+    """True for classes made by ``collections.namedtuple`` / ``typing.NamedTuple`` (and their subclasses)."""
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, tuple)
+        and isinstance(getattr(cls, "_fields", None), tuple)
+        and callable(getattr(cls, "_make", None))
+    )
+
+
+def check_nameable(v: Any, what: str, where: str) -> str:
+    """The stored class name of an Enum member or namedtuple, or the save-time refusal.
+
+    Args:
+        v: the value.
+        what: ``"Enum"`` or ``"namedtuple"``, for the message.
+        where: the value's position (:func:`describe`).
+
+    Returns:
+        ``"module:qualname"`` of ``type(v)``.
+
+    Raises:
+        UnsupportedValueError: the class cannot be named so that a loading process finds it
+            without importing (defined inside a function, or shadowed); or a namedtuple
+            instance carries attributes beyond its fields.
+    """
+    cls = type(v)
+    name = class_name(cls)
+    if name is None:
+        local = "<locals>" in getattr(cls, "__qualname__", "")
+        why = "it is defined inside a function" if local else f"{cls.__module__!r} does not hold it under {cls.__qualname__!r}"
+        raise UnsupportedValueError(
+            f"cannot store {where}: value of {what} type {type_name(cls)}, and {why}, so a loading process "
+            f"could not find the class without importing code; define the class at module level, or store "
+            f"{'value.value' if what == 'Enum' else 'tuple(value)'}"
+        )
+    if what == "namedtuple" and getattr(v, "__dict__", None):
+        raise UnsupportedValueError(
+            f"cannot store {where}: namedtuple of type {type_name(cls)} carries instance attributes "
+            f"{sorted(vars(v))}, which would be lost; store them separately"
+        )
+    return name
+
+
+def check_tensor(t: torch.Tensor, where: str) -> None:
+    """Refuse, at save time, a tensor the format cannot store with its exact type and dtype.
+
+    Args:
+        t: a ``torch.Tensor`` (any subclass).
+        where: its position (:func:`describe`).
+
+    Raises:
+        UnsupportedValueError: a tensor subclass other than ``nn.Parameter`` (a DTensor:
+            install statekit-fsdp).
+        UnsupportedDtypeError: a sparse, nested or meta tensor, or a dtype with neither a
+            safetensors code nor a byte view (quantized, sub-byte ``int1``..``uint7``, ``bits*``).
+    """
+    cls = type(t)
+    if cls.__name__ == "DTensor":
+        raise UnsupportedValueError(
+            f"{where} is a DTensor (a shard of a distributed tensor); install and enable "
+            "statekit-fsdp to save sharded models, the core path never writes a shard as a whole tensor"
+        )
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+        raise UnsupportedValueError(
+            f"cannot store {where}: tensor subclass {type_name(cls)} would load as a plain torch.Tensor; "
+            "store value.as_subclass(torch.Tensor) (or, for a wrapper subclass, the plain tensors it holds)"
+        )
+    if t.is_nested or t.layout != torch.strided:
+        raise UnsupportedDtypeError(
+            f"cannot store {where}: tensor of type {type_name(cls)} with layout {t.layout}"
+            f"{' (nested)' if t.is_nested else ''}; only dense (strided) tensors are stored, e.g. value.to_dense()"
+        )
+    if t.device.type == "meta":
+        raise UnsupportedDtypeError(f"cannot store {where}: tensor of type {type_name(cls)} is on the meta device and has no data")
+    if t.dtype not in NATIVE_DTYPES and dtype_name(t.dtype) not in BYTE_VIEW_DTYPES:
+        raise UnsupportedDtypeError(
+            f"cannot store {where}: tensor of type {type_name(cls)} has dtype {t.dtype}, which safetensors cannot hold "
+            "and statekit has no byte view for (quantized and sub-byte dtypes); dequantize or convert it"
+        )
+
+
+def ndarray_to_tensor(a: Any, where: str, what: str) -> tuple[torch.Tensor, str | None]:
+    """A NumPy array as a tensor to store, and its byte order when not native.
+
+    Args:
+        a: a ``numpy.ndarray`` (exact type).
+        where: its position (:func:`describe`).
+        what: the value's type name for messages (``"numpy.ndarray"``, ``"numpy.str_"``).
+
+    Returns:
+        ``(tensor, dtype_str)``: the tensor (sharing memory where NumPy allows) and
+        ``a.dtype.str`` (``">i4"``) when ``a`` is not in native byte order, else None.
+        A non-native array is stored converted to native order (safetensors data is
+        little-endian) and converted back on load.
+
+    Raises:
+        UnsupportedValueError: a structured or object dtype, or one torch has no dtype for
+            (strings, datetimes, ``longdouble``); names the dtype.
+    """
+    dtype = a.dtype
+    if dtype.fields is not None or dtype.hasobject:
+        kind = "object" if dtype.hasobject and dtype.fields is None else "structured"
+        raise UnsupportedValueError(
+            f"cannot store {where}: {what} of {kind} dtype {dtype}; statekit stores numeric NumPy values only (no pickle)"
+        )
+    order = None
+    if not dtype.isnative:
+        order = dtype.str
+        a = a.astype(dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(a if a.flags.c_contiguous else a.copy()), order
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(
+            f"cannot store {where}: value of type {what} has NumPy dtype {dtype}, which has no torch equivalent"
+        ) from exc
+
+
+def refusal(v: Any, where: str) -> UnsupportedValueError:
+    """The save-time error for a value the codec does not store, with a hint for its kind.
+
+    Args:
+        v: the value.
+        where: its position (:func:`describe`).
+
+    Returns:
+        An :class:`UnsupportedValueError` naming the position, the type and what to store
+        instead (a subclass of a stored builtin is never narrowed to that builtin).
+    """
+    cls = type(v)
+    base = next((b for b in _NARROWABLE if isinstance(v, b)), None)
+    if dataclasses.is_dataclass(v):
+        hint = "a dataclass instance; store dataclasses.asdict(value) and rebuild it after loading"
+    elif base is not None:
+        hint = (
+            f"a subclass of {base.__name__}, which would load as a plain {base.__name__}; statekit does not narrow "
+            f"types: store {base.__name__}(value) (or a type from the table in docs/format.md)"
+        )
+    elif isinstance(v, Mapping):
+        hint = "a Mapping that is not a dict, which would load as a dict: store dict(value)"
+    else:
+        hint = "store tensors, numbers, strings, bytes, lists, tuples, dicts, sets, Enums or NumPy arrays"
+    return UnsupportedValueError(f"cannot store {where} without pickle: value of type {type_name(cls)}; {hint}")
+
+
+_NARROWABLE: tuple[type, ...] = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
+"""Builtins whose subclasses :func:`refusal` names as such."""
