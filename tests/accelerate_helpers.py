@@ -36,21 +36,26 @@ class Counter:
         self.history = list(state["history"])
 
 
-def fresh_accelerator(stateful: bool = False):
+def fresh_accelerator(stateful: bool = False, accum: int = 1):
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+    return Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful),
+        gradient_accumulation_steps=accum,
+    )
 
 
-def build(seed: int = 0, stateful: bool = False, n: int = 100, batch_size: int = 8):
-    """(accelerator, model, optimizer, loader, scheduler, counter), prepared and seeded."""
+def build(seed: int = 0, stateful: bool = False, n: int = 100, batch_size: int = 8, accum: int = 1):
+    """(accelerator, model, optimizer, loader, scheduler, counter), prepared and seeded;
+    ``accum``: ``gradient_accumulation_steps``."""
     from accelerate.utils import set_seed
 
     set_seed(seed)
-    accelerator = fresh_accelerator(stateful)
+    accelerator = fresh_accelerator(stateful, accum)
     g = torch.Generator().manual_seed(99)
     x = torch.randn(n, 6, generator=g)
     y = torch.randint(0, 3, (n,), generator=g)
@@ -82,5 +87,30 @@ def train_steps(run, steps: int, start: int = 0, on_step=None) -> list[float]:
             if on_step is not None:
                 on_step(step)
             if step >= start + steps:
+                break
+    return losses
+
+
+def train_micro_batches(run, count: int, start: int = 0, on_step=None) -> list[float]:
+    """Train ``count`` micro-batches from micro-batch ``start`` inside
+    ``accelerator.accumulate`` (optimizer and scheduler step at sync points only, as
+    Accelerate's accumulation loop does); returns the per-micro-batch losses."""
+    accelerator, model, optimizer, loader, scheduler, counter = run
+    losses: list[float] = []
+    done = start
+    while done < start + count:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            done += 1
+            counter.count += 1
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(done)
+            if done >= start + count:
                 break
     return losses

@@ -24,11 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from statekit import distributed, format as fmt
+from statekit.api import fingerprint as fingerprints
 from statekit.api.bridge import collect
 from statekit.api.saveload import plugin_versions
 from statekit.engine import commit as commits, data
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
+from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.errors import CorruptCheckpointError
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_save_claims
@@ -162,7 +164,9 @@ class _AttachedCalls:
         return self.attachment._pending
 
     def save_pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
-        """Accelerate's save pre-hook: the statekit pre-hooks, then the loader positions."""
+        """Accelerate's save pre-hook: the statekit pre-hooks, then what Accelerate does not
+        keep (loader positions, accumulated gradients)."""
+        check_can_save(self.accelerator)
         checkpoint = self.context("save", output_dir)
         hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
         hook_weights = list(weights)
@@ -177,14 +181,19 @@ class _AttachedCalls:
         kept = {id(w) for w in hook_weights}
         weights[:] = [w for w in weights if id(w) in kept]
         checkpoint.plugin = None
-        for key, obj in self.attachment.objects.items():  # exact positions, which Accelerate does not keep
+        for key, obj in self.attachment.objects.items():  # what Accelerate does not keep: exact positions, gradients
             if data.is_loader(obj):
                 checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj))
+            elif isinstance(obj, AccumulatedGradients):
+                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", obj.state_dict())
 
     def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
         """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""
         checkpoint = self.context("load", input_dir)
         _check_statekit_files(checkpoint)  # before Accelerate restores anything
+        if checkpoint.manifest is not None:  # warns per difference (Accelerate's load_state has no strict_resume)
+            live = fingerprints.compute(collect(self.accelerator), self.accelerator)
+            fingerprints.check(checkpoint.manifest, live, checkpoint.url, stacklevel=5)
         hook_models = list(models)
         call_each(
             get_plugin_manager(),
@@ -212,8 +221,12 @@ class _AttachedCalls:
         """After Accelerate's load: statekit's loader positions, then the post-hooks."""
         for key, obj in self.attachment.objects.items():
             rel = f"{key}/rank-{checkpoint.rank:05d}.json"
-            if data.is_loader(obj) and checkpoint.storage.exists(rel):
+            if not checkpoint.storage.exists(rel):
+                continue
+            if data.is_loader(obj):
                 data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]))
+            elif isinstance(obj, AccumulatedGradients):
+                obj.load_state_dict(checkpoint.load_state(rel[: -len(".json")]))
         call_each(
             get_plugin_manager(),
             "statekit_load_state_post",
@@ -280,6 +293,7 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> dict[str, Any]
             for i in range(len(accelerator._models))
         }
         records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
-        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records)
+        fingerprint = fingerprints.compute(collect(accelerator), accelerator, rng=fingerprints.rng_saved(records, files))
+        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records, fingerprint=fingerprint)
         commits.commit(checkpoint.storage, manifest, exclusive=False)
     return distributed.broadcast_from_rank0(manifest)

@@ -21,6 +21,7 @@ from typing import Any
 from statekit.api import loading, saveload
 from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
 from statekit.engine.entries import Entry
+from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.hooks.registry import get_plugin_manager
 
 
@@ -55,7 +56,10 @@ def collect(accelerator: Any) -> list[Entry]:
 
     Returns:
         Engine entries: ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``,
-        ``dataloader_<i>`` (per rank), ``custom_<i>``, ``scaler`` (if any), ``accelerator``.
+        ``dataloader_<i>`` (per rank), ``custom_<i>``, ``scaler`` (if any), ``accelerator``,
+        and with ``gradient_accumulation_steps > 1`` ``gradients`` (per rank: the
+        accumulated gradients when saved between sync points,
+        :class:`statekit.engine.gradients.AccumulatedGradients`).
     """
     entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(accelerator._models)]
     entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
@@ -65,6 +69,8 @@ def collect(accelerator: Any) -> list[Entry]:
     if getattr(accelerator, "scaler", None) is not None:
         entries.append(Entry("scaler", "scaler", accelerator.scaler))
     entries.append(Entry("accelerator", "custom", AcceleratorCounters(accelerator)))
+    if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1:
+        entries.append(Entry("gradients", "custom", AccumulatedGradients(accelerator), per_rank=True))
     return entries
 
 
@@ -106,8 +112,12 @@ def save_state(
     Raises:
         CheckpointExistsError, PluginError, UnsupportedValueError, StorageError: as
             :func:`statekit.save`.
+        StatekitError: saved between two optimizer steps of gradient accumulation under
+            DeepSpeed or FSDP, whose accumulated gradients statekit cannot save (nothing is
+            written; save when ``accelerator.sync_gradients`` is True).
     """
     _ensure_hooks_plugin(get_plugin_manager())
+    check_can_save(accelerator)  # before anything is written
     result = saveload.save_objects(
         url,
         collect(accelerator),

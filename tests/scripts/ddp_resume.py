@@ -1,7 +1,9 @@
 """Run under torchrun (gloo, CPU): Accelerate DDP training with a statekit CheckpointManager.
 
-Usage: torchrun --nproc_per_node 2 ddp_resume.py MODE ROOT OUT
+Usage: torchrun --nproc_per_node 2 ddp_resume.py MODE ROOT OUT [ACCUM]
 MODE: reference (train TOTAL steps), first (save at SAVE_AT, go on 3 steps), resume.
+ACCUM > 1: gradient_accumulation_steps, and the steps are micro-batches inside
+``accelerator.accumulate`` (SAVE_AT 9 is then 2 micro-batches into a window).
 Each rank writes its per-step losses to OUT.rank<r>.json.
 """
 
@@ -11,14 +13,17 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
-from accelerate_helpers import build, train_steps  # noqa: E402
+from accelerate_helpers import build, train_micro_batches, train_steps  # noqa: E402
 
 import statekit  # noqa: E402
 
 TOTAL, SAVE_AT = 16, 9  # 7 batches per rank per epoch: step 9 is batch 2 of epoch 2
 
 mode, root, out = sys.argv[1:4]
-run = build(seed=0, n=112, batch_size=8)
+accum = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+if accum > 1:
+    train_steps = train_micro_batches  # noqa: F811
+run = build(seed=0, n=112, batch_size=8, accum=accum)
 accelerator = run[0]
 assert accelerator.num_processes == 2, accelerator.num_processes
 manager = statekit.CheckpointManager(accelerator, root)

@@ -1,0 +1,163 @@
+"""Gradients accumulated between optimizer steps: saved mid-accumulation, restored exactly.
+
+With ``Accelerator(gradient_accumulation_steps=n)`` the ``.grad`` of every parameter
+holds the sum of the micro-batches since the last optimizer step; ``accelerator.step``
+counts them and ``accelerator.sync_gradients`` is False until the n-th
+(``accelerate.Accelerator._do_sync``). A checkpoint taken there must carry those
+gradients, or the first optimizer step after the resume uses only the micro-batches
+seen after it. ``Accelerator.save_state`` does not save them; statekit does
+(:class:`AccumulatedGradients`, one object per rank: inside ``no_sync`` each rank holds
+its own, unreduced gradients).
+
+At a sync point (``sync_gradients`` True: the optimizer has stepped and, in the usual
+loop, zeroed the gradients) nothing is written. Accumulation is recognised through
+Accelerate's counters only: a loop that accumulates by hand (``no_sync`` with
+``gradient_accumulation_steps=1``) must save at optimizer-step boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from statekit.engine.entries import check_fit, unwrap_model
+from statekit.errors import StatekitError, StateMismatchError
+
+
+def accumulating(accelerator: Any) -> bool:
+    """True when ``accelerator`` is between two optimizer steps of gradient accumulation.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+
+    Returns:
+        ``gradient_accumulation_steps > 1`` and ``sync_gradients`` is False (the last
+        ``accumulate()`` block did not end an accumulation window).
+    """
+    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+    return steps > 1 and not bool(getattr(accelerator, "sync_gradients", True))
+
+
+def refuse_unsupported(accelerator: Any, models: list[torch.nn.Module]) -> None:
+    """Raise where accumulated gradients cannot be saved exactly.
+
+    Args:
+        accelerator: the run's Accelerator, between sync points.
+        models: its prepared models.
+
+    Raises:
+        StatekitError: DeepSpeed (its engine keeps the accumulated gradients) or a
+            sharded model (FSDP: its gradients are shards statekit-fsdp does not save);
+            the message names the setting and says to save at a sync point.
+    """
+    advice = (
+        f"a checkpoint between optimizer steps (gradient_accumulation_steps="
+        f"{accelerator.gradient_accumulation_steps}, micro-batch {accelerator.step}) needs the accumulated "
+        "gradients; save when accelerator.sync_gradients is True"
+    )
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    if "DEEPSPEED" in kind.upper():
+        raise StatekitError(f"DeepSpeed keeps accumulated gradients inside its engine, which statekit cannot save: {advice}")
+    for model in models:
+        if _is_sharded(model):
+            raise StatekitError(
+                f"{type(model).__name__} (FSDP) holds sharded gradients, which statekit-fsdp does not save: {advice}"
+            )
+
+
+def check_can_save(accelerator: Any) -> None:
+    """Refuse, before anything is written, a save between sync points that cannot be
+    exact (:func:`refuse_unsupported`); a no-op at a sync point or without accumulation.
+
+    Raises:
+        StatekitError: see :func:`refuse_unsupported`.
+    """
+    if accumulating(accelerator):
+        refuse_unsupported(accelerator, list(getattr(accelerator, "_models", [])))
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    if type(model).__name__ == "FullyShardedDataParallel":
+        return True
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+class AccumulatedGradients:
+    """The accumulated gradients of an Accelerate run as a Stateful object (per rank).
+
+    ``state_dict()`` returns ``{"accumulating": False}`` at a sync point, else
+    ``{"accumulating": True, "step": int, "gradient_accumulation_steps": int,
+    "grads": {"model_<i>": {param name: Tensor}}}``
+    (parameter names of the unwrapped model, ``.grad`` of the same shape and dtype as
+    the parameter; parameters without a gradient are left out).
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def _models(self) -> list[torch.nn.Module]:
+        return [unwrap_model(m, self.accelerator) for m in self.accelerator._models]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The gradients to save (none at a sync point).
+
+        Raises:
+            StatekitError: mid-accumulation under DeepSpeed or FSDP (see :func:`refuse_unsupported`).
+        """
+        if not accumulating(self.accelerator):
+            return {"accumulating": False}
+        models = self._models()
+        refuse_unsupported(self.accelerator, list(self.accelerator._models))
+        grads = {
+            f"model_{i}": {name: p.grad.detach() for name, p in model.named_parameters() if p.grad is not None}
+            for i, model in enumerate(models)
+        }
+        return {
+            "accumulating": True,
+            "step": int(self.accelerator.step),
+            "gradient_accumulation_steps": int(self.accelerator.gradient_accumulation_steps),
+            "grads": grads,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the saved gradients back (``.grad`` of every saved parameter, None for the
+        others) and mark the run as between sync points; a state saved at a sync point
+        changes nothing.
+
+        Raises:
+            StateMismatchError: the run accumulates over another number of micro-batches
+                than the saved one (the saved window cannot be completed), or a saved
+                gradient has no parameter, or another shape or dtype (checked for every
+                model before any gradient is set).
+        """
+        if not state.get("accumulating"):
+            return
+        saved_steps = int(state.get("gradient_accumulation_steps", self.accelerator.gradient_accumulation_steps))
+        if saved_steps != self.accelerator.gradient_accumulation_steps:
+            raise StateMismatchError(
+                f"accumulated gradients: saved between optimizer steps with gradient_accumulation_steps="
+                f"{saved_steps} (micro-batch {state.get('step')}); this run has "
+                f"{self.accelerator.gradient_accumulation_steps}, so the saved window cannot be completed: "
+                "resume with the saved setting or from a checkpoint saved at a sync point"
+            )
+        models = self._models()
+        saved = state["grads"]
+        if set(saved) != {f"model_{i}" for i in range(len(models))}:
+            raise StateMismatchError(
+                f"accumulated gradients: saved for {sorted(saved)}, the run has {len(models)} model(s)"
+            )
+        for i, model in enumerate(models):
+            params = dict(model.named_parameters())
+            shapes = {k: (tuple(v.shape), v.dtype) for k, v in saved[f"model_{i}"].items()}
+            # targets: the parameters that had a gradient; a saved name the model lacks is "unexpected"
+            check_fit(f"accumulated gradients of model_{i}", {k: params[k] for k in shapes if k in params}, shapes)
+        with torch.no_grad():
+            for i, model in enumerate(models):
+                grads = saved[f"model_{i}"]
+                for name, p in model.named_parameters():
+                    p.grad = grads[name].to(device=p.device).clone() if name in grads else None
+        self.accelerator.gradient_state._set_sync_gradients(False)
