@@ -45,7 +45,7 @@ import torch
 
 from statekit import distributed
 from statekit._version import __version__
-from statekit.engine import data
+from statekit.engine import data, gradients
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError
 from statekit.hooks.registry import get_plugin_manager
@@ -75,19 +75,12 @@ def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None
     return {
         "world_size": world_size,
         "gradient_accumulation_steps": int(steps) if steps is not None else None,
-        "accumulating": _accumulating(accelerator) if accelerator is not None else None,
+        "accumulating": gradients.accumulating(accelerator) if accelerator is not None else None,
         "mixed_precision": str(precision) if precision is not None else None,
         "rng": sorted(rng) if rng is not None else rng_live(),
         "dataloaders": {e.key: loader_fingerprint(e.obj, accelerator, world_size) for e in entries if data.is_loader(e.obj)},
         "versions": versions(),
     }
-
-
-def _accumulating(accelerator: Any) -> bool:
-    """Between two optimizer steps of gradient accumulation (Accelerate's counters, as
-    ``statekit.engine.gradients.accumulating`` reads them)."""
-    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
-    return steps > 1 and not bool(getattr(accelerator, "sync_gradients", True))
 
 
 def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1) -> dict[str, Any]:
@@ -377,3 +370,28 @@ def check(
     if refused:
         raise ResumeMismatchError(url, [d.message for d in differences if d.level != "info"])
     return differences
+
+
+def describe(fingerprint: Mapping[str, Any]) -> list[str]:
+    """A fingerprint as text lines (``statekit inspect``): the run's settings, one line
+    per data loader, the versions; null fields are shown as ``-``.
+
+    Args:
+        fingerprint: a manifest's ``fingerprint``.
+
+    Returns:
+        The lines, without a trailing newline.
+    """
+    f = {k: ("-" if v is None else v) for k, v in fingerprint.items()}
+    accumulating = " (saved mid-accumulation)" if fingerprint.get("accumulating") else ""
+    lines = [
+        f"world size {f.get('world_size', '-')}, gradient accumulation steps {f.get('gradient_accumulation_steps', '-')}"
+        f"{accumulating}, mixed precision {f.get('mixed_precision', '-')}, RNG {_show(fingerprint.get('rng') or [])}"
+    ]
+    for key, loader in sorted((fingerprint.get("dataloaders") or {}).items()):
+        shown = ", ".join(f"{name} {'-' if loader.get(field) is None else loader.get(field)}"
+                          for field, (name, _) in _LOADER_EFFECTS.items())
+        lines.append(f"{key}: {shown}")
+    if fingerprint.get("versions"):
+        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in fingerprint["versions"].items()))
+    return lines

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from statekit import format as fmt
+from statekit.api.fingerprint import describe as describe_fingerprint
 from statekit.cli.output import console, emit, fail, human, rich_table, shape
 from statekit.errors import StatekitError
 from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
@@ -22,7 +23,8 @@ from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
 def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool) -> None:
     """Show a checkpoint: statekit, Accelerate directory, DCP directory, safetensors or torch file.
 
-    For a statekit checkpoint: step, world size, plugins, objects and files from the manifest.
+    For a statekit checkpoint: step, world size, plugins, the resume fingerprint, objects
+    and files from the manifest.
     For the other formats: the format, files and tensor totals. Only metadata is read.
     """
     try:
@@ -83,6 +85,8 @@ def _show_statekit(url: str, manifest: dict[str, Any], headers: dict[str, list[d
     ]
     if manifest["metadata"]:
         lines.append(f"metadata    {json.dumps(manifest['metadata'])}")
+    for i, line in enumerate(describe_fingerprint(manifest.get("fingerprint") or {}) if manifest.get("fingerprint") else []):
+        lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
     out.print("\n".join(lines), markup=False)
     if manifest["objects"]:
         out.print(rich_table([[k, o["kind"], o["owner"], "per rank" if o.get("per_rank") else "replicated"]
