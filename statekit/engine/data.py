@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from statekit.engine import iterable
+
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
 _subclasses: dict[type, type] = {}
 
@@ -41,6 +43,12 @@ class Position:
         batches: batches of the current epoch already yielded to the training loop.
         start_states: generator role -> ``torch.Generator.get_state()`` at the epoch start.
         pending: a restored position waiting for the next ``iter()``.
+        dataset_start: a Stateful dataset's ``state_dict()`` at the epoch start.
+        dataset_log: a Stateful iterable dataset's state after ``n`` batches of the epoch,
+            by ``n`` (:func:`statekit.engine.iterable.recorder`); ``dataset_fetched``: the
+            batches of the epoch its iterator asked for so far.
+        workers_epoch: the epoch in which the loader's persistent workers started.
+        name: the loader's checkpoint key, for messages (set when it is restored).
     """
 
     epoch: int = 0
@@ -49,6 +57,11 @@ class Position:
     pending: dict[str, Any] | None = None
     in_epoch: bool = False
     foreign: bool = False
+    dataset_start: Any = None
+    dataset_log: dict[int, Any] = field(default_factory=dict)
+    dataset_fetched: int = 0
+    workers_epoch: int | None = None
+    name: str | None = None
 
 
 def _inner(loader: Any) -> Any:
@@ -143,45 +156,27 @@ def track(loader: Any) -> Position:
 
 def _tracked_iter(self: Any) -> Iterator[Any]:
     position: Position = self.__dict__["_statekit_position"]
-    skip = 0
-    if position.pending is not None:
-        pending, position.pending = position.pending, None
-        for role, gen in generators(self).items():
-            state = pending.get("start_states", {}).get(role)
-            if state is not None:
-                gen.set_state(state)
-        position.epoch = pending["epoch"]
-        if hasattr(self, "iteration"):
-            self.iteration = pending["epoch"]
-        skip = pending["batches"]
-        inner = _inner(self)
-        if callable(getattr(inner, "load_state_dict", None)):
-            # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
-            # Accelerate calls it in prepare()); that iterator ignores the skip below.
-            inner.load_state_dict({})
-            # A position Accelerate's own load_state restored (``next_iter_state``) would
-            # skip the consumed batches a second time: statekit's position replaces it.
-            if getattr(inner, "next_iter_state", None) is not None:
-                inner.next_iter_state = None
-    elif getattr(_inner(self), "next_iter_state", None) is not None:
-        # A StatefulDataLoader restored by someone else (Accelerate's load_state of an
-        # Accelerate checkpoint): it continues from its own state, so until this epoch
-        # ends its position is its own state_dict(), not statekit's counters.
-        position.foreign = True
+    inner = _inner(self)
+    pending, position.pending = position.pending, None
+    skip = _apply_pending(self, position, pending) if pending is not None else _start_fresh(inner, position)
+    name = describe(self)
+    how = iterable.plan(self, inner, position, pending, skip, name)
     position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
     position.batches = skip
     position.in_epoch = True
-    restore = _skip_indices(self, skip) if skip else None  # before the iterator is built
+    # before the iterator is built: it takes iter(batch_sampler) when it is built
+    record = iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0)
+    restore = _wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, record)
     parent = super(type(self), self).__iter__()
     try:
-        if skip and restore is None:  # no batch sampler to wrap (iterable dataset): consume
-            for _ in itertools.islice(parent, skip):
-                pass
+        if how == iterable.CONSUME:
+            iterable.consume(parent, skip, position.epoch, name, inner)
         for batch in parent:
             if restore is not None:
                 restore()
                 restore = None
             position.batches += 1
+            iterable.forget_before(position, position.batches)
             yield batch
     finally:
         if restore is not None:
@@ -192,14 +187,60 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.batches = 0
 
 
-def _skip_indices(loader: Any, count: int) -> Any:
-    """Wrap the inner loader's batch sampler so its next iterator starts ``count`` batches
-    in; returns a function that puts the original back (None if there is none to wrap)."""
+def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> int:
+    """Set the generators and the epoch counters to a restored position; returns the
+    batches of that epoch to skip."""
+    for role, gen in generators(loader).items():
+        state = pending.get("start_states", {}).get(role)
+        if state is not None:
+            gen.set_state(state)
+    position.epoch = pending["epoch"]
+    if hasattr(loader, "iteration"):
+        loader.iteration = pending["epoch"]
     inner = _inner(loader)
+    if callable(getattr(inner, "load_state_dict", None)):
+        # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
+        # Accelerate calls it in prepare()); that iterator ignores the skip.
+        inner.load_state_dict({})
+        # A position Accelerate's own load_state restored (``next_iter_state``) would
+        # skip the consumed batches a second time: statekit's position replaces it.
+        if getattr(inner, "next_iter_state", None) is not None:
+            inner.next_iter_state = None
+    return pending["batches"]
+
+
+def _start_fresh(inner: Any, position: Position) -> int:
+    """An epoch that is not a resume: returns 0 (nothing to skip)."""
+    if getattr(inner, "next_iter_state", None) is not None:
+        # A StatefulDataLoader restored by someone else (Accelerate's load_state of an
+        # Accelerate checkpoint): it continues from its own state, so until this epoch
+        # ends its position is its own state_dict(), not statekit's counters.
+        position.foreign = True
+    elif getattr(inner, "_initial_iter_for_state_dict", False):
+        # An iterator a StatefulDataLoader built in advance drew its workers' base seed
+        # before the epoch-start snapshot below; a resume builds it after. Build it here too.
+        inner.load_state_dict({})
+    return 0
+
+
+def describe(loader: Any) -> str:
+    """The loader's name in messages: its checkpoint key (when restored by key) and classes."""
+    position = loader.__dict__.get("_statekit_position")
+    kind = f"{type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
+    name = getattr(position, "name", None)
+    return f"{name} ({kind})" if name else kind
+
+
+def _wrap_batch_sampler(inner: Any, skip: int, record: Any) -> Any:
+    """Wrap the inner loader's batch sampler so its next iterator starts ``skip`` batches
+    in and/or records the dataset's state (``record``: a wrapper from
+    :func:`statekit.engine.iterable.recorder`); returns a function that puts the original
+    back (None if nothing was wrapped)."""
     original = getattr(inner, "batch_sampler", None)
-    if original is None:
+    if original is None or (not skip and record is None):
         return None
-    object.__setattr__(inner, "batch_sampler", _SkipBatches(original, count))
+    wrapped = _SkipBatches(original, skip) if skip else original
+    object.__setattr__(inner, "batch_sampler", record(wrapped) if record is not None else wrapped)
 
     def restore() -> None:
         object.__setattr__(inner, "batch_sampler", original)
@@ -245,7 +286,8 @@ def loader_state(loader: Any) -> dict[str, Any]:
         # a loader resumed by its own state (see _tracked_iter): save that state
         own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
         return {"tracked": False, "epoch": epoch, "stateful": own}
-    if not position.in_epoch:
+    in_epoch = position.in_epoch
+    if not in_epoch:
         batches, states = 0, {role: gen.get_state() for role, gen in generators(loader).items()}
     else:
         try:
@@ -254,10 +296,12 @@ def loader_state(loader: Any) -> dict[str, Any]:
             length = None
         if length is not None and batches >= length:
             # every batch was delivered: the generators already hold the next epoch's start state
-            epoch, batches = epoch + 1, 0
+            epoch, batches, in_epoch = epoch + 1, 0, False
             states = {role: gen.get_state() for role, gen in generators(loader).items()}
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
-    return {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
+    state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
+    state.update(iterable.saved_fields(_inner(loader), position, batches, in_epoch))  # dataset states, workers
+    return state
 
 
 def dataset_length(loader: Any) -> int | None:
@@ -268,12 +312,14 @@ def dataset_length(loader: Any) -> int | None:
         return None
 
 
-def restore_loader(loader: Any, state: dict[str, Any]) -> None:
-    """Put a loader back at a saved position; the next ``iter(loader)`` continues there.
+def restore_loader(loader: Any, state: dict[str, Any], name: str | None = None) -> None:
+    """Put a loader back at a saved position; the next ``iter(loader)`` continues there
+    (how it skips the consumed batches: :mod:`statekit.engine.iterable`).
 
     Args:
         loader: the loader (tracked or not).
         state: what :func:`loader_state` returned at save time.
+        name: the loader's checkpoint key (``dataloader_0``), named in warnings.
     """
     if state.get("tracked"):
         batches = int(state["batches"])
@@ -288,7 +334,11 @@ def restore_loader(loader: Any, state: dict[str, Any]) -> None:
             "epoch": int(state["epoch"]),
             "batches": batches,
             "start_states": dict(state.get("start_states") or {}),
+            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch")},
         }
+        if batches != int(state["batches"]):
+            position.pending["dataset_after"] = None  # the epoch restarts: from its start state
+        position.name = name or position.name
         position.epoch = int(state["epoch"])
         position.batches = batches
         if hasattr(loader, "iteration"):

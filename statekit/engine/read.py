@@ -154,7 +154,7 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
             e.obj.clear()
             e.obj.update(state)
         elif e.kind == "dataloader":
-            data.restore_loader(e.obj, state)
+            data.restore_loader(e.obj, state, name=e.key)
         else:
             e.obj.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:

@@ -1,0 +1,289 @@
+"""Data position of iterable datasets and of loaders with worker processes.
+
+:mod:`statekit.engine.data` resumes a loader mid-epoch by setting its generators back to
+the epoch start and skipping the consumed batches at the index level. Index skipping is
+exact only for a map-style dataset read in the main process:
+
+- an ``IterableDataset`` ignores indices (its loader's batch sampler draws from
+  ``_InfiniteConstantSampler``, Accelerate's prepared loaders included), so skipping
+  indices skips nothing and the epoch would restart;
+- with worker processes (``num_workers > 0``) every worker seeds its torch, ``random``
+  and NumPy generators from ``base_seed + worker_id`` when it starts and advances them with
+  every sample it loads, and batches go to the workers round robin
+  (``torch.utils.data._utils.worker._worker_loop``); skipped samples would shift both.
+
+This module decides how the next iterator of a restored loader continues (:func:`plan`):
+
+``"dataset"``
+    An iterable dataset with torchdata's Stateful protocol (``state_dict()`` and
+    ``load_state_dict()``, loaded before ``iter(dataset)``:
+    https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/README.md),
+    read in the main process: its state *after the consumed batches* is loaded and
+    nothing is re-read. That state is recorded while the epoch runs, each time the
+    loader's iterator asks its batch sampler for the next batch (:func:`recorder`), not
+    when the checkpoint is written: Accelerate's adapters fetch a batch ahead of the
+    training loop, so at save time the dataset is already past the consumed batches.
+``"indices"``
+    A map-style dataset without workers: :mod:`statekit.engine.data` skips indices.
+``"consume"``
+    Anything else: the iterator of the same epoch is re-created (generators at the epoch
+    start, a Stateful dataset at its epoch-start state) and the consumed batches are read
+    and discarded, in batches of the loader the training loop iterates (for Accelerate
+    the prepared loader's), so the workers draw exactly what they drew before. Runs under
+    :func:`statekit.engine.rng_guard.rng_guard`: a dataset that draws from the global RNG
+    in the main process does not shift it. A :class:`statekit.StatekitWarning` reports
+    how many batches were re-read and how long it took.
+
+What cannot be exact is reported with a :class:`statekit.StatekitWarning` naming the
+loader: a re-created iterator that ends before the consumed batches (the dataset's order
+is not reproducible), persistent workers started in an earlier epoch than the resumed
+one (their generators carry draws of earlier epochs), ``in_order=False`` with workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from statekit.engine.rng_guard import rng_guard
+from statekit.errors import StatekitWarning
+
+DATASET, INDICES, CONSUME = "dataset", "indices", "consume"
+"""How a restored loader skips its consumed batches (see the module docstring)."""
+
+
+def is_stateful(dataset: Any) -> bool:
+    """True if ``dataset`` follows torchdata's Stateful protocol (callable ``state_dict``
+    and ``load_state_dict``)."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+def is_iterable(inner: Any) -> bool:
+    """True if the torch loader ``inner`` reads a ``torch.utils.data.IterableDataset``."""
+    return isinstance(getattr(inner, "dataset", None), torch.utils.data.IterableDataset)
+
+
+def num_workers(inner: Any) -> int:
+    """``inner.num_workers`` (0 when the loader has none)."""
+    return int(getattr(inner, "num_workers", 0) or 0)
+
+
+def _dispatches(loader: Any) -> bool:
+    """True for an Accelerate ``DataLoaderDispatcher`` over more than one process: rank 0
+    reads for all ranks, so every rank must skip the same way (collectives)."""
+    is_dispatcher = any(c.__name__ == "DataLoaderDispatcher" for c in type(loader).__mro__)
+    return is_dispatcher and int(getattr(getattr(loader, "state", None), "num_processes", 1)) > 1
+
+
+def records_dataset(loader: Any, inner: Any) -> bool:
+    """True if the dataset's state after each batch is recorded (the ``"dataset"`` resume):
+    a Stateful iterable dataset read in the main process through a batch sampler, not
+    dispatched from rank 0 to other ranks."""
+    return (
+        is_iterable(inner)
+        and is_stateful(inner.dataset)
+        and num_workers(inner) == 0
+        and getattr(inner, "batch_sampler", None) is not None
+        and not _dispatches(loader)
+    )
+
+
+def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None, skip: int, name: str) -> str | None:
+    """Prepare the dataset for the epoch the next iterator starts; say how to skip.
+
+    Called by :mod:`statekit.engine.data` before the iterator is built, with the
+    generators already at the epoch start. Loads a saved dataset state into a Stateful
+    dataset (the state after the consumed batches for ``"dataset"``, else the epoch-start
+    state), snapshots the epoch-start dataset state into ``position.dataset_start``,
+    notes in ``position.workers_epoch`` the epoch in which persistent workers start, and
+    warns (:class:`statekit.StatekitWarning`) about what keeps a resume from being exact.
+
+    Args:
+        loader: the tracked loader (torch ``DataLoader`` or Accelerate adapter).
+        inner: the torch loader that builds iterators (``loader`` or its ``base_dataloader``).
+        position: the loader's ``statekit.engine.data.Position``.
+        pending: the restored position (``epoch``, ``batches``, ``dataset_start``,
+            ``dataset_after``, ``workers_epoch``), or None for an epoch that is not a resume.
+        skip: batches of this epoch consumed before the checkpoint.
+        name: the loader's name in messages.
+
+    Returns:
+        ``"dataset"``, ``"indices"`` or ``"consume"`` when ``skip > 0``, else None.
+    """
+    dataset = getattr(inner, "dataset", None)
+    how = None
+    if pending is not None:
+        _warn_workers(inner, pending, name)
+        if skip:
+            how = _method(loader, inner, pending)
+        saved = pending.get("dataset_after" if how == DATASET else "dataset_start")
+        if saved is not None and is_stateful(dataset):
+            dataset.load_state_dict(copy.deepcopy(saved))
+    if how == DATASET:
+        position.dataset_start = pending.get("dataset_start")
+    else:
+        position.dataset_start = copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None
+    position.dataset_log = {}
+    if num_workers(inner) > 0 and getattr(inner, "persistent_workers", False) and getattr(inner, "_iterator", None) is None:
+        position.workers_epoch = position.epoch
+    return how
+
+
+def _method(loader: Any, inner: Any, pending: dict[str, Any]) -> str:
+    if records_dataset(loader, inner) and pending.get("dataset_after") is not None:
+        return DATASET
+    if not is_iterable(inner) and num_workers(inner) == 0 and getattr(inner, "batch_sampler", None) is not None:
+        return INDICES
+    return CONSUME
+
+
+def _warn_workers(inner: Any, pending: dict[str, Any], name: str) -> None:
+    workers = num_workers(inner)
+    started = pending.get("workers_epoch")
+    if workers and getattr(inner, "persistent_workers", False) and started is not None and started != pending["epoch"]:
+        warnings.warn(
+            f"{name}: persistent_workers=True with num_workers={workers}: the saved run started its workers in "
+            f"epoch {started}, this run starts them in epoch {pending['epoch']}; random draws inside the workers "
+            "(augmentations in __getitem__/__iter__) carry over from earlier epochs in the saved run and cannot be "
+            "restored, so the resumed batches are exact only if the dataset draws no random numbers in its workers",
+            StatekitWarning,
+            stacklevel=4,
+        )
+    if workers and getattr(inner, "in_order", True) is False:
+        warnings.warn(
+            f"{name}: in_order=False with num_workers={workers}: batches arrive in the order the workers finish "
+            "them, so the batches after the resume are not those the saved run would have seen",
+            StatekitWarning,
+            stacklevel=4,
+        )
+
+
+def recorder(loader: Any, inner: Any, position: Any, first: int) -> Any:
+    """A wrapper for ``inner``'s batch sampler that records the dataset's state after each
+    batch into ``position.dataset_log`` (``{batches of the epoch fetched: state}``), or None
+    when the state is not recorded (see :func:`records_dataset`).
+
+    With ``num_workers=0`` the iterator asks for batch ``j``'s indices right after it
+    fetched batch ``j - 1``, so the state recorded there is the state after ``j`` batches.
+
+    Args:
+        first: batches of the epoch fetched before the iterator starts (a ``"dataset"``
+            resume starts after the consumed batches without fetching them).
+    """
+    if not records_dataset(loader, inner):
+        return None
+    position.dataset_fetched = first
+    return lambda batch_sampler: _RecordDatasetState(batch_sampler, inner.dataset, position, first)
+
+
+class _RecordDatasetState:
+    """A batch sampler that records ``dataset.state_dict()`` before yielding each batch,
+    and counts the batches asked for in ``position.dataset_fetched``."""
+
+    def __init__(self, batch_sampler: Any, dataset: Any, position: Any, first: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.dataset = dataset
+        self.position = position
+        self.first = first
+
+    def __iter__(self) -> Iterator[Any]:
+        for fetched, indices in enumerate(self.batch_sampler, start=self.first):
+            self.position.dataset_log[fetched] = copy.deepcopy(self.dataset.state_dict())
+            self.position.dataset_fetched = fetched + 1
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.batch_sampler, name)
+
+
+def forget_before(position: Any, batches: int) -> None:
+    """Drop recorded dataset states before ``batches`` (no checkpoint can need them)."""
+    for fetched in [k for k in position.dataset_log if k < batches]:
+        del position.dataset_log[fetched]
+
+
+def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: Any) -> int:
+    """Read and discard the first ``count`` batches of a re-created epoch iterator.
+
+    Args:
+        iterator: the iterator of the loader the training loop iterates.
+        count: batches consumed before the checkpoint.
+        epoch: the epoch (for messages).
+        name: the loader's name in messages.
+        inner: the torch loader (for the reason given in the message).
+
+    Returns:
+        The batches discarded (``count``, or fewer if the iterator ended first).
+
+    Warns:
+        StatekitWarning: always: how many batches were re-read and in how many seconds,
+        and why; when the iterator ends before ``count`` batches, that the dataset's order
+        is not reproducible and the epoch ends there.
+    """
+    started = time.perf_counter()
+    with rng_guard():
+        done = sum(1 for _ in itertools.islice(iterator, count))
+    seconds = time.perf_counter() - started
+    if done < count:
+        warnings.warn(
+            f"{name}: the re-created iterator of epoch {epoch} ended after {done} of the {count} batches consumed "
+            "before the checkpoint: the dataset does not repeat its order (give it state_dict()/load_state_dict(), "
+            "or make its iteration depend only on the loader's generators); the resumed epoch ends here",
+            StatekitWarning,
+            stacklevel=3,
+        )
+    else:
+        warnings.warn(
+            f"{name}: resumed epoch {epoch} at batch {count} by re-reading and discarding {count} batches "
+            f"in {seconds:.2f} s ({_reason(inner)})",
+            StatekitWarning,
+            stacklevel=3,
+        )
+    return done
+
+
+def _reason(inner: Any) -> str:
+    workers = num_workers(inner)
+    if workers:
+        return f"num_workers={workers}: the workers load the consumed samples again so their random draws repeat exactly"
+    if is_iterable(inner):
+        return "the IterableDataset has no state_dict()/load_state_dict() (torchdata's Stateful protocol) to restore its position"
+    return "the loader has no batch sampler whose indices could be skipped"
+
+
+def saved_fields(inner: Any, position: Any, batches: int, in_epoch: bool) -> dict[str, Any]:
+    """What :func:`plan` needs at the next resume, for a loader state saved now.
+
+    Args:
+        inner: the torch loader.
+        position: the loader's ``Position``.
+        batches: consumed batches of the saved epoch (0: saved at the start of an epoch).
+        in_epoch: whether the saved epoch is the one running now (False: the next one).
+
+    Returns:
+        ``dataset_start`` and ``dataset_after`` (Stateful datasets: the state at the saved
+        epoch's start, and after ``batches`` batches when recorded), ``workers_epoch``.
+    """
+    dataset = getattr(inner, "dataset", None)
+    fields: dict[str, Any] = {"workers_epoch": position.workers_epoch}
+    if not is_stateful(dataset):
+        return fields
+    if in_epoch:
+        fields["dataset_start"] = position.dataset_start
+        if batches:
+            after = position.dataset_log.get(batches)
+            if after is None and position.dataset_fetched == batches:  # nothing read ahead: the state now
+                after = copy.deepcopy(dataset.state_dict())
+            fields["dataset_after"] = after
+    else:
+        fields["dataset_start"] = copy.deepcopy(dataset.state_dict())
+    return fields
