@@ -271,3 +271,18 @@ def test_inspect_shows_the_fingerprint(tmp_path):
     assert f"torch {torch.__version__}" in text
     manifest = json.loads(CliRunner().invoke(main, ["inspect", str(checkpoint), "--json"]).output)
     assert manifest["fingerprint"]["dataloaders"]["dataloader_0"]["dataset_length"] == 100
+
+
+def test_rng_kinds_saved_but_not_restored_here(tmp_path):
+    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
+
+    model = torch.nn.Linear(2, 2)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    url = str(tmp_path / "ckpt")
+    with use_plugin_manager(build_plugin_manager(autoload=True)):  # statekit-rng saves the random states
+        saved = statekit.save(url, state)
+    assert saved["fingerprint"]["rng"] == ["numpy", "python", "torch"]
+    with use_plugin_manager(build_plugin_manager(autoload=False)):  # no plugin restores them
+        with pytest.warns(statekit.ResumeFingerprintWarning, match=r"RNG state numpy, python, torch -> none: the saved "
+                          r"numpy, python, torch random state is not restored here"):
+            statekit.load(url, state)

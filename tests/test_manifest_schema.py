@@ -46,6 +46,7 @@ def test_statekit_save_manifest(schema, tmp_path):
     manifest = manifest_at(url)
     validate(manifest, schema)
     assert manifest["step"] == 7 and set(manifest["objects"]) == {"model", "optim", "epoch", "t"}
+    assert manifest["fingerprint"]["world_size"] == 1 and manifest["fingerprint"]["dataloaders"] == {}
 
 
 def test_save_state_with_accelerate_manifest(schema, tmp_path, tiny_accelerate):
@@ -60,6 +61,7 @@ def test_save_state_with_accelerate_manifest(schema, tmp_path, tiny_accelerate):
     validate(manifest, schema)
     kinds = {o["kind"] for o in manifest["objects"].values()}
     assert {"model", "optimizer", "scheduler", "dataloader"} <= kinds
+    assert manifest["fingerprint"]["dataloaders"]["dataloader_0"]["dataset_length"] == len(run.loader.dataset)
 
 
 def test_checkpoint_manager_manifest(schema):
@@ -85,6 +87,24 @@ def test_schema_rejects_broken_manifests(schema, tmp_path):
     m = copy.deepcopy(good); m["files"]["../escape.json"] = next(iter(m["files"].values())); broken.append(m)
     m = copy.deepcopy(good); m["objects"]["t"]["kind"] = "pickle"; broken.append(m)
     m = copy.deepcopy(good); m["world_size"] = 0; broken.append(m)
+    m = copy.deepcopy(good); m["fingerprint"] = "world size 1"; broken.append(m)
+    m = copy.deepcopy(good); m["fingerprint"]["dataloaders"] = {"d": {"batch_size": "8"}}; broken.append(m)
     for manifest in broken:
         with pytest.raises(jsonschema.ValidationError):
             validate(manifest, schema)
+    old = copy.deepcopy(good); del old["fingerprint"]  # optional: checkpoints written before it existed
+    validate(old, schema)
+
+
+def test_reader_rejects_a_fingerprint_that_is_not_an_object(tmp_path):
+    from statekit.errors import CorruptCheckpointError
+    from statekit.format.manifest import validate_manifest
+
+    url = str(tmp_path / "ckpt")
+    statekit.save(url, {"t": torch.zeros(1)})
+    manifest = manifest_at(url)
+    del manifest["fingerprint"]
+    assert validate_manifest(manifest, url) is manifest
+    manifest["fingerprint"] = ["world size", 1]
+    with pytest.raises(CorruptCheckpointError, match=r"manifest field 'fingerprint' is not an object"):
+        validate_manifest(manifest, url)
