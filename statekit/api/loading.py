@@ -185,7 +185,8 @@ def _ranks_not_restored(manifest: dict[str, Any], checkpoint: Checkpoint) -> lis
     saved_world = manifest.get("world_size", 1)
     if saved_world <= checkpoint.world_size or checkpoint.rank != 0:
         return []
-    per_rank_keys = [k for k, o in manifest["objects"].items() if o.get("per_rank")]
+    # data loader positions of every saved rank are read by each live rank (engine/elastic.py)
+    per_rank_keys = [k for k, o in manifest["objects"].items() if o.get("per_rank") and o.get("kind") != "dataloader"]
     if not per_rank_keys:
         return []
     return [

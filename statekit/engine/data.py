@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from statekit.engine import iterable
+from statekit.engine import elastic, iterable
 
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
 _subclasses: dict[type, type] = {}
@@ -301,6 +301,9 @@ def loader_state(loader: Any) -> dict[str, Any]:
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
     state.update(iterable.saved_fields(_inner(loader), position, batches, in_epoch))  # dataset states, workers
+    # how the epoch is split over ranks, and (after a resume with another world size) what
+    # earlier world sizes consumed of it: lets any world size continue it (engine/elastic.py)
+    state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
     return state
 
 
@@ -312,15 +315,34 @@ def dataset_length(loader: Any) -> int | None:
         return None
 
 
-def restore_loader(loader: Any, state: dict[str, Any], name: str | None = None) -> None:
+def restore_loader(
+    loader: Any, state: dict[str, Any] | None, name: str | None = None, ranks: list[dict[str, Any]] | None = None
+) -> bool:
     """Put a loader back at a saved position; the next ``iter(loader)`` continues there
     (how it skips the consumed batches: :mod:`statekit.engine.iterable`).
 
     Args:
         loader: the loader (tracked or not).
-        state: what :func:`loader_state` returned at save time.
+        state: what :func:`loader_state` returned at save time on this rank, or None
+            when the checkpoint has no state for this rank (it was saved by fewer ranks).
         name: the loader's checkpoint key (``dataloader_0``), named in warnings.
+        ranks: the saved states of every saved rank (index = saved rank), when known.
+            With another world size they plan this rank's rest of the interrupted epoch
+            (:mod:`statekit.engine.elastic`).
+
+    Returns:
+        False when nothing was restored (``state`` is None and no plan applies).
+
+    Raises:
+        StateMismatchError: the world size changed mid-epoch and this loader's setup
+            cannot continue the epoch exactly (see :func:`statekit.engine.elastic.plan`).
     """
+    planned = elastic.plan(ranks, state, elastic.describe(loader, _inner(loader), sampler_of(loader)), name or "data loader") if ranks else None
+    if planned is not None:  # another world size: this rank yields its share of what no saved rank consumed
+        state = {**(state or ranks[0]), "epoch": planned.epoch, "batches": 0, "start_states": planned.start_states}
+        elastic.install(loader, _inner(loader), planned, sampler_of(loader))
+    elif state is None:
+        return False
     if state.get("tracked"):
         batches = int(state["batches"])
         saved_length, live_length = state.get("dataset_length"), dataset_length(loader)
@@ -343,13 +365,14 @@ def restore_loader(loader: Any, state: dict[str, Any], name: str | None = None) 
         position.batches = batches
         if hasattr(loader, "iteration"):
             loader.iteration = int(state["epoch"])
-        return
+        return True
     if hasattr(loader, "iteration") and "epoch" in state:
         loader.iteration = int(state["epoch"])
     if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
         loader, "use_stateful_dataloader", True
     ):
         loader.load_state_dict(state["stateful"])
+    return True
 
 
 def is_loader(obj: Any) -> bool:

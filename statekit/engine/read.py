@@ -132,6 +132,9 @@ def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:
 
 def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_restored: list[str]) -> None:
     per_rank = bool(saved.get("per_rank"))  # as saved: the caller need not repeat per_rank=
+    if e.kind == "dataloader" and per_rank:
+        _load_loader(checkpoint, e, not_restored)
+        return
     base = f"{e.key}/rank-{checkpoint.rank:05d}" if per_rank else e.key
     if per_rank and f"{base}.json" not in checkpoint.manifest["files"]:
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
@@ -159,6 +162,31 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
             e.obj.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise StateMismatchError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
+    """Restore a data loader's position: this rank's, and with another world size (or a
+    rank that saved nothing) those of every saved rank, from which
+    :mod:`statekit.engine.elastic` plans this rank's rest of the interrupted epoch."""
+    files = checkpoint.manifest["files"]
+    bases = [f"{e.key}/rank-{r:05d}" for r in range(int(checkpoint.manifest.get("world_size", 1)))]
+    base = f"{e.key}/rank-{checkpoint.rank:05d}"
+    own = checkpoint.load_state(base) if f"{base}.json" in files else None
+    ranks = None
+    mine = own if isinstance(own, dict) else {}
+    # every rank's position is needed with another world size, an earlier one in this epoch
+    # (history), or Accelerate's dispatcher (its ranks share one stream of batches)
+    if own is None or len(bases) != checkpoint.world_size or mine.get("history") or (mine.get("layout") or {}).get("kind") == "dispatch":
+        if all(f"{b}.json" in files for b in bases):
+            ranks = [own if b == base else checkpoint.load_state(b) for b in bases]
+    try:
+        restored = data.restore_loader(e.obj, own, name=e.key, ranks=ranks)
+    except StateMismatchError:
+        raise
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise StateMismatchError(f"dataloader {e.key!r} ({checkpoint.url}/{base}.json): {type(exc).__name__}: {exc}") from exc
+    if not restored:
+        not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

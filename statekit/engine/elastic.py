@@ -1,0 +1,462 @@
+"""Elastic data position: finish an epoch interrupted with world size N on M ranks.
+
+A run saved mid-epoch with N ranks and resumed with M must, over all ranks, see every
+sample of the interrupted epoch exactly once (plus the padding an M-rank run adds at the
+end of an epoch), not skip or repeat what the N ranks consumed (the failure of
+Megatron-Bridge PR#5637 and SimpleTuner PR#2986). The data loader's position
+(:mod:`statekit.engine.data`) saves, per rank, the epoch, the batches consumed and the
+generator states at the epoch start; :func:`describe` adds the loader's **layout**: how its
+sampler's permutation is split over ranks. With the positions of all N saved ranks this
+module computes which samples were consumed and what each of the M live ranks yields for
+the rest of the epoch. All functions are pure (positions are ints) except
+:class:`PlannedBatches`, which maps positions to dataset indices at iteration time.
+
+Positions. ``P`` is the epoch's permutation: what the base sampler yields in one epoch
+(drawn from the sampler's generator restored to its epoch-start state, or
+``DistributedSampler``'s ``seed + epoch``); position ``p`` is ``P[p]``. Padding and
+repeats stay positions, so "seen" is a set of positions.
+
+"As an uninterrupted M-rank run would", precisely: the remaining positions ``R`` (those of
+``0..L-1`` no rank consumed, in order) are handed to the M-rank layout as if ``R`` were a
+whole epoch, except that padding takes the epoch's first positions (as the uninterrupted
+run pads with the start of ``P``):
+
+- ``shard`` (Accelerate's ``BatchSamplerShard``; one process: no sharding): ``R`` in
+  batches of the per-device batch size ``B`` (the last short one dropped with
+  ``drop_last``); batch ``i`` goes to rank ``i % M``; with ``even_batches`` the last step
+  is completed from the epoch's first ``M`` batches, as ``BatchSamplerShard`` does;
+  ``split_batches``: every batch of ``B`` is cut into ``M`` slices of ``B / M``.
+- ``dispatch`` (``DataLoaderDispatcher``): rank 0's base loader yields ``R`` in batches of
+  ``B``; the dispatcher concatenates ``M`` of them per step (one with ``split_batches``) and
+  slices. Its last-step padding is Accelerate's own: the first ``M`` samples its iterator
+  yielded, which after a resume are the first of ``R``, not of ``P`` (as for a resume with
+  the same world size).
+- ``distributed`` (torch ``DistributedSampler``): ``R`` padded to a multiple of ``M`` from
+  the epoch's start (or cut with the sampler's ``drop_last``); rank ``r`` takes
+  ``R[r::M]`` in batches of ``B``.
+
+The next epochs are plain M-rank epochs: the sampler's generator ends the interrupted
+epoch where an uninterrupted run's does (the whole permutation is drawn once, when the
+first batch is fetched). Upstream sources followed: ``accelerate/data_loader.py``
+(``BatchSamplerShard._iter_with_no_split`` / ``_iter_with_split``,
+``DataLoaderDispatcher._fetch_batches`` / ``__iter__``, Accelerate 1.x) and
+``torch/utils/data/distributed.py`` (``DistributedSampler.__iter__``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
+
+from statekit.errors import StateMismatchError
+
+SHARD, DISPATCH, DISTRIBUTED, UNSUPPORTED = "shard", "dispatch", "distributed", "unsupported"
+_SAME = ("kind", "world_size", "batch_size", "drop_last", "even_batches", "split_batches")
+
+
+def describe(loader: Any, inner: Any, sampler: Any) -> dict[str, Any]:
+    """The layout of a data loader: how its sampler's permutation is split over ranks.
+
+    Args:
+        loader: the data loader (torch ``DataLoader`` or Accelerate adapter).
+        inner: the torch loader that builds iterators (``loader.base_dataloader`` for an
+            Accelerate adapter, else ``loader``).
+        sampler: the sampler that draws the indices (:func:`statekit.engine.data.sampler_of`).
+
+    Returns:
+        Codec-able dict: ``kind`` (``shard``/``dispatch``/``distributed``, or
+        ``unsupported`` with a ``reason``), ``world_size``, ``rank``, ``batch_size``,
+        ``drop_last``, ``even_batches``, ``split_batches``, ``length`` (samples per
+        epoch) and ``sampler`` (``kind`` ``generator`` or ``distributed`` with its
+        ``seed``, ``epoch``, ``shuffle``, ``drop_last``).
+    """
+    name = type(loader).__name__
+    dataset = getattr(inner, "dataset", None)
+    if isinstance(dataset, IterableDataset):
+        return _unsupported(f"{name} over an IterableDataset ({type(dataset).__name__}): no sampler indexes its samples, so "
+                            "the samples other ranks consumed cannot be located")
+    batch_sampler = getattr(inner, "batch_sampler", None)
+    if isinstance(batch_sampler, PlannedBatches):  # restored, not iterated yet
+        batch_sampler = batch_sampler.original
+    if _accelerate(batch_sampler, "BatchSamplerShard"):
+        layout = _layout(SHARD, batch_sampler.num_processes, batch_sampler.process_index, batch_sampler.even_batches, batch_sampler.split_batches)
+        base = batch_sampler.batch_sampler
+    elif _accelerate(loader, "DataLoaderDispatcher"):
+        if getattr(loader, "submesh_tp", None) is not None:
+            return _unsupported(f"{name} with a tensor-parallel device mesh (torch_device_mesh): ranks share batches")
+        layout = _layout(DISPATCH, loader.state.num_processes, loader.state.process_index, True, loader.split_batches)
+        base = batch_sampler
+    elif isinstance(sampler, DistributedSampler):
+        layout = _layout(DISTRIBUTED, sampler.num_replicas, sampler.rank, True, False)
+        base = batch_sampler
+    else:  # one process, nothing sharded: BatchSamplerShard with one process and no padding
+        layout = _layout(SHARD, 1, 0, False, False)
+        base = batch_sampler
+    if base is None or type(base).__iter__ is not BatchSampler.__iter__ or not isinstance(getattr(base, "batch_size", None), int):
+        what = "no batch sampler (batch_size=None)" if base is None else f"the custom batch sampler {type(base).__name__}"
+        return _unsupported(f"{name} with {what}: its batches cannot be re-formed for another world size")
+    if sampler is None:
+        return _unsupported(f"{name} has no sampler")
+    if isinstance(sampler, DistributedSampler):
+        if layout["kind"] != DISTRIBUTED:
+            return _unsupported(f"{name}: a DistributedSampler inside an Accelerate-prepared loader (sharded twice)")
+        if type(sampler).__iter__ is not DistributedSampler.__iter__:
+            return _unsupported(f"{name}: {type(sampler).__name__} overrides DistributedSampler.__iter__")
+        info = {"kind": DISTRIBUTED, "seed": int(sampler.seed), "epoch": int(sampler.epoch), "shuffle": bool(sampler.shuffle), "drop_last": bool(sampler.drop_last)}
+        length = len(sampler.dataset)
+    else:
+        info = {"kind": "generator", "random": hasattr(sampler, "generator")}
+        length = len(sampler)
+    info["class"] = type(sampler).__name__
+    return {**layout, "batch_size": int(base.batch_size), "drop_last": bool(base.drop_last), "length": int(length), "sampler": info}
+
+
+def _layout(kind: str, world_size: int, rank: int, even: bool, split: bool) -> dict[str, Any]:
+    return {"kind": kind, "world_size": int(world_size), "rank": int(rank), "even_batches": bool(even), "split_batches": bool(split)}
+
+
+def _unsupported(reason: str) -> dict[str, Any]:
+    """A layout this module cannot map; its world size is the process group's."""
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if dist else (1, 0)
+    return {"kind": UNSUPPORTED, "reason": reason, "world_size": world, "rank": rank}
+
+
+def _accelerate(obj: Any, name: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("accelerate") for c in type(obj).__mro__)
+
+
+@dataclass
+class Plan:
+    """This rank's rest of an interrupted epoch.
+
+    Attributes:
+        epoch: the interrupted epoch (epochs completed before it).
+        start_states: generator role -> epoch-start state to restore before iterating.
+        batches: position batches the live loader's batch sampler yields (for ``dispatch``:
+            the base batches rank 0 fetches; on every rank).
+        steps: batches this rank yields to the training loop.
+        source: the epoch's sampler info (how ``P`` is drawn), from the first segment.
+        length: ``L``, samples in the epoch.
+        segments: the layouts and per-rank consumed batches so far, saved while the epoch
+            lasts so a later resume (any world size) continues from all of them.
+    """
+
+    epoch: int
+    start_states: dict[str, Any]
+    batches: list[list[int]]
+    steps: int
+    source: dict[str, Any]
+    length: int
+    segments: list[dict[str, Any]] = field(default_factory=list)
+
+
+def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str, Any], name: str) -> Plan | None:
+    """Plan the rest of an interrupted epoch from the positions of all saved ranks.
+
+    Args:
+        saved: what :func:`statekit.engine.data.loader_state` returned on each saved rank
+            (index = saved rank).
+        own: this rank's saved position, or None when the checkpoint has none (the world grew).
+        live: :func:`describe` of the live loader.
+        name: the loader's key, for messages.
+
+    Returns:
+        The plan, or None when the saved positions resume as they are (same layout, no
+        earlier elastic resume in this epoch, or no epoch in progress, or positions of
+        independent per-rank loaders).
+
+    Raises:
+        StateMismatchError: the epoch is in progress and cannot be mapped: the loader is
+            unsupported (IterableDataset, custom batch sampler...), the sampler kind or
+            the dataset length changed, the permutation's generator was not saved, or the
+            saved ranks disagree.
+    """
+    if not saved or not all(s.get("tracked") for s in saved):
+        return None
+    epoch = min(int(s["epoch"]) for s in saved)
+    history = next((s["history"] for s in saved if s.get("history") and int(s["epoch"]) == epoch), [])
+    if not history and all(int(s["batches"]) == 0 for s in saved):
+        return None  # every rank at an epoch start: nothing to map
+    layout = saved[0].get("layout")
+    if layout is None:
+        if len(saved) != live.get("world_size"):
+            raise _refuse(name, len(saved), live, "the checkpoint has no data layout (saved by an older statekit)")
+        return None
+    if not history and all(layout.get(k) == live.get(k) for k in _SAME) and (layout["kind"] != DISPATCH or len(saved) == 1):
+        return None  # same layout: skipping the consumed batches is exact
+    if layout["world_size"] != len(saved):
+        return None  # one loader per rank, not shards of one epoch: each rank resumes its own
+    if layout["kind"] != UNSUPPORTED and live["kind"] != UNSUPPORTED and layout["length"] != live["length"]:
+        return None  # another dataset: nothing maps; the epoch restarts (statekit.engine.data.restore_loader)
+    _check(saved, layout, live, name, epoch)
+    counts = [int(s["batches"]) if int(s["epoch"]) == epoch else -1 for s in saved]  # -1: the rank finished the epoch
+    segments = [*history, {"layout": layout, "batches": counts}]
+    length = int(layout["length"])
+    left = remaining(length, segments)
+    per_rank = shard(left, live, list(range(length)))
+    rank = int(live["rank"])
+    base = own if own is not None and int(own["epoch"]) == epoch else next(s for s in saved if int(s["epoch"]) == epoch)
+    batches = _chunk(left, live["batch_size"], live["drop_last"]) if live["kind"] == DISPATCH else per_rank[rank]
+    source = (segments[0]["layout"])["sampler"]
+    return Plan(epoch, dict(base.get("start_states") or {}), batches, len(per_rank[rank]), source, length, segments)
+
+
+def _check(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, Any], name: str, epoch: int) -> None:
+    for what in (layout, live):
+        if what["kind"] == UNSUPPORTED:
+            raise _refuse(name, len(saved), live, what["reason"])
+    for s in saved:
+        if int(s["epoch"]) > epoch + 1 or (int(s["epoch"]) == epoch + 1 and int(s["batches"]) != 0):
+            raise _refuse(name, len(saved), live, f"the saved ranks are in different epochs ({[int(x['epoch']) for x in saved]})")
+        if {k: (s.get("layout") or {}).get(k) for k in _SAME} != {k: layout.get(k) for k in _SAME}:
+            raise _refuse(name, len(saved), live, "the saved ranks have different data layouts")
+    if layout["sampler"]["kind"] != live["sampler"]["kind"]:
+        raise _refuse(
+            name, len(saved), live, f"sampler {layout['sampler']['class']} -> {live['sampler']['class']}: the permutation "
+            "of the interrupted epoch cannot be drawn by the live sampler",
+        )
+    if layout["sampler"].get("random") and not any("sampler" in (s.get("start_states") or {}) for s in saved):
+        raise _refuse(
+            name, len(saved), live, f"the {layout['sampler']['class']} has no generator: its permutation came from the global "
+            "RNG and cannot be drawn again (give it a generator, or install statekit-rng)",
+        )
+    if live["split_batches"] and live["batch_size"] % live["world_size"]:
+        raise _refuse(name, len(saved), live, f"split_batches with batch size {live['batch_size']} on {live['world_size']} ranks")
+
+
+def _refuse(name: str, saved_world: int, live: dict[str, Any], reason: str) -> StateMismatchError:
+    error = StateMismatchError(f"data loader {name!r}")
+    error.args = (
+        f"data loader {name!r} was saved mid-epoch with world size {saved_world} and is resumed with "
+        f"{live.get('world_size', '?')}: {reason}; the rest of the epoch cannot be planned without skipping or "
+        "repeating samples (resume with the saved world size, or from a checkpoint taken at an epoch end)",
+    )
+    return error
+
+
+def remaining(length: int, segments: list[dict[str, Any]]) -> list[int]:
+    """The positions of an epoch of ``length`` samples that no rank consumed, in order.
+
+    Args:
+        length: ``L``.
+        segments: ``{"layout": describe(...), "batches": [consumed batches per rank, -1 = all]}``
+            in resume order; each segment hands what the earlier ones left to its layout.
+
+    Returns:
+        The remaining positions (ints in ``0..L-1``), ascending.
+    """
+    epoch = list(range(length))
+    left = epoch
+    for segment in segments:
+        per_rank = shard(left, segment["layout"], epoch)
+        seen = {p for r, k in enumerate(segment["batches"]) for batch in (per_rank[r] if k < 0 else per_rank[r][:k]) for p in batch}
+        left = [p for p in left if p not in seen]
+    return left
+
+
+def shard(positions: list[int], layout: dict[str, Any], epoch: list[int]) -> list[list[list[int]]]:
+    """Per rank, the position batches a loader of ``layout`` yields for ``positions``.
+
+    Args:
+        positions: what is left of the epoch (the whole ``epoch`` for an uninterrupted one).
+        layout: :func:`describe` of the loader (``kind``, ``world_size``, ``batch_size``,
+            ``drop_last``, ``even_batches``, ``split_batches``, ``sampler``).
+        epoch: all positions of the epoch; padding is taken from its start.
+
+    Returns:
+        ``[rank][step] -> list of positions`` for every rank of the layout.
+    """
+    n, size, drop = int(layout["world_size"]), int(layout["batch_size"]), bool(layout["drop_last"])
+    if layout["kind"] == DISTRIBUTED:
+        return _distributed(positions, n, size, drop, bool(layout["sampler"].get("drop_last")), epoch)
+    batches = _chunk(positions, size, drop)
+    if layout["kind"] == DISPATCH:
+        return _dispatch(batches, n, bool(layout["split_batches"]), drop)
+    if layout["split_batches"]:
+        first = _chunk(epoch, size, drop)[:1]
+        return [_split(batches, n, r, size, bool(layout["even_batches"]), drop, first[0] if first else []) for r in range(n)]
+    initial = [p for b in _chunk(epoch, size, drop)[:n] for p in b]
+    return [_no_split(batches, n, r, size, bool(layout["even_batches"]), drop, initial) for r in range(n)]
+
+
+def _chunk(positions: list[int], size: int, drop_last: bool) -> list[list[int]]:
+    """torch ``BatchSampler``: batches of ``size``, the short last one dropped with ``drop_last``."""
+    batches = [positions[i : i + size] for i in range(0, len(positions), size)]
+    return batches[:-1] if drop_last and batches and len(batches[-1]) < size else batches
+
+
+def _no_split(batches: list[list[int]], n: int, r: int, size: int, even: bool, drop: bool, initial: list[int]) -> list[list[int]]:
+    """``BatchSamplerShard._iter_with_no_split`` for rank ``r``, padding from ``initial``."""
+    out: list[list[int]] = []
+    to_yield: list[int] | None = None
+    idx, batch = -1, []
+    for idx, batch in enumerate(batches):
+        if idx % n == r:
+            to_yield = batch
+        if idx % n == n - 1 and len(batch) == size:
+            out.append(to_yield or [])
+            to_yield = None
+    if drop or not batches:
+        return out
+    if not even:
+        return out + ([to_yield] if to_yield else [])
+    if to_yield and len(to_yield) == size:
+        out.append(to_yield)
+    initial = list(initial)
+    while initial and len(initial) < n * size:
+        initial += initial
+    if len(batch) == size:  # the last batch was whole and yielded: padding starts a new slot
+        batch, idx = [], idx + 1
+    cycle = 0
+    while idx % n != 0 or batch:
+        end = cycle + size - len(batch)
+        batch = batch + initial[cycle:end]
+        if idx % n == r:
+            out.append(batch)
+        cycle, batch, idx = end, [], idx + 1
+    return out
+
+
+def _split(batches: list[list[int]], n: int, r: int, size: int, even: bool, drop: bool, first: list[int]) -> list[list[int]]:
+    """``BatchSamplerShard._iter_with_split`` for rank ``r``, padding from ``first``."""
+    part = size // n
+    out = [b[part * r : part * (r + 1)] for b in batches if len(b) == size]
+    if drop or not batches or len(batches[-1]) == size:
+        return out
+    last = batches[-1]
+    if not even:
+        return out + ([last[part * r : part * (r + 1)]] if len(last) > part * r else [])
+    initial = list(first)
+    while initial and len(initial) < size:
+        initial += initial
+    return out + [(last + initial)[part * r : part * (r + 1)]]
+
+
+def _dispatch(batches: list[list[int]], n: int, split: bool, drop: bool) -> list[list[list[int]]]:
+    """``DataLoaderDispatcher``: each step concatenates ``n`` base batches (one with
+    ``split``) and gives rank ``r`` slice ``r``; the last step is padded with the first
+    ``n`` samples of the iteration when it does not divide by ``n``."""
+    groups = [batches[i : i + 1] for i in range(len(batches))] if split else [batches[i : i + n] for i in range(0, len(batches), n)]
+    if drop and not split:
+        groups = [g for g in groups if len(g) == n]
+    out: list[list[list[int]]] = [[] for _ in range(n)]
+    first = [p for b in groups[0] for p in b][:n] if groups else []
+    for i, group in enumerate(groups):
+        flat = [p for b in group for p in b]
+        each = len(flat) // n
+        if not drop and i == len(groups) - 1 and len(flat) % n:
+            flat, each = flat + first, each + 1
+        for r in range(n):
+            out[r].append(flat[r * each : (r + 1) * each])
+    return out
+
+
+def _distributed(positions: list[int], n: int, size: int, drop: bool, sampler_drop: bool, epoch: list[int]) -> list[list[list[int]]]:
+    """``DistributedSampler`` (pad from the epoch's start, or cut) then ``BatchSampler`` per rank."""
+    count = len(positions)
+    each = math.ceil((count - n) / n) if sampler_drop and count % n else math.ceil(count / n)
+    total = each * n
+    if sampler_drop:
+        padded = positions[:total]
+    else:
+        pad = total - count
+        source = epoch if pad <= len(epoch) else epoch * math.ceil(pad / max(len(epoch), 1))
+        padded = positions + source[:pad]
+    return [_chunk(padded[r:total:n], size, drop) for r in range(n)]
+
+
+def permutation(source: dict[str, Any], sampler: Any, length: int) -> list[int]:
+    """The epoch's permutation ``P``: what the sampler yields in one epoch.
+
+    ``distributed``: ``DistributedSampler.__iter__``'s shuffle with the saved ``seed`` and
+    ``epoch`` (before padding); otherwise the live sampler iterated once (its generator was
+    set to the epoch-start state, so this draws what the interrupted epoch drew).
+
+    Raises:
+        StateMismatchError: the sampler yields another number of samples than saved.
+    """
+    if source["kind"] == DISTRIBUTED:
+        if not source["shuffle"]:
+            return list(range(length))
+        g = torch.Generator()
+        g.manual_seed(int(source["seed"]) + int(source["epoch"]))
+        return torch.randperm(length, generator=g).tolist()
+    order = list(sampler)
+    if len(order) != length:
+        raise StateMismatchError(f"sampler {type(sampler).__name__} (it yields {len(order)} samples, the checkpoint's epoch {length})")
+    return order
+
+
+def install(loader: Any, inner: Any, planned: Plan, sampler: Any) -> None:
+    """Make the loader's next epoch (only) yield ``planned``'s batches.
+
+    Args:
+        loader: the data loader; keeps the plan (``__dict__["_statekit_elastic"]``) for
+            :func:`saved_fields`.
+        inner: the torch loader that builds iterators; its ``batch_sampler`` is replaced by
+            a :class:`PlannedBatches` that puts the original back when an iterator takes it.
+        planned: from :func:`plan`.
+        sampler: the live sampler (draws the permutation).
+    """
+    loader.__dict__["_statekit_elastic"] = planned
+    original = inner.__dict__.get("batch_sampler")
+    if isinstance(original, PlannedBatches):  # restored twice before iterating
+        original = original.original
+    object.__setattr__(inner, "batch_sampler", PlannedBatches(original, planned, sampler, inner))
+
+
+def saved_fields(loader: Any, layout: dict[str, Any], epoch: int, in_epoch: bool) -> dict[str, Any]:
+    """What a loader's saved position adds for another world size: its ``layout`` and,
+    while an epoch planned by :func:`plan` lasts, the ``history`` of what earlier world
+    sizes consumed of it.
+
+    Args:
+        loader: the data loader.
+        layout: :func:`describe` of it.
+        epoch: the epoch the position is saved in; in_epoch: whether it is in progress.
+
+    Returns:
+        ``{"layout": ...}`` or ``{"layout": ..., "history": [segments]}``.
+    """
+    planned = loader.__dict__.get("_statekit_elastic")
+    if planned is not None and in_epoch and planned.epoch == epoch:
+        return {"layout": layout, "history": planned.segments}
+    return {"layout": layout}
+
+
+class PlannedBatches:
+    """A batch sampler that yields a :class:`Plan`'s batches as dataset indices, once.
+
+    Taking an iterator puts the original batch sampler back on ``owner`` (the next epochs
+    are plain ones). The permutation is drawn when the first batch is fetched, where an
+    uninterrupted run draws it. Other attributes are the original batch sampler's.
+    """
+
+    def __init__(self, original: Any, planned: Plan, sampler: Any, owner: Any) -> None:
+        self.original, self.planned, self.draw_from, self.owner, self.used = original, planned, sampler, owner, False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        object.__setattr__(self.owner, "batch_sampler", self.original)
+        if self.used:  # put back by someone who wrapped it: the plan is spent
+            return iter(self.original)
+        self.used = True
+        return self._batches()
+
+    def _batches(self) -> Iterator[list[int]]:
+        order = permutation(self.planned.source, self.draw_from, self.planned.length)
+        for batch in self.planned.batches:
+            yield [order[p] for p in batch]
+
+    def __len__(self) -> int:
+        return len(self.original) if self.used else len(self.planned.batches)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("original", "planned", "draw_from", "owner", "used"):
+            raise AttributeError(name)
+        return getattr(self.original, name)
