@@ -14,11 +14,13 @@ STAMP := $(VENV)/.statekit-installed
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
 
-# The demo on all three storages: local disk, memory:// and a local moto S3 server.
+# The demo on all three storages: local disk, memory:// and a local moto S3 server; then
+# with gradient accumulation (saves fall between optimizer steps).
 demo-all: $(STAMP)
 	$(PY) examples/resume_demo.py
 	$(PY) examples/resume_demo.py --url memory://statekit-demo
 	$(PY) examples/resume_demo.py --moto
+	$(PY) examples/resume_demo.py --grad-accum 4
 
 # The core's tests, then each plugin's tests from its own directory (each is its own
 # distribution with its own conftest); every suite runs, and any failure fails the target.

@@ -22,6 +22,12 @@ Usage::
     python examples/resume_demo.py --url memory://demo
     python examples/resume_demo.py --moto                # starts a local moto S3 server
     python examples/resume_demo.py --url s3://bucket/run # any fsspec URL
+    python examples/resume_demo.py --grad-accum 4        # gradient accumulation
+
+With ``--grad-accum N`` each step is a micro-batch inside ``accelerator.accumulate``
+and the optimizer steps every N micro-batches (Accelerate's gradient accumulation);
+saves every ``--save-every`` micro-batches fall between optimizer steps too, so the
+resume must carry the accumulated gradients.
 """
 
 from __future__ import annotations
@@ -79,7 +85,11 @@ def build(args: argparse.Namespace):
     """Everything a run needs, built the same way in every process."""
     set_seed(args.seed)
     torch.set_num_threads(1)  # one thread: the same float summation order in every process
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful_loader))
+    accelerator = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful_loader),
+        gradient_accumulation_steps=args.grad_accum,
+    )
     train, test = digits()
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
     model = Net()
@@ -103,11 +113,12 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
 
     def train_step(batch) -> float:
         x, y = batch
-        loss = F.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):  # a no-op wrapper without --grad-accum
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()  # Accelerate steps and zeroes only at the end of a window
+            scheduler.step()
+            optimizer.zero_grad()
         return loss.item()
 
     step = harness.resume_step(manager, log) if resume else 0
@@ -150,6 +161,7 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
     rows = [
         ("checkpoint root", args.url),
         ("steps", f"{args.steps} ({len(analysis.ref_losses)} in the reference run)"),
+        ("grad accumulation", f"{args.grad_accum} micro-batches per optimizer step"),
         ("resumed from step", analysis.resumed),
         ("checkpoints written", analysis.written),
         ("save seconds", analysis.save_seconds),
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.demo_parser(__doc__, "resume-demo", steps=240, steps_help="about 5 epochs", save_every=10,
                                  keep_last=3)
     parser.add_argument("--stateful-loader", action="store_true", help="use Accelerate's StatefulDataLoader")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="gradient_accumulation_steps (steps are then micro-batches; default 1)")
     args = parser.parse_args(argv)
     args.storage_options = None
 
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             title="statekit resume demo",
             script=__file__,
             train=train,
-            worker_flags=["--stateful-loader"] if args.stateful_loader else [],
+            worker_flags=(["--stateful-loader"] if args.stateful_loader else []) + ["--grad-accum", str(args.grad_accum)],
             batches_per_epoch=math.ceil(TRAIN_SIZE / args.batch_size),
             work_prefix="statekit-demo-",
         )

@@ -30,6 +30,15 @@ def test_demo_resumes_exactly(where, tmp_path, s3_server):
 
 
 @pytest.mark.slow
+def test_demo_with_gradient_accumulation_resumes_exactly(tmp_path):
+    # saves every 10 micro-batches with windows of 3: most checkpoints hold accumulated gradients
+    proc = _demo("--url", str(tmp_path / "run"), "--grad-accum", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "grad accumulation    3 micro-batches per optimizer step" in proc.stdout
+    assert "resume exact         yes" in proc.stdout
+
+
+@pytest.mark.slow
 def test_demo_detects_an_inexact_resume(tmp_path):
     # Without statekit-rng the dropout masks after the resume differ: the demo must say so.
     proc = _demo("--url", str(tmp_path / "run"), env={"STATEKIT_DISABLE_PLUGINS": "rng,diffusers,fsdp,offload"})
