@@ -202,3 +202,37 @@ def test_other_accumulation_steps_is_refused_before_loading(tmp_path, installed_
     # and the gradients themselves refuse a window they cannot complete
     with pytest.raises(StateMismatchError, match=r"gradient_accumulation_steps=4 \(micro-batch 6\); this run has 2"):
         AccumulatedGradients(other[0]).load_state_dict(state)
+
+
+_FSDP2_REFUSAL = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from statekit.engine.gradients import refuse_unsupported
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+fully_shard(model)  # FSDP2: DTensor parameters
+class Accelerator:
+    gradient_accumulation_steps, step, distributed_type = 4, 2, "DistributedType.FSDP"
+try:
+    refuse_unsupported(Accelerator(), [model])
+finally:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fully_sharded_model_mid_accumulation_is_refused():
+    """A real FSDP2 model (one gloo rank, in its own process: the test process stays
+    without a process group)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", _FSDP2_REFUSAL, str(port)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "StatekitError: FSDPSequential (FSDP) holds sharded gradients" in proc.stderr, proc.stderr[-3000:]
+    assert "save when accelerator.sync_gradients is True" in proc.stderr
