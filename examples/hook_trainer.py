@@ -56,6 +56,7 @@ class Trainer:
         self.steps_per_epoch = len(loader) // accum
 
     def call(self, channel: str, loss: float | None = None) -> None:
+        """Call ``channel`` (``"on_step_end"``...) on every hook that has it, with the counters."""
         p = self.progress
         args = HookArgs(p.epoch, p.step_in_epoch, p.global_step, loss)
         for hook in self.hooks:
@@ -64,6 +65,7 @@ class Trainer:
                 method(args)
 
     def fit(self) -> None:
+        """Train to ``epochs`` epochs, from wherever ``on_loop_begin`` left the counters."""
         p = self.progress
         self.call("on_loop_begin")  # CheckpointHook resumes here: model ... progress restored
         while p.epoch < self.epochs:
@@ -78,6 +80,7 @@ class Trainer:
         self.call("on_loop_end")
 
     def step(self, group) -> None:
+        """One optimizer step over ``accum`` micro-batches (``(x, y)`` tensor pairs)."""
         self.call("on_step_begin")
         total = 0.0
         for x, y in group:
@@ -121,6 +124,7 @@ class KillAt:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Build the run, add the hooks, train (resuming from ``--url`` when it holds a checkpoint)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="runs/hook-trainer", help="checkpoint root URL")
     parser.add_argument("--epochs", type=int, default=4)
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     hooks = [checkpoint, LossLog(args.log, checkpoint), KillAt(args.kill_at_step)]
     Trainer(model, optimizer, scheduler, loader, progress, hooks, accum=args.accum, epochs=args.epochs).fit()
     if args.final:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, args.final)
+        final = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        torch.save(final, args.final)
 
 
 if __name__ == "__main__":

@@ -215,7 +215,8 @@ def test_hook_refuses_a_checkpoint_whose_step_is_not_the_progress(tmp_path: Path
 
 def test_trainer_progress_refuses_a_bad_state():
     progress = statekit.TrainerProgress()
-    with pytest.raises(statekit.StateMismatchError, match=r"state of TrainerProgress does not match the checkpoint; missing keys: micro_batch$"):
+    missing = r"state of TrainerProgress does not match the checkpoint; missing keys: micro_batch$"
+    with pytest.raises(statekit.StateMismatchError, match=missing):
         progress.load_state_dict({"epoch": 1, "step_in_epoch": 0, "global_step": 3})
     with pytest.raises(statekit.StateMismatchError, match=r"global_step \(saved -1 vs expected a non-negative int\)"):
         progress.load_state_dict({"epoch": 1, "step_in_epoch": 0, "global_step": -1, "micro_batch": 0})
@@ -249,7 +250,10 @@ def test_hook_with_accelerate(tiny_accelerate, tmp_path: Path):
     progress.global_step = 0  # as a fresh run would start
     for param in run.model.parameters():
         param.data.zero_()
-    assert hook.on_loop_begin(None) == 2
+    assert hook.on_loop_begin(None) is None  # only a hook's first loop begin resumes
+    assert progress.global_step == 0
+    again = statekit.CheckpointHook(statekit.CheckpointManager(run.accelerator, str(tmp_path)), progress, every_n_steps=2)
+    assert again.on_loop_begin(None) == 2
     assert progress.global_step == 2 and progress.step_in_epoch == 2
     for name, value in saved_weights.items():
         assert torch.equal(run.model.state_dict()[name], value)

@@ -213,12 +213,14 @@ class CheckpointHook(_TrainerChannels):
         self.every_n_epochs = every_n_epochs
         self.resumed_step: int | None = None
         self.last_saved_step: int | None = None
+        self._begun = False
 
     def on_loop_begin(self, args: Any = None) -> int | None:
         """Resume from the newest committed checkpoint, if there is one.
 
         Loads every object of the manager (``progress`` included) in place; the trainer
-        then loops from ``progress``.
+        then loops from ``progress``. Only the first call resumes: a later loop of the
+        same trainer (an evaluation pass that opens ``on_loop_begin`` again) loads nothing.
 
         Args:
             args: the trainer's hook arguments (ignored).
@@ -231,6 +233,9 @@ class CheckpointHook(_TrainerChannels):
                 (its name) is not the ``global_step`` of the progress it restored.
             StatekitError: as :meth:`statekit.CheckpointManager.resume`.
         """
+        if self._begun:
+            return self.resumed_step
+        self._begun = True
         step = self.manager.resume()
         if step is not None and int(self.progress.global_step) != step:
             raise StateMismatchError(
