@@ -47,12 +47,12 @@ import enum
 import math
 import sys
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from statekit.errors import CorruptCheckpointError, FormatVersionError, StatekitError, StateMismatchError
+from statekit.errors import CorruptCheckpointError, FormatVersionError, StatekitError, StateMismatchError, UnsupportedValueError
 from statekit.format import codec_types as ct
 
 VERSION = 2
@@ -188,7 +188,7 @@ class _Encoder:
     def _defaultdict(self, m: defaultdict[Any, Any], parts: ct.Parts) -> Any:
         factory = ct.FACTORY_NAMES.get(m.default_factory) if _hashable(m.default_factory) else None
         if factory is None:
-            raise ct.UnsupportedValueError(
+            raise UnsupportedValueError(
                 f"cannot store {self.where(parts)}: collections.defaultdict whose default_factory is "
                 f"{m.default_factory!r}; only None and builtin types ({', '.join(ct.DEFAULT_FACTORIES)}) can be "
                 "restored without code: store dict(value) and rebuild the defaultdict after loading"
@@ -289,7 +289,7 @@ class _Decoder:
         return {k: self.decode(x, _item(parts, k)) for k, x in v.items()}
 
     def _tagged(self, tag: str, payload: Any, parts: ct.Parts) -> Any:
-        simple = _SIMPLE.get(tag)
+        simple = ct.SIMPLE_DECODERS.get(tag)
         if simple is not None:
             return simple(payload)
         if tag in ("__tensor__", "__gradtensor__", "__parameter__", "__ndarray__", "__npscalar__", "__ndarray_dtype__"):
@@ -298,14 +298,14 @@ class _Decoder:
             return self._mapping(tag, payload, parts)
         if tag in ("__enum__", "__namedtuple__"):
             return self._class_value(tag, payload, parts)
-        items = self.decode(_list(payload), parts)
+        items = self.decode(ct.json_list(payload), parts)
         if tag == "__complex__":
-            real, imag = (_float_of(x) for x in items)
+            real, imag = (ct.float_of(x) for x in items)
             return complex(real, imag)
         if tag == "__fraction__":
             num, den = items
-            return _stdlib("fractions").Fraction(_int_of(num), _int_of(den))
-        return _SEQUENCES[tag](items)
+            return ct.stdlib_module("fractions").Fraction(ct.int_of(num), ct.int_of(den))
+        return ct.SEQUENCE_DECODERS[tag](items)
 
     def _lookup(self, name: Any, parts: ct.Parts) -> torch.Tensor:
         if not isinstance(name, str) or name not in self.tensors:
@@ -347,7 +347,7 @@ class _Decoder:
             factory_name, payload = payload
             factory = ct.DEFAULT_FACTORIES[factory_name]
         pairs = []
-        for pair in _list(payload):
+        for pair in ct.json_list(payload):
             k, x = pair
             key = self.decode(k, (*parts, ("key", None)))
             if not _hashable(key):
@@ -372,12 +372,13 @@ class _Decoder:
             found = "finds no such class" if cls is None else f"finds {cls!r} there, not {'an' if what == 'Enum' else 'a'} {what} class"
             raise StateMismatchError(
                 f"{where} in {self.source}",
-                reason=f"the value was saved as a member of {what} class {name.replace(':', '.')}, and this process "
+                reason=f"the value was saved as {'a member' if what == 'Enum' else 'an instance'} of {what} class "
+                f"{name.replace(':', '.')}, and this process "
                 f"{found} under that name; statekit never imports code while loading: import {name.partition(':')[0]} "
                 "(the module defining the class) before loading",
             )
         if tag == "__namedtuple__":
-            items = self.decode(_list(raw), parts)
+            items = self.decode(ct.json_list(raw), parts)
             if len(items) != len(cls._fields):
                 raise StateMismatchError(
                     f"{where} in {self.source}",
@@ -392,65 +393,3 @@ class _Decoder:
             raise StateMismatchError(
                 f"{where} in {self.source}", reason=f"enum class {name.replace(':', '.')} has no member with the saved value {value!r}"
             ) from None
-
-
-def _list(payload: Any) -> list[Any]:
-    if type(payload) is not list:
-        raise TypeError(f"expected a JSON list, found {type(payload).__name__}")
-    return payload
-
-
-def _str(payload: Any) -> str:
-    if type(payload) is not str:
-        raise TypeError(f"expected a JSON string, found {type(payload).__name__}")
-    return payload
-
-
-def _int_of(v: Any) -> int:
-    if type(v) is not int:
-        raise TypeError(f"expected an int, found {type(v).__name__}")
-    return v
-
-
-def _float_of(v: Any) -> float:
-    if type(v) not in (float, int):
-        raise TypeError(f"expected a float, found {type(v).__name__}")
-    return float(v)
-
-
-def _hex_int(payload: Any) -> int:
-    text = _str(payload)
-    if not text.removeprefix("-").startswith("0x"):
-        raise ValueError(f"{text[:20]!r} is not a hex int")
-    return int(text, 16)
-
-
-def _torch_dtype(payload: Any) -> torch.dtype:
-    dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{payload!r} is not a torch dtype")
-    return dtype
-
-
-def _stdlib(name: str) -> Any:
-    # A fixed standard-library module chosen by statekit, never a name read from the file.
-    if name not in ("fractions", "decimal"):
-        raise ValueError(name)
-    return sys.modules.get(name) or __import__(name)
-
-
-_SIMPLE: dict[str, Callable[[Any], Any]] = {
-    "__float__": lambda p: {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[p],
-    "__int__": _hex_int,
-    "__dtype__": _torch_dtype,
-    "__device__": lambda p: torch.device(_str(p)),
-    "__bytes__": lambda p: base64.b64decode(_str(p), validate=True),
-    "__bytearray__": lambda p: bytearray(base64.b64decode(_str(p), validate=True)),
-    "__decimal__": lambda p: _stdlib("decimal").Decimal(_str(p)),
-}
-_SEQUENCES: dict[str, Callable[[list[Any]], Any]] = {
-    "__tuple__": tuple,
-    "__size__": torch.Size,
-    "__set__": set,
-    "__frozenset__": frozenset,
-}

@@ -16,9 +16,12 @@ when not. Two rules hold throughout:
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import importlib
+import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -148,8 +151,9 @@ def check_nameable(v: Any, what: str, where: str) -> str:
 
     Raises:
         UnsupportedValueError: the class cannot be named so that a loading process finds it
-            without importing (defined inside a function, or shadowed); or a namedtuple
-            instance carries attributes beyond its fields.
+            without importing (defined inside a function, or shadowed); an Enum member is not
+            what its class returns for its value; or a namedtuple instance carries attributes
+            beyond its fields.
     """
     cls = type(v)
     name = class_name(cls)
@@ -161,12 +165,24 @@ def check_nameable(v: Any, what: str, where: str) -> str:
             f"could not find the class without importing code; define the class at module level, or store "
             f"{'value.value' if what == 'Enum' else 'tuple(value)'}"
         )
+    if what == "Enum" and _lookup_member(cls, v) is not v:
+        raise UnsupportedValueError(
+            f"cannot store {where}: Enum member {v!r} of type {type_name(cls)} is not what {cls.__qualname__}(value) "
+            "returns for its value, so it could not be restored by value; store value.name or value.value"
+        )
     if what == "namedtuple" and getattr(v, "__dict__", None):
         raise UnsupportedValueError(
             f"cannot store {where}: namedtuple of type {type_name(cls)} carries instance attributes "
             f"{sorted(vars(v))}, which would be lost; store them separately"
         )
     return name
+
+
+def _lookup_member(cls: type, v: Any) -> Any:
+    try:
+        return cls(v.value)
+    except Exception:  # noqa: BLE001 - any failure of the class's own lookup means "cannot restore"
+        return None
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
@@ -272,3 +288,78 @@ def refusal(v: Any, where: str) -> UnsupportedValueError:
 
 _NARROWABLE: tuple[type, ...] = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
 """Builtins whose subclasses :func:`refusal` names as such."""
+
+
+# --------------------------------------------------------------------------- decoding payloads
+
+
+def json_list(payload: Any) -> list[Any]:
+    """``payload`` if it is a JSON list; else TypeError (a malformed skeleton)."""
+    if type(payload) is not list:
+        raise TypeError(f"expected a JSON list, found {type(payload).__name__}")
+    return payload
+
+
+def json_str(payload: Any) -> str:
+    """``payload`` if it is a JSON string; else TypeError (a malformed skeleton)."""
+    if type(payload) is not str:
+        raise TypeError(f"expected a JSON string, found {type(payload).__name__}")
+    return payload
+
+
+def int_of(v: Any) -> int:
+    """``v`` if it is a decoded int (not a bool); else TypeError."""
+    if type(v) is not int:
+        raise TypeError(f"expected an int, found {type(v).__name__}")
+    return v
+
+
+def float_of(v: Any) -> float:
+    """``v`` as a float if it is a decoded float or int; else TypeError."""
+    if type(v) not in (float, int):
+        raise TypeError(f"expected a float, found {type(v).__name__}")
+    return float(v)
+
+
+def hex_int(payload: Any) -> int:
+    """The int of an ``__int__`` payload (``"-0x1f"``); ValueError if it is not hex."""
+    text = json_str(payload)
+    if not text.removeprefix("-").startswith("0x"):
+        raise ValueError(f"{text[:20]!r} is not a hex int")
+    return int(text, 16)
+
+
+def torch_dtype(payload: Any) -> torch.dtype:
+    """The torch dtype named by a ``__dtype__`` payload (``"float32"``); ValueError otherwise."""
+    dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{payload!r} is not a torch dtype")
+    return dtype
+
+
+def stdlib_module(name: str) -> Any:
+    """``fractions`` or ``decimal``: a fixed standard-library module chosen by statekit
+    (imported if needed), never a name read from a file; ValueError for any other name."""
+    if name not in ("fractions", "decimal"):
+        raise ValueError(name)
+    return sys.modules.get(name) or importlib.import_module(name)
+
+
+SIMPLE_DECODERS: dict[str, Callable[[Any], Any]] = {
+    "__float__": lambda p: {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[p],
+    "__int__": hex_int,
+    "__dtype__": torch_dtype,
+    "__device__": lambda p: torch.device(json_str(p)),
+    "__bytes__": lambda p: base64.b64decode(json_str(p), validate=True),
+    "__bytearray__": lambda p: bytearray(base64.b64decode(json_str(p), validate=True)),
+    "__decimal__": lambda p: stdlib_module("decimal").Decimal(json_str(p)),
+}
+"""Tag -> decoder, for the tags whose payload holds no nested value."""
+
+SEQUENCE_DECODERS: dict[str, Callable[[list[Any]], Any]] = {
+    "__tuple__": tuple,
+    "__size__": torch.Size,
+    "__set__": set,
+    "__frozenset__": frozenset,
+}
+"""Tag -> constructor, for the tags whose payload is a list of nested values."""
