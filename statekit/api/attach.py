@@ -193,7 +193,7 @@ class _AttachedCalls:
         _check_statekit_files(checkpoint)  # before Accelerate restores anything
         if checkpoint.manifest is not None:  # warns per difference (Accelerate's load_state has no strict_resume)
             live = fingerprints.compute(collect(self.accelerator), self.accelerator)
-            fingerprints.check(checkpoint.manifest, live, checkpoint.url, stacklevel=5)
+            fingerprints.check(checkpoint.manifest, live, checkpoint.url)
         hook_models = list(models)
         call_each(
             get_plugin_manager(),

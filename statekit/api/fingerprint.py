@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import platform
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -335,7 +336,7 @@ def _rng(saved: list[str], live: list[str]) -> Difference:
 
 
 def check(
-    manifest: Mapping[str, Any], live: Mapping[str, Any], url: str, *, strict_resume: bool = False, stacklevel: int = 3
+    manifest: Mapping[str, Any], live: Mapping[str, Any], url: str, *, strict_resume: bool = False
 ) -> list[Difference]:
     """Compare a checkpoint's fingerprint with the live run: warn, or raise.
 
@@ -345,7 +346,6 @@ def check(
         live: :func:`compute` of the resuming run.
         url: the checkpoint URL, for messages.
         strict_resume: raise instead of warning for every difference but versions.
-        stacklevel: of the warnings (point them at the user's call).
 
     Returns:
         The differences found (each warned, unless raised).
@@ -364,12 +364,22 @@ def check(
         live = {**live, "rng": sorted(set(live.get("rng") or []) | set(CPU_RNG_KINDS))}
     differences = compare(saved, live)
     refused = [d for d in differences if d.level == "error" or (strict_resume and d.level == "warning")]
+    stacklevel = _caller_level()
     for d in differences:
         if not refused or d.level == "info":
             warnings.warn(f"{url}: resume fingerprint: {d.message}", ResumeFingerprintWarning, stacklevel=stacklevel)
     if refused:
         raise ResumeMismatchError(url, [d.message for d in differences if d.level != "info"])
     return differences
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` (seen from :func:`check`) of the first frame outside statekit:
+    warnings point at the user's ``resume()``/``load_state()`` call, however deep the path."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("statekit"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def describe(fingerprint: Mapping[str, Any]) -> list[str]:

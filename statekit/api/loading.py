@@ -117,7 +117,7 @@ def load_objects(
         raise
     if compare_fingerprint:
         live = fingerprints.compute(entries, accelerator)
-        fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume, stacklevel=4)
+        fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume)
     if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     pm = get_plugin_manager()
