@@ -196,7 +196,8 @@ class _Encoder:
         return {"__defaultdict__": [factory, self._pairs(m, parts)["__odict__"]]}
 
     def _tensor(self, t: torch.Tensor, parts: ct.Parts) -> Any:
-        ct.check_tensor(t, self.where(parts))
+        if t.dtype not in ct.STORABLE_DTYPES or t.layout != torch.strided or t.is_nested or t.is_meta:
+            ct.check_tensor(t, self.where(parts))  # raises, naming the problem
         name = self._store(t, parts)
         if type(t) is torch.nn.Parameter:
             return {"__parameter__": [name, bool(t.requires_grad)]}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from statekit.errors import UnsupportedDtypeError, UnsupportedValueError
-from statekit.format.dtypes import BYTE_VIEW_DTYPES, NATIVE_DTYPES, dtype_name
+from statekit.format.dtypes import BYTE_VIEW_DTYPES, NATIVE_DTYPES
 
 PLAIN_INT_BITS = 2000
 """Ints up to this many bits are JSON numbers; larger ones are stored as hex strings.
@@ -45,6 +45,9 @@ DEFAULT_FACTORIES: dict[str, Any] = {
 
 FACTORY_NAMES: dict[Any, str] = {factory: name for name, factory in DEFAULT_FACTORIES.items()}
 """The inverse of :data:`DEFAULT_FACTORIES`."""
+
+STORABLE_DTYPES: frozenset[torch.dtype] = frozenset(NATIVE_DTYPES) | frozenset(BYTE_VIEW_DTYPES.values())
+"""Tensor dtypes the format stores (natively or as byte views); :func:`check_tensor` refuses the rest."""
 
 Parts = tuple[tuple[str, Any], ...]
 """A value's position: ``("item", key)`` for a subscript (dict key, list index),
@@ -216,7 +219,7 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
         )
     if t.device.type == "meta":
         raise UnsupportedDtypeError(f"cannot store {where}: tensor of type {type_name(cls)} is on the meta device and has no data")
-    if t.dtype not in NATIVE_DTYPES and dtype_name(t.dtype) not in BYTE_VIEW_DTYPES:
+    if t.dtype not in STORABLE_DTYPES:
         raise UnsupportedDtypeError(
             f"cannot store {where}: tensor of type {type_name(cls)} has dtype {t.dtype}, which safetensors cannot hold "
             "and statekit has no byte view for (quantized and sub-byte dtypes); dequantize or convert it"
