@@ -236,3 +236,29 @@ def test_fully_sharded_model_mid_accumulation_is_refused():
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "StatekitError: FSDPSequential (FSDP) holds sharded gradients" in proc.stderr, proc.stderr[-3000:]
     assert "save when accelerator.sync_gradients is True" in proc.stderr
+
+
+def test_checkpoint_without_gradients_loads_into_an_accumulating_run(tmp_path, installed_plugin_manager):
+    """Saved without accumulation: the accumulating run resumes at a window start (the
+    fingerprint warns about the changed setting; the load itself succeeds)."""
+    run = _attached()
+    train_micro_batches(run, 3)
+    statekit.save_state(run[0], str(tmp_path / "c"))
+    other = _attached(accum=2, seed=3)
+    with pytest.warns(statekit.ResumeFingerprintWarning, match=r"gradient accumulation steps 1 -> 2"):
+        statekit.load_state(other[0], str(tmp_path / "c"))
+    assert_state_equal(other[1].state_dict(), run[1].state_dict())
+    assert all(p.grad is None for p in other[1].parameters())
+
+
+def test_accelerate_directory_loads_into_an_accumulating_run(tmp_path, installed_plugin_manager):
+    """Accelerate's own checkpoint has no gradients: its custom object goes to
+    ``custom_0``, never to the gradients (both are custom objects)."""
+    run = build(accum=4)  # not attached: Accelerate writes its own format
+    train_micro_batches(run, 4)
+    run[5].count = 41
+    run[0].save_state(str(tmp_path / "acc"))
+    other = build(accum=4, seed=3)
+    statekit.load_state(other[0], str(tmp_path / "acc"), allow_pickle=True)
+    assert other[5].count == 41
+    assert_state_equal(other[1].state_dict(), run[1].state_dict())

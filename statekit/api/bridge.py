@@ -70,7 +70,8 @@ def collect(accelerator: Any) -> list[Entry]:
         entries.append(Entry("scaler", "scaler", accelerator.scaler))
     entries.append(Entry("accelerator", "custom", AcceleratorCounters(accelerator)))
     if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1:
-        entries.append(Entry("gradients", "custom", AccumulatedGradients(accelerator), per_rank=True))
+        # optional: a checkpoint saved without accumulation (or by Accelerate) has none
+        entries.append(Entry("gradients", "custom", AccumulatedGradients(accelerator), per_rank=True, optional=True))
     return entries
 
 

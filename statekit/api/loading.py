@@ -122,6 +122,7 @@ def load_objects(
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     pm = get_plugin_manager()
     saved_objects = manifest["objects"]
+    entries = [e for e in entries if e.key in saved_objects or not e.optional]
     missing_objects = sorted(e.key for e in entries if e.key not in saved_objects)
     if not strict:  # load what the checkpoint holds
         entries = [e for e in entries if e.key in saved_objects]

@@ -30,12 +30,16 @@ class Entry:
             ``tensor``, ``dict`` or ``custom``.
         obj: the object.
         per_rank: every rank writes its own copy (``<key>/rank-00000.*``).
+        optional: a load leaves the object alone when the checkpoint does not hold it
+            (state that exists only in some runs, such as gradients saved between
+            optimizer steps); a missing non-optional object is an error.
     """
 
     key: str
     kind: str
     obj: Any
     per_rank: bool = False
+    optional: bool = False
 
 
 def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:

@@ -220,7 +220,7 @@ def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tu
     plan: list[tuple[Any, str]] = []
     missing = []
     for e in entries:
-        if e.key == "accelerator":
+        if e.key == "accelerator" or e.optional:  # statekit's own state: never in Accelerate's files
             continue
         kind = "custom" if e.kind in ("custom", "dict", "tensor") else e.kind
         rel = file_for(kind, _index(e.key), names)
