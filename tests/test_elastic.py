@@ -313,9 +313,10 @@ def _check_elastic_run(saved: list[dict], resumed: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_torchrun_resume_with_another_world_size(tmp_path):
-    """Real gloo processes: saved with 1 and 2 ranks, resumed 1 -> 2, 2 -> 1 and 2 -> 3."""
+    """Real gloo processes: saved with 1 and 2 ranks, resumed 1 -> 2, 2 -> 1, 2 -> 3 and 2 -> 2 (the
+    dispatcher skipped N times too few batches on a same-size resume before the layout was saved)."""
     for n in (1, 2):
         _torchrun(n, "save", str(tmp_path / f"root{n}"), str(tmp_path / f"save{n}"))
-    for n, m in ((1, 2), (2, 1), (2, 3)):
+    for n, m in ((1, 2), (2, 1), (2, 3), (2, 2)):
         _torchrun(m, "resume", str(tmp_path / f"root{n}"), str(tmp_path / f"resume{n}{m}"))
         _check_elastic_run(_runs(tmp_path / f"save{n}", n), _runs(tmp_path / f"resume{n}{m}", m))

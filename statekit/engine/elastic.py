@@ -11,10 +11,8 @@ module computes which samples were consumed and what each of the M live ranks yi
 the rest of the epoch. All functions are pure (positions are ints) except
 :class:`PlannedBatches`, which maps positions to dataset indices at iteration time.
 
-Positions. ``P`` is the epoch's permutation: what the base sampler yields in one epoch
-(drawn from the sampler's generator restored to its epoch-start state, or
-``DistributedSampler``'s ``seed + epoch``); position ``p`` is ``P[p]``. Padding and
-repeats stay positions, so "seen" is a set of positions.
+``P`` is the epoch's permutation (what the base sampler yields in one epoch); position
+``p`` stands for ``P[p]``, so padding and repeats are positions and "seen" is a set.
 
 "As an uninterrupted M-rank run would", precisely: the remaining positions ``R`` (those of
 ``0..L-1`` no rank consumed, in order) are handed to the M-rank layout as if ``R`` were a
@@ -37,10 +35,13 @@ run pads with the start of ``P``):
 
 The next epochs are plain M-rank epochs: the sampler's generator ends the interrupted
 epoch where an uninterrupted run's does (the whole permutation is drawn once, when the
-first batch is fetched). Upstream sources followed: ``accelerate/data_loader.py``
-(``BatchSamplerShard._iter_with_no_split`` / ``_iter_with_split``,
-``DataLoaderDispatcher._fetch_batches`` / ``__iter__``, Accelerate 1.x) and
-``torch/utils/data/distributed.py`` (``DistributedSampler.__iter__``).
+first batch is fetched). Sources followed (tests/test_elastic.py checks the models against
+the real classes): ``BatchSamplerShard._iter_with_no_split`` / ``_iter_with_split`` and
+``DataLoaderDispatcher._fetch_batches`` / ``__iter__`` of Accelerate 1.x,
+https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py, and
+``DistributedSampler.__iter__``,
+https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py.
+User documentation: docs/concepts.md, "Changing the world size".
 """
 
 from __future__ import annotations
