@@ -152,6 +152,34 @@ def test_accelerate_shard_epoch_continues_on_another_world_size(n, m, k):
         assert following[r] == [list(b) for b in expected], r
 
 
+@pytest.mark.parametrize("n, m", [(2, 1), (1, 2)])
+def test_split_batches_epoch_continues_on_another_world_size(n, m):
+    """split_batches: each batch of B is cut in N slices; the rest goes out in batches of B cut in M."""
+    def make(world, r, seed=7):
+        loader = DataLoader(DATASET, batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        prepared = accelerate_data.prepare_data_loader(loader, num_processes=world, process_index=r, put_on_device=False, split_batches=True)
+        data.track(prepared)
+        return prepared
+
+    saved, before = _save(make, n, 2)
+    rest, _ = _resume(make, saved, m, seed=1)
+    order = _reference_orders()[1]
+    consumed = len(before) * len(before[0])
+    assert consumed == 2 * B  # two steps of one batch of B, whatever N
+    remaining = L - consumed  # 22: 5 full batches and one of 2, padded to B from the epoch's first batch when M > 1
+    pad = (-remaining) % B if m > 1 else 0
+    seen = Counter(i for b in before for i in b) + Counter(i for rank in rest for b in rank for i in b)
+    assert seen == Counter(order) + Counter(order[:pad])
+    assert {len(b) for rank in rest for b in rank[:-1]} == {B // m}
+
+
+def test_checkpoint_without_layout_refuses_another_world_size():
+    saved, _ = _save(_accelerate_loader, 2, 1)
+    old = [{k: v for k, v in s.items() if k != "layout"} for s in saved]  # as an older statekit saved it
+    with pytest.raises(statekit.StateMismatchError, match=r"'dataloader_0' was saved mid-epoch with world size 2 and is resumed with 1: the checkpoint has no data layout"):
+        data.restore_loader(_accelerate_loader(1, 0), old[0], name="dataloader_0", ranks=old)
+
+
 def test_uneven_batches_without_padding():
     saved, before = _save(lambda n, r: _accelerate_loader(n, r, even_batches=False), 2, 1)
     rest, _ = _resume(lambda m, r, seed: _accelerate_loader(m, r, seed, even_batches=False), saved, 3, seed=5)
