@@ -86,12 +86,6 @@ def test_killed_hook_trainer_resumes_exactly(trained: Path):
     _assert_final_equal(trained / "ref.pt", trained / "killed.pt")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="statekit/engine/data.py: a plain DataLoader saved after its epoch's last batch, before the "
-    "iterator ended, records the sampler generator before RandomSampler's end-of-epoch draw; the next "
-    "epoch resumes in another order (reported for issue 13)",
-)
 def test_resume_from_a_step_end_save_at_an_epochs_last_step(trained: Path, tmp_path: Path):
     # checkpoint-12 was saved at the on_step_end of epoch 2's last step (its epoch end saved nothing more)
     root = tmp_path / "root"

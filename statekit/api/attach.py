@@ -183,7 +183,7 @@ class _AttachedCalls:
         checkpoint.plugin = None
         for key, obj in self.attachment.objects.items():  # what Accelerate does not keep: exact positions, gradients
             if data.is_loader(obj):
-                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj))
+                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj, key))
             elif isinstance(obj, AccumulatedGradients):
                 checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", obj.state_dict())
 
@@ -224,7 +224,7 @@ class _AttachedCalls:
             if not checkpoint.storage.exists(rel):
                 continue
             if data.is_loader(obj):
-                data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]))
+                data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]), name=key)
             elif isinstance(obj, AccumulatedGradients):
                 obj.load_state_dict(checkpoint.load_state(rel[: -len(".json")]))
         call_each(

@@ -22,6 +22,7 @@ building an iterator never draws from the global RNG (which would shift dropout 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from statekit.engine import elastic, iterable
+from statekit.errors import StatekitWarning
 
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
 _subclasses: dict[type, type] = {}
@@ -171,7 +173,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     try:
         if how == iterable.CONSUME:
             iterable.consume(parent, skip, position.epoch, name, inner)
-        for batch in parent:
+        for batch in _run_sampler_out(parent, position, _sampled_epoch_length(self)):
             if restore is not None:
                 restore()
                 restore = None
@@ -185,6 +187,40 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.foreign = False
     position.epoch += 1
     position.batches = 0
+
+
+def _sampled_epoch_length(loader: Any) -> int | None:
+    """Batches per epoch of a plain torch loader over a map-style dataset, else None
+    (Accelerate's adapters read one batch ahead already; an iterable dataset's length is a
+    hint)."""
+    if _inner(loader) is not loader or getattr(loader, "batch_sampler", None) is None:
+        return None
+    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _run_sampler_out(parent: Iterator[Any], position: Position, length: int | None) -> Iterator[Any]:
+    """``parent``'s batches; before yielding the epoch's last one, ask for one more.
+
+    ``RandomSampler`` draws once more from its generator when it is exhausted (the
+    ``randperm`` for ``num_samples % n``, even when that is 0). A save right after the last
+    batch, before the ``for`` loop asks again, would otherwise hold the generator before that
+    draw and start the next epoch of the resumed run in another order. Accelerate's
+    adapters read one batch ahead for the same reason (``end_of_dataloader``).
+    """
+    batches = iter(parent)
+    for batch in batches:
+        if length is not None and position.batches + 1 == length:
+            ahead = list(itertools.islice(batches, 1))  # normally empty: the sampler ran out
+            yield batch
+            yield from ahead
+            yield from batches
+            return
+        yield batch
 
 
 def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> int:
@@ -265,21 +301,27 @@ class _SkipBatches:
         return getattr(self.batch_sampler, name)
 
 
-def loader_state(loader: Any) -> dict[str, Any]:
+def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     """The position of a loader, as codec-able state (per rank).
 
     For a tracked loader: ``{"epoch", "batches", "start_states"}``, normalised so a
     finished epoch is saved as the start of the next one. For an untracked loader: the
     epoch counter Accelerate keeps (``iteration``) and, for a ``StatefulDataLoader``, its
-    own ``state_dict()`` (resume then depends on that loader's own logic).
+    own ``state_dict()`` (resume then depends on that loader's own logic); without one,
+    ``"epoch_only": True`` and a :class:`statekit.StatekitWarning` when the loader may be
+    inside an epoch (its position there is not known, see :func:`_untracked_state`).
+
+    Args:
+        loader: the data loader.
+        name: its checkpoint key (``dataloader_0``), named in warnings.
     """
     if not is_tracked(loader):
-        state: dict[str, Any] = {"tracked": False, "epoch": int(getattr(loader, "iteration", 0) or 0)}
-        # Accelerate adapters always have state_dict(); it works only for stateful loaders
-        if callable(getattr(loader, "state_dict", None)) and getattr(loader, "use_stateful_dataloader", True):
-            state["stateful"] = loader.state_dict()
-        return state
+        return _untracked_state(loader, name)
     position: Position = loader.__dict__["_statekit_position"]
+    if position.pending is not None and "saved" in position.pending:
+        # restored and not iterated since: the restored position still holds (saving the
+        # current generators as "epoch start" would lose it)
+        return dict(position.pending["saved"])
     epoch, batches, states = position.epoch, position.batches, position.start_states
     restored = getattr(_inner(loader), "next_iter_state", None)
     if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
@@ -304,6 +346,29 @@ def loader_state(loader: Any) -> dict[str, Any]:
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (engine/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
+    return state
+
+
+def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
+    """The state of a loader statekit never tracked (``statekit.save``/``save_state``
+    without :func:`statekit.attach` or a manager): a position inside an epoch was never
+    recorded, so saying nothing would resume the epoch from its start in a new order."""
+    state: dict[str, Any] = {"tracked": False, "epoch": int(getattr(loader, "iteration", 0) or 0)}
+    # Accelerate adapters always have state_dict(); it works only for stateful loaders
+    if callable(getattr(loader, "state_dict", None)) and getattr(loader, "use_stateful_dataloader", True):
+        state["stateful"] = loader.state_dict()
+        return state
+    state["epoch_only"] = True
+    gradient_state = getattr(loader, "gradient_state", None)  # an Accelerate adapter knows when it iterates
+    if gradient_state is None or loader in getattr(gradient_state, "dataloader_references", [loader]):
+        warnings.warn(
+            f"{name or describe(loader)}: statekit does not track this data loader, so its position inside "
+            f"the current epoch is not saved: a resume from this checkpoint starts epoch {state['epoch']} "
+            "over from its first batch, in a new order. Track it from the first epoch on: "
+            "statekit.attach(accelerator) after prepare(), or a statekit.CheckpointManager",
+            StatekitWarning,
+            stacklevel=2,
+        )
     return state
 
 
@@ -360,6 +425,8 @@ def restore_loader(
         }
         if batches != int(state["batches"]):
             position.pending["dataset_after"] = None  # the epoch restarts: from its start state
+        elif planned is None:  # a save before the next iter() saves this same position
+            position.pending["saved"] = dict(state)
         position.name = name or position.name
         position.epoch = int(state["epoch"])
         position.batches = batches
@@ -368,6 +435,13 @@ def restore_loader(
         return True
     if hasattr(loader, "iteration") and "epoch" in state:
         loader.iteration = int(state["epoch"])
+    if state.get("epoch_only"):
+        warnings.warn(
+            f"{name or describe(loader)}: the checkpoint holds only the epoch of this data loader "
+            f"(it was saved untracked, see statekit.attach): epoch {state.get('epoch', 0)} restarts from its first batch",
+            StatekitWarning,
+            stacklevel=2,
+        )
     if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
         loader, "use_stateful_dataloader", True
     ):

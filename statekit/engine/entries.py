@@ -197,7 +197,7 @@ def _state_of(entry: Entry) -> Any:
     if entry.kind == "dict":
         return entry.obj
     if entry.kind == "dataloader":
-        return data.loader_state(entry.obj)
+        return data.loader_state(entry.obj, entry.key)
     return entry.obj.state_dict()
 
 

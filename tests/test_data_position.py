@@ -1,0 +1,97 @@
+"""The data position at the edges: an epoch's last batch, and loaders statekit never tracked."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import statekit
+
+from accelerate_helpers import build, train_steps
+
+
+def _loader(seed: int = 0) -> torch.utils.data.DataLoader:
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def _epoch(loader) -> list[list[int]]:
+    return [batch[0].tolist() for batch in loader]
+
+
+def test_save_after_the_last_batch_before_the_loop_ends(tmp_path, plugin_manager):
+    """RandomSampler draws once more when it runs out; a save right after the last batch
+    (inside the ``for`` loop) must hold the generator after that draw."""
+    reference = _loader()
+    statekit.CheckpointManager({"loader": reference}, str(tmp_path / "ref"))  # tracks it
+    expected = [_epoch(reference) for _ in range(3)]
+
+    loader = _loader()
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "root"))
+    first = []
+    for i, batch in enumerate(loader):
+        first.append(batch[0].tolist())
+        if i == 4:  # the epoch's last batch: the loop has not asked for the next one
+            manager.save(5)
+    assert first == expected[0]
+
+    resumed = _loader(seed=7)
+    assert statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "root")).resume() == 5
+    assert [_epoch(resumed) for _ in range(2)] == expected[1:]
+
+
+def test_untracked_plain_loader_warns_at_save_and_load(tmp_path, plugin_manager):
+    loader = _loader()
+    batches = iter(loader)
+    next(batches)
+    with pytest.warns(statekit.StatekitWarning, match=r"loader: statekit does not track this data loader.*starts epoch 0 over"):
+        statekit.save(str(tmp_path / "c"), {"loader": loader})
+    with pytest.warns(statekit.StatekitWarning, match=r"loader: the checkpoint holds only the epoch.*epoch 0 restarts"):
+        statekit.load(str(tmp_path / "c"), {"loader": _loader()})
+
+
+def test_untracked_accelerate_loader_warns_only_inside_an_epoch(tmp_path, installed_plugin_manager):
+    pytest.importorskip("accelerate")
+    run = build()  # statekit.save_state without attach: the loaders are not tracked
+    batches = iter(run[3])
+    next(batches)
+    with pytest.warns(statekit.StatekitWarning, match=r"dataloader_0: statekit does not track.*statekit.attach"):
+        statekit.save_state(run[0], str(tmp_path / "mid"))
+    for _ in batches:  # the epoch ends
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StatekitWarning)
+        statekit.save_state(run[0], str(tmp_path / "boundary"))
+
+
+def test_attached_run_saves_without_warning(tmp_path, installed_plugin_manager):
+    pytest.importorskip("accelerate")
+    run = build()
+    statekit.attach(run[0])
+    train_steps(run, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StatekitWarning)
+        statekit.save_state(run[0], str(tmp_path / "c"))
+
+
+def test_save_after_a_restore_before_iterating_keeps_the_restored_position(tmp_path, plugin_manager):
+    reference = _loader()
+    statekit.CheckpointManager({"loader": reference}, str(tmp_path / "ref"))
+    expected = [_epoch(reference) for _ in range(2)]
+
+    loader = _loader()
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "root"))
+    for i, _ in enumerate(loader):
+        if i == 1:
+            manager.save(2)
+            break
+    again = _loader(seed=3)
+    manager = statekit.CheckpointManager({"loader": again}, str(tmp_path / "root"))
+    assert manager.resume() == 2
+    manager.save(3)  # before the loader is iterated again
+    resumed = _loader(seed=5)
+    assert statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "root")).resume() == 3
+    assert _epoch(resumed) == expected[0][2:]
+    assert _epoch(resumed) == expected[1]
