@@ -21,7 +21,6 @@ building an iterator never draws from the global RNG (which would shift dropout 
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,15 @@ from typing import Any
 import torch
 
 from statekit.engine import elastic, iterable
+from statekit.engine.samplers import (
+    dataset_length,
+    generators,
+    inner_loader as _inner,
+    run_sampler_out,
+    sampled_epoch_length,
+    sampler_of,
+    wrap_batch_sampler,
+)
 from statekit.errors import StatekitWarning
 
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
@@ -64,68 +72,6 @@ class Position:
     dataset_fetched: int = 0
     workers_epoch: int | None = None
     name: str | None = None
-
-
-def _inner(loader: Any) -> Any:
-    """The torch ``DataLoader`` that builds iterators: Accelerate's adapters wrap one as
-    ``base_dataloader`` and delegate reads to it (an attribute set on the adapter would not
-    reach it)."""
-    base = loader.__dict__.get("base_dataloader")
-    return base if base is not None else loader
-
-
-def generators(loader: Any) -> dict[str, torch.Generator]:
-    """The loader's ``torch.Generator`` objects by role: ``"sampler"`` and ``"loader"``.
-
-    The sampler is found as ``batch_sampler.sampler`` or, for Accelerate's
-    ``BatchSamplerShard``, ``batch_sampler.batch_sampler.sampler``.
-    """
-    inner = _inner(loader)
-    found: dict[str, torch.Generator] = {}
-    sampler = sampler_of(inner)
-    if isinstance(getattr(sampler, "generator", None), torch.Generator):
-        found["sampler"] = sampler.generator
-    if isinstance(getattr(inner, "generator", None), torch.Generator):
-        found["loader"] = inner.generator
-    return found
-
-
-def sampler_of(loader: Any) -> Any:
-    """The sampler that draws a data loader's indices (the one holding its generator).
-
-    The one sampler lookup of statekit (statekit-rng uses it too). Looks, in order, at
-    ``batch_sampler.sampler``, ``batch_sampler.batch_sampler.sampler`` (Accelerate's
-    ``BatchSamplerShard`` around the original batch sampler) and ``sampler`` of the torch
-    loader (the one an Accelerate adapter wraps), looking through a batch sampler found
-    there (a ``BatchSampler`` passed as ``sampler=`` with ``batch_size=None``), as
-    ``accelerate.data_loader.get_sampler`` does.
-
-    Args:
-        loader: a ``torch.utils.data.DataLoader``, or an Accelerate ``DataLoaderShard`` /
-            ``DataLoaderDispatcher``.
-
-    Returns:
-        The sampler object, or None if the loader has none.
-    """
-    inner = _inner(loader)
-    batch_sampler = getattr(inner, "batch_sampler", None)
-    for candidate in (
-        getattr(batch_sampler, "sampler", None),
-        getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None),
-        getattr(inner, "sampler", None),
-    ):
-        if candidate is None:
-            continue
-        if not _is_batch_sampler(candidate):
-            return candidate
-        nested = getattr(candidate, "sampler", None)
-        if nested is not None and not _is_batch_sampler(nested):
-            return nested
-    return None
-
-
-def _is_batch_sampler(obj: Any) -> bool:
-    return isinstance(obj, torch.utils.data.BatchSampler) or hasattr(obj, "batch_size")
 
 
 def is_tracked(loader: Any) -> bool:
@@ -168,12 +114,12 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.in_epoch = True
     # before the iterator is built: it takes iter(batch_sampler) when it is built
     record = iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0)
-    restore = _wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, record)
+    restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, record)
     parent = super(type(self), self).__iter__()
     try:
         if how == iterable.CONSUME:
             iterable.consume(parent, skip, position.epoch, name, inner)
-        for batch in _run_sampler_out(parent, position, _sampled_epoch_length(self)):
+        for batch in run_sampler_out(parent, position, sampled_epoch_length(self)):
             if restore is not None:
                 restore()
                 restore = None
@@ -187,40 +133,6 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.foreign = False
     position.epoch += 1
     position.batches = 0
-
-
-def _sampled_epoch_length(loader: Any) -> int | None:
-    """Batches per epoch of a plain torch loader over a map-style dataset, else None
-    (Accelerate's adapters read one batch ahead already; an iterable dataset's length is a
-    hint)."""
-    if _inner(loader) is not loader or getattr(loader, "batch_sampler", None) is None:
-        return None
-    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
-        return None
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _run_sampler_out(parent: Iterator[Any], position: Position, length: int | None) -> Iterator[Any]:
-    """``parent``'s batches; before yielding the epoch's last one, ask for one more.
-
-    ``RandomSampler`` draws once more from its generator when it is exhausted (the
-    ``randperm`` for ``num_samples % n``, even when that is 0). A save right after the last
-    batch, before the ``for`` loop asks again, would otherwise hold the generator before that
-    draw and start the next epoch of the resumed run in another order. Accelerate's
-    adapters read one batch ahead for the same reason (``end_of_dataloader``).
-    """
-    batches = iter(parent)
-    for batch in batches:
-        if length is not None and position.batches + 1 == length:
-            ahead = list(itertools.islice(batches, 1))  # normally empty: the sampler ran out
-            yield batch
-            yield from ahead
-            yield from batches
-            return
-        yield batch
 
 
 def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> int:
@@ -265,40 +177,6 @@ def describe(loader: Any) -> str:
     kind = f"{type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
     name = getattr(position, "name", None)
     return f"{name} ({kind})" if name else kind
-
-
-def _wrap_batch_sampler(inner: Any, skip: int, record: Any) -> Any:
-    """Wrap the inner loader's batch sampler so its next iterator starts ``skip`` batches
-    in and/or records the dataset's state (``record``: a wrapper from
-    :func:`statekit.engine.iterable.recorder`); returns a function that puts the original
-    back (None if nothing was wrapped)."""
-    original = getattr(inner, "batch_sampler", None)
-    if original is None or (not skip and record is None):
-        return None
-    wrapped = _SkipBatches(original, skip) if skip else original
-    object.__setattr__(inner, "batch_sampler", record(wrapped) if record is not None else wrapped)
-
-    def restore() -> None:
-        object.__setattr__(inner, "batch_sampler", original)
-
-    return restore
-
-
-class _SkipBatches:
-    """A batch sampler that drops the first ``count`` batches of another."""
-
-    def __init__(self, batch_sampler: Any, count: int) -> None:
-        self.batch_sampler = batch_sampler
-        self.count = count
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.batch_sampler), self.count, None)
-
-    def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.count, 0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.batch_sampler, name)
 
 
 def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
@@ -370,14 +248,6 @@ def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
             stacklevel=2,
         )
     return state
-
-
-def dataset_length(loader: Any) -> int | None:
-    """``len(loader.dataset)``, or None for a dataset without a length (an iterable one)."""
-    try:
-        return len(loader.dataset)
-    except TypeError:
-        return None
 
 
 def restore_loader(
