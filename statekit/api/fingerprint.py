@@ -39,13 +39,13 @@ import platform
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from statekit import distributed
 from statekit._version import __version__
+from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
 from statekit.engine import data, gradients
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError
@@ -185,154 +185,7 @@ def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]
     return []
 
 
-# --------------------------------------------------------------------------- compare
-
-
-@dataclass(frozen=True)
-class Difference:
-    """One setting that differs between the saved run and the resuming one.
-
-    Attributes:
-        setting: the setting's name as messages show it ("dataset length").
-        saved: the saved value.
-        live: the live value.
-        effect: what the difference does to the resume.
-        level: ``"info"`` (warned, never raised: versions), ``"warning"`` (raised with
-            ``strict_resume``) or ``"error"`` (always raised).
-        where: the data loader's key, for a loader setting.
-    """
-
-    setting: str
-    saved: Any
-    live: Any
-    effect: str
-    level: str = "warning"
-    where: str | None = None
-
-    @property
-    def message(self) -> str:
-        """``"<setting> <saved> -> <live> (<where>): <effect>"``."""
-        where = f" ({self.where})" if self.where else ""
-        return f"{self.setting} {_show(self.saved)} -> {_show(self.live)}{where}: {self.effect}"
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, list):
-        return ", ".join(map(str, value)) or "none"
-    return str(value)
-
-
-_RUN_EFFECTS = {
-    "world_size": ("world size", "the data position is remapped to the new world size (elastic resume)"),
-    "mixed_precision": (
-        "mixed precision",
-        "forward and backward run in another precision: losses will not match bit for bit",
-    ),
-}
-
-_LOADER_EFFECTS = {
-    "dataset_length": ("dataset length", "the data position cannot be mapped; the epoch restarts"),
-    "batch_size": (
-        "per-device batch size",
-        "the saved position counts batches of the old size: the interrupted epoch resumes at "
-        "another sample (samples are skipped or seen twice)",
-    ),
-    "sampler": ("sampler", "the epoch's order differs: the saved position names other samples"),
-    "shuffle": ("shuffle", "the epoch's order differs: the saved position names other samples"),
-    "seed": ("sampler seed", "the epoch's permutation differs: the saved position names other samples"),
-    "drop_last": ("drop_last", "the epoch's last, partial batch is kept or dropped differently: the epoch's end differs"),
-    "even_batches": (
-        "even_batches",
-        "the epoch's last batches are padded differently across ranks: samples at the epoch's end are "
-        "repeated or left out differently",
-    ),
-    "num_workers": (
-        "num_workers",
-        "batches are built in other processes with their own seeds: random transforms inside the dataset "
-        "draw other numbers (a deterministic dataset gives the same batches)",
-    ),
-}
-
-_VERSION_EFFECTS = {
-    "torch": "kernels may differ, losses may not match bit for bit",
-    "accelerate": "its data sharding and RNG handling may differ, losses may not match bit for bit",
-    "python": "the random module and hashing may differ, losses may not match bit for bit",
-    "statekit": "informational: the checkpoint was written by another statekit",
-}
-
-
-def compare(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[Difference]:
-    """Every difference between a saved fingerprint and the live one.
-
-    A field null (or absent) on either side is not compared; a data loader only one side
-    has is not compared (``strict=False`` loads may leave it out).
-
-    Args:
-        saved: the manifest's ``fingerprint``.
-        live: :func:`compute` of the resuming run.
-
-    Returns:
-        The differences, run settings first, then per data loader, then versions.
-    """
-    out = [_accumulation(saved, live)] if _differs(saved, live, "gradient_accumulation_steps") else []
-    for key, (setting, effect) in _RUN_EFFECTS.items():
-        if _differs(saved, live, key):
-            out.append(Difference(setting, saved[key], live[key], effect))
-    if _differs(saved, live, "rng"):
-        out.append(_rng(saved["rng"], live["rng"]))
-    live_loaders = live.get("dataloaders") or {}
-    for name, loader in sorted((saved.get("dataloaders") or {}).items()):
-        if isinstance(loader, Mapping) and isinstance(live_loaders.get(name), Mapping):
-            for key, (setting, effect) in _LOADER_EFFECTS.items():
-                if _differs(loader, live_loaders[name], key):
-                    out.append(Difference(setting, loader[key], live_loaders[name][key], effect, where=name))
-    saved_versions, live_versions = saved.get("versions") or {}, live.get("versions") or {}
-    for name, effect in _VERSION_EFFECTS.items():
-        if _differs(saved_versions, live_versions, name):
-            out.append(Difference(name, saved_versions[name], live_versions[name], effect, level="info"))
-    return out
-
-
-def _differs(saved: Mapping[str, Any], live: Mapping[str, Any], key: str) -> bool:
-    a, b = saved.get(key), live.get(key)
-    if isinstance(a, list) and isinstance(b, list):
-        return sorted(map(str, a)) != sorted(map(str, b))
-    return a is not None and b is not None and a != b
-
-
-def _accumulation(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Difference:
-    before, after = saved["gradient_accumulation_steps"], live["gradient_accumulation_steps"]
-    if saved.get("accumulating"):
-        return Difference(
-            "gradient accumulation steps",
-            before,
-            after,
-            f"the checkpoint holds gradients saved mid-accumulation (a window of {before} micro-batches), "
-            f"which cannot be used in windows of {after}; resume with gradient_accumulation_steps={before} "
-            "or from a checkpoint saved at an optimizer step (accelerator.sync_gradients True)",
-            level="error",
-        )
-    return Difference(
-        "gradient accumulation steps",
-        before,
-        after,
-        "each optimizer step sums another number of micro-batches: optimizer steps and the "
-        "learning-rate schedule after the resume differ from the saved run's",
-    )
-
-
-def _rng(saved: list[str], live: list[str]) -> Difference:
-    lost = sorted(set(saved) - set(live))
-    new = sorted(set(live) - set(saved))
-    parts = []
-    if lost:
-        parts.append(f"the saved {', '.join(lost)} random state is not restored here (statekit-rng not installed, "
-                     "or another device)")
-    if new:
-        parts.append(f"the checkpoint holds no {', '.join(new)} random state; those generators continue from "
-                     "this process's seed")
-    return Difference("RNG state", sorted(saved), sorted(live), "; ".join(parts) + ": random draws (dropout, "
-                      "augmentation) differ from the saved run's")
+# --------------------------------------------------------------------------- check
 
 
 def check(
@@ -380,28 +233,3 @@ def _caller_level() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("statekit"):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def describe(fingerprint: Mapping[str, Any]) -> list[str]:
-    """A fingerprint as text lines (``statekit inspect``): the run's settings, one line
-    per data loader, the versions; null fields are shown as ``-``.
-
-    Args:
-        fingerprint: a manifest's ``fingerprint``.
-
-    Returns:
-        The lines, without a trailing newline.
-    """
-    f = {k: ("-" if v is None else v) for k, v in fingerprint.items()}
-    accumulating = " (saved mid-accumulation)" if fingerprint.get("accumulating") else ""
-    lines = [
-        f"world size {f.get('world_size', '-')}, gradient accumulation steps {f.get('gradient_accumulation_steps', '-')}"
-        f"{accumulating}, mixed precision {f.get('mixed_precision', '-')}, RNG {_show(fingerprint.get('rng') or [])}"
-    ]
-    for key, loader in sorted((fingerprint.get("dataloaders") or {}).items()):
-        shown = ", ".join(f"{name} {'-' if loader.get(field) is None else loader.get(field)}"
-                          for field, (name, _) in _LOADER_EFFECTS.items())
-        lines.append(f"{key}: {shown}")
-    if fingerprint.get("versions"):
-        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in fingerprint["versions"].items()))
-    return lines
