@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-all test test-fast install clean docs package template-test lint
+.PHONY: demo demo-all test test-fast install clean docs package template-test lint bench-setup
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -43,6 +43,11 @@ install: $(STAMP)
 # pyproject.toml): a module imports only layers below it; plugins only statekit.plugin_api.
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
+
+# Benchmark setup: fio (Debian package) for the disk limits of bench/run.py (which also
+# runs this script itself when fio is missing). Needs root or sudo; does nothing if fio is there.
+bench-setup:
+	bash bench/setup.sh
 
 # The documentation site (MkDocs + Material + mkdocstrings), into site/. --strict: a broken
 # link, a missing page or reference, or a docstring griffe cannot parse fails the build.

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(argv[0]) as f:
         records = json.load(f)
+    if isinstance(records, dict):  # {"records": [...], "targets": [...]}; older files: a list
+        records = records["records"]
     s = summarize(records)
     systems = ["statekit", "accelerate", "torch", "safetensors", "dcp"]
     systems = [x for x in systems if ("local", x, "save") in s]

@@ -1,0 +1,188 @@
+"""Disk limits measured with fio, for ``bench/run.py``.
+
+fio (https://fio.readthedocs.io/, the Debian package ``fio``) writes and reads one file of
+the state's size sequentially with ``direct=1`` (no page cache), 16 MiB blocks and 8
+requests in flight, once per I/O engine (``io_uring`` and ``libaio``); the write ends
+with an fsync (``end_fsync=1``). Its ``--output-format=json`` report is parsed here
+(the report's layout: https://fio.readthedocs.io/en/latest/fio_doc.html#json-output).
+
+``bench/run.py`` takes the best of these and of its in-process methods as the limit. fio
+is installed by ``bench/setup.sh`` (``make bench-setup``); :func:`ensure_fio` runs that
+script when fio is not on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SETUP = os.path.join(HERE, "setup.sh")
+ENGINES = ("io_uring", "libaio")
+BLOCK = "16M"
+IODEPTH = 8
+ALIGN = 4096
+
+
+def ensure_fio(setup: str = SETUP) -> str:
+    """Path of the ``fio`` executable; runs ``setup`` (``bench/setup.sh``) first if missing.
+
+    Args:
+        setup: path of the setup script (bash) that installs fio.
+
+    Returns:
+        str: the absolute path of ``fio``.
+
+    Raises:
+        RuntimeError: fio is still not on ``PATH`` after the setup script (its exit status
+            and the tail of its output are in the message).
+    """
+    found = shutil.which("fio")
+    if found:
+        return found
+    proc = subprocess.run(["bash", setup], capture_output=True, text=True)
+    found = shutil.which("fio")
+    if not found:
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        raise RuntimeError(f"fio is not installed and {setup} could not install it (rc {proc.returncode}):\n{tail}")
+    return found
+
+
+def fio_args(rw: str, path: str, size_bytes: int, engine: str, iodepth: int = IODEPTH, block: str = BLOCK) -> list[str]:
+    """fio's command-line arguments (without the executable) for one sequential job.
+
+    Args:
+        rw: ``"write"`` or ``"read"``.
+        path: the file fio writes or reads.
+        size_bytes: bytes to move; rounded up to 4 KiB (``direct=1`` needs aligned sizes).
+        engine: fio ``ioengine`` (``"io_uring"``, ``"libaio"``, ...).
+        iodepth: requests in flight.
+        block: block size, fio syntax (``"16M"``).
+
+    Raises:
+        ValueError: ``rw`` is neither ``"write"`` nor ``"read"``, or ``size_bytes`` < 1.
+    """
+    if rw not in ("write", "read"):
+        raise ValueError(f"fio job kind must be 'write' or 'read', got {rw!r}")
+    if size_bytes < 1:
+        raise ValueError(f"fio job size must be at least 1 byte, got {size_bytes}")
+    size = (size_bytes + ALIGN - 1) // ALIGN * ALIGN
+    args = [
+        f"--name=statekit-limit-{rw}", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+        f"--size={size}", "--direct=1", f"--ioengine={engine}", f"--iodepth={iodepth}",
+        "--output-format=json",
+    ]
+    if rw == "write":
+        args.append("--end_fsync=1")
+    return args
+
+
+def parse_fio_json(text: str, rw: str) -> dict:
+    """Throughput of the first job of one fio ``--output-format=json`` report.
+
+    fio may print warning lines before the JSON document; they are skipped.
+
+    Args:
+        text: fio's standard output.
+        rw: ``"write"`` or ``"read"``: which side of the job to read.
+
+    Returns:
+        dict: ``{"bw_bytes": bytes/s, "io_bytes": bytes moved, "runtime_s": seconds,
+        "engine": the job's ioengine or None, "fio_version": str or None}``.
+
+    Raises:
+        ValueError: no JSON document in ``text``, no job, a job with a non-zero
+            ``error``, or no bytes moved on the ``rw`` side (the message says which).
+    """
+    start = text.find("{")
+    if start < 0:
+        raise ValueError(f"fio output holds no JSON report: {text[:200]!r}")
+    try:
+        report, _ = json.JSONDecoder().raw_decode(text[start:])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"fio output is not valid JSON: {exc}") from exc
+    jobs = report.get("jobs") or []
+    if not jobs:
+        raise ValueError("fio JSON report has no jobs")
+    job = jobs[0]
+    if job.get("error"):
+        raise ValueError(f"fio job {job.get('jobname')!r} failed with error {job['error']}")
+    side = job.get(rw) or {}
+    io_bytes, bw_bytes = int(side.get("io_bytes", 0)), float(side.get("bw_bytes", 0))
+    if io_bytes <= 0 or bw_bytes <= 0:
+        raise ValueError(f"fio job {job.get('jobname')!r} moved no {rw} bytes")
+    return {
+        "bw_bytes": bw_bytes,
+        "io_bytes": io_bytes,
+        "runtime_s": float(side.get("runtime", 0)) / 1000.0,
+        "engine": (job.get("job options") or {}).get("ioengine"),
+        "fio_version": report.get("fio version"),
+    }
+
+
+def run_fio(fio: str, rw: str, path: str, size_bytes: int, engine: str) -> dict:
+    """Run one fio job and parse it (:func:`fio_args`, :func:`parse_fio_json`).
+
+    Raises:
+        RuntimeError: fio exited non-zero (its stderr tail and the file are in the message).
+        ValueError: as :func:`parse_fio_json`.
+    """
+    proc = subprocess.run([fio, *fio_args(rw, path, size_bytes, engine)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio {rw} of {path} with {engine} failed (rc {proc.returncode}): {proc.stderr[-1000:]}")
+    return parse_fio_json(proc.stdout, rw)
+
+
+def best_of(candidates: dict[str, float]) -> tuple[str, float]:
+    """The fastest ``(method, seconds)`` of ``{method: seconds}`` (ties: first listed).
+
+    Raises:
+        ValueError: ``candidates`` is empty.
+    """
+    if not candidates:
+        raise ValueError("no limit measurement to choose from")
+    method = min(candidates, key=lambda m: candidates[m])
+    return method, candidates[method]
+
+
+def measure_limits(fio: str, directory: str, size_bytes: int, engines: tuple[str, ...] = ENGINES) -> dict:
+    """Sequential write then read limits of ``directory``'s disk for ``size_bytes``.
+
+    One file ``fio-limit.bin`` in ``directory`` is written once per engine, then read
+    once per engine, then removed. Seconds are ``size_bytes / bw_bytes`` (fio's own
+    throughput, so fio's start-up and file layout are not charged).
+
+    Args:
+        fio: path of the fio executable (:func:`ensure_fio`).
+        directory: where the benchmark writes its checkpoints.
+        size_bytes: the state's bytes.
+        engines: fio I/O engines to try; one that fails is skipped and noted.
+
+    Returns:
+        dict: ``{"write": {...}, "read": {...}, "notes": [str]}``; each side is
+        ``{"seconds", "method" ("fio-<engine>"), "candidates": {method: seconds}}`` or
+        ``None`` when every engine failed.
+    """
+    path = os.path.join(directory, "fio-limit.bin")
+    out: dict = {"notes": []}
+    try:
+        for rw in ("write", "read"):
+            cands = {}
+            for engine in engines:
+                try:
+                    res = run_fio(fio, rw, path, size_bytes, engine)
+                except (RuntimeError, ValueError) as exc:
+                    out["notes"].append(str(exc))
+                    continue
+                cands[f"fio-{engine}"] = size_bytes / res["bw_bytes"]
+            if cands:
+                method, seconds = best_of(cands)
+                out[rw] = {"seconds": seconds, "method": method, "candidates": cands}
+            else:
+                out[rw] = None
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return out
