@@ -21,6 +21,7 @@ from statekit import format as fmt
 from statekit.errors import CorruptCheckpointError
 from statekit.format import codec
 from statekit.storage import Storage, storage_errors
+from statekit.storage.direct import DirectReader
 from statekit.storage.hashing import VerifyingReader, check_against
 
 
@@ -55,6 +56,19 @@ class CheckpointReads:
             return self.storage.open_read(rel)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
+
+    def _open_tensor_file(self, rel: str) -> Any:
+        """A local tensor file as a :class:`DirectReader` (``O_DIRECT`` straight into the
+        tensors, the checksum overlapped with the next read); remote ones as
+        :meth:`_open_read` does."""
+        if not self.storage.is_local:
+            return self._open_read(rel)
+        try:
+            return DirectReader(self.storage.path_of(rel))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
+        except OSError:
+            return self._open_read(rel)
 
     def _expected(self, rel: str) -> dict[str, Any] | None:
         if not self.verify or self.manifest is None:
@@ -117,7 +131,7 @@ class CheckpointReads:
         expected = self._expected(rel)
         url = f"{self.url}/{rel}"
         hasher = fmt.new_hasher() if expected is not None else None
-        with self._open_read(rel) as f, storage_errors(url, "reading"):
+        with self._open_tensor_file(rel) as f, storage_errors(url, "reading"):
             size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
             tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher)
         if expected is not None:

@@ -16,9 +16,15 @@ import torch
 from statekit.errors import CorruptCheckpointError
 from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
 from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
+from statekit.storage.direct import DIRECT_ALIGN
+from statekit.storage.prefault import Prefaulter
 
 CHUNK_BYTES = 16 * 1024 * 1024
 """Largest single write/read: big enough for sequential I/O, small enough to bound buffers."""
+
+ALIGN_MIN_BYTES = 1024 * 1024
+"""Fresh tensors of at least this many bytes read from an ``O_DIRECT`` reader are placed
+for direct reads (see :func:`_fresh_buffer`)."""
 
 
 # --------------------------------------------------------------------------- writing
@@ -117,15 +123,16 @@ def read_tensors(
         wanted |= {header.aliases[a] for a in wanted if a in header.aliases}
     out: dict[str, torch.Tensor] = {}
     position = 0
-    for e in header.entries:
-        if wanted is not None and e.name not in wanted:
-            continue
-        if e.begin != position:
-            f.seek(header.data_start + e.begin)
-            position = e.begin
-        target = into.get(e.name) if into is not None else None
-        out[e.name] = _read_one(f, e, target, source, hasher)
-        position = e.end
+    selected = [e for e in header.entries if wanted is None or e.name in wanted]
+    fresh = _fresh_buffers(f, header, selected, into)
+    with Prefaulter(list(fresh.values())):
+        for e in selected:
+            if e.begin != position:
+                f.seek(header.data_start + e.begin)
+                position = e.begin
+            target = into.get(e.name) if into is not None else None
+            out[e.name] = _read_one(f, e, target, source, hasher, fresh.get(e.name))
+            position = e.end
     for alias, name in header.aliases.items():
         if name in out and (wanted is None or alias in wanted or name in wanted):
             target = into.get(alias) if into is not None else None
@@ -138,8 +145,9 @@ def read_tensors(
     return out, header
 
 
-def _read_one(f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: str, hasher: Any) -> torch.Tensor:
-    direct = (
+def _fills_in_place(e: TensorEntry, target: torch.Tensor | None) -> bool:
+    """Whether ``e``'s bytes can land in ``target`` itself (CPU, contiguous, same dtype and shape)."""
+    return (
         target is not None
         and e.dtype in NATIVE_DTYPES
         and target.device.type == "cpu"
@@ -147,13 +155,33 @@ def _read_one(f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: 
         and tuple(target.shape) == e.shape
         and target.is_contiguous()
     )
-    buffer = target.detach() if direct and target is not None else torch.empty(e.stored_shape, dtype=DTYPE_FROM_CODE[e.code])
+
+
+def _fresh_buffers(
+    f: BinaryIO, header: TensorHeader, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """New tensors for the ``entries`` that cannot be read into their target, allocated
+    up front (untouched) so that :class:`Prefaulter` can fault their pages in ahead of
+    the reads."""
+    fresh = {}
+    for e in entries:
+        if e.end > e.begin and not _fills_in_place(e, into.get(e.name) if into is not None else None):
+            fresh[e.name] = _fresh_buffer(f, e, header.data_start + e.begin)
+    return fresh
+
+
+def _read_one(
+    f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: str, hasher: Any, fresh: torch.Tensor | None = None
+) -> torch.Tensor:
+    direct = _fills_in_place(e, target)
+    if direct and target is not None:
+        buffer = target.detach()
+    else:
+        buffer = fresh if fresh is not None else torch.empty(e.stored_shape, dtype=DTYPE_FROM_CODE[e.code])
     nbytes = e.end - e.begin
     if nbytes:
         view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
-        read_exactly_into(f, view, source, e.name)
-        if hasher is not None:
-            hasher.update(view)
+        read_exactly_into(f, view, source, e.name, hasher)
     if direct:
         return target  # type: ignore[return-value]
     result = buffer.view(e.dtype).reshape(e.shape) if e.dtype not in NATIVE_DTYPES else buffer
@@ -164,20 +192,42 @@ def _read_one(f: BinaryIO, e: TensorEntry, target: torch.Tensor | None, source: 
     return result
 
 
-def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str) -> None:
-    """Fill ``view`` from ``f`` in chunks of :data:`CHUNK_BYTES` (``readinto`` when the
-    file has it, so the bytes land in place without a copy).
+def _fresh_buffer(f: BinaryIO, e: TensorEntry, position: int) -> torch.Tensor:
+    """A new tensor for ``e``'s stored bytes; from a reader that reads ``O_DIRECT``
+    (:class:`statekit.storage.direct.DirectReader`) a large one is placed so that its
+    address and its file offset agree modulo :data:`DIRECT_ALIGN`, so the bytes can land
+    in it straight from the disk (the tensor is a view, ``storage_offset`` > 0, of a
+    storage up to 4 KiB larger)."""
+    dtype = DTYPE_FROM_CODE[e.code]
+    nbytes = e.end - e.begin
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not getattr(f, "direct", False) or nbytes < ALIGN_MIN_BYTES or position % itemsize:
+        return torch.empty(e.stored_shape, dtype=dtype)
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    shift = (position - raw.data_ptr()) % DIRECT_ALIGN
+    return raw[shift : shift + nbytes].view(dtype).reshape(e.stored_shape)
+
+
+def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str, hasher: Any = None) -> None:
+    """Fill ``view`` from ``f``: with the reader's ``fill`` when it has one
+    (:class:`statekit.storage.direct.DirectReader`: ``O_DIRECT``, checksum overlapped
+    with the next read), else ``readinto`` (or ``read``) in chunks of :data:`CHUNK_BYTES`,
+    so the bytes land in place without a copy.
 
     Args:
         f: a binary file positioned at the tensor's first byte.
         view: the destination, ``len(view)`` bytes (a tensor's storage as bytes).
         source: the file's URL, for the message.
         name: the tensor's name, for the message.
+        hasher: updated with every byte read, in order (see :func:`new_hasher`), or None.
 
     Raises:
         CorruptCheckpointError: the file ends before ``view`` is full (names file and tensor).
     """
     done, total = 0, len(view)
+    fill = getattr(f, "fill", None)
+    if fill is not None:
+        done = fill(view, hasher.update if hasher is not None else None)
     readinto = getattr(f, "readinto", None)
     while done < total:
         want = min(CHUNK_BYTES, total - done)
@@ -189,4 +239,6 @@ def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str) -> 
             view[done : done + got] = data
         if not got:
             raise CorruptCheckpointError(f"{source}: truncated while reading tensor {name!r}", path=source)
+        if hasher is not None:
+            hasher.update(view[done : done + got])
         done += got
