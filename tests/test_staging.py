@@ -1,0 +1,64 @@
+"""StagingPool: what an async save copies, into which host memory, and when it is done.
+
+The accelerator path (pinned host buffers, non-blocking device-to-host copies, one event
+per device) runs for real only where CUDA is present (``test_cuda_staging_is_pinned_and_exact``);
+on CPU the seams ``allocate_host``/``wait_for_copies`` show the same wiring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from statekit.engine import staging
+from statekit.engine.staging import StagingPool
+
+
+def test_cpu_tensors_are_copied_into_reused_unpinned_buffers():
+    pool = StagingPool()
+    t = {"a": torch.randn(64, 32), "b": torch.arange(10)}
+    first = pool.stage("f.safetensors", t)
+    assert all(torch.equal(first[k], t[k]) and first[k].data_ptr() != t[k].data_ptr() for k in t)
+    assert not first["a"].is_pinned()
+    allocated = pool.allocated_bytes
+    t["a"].add_(1)
+    second = pool.stage("f.safetensors", t)
+    assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], t["a"])
+    assert pool.allocated_bytes == allocated  # steady state allocates nothing
+
+
+def test_tied_views_share_one_buffer():
+    w = torch.randn(8, 8)
+    staged = StagingPool().stage("m.safetensors", {"w": w, "tied": w})
+    assert staged["w"] is staged["tied"]
+
+
+def test_accelerator_tensors_stage_pinned_and_wait_once(monkeypatch):
+    """Stand-in accelerator (CPU tensors treated as on a device): buffers are asked
+    pinned, copies are queued non-blocking, and stage() waits for the device before it
+    returns; a pool reuses its pinned buffers."""
+    pins: list[bool] = []
+    waits: list[set] = []
+    monkeypatch.setattr(staging, "pin_memory_for", lambda device: True)
+    monkeypatch.setattr(staging, "allocate_host", lambda shape, dtype, pin: pins.append(pin) or torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(staging, "wait_for_copies", lambda devices: waits.append(set(devices)))
+    pool = StagingPool()
+    t = {"a": torch.randn(4, 4), "b": torch.randn(3)}
+    staged = pool.stage("f.safetensors", t)
+    assert pins == [True, True]
+    assert waits == [{torch.device("cpu")}]
+    assert all(torch.equal(staged[k], t[k]) for k in t)
+
+
+def test_pin_memory_only_off_the_cpu():
+    assert staging.pin_memory_for(torch.device("cuda", 0))
+    assert not staging.pin_memory_for(torch.device("cpu"))
+    assert not staging.pin_memory_for(torch.device("meta"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_is_pinned_and_exact():
+    t = {"w": torch.randn(1024, 1024, device="cuda"), "h": torch.randn(7, device="cuda").half()}
+    staged = StagingPool().stage("f.safetensors", t)
+    for k, v in t.items():
+        assert staged[k].device.type == "cpu" and staged[k].is_pinned()
+        assert torch.equal(staged[k], v.cpu())
