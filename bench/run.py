@@ -268,14 +268,14 @@ def summarize(records: list[dict]) -> dict[tuple[str, str, str], dict]:
     out = {}
     for key, rs in groups.items():
         secs = [r["seconds"] for r in rs]
-        peaks = [r["peak_rss_bytes"] for r in rs]
+        peaks = [r["peak_rss_bytes"] for r in rs if r.get("peak_rss_bytes") is not None]  # training rows have none
         med = statistics.median(secs)
         out[key] = {
             "seconds": med,
             "min": min(secs),
             "max": max(secs),
             "gbps": rs[0]["state_bytes"] / med / 1e9 if med > 0 else float("inf"),
-            "peak": statistics.median(peaks),
+            "peak": statistics.median(peaks) if peaks else None,
             "state_bytes": rs[0]["state_bytes"],
             "n": len(rs),
             "ranks": rs[0].get("ranks"),
@@ -302,7 +302,7 @@ def table(records: list[dict]) -> str:
         xa = f"{acc['seconds'] / v['seconds']:.2f}" if acc else ""
         lines.append(
             f"{storage:7s} {system:16s} {op:12s} {v['seconds']:9.3f} {v['min']:7.3f}-{v['max']:<7.3f} {v['gbps']:7.2f} "
-            f"{v['peak'] / 2**20:9.1f} {xl:>8s} {xa:>8s}" + (f"  {'/'.join(v['methods'])}" if system.startswith("limit") and v["methods"] else "")
+            f"{'' if v['peak'] is None else format(v['peak'] / 2**20, '.1f'):>9s} {xl:>8s} {xa:>8s}" + (f"  {'/'.join(v['methods'])}" if system.startswith("limit") and v["methods"] else "")
         )
     lines.append("")
     lines.append("x limit: time / limit time (local: disk write/read limit; s3: raw s3fs pipe/cat); x Accel: Accelerate time / this time")
