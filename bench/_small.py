@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workers import drop_cache, fsync_tree, peak_bytes, reset_peak, rss_bytes  # noqa: E402
+from _workers import drop_cache, fsync_tree, one_step, peak_bytes, reset_peak, rss_bytes  # noqa: E402
 
 LAYERS = 2500
 WIDTH = 8
@@ -36,11 +36,7 @@ def build_small(with_state: bool = True) -> tuple[torch.nn.Module, torch.optim.O
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if with_state:
-        for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
-        optim.step()
-        for p in model.parameters():
-            p.grad = None
+        one_step(model, optim)
     return model, optim
 
 

@@ -82,12 +82,18 @@ def build(size: int, dtype: torch.dtype, with_state: bool = True) -> tuple[torch
     model = torch.nn.Sequential(*layers)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if with_state:
-        for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
-        optim.step()
-        for p in model.parameters():
-            p.grad = None
+        one_step(model, optim)
     return model, optim
+
+
+def one_step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    """One optimizer step with a constant gradient (1e-3), so AdamW holds its state
+    (``exp_avg``, ``exp_avg_sq``, ``step``); the gradients are dropped afterwards."""
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optim.step()
+    for p in model.parameters():
+        p.grad = None
 
 
 def state_nbytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
