@@ -114,3 +114,27 @@ def train_micro_batches(run, count: int, start: int = 0, on_step=None) -> list[f
             if done >= start + count:
                 break
     return losses
+
+
+def train_loop(model, optimizer, loader, steps: int, start: int = 0, on_step=None, record=None) -> list[tuple[float, Any]]:
+    """Plain loop (no Accelerate calls; works for prepared objects too): ``steps``
+    optimizer steps from step ``start``, crossing epochs; ``on_step(step)`` after each.
+
+    Returns:
+        Per step ``(loss, record(x, y))`` (``record`` None: the labels as a list).
+    """
+    seen: list[tuple[float, Any]] = []
+    step = start
+    while step < start + steps:
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            seen.append((loss.item(), y.tolist() if record is None else record(x, y)))
+            if on_step is not None:
+                on_step(step)
+            if step >= start + steps:
+                break
+    return seen

@@ -16,12 +16,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import statekit
 from statekit.testing import assert_state_equal
 
-from accelerate_helpers import TinyNet
+from accelerate_helpers import TinyNet, train_loop
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -81,20 +80,7 @@ class Run:
             statekit.load(self.url, self.objects)
 
     def train(self, steps: int, start: int = 0, save_at: int | None = None) -> list[tuple[float, torch.Tensor]]:
-        seen, step = [], start
-        while step < start + steps:
-            for x, y in self.loader:
-                loss = F.cross_entropy(self.model(x), y)
-                loss.backward()
-                self.optimizer.step()
-                self.optimizer.zero_grad()
-                step += 1
-                seen.append((loss.item(), x))
-                if step == save_at:
-                    self.save(step)
-                if step >= start + steps:
-                    break
-        return seen
+        return train_loop(self.model, self.optimizer, self.loader, steps, start, on_step=lambda step: self.save(step) if step == save_at else None, record=lambda x, y: x)
 
 
 def _check_exact(tmp_path, dataset_cls, stateful, persistent, total, save_at, accelerate=False):
