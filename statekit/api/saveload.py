@@ -21,7 +21,7 @@ from typing import Any
 from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
-from statekit.engine import commit as commits, write
+from statekit.engine import commit as commits, space, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
 from statekit.engine.locking import prepare_target, release_lock
@@ -118,6 +118,7 @@ def save_objects(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
+    commits.agree(lambda: space.check_free_space(storage, entries, rank, overwrite), url)
     commits.agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
     checkpoint = context_for(storage, "save", entries, accelerator, options, step=step, staging=staging)
