@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import uuid
+
+import torch
 
 import pytest
 
+import statekit
 from statekit import storage as st
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
 
@@ -252,3 +256,23 @@ def test_s3_environment(s3_server):
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == "testing"
     assert os.environ["AWS_DEFAULT_REGION"] == "us-east-1"
     assert s3_server.endpoint_url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_is_named_and_never_created(s3_server, plugin_manager):
+    """A typo in a bucket name is an error naming the bucket, not a new bucket."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"statekit-no-such-{uuid.uuid4().hex[:10]}"
+    for attempt in (
+        lambda: statekit.save(f"s3://{bucket}/run/ckpt", {"t": torch.arange(4)}),
+        lambda: statekit.CheckpointManager({"t": torch.arange(4)}, f"s3://{bucket}/run").save(1),
+    ):
+        with pytest.raises(statekit.StorageError, match=rf"bucket '{bucket}' does not exist; statekit never creates buckets") as info:
+            attempt()
+        assert info.value.url.startswith(f"s3://{bucket}/run")
+    server = s3_server.filesystem()
+    server.invalidate_cache()
+    assert bucket not in [b.rstrip("/") for b in server.ls("")]
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -26,6 +26,10 @@ from statekit.errors import CheckpointExistsError, StatekitError, StorageError
 from statekit.storage.direct import DirectWriter, fsync_dir
 
 
+BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
+"""Object stores whose first path component is a bucket (container) that their fsspec
+backend would create on ``makedirs``; :class:`Storage` checks it exists instead."""
+
 S3_CLIENT_DEFAULTS: dict[str, Any] = {
     "connect_timeout": 10,
     "read_timeout": 60,
@@ -129,6 +133,26 @@ class Storage:
         with storage_errors(self.url_of(rel), "checking"):
             return self.fs.exists(self.path_of(rel))
 
+    def free_bytes(self) -> tuple[int, str] | None:
+        """Bytes an unprivileged writer may still use on the file system of this local
+        directory (``statvfs``: ``f_bavail * f_frsize``), measured at the directory or its
+        nearest existing ancestor (a save creates the directory later), with that path.
+
+        Returns:
+            ``(bytes, path measured)``, or None for remote storage (object stores report
+            no free space) and where ``statvfs`` is unavailable.
+        """
+        if not self.is_local or not hasattr(os, "statvfs"):
+            return None
+        path = os.path.abspath(self.path)
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize, path
+
     def size(self, rel: str) -> int:
         """Size of a file in bytes.
 
@@ -216,9 +240,29 @@ class Storage:
             return
         if self.is_local:
             os.makedirs(path, exist_ok=True)
+        elif self.protocol in BUCKET_PROTOCOLS:
+            self._check_bucket(path)  # object stores have no directories to make
         else:
             self.fs.makedirs(path, exist_ok=True)
         self._made_dirs.add(path)
+
+    def _check_bucket(self, path: str) -> None:
+        """Refuse to write into a bucket that does not exist: s3fs's ``makedirs`` (and so
+        any "create the directory" step) would create it, turning a typo in a bucket name
+        into a new bucket. statekit never creates buckets.
+
+        Raises:
+            StorageError: the bucket does not exist (names it), or the check itself failed.
+        """
+        bucket = path.lstrip("/").split("/", 1)[0]
+        with storage_errors(self.url, f"checking bucket {bucket!r} of"):
+            found = self.fs.exists(bucket)
+        if not found:
+            raise StorageError(
+                f"{self.url}: bucket {bucket!r} does not exist; statekit never creates buckets "
+                f"(create it first, e.g. `aws s3 mb s3://{bucket}`, or fix the name)",
+                url=self.url,
+            )
 
     def commit(self, rel: str, data: bytes, exclusive: bool = False) -> None:
         """Write the commit marker (the manifest) atomically, after all data files.
