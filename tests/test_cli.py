@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -245,3 +246,55 @@ def test_inspect_and_diff_remote_memory_urls():
                           "model.safetensors:bias": expected}
     finally:
         fsspec.filesystem("memory").rm("/cli-remote", recursive=True)
+
+
+def test_storage_option_values_parse_and_nest():
+    from statekit.cli.output import parse_key_values, storage_options_of
+
+    got = storage_options_of(("key=abc", "anon=false", "client_kwargs.endpoint_url=http://127.0.0.1:9000",
+                              "config_kwargs.retries.max_attempts=2", "use_ssl=true"))
+    assert got == {"key": "abc", "anon": False, "use_ssl": True,
+                   "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"},
+                   "config_kwargs": {"retries": {"max_attempts": 2}}}
+    assert storage_options_of(()) is None
+    assert parse_key_values(("a.b=1",), "--option") == {"a.b": 1}  # --option does not nest
+
+
+def test_storage_option_errors_are_usage_errors(tmp_path):
+    for bad, why in (("novalue", "expects KEY=VALUE"), ("a..b=1", "expects KEY=VALUE"), ("=1", "expects KEY=VALUE")):
+        result = CliRunner().invoke(main, ["ls", str(tmp_path), "--storage-option", bad])
+        assert result.exit_code == 2 and why in result.output, result.output
+    result = CliRunner().invoke(main, ["ls", str(tmp_path), "--storage-option", "a=1", "--storage-option", "a.b=2"])
+    assert result.exit_code == 2 and "'a' already has a value" in result.output
+
+
+def test_every_command_takes_storage_option():
+    for name, command in main.commands.items():
+        if name != "plugins":
+            assert "--storage-option" in CliRunner().invoke(main, [name, "--help"]).output, name
+
+
+@pytest.mark.s3
+def test_cli_reads_s3_with_storage_options_alone(s3_server, s3_bucket, monkeypatch, tmp_path):
+    """No AWS_* variables: the endpoint and credentials come from --storage-option only."""
+    import s3fs
+
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_server.endpoint_url}}
+    root = f"{s3_bucket}/run"
+    CheckpointManager({"w": torch.arange(6.0)}, root, storage_options=options).save(3)
+    for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    s3fs.S3FileSystem.clear_instance_cache()
+    flags = ["--storage-option", "key=testing", "--storage-option", "secret=testing",
+             "--storage-option", f"client_kwargs.endpoint_url={s3_server.endpoint_url}"]
+    listed = json.loads(_run("ls", root, "--json", *flags).output)
+    assert [i["step"] for i in listed] == [3] and listed[0]["committed"]
+    url = listed[0]["url"]
+    assert json.loads(_run("verify", url, "--json", *flags).output)["ok"] is True
+    assert json.loads(_run("inspect", url, "--json", *flags).output)["step"] == 3
+    s3fs.S3FileSystem.clear_instance_cache()
+    without = CliRunner().invoke(main, ["ls", root])  # the same command without the options fails, naming the URL
+    assert without.exit_code == 1 and root in without.output
+    s3fs.S3FileSystem.clear_instance_cache()

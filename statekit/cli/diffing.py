@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from statekit.cli.output import console, emit, fail, human, num, rich_table, shape
+from statekit.cli.output import console, emit, fail, human, num, rich_table, shape, storage_option, storage_options_of
 from statekit.errors import StatekitError
 from statekit.foreign import diff as diff_checkpoints, open_checkpoint
 from statekit.progress import progress
@@ -18,7 +18,8 @@ from statekit.progress import progress
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--allow-pickle", is_flag=True, help="Allow reading pickle files of either side (runs code from them).")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too (default: only those that differ).")
-def diff(a: str, b: str, as_json: bool, allow_pickle: bool, show_all: bool) -> None:
+@storage_option
+def diff(a: str, b: str, as_json: bool, allow_pickle: bool, show_all: bool, raw_storage: tuple[str, ...]) -> None:
     """Compare two checkpoints of any readable formats, tensor by tensor.
 
     Reports keys added and removed, shape/dtype changes, the max absolute difference of
@@ -27,8 +28,9 @@ def diff(a: str, b: str, as_json: bool, allow_pickle: bool, show_all: bool) -> N
     ``file:tensor`` for statekit and Accelerate directories, tensor names otherwise.
     """
     try:
-        left = open_checkpoint(a, allow_pickle=allow_pickle)
-        right = open_checkpoint(b, allow_pickle=allow_pickle)
+        options = storage_options_of(raw_storage)
+        left = open_checkpoint(a, allow_pickle=allow_pickle, storage_options=options)
+        right = open_checkpoint(b, allow_pickle=allow_pickle, storage_options=options)
         shared = [k for k, i in left.tensors().items() if k in right.tensors() and right.tensors()[k].shape == i.shape]
         total = sum(left.tensors()[k].size_bytes + right.tensors()[k].size_bytes for k in shared)
         with progress(total, "diff") as advance:

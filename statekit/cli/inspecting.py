@@ -9,7 +9,7 @@ import click
 
 from statekit import format as fmt
 from statekit.api.fingerprint import describe as describe_fingerprint
-from statekit.cli.output import console, emit, fail, human, rich_table, shape
+from statekit.cli.output import console, emit, fail, human, rich_table, shape, storage_option, storage_options_of
 from statekit.errors import StatekitError
 from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
 
@@ -20,7 +20,8 @@ from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
 @click.option("--tensors", is_flag=True, help="Also list every tensor: name, dtype, shape, size (metadata only).")
 @click.option("--allow-pickle", is_flag=True,
               help="Allow reading pickle files (DCP .metadata, torch files, Accelerate .bin/.pkl): runs code from them.")
-def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool) -> None:
+@storage_option
+def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool, raw_storage: tuple[str, ...]) -> None:
     """Show a checkpoint: statekit, Accelerate directory, DCP directory, safetensors or torch file.
 
     For a statekit checkpoint: step, world size, plugins, the resume fingerprint, objects
@@ -28,7 +29,7 @@ def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool) -> None:
     For the other formats: the format, files and tensor totals. Only metadata is read.
     """
     try:
-        reader = open_checkpoint(url, allow_pickle=allow_pickle)
+        reader = open_checkpoint(url, allow_pickle=allow_pickle, storage_options=storage_options_of(raw_storage))
         if reader.format == "statekit":
             manifest = reader.manifest  # type: ignore[attr-defined]
             headers = _tensor_headers(reader) if tensors else {}

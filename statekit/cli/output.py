@@ -77,3 +77,56 @@ def fail(exc: Exception) -> NoReturn:
     """Print ``error: <exc>`` on standard error and exit with status 1 (a checkpoint problem)."""
     click.echo(f"error: {exc}", err=True)
     sys.exit(1)
+
+
+STORAGE_ENV_HELP = (
+    "s3fs also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+    "AWS_PROFILE and AWS_DEFAULT_REGION from the environment."
+)
+
+storage_option = click.option(
+    "--storage-option", "raw_storage", multiple=True, metavar="KEY=VALUE",
+    help="fsspec storage option for the URLs (VALUE parsed as JSON, else a string; dotted keys nest: "
+         "client_kwargs.endpoint_url=http://127.0.0.1:9000); repeatable. " + STORAGE_ENV_HELP,
+)
+"""The ``--storage-option`` of every command that reads or writes checkpoints."""
+
+
+def parse_key_values(raw: tuple[str, ...], flag: str, nest: bool = False) -> dict[str, Any]:
+    """``KEY=VALUE`` arguments as a dict (VALUE parsed as JSON where it parses, else kept a
+    string); with ``nest``, dotted keys nest (``a.b=1`` -> ``{"a": {"b": 1}}``).
+
+    Args:
+        raw: the repeated option's values.
+        flag: the option's name, for the message.
+        nest: split keys on ``.``.
+
+    Raises:
+        click.UsageError: an item without ``=`` or with an empty key part, or a key that
+            is both a value and a parent (``a=1`` and ``a.b=2``).
+    """
+    options: dict[str, Any] = {}
+    for item in raw:
+        key, sep, text = item.partition("=")
+        parts = key.split(".") if nest else [key]
+        if not sep or not all(parts):
+            raise click.UsageError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = options
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise click.UsageError(f"{flag} {item!r}: {part!r} already has a value")
+        if isinstance(node.get(parts[-1]), dict):
+            raise click.UsageError(f"{flag} {item!r}: {key!r} already has nested options")
+        node[parts[-1]] = value
+    return options
+
+
+def storage_options_of(raw: tuple[str, ...]) -> dict[str, Any] | None:
+    """The ``--storage-option`` values as fsspec ``storage_options`` (None when none given)."""
+    return parse_key_values(raw, "--storage-option", nest=True) or None
+

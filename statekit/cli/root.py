@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from statekit.api.manager import delete_checkpoint, list_checkpoints
-from statekit.cli.output import console, emit, fail, human, rich_table
+from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.errors import CheckpointInUseError, StatekitError
 from statekit.storage.inuse import refuse_if_in_use
 
@@ -13,10 +13,11 @@ from statekit.storage.inuse import refuse_if_in_use
 @click.command()
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def ls(url: str, as_json: bool) -> None:
+@storage_option
+def ls(url: str, as_json: bool, raw_storage: tuple[str, ...]) -> None:
     """List the checkpoints under a manager root URL: step, time, size, committed."""
     try:
-        infos = list_checkpoints(url)
+        infos = list_checkpoints(url, storage_options_of(raw_storage))
     except StatekitError as exc:
         fail(exc)
     payload = [i.__dict__ for i in infos]
@@ -37,16 +38,18 @@ def ls(url: str, as_json: bool) -> None:
 @click.argument("url")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def gc(url: str, dry_run: bool, as_json: bool) -> None:
+@storage_option
+def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> None:
     """Remove incomplete checkpoints (directories without a manifest) under a manager root."""
     removed, kept = [], []
     try:
-        for info in list_checkpoints(url, details=False):
+        storage_options = storage_options_of(raw_storage)
+        for info in list_checkpoints(url, storage_options, details=False):
             if info.committed:
                 continue
             try:
                 if not dry_run:
-                    delete_checkpoint(info.url)
+                    delete_checkpoint(info.url, storage_options)
                 else:
                     refuse_if_in_use(info.url, "delete")
                 removed.append(info.url)
