@@ -19,6 +19,7 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
+from statekit.api.replication import Replicator, remote_retention, resume_candidates, unreplicated
 from statekit.engine.entries import classify
 from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_checkpoint, list_checkpoints
 from statekit.errors import (
@@ -60,6 +61,16 @@ class CheckpointManager:
         keep_every_n_steps: keep checkpoints whose step is a multiple of M.
         async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
         storage_options: fsspec options.
+        replicate_to: a remote root (``s3://bucket/run``): every committed checkpoint is
+            copied there in the background, verified, manifest last
+            (:mod:`statekit.api.replication`, ``docs/tiers.md``); :meth:`resume` then
+            considers both roots.
+        replicate_options: fsspec options of the remote root (the local root's are
+            ``storage_options``).
+        remote_keep_last: keep the newest N committed checkpoints on the remote root
+            (None: keep every one).
+        delete_unreplicated: let local retention delete a checkpoint whose remote copy
+            has not committed yet (default False: it is kept until it has).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
             ``checkpoint_<n>`` folders under the root (a run migrating from
             ``automatic_checkpoint_naming``); without it such a resume raises
@@ -83,10 +94,15 @@ class CheckpointManager:
         keep_every_n_steps: int | None = None,
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
+        replicate_to: str | None = None,
+        replicate_options: dict[str, Any] | None = None,
+        remote_keep_last: int | None = None,
+        delete_unreplicated: bool = False,
         allow_pickle: bool = False,
         **options: Any,
     ) -> None:
-        for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
+        for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps),
+                            ("remote_keep_last", remote_keep_last)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if mode not in ("min", "max"):
@@ -110,7 +126,23 @@ class CheckpointManager:
         self.options = options
         self.resumed_from: str | None = None
         self.resumed_manifest: dict[str, Any] | None = None
+        self.remote_keep_last = remote_keep_last
+        self.delete_unreplicated = delete_unreplicated
+        self.replicator = self._start_replication(replicate_to, replicate_options)
         self.attachment = attach(self.accelerator, self.objects)
+
+    def _start_replication(self, remote_url: str | None, remote_options: dict[str, Any] | None) -> Replicator | None:
+        if remote_url is None:
+            return None
+        if distributed.rank_and_world_size()[1] > 1:
+            raise StatekitError(
+                f"replicate_to={remote_url!r} with world size > 1 is not supported yet: each node's local files would "
+                "have to be replicated by that node before rank 0 commits the remote manifest; replicate a shared "
+                "root, or save to the remote root directly"
+            )
+        replicator = Replicator(remote_url, remote_options, on_replicated=self._remote_retention)
+        replicator.catch_up(self.list())  # copies a killed process left unfinished
+        return replicator
 
     # ---------------------------------------------------------------- queries
 
@@ -177,7 +209,7 @@ class CheckpointManager:
             AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
         """
-        self.wait()
+        self._wait_save()
         if step is None:
             step = self.next_step()
         blocking = not self.async_save if blocking is None else blocking
@@ -213,6 +245,8 @@ class CheckpointManager:
         if distributed.rank_and_world_size()[0] != 0:
             return
         self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+        if self.replicator is not None:
+            self.replicator.submit(url)
         self._apply_retention(url)
 
     def _apply_retention(self, newest_url: str) -> None:
@@ -220,6 +254,8 @@ class CheckpointManager:
             return
         committed = [i for i in self.list() if i.committed and not i.accelerate]  # never Accelerate's folders
         keep = {newest_url, self.resumed_from}
+        if self.replicator is not None and not self.delete_unreplicated:  # never the only committed copy
+            keep |= unreplicated(self.replicator, committed)
         if self.keep_last is not None:
             keep |= {i.url for i in committed[-self.keep_last :]}
         if self.keep_every_n_steps is not None:
@@ -235,16 +271,32 @@ class CheckpointManager:
                 except CheckpointInUseError as exc:
                     warnings.warn(f"retention kept {info.url}: {exc}", StatekitWarning, stacklevel=2)
 
-    def wait(self) -> dict[str, Any] | None:
-        """Wait for the pending async save (if any) and run its post-hooks.
+    def _remote_retention(self, name: str) -> None:
+        """After ``name`` replicated (on the replication thread): ``remote_keep_last``."""
+        if self.remote_keep_last is not None and self.replicator is not None:
+            remote_retention(self.replicator, self.remote_keep_last, self.resumed_from)
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Wait for the pending async save (if any) and run its post-hooks; with
+        ``replicate_to``, then wait for the replication of every committed checkpoint.
+
+        Args:
+            timeout: seconds to wait for replication (None: until done); each checkpoint
+                not replicated by then is a :class:`StatekitWarning` naming its remote URL.
 
         Returns:
-            Its committed manifest, or None if no save was pending.
+            The async save's committed manifest, or None if no save was pending.
 
         Raises:
             AsyncSaveError: it failed; the message names the URL, ``__cause__`` is the
                 original error with its traceback.
         """
+        manifest = self._wait_save()
+        if self.replicator is not None:
+            self.replicator.wait(timeout)
+        return manifest
+
+    def _wait_save(self) -> dict[str, Any] | None:
         pending, self.pending = self.pending, None
         return pending.wait() if pending is not None else None
 
@@ -301,9 +353,9 @@ class CheckpointManager:
             StatekitError: every committed checkpoint failed to load (the last error,
                 naming its folder).
         """
-        self.wait()
+        self._wait_save()
         last_error: StatekitError | None = None
-        for info in reversed([i for i in self.list() if i.committed]):
+        for info in self._resume_candidates():
             try:
                 manifest = self._load(info.url, verify, strict, strict_resume)
             except (PickleNotAllowedError, ResumeMismatchError):  # the run's settings: an older checkpoint fits no better
@@ -334,9 +386,18 @@ class CheckpointManager:
             raise last_error
         return None
 
+    def _resume_candidates(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, newest step first (with ``replicate_to``: both tiers)."""
+        local = [i for i in self.list() if i.committed]
+        if self.replicator is None:
+            return list(reversed(local))
+        return resume_candidates(local, self.replicator, self.storage_options)
+
     def _load(self, url: str, verify: bool, strict: bool, strict_resume: bool) -> dict[str, Any]:
+        remote = self.replicator is not None and url.startswith(self.replicator.remote_url + "/")
         common = dict(
-            verify=verify, storage_options=self.storage_options, allow_pickle=self.allow_pickle, strict=strict,
+            verify=verify, storage_options=self.replicator.storage_options if remote else self.storage_options,  # type: ignore[union-attr]
+            allow_pickle=self.allow_pickle, strict=strict,
             strict_resume=strict_resume,
         )
         if self.accelerator is not None:

@@ -1,0 +1,205 @@
+"""Two-tier checkpoints (issue 15): local commits replicated to S3 (moto server over HTTP)
+in the background, verified, manifest last; resume from the newest copy on either tier."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import statekit
+from statekit import format as fmt
+from statekit.api import replication
+from statekit.api.listing import checkpoint_name
+from statekit.storage import Storage
+
+pytestmark = pytest.mark.s3
+
+
+def _objects(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "extra": {"seed": seed}}
+
+
+def _train(objects: dict, steps: int) -> None:
+    for _ in range(steps):
+        objects["model"](torch.randn(4, 64)).sum().backward()
+        objects["optim"].step()
+        objects["optim"].zero_grad()
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for k, v in a["model"].state_dict().items():
+        assert torch.equal(v, b["model"].state_dict()[k]), k
+    sa, sb = a["optim"].state_dict()["state"], b["optim"].state_dict()["state"]
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+    assert a["extra"] == b["extra"]
+
+
+def test_replicated_checkpoints_verify_on_both_tiers_and_manifests_match(tmp_path, s3_bucket, plugin_manager):
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to=remote)
+    for step in (1, 2, 3):
+        _train(objects, 1)
+        manager.save(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StatekitWarning)  # nothing left unreplicated
+        manager.wait(timeout=120)
+    for step in (1, 2, 3):
+        name = checkpoint_name(step)
+        statekit.verify(str(tmp_path / "local" / name))
+        statekit.verify(f"{remote}/{name}")
+        local_manifest = (tmp_path / "local" / name / fmt.MANIFEST_NAME).read_bytes()
+        assert Storage(f"{remote}/{name}").read_bytes(fmt.MANIFEST_NAME) == local_manifest
+    assert [i.step for i in manager.replicator.list() if i.committed] == [1, 2, 3]
+
+
+def test_fresh_node_resumes_bit_exactly_from_the_remote_tier(tmp_path, s3_bucket, plugin_manager):
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "node-a"), replicate_to=remote, async_save=True)
+    _train(objects, 2)
+    manager.save(7)  # async: replication starts at its commit
+    manager.wait(timeout=120)
+    fresh = _objects(1)
+    other = statekit.CheckpointManager(fresh, str(tmp_path / "node-b"), replicate_to=remote)  # empty local root
+    assert other.resume() == 7
+    assert other.resumed_from == f"{remote}/{checkpoint_name(7)}"
+    _assert_same(objects, fresh)
+    assert not (tmp_path / "node-b" / checkpoint_name(7)).exists()  # streamed, no staging copy
+
+
+def test_same_step_with_different_manifests_warns_and_uses_local(tmp_path, s3_bucket, plugin_manager):
+    remote = f"{s3_bucket}/run"
+    statekit.save(f"{remote}/{checkpoint_name(5)}", _objects(9), step=5)  # another run's step 5
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to=remote)
+    manager.save(5)
+    with pytest.warns(statekit.StatekitWarning, match="committed with another manifest"):
+        manager.wait(timeout=60)  # the remote copy is left untouched
+    fresh = _objects(1)
+    again = statekit.CheckpointManager(fresh, str(tmp_path / "local"), replicate_to=remote)
+    with pytest.warns(statekit.StatekitWarning, match=r"hold step 5 with different manifests; using the local one"):
+        assert again.resume() == 5
+    assert again.resumed_from == str(tmp_path / "local" / checkpoint_name(5))
+    _assert_same(objects, fresh)
+
+
+def test_resume_falls_back_to_the_remote_copy_when_the_local_one_is_corrupt(tmp_path, s3_bucket, plugin_manager):
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to=remote)
+    manager.save(4)
+    manager.wait(timeout=60)
+    bad = tmp_path / "local" / checkpoint_name(4) / "optim.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    fresh = _objects(1)
+    again = statekit.CheckpointManager(fresh, str(tmp_path / "local"), replicate_to=remote)
+    with pytest.warns(statekit.StatekitWarning, match=r"cannot resume from .*local/checkpoint-00000004"):
+        assert again.resume() == 4
+    assert again.resumed_from == f"{remote}/{checkpoint_name(4)}"
+    _assert_same(objects, fresh)
+
+
+def test_endpoint_down_training_goes_on_and_wait_names_what_is_not_replicated(tmp_path, plugin_manager):
+    dead = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+            "config_kwargs": {"connect_timeout": 0.5, "read_timeout": 0.5, "retries": {"max_attempts": 1}}}
+    objects = _objects(0)
+    with pytest.warns(statekit.StatekitWarning):
+        manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to="s3://down/run",
+                                             replicate_options=dead, keep_last=1)
+    manager.replicator.retries, manager.replicator.backoff_seconds = 2, 0.05
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.save(1)
+        manager.save(2)  # local saves go on
+        missing = manager.replicator.wait(timeout=60)
+    messages = [str(w.message) for w in caught]
+    assert any("s3://down/run/checkpoint-00000001: replication try 1 of 2 failed" in m for m in messages), messages
+    assert any("s3://down/run/checkpoint-00000001: not replicated" in m for m in messages), messages
+    assert set(missing) == {checkpoint_name(1), checkpoint_name(2)}
+    # keep_last=1, but an unreplicated checkpoint is never deleted locally
+    assert (tmp_path / "local" / checkpoint_name(1) / fmt.MANIFEST_NAME).exists()
+
+
+def test_a_killed_upload_leaves_no_committed_remote_copy_and_the_next_start_finishes_it(tmp_path, s3_bucket, plugin_manager, monkeypatch):
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    statekit.CheckpointManager(objects, str(tmp_path / "local")).save(3)  # committed locally, never replicated
+    src = Storage(str(tmp_path / "local" / checkpoint_name(3)))
+    dst = Storage(f"{remote}/{checkpoint_name(3)}")
+    real_commit = Storage.commit
+
+    def killed(self, rel, data, exclusive=False):  # the process dies between the files and the manifest
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Storage, "commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        replication.copy_checkpoint(src, dst)
+    monkeypatch.setattr(Storage, "commit", real_commit)
+    assert dst.exists("model.safetensors") and not dst.exists(fmt.MANIFEST_NAME)
+    with pytest.raises(statekit.IncompleteCheckpointError):
+        statekit.verify(dst.url)
+    manager = statekit.CheckpointManager(_objects(1), str(tmp_path / "local"), replicate_to=remote)
+    assert manager.replicator.pending() in ([checkpoint_name(3)], [])  # queued at start
+    manager.wait(timeout=60)
+    statekit.verify(dst.url)
+
+
+def test_remote_retention_and_local_retention_after_replication(tmp_path, s3_bucket, plugin_manager):
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), keep_last=1, replicate_to=remote, remote_keep_last=2)
+    for step in range(1, 5):
+        manager.save(step)
+        manager.wait(timeout=60)
+    assert [i.step for i in manager.replicator.list() if i.committed] == [3, 4]
+    assert [i.step for i in manager.list() if i.committed] == [4]
+
+
+def test_copy_refuses_a_destination_file_that_differs(tmp_path, plugin_manager, monkeypatch):
+    """A file altered on its way is caught at the destination (size and checksum)."""
+    statekit.save(str(tmp_path / "src"), _objects(0))
+    src, dst = Storage(str(tmp_path / "src")), Storage(str(tmp_path / "dst"))
+    real_open_write = Storage.open_write
+
+    class Flip:
+        def __init__(self, inner):
+            self._inner, self._done = inner, False
+
+        def write(self, data):
+            data = bytearray(data)
+            if not self._done and data:
+                data[0] ^= 1
+                self._done = True
+            return self._inner.write(bytes(data))
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def flipping(self, rel):
+        with real_open_write(self, rel) as f:
+            yield Flip(f) if rel == "optim.safetensors" else f
+
+    monkeypatch.setattr(Storage, "open_write", flipping)
+    with pytest.raises(statekit.CorruptCheckpointError, match=r"dst/optim.safetensors"):
+        replication.copy_checkpoint(src, dst)
+    assert not dst.exists(fmt.MANIFEST_NAME)
+
+
+def test_replication_with_several_ranks_is_refused(tmp_path, monkeypatch):
+    from statekit import distributed
+
+    monkeypatch.setattr(distributed, "rank_and_world_size", lambda: (0, 2))
+    with pytest.raises(statekit.StatekitError, match="world size > 1 is not supported yet"):
+        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "l"), replicate_to="memory://r/run")
