@@ -15,12 +15,14 @@ demo: $(STAMP)
 	$(PY) examples/resume_demo.py
 
 # The demo on all three storages: local disk, memory:// and a local moto S3 server; then
-# with gradient accumulation (saves fall between optimizer steps).
+# with gradient accumulation (saves fall between optimizer steps); then two-tier: local disk
+# replicated to moto S3, the resumed run on a fresh node (empty local root) resumes from S3.
 demo-all: $(STAMP)
 	$(PY) examples/resume_demo.py
 	$(PY) examples/resume_demo.py --url memory://statekit-demo
 	$(PY) examples/resume_demo.py --moto
 	$(PY) examples/resume_demo.py --grad-accum 4
+	$(PY) examples/resume_demo.py --replicate-to moto
 
 # The core's tests, then each plugin's tests from its own directory (each is its own
 # distribution with its own conftest); every suite runs, and any failure fails the target.

@@ -71,6 +71,9 @@ def demo_parser(
     parser.add_argument("--keep-last", type=int, default=keep_last)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-at", type=int, default=None, help="step to kill at (default: random, mid-epoch)")
+    parser.add_argument("--replicate-to", default=None, metavar="URL|moto",
+                        help="also replicate every checkpoint to this remote root (moto: a local moto S3 server); "
+                             "the resumed run then starts on a fresh node (empty local root) and resumes from it")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--log", default=None, help=argparse.SUPPRESS)
@@ -83,15 +86,21 @@ def demo_storage(args: argparse.Namespace, slug: str) -> Iterator[None]:
     """Fill in ``args.url`` (``./runs/<slug>-<id>``, or ``s3://statekit-demo/<slug>-<id>``
     with ``--moto``); with ``--moto``, run a local moto S3 server (the ``AWS_*``
     environment points at it, for this process and its workers) until the block ends."""
-    if not args.moto:
-        args.url = args.url or str(Path("runs") / f"{slug}-{uuid.uuid4().hex[:8]}")
+    run_id = f"{slug}-{uuid.uuid4().hex[:8]}"
+    replicate_moto = getattr(args, "replicate_to", None) == "moto"
+    if not args.moto and not replicate_moto:
+        args.url = args.url or str(Path("runs") / run_id)
         yield
         return
     if start_moto_server is None:
-        raise SystemExit('--moto needs pytest and moto: pip install "statekit[test]"')
+        raise SystemExit('--moto and --replicate-to moto need pytest and moto: pip install "statekit[test]"')
     with start_moto_server() as server:
-        server.filesystem().mkdir(BUCKET)
-        args.url = args.url or f"s3://{BUCKET}/{slug}-{uuid.uuid4().hex[:8]}"
+        server.filesystem().mkdir(BUCKET)  # statekit never creates buckets
+        if args.moto:
+            args.url = args.url or f"s3://{BUCKET}/{run_id}"
+        else:
+            args.url = args.url or str(Path("runs") / run_id)
+            args.replicate_to = f"s3://{BUCKET}/{run_id}-replica"
         print(f"moto S3 server at {server.endpoint_url}")
         yield
 
@@ -103,7 +112,7 @@ def resume_step(manager: statekit.CheckpointManager, log: Log) -> int:
     """Resume from the newest committed checkpoint (step 0 if none), logging how long it took."""
     started = time.perf_counter()
     step = manager.resume() or 0
-    log({"event": "resume", "step": step, "seconds": time.perf_counter() - started})
+    log({"event": "resume", "step": step, "seconds": time.perf_counter() - started, "from": manager.resumed_from})
     return step
 
 
@@ -223,9 +232,12 @@ def kill_and_resume(
     runs = Runs(Path(tempfile.mkdtemp(prefix=work_prefix)))
     kill_at = choose_kill_step(args.kill_at, args.save_every, args.steps, batches_per_epoch)
     print(f"{title}: {args.steps} steps, checkpoint every {args.save_every} to {args.url}")
-    ref_args = argparse.Namespace(**{**vars(args), "url": f"{args.url.rstrip('/')}-reference",
+    ref_args = argparse.Namespace(**{**vars(args), "url": f"{args.url.rstrip('/')}-reference", "replicate_to": None,
                                      "log": str(runs.ref_log), "final": runs.ref_final})
     run_args = argparse.Namespace(**{**vars(args), "log": str(runs.run_log), "final": runs.run_final})
+    # with a remote tier the resumed run starts on a "fresh node": an empty local root
+    resume_args = argparse.Namespace(**{**vars(run_args), "url": f"{args.url.rstrip('/')}-fresh-node"}) \
+        if getattr(args, "replicate_to", None) else run_args
     runner = _Runner(train, script, worker_flags, in_process=args.url.startswith("memory://"))
     print("1. reference run ...", flush=True)
     runner.run(ref_args, resume=False)
@@ -233,8 +245,9 @@ def kill_and_resume(
     print(f"2. run killed at step {kill_at} (mid-epoch: batch {batch} of {batches_per_epoch}) ...", flush=True)
     killed_at = runner.run(run_args, resume=False, kill_at=kill_at)
     print(f"   killed after step {killed_at}")
-    print("3. resumed run ...", flush=True)
-    runner.run(run_args, resume=True)
+    print("3. resumed run" + (f" on a fresh node ({resume_args.url}, empty)" if resume_args is not run_args else "") + " ...",
+          flush=True)
+    runner.run(resume_args, resume=True)
     return runs
 
 
@@ -263,6 +276,8 @@ class _Runner:
         cmd = [sys.executable, self.script, "--worker", "--url", args.url, "--steps", str(args.steps),
                "--save-every", str(args.save_every), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
                "--keep-last", str(args.keep_last), "--log", str(args.log), "--final", args.final, *self.worker_flags]
+        if getattr(args, "replicate_to", None):
+            cmd += ["--replicate-to", args.replicate_to]
         if resume:
             cmd.append("--resume")
         return cmd

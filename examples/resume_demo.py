@@ -103,7 +103,8 @@ def build(args: argparse.Namespace):
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, storage_options=args.storage_options)
+    manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, storage_options=args.storage_options,
+                                         replicate_to=args.replicate_to)
     return accelerator, model, optimizer, loader, scheduler, manager, test
 
 
@@ -163,6 +164,7 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
         ("steps", f"{args.steps} ({len(analysis.ref_losses)} in the reference run)"),
         ("grad accumulation", f"{args.grad_accum} micro-batches per optimizer step"),
         ("resumed from step", analysis.resumed),
+        ("resumed from", _tier(args, runs)),
         ("checkpoints written", analysis.written),
         ("save seconds", analysis.save_seconds),
         ("load seconds", f"{analysis.load_seconds:.4f}"),
@@ -171,6 +173,13 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
     ]
     exact = ["weights, optimizer state and all per-step losses equal the reference bit for bit"]
     return checks.print_report("statekit resume demo report", rows, problems, exact)
+
+
+def _tier(args: argparse.Namespace, runs: harness.Runs) -> str:
+    """Which tier the resumed run loaded: the checkpoint URL and local/remote."""
+    url = [r for r in runs.run_events() if r["event"] == "resume"][-1].get("from") or "-"
+    remote = bool(args.replicate_to) and url.startswith(args.replicate_to)
+    return f"{url} ({'remote tier: replicated to ' + args.replicate_to if remote else 'local'})"
 
 
 def main(argv: list[str] | None = None) -> int:

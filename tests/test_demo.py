@@ -44,3 +44,12 @@ def test_demo_detects_an_inexact_resume(tmp_path):
     proc = _demo("--url", str(tmp_path / "run"), env={"STATEKIT_DISABLE_PLUGINS": "rng,diffusers,fsdp,offload"})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RESUME NOT EXACT" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_with_replication_resumes_a_fresh_node_from_the_remote_tier(tmp_path):
+    proc = _demo("--url", str(tmp_path / "run"), "--replicate-to", "moto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on a fresh node" in proc.stdout
+    assert "(remote tier: replicated to s3://statekit-demo/" in proc.stdout
+    assert "resume exact         yes" in proc.stdout
