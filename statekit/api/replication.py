@@ -74,6 +74,10 @@ class Replicator:
         self.on_replicated = on_replicated
         self.failed: dict[str, str] = {}
         """Checkpoint name -> last error, for copies given up after ``retries`` tries."""
+        self.replicated: set[str] = set()
+        """Names whose remote copy committed (found by :meth:`catch_up`, or copied since;
+        remote retention may have deleted it later, by policy): what local retention may
+        delete, known without listing the remote tier."""
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
         self._pending: dict[str, str] = {}  # name -> local URL, queued or being copied
         self._lock = threading.Lock()
@@ -135,6 +139,8 @@ class Replicator:
         """
         try:
             remote = {i.url.rsplit("/", 1)[-1] for i in self.list() if i.committed}
+            with self._lock:
+                self.replicated |= remote
         except StatekitError as exc:
             warnings.warn(f"{self.remote_url}: cannot list the remote tier ({exc}); replicating every local checkpoint",
                           StatekitWarning, stacklevel=2)
@@ -157,6 +163,9 @@ class Replicator:
         while True:
             name, local_url = self._queue.get()
             error = self._copy_with_retries(name, local_url)
+            if error is None:
+                with self._lock:
+                    self.replicated.add(name)
             if error is None and self.on_replicated is not None:  # before wait() can return
                 try:
                     self.on_replicated(name)
@@ -166,6 +175,8 @@ class Replicator:
                 self._pending.pop(name, None)
                 if error is not None:
                     self.failed[name] = error
+                else:
+                    self.replicated.add(name)
                 self._idle.notify_all()
 
     def _copy_with_retries(self, name: str, local_url: str) -> str | None:
@@ -232,12 +243,11 @@ def _name(info: CheckpointInfo) -> str:
 
 
 def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str]:
-    """URLs of the ``local`` checkpoints with no committed remote copy (all of them when
-    the remote tier cannot be listed): local retention keeps these."""
-    try:
-        replicated = {_name(i) for i in replicator.list() if i.committed}
-    except StatekitError:
-        replicated = set()
+    """URLs of the ``local`` checkpoints not known to have a committed remote copy: local
+    retention keeps these. Known from the replicator's own record, so a save never waits
+    on the remote tier (which may be down or frozen)."""
+    with replicator._lock:
+        replicated = set(replicator.replicated)
     return {i.url for i in local if _name(i) not in replicated}
 
 
