@@ -203,3 +203,25 @@ def test_replication_with_several_ranks_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "rank_and_world_size", lambda: (0, 2))
     with pytest.raises(statekit.StatekitError, match="world size > 1 is not supported yet"):
         statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "l"), replicate_to="memory://r/run")
+
+
+def test_ls_shows_each_checkpoints_tiers(tmp_path, s3_bucket, plugin_manager):
+    import json
+
+    from click.testing import CliRunner
+
+    from statekit.cli import main
+
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to=remote)
+    manager.save(1)
+    manager.wait(timeout=60)
+    statekit.CheckpointManager(objects, str(tmp_path / "local")).save(2)  # not replicated
+    statekit.save(f"{remote}/{checkpoint_name(3)}", objects, step=3)  # only remote
+    result = CliRunner().invoke(main, ["ls", str(tmp_path / "local"), "--replica", remote, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["step"]: (r["tiers"], r["replicated"]) for r in json.loads(result.output)}
+    assert rows == {1: (["local", "remote"], True), 2: (["local"], False), 3: (["remote"], True)}
+    text = CliRunner().invoke(main, ["ls", str(tmp_path / "local"), "--replica", remote]).output
+    assert "local (not replicated)" in text and "local + remote" in text

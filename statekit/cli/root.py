@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from statekit.api.manager import delete_checkpoint, list_checkpoints
@@ -13,25 +15,59 @@ from statekit.storage.inuse import refuse_if_in_use
 @click.command()
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--replica", default=None, metavar="URL",
+              help="The remote root the manager replicates to (replicate_to=): show each checkpoint's tiers.")
+@click.option("--replica-option", "raw_replica", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option for --replica (as --storage-option); repeatable.")
 @storage_option
-def ls(url: str, as_json: bool, raw_storage: tuple[str, ...]) -> None:
-    """List the checkpoints under a manager root URL: step, time, size, committed."""
+def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...], raw_storage: tuple[str, ...]) -> None:
+    """List the checkpoints under a manager root URL: step, time, size, committed (and
+    with --replica, on which tiers each one is committed)."""
     try:
         infos = list_checkpoints(url, storage_options_of(raw_storage))
+        remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
     except StatekitError as exc:
         fail(exc)
-    payload = [i.__dict__ for i in infos]
+    if remote is None:
+        payload = [i.__dict__ for i in infos]
+    else:
+        payload = _with_tiers(infos, remote)
     if as_json:
         emit(True, payload, "")
         return
-    if not infos:
-        click.echo(f"no checkpoints under {url}")
+    if not payload:
+        click.echo(f"no checkpoints under {url}" + (f" or {replica}" if replica else ""))
         return
-    rows = [[str(i.step), i.created or "-", human(i.size_bytes), "yes" if i.committed else "NO (incomplete)",
-             ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (i.metrics or {}).items()) or "-",
-             i.url] for i in infos]
-    console().print(rich_table(rows, ["step", "created", "size", "committed", "metrics", "url"],
-                               title=f"{len(infos)} checkpoints under {url}", right=(0, 2)))
+    rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), "yes" if p["committed"] else "NO (incomplete)",
+             ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (p["metrics"] or {}).items()) or "-",
+             *([_tier_text(p)] if remote is not None else []), p["url"]] for p in payload]
+    columns = ["step", "created", "size", "committed", "metrics", *(["tiers"] if remote is not None else []), "url"]
+    console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2)))
+
+
+def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
+    """One entry per checkpoint name on either root: the local entry's fields (the remote
+    one's when only the remote root has it), plus ``tiers`` (where it is committed) and
+    ``replicated`` (committed remotely)."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for tier, infos in (("local", local), ("remote", remote)):
+        for info in infos:
+            name = info.url.rstrip("/").rsplit("/", 1)[-1]
+            entry = by_name.setdefault(name, {**info.__dict__, "tiers": [], "urls": {}})
+            entry["urls"][tier] = info.url
+            if info.committed:
+                entry["tiers"].append(tier)
+                entry["committed"] = True
+    for entry in by_name.values():
+        entry["replicated"] = "remote" in entry["tiers"]
+    return sorted(by_name.values(), key=lambda e: e["step"])
+
+
+def _tier_text(entry: dict[str, Any]) -> str:
+    tiers = entry["tiers"]
+    if tiers == ["local"]:
+        return "local (not replicated)"
+    return " + ".join(tiers) or "-"
 
 
 @click.command()
