@@ -19,13 +19,13 @@ pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_resume.py"
 
 
-def _torchrun(*args: str) -> None:
+def _torchrun(*args: str, **env_extra: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            "--master_addr=127.0.0.1", str(SCRIPT), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -72,6 +72,34 @@ def test_two_process_resume_mid_gradient_accumulation_is_exact(tmp_path):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     assert all(not torch.equal(grads[0][k], grads[1][k]) for k in grads[0])  # per rank, not reduced
     _torchrun("resume", str(root), str(tmp_path / "resumed"), "4")
+    reference, first, resumed = _read(tmp_path / "ref"), _read(tmp_path / "first"), _read(tmp_path / "resumed")
+    for rank in (0, 1):
+        assert first[rank]["losses"][:9] + resumed[rank]["losses"] == reference[rank]["losses"], f"rank {rank}"
+        assert resumed[rank]["weights"] == reference[rank]["weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_two_ranks_with_separate_local_roots_replicate_into_one_remote_checkpoint(tmp_path, s3_bucket):
+    """Two torchrun ranks, each with its own local root (two nodes' disks): each
+    replicates the files it wrote, rank 0 commits the remote manifest once both parts
+    verify; fresh, empty local roots then resume bit-exactly from the remote copy."""
+    remote = f"{s3_bucket}/run"
+    _torchrun("reference", str(tmp_path / "ref-root"), str(tmp_path / "ref"))
+    roots = str(tmp_path / "node{rank}")
+    _torchrun("first", roots, str(tmp_path / "first"), STATEKIT_TEST_REPLICATE_TO=remote)
+    name = "checkpoint-00000009"
+    node0, node1 = tmp_path / "node0" / name, tmp_path / "node1" / name
+    assert (node0 / "statekit.json").exists() and not (node1 / "statekit.json").exists()
+    assert (node1 / "rng" / "rank-00001.json").exists() and not (node0 / "rng" / "rank-00001.json").exists()
+    manifest = statekit.verify(f"{remote}/{name}")  # every file of both ranks, sizes and checksums
+    assert manifest["world_size"] == 2 and (node0 / "statekit.json").read_bytes() == statekit.storage.Storage(
+        f"{remote}/{name}").read_bytes("statekit.json")
+    remote_files = set(statekit.storage.Storage(f"{remote}/{name}").find())
+    assert remote_files == set(manifest["files"]) | {"statekit.json"}  # no rank markers left behind
+
+    fresh = str(tmp_path / "fresh{rank}")
+    _torchrun("resume", fresh, str(tmp_path / "resumed"), STATEKIT_TEST_REPLICATE_TO=remote)
     reference, first, resumed = _read(tmp_path / "ref"), _read(tmp_path / "first"), _read(tmp_path / "resumed")
     for rank in (0, 1):
         assert first[rank]["losses"][:9] + resumed[rank]["losses"] == reference[rank]["losses"], f"rank {rank}"

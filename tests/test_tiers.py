@@ -10,7 +10,7 @@ import torch
 
 import statekit
 from statekit import format as fmt
-from statekit.api import replication
+from statekit.api import remote_copy, replication
 from statekit.api.listing import checkpoint_name
 from statekit.storage import Storage
 
@@ -145,7 +145,7 @@ def test_a_killed_upload_leaves_no_committed_remote_copy_and_the_next_start_fini
 
     monkeypatch.setattr(Storage, "commit", killed)
     with pytest.raises(KeyboardInterrupt):
-        replication.copy_checkpoint(src, dst)
+        remote_copy.copy_checkpoint(src, dst)
     monkeypatch.setattr(Storage, "commit", real_commit)
     assert dst.exists("model.safetensors") and not dst.exists(fmt.MANIFEST_NAME)
     with pytest.raises(statekit.IncompleteCheckpointError):
@@ -193,16 +193,58 @@ def test_copy_refuses_a_destination_file_that_differs(tmp_path, plugin_manager, 
 
     monkeypatch.setattr(Storage, "open_write", flipping)
     with pytest.raises(statekit.CorruptCheckpointError, match=r"dst/optim.safetensors"):
-        replication.copy_checkpoint(src, dst)
+        remote_copy.copy_checkpoint(src, dst)
     assert not dst.exists(fmt.MANIFEST_NAME)
 
 
-def test_replication_with_several_ranks_is_refused(tmp_path, monkeypatch):
-    from statekit import distributed
+def _two_node_checkpoint(tmp_path) -> tuple[bytes, Storage, Storage]:
+    """A committed checkpoint whose manifest says rank 1 wrote the optimizer files,
+    split over two local directories as two nodes' disks would hold it."""
+    import json
+    import shutil
 
-    monkeypatch.setattr(distributed, "rank_and_world_size", lambda: (0, 2))
-    with pytest.raises(statekit.StatekitError, match="world size > 1 is not supported yet"):
-        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "l"), replicate_to="memory://r/run")
+    statekit.save(str(tmp_path / "node0" / "c"), _objects(0), step=1)
+    manifest = json.loads((tmp_path / "node0" / "c" / fmt.MANIFEST_NAME).read_bytes())
+    for rel, meta in manifest["files"].items():
+        if rel.startswith("optim"):
+            meta["rank"] = 1
+            (tmp_path / "node1" / "c").mkdir(parents=True, exist_ok=True)
+            shutil.move(tmp_path / "node0" / "c" / rel, tmp_path / "node1" / "c" / rel)
+    assert any(m["rank"] == 1 for m in manifest["files"].values())
+    raw = json.dumps(manifest).encode()
+    return raw, Storage(str(tmp_path / "node0" / "c")), Storage(str(tmp_path / "node1" / "c"))
+
+
+def test_each_rank_copies_its_own_files_and_rank0_commits_after_every_marker(tmp_path):
+    import threading
+
+    raw, node0, node1 = _two_node_checkpoint(tmp_path)
+    dst = Storage(str(tmp_path / "remote" / "c"))
+    rank1 = threading.Thread(target=lambda: remote_copy.copy_checkpoint(node1, dst, raw, rank=1, world_size=2))
+    rank0_done = []
+    rank0 = threading.Thread(target=lambda: rank0_done.append(remote_copy.copy_checkpoint(node0, dst, raw, rank=0, world_size=2)))
+    rank0.start()
+    rank0.join(1.5)
+    assert rank0.is_alive() and not dst.exists(fmt.MANIFEST_NAME)  # waits for rank 1's part
+    rank1.start()
+    rank1.join(60)
+    rank0.join(60)
+    assert rank0_done and dst.read_bytes(fmt.MANIFEST_NAME) == raw
+    assert set(dst.find()) == set(rank0_done[0]["files"]) | {fmt.MANIFEST_NAME}  # the markers are gone
+    statekit.verify(dst.url)
+
+
+def test_rank0_never_commits_without_every_ranks_part(tmp_path):
+    raw, node0, _ = _two_node_checkpoint(tmp_path)
+    dst = Storage(str(tmp_path / "remote" / "c"))
+    with pytest.raises(statekit.StatekitError, match=r"rank\(s\) \[1\] did not replicate their files within 1 s"):
+        remote_copy.copy_checkpoint(node0, dst, raw, rank=0, world_size=2, peer_timeout_seconds=1)
+    assert not dst.exists(fmt.MANIFEST_NAME)
+    stale = {"manifest": "xxh3_64:0000000000000000", "files": ["optim.json"]}  # an older manifest's marker
+    dst.write_bytes(remote_copy.MARKER_PREFIX + "00001.json", __import__("json").dumps(stale).encode())
+    with pytest.raises(statekit.StatekitError, match="did not replicate"):
+        remote_copy.copy_checkpoint(node0, dst, raw, rank=0, world_size=2, peer_timeout_seconds=1)
+    assert not dst.exists(fmt.MANIFEST_NAME)
 
 
 def test_ls_shows_each_checkpoints_tiers(tmp_path, s3_bucket, plugin_manager):

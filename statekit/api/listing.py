@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from statekit import format as fmt
-from statekit.errors import StatekitError
+from statekit.errors import CheckpointInUseError, StatekitError, StatekitWarning
 from statekit.foreign import accelerate as accelerate_format
 from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
@@ -120,3 +121,29 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
     storage = Storage(url, storage_options)
     storage.remove(fmt.MANIFEST_NAME)
     storage.remove_tree()
+
+
+def delete_all_but(
+    committed: list[CheckpointInfo], keep: set[str | None], storage_options: dict[str, Any] | None, what: str = "retention"
+) -> list[str]:
+    """Delete every checkpoint of ``committed`` whose URL is not in ``keep`` (retention's
+    one deletion loop, both tiers); one a live process uses is kept with a warning.
+
+    Args:
+        committed: the candidates.
+        keep: URLs to keep.
+        storage_options: fsspec options of their root.
+        what: names the policy in the warning.
+
+    Returns:
+        The names of the deleted checkpoints.
+    """
+    deleted = []
+    for info in committed:
+        if info.url not in keep:
+            try:
+                delete_checkpoint(info.url, storage_options)
+                deleted.append(info.url.rstrip("/").rsplit("/", 1)[-1])
+            except CheckpointInUseError as exc:
+                warnings.warn(f"{what} kept {info.url}: {exc}", StatekitWarning, stacklevel=3)
+    return deleted

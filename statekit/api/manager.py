@@ -13,15 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from statekit import distributed
-
-
 from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
-from statekit.api.replication import Replicator, remote_retention, resume_candidates, unreplicated
+from statekit.api.replication import (
+    Replicator,
+    remote_retention,
+    start_replication,
+    resume_candidates,
+    unreplicated,
+)
 from statekit.engine.entries import classify
-from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_checkpoint, list_checkpoints
+from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_all_but, list_checkpoints
 from statekit.errors import (
     CheckpointInUseError,
     CheckpointNotFoundError,
@@ -33,6 +37,7 @@ from statekit.errors import (
 )
 from statekit.engine.staging import StagingPool
 from statekit.storage import Storage
+
 
 class CheckpointManager:
     """Numbered checkpoints of one training run under a root URL.
@@ -64,7 +69,8 @@ class CheckpointManager:
         replicate_to: a remote root (``s3://bucket/run``): every committed checkpoint is
             copied there in the background, verified, manifest last
             (:mod:`statekit.api.replication`, ``docs/tiers.md``); :meth:`resume` then
-            considers both roots.
+            considers both roots. With several ranks each rank's ``root_url`` may be a
+            disk of its node only: each rank replicates the files it wrote.
         replicate_options: fsspec options of the remote root (the local root's are
             ``storage_options``).
         remote_keep_last: keep the newest N committed checkpoints on the remote root
@@ -128,21 +134,11 @@ class CheckpointManager:
         self.resumed_manifest: dict[str, Any] | None = None
         self.remote_keep_last = remote_keep_last
         self.delete_unreplicated = delete_unreplicated
-        self.replicator = self._start_replication(replicate_to, replicate_options)
+        self.replicator = None if replicate_to is None else start_replication(
+            replicate_to, replicate_options, self.list, self.root.url_of,
+            on_replicated=lambda name: remote_retention(self.replicator, self.remote_keep_last, self.resumed_from),
+        )
         self.attachment = attach(self.accelerator, self.objects)
-
-    def _start_replication(self, remote_url: str | None, remote_options: dict[str, Any] | None) -> Replicator | None:
-        if remote_url is None:
-            return None
-        if distributed.rank_and_world_size()[1] > 1:
-            raise StatekitError(
-                f"replicate_to={remote_url!r} with world size > 1 is not supported yet: each node's local files would "
-                "have to be replicated by that node before rank 0 commits the remote manifest; replicate a shared "
-                "root, or save to the remote root directly"
-            )
-        replicator = Replicator(remote_url, remote_options, on_replicated=self._remote_retention)
-        replicator.catch_up(self.list())  # copies a killed process left unfinished
-        return replicator
 
     # ---------------------------------------------------------------- queries
 
@@ -242,16 +238,24 @@ class CheckpointManager:
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
 
     def _after_commit(self, step: int, url: str) -> None:
-        if distributed.rank_and_world_size()[0] != 0:
-            return
-        self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+        """On every rank after the commit (all ranks take part: with several ranks the
+        manifest and retention's deletions are shared, for local roots that are per node)."""
+        rank, world = distributed.rank_and_world_size()
+        if rank == 0:
+            self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
         if self.replicator is not None:
-            self.replicator.submit(url)
-        self._apply_retention(url)
+            self.replicator.submit_committed(url, self.storage_options)
+        deleted = self._apply_retention(url) if rank == 0 else []
+        if world > 1 and self.replicator is not None:  # node-local roots: each node deletes its own part
+            deleted, root0 = distributed.broadcast_from_rank0((deleted, self.root_url))
+            if rank != 0 and root0 != self.root_url:
+                for name in deleted:
+                    self.root.child(name).remove_tree()
 
-    def _apply_retention(self, newest_url: str) -> None:
+    def _apply_retention(self, newest_url: str) -> list[str]:
+        """Delete the committed checkpoints no policy keeps; returns their names."""
         if self.keep_last is None and self.keep_best is None and self.keep_every_n_steps is None:
-            return
+            return []
         committed = [i for i in self.list() if i.committed and not i.accelerate]  # never Accelerate's folders
         keep = {newest_url, self.resumed_from}
         if self.replicator is not None and not self.delete_unreplicated:  # never the only committed copy
@@ -264,17 +268,7 @@ class CheckpointManager:
             scored = [i for i in committed if isinstance((i.metrics or {}).get(self.monitor), (int, float))]
             scored.sort(key=lambda i: i.metrics[self.monitor], reverse=self.mode == "max")
             keep |= {i.url for i in scored[: self.keep_best]}
-        for info in committed:
-            if info.url not in keep:
-                try:
-                    delete_checkpoint(info.url, self.storage_options)
-                except CheckpointInUseError as exc:
-                    warnings.warn(f"retention kept {info.url}: {exc}", StatekitWarning, stacklevel=2)
-
-    def _remote_retention(self, name: str) -> None:
-        """After ``name`` replicated (on the replication thread): ``remote_keep_last``."""
-        if self.remote_keep_last is not None and self.replicator is not None:
-            remote_retention(self.replicator, self.remote_keep_last, self.resumed_from)
+        return delete_all_but(committed, keep, self.storage_options)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Wait for the pending async save (if any) and run its post-hooks; with
@@ -391,14 +385,13 @@ class CheckpointManager:
         local = [i for i in self.list() if i.committed]
         if self.replicator is None:
             return list(reversed(local))
-        return resume_candidates(local, self.replicator, self.storage_options)
+        return resume_candidates(local, self.replicator, self.storage_options, self.root.url_of)
 
     def _load(self, url: str, verify: bool, strict: bool, strict_resume: bool) -> dict[str, Any]:
         remote = self.replicator is not None and url.startswith(self.replicator.remote_url + "/")
         common = dict(
             verify=verify, storage_options=self.replicator.storage_options if remote else self.storage_options,  # type: ignore[union-attr]
-            allow_pickle=self.allow_pickle, strict=strict,
-            strict_resume=strict_resume,
+            allow_pickle=self.allow_pickle, strict=strict, strict_resume=strict_resume,
         )
         if self.accelerator is not None:
             return load_state(self.accelerator, url, **common, **self.options)

@@ -12,6 +12,13 @@ A :class:`Replicator` belongs to a :class:`~statekit.CheckpointManager` created 
    atomically too: a copy interrupted anywhere before this step has no manifest and is
    never loaded.
 
+With several ranks (``world_size > 1``) every rank runs its own replicator: each copies
+the files its rank wrote (the manifest's ``rank`` field) from its own local root, which may
+be a disk of its node only, and, once they verify at the destination, writes a small
+marker ``.statekit-replica-rank-<r>.json`` there; rank 0 commits the remote manifest only
+when every rank's marker names this manifest and its files, and removes the markers
+before the commit (a committed remote copy holds exactly the manifest's files).
+
 Failures (endpoint down, frozen, a mismatch at the destination) are retried with
 exponential backoff; every failed try warns with the remote URL; training and local
 saves never wait. A checkpoint whose copy was interrupted (process killed) is copied
@@ -20,21 +27,18 @@ again when the next manager starts (:meth:`Replicator.catch_up`).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
 import warnings
 from typing import Any
 
-from statekit import format as fmt
-from statekit.api.listing import CheckpointInfo, delete_checkpoint, list_checkpoints
-from statekit.errors import CheckpointInUseError, StatekitError, StatekitWarning
+from statekit import distributed, format as fmt
+from statekit.api.listing import CheckpointInfo, delete_all_but, list_checkpoints
+from statekit.api.remote_copy import copy_checkpoint
+from statekit.errors import StatekitError, StatekitWarning
 from statekit.storage import Storage
-from statekit.storage.hashing import VerifyingReader
-
-COPY_CHUNK_BYTES = 16 * 1024 * 1024
-"""Bytes per read/write while streaming a file to the remote tier."""
-
 
 class Replicator:
     """Copies committed checkpoints from a local root to a remote root, in order, on one
@@ -49,7 +53,12 @@ class Replicator:
             ``max_backoff_seconds``.
         max_backoff_seconds: cap of the wait between tries, seconds.
         on_replicated: ``callable(name)`` run on the thread after a checkpoint's remote
-            copy committed (the manager's remote retention).
+            copy committed (the manager's remote retention; rank 0 only).
+        rank: this process's rank; it copies the files the manifest says it wrote.
+        world_size: ranks taking part; above 1 rank 0 waits for every rank's marker
+            before it commits the remote manifest.
+        peer_timeout_seconds: how long rank 0 waits for the other ranks' markers before
+            the try fails (and is retried), seconds.
 
     Raises:
         StorageError: ``remote_url`` cannot be resolved (unknown scheme, backend missing).
@@ -64,8 +73,14 @@ class Replicator:
         backoff_seconds: float = 1.0,
         max_backoff_seconds: float = 30.0,
         on_replicated: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+        peer_timeout_seconds: float = 600.0,
     ) -> None:
         self.remote = Storage(remote_url, storage_options)
+        self.rank = rank
+        self.world_size = world_size
+        self.peer_timeout_seconds = peer_timeout_seconds
         self.remote_url = self.remote.url
         self.storage_options = storage_options
         self.retries = retries
@@ -78,7 +93,7 @@ class Replicator:
         """Names whose remote copy committed (found by :meth:`catch_up`, or copied since;
         remote retention may have deleted it later, by policy): what local retention may
         delete, known without listing the remote tier."""
-        self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, str, bytes | None]] = queue.Queue()
         self._pending: dict[str, str] = {}  # name -> local URL, queued or being copied
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -87,15 +102,44 @@ class Replicator:
 
     # ---------------------------------------------------------------- queue
 
-    def submit(self, local_url: str) -> None:
-        """Queue the committed checkpoint at ``local_url`` (its name is kept remotely)."""
+    def submit(self, local_url: str, manifest: bytes | None = None) -> None:
+        """Queue the committed checkpoint at ``local_url`` (its name is kept remotely).
+
+        Args:
+            local_url: this rank's local directory of the checkpoint.
+            manifest: the committed manifest's bytes; None reads them from ``local_url``
+                (a rank whose local root holds no manifest must pass them: rank 0 commits
+                on its own disk).
+        """
         name = local_url.rstrip("/").rsplit("/", 1)[-1]
         with self._lock:
             if name in self._pending:
                 return
             self._pending[name] = local_url
             self.failed.pop(name, None)
-        self._queue.put((name, local_url))
+        self._queue.put((name, local_url, manifest))
+
+    def submit_committed(self, local_url: str, local_options: dict[str, Any] | None = None) -> None:
+        """Queue a checkpoint right after its commit; with several ranks every rank calls
+        it (a collective): rank 0 shares the manifest, which the other ranks' node-local
+        roots do not hold.
+
+        Args:
+            local_url: this rank's local directory of the checkpoint.
+            local_options: fsspec options of the local root.
+        """
+        if self.world_size == 1:
+            self.submit(local_url)
+            return
+        raw = None
+        if self.rank == 0:
+            try:
+                raw = Storage(local_url, local_options).read_bytes(fmt.MANIFEST_NAME)
+            except (StatekitError, OSError) as exc:  # never raise between collectives
+                warnings.warn(f"{local_url}: not replicated ({exc})", StatekitWarning, stacklevel=2)
+        raw = distributed.broadcast_from_rank0(raw)
+        if raw is not None:
+            self.submit(local_url, raw)
 
     def pending(self) -> list[str]:
         """Names of checkpoints queued or being copied, oldest first."""
@@ -130,6 +174,7 @@ class Replicator:
     def catch_up(self, local: list[CheckpointInfo]) -> list[str]:
         """Queue every committed local checkpoint without a committed remote copy (a copy
         a killed process left half done is redone: files are rewritten, the manifest last).
+        One process only; with several ranks the manager runs :func:`catch_up_ranks`.
 
         Args:
             local: the local root's checkpoints (:func:`statekit.api.listing.list_checkpoints`).
@@ -137,21 +182,52 @@ class Replicator:
         Returns:
             The names queued.
         """
+        names = self.catch_up_names(local)
+        for info in local:
+            if _name(info) in names:
+                self.submit(info.url)
+        return [n for n in (_name(i) for i in local) if n in names]
+
+    def catch_up_names(self, local: list[CheckpointInfo]) -> set[str]:
+        """Names of the committed ``local`` checkpoints without a committed remote copy
+        (the remote ones found are recorded as replicated)."""
         try:
-            remote = {i.url.rsplit("/", 1)[-1] for i in self.list() if i.committed}
+            remote = {_name(i) for i in self.list() if i.committed}
             with self._lock:
                 self.replicated |= remote
         except StatekitError as exc:
             warnings.warn(f"{self.remote_url}: cannot list the remote tier ({exc}); replicating every local checkpoint",
-                          StatekitWarning, stacklevel=2)
+                          StatekitWarning, stacklevel=3)
             remote = set()
-        queued = []
-        for info in local:
-            name = info.url.rsplit("/", 1)[-1]
-            if info.committed and not info.accelerate and name not in remote:
-                self.submit(info.url)
-                queued.append(name)
-        return queued
+        return {_name(i) for i in local if i.committed and not i.accelerate and _name(i) not in remote}
+
+    def catch_up_ranks(self, local: list[CheckpointInfo], local_url_of: Any) -> list[str]:
+        """:meth:`catch_up` with several ranks (every rank calls it): rank 0 decides what
+        to redo from its local root and shares each manifest, and every rank queues its
+        part from its own local root.
+
+        Args:
+            local: rank 0's local checkpoints (other ranks' lists are not used).
+            local_url_of: ``callable(name) -> str``, this rank's local directory of a
+                checkpoint.
+
+        Returns:
+            The names queued.
+        """
+        todo: list[tuple[str, bytes]] | None = None
+        if self.rank == 0:
+            names = self.catch_up_names(local)
+            todo = []
+            for info in local:
+                if _name(info) in names:
+                    try:
+                        todo.append((_name(info), Storage(info.url).read_bytes(fmt.MANIFEST_NAME)))
+                    except (StatekitError, OSError) as exc:
+                        warnings.warn(f"{info.url}: not replicated ({exc})", StatekitWarning, stacklevel=2)
+        todo = distributed.broadcast_from_rank0(todo)
+        for name, raw in todo:
+            self.submit(local_url_of(name), raw)
+        return [name for name, _ in todo]
 
     def list(self) -> list[CheckpointInfo]:
         """The remote root's checkpoints, oldest first (:func:`list_checkpoints`)."""
@@ -161,8 +237,8 @@ class Replicator:
 
     def _run(self) -> None:
         while True:
-            name, local_url = self._queue.get()
-            error = self._copy_with_retries(name, local_url)
+            name, local_url, manifest = self._queue.get()
+            error = self._copy_with_retries(name, local_url, manifest)
             if error is None:
                 with self._lock:
                     self.replicated.add(name)
@@ -175,15 +251,16 @@ class Replicator:
                 self._pending.pop(name, None)
                 if error is not None:
                     self.failed[name] = error
-                else:
-                    self.replicated.add(name)
                 self._idle.notify_all()
 
-    def _copy_with_retries(self, name: str, local_url: str) -> str | None:
+    def _copy_with_retries(self, name: str, local_url: str, manifest: bytes | None) -> str | None:
         wait = self.backoff_seconds
         for attempt in range(1, self.retries + 1):
             try:
-                copy_checkpoint(Storage(local_url), self.remote.child(name))
+                copy_checkpoint(
+                    Storage(local_url), self.remote.child(name), manifest,
+                    rank=self.rank, world_size=self.world_size, peer_timeout_seconds=self.peer_timeout_seconds,
+                )
                 return None
             except (StatekitError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -201,41 +278,33 @@ class Replicator:
         return None
 
 
-def copy_checkpoint(src: Storage, dst: Storage) -> dict[str, Any]:
-    """Copy one committed checkpoint: data files streamed and verified at the destination,
-    then the manifest, byte for byte (the commit). A destination that already holds the
-    same manifest is left as it is.
+def start_replication(
+    remote_url: str, remote_options: dict[str, Any] | None, list_local: Any, local_url_of: Any, *, on_replicated: Any
+) -> Replicator:
+    """Start a manager's replicator and queue what a killed process left unreplicated
+    (every rank calls it when ``world_size > 1``).
 
     Args:
-        src: the committed source checkpoint.
-        dst: the destination directory (created as needed; buckets never are).
+        remote_url: the remote root.
+        remote_options: its fsspec options.
+        list_local: ``callable() -> list[CheckpointInfo]``, the local root's checkpoints.
+        local_url_of: ``callable(name) -> str``, this rank's local directory of a checkpoint.
+        on_replicated: ``callable(name)`` after a remote commit (run on rank 0 only).
 
     Returns:
-        The manifest.
+        The running :class:`Replicator`.
 
     Raises:
-        IncompleteCheckpointError: ``src`` is not committed.
-        CorruptCheckpointError: a copied file's size or checksum differs at the destination.
-        StorageError: reading or writing failed (names the URL).
-        StatekitError: ``dst`` holds a committed checkpoint with another manifest (left
-            untouched: two runs writing one remote root?).
+        StorageError: ``remote_url`` cannot be resolved.
     """
-    raw = src.read_bytes(fmt.MANIFEST_NAME)
-    manifest = fmt.read_manifest(src)
-    if dst.exists(fmt.MANIFEST_NAME):
-        if dst.read_bytes(fmt.MANIFEST_NAME) == raw:
-            return manifest
-        raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
-    for rel, meta in sorted(manifest["files"].items()):
-        with src.open_read(rel) as f, dst.open_write(rel) as out:
-            while chunk := f.read(COPY_CHUNK_BYTES):
-                out.write(chunk)
-        with dst.open_read(rel) as f:
-            reader = VerifyingReader(f, dst.url_of(rel), meta)
-            while reader.read(COPY_CHUNK_BYTES):  # the empty read at the end checks size and checksum
-                pass
-    dst.commit(fmt.MANIFEST_NAME, raw)
-    return manifest
+    rank, world = distributed.rank_and_world_size()
+    replicator = Replicator(remote_url, remote_options, on_replicated=on_replicated if rank == 0 else None,
+                            rank=rank, world_size=world)
+    if world == 1:
+        replicator.catch_up(list_local())
+    else:
+        replicator.catch_up_ranks(list_local() if rank == 0 else [], local_url_of)
+    return replicator
 
 
 def _name(info: CheckpointInfo) -> str:
@@ -251,40 +320,57 @@ def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str
     return {i.url for i in local if _name(i) not in replicated}
 
 
-def remote_retention(replicator: Replicator, keep_last: int, resumed_from: str | None) -> None:
+def remote_retention(replicator: Replicator | None, keep_last: int | None, resumed_from: str | None) -> None:
     """Delete remote copies beyond the newest ``keep_last`` committed ones, never the one
     the run resumed from nor one being copied; a copy in use warns and is kept.
 
     Args:
-        replicator: the remote tier.
-        keep_last: committed remote checkpoints to keep.
+        replicator: the remote tier (None: nothing to do).
+        keep_last: committed remote checkpoints to keep (None: keep every one).
         resumed_from: URL the run resumed from (kept), or None.
     """
+    if replicator is None or keep_last is None:
+        return
     committed = [i for i in replicator.list() if i.committed and not i.accelerate]
     keep = {i.url for i in committed[-keep_last:]} | {resumed_from}
-    busy = set(replicator.pending())
-    for info in committed:
-        if info.url not in keep and _name(info) not in busy:
-            try:
-                delete_checkpoint(info.url, replicator.storage_options)
-            except CheckpointInUseError as exc:
-                warnings.warn(f"remote retention kept {info.url}: {exc}", StatekitWarning, stacklevel=2)
+    keep |= {replicator.remote.url_of(name) for name in replicator.pending()}  # being copied
+    delete_all_but(committed, keep, replicator.storage_options, "remote retention")
 
 
-def resume_candidates(local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None) -> list[CheckpointInfo]:
+def resume_candidates(
+    local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None, local_url_of: Any
+) -> list[CheckpointInfo]:
     """The committed checkpoints of both tiers in the order a resume tries them: newest
     step first, a step's local copy before its remote one. When the newest local
     checkpoint also exists remotely with a different manifest, warn (the local one is
     used). A remote tier that cannot be listed warns and is left out.
 
+    With several ranks every rank calls it and gets rank 0's list; a local checkpoint is
+    a candidate only where every rank's own local root holds it committed (a node-local
+    root holds its node's files only: a checkpoint saved across nodes is then resumed
+    from its remote copy).
+
     Args:
-        local: the local root's committed checkpoints, oldest first.
+        local: this rank's committed local checkpoints, oldest first.
         replicator: the remote tier.
         local_options: fsspec options of the local root.
+        local_url_of: ``callable(name) -> str``, this rank's local directory of a checkpoint.
 
     Returns:
-        Candidates, best first.
+        Candidates, best first; local ones point at this rank's own root.
     """
+    if replicator.world_size == 1:
+        return _ordered(local, replicator, local_options)
+    everywhere = distributed.gather_to_rank0({_name(i) for i in local})
+    ordered = None
+    if everywhere is not None:  # rank 0
+        shared = set.intersection(*everywhere)
+        ordered = [i for i in _ordered(local, replicator, local_options) if _is_remote(replicator, i) or _name(i) in shared]
+    ordered = distributed.broadcast_from_rank0(ordered)
+    return [i if _is_remote(replicator, i) else dataclasses.replace(i, url=local_url_of(_name(i))) for i in ordered]
+
+
+def _ordered(local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None) -> list[CheckpointInfo]:
     try:
         remote = [i for i in replicator.list() if i.committed and not i.accelerate]
     except StatekitError as exc:
@@ -300,6 +386,10 @@ def resume_candidates(local: list[CheckpointInfo], replicator: Replicator, local
                           StatekitWarning, stacklevel=3)
     tiers = [(i, 0) for i in local] + [(i, 1) for i in remote]
     return [i for i, _ in sorted(tiers, key=lambda it: (-it[0].step, it[1]))]
+
+
+def _is_remote(replicator: Replicator, info: CheckpointInfo) -> bool:
+    return info.url.startswith(replicator.remote_url + "/")
 
 
 def _same_manifest(a: Storage, b: Storage) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from statekit.api.manager import delete_checkpoint, list_checkpoints
+from statekit.api.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.errors import CheckpointInUseError, StatekitError
 from statekit.storage.inuse import refuse_if_in_use

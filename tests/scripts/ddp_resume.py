@@ -5,9 +5,13 @@ MODE: reference (train TOTAL steps), first (save at SAVE_AT, go on 3 steps), res
 ACCUM > 1: gradient_accumulation_steps, and the steps are micro-batches inside
 ``accelerator.accumulate`` (SAVE_AT 9 is then 2 micro-batches into a window).
 Each rank writes its per-step losses to OUT.rank<r>.json.
+A ``{rank}`` in ROOT gives each rank its own local root (standing in for a node's disk);
+with STATEKIT_TEST_REPLICATE_TO set the manager replicates there (two tiers), ``first``
+waits for the replication and ``resume`` must resume from the remote tier.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -26,16 +30,19 @@ if accum > 1:
 run = build(seed=0, n=112, batch_size=8, accum=accum)
 accelerator = run[0]
 assert accelerator.num_processes == 2, accelerator.num_processes
-manager = statekit.CheckpointManager(accelerator, root)
+remote = os.environ.get("STATEKIT_TEST_REPLICATE_TO")
+manager = statekit.CheckpointManager(accelerator, root.format(rank=accelerator.process_index), replicate_to=remote)
 losses = []
 if mode == "reference":
     losses = train_steps(run, TOTAL)
 elif mode == "first":
     losses = train_steps(run, SAVE_AT, on_step=lambda s: manager.save(s) if s == SAVE_AT else None)
     losses += train_steps(run, 3, start=SAVE_AT)
+    assert not manager.replicator or manager.replicator.wait(timeout=120) == []
 else:
     step = manager.resume()
     assert step == SAVE_AT, step
+    assert not remote or manager.resumed_from.startswith(remote), manager.resumed_from
     losses = train_steps(run, TOTAL - step, start=step)
 weights = {k: v.tolist() for k, v in accelerator.unwrap_model(run[1]).state_dict().items()}
 with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:

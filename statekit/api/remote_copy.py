@@ -1,0 +1,128 @@
+"""Copying one committed checkpoint to another root, verified at the destination, manifest last.
+
+The copy behind two-tier checkpoints (:mod:`statekit.api.replication`). Every data file is
+streamed (no staging copy of the checkpoint), read back at the destination and checked
+against the manifest's size and XXH3-64 checksum, and the manifest is written last with
+the same atomic commit as a save (:meth:`statekit.storage.Storage.commit`): a copy
+interrupted anywhere has no manifest and is never loaded.
+
+Several ranks assemble one copy: each copies the files its rank wrote (the manifest's
+``rank`` field) from its own, possibly node-local, directory and then leaves a marker
+(:data:`MARKER_PREFIX`); rank 0 commits once every rank's marker names the same manifest
+and its files, and removes the markers first.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from statekit import format as fmt
+from statekit.errors import StatekitError
+from statekit.storage import Storage
+from statekit.storage.hashing import VerifyingReader, checksum_bytes
+
+COPY_CHUNK_BYTES = 16 * 1024 * 1024
+"""Bytes per read/write while streaming a file to the remote tier."""
+
+MARKER_PREFIX = ".statekit-replica-rank-"
+"""A rank's marker in a remote copy being assembled: ``<prefix><rank:05d>.json``, JSON
+``{"manifest": <XXH3 of the manifest bytes>, "files": [...]}``; removed before the commit."""
+
+PEER_POLL_SECONDS = 0.5
+"""How often rank 0 looks for the other ranks' markers, seconds."""
+
+
+def copy_checkpoint(
+    src: Storage,
+    dst: Storage,
+    manifest_bytes: bytes | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    peer_timeout_seconds: float = 600.0,
+) -> dict[str, Any]:
+    """Copy one committed checkpoint: data files streamed and verified at the destination,
+    then the manifest, byte for byte (the commit). A destination that already holds the
+    same manifest is left as it is.
+
+    With ``world_size > 1`` this is one rank's part: it copies the files the manifest says
+    ``rank`` wrote (from ``src``, this rank's local directory), then a rank other than 0
+    writes its marker and returns; rank 0 waits for every other rank's marker, removes the
+    markers and commits.
+
+    Args:
+        src: the source checkpoint directory (committed, or this rank's part of one).
+        dst: the destination directory (created as needed; buckets never are).
+        manifest_bytes: the committed manifest; None reads it from ``src``.
+        rank: this process's rank.
+        world_size: ranks taking part.
+        peer_timeout_seconds: rank 0's wait for the other ranks' markers, seconds.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        IncompleteCheckpointError: ``src`` is not committed (and no ``manifest_bytes``).
+        CorruptCheckpointError: a copied file's size or checksum differs at the destination.
+        StorageError: reading or writing failed (names the URL).
+        StatekitError: ``dst`` holds a committed checkpoint with another manifest (left
+            untouched: two runs writing one remote root?); rank 0 waited
+            ``peer_timeout_seconds`` for a rank's marker (names the ranks).
+    """
+    raw = manifest_bytes if manifest_bytes is not None else src.read_bytes(fmt.MANIFEST_NAME)
+    manifest = fmt.validate_manifest(json.loads(raw.decode("utf-8")), src.url_of(fmt.MANIFEST_NAME))
+    if dst.exists(fmt.MANIFEST_NAME):
+        if dst.read_bytes(fmt.MANIFEST_NAME) == raw:
+            return manifest
+        raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
+    mine = sorted(rel for rel, meta in manifest["files"].items() if world_size == 1 or meta["rank"] == rank)
+    for rel in mine:
+        meta = manifest["files"][rel]
+        with src.open_read(rel) as f, dst.open_write(rel) as out:
+            while chunk := f.read(COPY_CHUNK_BYTES):
+                out.write(chunk)
+        with dst.open_read(rel) as f:
+            reader = VerifyingReader(f, dst.url_of(rel), meta)
+            while reader.read(COPY_CHUNK_BYTES):  # the empty read at the end checks size and checksum
+                pass
+    if world_size > 1:
+        marker = {"manifest": checksum_bytes(raw), "files": mine}
+        if rank != 0:
+            dst.write_bytes(_marker_name(rank), json.dumps(marker).encode("utf-8"))
+            return manifest
+        _wait_for_ranks(dst, manifest, marker["manifest"], world_size, peer_timeout_seconds)
+    dst.commit(fmt.MANIFEST_NAME, raw)
+    return manifest
+
+
+def _marker_name(rank: int) -> str:
+    return f"{MARKER_PREFIX}{rank:05d}.json"
+
+
+def _wait_for_ranks(dst: Storage, manifest: dict[str, Any], digest: str, world_size: int, timeout: float) -> None:
+    """Rank 0: wait until every other rank's marker in ``dst`` names this manifest and the
+    files it wrote, then remove the markers (before the commit)."""
+    expected = {r: sorted(rel for rel, m in manifest["files"].items() if m["rank"] == r) for r in range(1, world_size)}
+    waiting = set(expected)
+    deadline = time.monotonic() + timeout
+    while True:
+        dst.invalidate()  # other processes write the markers: no cached listing
+        for r in sorted(waiting):
+            try:
+                marker = json.loads(dst.read_bytes(_marker_name(r)).decode("utf-8"))
+            except (FileNotFoundError, StatekitError, ValueError):
+                continue  # not there yet (or half written: read again)
+            if marker.get("manifest") == digest and marker.get("files") == expected[r]:
+                waiting.discard(r)
+        if not waiting:
+            break
+        if time.monotonic() > deadline:
+            raise StatekitError(
+                f"{dst.url}: rank(s) {sorted(waiting)} did not replicate their files within {timeout:g} s; "
+                "the remote copy is left uncommitted"
+            )
+        time.sleep(PEER_POLL_SECONDS)
+    for r in expected:
+        dst.remove(_marker_name(r))
