@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import warnings
 
 import pytest
 import torch
 
 import statekit
-from statekit.storage import Storage
 
 
 def _saved(tmp_path, **extra):

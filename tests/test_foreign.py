@@ -233,7 +233,6 @@ def test_diff_nan_inf_and_byte_views(tmp_path):
     statekit.save(str(tmp_path / "a"), {"s": a})
     statekit.save(str(tmp_path / "b"), {"s": b})
     ra, rb = open_checkpoint(str(tmp_path / "a")), open_checkpoint(str(tmp_path / "b"))
-    key = next(k for k in ra.tensors() if k.endswith(":x"))
     ckey = next(k for k in ra.tensors() if k.endswith(":c"))
     assert ra.tensors()[ckey].dtype == "complex128" and ra.tensors()[ckey].shape == (1,)  # stored as a U8 byte view
     assert torch.equal(ra.load_tensor(ckey), a["c"])

@@ -18,7 +18,6 @@ from torch import nn
 
 import statekit
 from statekit import format as fmt, hookimpl
-from statekit.api import saveload as engine
 from statekit.engine.entries import LazyStateDict
 from statekit.hooks import hookspecs
 from statekit.hooks import registry as plugins

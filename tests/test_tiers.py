@@ -267,3 +267,36 @@ def test_ls_shows_each_checkpoints_tiers(tmp_path, s3_bucket, plugin_manager):
     assert rows == {1: (["local", "remote"], True), 2: (["local"], False), 3: (["remote"], True)}
     text = CliRunner().invoke(main, ["ls", str(tmp_path / "local"), "--replica", remote]).output
     assert "local (not replicated)" in text and "local + remote" in text
+
+
+def test_checkpoints_being_replicated_and_resumed_from_are_marked_in_use(tmp_path, s3_bucket, plugin_manager, monkeypatch):
+    import gc
+
+    from statekit.storage import inuse
+
+    seen = []
+    real_copy = replication.copy_checkpoint
+
+    def watching_copy(src, dst, *args, **kwargs):
+        seen.append([m.by for m in inuse.in_use_markers(src.url)])
+        with pytest.raises(statekit.CheckpointInUseError):  # statekit gc / another run's retention
+            statekit.api.listing.delete_checkpoint(src.url)
+        return real_copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(replication, "copy_checkpoint", watching_copy)
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to=f"{s3_bucket}/run")
+    manager.save(1)
+    assert manager.replicator.wait(timeout=60) == []
+    assert seen == [["statekit-replicate"]]
+    local = manager.url_for(1)
+    assert not inuse.is_in_use(local)  # released after the copy
+
+    resumed = statekit.CheckpointManager(_objects(1), str(tmp_path / "local"))
+    assert resumed.resume() == 1 and resumed.resumed_from == local
+    assert [m.by for m in inuse.in_use_markers(local)] == ["statekit"]
+    with pytest.raises(statekit.CheckpointInUseError):
+        statekit.api.listing.delete_checkpoint(local)
+    del resumed
+    gc.collect()
+    assert not inuse.is_in_use(local)  # the run that resumed from it is gone

@@ -44,6 +44,11 @@ class CheckpointInfo:
     metrics: dict[str, Any] | None = None
     accelerate: bool = False
 
+    @property
+    def name(self) -> str:
+        """The directory's name (``checkpoint-<step:08d>``, or Accelerate's ``checkpoint_<n>``)."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
 
 def checkpoint_name(step: int) -> str:
     """Directory name of a step: ``checkpoint-00000500``."""
@@ -143,7 +148,7 @@ def delete_all_but(
         if info.url not in keep:
             try:
                 delete_checkpoint(info.url, storage_options)
-                deleted.append(info.url.rstrip("/").rsplit("/", 1)[-1])
+                deleted.append(info.name)
             except CheckpointInUseError as exc:
                 warnings.warn(f"{what} kept {info.url}: {exc}", StatekitWarning, stacklevel=3)
     return deleted

@@ -17,17 +17,11 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
-from statekit.api.replication import (
-    Replicator,
-    remote_retention,
-    start_replication,
-    resume_candidates,
-    unreplicated,
-)
+from statekit.api.replication import start_replication
+from statekit.api.tiers import remote_retention, resume_candidates, unreplicated
 from statekit.engine.entries import classify
 from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_all_but, list_checkpoints
 from statekit.errors import (
-    CheckpointInUseError,
     CheckpointNotFoundError,
     PickleNotAllowedError,
     ResumeMismatchError,
@@ -37,6 +31,7 @@ from statekit.errors import (
 )
 from statekit.engine.staging import StagingPool
 from statekit.storage import Storage
+from statekit.storage.inuse import hold_in_use
 
 
 class CheckpointManager:
@@ -131,6 +126,7 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.options = options
         self.resumed_from: str | None = None
+        self._resumed_in_use: Any = None
         self.resumed_manifest: dict[str, Any] | None = None
         self.remote_keep_last = remote_keep_last
         self.delete_unreplicated = delete_unreplicated
@@ -163,14 +159,7 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def url_for(self, step: int) -> str:
-        """URL of the checkpoint directory of ``step``.
-
-        Args:
-            step: the training step.
-
-        Returns:
-            ``<root>/checkpoint-<step:08d>``.
-        """
+        """URL (``<root>/checkpoint-<step:08d>``) of the checkpoint directory of ``step`` (int)."""
         return self.root.url_of(checkpoint_name(step))
 
     def save(
@@ -240,17 +229,14 @@ class CheckpointManager:
     def _after_commit(self, step: int, url: str) -> None:
         """On every rank after the commit (all ranks take part: with several ranks the
         manifest and retention's deletions are shared, for local roots that are per node)."""
-        rank, world = distributed.rank_and_world_size()
+        rank = distributed.rank_and_world_size()[0]
         if rank == 0:
             self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
         if self.replicator is not None:
             self.replicator.submit_committed(url, self.storage_options)
         deleted = self._apply_retention(url) if rank == 0 else []
-        if world > 1 and self.replicator is not None:  # node-local roots: each node deletes its own part
-            deleted, root0 = distributed.broadcast_from_rank0((deleted, self.root_url))
-            if rank != 0 and root0 != self.root_url:
-                for name in deleted:
-                    self.root.child(name).remove_tree()
+        if self.replicator is not None:
+            self.replicator.delete_on_every_node(deleted, self.root)
 
     def _apply_retention(self, newest_url: str) -> list[str]:
         """Delete the committed checkpoints no policy keeps; returns their names."""
@@ -372,6 +358,9 @@ class CheckpointManager:
                 continue
             self.resumed_manifest = manifest
             self.resumed_from = info.url
+            if self._resumed_in_use is not None:
+                self._resumed_in_use()  # the previous resume's marker
+            self._resumed_in_use = hold_in_use(self, info.url, by="statekit")  # no other process deletes it
             step = manifest.get("step")
             # Accelerate's folders count saves, not steps (their "step" is the gradient
             # accumulation counter): the folder's number is what continues the naming

@@ -27,7 +27,6 @@ again when the next manager starts (:meth:`Replicator.catch_up`).
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -35,10 +34,11 @@ import warnings
 from typing import Any
 
 from statekit import distributed, format as fmt
-from statekit.api.listing import CheckpointInfo, delete_all_but, list_checkpoints
+from statekit.api.listing import CheckpointInfo, list_checkpoints
 from statekit.api.remote_copy import copy_checkpoint
 from statekit.errors import StatekitError, StatekitWarning
 from statekit.storage import Storage
+from statekit.storage.inuse import hold_in_use
 
 class Replicator:
     """Copies committed checkpoints from a local root to a remote root, in order, on one
@@ -141,6 +141,22 @@ class Replicator:
         if raw is not None:
             self.submit(local_url, raw)
 
+    def delete_on_every_node(self, deleted: list[str], local_root: Storage) -> None:
+        """After rank 0's local retention deleted ``deleted`` (every rank calls it, a
+        collective when ``world_size > 1``): a rank whose local root is not rank 0's (a
+        node-local disk) deletes its own part of those checkpoints too.
+
+        Args:
+            deleted: checkpoint names rank 0 deleted (other ranks' lists are not used).
+            local_root: this rank's local root.
+        """
+        if self.world_size == 1:
+            return
+        deleted, root0 = distributed.broadcast_from_rank0((deleted, local_root.url))
+        if self.rank != 0 and root0 != local_root.url:
+            for name in deleted:
+                local_root.child(name).remove_tree()
+
     def pending(self) -> list[str]:
         """Names of checkpoints queued or being copied, oldest first."""
         with self._lock:
@@ -184,22 +200,22 @@ class Replicator:
         """
         names = self.catch_up_names(local)
         for info in local:
-            if _name(info) in names:
+            if info.name in names:
                 self.submit(info.url)
-        return [n for n in (_name(i) for i in local) if n in names]
+        return [n for n in (i.name for i in local) if n in names]
 
     def catch_up_names(self, local: list[CheckpointInfo]) -> set[str]:
         """Names of the committed ``local`` checkpoints without a committed remote copy
         (the remote ones found are recorded as replicated)."""
         try:
-            remote = {_name(i) for i in self.list() if i.committed}
+            remote = {i.name for i in self.list() if i.committed}
             with self._lock:
                 self.replicated |= remote
         except StatekitError as exc:
             warnings.warn(f"{self.remote_url}: cannot list the remote tier ({exc}); replicating every local checkpoint",
                           StatekitWarning, stacklevel=3)
             remote = set()
-        return {_name(i) for i in local if i.committed and not i.accelerate and _name(i) not in remote}
+        return {i.name for i in local if i.committed and not i.accelerate and i.name not in remote}
 
     def catch_up_ranks(self, local: list[CheckpointInfo], local_url_of: Any) -> list[str]:
         """:meth:`catch_up` with several ranks (every rank calls it): rank 0 decides what
@@ -219,9 +235,9 @@ class Replicator:
             names = self.catch_up_names(local)
             todo = []
             for info in local:
-                if _name(info) in names:
+                if info.name in names:
                     try:
-                        todo.append((_name(info), Storage(info.url).read_bytes(fmt.MANIFEST_NAME)))
+                        todo.append((info.name, Storage(info.url).read_bytes(fmt.MANIFEST_NAME)))
                     except (StatekitError, OSError) as exc:
                         warnings.warn(f"{info.url}: not replicated ({exc})", StatekitWarning, stacklevel=2)
         todo = distributed.broadcast_from_rank0(todo)
@@ -256,25 +272,30 @@ class Replicator:
     def _copy_with_retries(self, name: str, local_url: str, manifest: bytes | None) -> str | None:
         wait = self.backoff_seconds
         for attempt in range(1, self.retries + 1):
+            source = Storage(local_url)
+            in_use = hold_in_use(source, local_url, by="statekit-replicate")  # no gc or retention deletes it meanwhile
             try:
                 copy_checkpoint(
-                    Storage(local_url), self.remote.child(name), manifest,
+                    source, self.remote.child(name), manifest,
                     rank=self.rank, world_size=self.world_size, peer_timeout_seconds=self.peer_timeout_seconds,
                 )
                 return None
-            except (StatekitError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure is one failed try; the thread lives on
                 error = f"{type(exc).__name__}: {exc}"
-                last = attempt == self.retries
-                warnings.warn(
-                    f"{self.remote_url}/{name}: replication try {attempt} of {self.retries} failed ({error})"
-                    + ("; giving up until the next start" if last else f"; retrying in {wait:.3g} s"),
-                    StatekitWarning,
-                    stacklevel=2,
-                )
-                if last:
-                    return error
-                time.sleep(wait)
-                wait = min(wait * 2, self.max_backoff_seconds)
+            finally:
+                if in_use is not None:
+                    in_use()
+            last = attempt == self.retries
+            warnings.warn(
+                f"{self.remote_url}/{name}: replication try {attempt} of {self.retries} failed ({error})"
+                + ("; giving up until the next start" if last else f"; retrying in {wait:.3g} s"),
+                StatekitWarning,
+                stacklevel=2,
+            )
+            if last:
+                return error
+            time.sleep(wait)
+            wait = min(wait * 2, self.max_backoff_seconds)
         return None
 
 
@@ -306,94 +327,3 @@ def start_replication(
         replicator.catch_up_ranks(list_local() if rank == 0 else [], local_url_of)
     return replicator
 
-
-def _name(info: CheckpointInfo) -> str:
-    return info.url.rsplit("/", 1)[-1]
-
-
-def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str]:
-    """URLs of the ``local`` checkpoints not known to have a committed remote copy: local
-    retention keeps these. Known from the replicator's own record, so a save never waits
-    on the remote tier (which may be down or frozen)."""
-    with replicator._lock:
-        replicated = set(replicator.replicated)
-    return {i.url for i in local if _name(i) not in replicated}
-
-
-def remote_retention(replicator: Replicator | None, keep_last: int | None, resumed_from: str | None) -> None:
-    """Delete remote copies beyond the newest ``keep_last`` committed ones, never the one
-    the run resumed from nor one being copied; a copy in use warns and is kept.
-
-    Args:
-        replicator: the remote tier (None: nothing to do).
-        keep_last: committed remote checkpoints to keep (None: keep every one).
-        resumed_from: URL the run resumed from (kept), or None.
-    """
-    if replicator is None or keep_last is None:
-        return
-    committed = [i for i in replicator.list() if i.committed and not i.accelerate]
-    keep = {i.url for i in committed[-keep_last:]} | {resumed_from}
-    keep |= {replicator.remote.url_of(name) for name in replicator.pending()}  # being copied
-    delete_all_but(committed, keep, replicator.storage_options, "remote retention")
-
-
-def resume_candidates(
-    local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None, local_url_of: Any
-) -> list[CheckpointInfo]:
-    """The committed checkpoints of both tiers in the order a resume tries them: newest
-    step first, a step's local copy before its remote one. When the newest local
-    checkpoint also exists remotely with a different manifest, warn (the local one is
-    used). A remote tier that cannot be listed warns and is left out.
-
-    With several ranks every rank calls it and gets rank 0's list; a local checkpoint is
-    a candidate only where every rank's own local root holds it committed (a node-local
-    root holds its node's files only: a checkpoint saved across nodes is then resumed
-    from its remote copy).
-
-    Args:
-        local: this rank's committed local checkpoints, oldest first.
-        replicator: the remote tier.
-        local_options: fsspec options of the local root.
-        local_url_of: ``callable(name) -> str``, this rank's local directory of a checkpoint.
-
-    Returns:
-        Candidates, best first; local ones point at this rank's own root.
-    """
-    if replicator.world_size == 1:
-        return _ordered(local, replicator, local_options)
-    everywhere = distributed.gather_to_rank0({_name(i) for i in local})
-    ordered = None
-    if everywhere is not None:  # rank 0
-        shared = set.intersection(*everywhere)
-        ordered = [i for i in _ordered(local, replicator, local_options) if _is_remote(replicator, i) or _name(i) in shared]
-    ordered = distributed.broadcast_from_rank0(ordered)
-    return [i if _is_remote(replicator, i) else dataclasses.replace(i, url=local_url_of(_name(i))) for i in ordered]
-
-
-def _ordered(local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None) -> list[CheckpointInfo]:
-    try:
-        remote = [i for i in replicator.list() if i.committed and not i.accelerate]
-    except StatekitError as exc:
-        warnings.warn(f"cannot list the remote tier {replicator.remote_url} ({exc}); resuming from the local one",
-                      StatekitWarning, stacklevel=3)
-        remote = []
-    newest = local[-1] if local else None
-    for twin in remote:
-        if newest is not None and _name(twin) == _name(newest) and not _same_manifest(
-            Storage(newest.url, local_options), Storage(twin.url, replicator.storage_options)
-        ):
-            warnings.warn(f"{newest.url} and {twin.url} hold step {newest.step} with different manifests; using the local one",
-                          StatekitWarning, stacklevel=3)
-    tiers = [(i, 0) for i in local] + [(i, 1) for i in remote]
-    return [i for i, _ in sorted(tiers, key=lambda it: (-it[0].step, it[1]))]
-
-
-def _is_remote(replicator: Replicator, info: CheckpointInfo) -> bool:
-    return info.url.startswith(replicator.remote_url + "/")
-
-
-def _same_manifest(a: Storage, b: Storage) -> bool:
-    try:
-        return a.read_bytes(fmt.MANIFEST_NAME) == b.read_bytes(fmt.MANIFEST_NAME)
-    except (StatekitError, OSError):
-        return True  # unreadable: loading it will say what is wrong

@@ -52,7 +52,7 @@ def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
     by_name: dict[str, dict[str, Any]] = {}
     for tier, infos in (("local", local), ("remote", remote)):
         for info in infos:
-            name = info.url.rstrip("/").rsplit("/", 1)[-1]
+            name = info.name
             entry = by_name.setdefault(name, {**info.__dict__, "tiers": [], "urls": {}})
             entry["urls"][tier] = info.url
             if info.committed:

@@ -1,5 +1,9 @@
 """In-use markers: a checkpoint that a live process reads in place says so, and is not deleted.
 
+A :class:`~statekit.CheckpointManager` marks the checkpoint it resumed from (``"by":
+"statekit"``) for as long as it lives, and its replicator the checkpoint it is copying to
+the remote tier (``"statekit-replicate"``).
+
 When a plugin maps weights onto a checkpoint's own files (statekit-offload reads a local
 safetensors file in place instead of copying it), deleting that checkpoint would break the
 model at its next forward pass. While such a model lives, the plugin keeps a marker file in
@@ -29,6 +33,7 @@ import json
 import os
 import socket
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +60,8 @@ class InUseMarker:
         model_key: the stable key of the model that reads the checkpoint, if known.
         offload_folder: the offload folder whose ``index.json`` points into the checkpoint.
         live: see the module docstring.
+        by: the distribution that wrote it (``statekit-offload``; ``statekit`` for a
+            manager's resumed-from checkpoint; ``statekit-replicate`` while it is copied).
     """
 
     path: str
@@ -65,6 +72,7 @@ class InUseMarker:
     model_key: str | None
     offload_folder: str | None
     live: bool
+    by: str = MARKER_WRITER
 
 
 def local_dir(url: str) -> str:
@@ -151,6 +159,29 @@ def mark_in_use(
     return path
 
 
+def hold_in_use(owner: Any, url: str, *, by: str) -> Any:
+    """Mark the local checkpoint ``url`` in use for as long as ``owner`` lives (the marker
+    is removed when ``owner`` is garbage-collected, at interpreter exit, or by calling the
+    result). A checkpoint that is not local, or whose directory is not writable, gets no
+    marker.
+
+    Args:
+        owner: the object whose lifetime the marker follows.
+        url: the checkpoint directory.
+        by: the writer recorded in the marker (``"statekit"``, ``"statekit-replicate"``).
+
+    Returns:
+        A ``weakref.finalize`` that removes the marker when called, or None.
+    """
+    if not Storage(url).is_local:
+        return None
+    try:
+        marker = mark_in_use(url, by=by)
+    except StorageError:
+        return None
+    return weakref.finalize(owner, release_in_use, marker)
+
+
 def release_in_use(marker: str) -> None:
     """Remove a marker written by :func:`mark_in_use` (a missing marker is fine)."""
     try:
@@ -195,6 +226,7 @@ def in_use_markers(url: str, *, include_stale: bool = False) -> list[InUseMarker
             model_key=doc.get("model_key"),
             offload_folder=doc.get("offload_folder"),
             live=live,
+            by=str(doc.get("by", MARKER_WRITER)),
         )
         if live or include_stale:
             found.append(marker)
