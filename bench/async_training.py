@@ -41,6 +41,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _units import parse_size  # noqa: E402
+
 SYSTEMS = ("statekit", "dcp_thread", "dcp_process")
 MIN_OVERLAP_STEPS = 20
 LAYER = 2048
@@ -281,15 +284,6 @@ def summarize(records: list[dict]) -> list[str]:
             f"step s {mmm([r['step_median_seconds'] for r in ov])}"
         )
     return lines
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"1GiB"`` or a byte count -> bytes."""
-    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 def main() -> None:

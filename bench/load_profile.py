@@ -42,16 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _workers  # noqa: E402
+from _units import parse_size  # noqa: E402
 
 CHUNK = 16 * 1024 * 1024
-
-
-def _size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
 
 
 def prepare(d: str, size: int) -> None:
@@ -158,9 +151,9 @@ def main() -> None:
     if args.trial:
         print(f"SECONDS {trial(d, args.trial)}")
         return
-    prepare(d, _size(args.size))
+    prepare(d, parse_size(args.size))
     with open(os.path.join(d, "size.json"), "w") as f:
-        json.dump({"size": _size(args.size)}, f)
+        json.dump({"size": parse_size(args.size)}, f)
     results: dict[str, list[float]] = {s: [] for s in args.strategies.split(",")}
     for run in range(args.runs):
         for s in results:

@@ -29,17 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _workers  # noqa: E402
+from _units import parse_size  # noqa: E402
 
 import statekit  # noqa: E402
 from statekit.testing import start_moto_server  # noqa: E402
-
-
-def _size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
 
 
 def _stats(values: list[float]) -> str:
@@ -53,7 +46,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, optim = _workers.build(_size(args.size), torch.float32)
+    model, optim = _workers.build(parse_size(args.size), torch.float32)
     objects = {"model": model, "optim": optim}
     work = tempfile.mkdtemp(prefix="statekit-bench-tiers-", dir=os.path.join(os.path.dirname(__file__), ".."))
     plain, tiered, replicated, raw = [], [], [], []

@@ -46,6 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _fio  # noqa: E402
+from _units import parse_size  # noqa: E402
 from _targets import compute_targets, format_targets  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,7 +54,6 @@ REPO = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_workers.py")
 SMALL = os.path.join(HERE, "_small.py")
 SCALE = os.path.join(HERE, "_scale.py")
-UNITS = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 S3_SIZE = 256 * 1024**2
 
 LOCAL_PLAN = [
@@ -75,13 +75,6 @@ LOCAL_PLAN = [
 ]
 SMALL_PLAN = [("statekit", "save"), ("statekit", "load"), ("torch", "save"), ("torch", "load")]
 S3_PLAN = [("s3fs", "save"), ("s3fs", "load"), ("statekit", "save"), ("statekit", "load"), ("dcp", "save"), ("dcp", "load")]
-
-
-def parse_size(text: str) -> int:
-    for unit, mult in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
 
 
 def run_worker(system: str, op: str, directory: str, size: int, dtype: str, endpoint: str = "", cmd: list | None = None) -> dict:
