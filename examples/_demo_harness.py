@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import statekit
+from statekit.api.listing import list_checkpoints
 
 try:  # pytest and moto come with statekit[test]: only --moto needs them
     from statekit.testing import start_moto_server
@@ -270,7 +271,7 @@ class _Runner:
         if kill_at is None:
             run_to_end(command)
             return None
-        return run_and_kill(command, Path(args.log), kill_at)
+        return run_and_kill(command, Path(args.log), kill_at, ready=_remote_committed(args))
 
     def command(self, args: argparse.Namespace, resume: bool) -> list[str]:
         cmd = [sys.executable, self.script, "--worker", "--url", args.url, "--steps", str(args.steps),
@@ -281,6 +282,14 @@ class _Runner:
         if resume:
             cmd.append("--resume")
         return cmd
+
+
+def _remote_committed(args: argparse.Namespace) -> Callable[[], bool] | None:
+    """With ``--replicate-to``: whether a checkpoint has committed on the remote tier."""
+    remote = getattr(args, "replicate_to", None)
+    if not remote:
+        return None
+    return lambda: any(i.committed for i in list_checkpoints(remote, details=False))
 
 
 def run_to_end(cmd: list[str]) -> None:
@@ -294,17 +303,23 @@ def run_to_end(cmd: list[str]) -> None:
         raise SystemExit(f"worker failed with exit code {result.returncode}: {' '.join(cmd)}")
 
 
-def run_and_kill(cmd: list[str], log: Path, kill_at: int) -> int:
-    """Start the worker and SIGKILL it once it reports step >= kill_at; returns the last step seen.
+def run_and_kill(cmd: list[str], log: Path, kill_at: int, ready: Callable[[], bool] | None = None) -> int:
+    """Start the worker and SIGKILL it once it reports step >= kill_at (and, if given,
+    ``ready()`` holds: with a remote tier, a checkpoint has committed there, so the
+    fresh node has something to resume from); returns the last step seen.
 
     Raises:
         SystemExit: the worker finished before it could be killed.
     """
     child = subprocess.Popen(cmd)
+    checked = 0.0
     try:
         while child.poll() is None:
             steps = [r["step"] for r in read_log(log) if r["event"] == "step"]
-            if steps and steps[-1] >= kill_at:
+            if steps and steps[-1] >= kill_at and ready is not None and time.monotonic() - checked > 0.2:
+                checked = time.monotonic()
+                ready = None if ready() else ready
+            if steps and steps[-1] >= kill_at and ready is None:
                 os.kill(child.pid, signal.SIGKILL)
                 child.wait()
                 return steps[-1]

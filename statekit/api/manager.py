@@ -159,7 +159,14 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def url_for(self, step: int) -> str:
-        """URL (``<root>/checkpoint-<step:08d>``) of the checkpoint directory of ``step`` (int)."""
+        """URL of the checkpoint directory of ``step``.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            ``<root>/checkpoint-<step:08d>``.
+        """
         return self.root.url_of(checkpoint_name(step))
 
     def save(

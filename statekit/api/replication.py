@@ -40,6 +40,7 @@ from statekit.errors import StatekitError, StatekitWarning
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
 
+
 class Replicator:
     """Copies committed checkpoints from a local root to a remote root, in order, on one
     background (daemon) thread.
@@ -190,7 +191,7 @@ class Replicator:
     def catch_up(self, local: list[CheckpointInfo]) -> list[str]:
         """Queue every committed local checkpoint without a committed remote copy (a copy
         a killed process left half done is redone: files are rewritten, the manifest last).
-        One process only; with several ranks the manager runs :func:`catch_up_ranks`.
+        One process only; with several ranks every rank runs :meth:`catch_up_ranks`.
 
         Args:
             local: the local root's checkpoints (:func:`statekit.api.listing.list_checkpoints`).

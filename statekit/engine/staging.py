@@ -6,6 +6,13 @@ buffers are kept by (file, tensor name) and reused when the next save has the sa
 and dtypes: the first touch of fresh memory costs far more than a copy on this class of
 machine (0.4-4.8 s/GiB measured), so steady-state saves allocate nothing.
 
+The tensors of one file are staged into one page-aligned arena, back to back in the order
+the file stores them (:func:`statekit.format.tensors.write_tensors` writes a dict's tensors
+in order, tied views once), so the background writer sends the arena to the disk as it is
+(``O_DIRECT`` straight from it: :meth:`statekit.storage.DirectWriter.write_stable`) instead of
+copying every byte once more into its own aligned buffers; that copy was most of the CPU an
+async save takes from training (docs/benchmark.md).
+
 Tensors on an accelerator (CUDA or any ``torch.accelerator`` device) are staged into pinned
 (page-locked) host buffers with non-blocking device-to-host copies; one event per device,
 recorded after the last copy and waited for before :meth:`StagingPool.stage` returns, makes
@@ -22,21 +29,25 @@ from typing import Any
 import torch
 
 
+ARENA_ALIGN = 4096
+"""Alignment of a file's staging arena, bytes (``O_DIRECT`` needs page-aligned memory)."""
+
+
 class StagingPool:
-    """CPU staging buffers keyed by ``(relative path, tensor name)``.
+    """CPU staging buffers of each file (by relative path), one arena per file.
 
     Thread-safety: one save stages at a time (the manager waits for the previous save
     before staging the next), so a buffer is never written while its last save reads it.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._arenas: dict[str, tuple[Any, torch.Tensor, dict[str, torch.Tensor]]] = {}  # rel -> (layout, arena, views)
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         """Bytes allocated so far (grows only when shapes or dtypes change)."""
 
-    def stage(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``tensors`` into this pool's buffers for file ``rel``.
+    def stage(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> StagedTensors:
+        """Copy ``tensors`` into this pool's arena for file ``rel``.
 
         Identical views of one storage (tied weights) map to one buffer, so the writer
         still stores them once.
@@ -46,42 +57,80 @@ class StagingPool:
             tensors: ``name -> tensor`` on any device.
 
         Returns:
-            ``name -> staged CPU tensor`` (contiguous copies owned by the pool), complete
-            when this returns (accelerator copies included).
+            ``name -> staged CPU tensor`` (contiguous copies owned by the pool, views of
+            the file's arena, ``.arena``), complete when this returns (accelerator copies
+            included).
         """
-        staged: dict[str, torch.Tensor] = {}
-        seen: dict[tuple[Any, ...], torch.Tensor] = {}
+        refused: dict[str, Any] = {}  # the writer raises the proper error for these
+        tied: dict[str, str] = {}  # name -> the name whose buffer it shares
+        seen: dict[tuple[Any, ...], str] = {}
+        unique: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or type(t).__name__ == "DTensor":
+                refused[name] = t
+                continue
+            if t.numel() > 0 and t.layout == torch.strided:
+                identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                if identity in seen:
+                    tied[name] = seen[identity]
+                    continue
+                seen[identity] = name
+            unique[name] = t
         devices: set[torch.device] = set()
         with self._lock, torch.no_grad():
-            for name, t in tensors.items():
-                if not isinstance(t, torch.Tensor) or t.device.type == "meta" or type(t).__name__ == "DTensor":
-                    staged[name] = t  # the writer raises the proper error for these
-                    continue
-                identity = None
-                if t.numel() > 0 and t.layout == torch.strided:
-                    identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-                    if identity in seen:
-                        staged[name] = seen[identity]
-                        continue
-                buffer = self._buffer_for(rel, name, t)
+            arena, buffers = self._buffers_for(rel, unique)
+            for name, t in unique.items():
                 accelerated = pin_memory_for(t.device)
-                buffer.copy_(t.detach(), non_blocking=accelerated)
+                buffers[name].copy_(t.detach(), non_blocking=accelerated)
                 if accelerated:
                     devices.add(t.device)
-                staged[name] = buffer
-                if identity is not None:
-                    seen[identity] = buffer
             wait_for_copies(devices)
+        staged = StagedTensors(
+            (name, buffers[name] if name in unique else buffers[tied[name]] if name in tied else refused[name])
+            for name in tensors
+        )
+        staged.arena = arena
         return staged
 
-    def _buffer_for(self, rel: str, name: str, t: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get((rel, name))
-        pin = pin_memory_for(t.device)
-        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype or (pin and not buffer.is_pinned()):
-            buffer = allocate_host(t.shape, t.dtype, pin)
-            self._buffers[(rel, name)] = buffer
-            self.allocated_bytes += buffer.numel() * buffer.element_size()
-        return buffer
+    def _buffers_for(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The file's arena and a view of it per tensor (reused when names, shapes, dtypes
+        and pinning match the last save's)."""
+        pin = any(pin_memory_for(t.device) for t in tensors.values())
+        layout = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+        cached = self._arenas.get(rel)
+        if cached is not None and cached[0] == (layout, pin):
+            return cached[1], cached[2]
+        arena, buffers = _arena_views(tensors, pin)
+        self._arenas[rel] = ((layout, pin), arena, buffers)
+        self.allocated_bytes += arena.numel()
+        return arena, buffers
+
+
+class StagedTensors(dict):
+    """``name -> staged tensor`` of one file, plus ``arena``: the uint8 CPU tensor in which
+    they lie back to back in this order (tied views once), or None (one buffer each).
+    :func:`statekit.format.tensors.write_tensors` writes an arena as it is."""
+
+    arena: torch.Tensor | None = None
+
+
+def _arena_views(tensors: Mapping[str, torch.Tensor], pin: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One page-aligned host arena holding ``tensors`` back to back (their order), and a
+    view of each in its shape and dtype (an offset need not suit the dtype's alignment:
+    the file's layout decides it, and the CPU copies to unaligned addresses)."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    raw = allocate_host(torch.Size([total + ARENA_ALIGN]), torch.uint8, pin)
+    shift = -raw.data_ptr() % ARENA_ALIGN
+    arena = raw[shift : shift + total]
+    memory = memoryview(arena.numpy()) if total else None
+    views, start = {}, 0
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            views[name] = torch.empty(t.shape, dtype=t.dtype)
+            continue
+        views[name] = torch.frombuffer(memory, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape)
+        start += t.numel() * t.element_size()
+    return arena, views
 
 
 def pin_memory_for(device: torch.device) -> bool:

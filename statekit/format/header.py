@@ -79,12 +79,17 @@ def _plan(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Planned], dict[str
     return planned, aliases, byte_views
 
 
-def build_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[_Planned]]:
+def build_header(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, data_align: int = 8
+) -> tuple[bytes, list[_Planned]]:
     """Build the safetensors header for ``tensors`` (no data is touched).
 
     Args:
         tensors: ``name -> tensor`` (any device, any strides).
         metadata: extra ``__metadata__`` entries (str -> str).
+        data_align: the JSON is padded with spaces so that the data starts at a multiple
+            of this many bytes (8, safetensors' own padding; 4096 for page-aligned
+            direct I/O). Trailing spaces are valid JSON: every safetensors reader takes them.
 
     Returns:
         ``(header_bytes, plan)``: the 8-byte length + padded JSON, and the write plan.
@@ -105,7 +110,7 @@ def build_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
         header[p.name] = {"dtype": p.code, "shape": p.shape, "data_offsets": [offset, offset + p.nbytes]}
         offset += p.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % data_align)
     return struct.pack("<Q", len(raw)) + raw, planned
 
 

@@ -66,23 +66,43 @@ def write_tensors(
     Raises:
         UnsupportedDtypeError: a tensor cannot be stored (names the key).
     """
-    header, planned = build_header(tensors, metadata)
+    planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+    header, planned = build_header(tensors, metadata, data_align=DIRECT_ALIGN if planned_bytes >= ALIGN_MIN_BYTES else 8)
     preallocate = getattr(f, "preallocate", None)  # statekit.storage.DirectWriter: contiguous extents
     if callable(preallocate):
         preallocate(len(header) + sum(p.nbytes for p in planned))
     f.write(header)
     if hasher is not None:
         hasher.update(header)
+    arena = _one_arena(tensors, planned)
+    if arena is not None:  # a staged file: the arena as it is, not copied again (DirectWriter.write_stable)
+        views, write = [memoryview(arena.numpy())], getattr(f, "write_stable", f.write)
+    else:
+        views, write = (tensor_bytes(p.tensor) for p in planned), f.write
     size = len(header)
-    for p in planned:
-        view = tensor_bytes(p.tensor)
+    for view in views:
         for start in range(0, len(view), CHUNK_BYTES):
             chunk = view[start : start + CHUNK_BYTES]
-            f.write(chunk)
+            write(chunk)
             if hasher is not None:
                 hasher.update(chunk)
         size += len(view)
     return size
+
+
+def _one_arena(tensors: Mapping[str, Any], planned: list[Any]) -> torch.Tensor | None:
+    """The planned tensors' bytes as one uint8 CPU tensor when ``tensors`` carries an
+    ``arena`` (:class:`statekit.engine.staging.StagedTensors`) in which they lie back to
+    back, in order (checked); else None."""
+    arena = getattr(tensors, "arena", None)
+    if not isinstance(arena, torch.Tensor) or arena.device.type != "cpu" or arena.dtype != torch.uint8:
+        return None
+    position = arena.data_ptr()
+    for p in planned:
+        if p.nbytes and (p.tensor.device.type != "cpu" or not p.tensor.is_contiguous() or p.tensor.data_ptr() != position):
+            return None
+        position += p.nbytes
+    return arena if position == arena.data_ptr() + arena.numel() else None
 
 
 # --------------------------------------------------------------------------- reading

@@ -40,6 +40,15 @@ def _give_buffer(buf: mmap.mmap) -> None:
         buf.close()
 
 
+def _address(view: memoryview) -> int:
+    """Memory address of a writable buffer's first byte; 1 (never aligned) for a
+    read-only or empty one, which then takes the copying path."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return 1
+
+
 class DirectWriter:
     """A write-only local file that bypasses the page cache (``O_DIRECT``) where allowed.
 
@@ -105,6 +114,30 @@ class DirectWriter:
                 self._submit(DIRECT_BUFFER_BYTES)
         self._size += n
         return n
+
+    def write_stable(self, data: Any) -> int:
+        """:meth:`write` without the copy where it can: the page-aligned part of ``data``
+        goes to the disk straight from the caller's memory (``O_DIRECT``) when that memory
+        is page-aligned and the file position is too; the rest is copied as by
+        :meth:`write`. The caller keeps ``data`` alive and unchanged until :meth:`close`
+        (a staging arena does: it is reused only by the next save).
+
+        Returns:
+            ``len(data)`` in bytes.
+        """
+        view = memoryview(data).cast("B")
+        whole = len(view) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        if not self.direct or not whole or self._fill % _DIRECT_ALIGN or _address(view) % _DIRECT_ALIGN:
+            return self.write(view)
+        if self._fill:
+            self._submit(self._fill)
+        self._wait()
+        self._thread = threading.Thread(target=self._write_all, args=(view[:whole],), daemon=True)
+        self._thread.start()
+        self._size += whole
+        if whole < len(view):
+            self.write(view[whole:])
+        return len(view)
 
     def flush(self) -> None:
         """No-op: data reaches the file in whole buffers and at :meth:`close`."""

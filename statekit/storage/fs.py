@@ -203,7 +203,15 @@ class Storage:
             return self.fs.open(path, "rb")
 
     def read_bytes(self, rel: str) -> bytes:
-        """Read a whole (small) file."""
+        """Read a whole (small) file (remote: one GET, no HEAD first).
+
+        Raises:
+            FileNotFoundError: no such file.
+            StorageError: any other storage failure.
+        """
+        if not self.is_local:
+            with storage_errors(self.url_of(rel), "reading"):
+                return bytes(self.fs.cat_file(self.path_of(rel)))
         with storage_errors(self.url_of(rel), "reading"), self.open_read(rel) as f:
             return f.read()
 

@@ -1,0 +1,73 @@
+"""The write path of tensor files: a staged file (one arena, StagingPool) goes to the disk
+straight from the arena (DirectWriter.write_stable, no second copy), with the same bytes
+and checksum as the copying path; large files start their data on a 4 KiB boundary."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from statekit.engine.staging import StagingPool
+from statekit.format import write_tensors
+from statekit.storage import DirectWriter
+from statekit.storage.hashing import checksum_string, new_hasher
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"w": torch.randn(1000, 333), "b": torch.randn(333), "h": torch.randn(5).half(), "i": torch.arange(3)}  # i: at an odd offset
+
+
+def _write(path, tensors, monkeypatch) -> tuple[str, int]:
+    copied = []
+    real = DirectWriter.write
+    monkeypatch.setattr(DirectWriter, "write", lambda self, data: copied.append(len(memoryview(data).cast("B"))) or real(self, data))
+    hasher = new_hasher()
+    with open(path, "wb"):
+        pass
+    writer = DirectWriter(str(path))
+    size = write_tensors(writer, tensors, {"k": "v"}, hasher)
+    writer.close()
+    monkeypatch.setattr(DirectWriter, "write", real)
+    assert path.stat().st_size == size
+    return checksum_string(hasher), sum(copied)
+
+
+def test_a_staged_file_is_written_from_its_arena_with_the_same_bytes(tmp_path, monkeypatch):
+    state = _state()
+    staged = StagingPool().stage("f.safetensors", state)
+    plain_sum, plain_copied = _write(tmp_path / "plain.safetensors", state, monkeypatch)
+    staged_sum, staged_copied = _write(tmp_path / "staged.safetensors", staged, monkeypatch)
+    assert (tmp_path / "plain.safetensors").read_bytes() == (tmp_path / "staged.safetensors").read_bytes()
+    assert staged_sum == plain_sum
+    data = sum(t.numel() * t.element_size() for t in state.values())
+    assert plain_copied >= data
+    if DirectWriter(str(tmp_path / "probe")).direct:  # tmpfs refuses O_DIRECT: everything is copied there
+        assert staged_copied < 8192  # the header page and the unaligned tail only
+    with safe_open(str(tmp_path / "staged.safetensors"), "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
+
+
+@pytest.mark.parametrize(("numel", "offset"), [(300_000, 4096), (10, None)])
+def test_large_files_start_their_data_on_a_page(tmp_path, numel, offset):
+    path = tmp_path / "t.safetensors"
+    writer = DirectWriter(str(path))
+    write_tensors(writer, {"x": torch.ones(numel)})
+    writer.close()
+    data_start = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert data_start == offset if offset else data_start % 8 == 0 and data_start < 4096
+
+
+def test_write_stable_copies_what_it_cannot_send_directly(tmp_path):
+    path = tmp_path / "f.bin"
+    writer = DirectWriter(str(path))
+    payload = bytes(range(256)) * 100  # read-only: no address to send from
+    writer.write(b"abc")
+    writer.write_stable(payload)
+    arena = torch.arange(3 * 4096, dtype=torch.uint8)  # unaligned file position after "abc"
+    writer.write_stable(memoryview(arena.numpy()))
+    writer.close()
+    assert path.read_bytes() == b"abc" + payload + bytes(arena.tolist())
