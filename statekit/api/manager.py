@@ -234,16 +234,21 @@ class CheckpointManager:
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
 
     def _after_commit(self, step: int, url: str) -> None:
-        """On every rank after the commit (all ranks take part: with several ranks the
-        manifest and retention's deletions are shared, for local roots that are per node)."""
-        rank = distributed.rank_and_world_size()[0]
-        if rank == 0:
-            self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+        """Every rank: rank 0 updates ``latest`` and applies retention; all then share the
+        manifest and deletions with the replicators, even if rank 0's part failed."""
+        error: Exception | None = None
+        deleted: list[str] = []
+        if distributed.rank_and_world_size()[0] == 0:
+            try:
+                self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+                deleted = self._apply_retention(url)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are released
+                error = exc
         if self.replicator is not None:
             self.replicator.submit_committed(url, self.storage_options)
-        deleted = self._apply_retention(url) if rank == 0 else []
-        if self.replicator is not None:
             self.replicator.delete_on_every_node(deleted, self.root)
+        if error is not None:
+            raise error
 
     def _apply_retention(self, newest_url: str) -> list[str]:
         """Delete the committed checkpoints no policy keeps; returns their names."""
