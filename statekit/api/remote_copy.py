@@ -71,8 +71,12 @@ def copy_checkpoint(
             untouched: two runs writing one remote root?); rank 0 waited
             ``peer_timeout_seconds`` for a rank's marker (names the ranks).
     """
-    raw = manifest_bytes if manifest_bytes is not None else src.read_bytes(fmt.MANIFEST_NAME)
-    manifest = fmt.validate_manifest(json.loads(raw.decode("utf-8")), src.url_of(fmt.MANIFEST_NAME))
+    if manifest_bytes is None:
+        manifest = fmt.read_manifest(src)  # names an uncommitted or corrupt source
+        raw = src.read_bytes(fmt.MANIFEST_NAME)
+    else:
+        raw = manifest_bytes
+        manifest = fmt.validate_manifest(json.loads(raw.decode("utf-8")), src.url_of(fmt.MANIFEST_NAME))
     if dst.exists(fmt.MANIFEST_NAME):
         if dst.read_bytes(fmt.MANIFEST_NAME) == raw:
             return manifest

@@ -158,6 +158,11 @@ class Replicator:
             for name in deleted:
                 local_root.child(name).remove_tree()
 
+    def replicated_names(self) -> set[str]:
+        """Names known to have a committed remote copy (a snapshot of :attr:`replicated`)."""
+        with self._lock:
+            return set(self.replicated)
+
     def pending(self) -> list[str]:
         """Names of checkpoints queued or being copied, oldest first."""
         with self._lock:

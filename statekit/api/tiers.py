@@ -20,8 +20,7 @@ def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str
     """URLs of the ``local`` checkpoints not known to have a committed remote copy: local
     retention keeps these. Known from the replicator's own record, so a save never waits
     on the remote tier (which may be down or frozen)."""
-    with replicator._lock:
-        replicated = set(replicator.replicated)
+    replicated = replicator.replicated_names()
     return {i.url for i in local if i.name not in replicated}
 
 

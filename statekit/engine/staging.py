@@ -107,9 +107,9 @@ class StagingPool:
 
 
 class StagedTensors(dict):
-    """``name -> staged tensor`` of one file, plus ``arena``: the uint8 CPU tensor in which
-    they lie back to back in this order (tied views once), or None (one buffer each).
-    :func:`statekit.format.tensors.write_tensors` writes an arena as it is."""
+    """``name -> staged tensor`` of one file, plus ``arena``: the page-aligned uint8 CPU
+    tensor in which they lie back to back in this order (tied views once).
+    :func:`statekit.format.tensors.write_tensors` writes the arena as it is."""
 
     arena: torch.Tensor | None = None
 
