@@ -81,13 +81,13 @@ def test_two_process_resume_mid_gradient_accumulation_is_exact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.s3
 def test_two_ranks_with_separate_local_roots_replicate_into_one_remote_checkpoint(tmp_path, s3_bucket):
-    """Two torchrun ranks, each with its own local root (two nodes' disks): each
-    replicates the files it wrote, rank 0 commits the remote manifest once both parts
-    verify; fresh, empty local roots then resume bit-exactly from the remote copy."""
+    """Two torchrun ranks, each with its own local root (two nodes' disks), saving
+    asynchronously: each replicates the files it wrote, rank 0 commits the remote manifest
+    once both parts verify; fresh, empty local roots then resume bit-exactly from it."""
     remote = f"{s3_bucket}/run"
     _torchrun("reference", str(tmp_path / "ref-root"), str(tmp_path / "ref"))
     roots = str(tmp_path / "node{rank}")
-    _torchrun("first", roots, str(tmp_path / "first"), STATEKIT_TEST_REPLICATE_TO=remote)
+    _torchrun("first", roots, str(tmp_path / "first"), STATEKIT_TEST_REPLICATE_TO=remote, STATEKIT_TEST_ASYNC="1")
     name = "checkpoint-00000009"
     node0, node1 = tmp_path / "node0" / name, tmp_path / "node1" / name
     assert (node0 / "statekit.json").exists() and not (node1 / "statekit.json").exists()

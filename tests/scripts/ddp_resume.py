@@ -7,7 +7,8 @@ ACCUM > 1: gradient_accumulation_steps, and the steps are micro-batches inside
 Each rank writes its per-step losses to OUT.rank<r>.json.
 A ``{rank}`` in ROOT gives each rank its own local root (standing in for a node's disk);
 with STATEKIT_TEST_REPLICATE_TO set the manager replicates there (two tiers), ``first``
-waits for the replication and ``resume`` must resume from the remote tier.
+waits for the replication and ``resume`` must resume from the remote tier;
+STATEKIT_TEST_ASYNC=1 saves with ``async_save=True``.
 """
 
 import json
@@ -31,13 +32,15 @@ run = build(seed=0, n=112, batch_size=8, accum=accum)
 accelerator = run[0]
 assert accelerator.num_processes == 2, accelerator.num_processes
 remote = os.environ.get("STATEKIT_TEST_REPLICATE_TO")
-manager = statekit.CheckpointManager(accelerator, root.format(rank=accelerator.process_index), replicate_to=remote)
+manager = statekit.CheckpointManager(accelerator, root.format(rank=accelerator.process_index), replicate_to=remote,
+                                     async_save=os.environ.get("STATEKIT_TEST_ASYNC") == "1")
 losses = []
 if mode == "reference":
     losses = train_steps(run, TOTAL)
 elif mode == "first":
     losses = train_steps(run, SAVE_AT, on_step=lambda s: manager.save(s) if s == SAVE_AT else None)
     losses += train_steps(run, 3, start=SAVE_AT)
+    manager.wait()  # an async save's commit
     assert not manager.replicator or manager.replicator.wait(timeout=120) == []
 else:
     step = manager.resume()
