@@ -300,3 +300,19 @@ def test_checkpoints_being_replicated_and_resumed_from_are_marked_in_use(tmp_pat
     del resumed
     gc.collect()
     assert not inuse.is_in_use(local)  # the run that resumed from it is gone
+
+
+def test_a_growing_replication_backlog_warns_once(tmp_path, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(replication, "copy_checkpoint", lambda *a, **k: release.wait(30))
+    replicator = replication.Replicator(str(tmp_path / "remote"), backlog_warning=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 6):
+            replicator.submit(str(tmp_path / "local" / checkpoint_name(step)))
+    behind = [str(w.message) for w in caught if "checkpoints behind" in str(w.message)]
+    assert len(behind) == 1 and "replication is 3 checkpoints behind" in behind[0]
+    release.set()
+    assert replicator.wait(timeout=30) == []

@@ -60,6 +60,8 @@ class Replicator:
             before it commits the remote manifest.
         peer_timeout_seconds: how long rank 0 waits for the other ranks' markers before
             the try fails (and is retried), seconds.
+        backlog_warning: checkpoints queued at once above which a submit warns that the
+            saves come faster than the remote tier takes them (once, until it drains).
 
     Raises:
         StorageError: ``remote_url`` cannot be resolved (unknown scheme, backend missing).
@@ -77,8 +79,11 @@ class Replicator:
         rank: int = 0,
         world_size: int = 1,
         peer_timeout_seconds: float = 600.0,
+        backlog_warning: int = 4,
     ) -> None:
         self.remote = Storage(remote_url, storage_options)
+        self.backlog_warning = backlog_warning
+        self._backlog_warned = False
         self.rank = rank
         self.world_size = world_size
         self.peer_timeout_seconds = peer_timeout_seconds
@@ -118,7 +123,17 @@ class Replicator:
                 return
             self._pending[name] = local_url
             self.failed.pop(name, None)
+            behind = len(self._pending)
+            warn = behind > self.backlog_warning and not self._backlog_warned
+            self._backlog_warned = self._backlog_warned or warn
         self._queue.put((name, local_url, manifest))
+        if warn:  # loud: local retention keeps every one of them until it is replicated
+            warnings.warn(
+                f"{self.remote_url}: replication is {behind} checkpoints behind (saves come faster than the remote tier "
+                "takes them); local retention keeps each one until its remote copy commits",
+                StatekitWarning,
+                stacklevel=3,
+            )
 
     def submit_committed(self, local_url: str, local_options: dict[str, Any] | None = None) -> None:
         """Queue a checkpoint right after its commit; with several ranks every rank calls
@@ -273,6 +288,8 @@ class Replicator:
                 self._pending.pop(name, None)
                 if error is not None:
                     self.failed[name] = error
+                if not self._pending:
+                    self._backlog_warned = False  # drained: warn again next time
                 self._idle.notify_all()
 
     def _copy_with_retries(self, name: str, local_url: str, manifest: bytes | None) -> str | None:
