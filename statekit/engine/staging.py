@@ -128,8 +128,12 @@ def _arena_views(tensors: Mapping[str, torch.Tensor], pin: bool) -> tuple[torch.
         if t.numel() == 0:
             views[name] = torch.empty(t.shape, dtype=t.dtype)
             continue
-        views[name] = torch.frombuffer(memory, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape)
-        start += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        if start % t.element_size() == 0:  # a view of the arena's own storage (keeps its pinned allocation)
+            views[name] = arena[start : start + nbytes].view(t.dtype).view(t.shape)
+        else:  # torch's dtype views need aligned offsets; the file's layout does not
+            views[name] = torch.frombuffer(memory, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape)
+        start += nbytes
     return arena, views
 
 
