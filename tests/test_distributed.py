@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,19 +11,13 @@ from safetensors import safe_open
 
 import statekit
 
+from accelerate_helpers import torchrun
+
 pytest.importorskip("accelerate")
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_resume.py"
 
 
-def _torchrun(*args: str, **env_extra: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           "--master_addr=127.0.0.1", str(SCRIPT), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+def _torchrun(*args: str, **env: str) -> None:
+    torchrun("ddp_resume.py", *args, env=env)
 
 
 def _read(prefix: Path) -> list[dict]:

@@ -12,10 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +21,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 import statekit
 from statekit.engine import data, elastic
+
+from accelerate_helpers import torchrun
 
 accelerate_data = pytest.importorskip("accelerate.data_loader")
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_resume.py"
@@ -282,14 +280,7 @@ def test_sampler_kind_change_refuses():
 
 
 def _torchrun(nproc: int, *args: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           "--master_addr=127.0.0.1", str(SCRIPT), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(SCRIPT.name, *args, nproc=nproc)
 
 
 def _runs(prefix: Path, nproc: int) -> list[dict]:

@@ -290,21 +290,10 @@ def test_rng_kinds_saved_but_not_restored_here(tmp_path):
 
 @pytest.mark.slow
 def test_world_size_change_from_a_real_two_rank_save(tmp_path):
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from accelerate_helpers import torchrun
 
     url = str(tmp_path / "ddp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = Path(__file__).parent / "scripts" / "fingerprint_save.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           "--master_addr=127.0.0.1", str(script), url]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun("fingerprint_save.py", url)
     saved = json.loads((tmp_path / "ddp" / MANIFEST_NAME).read_text())["fingerprint"]
     assert saved["world_size"] == 2
     assert saved["dataloaders"]["loader"] == {"batch_size": 4, "dataset_length": 40, "drop_last": False,

@@ -64,6 +64,22 @@ def is_stateful(dataset: Any) -> bool:
     return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
 
 
+def stateful_dataset(inner: Any) -> Any:
+    """The Stateful dataset behind the torch loader ``inner``: its dataset, or the one inside
+    Accelerate's ``IterableDatasetShard`` (with several processes each rank reads the whole
+    stream and keeps its slice, so the wrapped dataset's state is what restarts an epoch);
+    None when neither follows the Stateful protocol."""
+    dataset = getattr(inner, "dataset", None)
+    if is_stateful(dataset):
+        return dataset
+    wrapped = getattr(dataset, "dataset", None) if _is_shard(dataset) else None
+    return wrapped if is_stateful(wrapped) else None
+
+
+def _is_shard(dataset: Any) -> bool:
+    return any(c.__name__ == "IterableDatasetShard" for c in type(dataset).__mro__)
+
+
 def is_iterable(inner: Any) -> bool:
     """True if the torch loader ``inner`` reads a ``torch.utils.data.IterableDataset``."""
     return isinstance(getattr(inner, "dataset", None), torch.utils.data.IterableDataset)
@@ -116,19 +132,19 @@ def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None,
     Returns:
         ``"dataset"``, ``"indices"`` or ``"consume"`` when ``skip > 0``, else None.
     """
-    dataset = getattr(inner, "dataset", None)
+    dataset = stateful_dataset(inner)
     how = None
     if pending is not None:
         _warn_workers(inner, pending, name)
         if skip:
             how = _method(loader, inner, pending)
         saved = pending.get("dataset_after" if how == DATASET else "dataset_start")
-        if saved is not None and is_stateful(dataset):
+        if saved is not None and dataset is not None:
             dataset.load_state_dict(copy.deepcopy(saved))
     if how == DATASET:
         position.dataset_start = pending.get("dataset_start")
     else:
-        position.dataset_start = copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None
+        position.dataset_start = copy.deepcopy(dataset.state_dict()) if dataset is not None else None
     position.dataset_log = {}
     if num_workers(inner) > 0 and getattr(inner, "persistent_workers", False) and getattr(inner, "_iterator", None) is None:
         position.workers_epoch = position.epoch
@@ -255,6 +271,8 @@ def _reason(inner: Any) -> str:
     workers = num_workers(inner)
     if workers:
         return f"num_workers={workers}: the workers load the consumed samples again so their random draws repeat exactly"
+    if is_iterable(inner) and _is_shard(inner.dataset):
+        return "Accelerate's IterableDatasetShard reads the whole stream on every rank: the dataset restarts the epoch and the slices are re-read"
     if is_iterable(inner):
         return "the IterableDataset has no state_dict()/load_state_dict() (torchdata's Stateful protocol) to restore its position"
     return "the loader has no batch sampler whose indices could be skipped"
@@ -273,13 +291,13 @@ def saved_fields(inner: Any, position: Any, batches: int, in_epoch: bool) -> dic
         ``dataset_start`` and ``dataset_after`` (Stateful datasets: the state at the saved
         epoch's start, and after ``batches`` batches when recorded), ``workers_epoch``.
     """
-    dataset = getattr(inner, "dataset", None)
+    dataset = stateful_dataset(inner)
     fields: dict[str, Any] = {"workers_epoch": position.workers_epoch}
-    if not is_stateful(dataset):
+    if dataset is None:
         return fields
     if in_epoch:
         fields["dataset_start"] = position.dataset_start
-        if batches:
+        if batches and dataset is getattr(inner, "dataset", None):  # recorded only when read directly
             after = position.dataset_log.get(batches)
             if after is None and position.dataset_fetched == batches:  # nothing read ahead: the state now
                 after = copy.deepcopy(dataset.state_dict())
