@@ -316,3 +316,48 @@ def test_a_growing_replication_backlog_warns_once(tmp_path, monkeypatch):
     assert len(behind) == 1 and "replication is 3 checkpoints behind" in behind[0]
     release.set()
     assert replicator.wait(timeout=30) == []
+
+
+KILLED_SAVER = """
+import sys, time, torch, statekit
+torch.manual_seed(0)
+model = torch.nn.Linear(2048, 2048)
+optim = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 2048)).sum().backward()
+optim.step()
+manager = statekit.CheckpointManager({"model": model, "optim": optim}, sys.argv[1], replicate_to=sys.argv[2])
+manager.save(1)
+print("saved", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_killed_mid_replication_leaves_no_committed_remote_copy(tmp_path, s3_bucket, plugin_manager):
+    """A real SIGKILL while the replicator uploads (48 MiB at moto's ~40 MB/s): the remote
+    copy has files but no manifest, never counts as committed, and the next manager start
+    finishes it; both tiers then verify."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    remote, local = f"{s3_bucket}/run", str(tmp_path / "local")
+    dst = Storage(f"{remote}/{checkpoint_name(1)}")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, local, remote], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        deadline = time.monotonic() + 60
+        while not dst.find() and time.monotonic() < deadline:  # the first file has arrived
+            time.sleep(0.05)
+            dst.invalidate()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert dst.find() and not dst.exists(fmt.MANIFEST_NAME), dst.find()  # killed between files and manifest
+    assert not [i for i in statekit.api.listing.list_checkpoints(remote) if i.committed]
+    manager = statekit.CheckpointManager({"t": torch.zeros(1)}, local, replicate_to=remote)  # the next start
+    assert manager.replicator.wait(timeout=120) == []
+    statekit.verify(dst.url)
+    statekit.verify(f"{local}/{checkpoint_name(1)}")
