@@ -23,7 +23,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
-from statekit.storage.direct import DirectWriter, fsync_dir
+from statekit.storage.direct_write import DirectWriter, fsync_dir
 
 
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
