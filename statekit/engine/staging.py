@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from statekit.format.header import view_identity
+
 
 ARENA_ALIGN = 4096
 """Alignment of a file's staging arena, bytes (``O_DIRECT`` needs page-aligned memory)."""
@@ -69,8 +71,8 @@ class StagingPool:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta" or type(t).__name__ == "DTensor":
                 refused[name] = t
                 continue
-            if t.numel() > 0 and t.layout == torch.strided:
-                identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            identity = view_identity(t)  # tied views: one buffer, as the writer stores them once
+            if identity is not None:
                 if identity in seen:
                     tied[name] = seen[identity]
                     continue

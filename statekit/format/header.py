@@ -50,6 +50,15 @@ def _check_storable(name: Any, t: Any) -> None:
         raise UnsupportedDtypeError(f"{name!r} is on the meta device and has no data to save")
 
 
+def view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same view of the same memory (tied weights): device,
+    storage address, offset, shape, strides and dtype; None for an empty or non-strided
+    tensor (never tied). The one test of both the writer's aliases and the staging pool."""
+    if t.numel() == 0 or t.layout != torch.strided:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _plan(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Planned], dict[str, str], dict[str, str]]:
     """Decide codes, shapes and aliases (tied weights: identical views are stored once)."""
     planned: list[_Planned] = []
@@ -58,8 +67,8 @@ def _plan(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Planned], dict[str
     seen: dict[tuple[Any, ...], str] = {}
     for name, t in tensors.items():
         _check_storable(name, t)
-        if t.numel() > 0 and t.layout == torch.strided:
-            identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        identity = view_identity(t)
+        if identity is not None:
             if identity in seen:
                 aliases[name] = seen[identity]
                 continue
