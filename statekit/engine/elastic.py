@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 
+from statekit.engine.iterable import is_accelerate
 from statekit.engine.elastic_layouts import (
     DISPATCH,
     DISTRIBUTED,
@@ -94,10 +95,10 @@ def describe(loader: Any, inner: Any, sampler: Any) -> dict[str, Any]:
     batch_sampler = getattr(inner, "batch_sampler", None)
     if isinstance(batch_sampler, PlannedBatches):  # restored, not iterated yet
         batch_sampler = batch_sampler.original
-    if _accelerate(batch_sampler, "BatchSamplerShard"):
+    if is_accelerate(batch_sampler, "BatchSamplerShard"):
         layout = _layout(SHARD, batch_sampler.num_processes, batch_sampler.process_index, batch_sampler.even_batches, batch_sampler.split_batches)
         base = batch_sampler.batch_sampler
-    elif _accelerate(loader, "DataLoaderDispatcher"):
+    elif is_accelerate(loader, "DataLoaderDispatcher"):
         if getattr(loader, "submesh_tp", None) is not None:
             return _unsupported(f"{name} with a tensor-parallel device mesh (torch_device_mesh): ranks share batches")
         layout = _layout(DISPATCH, loader.state.num_processes, loader.state.process_index, True, loader.split_batches)
@@ -137,9 +138,6 @@ def _unsupported(reason: str) -> dict[str, Any]:
     world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if dist else (1, 0)
     return {"kind": UNSUPPORTED, "reason": reason, "world_size": world, "rank": rank}
 
-
-def _accelerate(obj: Any, name: str) -> bool:
-    return any(c.__name__ == name and c.__module__.startswith("accelerate") for c in type(obj).__mro__)
 
 
 @dataclass

@@ -77,7 +77,13 @@ def stateful_dataset(inner: Any) -> Any:
 
 
 def _is_shard(dataset: Any) -> bool:
-    return any(c.__name__ == "IterableDatasetShard" for c in type(dataset).__mro__)
+    return is_accelerate(dataset, "IterableDatasetShard")
+
+
+def is_accelerate(obj: Any, name: str) -> bool:
+    """True if ``obj`` is an instance of Accelerate's class ``name`` (or a subclass),
+    found by name so Accelerate need not be imported."""
+    return any(c.__name__ == name and c.__module__.startswith("accelerate") for c in type(obj).__mro__)
 
 
 def is_iterable(inner: Any) -> bool:
@@ -93,8 +99,7 @@ def num_workers(inner: Any) -> int:
 def _dispatches(loader: Any) -> bool:
     """True for an Accelerate ``DataLoaderDispatcher`` over more than one process: rank 0
     reads for all ranks, so every rank must skip the same way (collectives)."""
-    is_dispatcher = any(c.__name__ == "DataLoaderDispatcher" for c in type(loader).__mro__)
-    return is_dispatcher and int(getattr(getattr(loader, "state", None), "num_processes", 1)) > 1
+    return is_accelerate(loader, "DataLoaderDispatcher") and int(getattr(getattr(loader, "state", None), "num_processes", 1)) > 1
 
 
 def records_dataset(loader: Any, inner: Any) -> bool:
