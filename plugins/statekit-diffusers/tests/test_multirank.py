@@ -36,7 +36,7 @@ WORKER = textwrap.dedent(
     for a, b in zip(unet.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
     assert fresh_ema.decay == 0.5 and fresh_ema.optimization_step == 1
-    print("rank", rank, "ok")
+    print(f"rank {{rank}} ok", flush=True)  # one write of a whole line: the two ranks share the pipe
     dist.destroy_process_group()
     """
 )
