@@ -41,6 +41,11 @@ def test_hookspecs_found():
             "statekit_save_state_post",
             "statekit_load_state_pre",
             "statekit_load_state_post",
+            "statekit_manager_start",
+            "statekit_checkpoint_committed",
+            "statekit_retention_keep",
+            "statekit_resume_roots",
+            "statekit_manager_wait",
         ]
     )
 

@@ -36,12 +36,20 @@ HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunct
 def test_every_hook_has_a_test():
     assert HOOKS == [
         "statekit_attach",
+        "statekit_checkpoint_committed",
         "statekit_load_state_post",
         "statekit_load_state_pre",
+        "statekit_manager_start",
+        "statekit_manager_wait",
+        "statekit_resume_roots",
+        "statekit_retention_keep",
         "statekit_save_state_post",
         "statekit_save_state_pre",
     ]
-    tests = {name for name in globals() if name.startswith("test_hook_")}
+    import test_manager_hooks  # the manager hooks' tests (rootdir-relative import, as accelerate_helpers)
+
+    names = set(globals()) | set(vars(test_manager_hooks))
+    tests = {name for name in names if name.startswith("test_hook_")}
     assert tests == {f"test_hook_{h}" for h in HOOKS}  # and no test_hook_ for a hook that does not exist
     missing = [h for h in HOOKS if f"test_hook_{h}" not in tests]
     assert not missing, f"hooks without a test_hook_<name>: {missing}"

@@ -104,7 +104,7 @@ def save_state(
             :class:`statekit.api.asyncsave.PendingSave`).
         staging: a :class:`statekit.engine.staging.StagingPool` to reuse (async saves).
         exclusive: fail if another saver commits this checkpoint first.
-        after_commit: ``callable()`` run right after the commit (used by the manager).
+        after_commit: ``callable(manifest)`` run right after the commit (used by the manager).
         **options: plugin options (``checkpoint.options``).
 
     Returns:

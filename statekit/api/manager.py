@@ -17,10 +17,11 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
-from statekit.api.replication import start_replication
-from statekit.api.tiers import remote_retention, resume_candidates, unreplicated
+from statekit.api import tiers
+from statekit.api.resume_order import resume_candidates
+from statekit.api.retention import after_commit
 from statekit.engine.entries import classify
-from statekit.api.listing import LATEST_NAME, CheckpointInfo, checkpoint_name, delete_all_but, list_checkpoints
+from statekit.api.listing import CheckpointInfo, checkpoint_name, list_checkpoints
 from statekit.errors import (
     CheckpointNotFoundError,
     PickleNotAllowedError,
@@ -30,6 +31,7 @@ from statekit.errors import (
     StateMismatchError,
 )
 from statekit.engine.staging import StagingPool
+from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
 
@@ -62,9 +64,9 @@ class CheckpointManager:
         async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
         storage_options: fsspec options.
         replicate_to: a remote root (``s3://bucket/run``): every committed checkpoint is
-            copied there in the background, verified, manifest last
-            (:mod:`statekit.api.replication`, ``docs/tiers.md``); :meth:`resume` then
-            considers both roots. With several ranks each rank's ``root_url`` may be a
+            copied there in the background, verified, manifest last, by the built-in
+            ``replicate`` plugin (:mod:`statekit.api.tiers`, ``docs/tiers.md``);
+            :meth:`resume` then considers both roots. With several ranks each rank's ``root_url`` may be a
             disk of its node only: each rank replicates the files it wrote.
         replicate_options: fsspec options of the remote root (the local root's are
             ``storage_options``).
@@ -80,7 +82,9 @@ class CheckpointManager:
 
     Raises:
         ValueError: a policy value is not a positive integer, or ``mode`` is not min/max.
-        PluginError: a ``statekit_attach`` hook failed.
+        PluginError: a ``statekit_attach`` or ``statekit_manager_start`` hook failed.
+        PluginMissingError: ``replicate_to`` is set and the ``replicate`` plugin is blocked.
+        StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
     """
 
     def __init__(
@@ -128,13 +132,21 @@ class CheckpointManager:
         self.resumed_from: str | None = None
         self._resumed_in_use: Any = None
         self.resumed_manifest: dict[str, Any] | None = None
+        self.replicate_to, self.replicate_options = replicate_to, replicate_options
         self.remote_keep_last = remote_keep_last
         self.delete_unreplicated = delete_unreplicated
-        self.replicator = None if replicate_to is None else start_replication(
-            replicate_to, replicate_options, self.list, self.root.url_of,
-            on_replicated=lambda name: remote_retention(self.replicator, self.remote_keep_last, self.resumed_from),
-        )
+        self.plugin_state: dict[str, Any] = {}
+        """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
+        pm = get_plugin_manager()
+        tiers.ensure_registered(pm, replicate_to)
         self.attachment = attach(self.accelerator, self.objects)
+        call_each(pm, "statekit_manager_start", None, {"manager": self})
+
+    @property
+    def replicator(self) -> Any:
+        """The remote tier's :class:`statekit.api.replication.Replicator` (None without
+        ``replicate_to``)."""
+        return tiers.replicator_of(self)
 
     # ---------------------------------------------------------------- queries
 
@@ -210,7 +222,7 @@ class CheckpointManager:
         common = dict(
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
             blocking=blocking, staging=self.staging, exclusive=not overwrite,
-            after_commit=lambda: self._after_commit(step, url),
+            after_commit=lambda manifest: after_commit(self, step, url, manifest),
         )
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
@@ -233,48 +245,15 @@ class CheckpointManager:
         config = getattr(self.accelerator, "project_configuration", None)
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
 
-    def _after_commit(self, step: int, url: str) -> None:
-        """Every rank: rank 0 updates ``latest`` and applies retention; all then share the
-        manifest and deletions with the replicators, even if rank 0's part failed."""
-        error: Exception | None = None
-        deleted: list[str] = []
-        if distributed.rank_and_world_size()[0] == 0:
-            try:
-                self.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
-                deleted = self._apply_retention(url)
-            except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are released
-                error = exc
-        if self.replicator is not None:
-            self.replicator.submit_committed(url, self.storage_options)
-            self.replicator.delete_on_every_node(deleted, self.root)
-        if error is not None:
-            raise error
-
-    def _apply_retention(self, newest_url: str) -> list[str]:
-        """Delete the committed checkpoints no policy keeps; returns their names."""
-        if self.keep_last is None and self.keep_best is None and self.keep_every_n_steps is None:
-            return []
-        committed = [i for i in self.list() if i.committed and not i.accelerate]  # never Accelerate's folders
-        keep = {newest_url, self.resumed_from}
-        if self.replicator is not None and not self.delete_unreplicated:  # never the only committed copy
-            keep |= unreplicated(self.replicator, committed)
-        if self.keep_last is not None:
-            keep |= {i.url for i in committed[-self.keep_last :]}
-        if self.keep_every_n_steps is not None:
-            keep |= {i.url for i in committed if i.step % self.keep_every_n_steps == 0}
-        if self.keep_best is not None:
-            scored = [i for i in committed if isinstance((i.metrics or {}).get(self.monitor), (int, float))]
-            scored.sort(key=lambda i: i.metrics[self.monitor], reverse=self.mode == "max")
-            keep |= {i.url for i in scored[: self.keep_best]}
-        return delete_all_but(committed, keep, self.storage_options)
-
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """Wait for the pending async save (if any) and run its post-hooks; with
-        ``replicate_to``, then wait for the replication of every committed checkpoint.
+        """Wait for the pending async save (if any) and run its post-hooks; then for the
+        plugins' background work (``statekit_manager_wait``: with ``replicate_to``, the
+        replication of every committed checkpoint).
 
         Args:
-            timeout: seconds to wait for replication (None: until done); each checkpoint
-                not replicated by then is a :class:`StatekitWarning` naming its remote URL.
+            timeout: seconds each plugin waits at most (None: until done); each
+                checkpoint not replicated by then is a :class:`StatekitWarning` naming
+                its remote URL.
 
         Returns:
             The async save's committed manifest, or None if no save was pending.
@@ -284,8 +263,7 @@ class CheckpointManager:
                 original error with its traceback.
         """
         manifest = self._wait_save()
-        if self.replicator is not None:
-            self.replicator.wait(timeout)
+        call_each(get_plugin_manager(), "statekit_manager_wait", None, {"manager": self, "timeout": timeout})
         return manifest
 
     def _wait_save(self) -> dict[str, Any] | None:
@@ -319,6 +297,11 @@ class CheckpointManager:
         skipped with a warning, like a corrupt checkpoint. Pickle files load only with
         the manager's ``allow_pickle=True``.
 
+        Candidates come from the root and from every root a plugin offers
+        (``statekit_resume_roots``; with ``replicate_to``, the remote tier): newest step
+        first, the root's own copy of a step before another root's
+        (:mod:`statekit.api.resume_order`).
+
         Before loading, the checkpoint's resume fingerprint is compared with the run
         (``docs/concepts.md``, Resume fingerprint): each difference is a
         :class:`ResumeFingerprintWarning` naming the setting, the saved and the live value
@@ -347,9 +330,9 @@ class CheckpointManager:
         """
         self._wait_save()
         last_error: StatekitError | None = None
-        for info in self._resume_candidates():
+        for info, options in resume_candidates(self):
             try:
-                manifest = self._load(info.url, verify, strict, strict_resume)
+                manifest = self._load(info.url, options, verify, strict, strict_resume)
             except (PickleNotAllowedError, ResumeMismatchError):  # the run's settings: an older checkpoint fits no better
                 raise
             except StateMismatchError as exc:
@@ -381,18 +364,12 @@ class CheckpointManager:
             raise last_error
         return None
 
-    def _resume_candidates(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, newest step first (with ``replicate_to``: both tiers)."""
-        local = [i for i in self.list() if i.committed]
-        if self.replicator is None:
-            return list(reversed(local))
-        return resume_candidates(local, self.replicator, self.storage_options, self.root.url_of)
-
-    def _load(self, url: str, verify: bool, strict: bool, strict_resume: bool) -> dict[str, Any]:
-        remote = self.replicator is not None and url.startswith(self.replicator.remote_url + "/")
+    def _load(
+        self, url: str, storage_options: dict[str, Any] | None, verify: bool, strict: bool, strict_resume: bool
+    ) -> dict[str, Any]:
         common = dict(
-            verify=verify, storage_options=self.replicator.storage_options if remote else self.storage_options,  # type: ignore[union-attr]
-            allow_pickle=self.allow_pickle, strict=strict, strict_resume=strict_resume,
+            verify=verify, storage_options=storage_options, allow_pickle=self.allow_pickle, strict=strict,
+            strict_resume=strict_resume,
         )
         if self.accelerator is not None:
             return load_state(self.accelerator, url, **common, **self.options)

@@ -157,22 +157,6 @@ class Replicator:
         if raw is not None:
             self.submit(local_url, raw)
 
-    def delete_on_every_node(self, deleted: list[str], local_root: Storage) -> None:
-        """After rank 0's local retention deleted ``deleted`` (every rank calls it, a
-        collective when ``world_size > 1``): a rank whose local root is not rank 0's (a
-        node-local disk) deletes its own part of those checkpoints too.
-
-        Args:
-            deleted: checkpoint names rank 0 deleted (other ranks' lists are not used).
-            local_root: this rank's local root.
-        """
-        if self.world_size == 1:
-            return
-        deleted, root0 = distributed.broadcast_from_rank0((deleted, local_root.url))
-        if self.rank != 0 and root0 != local_root.url:
-            for name in deleted:
-                local_root.child(name).remove_tree()
-
     def replicated_names(self) -> set[str]:
         """Names known to have a committed remote copy (a snapshot of :attr:`replicated`)."""
         with self._lock:

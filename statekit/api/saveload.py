@@ -104,8 +104,9 @@ def save_objects(
         blocking: False stages the state to host memory on this thread and writes from a
             background thread; returns a :class:`statekit.api.asyncsave.PendingSave`.
         staging: the :class:`StagingPool` to reuse for an async save.
-        after_commit: ``callable()`` run after the commit on the writing thread (the
-            manager updates ``latest`` and applies retention there).
+        after_commit: ``callable(manifest)`` run on every rank after the commit, on the
+            writing thread (the manager updates ``latest``, applies retention and runs
+            ``statekit_checkpoint_committed`` there).
 
     Returns:
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
@@ -149,7 +150,7 @@ def save_objects(
         checkpoint.manifest = manifest
         checkpoint._writable = False
         if after_commit is not None:
-            commits.agree(after_commit, url)
+            commits.agree(lambda: after_commit(manifest), url)
         distributed.barrier()
         return manifest
 

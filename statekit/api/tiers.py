@@ -1,19 +1,117 @@
-"""What the two tiers hold together: the order a resume tries their checkpoints in, and
-retention per tier (local retention keeps what is not replicated; remote retention keeps
-what is resumed from or being copied). The copying itself is :mod:`statekit.api.replication`.
+"""Two-tier checkpoints as a built-in plugin, ``replicate``, on the manager hooks.
+
+``CheckpointManager(..., replicate_to="s3://bucket/run")`` registers
+:class:`Replicate` (:func:`ensure_registered`); everything two-tier happens in its hook
+implementations, through the contract any plugin has (``docs/hooks.md``, Manager hooks):
+
+* ``statekit_manager_start``: start a :class:`~statekit.api.replication.Replicator` for the
+  manager (kept in ``manager.plugin_state["replicate"]``) and queue what a killed process
+  left unreplicated;
+* ``statekit_checkpoint_committed``: queue the new checkpoint (an async save's at its
+  commit, from the writer thread);
+* ``statekit_retention_keep``: local retention keeps every checkpoint whose remote copy
+  has not committed (unless ``delete_unreplicated=True``);
+* ``statekit_resume_roots``: offer the remote root, so ``resume()`` considers both tiers;
+* ``statekit_manager_wait``: ``manager.wait(timeout)`` waits for the copies.
+
+Remote retention (``remote_keep_last``) runs on the replicator's thread after each remote
+commit and never deletes the checkpoint the run resumed from nor one being copied. The
+copying itself is :mod:`statekit.api.replication` and :mod:`statekit.api.remote_copy`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
+import weakref
 from typing import Any
 
-from statekit import distributed, format as fmt
+from statekit import distributed
+from statekit._version import __version__
 from statekit.api.listing import CheckpointInfo, delete_all_but
-from statekit.api.replication import Replicator
-from statekit.errors import StatekitError, StatekitWarning
-from statekit.storage import Storage
+from statekit.api.replication import Replicator, start_replication
+from statekit.errors import PluginMissingError
+from statekit.hooks.registry import PluginSource, hookimpl
+
+REPLICATE_PLUGIN = "replicate"
+"""Name of the built-in two-tier plugin (and its key in ``manager.plugin_state``)."""
+
+
+def replicator_of(manager: Any) -> Replicator | None:
+    """The manager's :class:`Replicator`, or None without ``replicate_to``."""
+    return manager.plugin_state.get(REPLICATE_PLUGIN)
+
+
+class Replicate:
+    """The built-in plugin that copies a manager's checkpoints to ``replicate_to`` (see the module)."""
+
+    @hookimpl
+    def statekit_manager_start(self, manager: Any) -> None:
+        """Start the replicator and catch up (every rank; collectives with several)."""
+        if manager.replicate_to is None:
+            return
+        owner = weakref.ref(manager)  # the replicator's thread must not keep the manager alive
+
+        def on_replicated(name: str) -> None:
+            live = owner()
+            if live is not None:
+                remote_retention(replicator_of(live), live.remote_keep_last, live.resumed_from)
+
+        rank, _ = distributed.rank_and_world_size()
+        manager.plugin_state[REPLICATE_PLUGIN] = start_replication(
+            manager.replicate_to, manager.replicate_options, manager.list, manager.root.url_of,
+            on_replicated=on_replicated if rank == 0 else None,
+        )
+
+    @hookimpl
+    def statekit_checkpoint_committed(self, url: str, manager: Any) -> None:
+        """Queue the committed checkpoint (every rank; rank 0 shares the manifest)."""
+        replicator = replicator_of(manager)
+        if replicator is not None:
+            replicator.submit_committed(url, manager.storage_options)
+
+    @hookimpl
+    def statekit_retention_keep(self, checkpoints: list[CheckpointInfo], manager: Any) -> set[str] | None:
+        """Keep the local checkpoints without a committed remote copy."""
+        replicator = replicator_of(manager)
+        if replicator is None or manager.delete_unreplicated:
+            return None
+        return unreplicated(replicator, checkpoints)
+
+    @hookimpl
+    def statekit_resume_roots(self, manager: Any) -> list[tuple[str, Any]] | None:
+        """Offer the remote root to ``resume()``."""
+        replicator = replicator_of(manager)
+        return None if replicator is None else [(replicator.remote_url, replicator.storage_options)]
+
+    @hookimpl
+    def statekit_manager_wait(self, manager: Any, timeout: float | None) -> None:
+        """Wait for the copies; warn about each one not done."""
+        replicator = replicator_of(manager)
+        if replicator is not None:
+            replicator.wait(timeout)
+
+
+def ensure_registered(pm: Any, replicate_to: str | None) -> None:
+    """Register :class:`Replicate` as :data:`REPLICATE_PLUGIN` on ``pm`` once.
+
+    Args:
+        pm: the plugin manager.
+        replicate_to: the manager's remote root, or None.
+
+    Raises:
+        PluginMissingError: ``replicate_to`` is set but ``STATEKIT_DISABLE_PLUGINS``
+            blocks the plugin (the remote tier would silently not exist).
+    """
+    if pm.is_blocked(REPLICATE_PLUGIN):
+        if replicate_to is not None:
+            raise PluginMissingError(
+                f"replicate_to={replicate_to!r} needs the built-in plugin {REPLICATE_PLUGIN!r}, "
+                "which STATEKIT_DISABLE_PLUGINS blocks",
+                plugin_name=REPLICATE_PLUGIN,
+            )
+        return
+    if pm.get_plugin(REPLICATE_PLUGIN) is None:
+        pm.register(Replicate(), name=REPLICATE_PLUGIN)
+        pm.sources[REPLICATE_PLUGIN] = PluginSource(REPLICATE_PLUGIN, "built-in", "statekit", __version__)
 
 
 def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str]:
@@ -39,65 +137,3 @@ def remote_retention(replicator: Replicator | None, keep_last: int | None, resum
     keep = {i.url for i in committed[-keep_last:]} | {resumed_from}
     keep |= {replicator.remote.url_of(name) for name in replicator.pending()}  # being copied
     delete_all_but(committed, keep, replicator.storage_options, "remote retention")
-
-
-def resume_candidates(
-    local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None, local_url_of: Any
-) -> list[CheckpointInfo]:
-    """The committed checkpoints of both tiers in the order a resume tries them: newest
-    step first, a step's local copy before its remote one. When the newest local
-    checkpoint also exists remotely with a different manifest, warn (the local one is
-    used). A remote tier that cannot be listed warns and is left out.
-
-    With several ranks every rank calls it and gets rank 0's list; a local checkpoint is
-    a candidate only where every rank's own local root holds it committed (a node-local
-    root holds its node's files only: a checkpoint saved across nodes is then resumed
-    from its remote copy).
-
-    Args:
-        local: this rank's committed local checkpoints, oldest first.
-        replicator: the remote tier.
-        local_options: fsspec options of the local root.
-        local_url_of: ``callable(name) -> str``, this rank's local directory of a checkpoint.
-
-    Returns:
-        Candidates, best first; local ones point at this rank's own root.
-    """
-    if replicator.world_size == 1:
-        return _ordered(local, replicator, local_options)
-    everywhere = distributed.gather_to_rank0({i.name for i in local})
-    ordered = None
-    if everywhere is not None:  # rank 0
-        shared = set.intersection(*everywhere)
-        ordered = [i for i in _ordered(local, replicator, local_options) if _is_remote(replicator, i) or i.name in shared]
-    ordered = distributed.broadcast_from_rank0(ordered)
-    return [i if _is_remote(replicator, i) else dataclasses.replace(i, url=local_url_of(i.name)) for i in ordered]
-
-
-def _ordered(local: list[CheckpointInfo], replicator: Replicator, local_options: dict[str, Any] | None) -> list[CheckpointInfo]:
-    try:
-        remote = [i for i in replicator.list() if i.committed and not i.accelerate]
-    except StatekitError as exc:
-        warnings.warn(f"cannot list the remote tier {replicator.remote_url} ({exc}); resuming from the local one",
-                      StatekitWarning, stacklevel=3)
-        remote = []
-    newest = local[-1] if local else None
-    for twin in remote:
-        if newest is not None and twin.name == newest.name and not _same_manifest(
-            Storage(newest.url, local_options), Storage(twin.url, replicator.storage_options)
-        ):
-            warnings.warn(f"{newest.url} and {twin.url} hold step {newest.step} with different manifests; using the local one",
-                          StatekitWarning, stacklevel=3)
-    tiers = [(i, 0) for i in local] + [(i, 1) for i in remote]
-    return [i for i, _ in sorted(tiers, key=lambda it: (-it[0].step, it[1]))]
-
-
-def _is_remote(replicator: Replicator, info: CheckpointInfo) -> bool:
-    return info.url.startswith(replicator.remote_url + "/")
-
-
-def _same_manifest(a: Storage, b: Storage) -> bool:
-    try:
-        return a.read_bytes(fmt.MANIFEST_NAME) == b.read_bytes(fmt.MANIFEST_NAME)
-    except (StatekitError, OSError):
-        return True  # unreadable: loading it will say what is wrong

@@ -12,6 +12,8 @@ Calling rules common to every hook (see ``docs/hooks.md``):
 * Plugin code runs under an RNG guard: the Python, NumPy and torch random states are put
   back after each call, so no plugin shifts the training run's random streams. A plugin
   that manages random state itself sets ``STATEKIT_MANAGES_RNG = True`` (statekit-rng).
+  The one exception is ``statekit_checkpoint_committed``, which may run on a background
+  thread beside training: it runs unguarded and must not draw random numbers.
 * Hook wrappers (``hookwrapper=True`` / ``wrapper=True``) are not supported.
 * An exception raised by an implementation becomes a :class:`statekit.PluginError`
   naming the plugin and the hook, with the original exception as ``__cause__``.
@@ -168,4 +170,138 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
     Raises:
         PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`;
             the models and objects are already restored.
+    """
+
+
+# ----------------------------------------------------------------------------------------
+# Manager hooks: a run's checkpoints under a CheckpointManager root, not one checkpoint.
+# They let a plugin extend the manager (the built-in ``replicate`` plugin, two-tier
+# storage, is built on them: statekit.api.tiers). ``manager`` is the
+# :class:`statekit.CheckpointManager`; a plugin may rely on its ``root_url``,
+# ``storage_options``, ``options`` (the manager's plugin options), ``list()``,
+# ``url_for(step)``, ``resumed_from`` and ``plugin_state`` (a dict in which a plugin keeps
+# its per-manager state under its own name). No ``checkpoint`` context is passed, and
+# ``checkpoint.plugin`` attribution does not apply.
+
+
+@hookspec
+def statekit_manager_start(manager: Any) -> None:
+    """Start what a plugin runs beside a manager (a background replicator, say) and catch
+    up on work a killed process left undone.
+
+    Called on every rank, once, at the end of ``CheckpointManager(...)`` (after
+    ``statekit_attach``). Every rank calls it at the same point, so an implementation may
+    run collectives on :func:`statekit.plugin_api.statekit_group` (and then must not raise
+    between them on one rank only).
+
+    Args:
+        manager: the new :class:`statekit.CheckpointManager`.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`;
+            the manager is not created.
+    """
+
+
+@hookspec
+def statekit_checkpoint_committed(url: str, manifest: Mapping[str, Any], manager: Any) -> None:
+    """React at once to a checkpoint the manager committed under its root.
+
+    Called on every rank right after the commit, once rank 0 updated ``latest`` and
+    applied retention, on the thread that committed: the caller's for a blocking save,
+    the background writer's for an async save, while training goes on. (That is the
+    difference from ``statekit_save_state_post``, which for an async save waits for the
+    next ``save()`` or ``wait()``.) So an implementation must return quickly (queue the
+    work; no I/O of checkpoint size), runs **without** the RNG guard (restoring the global
+    random state from another thread would rewind the training thread's) and must not
+    draw from the global random generators. Every rank calls it at the same point: it may
+    run collectives on :func:`statekit.plugin_api.statekit_group` (never raising between
+    them on one rank only).
+
+    Args:
+        url: the committed checkpoint's URL under ``manager.root_url`` (this rank's root).
+        manifest: the committed manifest (read-only).
+        manager: the :class:`statekit.CheckpointManager`.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`,
+            raised by the save (an async save's by its ``wait()``); the checkpoint stays
+            committed.
+    """
+
+
+@hookspec
+def statekit_retention_keep(checkpoints: list[Any], manager: Any) -> Any:
+    """Veto the deletion of checkpoints by the manager's retention.
+
+    Called on rank 0 each time retention runs (after a commit, when a policy such as
+    ``keep_last`` is set), before anything is deleted. A checkpoint is kept if a policy,
+    the manager (the newest, the resumed-from one) or *any* implementation keeps it.
+
+    Args:
+        checkpoints: the committed checkpoints under the root retention chooses from, as
+            ``statekit.api.listing.CheckpointInfo`` (``url``, ``name``, ``step``,
+            ``metrics``...), oldest first.
+        manager: the :class:`statekit.CheckpointManager`.
+
+    Returns:
+        An iterable of URLs (from ``checkpoints``) to keep, or None.
+
+    Raises:
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`;
+            nothing is deleted and the save raises it (the checkpoint stays committed).
+    """
+
+
+@hookspec
+def statekit_resume_roots(manager: Any) -> Any:
+    """Offer other roots (a remote tier, say) whose committed checkpoints ``resume()`` may
+    load.
+
+    Called on rank 0 only, at the start of ``CheckpointManager.resume()``. Rank 0 lists
+    the manager's root and every root offered, and decides for every rank the order the
+    candidates are tried in: newest step first; for the same step the manager's own root
+    first, then the roots in the order offered. A root that cannot be listed warns with
+    its URL and is left out. When the newest local checkpoint also exists under an
+    offered root with a different manifest, a warning names both (the local one is
+    tried first). Checkpoints are loaded from an offered root in place, streamed and
+    verified, with that root's storage options.
+
+    Args:
+        manager: the :class:`statekit.CheckpointManager`.
+
+    Returns:
+        A list of ``(root_url, storage_options)`` pairs (``storage_options`` a dict of
+        fsspec options, or None), or None.
+
+    Raises:
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`
+            and ``resume()`` raises it before loading anything.
+    """
+
+
+@hookspec
+def statekit_manager_wait(manager: Any, timeout: float | None) -> None:
+    """Wait for a plugin's background work for this manager (uploads in flight...).
+
+    Called on every rank by ``CheckpointManager.wait()`` (and on leaving its ``with``
+    block), after the pending async save finished. An implementation waits at most
+    ``timeout`` seconds and warns (:class:`statekit.StatekitWarning`) about each piece of
+    work that did not finish, naming its URL; it does not raise for unfinished work.
+
+    Args:
+        manager: the :class:`statekit.CheckpointManager`.
+        timeout: seconds to wait at most, or None to wait until done.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`.
     """

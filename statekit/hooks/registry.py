@@ -225,7 +225,9 @@ def call_each(
     checkpoint: Any,
     kwargs: dict[str, Any],
     after_each: Any = None,
-) -> None:
+    *,
+    guard_rng: bool = True,
+) -> list[tuple[str, Any]]:
     """Call every implementation of ``hook_name`` one at a time, attributing each call.
 
     Implementations run in pluggy's call order (``reversed(get_hookimpls())``: tryfirst,
@@ -240,6 +242,12 @@ def call_each(
         checkpoint: the context passed as ``checkpoint`` (may be None for ``statekit_attach``).
         kwargs: every hook argument by name (``checkpoint`` included where the spec has it).
         after_each: optional ``callable(plugin_name: str) -> None``.
+        guard_rng: False runs every implementation without the RNG guard (a hook called
+            from a background thread while training runs: ``statekit_checkpoint_committed``).
+
+    Returns:
+        ``(plugin_name, result)`` for every implementation that returned something other
+        than None, in call order.
 
     Raises:
         PluginError: an implementation raised; ``plugin_name``/``hook_name`` say which,
@@ -252,6 +260,7 @@ def call_each(
     """
     trace = _env_flag("STATEKIT_TRACE_PLUGINS")
     hook = getattr(pm.hook, hook_name)
+    results: list[tuple[str, Any]] = []
     for impl in reversed(hook.get_hookimpls()):
         name = impl.plugin_name
         if checkpoint is not None:
@@ -259,10 +268,11 @@ def call_each(
         args = [kwargs[arg] for arg in impl.argnames]
         if trace:
             print(f"statekit: {hook_name} -> plugin {name!r}", file=sys.stderr)
-        guard = contextlib.nullcontext() if getattr(impl.plugin, "STATEKIT_MANAGES_RNG", False) else rng_guard()
+        unguarded = not guard_rng or getattr(impl.plugin, "STATEKIT_MANAGES_RNG", False)
+        guard = contextlib.nullcontext() if unguarded else rng_guard()
         try:
             with guard:
-                impl.function(*args)
+                result = impl.function(*args)
         except StatekitError as exc:
             if type(exc) is StatekitError:  # misuse of the context: the plugin's fault
                 raise PluginError(
@@ -292,3 +302,6 @@ def call_each(
             print(f"statekit: {hook_name} <- plugin {name!r} done", file=sys.stderr)
         if after_each is not None:
             after_each(name)
+        if result is not None:
+            results.append((name, result))
+    return results

@@ -1,0 +1,92 @@
+"""The checkpoints ``CheckpointManager.resume()`` tries, in order: those under the
+manager's root and under every root a plugin offers (``statekit_resume_roots``; the
+built-in ``replicate`` plugin offers the remote tier).
+
+Order: newest step first; for one step the manager's own root first, then the offered
+roots in the order offered. With several ranks rank 0 decides for all, and a checkpoint
+under the manager's root is a candidate only where every rank's own root holds it
+committed (roots may be node-local disks: a checkpoint saved across nodes is then
+resumed from another root, or not at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from statekit import distributed, format as fmt
+from statekit.api.listing import CheckpointInfo, list_checkpoints
+from statekit.engine import commit as commits
+from statekit.errors import StatekitError, StatekitWarning
+from statekit.hooks.registry import call_each, get_plugin_manager
+from statekit.storage import Storage
+
+Candidate = tuple[CheckpointInfo, "dict[str, Any] | None"]
+"""A committed checkpoint and the fsspec options to read it with."""
+
+
+def resume_candidates(manager: Any) -> list[Candidate]:
+    """Every committed checkpoint ``manager.resume()`` may load, best first (every rank
+    calls it when ``world_size > 1``: a collective).
+
+    Args:
+        manager: the :class:`statekit.CheckpointManager`.
+
+    Returns:
+        ``(CheckpointInfo, storage_options)`` pairs; those under the manager's root point
+        at this rank's own root.
+
+    Raises:
+        PluginError: a ``statekit_resume_roots`` implementation failed (on every rank).
+        StorageError: the manager's root cannot be listed.
+    """
+    rank, world = distributed.rank_and_world_size()
+    local = [i for i in manager.list() if i.committed]
+    everywhere = distributed.gather_to_rank0({i.name for i in local}) if world > 1 else None
+
+    def decide() -> list[tuple[CheckpointInfo, int, dict[str, Any] | None]]:
+        shared = local if everywhere is None else [i for i in local if i.name in set.intersection(*everywhere)]
+        offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
+        roots = [(str(url), options) for _, pairs in offered for url, options in pairs]
+        return _ordered(shared, manager.storage_options, roots)
+
+    if world == 1:
+        ordered = decide()
+    else:
+        ordered = commits.agree(lambda: decide() if rank == 0 else None, manager.root_url, broadcast=True)
+    return [
+        (dataclasses.replace(info, url=manager.root.url_of(info.name)), manager.storage_options) if tier == 0
+        else (info, options)
+        for info, tier, options in ordered
+    ]
+
+
+def _ordered(
+    local: list[CheckpointInfo], local_options: dict[str, Any] | None, roots: list[tuple[str, dict[str, Any] | None]]
+) -> list[tuple[CheckpointInfo, int, dict[str, Any] | None]]:
+    """``(info, tier, storage_options)``, best first; tier 0 is the manager's root, tier k
+    the k-th root offered."""
+    tiers = [(i, 0, local_options) for i in local]
+    newest = local[-1] if local else None
+    for k, (url, options) in enumerate(roots, start=1):
+        try:
+            infos = [i for i in list_checkpoints(url, options) if i.committed and not i.accelerate]
+        except StatekitError as exc:
+            warnings.warn(f"cannot list {url} ({exc}); resuming without it", StatekitWarning, stacklevel=4)
+            continue
+        for twin in infos:
+            if newest is not None and twin.name == newest.name and not _same_manifest(
+                Storage(newest.url, local_options), Storage(twin.url, options)
+            ):
+                warnings.warn(f"{newest.url} and {twin.url} hold step {newest.step} with different manifests; "
+                              "using the local one", StatekitWarning, stacklevel=4)
+        tiers += [(i, k, options) for i in infos]
+    return sorted(tiers, key=lambda it: (-it[0].step, it[1]))
+
+
+def _same_manifest(a: Storage, b: Storage) -> bool:
+    try:
+        return a.read_bytes(fmt.MANIFEST_NAME) == b.read_bytes(fmt.MANIFEST_NAME)
+    except (StatekitError, OSError):
+        return True  # unreadable: loading it will say what is wrong

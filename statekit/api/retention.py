@@ -1,0 +1,80 @@
+"""What follows a commit under a :class:`~statekit.CheckpointManager` root, on every rank
+and on the thread that committed: ``latest``, retention (the manager's policies and the
+plugins' ``statekit_retention_keep`` vetoes), the deletion of a deleted checkpoint's parts
+on node-local roots, and the ``statekit_checkpoint_committed`` hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statekit import distributed
+from statekit.api.listing import LATEST_NAME, checkpoint_name, delete_all_but
+from statekit.hooks.registry import call_each, get_plugin_manager
+
+
+def after_commit(manager: Any, step: int, url: str, manifest: dict[str, Any]) -> None:
+    """Every rank, right after ``manager``'s checkpoint ``url`` committed: rank 0 updates
+    ``latest`` and applies retention; a rank whose root is not rank 0's (a node-local
+    disk) deletes its part of what retention deleted; then ``statekit_checkpoint_committed``
+    runs, even if rank 0's part failed (every rank reaches the same collectives).
+
+    Args:
+        manager: the :class:`statekit.CheckpointManager`.
+        step: the committed step.
+        url: its URL under the manager's root.
+        manifest: the committed manifest.
+
+    Raises:
+        StorageError: rank 0 could not write ``latest`` or delete a checkpoint.
+        PluginError: a ``statekit_retention_keep`` or ``statekit_checkpoint_committed``
+            implementation failed (the checkpoint stays committed).
+    """
+    rank, world = distributed.rank_and_world_size()
+    error: Exception | None = None
+    deleted: list[str] = []
+    if rank == 0:
+        try:
+            manager.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+            deleted = apply_retention(manager, url)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are released
+            error = exc
+    if world > 1:
+        deleted, root0 = distributed.broadcast_from_rank0((deleted, manager.root.url))
+        for name in deleted if rank != 0 and root0 != manager.root.url else []:
+            manager.root.child(name).remove_tree()
+    try:  # on the writer thread for an async save: no RNG guard (docs/hooks.md)
+        call_each(get_plugin_manager(), "statekit_checkpoint_committed", None,
+                  {"url": url, "manifest": manifest, "manager": manager}, guard_rng=False)
+    finally:
+        if error is not None:
+            raise error
+
+
+def apply_retention(manager: Any, newest_url: str) -> list[str]:
+    """Delete ``manager``'s committed checkpoints that no policy, no plugin
+    (``statekit_retention_keep``) and the manager (the newest, the resumed-from one) keep;
+    a checkpoint in use by a live process warns and stays (rank 0 only).
+
+    Args:
+        manager: the :class:`statekit.CheckpointManager` (its ``keep_*`` policies).
+        newest_url: the checkpoint just committed.
+
+    Returns:
+        The names of the deleted checkpoints.
+    """
+    if manager.keep_last is None and manager.keep_best is None and manager.keep_every_n_steps is None:
+        return []
+    committed = [i for i in manager.list() if i.committed and not i.accelerate]  # never Accelerate's folders
+    keep = {newest_url, manager.resumed_from}
+    vetoes = call_each(get_plugin_manager(), "statekit_retention_keep", None, {"checkpoints": committed, "manager": manager})
+    keep |= {url for _, urls in vetoes for url in urls}
+    if manager.keep_last is not None:
+        keep |= {i.url for i in committed[-manager.keep_last :]}
+    if manager.keep_every_n_steps is not None:
+        keep |= {i.url for i in committed if i.step % manager.keep_every_n_steps == 0}
+    if manager.keep_best is not None:
+        scored = [i for i in committed if isinstance((i.metrics or {}).get(manager.monitor), (int, float))]
+        scored.sort(key=lambda i: i.metrics[manager.monitor], reverse=manager.mode == "max")
+        keep |= {i.url for i in scored[: manager.keep_best]}
+    return delete_all_but(committed, keep, manager.storage_options)
