@@ -134,6 +134,7 @@ def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, off
     """Pieces (head through the page cache, aligned middle O_DIRECT, tail) land in place
     and reach ``on_chunk`` in file order, so the streaming checksum is the file's."""
     monkeypatch.setattr(direct, "READ_PIECE_BYTES", 1 << 20)  # several pieces per fill
+    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)
     data = os.urandom(3 * (1 << 20) + 12345)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
@@ -142,12 +143,39 @@ def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, off
     shift = (offset - raw.data_ptr()) % DIRECT_ALIGN + (1 if misaligned_destination else 0)
     view = memoryview(raw[shift : shift + want].numpy())
     chunks: list[bytes] = []
+    direct_bytes = []
+    real_preadv = os.preadv
+
+    def spy(fd, buffers, at):
+        got = real_preadv(fd, buffers, at)
+        if fd == f._direct_fd:
+            direct_bytes.append(got)
+        return got
+
+    monkeypatch.setattr(direct.os, "preadv", spy)
     with DirectReader(str(path)) as f:
         f.seek(offset)
         assert f.fill(view, lambda c: chunks.append(bytes(c))) == want
         assert f.tell() == offset + want
     assert bytes(view) == data[offset : offset + want]
     assert b"".join(chunks) == data[offset : offset + want]
+    if f.direct:  # a misaligned destination is read O_DIRECT too (through the bounce buffers)
+        assert sum(direct_bytes) >= want - 2 * DIRECT_ALIGN and len(chunks) >= 3
+
+
+def test_direct_reader_misaligned_destination_stops_at_end_of_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)
+    data = os.urandom((2 << 20) + 123)
+    path = tmp_path / "short.bin"
+    path.write_bytes(data)
+    raw = torch.empty((3 << 20) + DIRECT_ALIGN, dtype=torch.uint8)
+    shift = (64 - raw.data_ptr()) % DIRECT_ALIGN  # as the allocator places large tensors
+    view = memoryview(raw[shift : shift + (3 << 20)].numpy())
+    with DirectReader(str(path)) as f:
+        f.seek(5)
+        assert f.fill(view) == len(data) - 5
+        assert bytes(view[: len(data) - 5]) == data[5:]
+        assert f.read() == b""
 
 
 def test_direct_reader_stops_at_end_of_file(tmp_path):
