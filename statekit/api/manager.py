@@ -66,8 +66,9 @@ class CheckpointManager:
         replicate_to: a remote root (``s3://bucket/run``): every committed checkpoint is
             copied there in the background, verified, manifest last, by the built-in
             ``replicate`` plugin (:mod:`statekit.api.tiers`, ``docs/tiers.md``);
-            :meth:`resume` then considers both roots. With several ranks each rank's ``root_url`` may be a
-            disk of its node only: each rank replicates the files it wrote.
+            :meth:`resume` then considers both roots. With several ranks each rank's
+            ``root_url`` may be a disk of its node only: each rank replicates the files
+            it wrote.
         replicate_options: fsspec options of the remote root (the local root's are
             ``storage_options``).
         remote_keep_last: keep the newest N committed checkpoints on the remote root
@@ -261,6 +262,7 @@ class CheckpointManager:
         Raises:
             AsyncSaveError: it failed; the message names the URL, ``__cause__`` is the
                 original error with its traceback.
+            PluginError: a ``statekit_manager_wait`` implementation failed.
         """
         manifest = self._wait_save()
         call_each(get_plugin_manager(), "statekit_manager_wait", None, {"manager": self, "timeout": timeout})

@@ -1,8 +1,10 @@
 """Two-tier checkpoints: committed local checkpoints copied to a remote root in the background.
 
 A :class:`Replicator` belongs to a :class:`~statekit.CheckpointManager` created with
-``replicate_to=``. Each checkpoint committed under the local root is queued at its commit
-(an async save's too, from its writer thread) and copied by one background thread:
+``replicate_to=`` (the built-in ``replicate`` plugin, :mod:`statekit.api.tiers`, starts it
+and feeds it through the manager hooks). Each checkpoint committed under the local root is
+queued at its commit (an async save's too, from its writer thread) and copied by one
+background thread:
 
 1. every data file listed in the local manifest, streamed local -> remote (no staging
    copy), then read back from the remote and checked against the manifest's size and

@@ -71,6 +71,7 @@ class DirectReader:
         self._pos = 0
         self._pool: ThreadPoolExecutor | None = None
         self._bounce: list[mmap.mmap] = []  # page-aligned, made on the first misaligned fill
+        self._bounce_addresses: list[int] = []
         self.closed = False
 
     @property
@@ -131,8 +132,9 @@ class DirectReader:
             full = got == end - start
             pending = self._submit(view, pieces, i + 1) if full else 0
             if mode == "bounce" and got:  # piece i+1 goes to the other buffer meanwhile
-                skew = (self._pos + start) % DIRECT_ALIGN
-                view[start : start + got] = memoryview(self._bounce[i % 2])[skew : skew + got]
+                # ctypes calls release the GIL: the helper thread issues the next read while this copies
+                source = self._bounce_addresses[i % 2] + (self._pos + start) % DIRECT_ALIGN
+                ctypes.memmove(buffer_address(view[start : start + got]), source, got)
             if got and on_chunk is not None:
                 on_chunk(view[start : start + got])
             done += got
@@ -150,6 +152,7 @@ class DirectReader:
         if (buffer_address(view) - self._pos) % DIRECT_ALIGN:
             if not self._bounce:
                 self._bounce = [mmap.mmap(-1, BOUNCE_PIECE_BYTES + DIRECT_ALIGN) for _ in range(2)]
+                self._bounce_addresses = [buffer_address(memoryview(b)) for b in self._bounce]
             return [(s, min(n, s + BOUNCE_PIECE_BYTES), "bounce") for s in range(0, n, BOUNCE_PIECE_BYTES)]
         head = (-self._pos) % DIRECT_ALIGN
         stop = head + (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
