@@ -232,3 +232,34 @@ def test_replicate_to_with_the_builtin_plugin_blocked(tmp_path, monkeypatch):
             statekit.CheckpointManager(run_state(), str(tmp_path / "run"), replicate_to=str(tmp_path / "remote"))
         statekit.CheckpointManager(run_state(), str(tmp_path / "run")).save(1)  # without replicate_to: fine
     assert not (tmp_path / "remote").exists()
+
+
+@pytest.mark.parametrize(
+    "hook, result",
+    [("statekit_retention_keep", 3), ("statekit_resume_roots", "s3://bucket/run"), ("statekit_resume_roots", [("a", "b", "c")])],
+)
+def test_a_malformed_result_is_a_plugin_error(plugin_manager, tmp_path, hook, result):
+    impl = {
+        "statekit_retention_keep": lambda self, checkpoints, manager: result,
+        "statekit_resume_roots": lambda self, manager: result,
+    }[hook]
+    plugin_manager.register(type("Odd", (), {hook: hookimpl(impl)})(), name="odd")
+    manager = statekit.CheckpointManager(run_state(), str(tmp_path / "run"), keep_last=1)
+    with pytest.raises(PluginError, match=rf"plugin 'odd': {hook} must return") as info:
+        manager.save(1)  # retention runs after every commit
+        manager.resume()
+    assert info.value.plugin_name == "odd" and info.value.hook_name == hook
+    assert manager.latest() == manager.url_for(1)  # committed either way
+
+
+def test_one_url_kept_by_retention(plugin_manager, tmp_path):
+    class KeepOne:
+        @hookimpl
+        def statekit_retention_keep(self, checkpoints, manager):
+            return manager.url_for(1)  # one URL, not an iterable of them
+
+    plugin_manager.register(KeepOne(), name="keepone")
+    manager = statekit.CheckpointManager(run_state(), str(tmp_path / "run"), keep_last=1)
+    for step in (1, 2, 3):
+        manager.save(step)
+    assert [i.step for i in manager.list()] == [1, 3]

@@ -18,7 +18,7 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api.listing import CheckpointInfo, list_checkpoints
 from statekit.engine import commit as commits
-from statekit.errors import StatekitError, StatekitWarning
+from statekit.errors import PluginError, StatekitError, StatekitWarning
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 
@@ -48,8 +48,7 @@ def resume_candidates(manager: Any) -> list[Candidate]:
     def decide() -> list[tuple[CheckpointInfo, int, dict[str, Any] | None]]:
         shared = local if everywhere is None else [i for i in local if i.name in set.intersection(*everywhere)]
         offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
-        roots = [(str(url), options) for _, pairs in offered for url, options in pairs]
-        return _ordered(shared, manager.storage_options, roots)
+        return _ordered(shared, manager.storage_options, [root for name, pairs in offered for root in _roots(name, pairs)])
 
     if world == 1:
         ordered = decide()
@@ -60,6 +59,22 @@ def resume_candidates(manager: Any) -> list[Candidate]:
         else (info, options)
         for info, tier, options in ordered
     ]
+
+
+def _roots(plugin: str, pairs: Any) -> list[tuple[str, dict[str, Any] | None]]:
+    """A ``statekit_resume_roots`` result, checked: ``(root_url, storage_options)`` pairs."""
+    try:
+        roots = [(url, options) for url, options in pairs]
+    except (TypeError, ValueError):
+        roots = None
+    if roots is None or not all(isinstance(u, str) and (o is None or isinstance(o, dict)) for u, o in roots):
+        raise PluginError(
+            f"plugin {plugin!r}: statekit_resume_roots must return a list of (root_url, storage_options) pairs, "
+            f"got {pairs!r}",
+            plugin_name=plugin,
+            hook_name="statekit_resume_roots",
+        )
+    return roots
 
 
 def _ordered(

@@ -10,6 +10,7 @@ from typing import Any
 
 from statekit import distributed
 from statekit.api.listing import LATEST_NAME, checkpoint_name, delete_all_but
+from statekit.errors import PluginError
 from statekit.hooks.registry import call_each, get_plugin_manager
 
 
@@ -68,7 +69,15 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     committed = [i for i in manager.list() if i.committed and not i.accelerate]  # never Accelerate's folders
     keep = {newest_url, manager.resumed_from}
     vetoes = call_each(get_plugin_manager(), "statekit_retention_keep", None, {"checkpoints": committed, "manager": manager})
-    keep |= {url for _, urls in vetoes for url in urls}
+    for plugin, urls in vetoes:
+        urls = [urls] if isinstance(urls, str) else urls  # one URL: not its characters
+        try:
+            keep |= {str(url) for url in urls}
+        except TypeError:
+            raise PluginError(
+                f"plugin {plugin!r}: statekit_retention_keep must return URLs to keep, got {urls!r}",
+                plugin_name=plugin, hook_name="statekit_retention_keep",
+            ) from None
     if manager.keep_last is not None:
         keep |= {i.url for i in committed[-manager.keep_last :]}
     if manager.keep_every_n_steps is not None:

@@ -251,11 +251,12 @@ def statekit_retention_keep(checkpoints: list[Any], manager: Any) -> Any:
         manager: the :class:`statekit.CheckpointManager`.
 
     Returns:
-        An iterable of URLs (from ``checkpoints``) to keep, or None.
+        An iterable of URLs (from ``checkpoints``) to keep, one URL, or None.
 
     Raises:
-        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`;
-            nothing is deleted and the save raises it (the checkpoint stays committed).
+        PluginError: anything the plugin raises, or a result that is not URLs, becomes a
+            :class:`statekit.PluginError`; nothing is deleted and the save raises it (the
+            checkpoint stays committed).
     """
 
 
@@ -281,8 +282,9 @@ def statekit_resume_roots(manager: Any) -> Any:
         fsspec options, or None), or None.
 
     Raises:
-        PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`
-            and ``resume()`` raises it before loading anything.
+        PluginError: anything the plugin raises, or a result that is not such pairs,
+            becomes a :class:`statekit.PluginError` and ``resume()`` raises it before
+            loading anything.
     """
 
 
