@@ -263,10 +263,27 @@ def test_ls_shows_each_checkpoints_tiers(tmp_path, s3_bucket, plugin_manager):
     statekit.save(f"{remote}/{checkpoint_name(3)}", objects, step=3)  # only remote
     result = CliRunner().invoke(main, ["ls", str(tmp_path / "local"), "--replica", remote, "--json"])
     assert result.exit_code == 0, result.output
-    rows = {r["step"]: (r["tiers"], r["replicated"]) for r in json.loads(result.output)}
-    assert rows == {1: (["local", "remote"], True), 2: (["local"], False), 3: (["remote"], True)}
+    rows = {r["step"]: (r["tiers"], r["replicated"], r["replication"]) for r in json.loads(result.output)}
+    assert rows == {
+        1: (["local", "remote"], True, "replicated"),
+        2: (["local"], False, "not replicated"),
+        3: (["remote"], True, "replicated"),
+    }
     text = CliRunner().invoke(main, ["ls", str(tmp_path / "local"), "--replica", remote]).output
     assert "local (not replicated)" in text and "local + remote" in text
+
+    # a copy in progress (this process holds the replicator's in-use marker), and a copy a
+    # killed process left without its manifest
+    from statekit.storage.inuse import mark_in_use, release_in_use
+
+    marker = mark_in_use(str(tmp_path / "local" / checkpoint_name(2)), by="statekit-replicate")
+    rows = {r["step"]: r["replication"] for r in json.loads(CliRunner().invoke(
+        main, ["ls", str(tmp_path / "local"), "--replica", remote, "--json"]).output)}
+    assert rows[2] == "copying"
+    release_in_use(marker)
+    Storage(f"{remote}/{checkpoint_name(2)}").write_bytes("model.safetensors", b"part of a copy")
+    text = CliRunner().invoke(main, ["ls", str(tmp_path / "local"), "--replica", remote]).output
+    assert "local (remote copy incomplete)" in text
 
 
 def test_checkpoints_being_replicated_and_resumed_from_are_marked_in_use(tmp_path, s3_bucket, plugin_manager, monkeypatch):

@@ -9,7 +9,7 @@ import click
 from statekit.api.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.errors import CheckpointInUseError, StatekitError
-from statekit.storage.inuse import refuse_if_in_use
+from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 
 
 @click.command()
@@ -47,8 +47,11 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
     """One entry per checkpoint name on either root: the local entry's fields (the remote
-    one's when only the remote root has it), plus ``tiers`` (where it is committed) and
-    ``replicated`` (committed remotely)."""
+    one's when only the remote root has it), plus ``tiers`` (where it is committed),
+    ``replicated`` (committed remotely) and ``replication``: ``"replicated"``,
+    ``"copying"`` (a live process holds the ``statekit-replicate`` in-use marker of the
+    local copy), ``"incomplete"`` (a remote directory without a manifest, nobody copying:
+    the next manager start redoes it) or ``"not replicated"``."""
     by_name: dict[str, dict[str, Any]] = {}
     for tier, infos in (("local", local), ("remote", remote)):
         for info in infos:
@@ -60,13 +63,21 @@ def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
                 entry["committed"] = True
     for entry in by_name.values():
         entry["replicated"] = "remote" in entry["tiers"]
+        local_url = entry["urls"].get("local")
+        if entry["replicated"]:
+            entry["replication"] = "replicated"
+        elif local_url and any(m.by == "statekit-replicate" for m in in_use_markers(local_url)):
+            entry["replication"] = "copying"
+        else:
+            entry["replication"] = "incomplete" if "remote" in entry["urls"] else "not replicated"
     return sorted(by_name.values(), key=lambda e: e["step"])
 
 
 def _tier_text(entry: dict[str, Any]) -> str:
     tiers = entry["tiers"]
     if tiers == ["local"]:
-        return "local (not replicated)"
+        return {"copying": "local (copying to remote)", "incomplete": "local (remote copy incomplete)"}.get(
+            entry["replication"], "local (not replicated)")
     return " + ".join(tiers) or "-"
 
 
