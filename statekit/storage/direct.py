@@ -44,8 +44,9 @@ class DirectReader:
     one piece ahead of the caller's ``on_chunk`` (the checksum), since ``os.preadv``
     releases the GIL; a large destination that does not agree is read with ``O_DIRECT``
     into two alternating page-aligned bounce buffers of :data:`BOUNCE_PIECE_BYTES`, one
-    piece ahead, and copied out on the caller's thread (about 1.7x faster than page-cache
-    reads for a model's parameters, bench/load_profile.py); the unaligned head and tail
+    piece ahead, and copied out on the caller's thread with the GIL released (instead of
+    page-cache reads: the cold 1 GiB benchmark load took 0.60x the time,
+    ``bench/compare_commits.py``, docs/benchmark.md); the unaligned head and tail
     and small reads use ``os.preadv`` on an ordinary descriptor (page cache).
     Where ``O_DIRECT`` is refused (tmpfs, some network file systems) every read goes
     through the page cache. ``read``/``readinto``/``seek``/``tell`` make it usable as a
