@@ -152,7 +152,8 @@ class DirectReader:
             return [(s, min(n, s + READ_PIECE_BYTES), "cache") for s in range(0, n, READ_PIECE_BYTES)]
         if (buffer_address(view) - self._pos) % DIRECT_ALIGN:
             if not self._bounce:
-                self._bounce = [mmap.mmap(-1, BOUNCE_PIECE_BYTES + DIRECT_ALIGN) for _ in range(2)]
+                private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # plain process memory, not shmem
+                self._bounce = [mmap.mmap(-1, BOUNCE_PIECE_BYTES + DIRECT_ALIGN, flags=private) for _ in range(2)]
                 self._bounce_addresses = [buffer_address(memoryview(b)) for b in self._bounce]
             return [(s, min(n, s + BOUNCE_PIECE_BYTES), "bounce") for s in range(0, n, BOUNCE_PIECE_BYTES)]
         head = (-self._pos) % DIRECT_ALIGN
