@@ -30,7 +30,7 @@ from typing import Any
 
 from statekit._version import __version__
 from statekit.errors import PluginError
-from statekit.hooks.registry import PluginSource, hookimpl
+from statekit.hooks.registry import hookimpl
 
 HOOKS_PLUGIN = "accelerate-hooks"
 """Name of the built-in plugin that runs Accelerate's registered pre-hooks."""
@@ -109,6 +109,4 @@ class AccelerateHooks:
 def ensure_registered(pm: Any) -> None:
     """Register :class:`AccelerateHooks` as :data:`HOOKS_PLUGIN` on ``pm`` once (a name
     blocked with ``STATEKIT_DISABLE_PLUGINS`` stays blocked)."""
-    if pm.get_plugin(HOOKS_PLUGIN) is None and not pm.is_blocked(HOOKS_PLUGIN):
-        pm.register(AccelerateHooks(), name=HOOKS_PLUGIN)
-        pm.sources[HOOKS_PLUGIN] = PluginSource(HOOKS_PLUGIN, "built-in", "statekit", __version__)
+    pm.register_builtin(AccelerateHooks, HOOKS_PLUGIN, __version__)

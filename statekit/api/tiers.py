@@ -29,7 +29,7 @@ from statekit._version import __version__
 from statekit.api.listing import CheckpointInfo, delete_all_but
 from statekit.api.replication import Replicator, start_replication
 from statekit.errors import PluginMissingError
-from statekit.hooks.registry import PluginSource, hookimpl
+from statekit.hooks.registry import hookimpl
 
 REPLICATE_PLUGIN = "replicate"
 """Name of the built-in two-tier plugin (and its key in ``manager.plugin_state``)."""
@@ -101,17 +101,12 @@ def ensure_registered(pm: Any, replicate_to: str | None) -> None:
         PluginMissingError: ``replicate_to`` is set but ``STATEKIT_DISABLE_PLUGINS``
             blocks the plugin (the remote tier would silently not exist).
     """
-    if pm.is_blocked(REPLICATE_PLUGIN):
-        if replicate_to is not None:
-            raise PluginMissingError(
-                f"replicate_to={replicate_to!r} needs the built-in plugin {REPLICATE_PLUGIN!r}, "
-                "which STATEKIT_DISABLE_PLUGINS blocks",
-                plugin_name=REPLICATE_PLUGIN,
-            )
-        return
-    if pm.get_plugin(REPLICATE_PLUGIN) is None:
-        pm.register(Replicate(), name=REPLICATE_PLUGIN)
-        pm.sources[REPLICATE_PLUGIN] = PluginSource(REPLICATE_PLUGIN, "built-in", "statekit", __version__)
+    if not pm.register_builtin(Replicate, REPLICATE_PLUGIN, __version__) and replicate_to is not None:
+        raise PluginMissingError(
+            f"replicate_to={replicate_to!r} needs the built-in plugin {REPLICATE_PLUGIN!r}, "
+            "which STATEKIT_DISABLE_PLUGINS blocks",
+            plugin_name=REPLICATE_PLUGIN,
+        )
 
 
 def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str]:

@@ -118,6 +118,26 @@ class PluginManager(pluggy.PluginManager):
                     super().unregister(name=name)
                     raise pluggy.PluginValidationError(impl.plugin, problem)
 
+    def register_builtin(self, factory: Any, name: str, version: str) -> bool:
+        """Register a plugin that ships inside statekit (``accelerate-hooks``,
+        ``replicate``) once, recorded as ``built-in``; a name blocked with
+        ``STATEKIT_DISABLE_PLUGINS`` stays blocked.
+
+        Args:
+            factory: ``callable() -> plugin``, called only when the plugin is registered now.
+            name: the plugin's name.
+            version: statekit's version (recorded in the manifest like any plugin's).
+
+        Returns:
+            False when ``name`` is blocked, True otherwise (registered now or before).
+        """
+        if self.is_blocked(name):
+            return False
+        if self.get_plugin(name) is None:
+            self.register(factory(), name=name)
+            self.sources[name] = PluginSource(name, "built-in", "statekit", version)
+        return True
+
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
         return any(getattr(p, "STATEKIT_MANAGES_RNG", False) for p in self.get_plugins())
