@@ -42,14 +42,16 @@ def after_commit(manager: Any, step: int, url: str, manifest: dict[str, Any]) ->
             error = exc
     if world > 1:
         deleted, root0 = distributed.broadcast_from_rank0((deleted, manager.root.url))
-        for name in deleted if rank != 0 and root0 != manager.root.url else []:
-            manager.root.child(name).remove_tree()
+        if rank != 0 and root0 != manager.root.url:  # a node-local root: delete this node's parts
+            for name in deleted:
+                manager.root.child(name).remove_tree()
     try:  # on the writer thread for an async save: no RNG guard (docs/hooks.md)
         call_each(get_plugin_manager(), "statekit_checkpoint_committed", None,
                   {"url": url, "manifest": manifest, "manager": manager}, guard_rng=False)
-    finally:
-        if error is not None:
-            raise error
+    except Exception as exc:  # noqa: BLE001 - rank 0's own failure, if any, is reported first
+        error = error or exc
+    if error is not None:
+        raise error
 
 
 def apply_retention(manager: Any, newest_url: str) -> list[str]:
