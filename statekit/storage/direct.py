@@ -5,11 +5,12 @@ last). Writes: :mod:`statekit.storage.direct_write`."""
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from statekit.storage.hugepages import IOBuffer
 
 DIRECT_ALIGN = 4096
 """Bytes: file offsets, lengths and memory addresses of ``O_DIRECT`` reads are multiples
@@ -71,8 +72,7 @@ class DirectReader:
                 self._direct_fd = None
         self._pos = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._bounce: list[mmap.mmap] = []  # page-aligned, made on the first misaligned fill
-        self._bounce_addresses: list[int] = []
+        self._bounce: list[IOBuffer] = []  # made on the first misaligned fill
         self.closed = False
 
     @property
@@ -134,7 +134,7 @@ class DirectReader:
             pending = self._submit(view, pieces, i + 1) if full else 0
             if mode == "bounce" and got:  # piece i+1 goes to the other buffer meanwhile
                 # ctypes calls release the GIL: the helper thread issues the next read while this copies
-                source = self._bounce_addresses[i % 2] + (self._pos + start) % DIRECT_ALIGN
+                source = self._bounce[i % 2].address + (self._pos + start) % DIRECT_ALIGN
                 ctypes.memmove(buffer_address(view[start : start + got]), source, got)
             if got and on_chunk is not None:
                 on_chunk(view[start : start + got])
@@ -152,9 +152,7 @@ class DirectReader:
             return [(s, min(n, s + READ_PIECE_BYTES), "cache") for s in range(0, n, READ_PIECE_BYTES)]
         if (buffer_address(view) - self._pos) % DIRECT_ALIGN:
             if not self._bounce:
-                private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # plain process memory, not shmem
-                self._bounce = [mmap.mmap(-1, BOUNCE_PIECE_BYTES + DIRECT_ALIGN, flags=private) for _ in range(2)]
-                self._bounce_addresses = [buffer_address(memoryview(b)) for b in self._bounce]
+                self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES + DIRECT_ALIGN) for _ in range(2)]
             return [(s, min(n, s + BOUNCE_PIECE_BYTES), "bounce") for s in range(0, n, BOUNCE_PIECE_BYTES)]
         head = (-self._pos) % DIRECT_ALIGN
         stop = head + (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
@@ -182,7 +180,7 @@ class DirectReader:
         returns how many of the ``n`` bytes it holds."""
         skew = offset % DIRECT_ALIGN
         length = (skew + n + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
-        got = self._read_piece(memoryview(self._bounce[which])[:length], offset - skew, True)
+        got = self._read_piece(self._bounce[which].view[:length], offset - skew, True)
         return max(0, min(n, got - skew))
 
     def _read_piece(self, piece: memoryview, offset: int, direct: bool) -> int:
@@ -211,10 +209,7 @@ class DirectReader:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         for buffer in self._bounce:
-            try:
-                buffer.close()
-            except BufferError:  # a view is still alive (a traceback's frame): freed with it
-                pass
+            buffer.close()
         self._bounce = []
         os.close(self._fd)
         if self._direct_fd is not None:

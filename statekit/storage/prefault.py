@@ -13,13 +13,13 @@ changes bytes a concurrent read already wrote; https://man7.org/linux/man-pages/
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import threading
 from typing import Any
 
 import torch
+
+from statekit.storage.hugepages import MADVISE_AVAILABLE, madvise
 
 MADV_POPULATE_WRITE = 23
 """From ``<linux/mman.h>`` (Python's :mod:`mmap` does not export it)."""
@@ -29,21 +29,6 @@ PIECE_BYTES = 8 * 1024 * 1024
 
 PREFAULT_MIN_BYTES = 16 * 1024 * 1024
 """Below this many bytes in all, a helper thread costs more than it saves."""
-
-_PAGE = mmap.PAGESIZE
-
-
-def _libc_madvise() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise()
 
 
 def populate(address: int, nbytes: int) -> bool:
@@ -57,12 +42,8 @@ def populate(address: int, nbytes: int) -> bool:
         False where the kernel or libc cannot (no ``MADV_POPULATE_WRITE``: ``EINVAL``;
         not Linux), True otherwise.
     """
-    if _madvise is None or nbytes <= 0:
-        return False
-    start = address - address % _PAGE
-    if _madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0:
-        return True
-    return ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
+    result = madvise(address, nbytes, MADV_POPULATE_WRITE)
+    return result is not None and result not in (errno.EINVAL, errno.ENOSYS)
 
 
 class Prefaulter:
@@ -84,7 +65,7 @@ class Prefaulter:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Prefaulter:
-        if _madvise is not None and sum(n for _, n in self._ranges) >= PREFAULT_MIN_BYTES:
+        if MADVISE_AVAILABLE and sum(n for _, n in self._ranges) >= PREFAULT_MIN_BYTES:
             self._thread = threading.Thread(target=self._run, name="statekit-prefault", daemon=True)
             self._thread.start()
         return self
