@@ -11,6 +11,7 @@ import torch
 
 from statekit.engine import staging
 from statekit.engine.staging import StagingPool
+from statekit.storage.hugepages import HUGE_PAGE_BYTES
 
 
 def test_cpu_tensors_are_copied_into_reused_unpinned_buffers():
@@ -31,6 +32,7 @@ def test_a_files_tensors_are_staged_back_to_back_in_one_aligned_arena():
     staged = StagingPool().stage("f.safetensors", t)
     assert list(staged) == list(t) and all(torch.equal(staged[k], t[k]) for k in t)
     assert staged["w"].data_ptr() == staged.arena.data_ptr() and staged.arena.data_ptr() % staging.ARENA_ALIGN == 0
+    assert staged.arena.data_ptr() % HUGE_PAGE_BYTES == 0  # unpinned: starts on a huge page (asks for huge pages)
     position = staged["w"].data_ptr()
     for k in t:  # the file's layout: each tensor right after the one before
         assert staged[k].data_ptr() == position, k

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from statekit.format.header import view_identity
+from statekit.storage.hugepages import HUGE_PAGE_BYTES, advise_huge
 
 
 ARENA_ALIGN = 4096
@@ -117,13 +118,18 @@ class StagedTensors(dict):
 
 
 def _arena_views(tensors: Mapping[str, torch.Tensor], pin: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One page-aligned host arena holding ``tensors`` back to back (their order), and a
+    """One page-aligned host arena holding ``tensors`` back to back (their order; unpinned,
+    it starts on a huge page and asks for huge pages: :mod:`statekit.storage.hugepages`,
+    the background write from it takes about half the time), and a
     view of each in its shape and dtype (an offset need not suit the dtype's alignment:
     the file's layout decides it, and the CPU copies to unaligned addresses)."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    raw = allocate_host(torch.Size([total + ARENA_ALIGN]), torch.uint8, pin)
-    shift = -raw.data_ptr() % ARENA_ALIGN
+    align = ARENA_ALIGN if pin else HUGE_PAGE_BYTES  # pinned memory is the runtime's; ours asks for huge pages
+    raw = allocate_host(torch.Size([total + align]), torch.uint8, pin)
+    shift = -raw.data_ptr() % align
     arena = raw[shift : shift + total]
+    if not pin and total:
+        advise_huge(arena.data_ptr(), total)
     memory = memoryview(arena.numpy()) if total else None
     views, start = {}, 0
     for name, t in tensors.items():
