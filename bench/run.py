@@ -111,9 +111,9 @@ def limit_records(op: str, inproc: dict, fio: dict | None, run: int) -> list[dic
     :func:`_fio.measure_limits`, or None), with both candidates kept as rows
     ``limit-inproc`` and ``limit-fio``; ``method`` says which gave the limit."""
     base = {"op": op, "storage": "local", "state_bytes": inproc["state_bytes"], "run": run}
-    cands = {inproc.get("method", "inproc"): inproc["seconds"]}
+    cands = dict(inproc.get("candidates") or {inproc.get("method", "inproc"): inproc["seconds"]})
     out = [{**base, "system": "limit-inproc", "seconds": inproc["seconds"], "peak_rss_bytes": inproc["peak_rss_bytes"],
-            "method": inproc.get("method", "inproc")}]
+            "method": inproc.get("method", "inproc"), "candidates": dict(cands)}]
     if fio:
         cands.update(fio["candidates"])
         out.append({**base, "system": "limit-fio", "seconds": fio["seconds"], "peak_rss_bytes": 0, "method": fio["method"],

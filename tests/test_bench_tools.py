@@ -55,10 +55,30 @@ def test_fio_args_align_size_and_fsync_writes_only():
     assert "--size=8192" in w and "--direct=1" in w and "--end_fsync=1" in w and "--output-format=json" in w
     assert "--iodepth=8" in w and "--bs=16M" in w
     assert "--end_fsync=1" not in _fio.fio_args("read", "/d/f.bin", 4096, "libaio")
+    assert "--iomem=malloc" in w and "--iomem=mmaphuge" in _fio.fio_args("read", "/d/f.bin", 4096, "libaio", iomem="mmaphuge")
     with pytest.raises(ValueError, match="'randwrite'"):
         _fio.fio_args("randwrite", "/d/f.bin", 4096, "libaio")
     with pytest.raises(ValueError, match="at least 1 byte, got 0"):
         _fio.fio_args("read", "/d/f.bin", 0, "libaio")
+
+
+def test_hugetlb_pages_are_reserved_for_the_block_and_given_back(tmp_path, monkeypatch):
+    sysctl = tmp_path / "nr_hugepages"
+    sysctl.write_text("3\n")
+    monkeypatch.setattr(_fio, "HUGETLB_SYSCTL", str(sysctl))
+    with _fio.hugetlb_pages(66) as reserved:
+        assert reserved and sysctl.read_text() == "69"
+    assert sysctl.read_text() == "3"
+    with pytest.raises(RuntimeError, match="inside"), _fio.hugetlb_pages(2):
+        raise RuntimeError("inside")
+    assert sysctl.read_text() == "3"  # given back on an error too
+
+
+def test_hugetlb_pages_without_the_sysctl_change_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(_fio, "HUGETLB_SYSCTL", str(tmp_path / "missing" / "nr_hugepages"))
+    with _fio.hugetlb_pages(66) as reserved:
+        assert reserved is False
+    assert not (tmp_path / "missing").exists()
 
 
 def test_limit_is_the_fastest_method_and_says_which():
@@ -69,6 +89,10 @@ def test_limit_is_the_fastest_method_and_says_which():
     assert recs[0]["seconds"] == 1.5 and recs[0]["method"] == "fio-libaio"
     assert bench_run.limit_records("read", {**inproc, "seconds": 1.0}, fio, 0)[0]["method"] == "o_direct"
     assert bench_run.limit_records("read", inproc, None, 0)[0]["method"] == "o_direct"
+    several = {**inproc, "candidates": {"buffered": 2.5, "o_direct": 2.0, "o_direct_huge": 1.2}, "seconds": 1.2, "method": "o_direct_huge"}
+    recs = bench_run.limit_records("write", several, fio, 0)
+    assert recs[0]["method"] == "o_direct_huge" and set(recs[0]["candidates"]) == {"buffered", "o_direct", "o_direct_huge", "fio-io_uring", "fio-libaio"}
+    assert recs[1]["candidates"] == several["candidates"]
     with pytest.raises(ValueError, match="no limit measurement"):
         _fio.best_of({})
 
