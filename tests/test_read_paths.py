@@ -131,10 +131,9 @@ def test_memory_damage_is_named(plugin_manager, damage, tmp_path):
 @pytest.mark.parametrize("offset", [0, 1, DIRECT_ALIGN - 3, DIRECT_ALIGN, 3 * DIRECT_ALIGN + 5])
 @pytest.mark.parametrize("misaligned_destination", [False, True])
 def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, offset, misaligned_destination):
-    """Pieces (head through the page cache, aligned middle O_DIRECT, tail) land in place
-    and reach ``on_chunk`` in file order, so the streaming checksum is the file's."""
-    monkeypatch.setattr(direct, "READ_PIECE_BYTES", 1 << 20)  # several pieces per fill
-    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)
+    """Pieces (O_DIRECT into the bounce buffers, whatever the alignment) land in place and
+    reach ``on_chunk`` in file order, so the streaming checksum is the file's."""
+    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)  # several pieces per fill
     data = os.urandom(3 * (1 << 20) + 12345)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
@@ -159,8 +158,8 @@ def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, off
         assert f.tell() == offset + want
     assert bytes(view) == data[offset : offset + want]
     assert b"".join(chunks) == data[offset : offset + want]
-    if f.direct:  # a misaligned destination is read O_DIRECT too (through the bounce buffers)
-        assert sum(direct_bytes) >= want - 2 * DIRECT_ALIGN and len(chunks) >= 3
+    if f.direct:  # every byte is read O_DIRECT (through the bounce buffers)
+        assert sum(direct_bytes) >= want and len(chunks) >= 3
 
 
 def test_direct_reader_misaligned_destination_stops_at_end_of_file(tmp_path, monkeypatch):
@@ -176,6 +175,41 @@ def test_direct_reader_misaligned_destination_stops_at_end_of_file(tmp_path, mon
         assert f.fill(view) == len(data) - 5
         assert bytes(view[: len(data) - 5]) == data[5:]
         assert f.read() == b""
+
+
+def test_direct_reader_streams_across_fills_and_restarts_after_a_seek(tmp_path, monkeypatch):
+    """Consecutive fills (a file's tensors, small ones too) continue one stream of pieces,
+    read once each; a seek outside it restarts the stream; every byte lands where it belongs."""
+    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)
+    data = os.urandom((5 << 20) + 777)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    offsets: list[int] = []
+    real_preadv = os.preadv
+
+    def spy(fd, buffers, at):
+        if fd == f._direct_fd:
+            offsets.append(at)
+        return real_preadv(fd, buffers, at)
+
+    monkeypatch.setattr(direct.os, "preadv", spy)
+    sizes = [(2 << 20) + 13, 100, 4096, (1 << 20) - 7, (1 << 20) + 5000]
+    with DirectReader(str(path)) as f:
+        f.seek(9)
+        position = 9
+        for size in sizes:
+            out = bytearray(size)
+            assert f.fill(memoryview(out)) == size
+            assert bytes(out) == data[position : position + size]
+            position += size
+        if f.direct:
+            assert offsets == sorted(set(offsets)) and offsets[0] == 0  # each piece read once, in order
+        f.seek(3 << 20)  # backwards: a new stream
+        out = bytearray(1 << 20)
+        assert f.fill(memoryview(out)) == 1 << 20 and bytes(out) == data[3 << 20 : 4 << 20]
+        rest = bytearray(2 << 20)
+        assert f.fill(memoryview(rest)) == len(data) - (4 << 20)  # stops at the end of the file
+        assert bytes(rest[: len(data) - (4 << 20)]) == data[4 << 20 :]
 
 
 def test_direct_reader_stops_at_end_of_file(tmp_path):
@@ -222,3 +256,61 @@ def test_checksum_of_a_direct_load_is_the_files(tmp_path, plugin_manager):
         buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
         f.fill(memoryview(buf.numpy()), streamed.update)
     assert streamed.hexdigest() == whole.hexdigest()
+
+
+@pytest.fixture
+def read_ahead_everything(monkeypatch):
+    """Fresh memory made ahead for every tensor file, however small (the threshold is for speed)."""
+    from statekit.engine import read_ahead
+
+    monkeypatch.setattr(read_ahead, "PREFAULT_MIN_BYTES", 0)
+    taken: list[tuple[str, bool]] = []
+    real_take = read_ahead.FreshAhead.take
+
+    def spy(self, rel):
+        buffers = real_take(self, rel)
+        taken.append((rel, buffers is not None))
+        return buffers
+
+    monkeypatch.setattr(read_ahead.FreshAhead, "take", spy)
+    return taken
+
+
+def test_load_with_fresh_memory_made_ahead_is_exact(tmp_path, plugin_manager, read_path, read_ahead_everything):
+    url = str(tmp_path / "c")
+    saved = _state(0)
+    statekit.save(url, saved)
+    fresh = _state(1)
+    statekit.load(url, fresh)
+    _assert_equal_states(saved, fresh)
+    assert ("optim.safetensors", True) in read_ahead_everything  # the optimizer state was read into them
+    assert not [t for t in threading.enumerate() if t.name == "statekit-fresh-ahead"]
+
+
+def test_flipped_byte_is_caught_with_fresh_memory_made_ahead(tmp_path, plugin_manager, read_ahead_everything):
+    url = str(tmp_path / "c")
+    statekit.save(url, _state(0))
+    _flip_middle(tmp_path / "c" / "optim.safetensors")
+    with pytest.raises(statekit.CorruptCheckpointError) as info:
+        statekit.load(url, _state(1))
+    assert info.value.path == f"{url}/optim.safetensors"
+    assert not [t for t in threading.enumerate() if t.name == "statekit-fresh-ahead"]
+
+
+def test_fresh_ahead_hands_out_each_files_buffers_once_and_skips_what_it_cannot_parse(tmp_path, plugin_manager):
+    from statekit.engine.read_ahead import FreshAhead
+    from statekit.storage import Storage
+
+    url = str(tmp_path / "c")
+    statekit.save(url, _state(0))
+    (tmp_path / "c" / "bad.safetensors").write_bytes(b"not a safetensors file")
+    ahead = FreshAhead(Storage(url), ["bad.safetensors", "optim.safetensors", "missing.safetensors"])
+    try:
+        assert ahead.take("bad.safetensors") is None and ahead.take("missing.safetensors") is None
+        buffers = ahead.take("optim.safetensors")
+        assert buffers and all(b.device.type == "cpu" and b.is_contiguous() for b in buffers.values())
+        assert ahead.take("optim.safetensors") is None  # handed out once
+        assert ahead.take("model.safetensors") is None  # not one of its files
+    finally:
+        ahead.close()
+    assert not [t for t in threading.enumerate() if t.name == "statekit-fresh-ahead"]

@@ -141,8 +141,10 @@ def load_objects(
     )
     _check_owners_took(storage, entries, saved_objects, taken)
     core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
-    incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
-    not_restored = read.load_entries(checkpoint, [e for e in entries if e.kind != "model" and e.key not in taken], saved_objects)
+    rest = [e for e in entries if e.kind != "model" and e.key not in taken]
+    with checkpoint.fresh_memory_ahead(read.tensor_files_of(checkpoint, rest, saved_objects)):
+        incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
+        not_restored = read.load_entries(checkpoint, rest, saved_objects)
     _restore_accelerate_rng(checkpoint, saved_objects)
     not_restored += _ranks_not_restored(manifest, checkpoint)
     if not_restored:

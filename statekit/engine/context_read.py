@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 import torch
 
 from statekit import format as fmt
+from statekit.engine.read_ahead import FreshAhead, worth_reading_ahead
 from statekit.errors import CorruptCheckpointError
 from statekit.format import codec
 from statekit.storage import Storage, storage_errors
@@ -40,6 +41,23 @@ class CheckpointReads:
     url: str
     manifest: dict[str, Any] | None
     verify: bool
+    _ahead: FreshAhead | None = None
+
+    @contextlib.contextmanager
+    def fresh_memory_ahead(self, rels: list[str]) -> Iterator[None]:
+        """Within the block, the large local tensor files among ``rels`` (read later in
+        the block into fresh memory, in this order) get their buffers made and faulted
+        in ahead, on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`)."""
+        rels = [rel for rel in rels if worth_reading_ahead(self.manifest, rel)]
+        if not rels or self._ahead is not None:
+            yield
+            return
+        self._ahead = FreshAhead(self.storage, rels)
+        try:
+            yield
+        finally:
+            self._ahead.close()
+            self._ahead = None
 
     @contextlib.contextmanager
     def _reading(self, rel: str) -> Iterator[Any]:
@@ -133,7 +151,8 @@ class CheckpointReads:
         hasher = fmt.new_hasher() if expected is not None else None
         with self._open_tensor_file(rel) as f, storage_errors(url, "reading"):
             size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
-            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher)
+            fresh = self._ahead.take(rel) if self._ahead is not None else None
+            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher, fresh=fresh)
         if expected is not None:
             self._check(rel, expected, header.data_start + header.data_bytes, hasher)
         return tensors

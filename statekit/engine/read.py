@@ -64,6 +64,24 @@ def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: di
     return not_restored
 
 
+def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+    """The tensor files :func:`load_entries` reads for ``entries`` on this rank, in order
+    (a file the checkpoint lacks included: the caller filters), for
+    :meth:`statekit.Checkpoint.fresh_memory_ahead`."""
+    rels = []
+    for e in entries:
+        saved = saved_objects.get(e.key, {})
+        if e.kind == "dataloader" and saved.get("per_rank"):
+            continue
+        rels.append(f"{_state_base(checkpoint, e, saved)}.safetensors")
+    return rels
+
+
+def _state_base(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any]) -> str:
+    """Where an entry's state files are: ``<key>``, or ``<key>/rank-<rank>`` for per-rank state."""
+    return f"{e.key}/rank-{checkpoint.rank:05d}" if saved.get("per_rank") else e.key
+
+
 def load_model(
     checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any], strict: bool = True
 ) -> dict[str, list[str]]:
@@ -135,7 +153,7 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
     if e.kind == "dataloader" and per_rank:
         _load_loader(checkpoint, e, not_restored)
         return
-    base = f"{e.key}/rank-{checkpoint.rank:05d}" if per_rank else e.key
+    base = _state_base(checkpoint, e, saved)
     if per_rank and f"{base}.json" not in checkpoint.manifest["files"]:
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
         return

@@ -40,7 +40,7 @@ from statekit.format.dtypes import (
 )
 from statekit.format.header import MAX_HEADER_BYTES, TensorEntry, TensorHeader, build_header, parse_header, read_header
 from statekit.format.manifest import FORMAT, MANIFEST_NAME, check_relpath, read_manifest, validate_manifest
-from statekit.format.tensors import CHUNK_BYTES, read_exactly_into, read_tensors, tensor_bytes, write_tensors
+from statekit.format.tensors import CHUNK_BYTES, fresh_buffers, read_exactly_into, read_tensors, tensor_bytes, write_tensors
 
 # Former private names, kept as aliases because the tests use them (test_format, test_codec).
 _NATIVE = NATIVE_DTYPES
@@ -63,6 +63,7 @@ __all__ = [
     "checksum_bytes",
     "checksum_string",
     "dtype_name",
+    "fresh_buffers",
     "new_hasher",
     "parse_header",
     "read_header",

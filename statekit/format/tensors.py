@@ -23,8 +23,8 @@ CHUNK_BYTES = 16 * 1024 * 1024
 """Largest single write/read: big enough for sequential I/O, small enough to bound buffers."""
 
 ALIGN_MIN_BYTES = 1024 * 1024
-"""Fresh tensors of at least this many bytes read from an ``O_DIRECT`` reader are placed
-for direct reads (see :func:`_fresh_buffer`)."""
+"""Files with at least this many tensor bytes start their data section on a 4 KiB
+boundary (``O_DIRECT`` reads and writes of whole pages)."""
 
 
 # --------------------------------------------------------------------------- writing
@@ -116,6 +116,7 @@ def read_tensors(
     into: Mapping[str, torch.Tensor] | None = None,
     names: Iterable[str] | None = None,
     hasher: Any = None,
+    fresh: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], TensorHeader]:
     """Read a safetensors file sequentially, optionally straight into existing tensors.
 
@@ -129,6 +130,9 @@ def read_tensors(
         names: read only these names (others are skipped with ``seek``); all if None.
             Ignored when ``hasher`` is given, which needs every byte.
         hasher: updated with every byte of the file (for checksum verification).
+        fresh: buffers made ahead for this file by :func:`fresh_buffers` (and being
+            faulted in by the caller's helper thread): used for the entries they fit
+            (same stored dtype and shape), others are allocated here.
 
     Returns:
         ``(tensors, header)``: ``tensors`` maps every (selected) name, aliases included, to
@@ -144,14 +148,16 @@ def read_tensors(
     out: dict[str, torch.Tensor] = {}
     position = 0
     selected = [e for e in header.entries if wanted is None or e.name in wanted]
-    fresh = _fresh_buffers(f, header, selected, into)
-    with Prefaulter(list(fresh.values())):
+    ahead = {e.name: fresh[e.name] for e in selected if fresh and e.name in fresh and _fits(fresh[e.name], e)}
+    made = fresh_buffers(header, [e for e in selected if e.name not in ahead], into)
+    buffers = {**ahead, **made}
+    with Prefaulter(list(made.values())):
         for e in selected:
             if e.begin != position:
                 f.seek(header.data_start + e.begin)
                 position = e.begin
             target = into.get(e.name) if into is not None else None
-            out[e.name] = _read_one(f, e, target, source, hasher, fresh.get(e.name))
+            out[e.name] = _read_one(f, e, target, source, hasher, buffers.get(e.name))
             position = e.end
     for alias, name in header.aliases.items():
         if name in out and (wanted is None or alias in wanted or name in wanted):
@@ -177,17 +183,38 @@ def _fills_in_place(e: TensorEntry, target: torch.Tensor | None) -> bool:
     )
 
 
-def _fresh_buffers(
-    f: BinaryIO, header: TensorHeader, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None
+def fresh_buffers(
+    header: TensorHeader, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """New tensors for the ``entries`` that cannot be read into their target, allocated
-    up front (untouched) so that :class:`Prefaulter` can fault their pages in ahead of
-    the reads."""
+    """New tensors for the ``entries`` of ``header`` that cannot be read into their
+    ``into`` target, allocated up front and untouched, so that a helper thread
+    (:class:`statekit.storage.prefault.Prefaulter`) can fault their pages in ahead of the
+    reads.
+
+    Args:
+        header: the file's parsed header.
+        entries: the entries to allocate for (a subset of ``header.entries``).
+        into: the targets of an in-place read, or None.
+
+    Returns:
+        ``name -> uint8-compatible tensor`` of each entry's stored shape and dtype.
+    """
     fresh = {}
     for e in entries:
         if e.end > e.begin and not _fills_in_place(e, into.get(e.name) if into is not None else None):
-            fresh[e.name] = _fresh_buffer(f, e, header.data_start + e.begin)
+            fresh[e.name] = torch.empty(e.stored_shape, dtype=DTYPE_FROM_CODE[e.code])
     return fresh
+
+
+def _fits(buffer: torch.Tensor, e: TensorEntry) -> bool:
+    """Whether a buffer made ahead can take entry ``e``: a contiguous CPU tensor of its
+    stored dtype and shape."""
+    return (
+        buffer.device.type == "cpu"
+        and buffer.dtype == DTYPE_FROM_CODE[e.code]
+        and tuple(buffer.shape) == tuple(e.stored_shape)
+        and buffer.is_contiguous()
+    )
 
 
 def _read_one(
@@ -210,22 +237,6 @@ def _read_one(
             target.copy_(result)
         return target
     return result
-
-
-def _fresh_buffer(f: BinaryIO, e: TensorEntry, position: int) -> torch.Tensor:
-    """A new tensor for ``e``'s stored bytes; from a reader that reads ``O_DIRECT``
-    (:class:`statekit.storage.direct.DirectReader`) a large one is placed so that its
-    address and its file offset agree modulo :data:`DIRECT_ALIGN`, so the bytes can land
-    in it straight from the disk (the tensor is a view, ``storage_offset`` > 0, of a
-    storage up to 4 KiB larger)."""
-    dtype = DTYPE_FROM_CODE[e.code]
-    nbytes = e.end - e.begin
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if not getattr(f, "direct", False) or nbytes < ALIGN_MIN_BYTES or position % itemsize:
-        return torch.empty(e.stored_shape, dtype=dtype)
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-    shift = (position - raw.data_ptr()) % DIRECT_ALIGN
-    return raw[shift : shift + nbytes].view(dtype).reshape(e.stored_shape)
 
 
 def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str, hasher: Any = None) -> None:

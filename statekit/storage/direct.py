@@ -1,6 +1,6 @@
-"""Local file reads below the page cache: :class:`DirectReader` (``O_DIRECT`` reads
-straight into the caller's memory, the next piece read while the caller checksums the
-last). Writes: :mod:`statekit.storage.direct_write`."""
+"""Local file reads below the page cache: :class:`DirectReader` (``O_DIRECT`` reads into
+huge-page bounce buffers, one read ahead of the caller's copy and checksum). Writes:
+:mod:`statekit.storage.direct_write`."""
 
 from __future__ import annotations
 
@@ -16,18 +16,11 @@ DIRECT_ALIGN = 4096
 """Bytes: file offsets, lengths and memory addresses of ``O_DIRECT`` reads are multiples
 of this (4 KiB covers the logical block sizes of common disks)."""
 
-READ_PIECE_BYTES = 32 * 1024 * 1024
-"""Largest single read of a :class:`DirectReader`: on this VM's virtio disk one 32 MiB
-``O_DIRECT`` request (split into 4 MiB requests in flight) read about 1.3x faster than
-16 MiB buffered ``readinto`` calls (bench/load_profile.py)."""
-
 BOUNCE_PIECE_BYTES = 16 * 1024 * 1024
-"""Bytes per ``O_DIRECT`` read into a bounce buffer, for a destination whose address does
-not agree with the file position modulo :data:`DIRECT_ALIGN` (a model's existing
-parameters: the allocator puts large tensors 64 bytes past a page). Two such buffers per
-reader: one is read into while the other is copied out and checksummed."""
+"""Bytes per ``O_DIRECT`` read of a :class:`DirectReader` (one bounce buffer). Two
+buffers per reader: one is read into while the other is copied out and checksummed."""
 
-_DIRECT_MIN_BYTES = 1024 * 1024  # smaller reads go through the page cache
+_DIRECT_MIN_BYTES = 1024 * 1024  # a small read that does not continue the stream goes through the page cache
 
 
 def buffer_address(view: memoryview) -> int:
@@ -36,22 +29,22 @@ def buffer_address(view: memoryview) -> int:
 
 
 class DirectReader:
-    """A read-only local file whose large reads bypass the page cache (``O_DIRECT``).
+    """A read-only local file read sequentially below the page cache (``O_DIRECT``).
 
-    :meth:`fill` reads a whole destination (a tensor's bytes) from the current position:
-    when the destination's address and the file position agree modulo
-    :data:`DIRECT_ALIGN` the aligned middle is read with ``O_DIRECT`` straight into it in
-    pieces of up to :data:`READ_PIECE_BYTES` (no intermediate copy), on a helper thread
-    one piece ahead of the caller's ``on_chunk`` (the checksum), since ``os.preadv``
-    releases the GIL; a large destination that does not agree is read with ``O_DIRECT``
-    into two alternating page-aligned bounce buffers of :data:`BOUNCE_PIECE_BYTES`, one
-    piece ahead, and copied out on the caller's thread with the GIL released (instead of
-    page-cache reads: the cold 1 GiB benchmark load took 0.60x the time,
-    ``bench/compare_commits.py``, docs/benchmark.md); the unaligned head and tail
-    and small reads use ``os.preadv`` on an ordinary descriptor (page cache).
-    Where ``O_DIRECT`` is refused (tmpfs, some network file systems) every read goes
-    through the page cache. ``read``/``readinto``/``seek``/``tell`` make it usable as a
-    binary file for header parsing.
+    :meth:`fill` reads a whole destination (a tensor's bytes) from the current position.
+    The file is read as a stream of aligned :data:`BOUNCE_PIECE_BYTES` pieces with
+    ``O_DIRECT`` into two alternating huge-page bounce buffers
+    (:class:`statekit.storage.hugepages.IOBuffer`) on a helper thread, always one piece
+    ahead, across :meth:`fill` calls; the caller's thread copies each piece out
+    (``ctypes.memmove``, GIL released) and hands it to ``on_chunk`` (the checksum).
+    Why bounce every byte instead of reading straight into the destination: an
+    ``O_DIRECT`` read into ordinary (4 KiB-page) memory ran at 2.3 GB/s on the benchmark
+    VM against 3.2-3.5 GB/s into huge pages, and the copy (0.06 s per GiB) overlaps the
+    next read; and destinations need not agree with the file's alignment (a model's
+    parameters sit 64 bytes past a page). A seek outside the stream restarts it; a small
+    read that does not continue it goes through the page cache, as does every read where
+    ``O_DIRECT`` is refused (tmpfs, some network file systems). ``read``/``readinto``/
+    ``seek``/``tell`` make it usable as a binary file for header parsing.
 
     Args:
         path: the local file to read.
@@ -72,12 +65,14 @@ class DirectReader:
                 self._direct_fd = None
         self._pos = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._bounce: list[IOBuffer] = []  # made on the first misaligned fill
+        self._bounce: list[IOBuffer] = []  # made on the first large fill
+        self._loaded: tuple[int, int, int] | None = None  # (file offset, bytes held, buffer) of the piece being copied out
+        self._ahead: tuple[int, Future, int] | None = None  # (file offset, read, buffer) of the next piece
         self.closed = False
 
     @property
     def direct(self) -> bool:
-        """Whether large aligned reads bypass the page cache."""
+        """Whether large reads bypass the page cache."""
         return self._direct_fd is not None
 
     def readable(self) -> bool:
@@ -124,64 +119,72 @@ class DirectReader:
         Raises:
             OSError: a read failed.
         """
-        pieces = self._plan(view)
+        n = len(view)
+        if self._direct_fd is None or (n < _DIRECT_MIN_BYTES and not self._streaming(self._pos)):
+            return self._fill_cached(view, on_chunk)
         done = 0
-        pending = self._submit(view, pieces, 0)
-        for i in range(len(pieces)):
-            got = pending.result() if isinstance(pending, Future) else pending
-            start, end, mode = pieces[i]
-            full = got == end - start
-            pending = self._submit(view, pieces, i + 1) if full else 0
-            if mode == "bounce" and got:  # piece i+1 goes to the other buffer meanwhile
-                # ctypes calls release the GIL: the helper thread issues the next read while this copies
-                source = self._bounce[i % 2].address + (self._pos + start) % DIRECT_ALIGN
-                ctypes.memmove(buffer_address(view[start : start + got]), source, got)
-            if got and on_chunk is not None:
-                on_chunk(view[start : start + got])
-            done += got
-            if not full:
-                break
+        while done < n:
+            piece = self._piece_at(self._pos + done)
+            start = self._pos + done - piece[0]
+            if start >= piece[1]:
+                break  # end of file
+            take = min(piece[1] - start, n - done)
+            ctypes.memmove(buffer_address(view[done : done + take]), self._bounce[piece[2]].address + start, take)
+            if on_chunk is not None:
+                on_chunk(view[done : done + take])
+            done += take
         self._pos += done
         return done
 
-    def _plan(self, view: memoryview) -> list[tuple[int, int, str]]:
-        """``(start, end, mode)`` pieces of ``view``; mode ``"direct"`` (into ``view``),
-        ``"bounce"`` (``O_DIRECT`` into a bounce buffer, then copied) or ``"cache"``."""
-        n = len(view)
-        if self._direct_fd is None or n < _DIRECT_MIN_BYTES:
-            return [(s, min(n, s + READ_PIECE_BYTES), "cache") for s in range(0, n, READ_PIECE_BYTES)]
-        if (buffer_address(view) - self._pos) % DIRECT_ALIGN:
-            if not self._bounce:
-                self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES + DIRECT_ALIGN) for _ in range(2)]
-            return [(s, min(n, s + BOUNCE_PIECE_BYTES), "bounce") for s in range(0, n, BOUNCE_PIECE_BYTES)]
-        head = (-self._pos) % DIRECT_ALIGN
-        stop = head + (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
-        pieces = [(0, head, "cache")] if head else []
-        pieces += [(s, min(stop, s + READ_PIECE_BYTES), "direct") for s in range(head, stop, READ_PIECE_BYTES)]
-        if stop < n:
-            pieces.append((stop, n, "cache"))
-        return pieces
+    def _fill_cached(self, view: memoryview, on_chunk: Callable[[memoryview], Any] | None) -> int:
+        done = 0
+        while done < len(view):
+            got = self._read_piece(view[done : done + BOUNCE_PIECE_BYTES], self._pos + done, False)
+            if not got:
+                break
+            if on_chunk is not None:
+                on_chunk(view[done : done + got])
+            done += got
+        self._pos += done
+        return done
 
-    def _submit(self, view: memoryview, pieces: list[tuple[int, int, str]], i: int) -> Future | int:
-        if i >= len(pieces):
-            return 0
-        start, end, mode = pieces[i]
-        if mode == "cache" or (mode == "direct" and end - start < _DIRECT_MIN_BYTES):
-            return self._read_piece(view[start:end], self._pos + start, mode == "direct")
+    def _streaming(self, position: int) -> bool:
+        """Whether ``position`` lies in the piece being copied out or the one read ahead."""
+        loaded, ahead = self._loaded, self._ahead
+        return (loaded is not None and loaded[0] <= position < loaded[0] + loaded[1]) or (
+            ahead is not None and ahead[0] <= position < ahead[0] + BOUNCE_PIECE_BYTES
+        )
+
+    def _piece_at(self, position: int) -> tuple[int, int, int]:
+        """``(file offset, bytes held, buffer)`` of the loaded piece holding ``position``
+        (or ending before it at the end of the file), with the next piece read ahead."""
+        loaded = self._loaded
+        if loaded is not None and loaded[0] <= position < loaded[0] + loaded[1]:
+            return loaded
+        ahead = self._ahead
+        if ahead is None or not ahead[0] <= position < ahead[0] + BOUNCE_PIECE_BYTES:
+            self._drain()  # a seek (or the first read): restart the stream here
+            if not self._bounce:
+                self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES) for _ in range(2)]
+            ahead = self._start(position - position % DIRECT_ALIGN, 0)
+        offset, future, which = ahead
+        got = future.result()
+        self._loaded = (offset, got, which)
+        self._ahead = self._start(offset + BOUNCE_PIECE_BYTES, 1 - which) if got == BOUNCE_PIECE_BYTES else None
+        return self._loaded
+
+    def _start(self, offset: int, which: int) -> tuple[int, Future, int]:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="statekit-read")
-        if mode == "bounce":
-            return self._pool.submit(self._read_bounced, i % 2, self._pos + start, end - start)
-        return self._pool.submit(self._read_piece, view[start:end], self._pos + start, True)
+        future = self._pool.submit(self._read_piece, self._bounce[which].view, offset, True)
+        self._ahead = (offset, future, which)
+        return self._ahead
 
-    def _read_bounced(self, which: int, offset: int, n: int) -> int:
-        """``O_DIRECT``-read the aligned file range around ``[offset, offset + n)`` into
-        bounce buffer ``which`` (the bytes start at ``offset % DIRECT_ALIGN`` in it);
-        returns how many of the ``n`` bytes it holds."""
-        skew = offset % DIRECT_ALIGN
-        length = (skew + n + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
-        got = self._read_piece(self._bounce[which].view[:length], offset - skew, True)
-        return max(0, min(n, got - skew))
+    def _drain(self) -> None:
+        """Forget the stream; a read still in flight finishes first (its buffer is reused)."""
+        if self._ahead is not None:
+            self._ahead[1].exception()  # waits; a failed read-ahead nobody needs is dropped
+        self._loaded = self._ahead = None
 
     def _read_piece(self, piece: memoryview, offset: int, direct: bool) -> int:
         done = 0
@@ -208,6 +211,7 @@ class DirectReader:
         self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._loaded = self._ahead = None
         for buffer in self._bounce:
             buffer.close()
         self._bounce = []

@@ -66,16 +66,23 @@ class Prefaulter:
 
     def __enter__(self) -> Prefaulter:
         if MADVISE_AVAILABLE and sum(n for _, n in self._ranges) >= PREFAULT_MIN_BYTES:
-            self._thread = threading.Thread(target=self._run, name="statekit-prefault", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="statekit-prefault", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._stop.set()
+        self.stop()
         if self._thread is not None:
             self._thread.join()
 
-    def _run(self) -> None:
+    def stop(self) -> None:
+        """Make :meth:`run` return after the piece it is on (any thread may call it)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Fault the buffers in, in order, on the calling thread, until done or stopped
+        (what the context's thread runs; a caller with a helper thread of its own runs
+        it there)."""
         for address, nbytes in self._ranges:
             for offset in range(0, nbytes, PIECE_BYTES):
                 if self._stop.is_set() or not populate(address + offset, min(PIECE_BYTES, nbytes - offset)):
