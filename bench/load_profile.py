@@ -15,8 +15,8 @@ Strategies (raw reads, outside statekit, to choose one):
 
 - ``buffered``: ``readinto`` 16 MiB at a time into fresh ``torch.empty`` (the old path);
 - ``touched``: the same into pre-touched memory (what first-touch costs);
-- ``direct``: ``O_DIRECT`` straight into the targets (statekit's
-  :class:`~statekit.storage.direct.DirectReader`: aligned fresh memory, bounce for the rest);
+- ``direct``: statekit's :class:`~statekit.storage.direct.DirectReader` (``O_DIRECT``
+  through huge-page bounce buffers) into the targets, without the rest of a load;
 - ``statekit``: a whole ``statekit.load`` of the checkpoint, and ``torch`` a
   ``torch.load`` of the same state (``torch.save``-written), and ``limit`` the
   benchmark's cold read limit (one buffered pass into touched memory).
