@@ -314,3 +314,21 @@ def test_fresh_ahead_hands_out_each_files_buffers_once_and_skips_what_it_cannot_
     finally:
         ahead.close()
     assert not [t for t in threading.enumerate() if t.name == "statekit-fresh-ahead"]
+
+
+def test_fresh_memory_is_made_ahead_only_when_the_models_load_in_place(tmp_path, plugin_manager, read_ahead_everything, monkeypatch):
+    """A model off the CPU reads its file through fresh CPU buffers: making the optimizer's
+    buffers ahead would hold both at once, so nothing is made ahead then."""
+    from statekit.engine import read
+
+    url = str(tmp_path / "c")
+    saved = _state(0)
+    statekit.save(url, saved)
+    assert read.loads_in_place([saved["model"]])
+    monkeypatch.setattr(read, "loads_in_place", lambda models: False)
+    fresh = _state(1)
+    statekit.load(url, fresh)
+    _assert_equal_states(saved, fresh)
+    assert read_ahead_everything == []
+    meta = torch.nn.Linear(2, 2, device="meta")
+    assert not read.loads_in_place([meta])

@@ -142,7 +142,8 @@ def load_objects(
     _check_owners_took(storage, entries, saved_objects, taken)
     core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
     rest = [e for e in entries if e.kind != "model" and e.key not in taken]
-    with checkpoint.fresh_memory_ahead(read.tensor_files_of(checkpoint, rest, saved_objects)):
+    ahead = read.tensor_files_of(checkpoint, rest, saved_objects) if read.loads_in_place([m for m, _ in core]) else []
+    with checkpoint.fresh_memory_ahead(ahead):
         incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
         not_restored = read.load_entries(checkpoint, rest, saved_objects)
     _restore_accelerate_rng(checkpoint, saved_objects)

@@ -76,9 +76,9 @@ class CheckpointReads:
             raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
 
     def _open_tensor_file(self, rel: str) -> Any:
-        """A local tensor file as a :class:`DirectReader` (``O_DIRECT`` straight into the
-        tensors, the checksum overlapped with the next read); remote ones as
-        :meth:`_open_read` does."""
+        """A local tensor file as a :class:`DirectReader` (``O_DIRECT`` through huge-page
+        bounce buffers, the copy-out and checksum overlapped with the next read); remote
+        ones as :meth:`_open_read` does."""
         if not self.storage.is_local:
             return self._open_read(rel)
         try:

@@ -77,6 +77,13 @@ def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects:
     return rels
 
 
+def loads_in_place(models: list[torch.nn.Module]) -> bool:
+    """Whether every tensor of ``models`` is on the CPU, so their files are read into them
+    in place and allocate nothing (then fresh memory made ahead for later files adds
+    nothing to the load's peak; a GPU model's file goes through fresh CPU buffers)."""
+    return all(t.device.type == "cpu" for m in models for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+
+
 def _state_base(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any]) -> str:
     """Where an entry's state files are: ``<key>``, or ``<key>/rank-<rank>`` for per-rank state."""
     return f"{e.key}/rank-{checkpoint.rank:05d}" if saved.get("per_rank") else e.key

@@ -125,8 +125,9 @@ def read_tensors(
         source: its URL, named in errors.
         file_size: its size in bytes if known (validates the data section).
         into: ``name -> tensor`` to fill in place. A CPU, contiguous target of the same
-            dtype and shape receives the bytes directly (no intermediate copy); any other
-            target is filled with ``copy_`` from a one-tensor buffer.
+            dtype and shape receives the bytes directly (no intermediate tensor: ``f``'s
+            ``fill`` or ``readinto`` writes into it); any other target is filled with
+            ``copy_`` from a one-tensor buffer.
         names: read only these names (others are skipped with ``seek``); all if None.
             Ignored when ``hasher`` is given, which needs every byte.
         hasher: updated with every byte of the file (for checksum verification).
