@@ -198,7 +198,7 @@ def fresh_buffers(
         into: the targets of an in-place read, or None.
 
     Returns:
-        ``name -> uint8-compatible tensor`` of each entry's stored shape and dtype.
+        ``name -> tensor`` in each entry's stored shape and dtype.
     """
     fresh = {}
     for e in entries:
