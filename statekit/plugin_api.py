@@ -30,6 +30,7 @@ The names, by topic:
   :func:`storage_errors`;
 * the format: safetensors headers and tensor streams (:func:`read_header`, the one
   header reader; :func:`build_header`, :func:`read_tensors`, :func:`read_exactly_into`, :func:`tensor_bytes`,
+  :func:`view_identity` (the one tied-view test),
   :class:`TensorHeader`, :class:`TensorEntry`, :data:`CHUNK_BYTES`), the dtype tables
   (:data:`SAFETENSORS_CODES`, :data:`NATIVE_DTYPES`, :data:`DTYPE_FROM_CODE`), the state
   codec's :func:`encode`, and :func:`read_manifest`. There is no checksum helper: files
@@ -84,6 +85,7 @@ from statekit.format import (
     tensor_bytes,
 )
 from statekit.format.codec import encode
+from statekit.format.header import view_identity
 from statekit.format.manifest import read_manifest
 from statekit.hooks.registry import hookimpl
 from statekit.storage import Storage, storage_errors
@@ -135,6 +137,7 @@ __all__ = [
     "read_manifest",
     "read_tensors",
     "tensor_bytes",
+    "view_identity",
     # models and data
     "check_fit",
     "sampler_of",

@@ -530,3 +530,39 @@ def test_validate_manifest_malformed(case):
         fmt.validate_manifest(m, "/ckpt/statekit.json")
     assert not isinstance(info.value, FormatVersionError)
     assert "/ckpt/statekit.json" in str(info.value)
+
+
+def test_view_identity_is_the_same_view_of_the_same_memory():
+    from statekit.format.header import view_identity
+
+    base = torch.arange(12, dtype=torch.float32)
+    assert view_identity(base[2:6]) == view_identity(base[2:6])  # tied: one storage, one view
+    assert view_identity(base[2:6]) != view_identity(base[3:7])  # another offset
+    assert view_identity(base[2:6]) != view_identity(base[2:6].view(torch.int32))  # another dtype
+    assert view_identity(base.view(3, 4)) != view_identity(base.view(4, 3))  # another shape
+    assert view_identity(base.view(3, 4).t()) != view_identity(base.view(4, 3))  # another stride
+    assert view_identity(base.clone()) != view_identity(base)  # equal values, other memory
+    assert view_identity(torch.empty(0)) is None
+    assert view_identity(torch.empty(3, device="meta")) is None  # meta tensors have no memory: never tied
+    assert view_identity(torch.empty(3, device="meta")) == view_identity(torch.empty(4, device="meta"))
+
+
+def test_gc_paused_restores_the_collectors_state():
+    import gc
+
+    from statekit.format.header import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left off, as it was
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("inside")
+    assert gc.isenabled()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import random
 import sys
 import textwrap
@@ -904,3 +905,26 @@ def test_blocked_broken_entry_point_is_not_imported(plugin_site, monkeypatch):
     plugin_site.add("broken", "raise ImportError('needs torch 9')\n")
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", ",".join([*plugin_site.blocked, "broken"]))
     assert plugins.build_plugin_manager().get_plugin("broken") is None
+
+
+def test_save_json_indents_small_files_and_writes_large_ones_compact(tmp_path, plugin_manager):
+    from statekit.engine import context
+
+    small = {"a": [1, 2]}
+    large = {f"k{i}": [i, i + 1] for i in range(context.READABLE_JSON_BYTES // 8)}
+
+    class Writer:
+        @statekit.hookimpl
+        def statekit_save_state_pre(self, models, weights, output_dir, checkpoint):
+            checkpoint.save_json("extra/small.json", small)
+            checkpoint.save_json("extra/large.json", large)
+
+    plugin_manager.register(Writer(), name="json-writer")
+    url = str(tmp_path / "c")
+    statekit.save(url, {"t": torch.zeros(2)})
+    small_text = (tmp_path / "c" / "extra" / "small.json").read_text()
+    large_text = (tmp_path / "c" / "extra" / "large.json").read_text()
+    assert "\n" in small_text and json.loads(small_text) == small
+    assert "\n" not in large_text and ", " not in large_text and json.loads(large_text) == large
+    manifest = statekit.verify(url)  # sizes and checksums are those of the bytes written
+    assert {"extra/small.json", "extra/large.json"} <= set(manifest["files"])

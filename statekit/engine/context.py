@@ -25,6 +25,12 @@ from statekit.storage import Storage, storage_errors
 from statekit.storage.hashing import HashingWriter
 
 CORE = "statekit"
+
+READABLE_JSON_BYTES = 64 * 1024
+"""JSON files up to this many characters are indented for people to read; larger ones
+(an optimizer skeleton of thousands of parameters) are written compact, because indenting
+takes Python's pure-Python encoder: 0.052 s against 0.008 s for the 1.3 MB skeleton of
+2,500 layers' AdamW state."""
 """Writer/owner name used for the core's own files and objects."""
 
 
@@ -306,7 +312,8 @@ class Checkpoint(CheckpointReads):
         self._deferred.append(write)
 
     def save_json(self, rel: str, obj: Any) -> dict[str, Any]:
-        """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values).
+        """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values),
+        indented up to :data:`READABLE_JSON_BYTES`, compact beyond.
 
         Args:
             rel: path relative to the checkpoint (``"mine/config.json"``).
@@ -321,7 +328,10 @@ class Checkpoint(CheckpointReads):
         """
         self._check_writable(rel)
         try:
-            data = json.dumps(obj, indent=1, allow_nan=False).encode("utf-8")
+            text = json.dumps(obj, allow_nan=False, separators=(",", ":"))
+            if len(text) <= READABLE_JSON_BYTES:
+                text = json.dumps(obj, indent=1, allow_nan=False)
+            data = text.encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise StatekitError(f"{self.url}/{rel}: value is not strict JSON: {exc}") from exc
         if self._staging is not None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from statekit.plugin_api import StatekitError
+from statekit.plugin_api import StatekitError, view_identity
 
 DIFFUSERS = "diffusers"
 TRANSFORMERS = "transformers"
@@ -296,12 +296,6 @@ class ShardPlan:
     total_bytes: int
 
 
-def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if t.numel() == 0 or t.layout != torch.strided or t.device.type == "meta":
-        return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
 def plan_shards(state: Mapping[str, torch.Tensor], weights_name: str, max_shard_bytes: int) -> ShardPlan:
     """Split a state dict into shards of at most ``max_shard_bytes`` of tensor data.
 
@@ -324,7 +318,7 @@ def plan_shards(state: Mapping[str, torch.Tensor], weights_name: str, max_shard_
     first_of: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
     for name, t in state.items():
-        ident = _identity(t)
+        ident = view_identity(t)
         if ident is not None and ident in first_of:
             tied[name] = first_of[ident]
             continue
