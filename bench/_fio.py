@@ -163,13 +163,16 @@ def hugetlb_pages(count: int) -> Iterator[bool]:
     try:
         with open(HUGETLB_SYSCTL) as f:
             before = int(f.read())
+    except (OSError, ValueError):
+        yield False
+        return
+    try:
         with open(HUGETLB_SYSCTL, "w") as f:
             f.write(str(before + count))
         with open(HUGETLB_SYSCTL) as f:
             reserved = int(f.read()) >= before + count
     except (OSError, ValueError):
-        yield False
-        return
+        reserved = False
     try:
         yield reserved
     finally:
@@ -196,7 +199,8 @@ def measure_limits(fio: str, directory: str, size_bytes: int, engines: tuple[str
     (``malloc``; ``mmaphuge`` where :func:`hugetlb_pages` can reserve huge pages), each
     time as a new file (a save never overwrites a file: on the benchmark VM overwriting
     the file of the job before ran 2x faster, 0.14 s against 0.25-0.31 s per GiB, which
-    would make the limit one no save can reach), then read the same way, then removed. Seconds are ``size_bytes / bw_bytes`` (fio's own
+    would make the limit one no save can reach), then read the same way, then removed.
+    Seconds are ``size_bytes / bw_bytes`` (fio's own
     throughput, so fio's start-up and file layout are not charged).
 
     Args:
