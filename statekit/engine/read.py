@@ -78,10 +78,12 @@ def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects:
 
 
 def loads_in_place(models: list[torch.nn.Module]) -> bool:
-    """Whether every tensor of ``models`` is on the CPU, so their files are read into them
-    in place and allocate nothing (then fresh memory made ahead for later files adds
-    nothing to the load's peak; a GPU model's file goes through fresh CPU buffers)."""
-    return all(t.device.type == "cpu" for m in models for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+    """Whether every parameter and buffer of ``models`` is on the CPU, so their files are
+    read into them in place and allocate nothing (then fresh memory made ahead for later
+    files adds nothing to the load's peak; a GPU model's file goes through fresh CPU
+    buffers). Parameters and buffers, not ``state_dict()``: that one is built again by
+    the load, and FSDP1's gathers the whole model."""
+    return all(t.device.type == "cpu" for m in models for t in (*m.parameters(), *m.buffers()))
 
 
 def _state_base(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any]) -> str:

@@ -20,7 +20,6 @@ import torch
 
 from statekit import format as fmt
 from statekit.storage import Storage
-from statekit.storage.direct import DirectReader
 from statekit.storage.prefault import PREFAULT_MIN_BYTES, Prefaulter
 
 
@@ -54,9 +53,9 @@ class FreshAhead:
         for rel in self._rels:
             try:
                 if not self._closed:
-                    with DirectReader(self._storage.path_of(rel)) as f:
+                    with open(self._storage.path_of(rel), "rb") as f:  # the header only
                         header = fmt.read_header(f, self._storage.url_of(rel))
-                        buffers = fmt.fresh_buffers(header, list(header.entries))
+                    buffers = fmt.fresh_buffers(header, list(header.entries))
                     self._buffers[rel] = buffers
                     made += buffers.values()
             except Exception:  # noqa: BLE001 - the load's own read of the file reports it

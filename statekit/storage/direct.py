@@ -148,21 +148,25 @@ class DirectReader:
         self._pos += done
         return done
 
+    def _holds(self, position: int) -> tuple[bool, bool]:
+        """Whether ``position`` lies in the piece being copied out, and in the one read ahead."""
+        loaded, ahead = self._loaded, self._ahead
+        in_loaded = loaded is not None and loaded[0] <= position < loaded[0] + loaded[1]
+        in_ahead = ahead is not None and ahead[0] <= position < ahead[0] + BOUNCE_PIECE_BYTES
+        return in_loaded, in_ahead
+
     def _streaming(self, position: int) -> bool:
         """Whether ``position`` lies in the piece being copied out or the one read ahead."""
-        loaded, ahead = self._loaded, self._ahead
-        return (loaded is not None and loaded[0] <= position < loaded[0] + loaded[1]) or (
-            ahead is not None and ahead[0] <= position < ahead[0] + BOUNCE_PIECE_BYTES
-        )
+        return any(self._holds(position))
 
     def _piece_at(self, position: int) -> tuple[int, int, int]:
         """``(file offset, bytes held, buffer)`` of the loaded piece holding ``position``
         (or ending before it at the end of the file), with the next piece read ahead."""
-        loaded = self._loaded
-        if loaded is not None and loaded[0] <= position < loaded[0] + loaded[1]:
-            return loaded
-        ahead = self._ahead
-        if ahead is None or not ahead[0] <= position < ahead[0] + BOUNCE_PIECE_BYTES:
+        in_loaded, in_ahead = self._holds(position)
+        if in_loaded:
+            return self._loaded  # type: ignore[return-value]
+        ahead = self._ahead if in_ahead else None
+        if ahead is None:
             self._drain()  # a seek (or the first read): restart the stream here
             if not self._bounce:
                 self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES) for _ in range(2)]

@@ -85,11 +85,6 @@ def advise_huge(address: int, nbytes: int) -> bool:
     return madvise(address, nbytes, MADV_HUGEPAGE) == 0
 
 
-def huge_aligned_offset(address: int) -> int:
-    """Bytes from ``address`` to the next multiple of :data:`HUGE_PAGE_BYTES`."""
-    return -address % HUGE_PAGE_BYTES
-
-
 class IOBuffer:
     """``nbytes`` of private anonymous memory starting on a huge-page boundary (so also
     page-aligned, as ``O_DIRECT`` needs), advised to use huge pages, for reuse across
@@ -110,7 +105,7 @@ class IOBuffer:
         self._map = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         whole = memoryview(self._map)
         base = ctypes.addressof(ctypes.c_char.from_buffer(whole))
-        start = huge_aligned_offset(base)
+        start = -base % HUGE_PAGE_BYTES  # to the next huge-page boundary
         self.view = whole[start : start + nbytes]
         whole.release()
         self.address = base + start
