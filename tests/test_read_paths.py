@@ -226,14 +226,63 @@ def test_direct_reader_missing_file_raises(tmp_path):
         DirectReader(str(tmp_path / "nope.bin"))
 
 
-def test_populate_leaves_contents_unchanged():
-    t = torch.arange(5 << 20, dtype=torch.int32)
-    before = t.clone()
-    fresh = torch.empty(8 << 20, dtype=torch.uint8)
-    if not prefault.populate(fresh.data_ptr(), fresh.numel()):
-        pytest.skip("kernel without MADV_POPULATE_WRITE")
-    assert prefault.populate(t.data_ptr() + 3, t.numel() * 4 - 3)
-    assert torch.equal(t, before)
+def test_prefaulter_skips_a_buffer_handed_over_before_it_started():
+    """A buffer the reader claims first is never written by the helper: its bytes stay."""
+    claimed = torch.arange(1 << 20, dtype=torch.int32)
+    before = claimed.clone()
+    other = torch.full((1 << 20,), 7, dtype=torch.int32)
+    faulter = prefault.Prefaulter([claimed, other])
+    faulter.ready(claimed)
+    faulter.run()
+    assert torch.equal(claimed, before)
+    assert not other.any()  # the helper faulted this one in by writing zeros
+
+
+def test_ready_waits_until_the_helper_is_done_with_the_buffer(monkeypatch):
+    """A buffer the helper is writing is handed over only when the helper is done, so the
+    read's bytes cannot be overwritten by a late zero."""
+    started, release = threading.Event(), threading.Event()
+    real_memset = prefault.ctypes.memset
+
+    def slow_memset(address, value, nbytes):
+        started.set()
+        release.wait(10)
+        return real_memset(address, value, nbytes)
+
+    monkeypatch.setattr(prefault.ctypes, "memset", slow_memset)
+    buffer = torch.full((1 << 20,), 7, dtype=torch.int32)
+    handed = threading.Event()
+    with prefault.Prefaulter([buffer] * 1 + [torch.empty(32 << 20, dtype=torch.uint8)]) as faulter:
+        assert started.wait(10)
+        waiter = threading.Thread(target=lambda: (faulter.ready(buffer), handed.set()))
+        waiter.start()
+        assert not handed.wait(0.2)  # still being written by the helper
+        release.set()
+        assert handed.wait(10)
+        buffer.fill_(3)  # the read's bytes
+        waiter.join()
+    assert torch.equal(buffer, torch.full_like(buffer, 3))
+
+
+def test_a_stopped_prefaulter_hands_every_buffer_over():
+    buffers = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(4)]
+    with prefault.Prefaulter(buffers) as faulter:
+        faulter.stop()
+    for b in buffers:
+        faulter.ready(b)  # returns at once, helper gone
+    prefault.Prefaulter(buffers).ready(torch.empty(4))  # not one of its buffers: returns
+
+
+def test_load_exact_while_fresh_memory_is_faulted_in_small_pieces(tmp_path, plugin_manager, read_ahead_everything, monkeypatch):
+    """Reads and the helper's zeroing interleave at page granularity: the load stays exact."""
+    monkeypatch.setattr(prefault, "PIECE_BYTES", 4096)
+    url = str(tmp_path / "c")
+    saved = _state(0)
+    statekit.save(url, saved)
+    for _ in range(3):
+        fresh = _state(1)
+        statekit.load(url, fresh)
+        _assert_equal_states(saved, fresh)
 
 
 def test_prefaulter_thread_ends_with_the_context_even_on_error():

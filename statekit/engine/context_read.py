@@ -151,8 +151,8 @@ class CheckpointReads:
         hasher = fmt.new_hasher() if expected is not None else None
         with self._open_tensor_file(rel) as f, storage_errors(url, "reading"):
             size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
-            fresh = self._ahead.take(rel) if self._ahead is not None else None
-            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher, fresh=fresh)
+            fresh, ready = (self._ahead.take(rel), self._ahead.ready) if self._ahead is not None else (None, None)
+            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher, fresh=fresh, ready=ready)
         if expected is not None:
             self._check(rel, expected, header.data_start + header.data_bytes, hasher)
         return tensors

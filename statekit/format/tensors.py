@@ -8,7 +8,7 @@ where it can. Headers are built and parsed by :mod:`statekit.format.header`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, BinaryIO
 
 import torch
@@ -117,6 +117,7 @@ def read_tensors(
     names: Iterable[str] | None = None,
     hasher: Any = None,
     fresh: Mapping[str, torch.Tensor] | None = None,
+    ready: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], TensorHeader]:
     """Read a safetensors file sequentially, optionally straight into existing tensors.
 
@@ -134,6 +135,9 @@ def read_tensors(
         fresh: buffers made ahead for this file by :func:`fresh_buffers` (and being
             faulted in by the caller's helper thread): used for the entries they fit
             (same stored dtype and shape), others are allocated here.
+        ready: called with each buffer of ``fresh`` before any byte is read into it (the
+            caller's helper hand-off, e.g. :meth:`statekit.engine.read_ahead.FreshAhead.ready`),
+            or None.
 
     Returns:
         ``(tensors, header)``: ``tensors`` maps every (selected) name, aliases included, to
@@ -152,13 +156,19 @@ def read_tensors(
     ahead = {e.name: fresh[e.name] for e in selected if fresh and e.name in fresh and _fits(fresh[e.name], e)}
     made = fresh_buffers(header, [e for e in selected if e.name not in ahead], into)
     buffers = {**ahead, **made}
-    with Prefaulter(list(made.values())):
+    with Prefaulter(list(made.values())) as prefaulter:
         for e in selected:
             if e.begin != position:
                 f.seek(header.data_start + e.begin)
                 position = e.begin
             target = into.get(e.name) if into is not None else None
-            out[e.name] = _read_one(f, e, target, source, hasher, buffers.get(e.name))
+            buffer = buffers.get(e.name)
+            # the helper faulting a fresh buffer in hands it over before the read writes to it
+            if e.name in made:
+                prefaulter.ready(buffer)
+            elif buffer is not None and ready is not None:
+                ready(buffer)
+            out[e.name] = _read_one(f, e, target, source, hasher, buffer)
             position = e.end
     for alias, name in header.aliases.items():
         if name in out and (wanted is None or alias in wanted or name in wanted):

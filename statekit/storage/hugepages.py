@@ -6,7 +6,7 @@ same 16 MiB requests moved 1.2-1.5 GB/s to or from memory in 4 KiB pages and 3.4
 GB/s (reads) and about 2x faster (writes) with memory in 2 MiB pages, where each page is
 one contiguous piece for the host to map (docs/benchmark.md, "Huge pages"). So every
 buffer statekit reads or writes through (the writer's buffers, the reader's bounce
-buffers, a staging arena, fresh tensors a load reads into) asks for huge pages with
+buffers, a staging arena) asks for huge pages with
 ``madvise(MADV_HUGEPAGE)`` before it is first touched
 (https://docs.kernel.org/admin-guide/mm/transhuge.html). Where the kernel has no
 transparent huge pages, or they are off, the advice is refused or ignored and the memory
@@ -49,8 +49,6 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise()
-MADVISE_AVAILABLE = _madvise is not None
-"""Whether ``madvise`` can be called here (Linux with a C library)."""
 
 
 def madvise(address: int, nbytes: int, advice: int) -> int | None:
