@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="fresh-process measurements per system and op (local and small-tensor rows; "
                     "default 3: keeps --size 1GiB with every section under 20 min on 2 vCPUs)")
     ap.add_argument("--s3-runs", type=int, default=1, help="runs for S3 and scale (default 1: keeps --size 1GiB under 20 min on 2 vCPUs)")
-    ap.add_argument("--training-runs", type=int, default=2, help="runs of bench/async_training.py (each: every system once)")
+    ap.add_argument("--training-runs", type=int, default=3,
+                    help="runs of bench/async_training.py (each: every system once; odd, so the verdict's median is one run's)")
     ap.add_argument("--json", default=None, help='write {"records": [...], "targets": [...]} to this file')
     ap.add_argument("--skip-small", action="store_true", help="no 2,500 x Linear(8, 8) rows")
     ap.add_argument("--skip-training", action="store_true", help="no training-during-async-save rows")
