@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -238,9 +239,9 @@ def test_prefaulter_skips_a_buffer_handed_over_before_it_started():
     assert not other.any()  # the helper faulted this one in by writing zeros
 
 
-def test_ready_waits_until_the_helper_is_done_with_the_buffer(monkeypatch):
-    """A buffer the helper is writing is handed over only when the helper is done, so the
-    read's bytes cannot be overwritten by a late zero."""
+@pytest.fixture
+def held_helper(monkeypatch):
+    """The helper's zeroing blocks in its first piece until ``release`` is set (1 MiB pieces)."""
     started, release = threading.Event(), threading.Event()
     real_memset = prefault.ctypes.memset
 
@@ -250,36 +251,70 @@ def test_ready_waits_until_the_helper_is_done_with_the_buffer(monkeypatch):
         return real_memset(address, value, nbytes)
 
     monkeypatch.setattr(prefault.ctypes, "memset", slow_memset)
-    buffer = torch.full((1 << 20,), 7, dtype=torch.int32)
+    monkeypatch.setattr(prefault, "PIECE_BYTES", 1 << 20)
+    try:
+        yield started, release
+    finally:
+        release.set()
+
+
+def _ready_in_thread(faulter, buffer):
     handed = threading.Event()
-    with prefault.Prefaulter([buffer] * 1 + [torch.empty(32 << 20, dtype=torch.uint8)]) as faulter:
+    thread = threading.Thread(target=lambda: (faulter.ready(buffer), handed.set()), daemon=True)
+    thread.start()
+    return handed
+
+
+def test_ready_waits_for_the_piece_being_zeroed_then_the_helper_leaves_the_buffer(held_helper):
+    """A claimed buffer is handed over when the piece in progress is zeroed, and the helper
+    writes nothing to it afterwards: the read's bytes cannot be overwritten by a late zero."""
+    started, release = held_helper
+    buffer = torch.full((1 << 20,), 7, dtype=torch.int32)  # 4 MiB: four pieces
+    with prefault.Prefaulter([buffer, torch.empty(32 << 20, dtype=torch.uint8)]) as faulter:
         assert started.wait(10)
-        waiter = threading.Thread(target=lambda: (faulter.ready(buffer), handed.set()))
-        waiter.start()
-        assert not handed.wait(0.2)  # still being written by the helper
+        handed = _ready_in_thread(faulter, buffer)
+        assert not handed.wait(0.2)  # its first piece is still being zeroed
         release.set()
         assert handed.wait(10)
+        assert not buffer[: 1 << 18].any() and bool((buffer[1 << 18 :] == 7).all())  # one piece zeroed, then left
         buffer.fill_(3)  # the read's bytes
-        waiter.join()
     assert torch.equal(buffer, torch.full_like(buffer, 3))
 
 
-def test_a_stopped_prefaulter_hands_every_buffer_over():
+def test_a_stopped_prefaulter_hands_every_buffer_over(held_helper):
+    """Stopped in the middle of a buffer, the helper hands that one and every other over."""
+    started, release = held_helper
     buffers = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(4)]
     with prefault.Prefaulter(buffers) as faulter:
+        assert started.wait(10)
         faulter.stop()
-    for b in buffers:
-        faulter.ready(b)  # returns at once, helper gone
+        release.set()
+        handed = [_ready_in_thread(faulter, b) for b in buffers]
+        assert all(h.wait(10) for h in handed)
     prefault.Prefaulter(buffers).ready(torch.empty(4))  # not one of its buffers: returns
 
 
-def test_load_exact_while_fresh_memory_is_faulted_in_small_pieces(tmp_path, plugin_manager, read_ahead_everything, monkeypatch):
-    """Reads and the helper's zeroing interleave at page granularity: the load stays exact."""
-    monkeypatch.setattr(prefault, "PIECE_BYTES", 4096)
+@pytest.mark.parametrize("made_ahead", [False, True], ids=["fresh-in-read", "fresh-ahead"])
+def test_load_exact_while_a_slow_helper_zeroes_fresh_memory(tmp_path, plugin_manager, monkeypatch, made_ahead):
+    """Reads and a slowed helper interleave piece by piece (both the buffers a read makes
+    and those made ahead): the load stays exact, so no zero lands on read bytes."""
+    from statekit.engine import read_ahead
+
+    if made_ahead:
+        monkeypatch.setattr(read_ahead, "PREFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(prefault, "PREFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(prefault, "PIECE_BYTES", 64 << 10)
+    real_memset = prefault.ctypes.memset
+
+    def slow_memset(address, value, nbytes):
+        time.sleep(0.0005)
+        return real_memset(address, value, nbytes)
+
+    monkeypatch.setattr(prefault.ctypes, "memset", slow_memset)
     url = str(tmp_path / "c")
     saved = _state(0)
     statekit.save(url, saved)
-    for _ in range(3):
+    for _ in range(2):
         fresh = _state(1)
         statekit.load(url, fresh)
         _assert_equal_states(saved, fresh)

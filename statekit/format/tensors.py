@@ -136,8 +136,8 @@ def read_tensors(
             faulted in by the caller's helper thread): used for the entries they fit
             (same stored dtype and shape), others are allocated here.
         ready: called with each buffer of ``fresh`` before any byte is read into it (the
-            caller's helper hand-off, e.g. :meth:`statekit.engine.read_ahead.FreshAhead.ready`),
-            or None.
+            caller's helper hand-off, e.g. :meth:`statekit.engine.read_ahead.FreshAhead.ready`);
+            None only where no other thread writes into ``fresh``.
 
     Returns:
         ``(tensors, header)``: ``tensors`` maps every (selected) name, aliases included, to

@@ -12,10 +12,10 @@ them, so it may run under a concurrent read): on the benchmark VM writing the pa
 faulted 685 MiB in 0.14-0.17 s against 0.22 s for the kernel's populate, and a cold 1 GiB
 load took 0.414 s against 0.428 s at the median (``bench/compare_commits.py``, 10+10
 alternating fresh-process runs; 0.96-0.97x in two more). Writing needs a
-hand-off so a zero never lands on bytes a read already wrote: a buffer is either claimed
-by the reader before the helper starts it (the helper then skips it and the read faults
-it in itself) or faulted in whole by the helper while the reader waits in :meth:`ready`
-(see its docstring).
+hand-off so a zero never lands on bytes a read already wrote: the reader claims a buffer
+(:meth:`Prefaulter.ready`) before writing into it; the helper skips a claimed buffer, and
+stops zeroing one it is on after the current piece of :data:`PIECE_BYTES` (the reader
+waits for that piece, then faults the rest in itself).
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from typing import Any
 import torch
 
 PIECE_BYTES = 8 * 1024 * 1024
-"""Bytes written per call: how soon the helper notices that the load has ended."""
+"""Bytes zeroed per call: how soon the helper notices that the load has ended or that
+the reader has claimed the buffer it is on (at most this much zeroing is waited for)."""
 
 PREFAULT_MIN_BYTES = 16 * 1024 * 1024
 """Below this many bytes in all, a helper thread costs more than it saves."""
 
-_PENDING, _FAULTING, _HANDED_OVER = 0, 1, 2
+_PENDING, _FAULTING, _CLAIMED, _HANDED_OVER = 0, 1, 2, 3  # _CLAIMED: faulting, the reader waits
 
 
 class Prefaulter:
     """Context manager: faults in the pages of ``buffers``, in order, on a daemon thread,
-    handing each buffer over to the reader (:meth:`ready`) untouched or whole.
+    handing each buffer over to the reader when it asks (:meth:`ready`).
 
     A reader must call :meth:`ready` with a buffer before writing into it. Leaving the
     context stops the thread (after at most one piece of :data:`PIECE_BYTES`) and joins
@@ -74,12 +75,13 @@ class Prefaulter:
         self._stop.set()
 
     def ready(self, buffer: torch.Tensor) -> None:
-        """Call before writing into ``buffer``: afterwards the helper never writes to it.
+        """Call before writing into ``buffer`` (one of the tensors given, not a view of
+        one): afterwards the helper never writes to it.
 
-        A buffer the helper has not started is handed over untouched at once (the read
-        faults its pages in itself); one it is faulting in is waited for (at most that
-        buffer's zeroing, about 0.2 ms per MiB on the benchmark VM). A tensor that is not
-        one of the buffers returns at once.
+        A buffer the helper has not started is handed over at once; one it is zeroing is
+        handed over once the piece in progress is done (at most :data:`PIECE_BYTES`, about
+        2 ms on the benchmark VM). Pages not faulted in yet are faulted by the read
+        itself. A tensor that is not one of the buffers returns at once.
         """
         address = buffer.data_ptr()
         with self._changed:
@@ -87,14 +89,16 @@ class Prefaulter:
                 return
             if self._state[address] == _PENDING:
                 self._state[address] = _HANDED_OVER
+            elif self._state[address] == _FAULTING:
+                self._state[address] = _CLAIMED
             while self._state[address] != _HANDED_OVER:
                 self._changed.wait()
 
     def run(self) -> None:
         """Fault the buffers in, in order, on the calling thread, until done or stopped,
-        skipping those already handed over (what the context's thread runs; a caller with
-        a helper thread of its own runs it there). Every buffer is handed over when it
-        returns, however it returns."""
+        skipping or leaving those the reader claims (what the context's thread runs; a
+        caller with a helper thread of its own runs it there). Every buffer is handed over
+        when it returns, however it returns."""
         try:
             for address, nbytes in self._ranges:
                 with self._changed:
@@ -103,8 +107,9 @@ class Prefaulter:
                     self._state[address] = _FAULTING
                 try:
                     for offset in range(0, nbytes, PIECE_BYTES):
-                        if self._stop.is_set():
-                            break
+                        with self._changed:
+                            if self._stop.is_set() or self._state[address] == _CLAIMED:
+                                break
                         ctypes.memset(address + offset, 0, min(PIECE_BYTES, nbytes - offset))
                 finally:
                     self._hand_over([address])
