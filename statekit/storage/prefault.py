@@ -9,7 +9,7 @@ writing zeros into them (``ctypes.memset``, GIL released).
 
 Why zeros and not ``madvise(MADV_POPULATE_WRITE)`` (which faults pages in without writing
 them, so it may run under a concurrent read): on the benchmark VM writing the pages
-faulted 685 MiB in 0.14-0.17 s against 0.22 s for the kernel's populate, and a cold 1 GiB
+faulted 685 MiB in 0.12-0.18 s against 0.22 s for the kernel's populate, and a cold 1 GiB
 load took 0.414 s against 0.428 s at the median (``bench/compare_commits.py``, 10+10
 alternating fresh-process runs; 0.96-0.97x in two more). Writing needs a
 hand-off so a zero never lands on bytes a read already wrote: the reader claims a buffer
