@@ -32,8 +32,8 @@ def test_io_buffer_close_with_a_live_slice_keeps_the_slice_valid():
     assert bytes(piece) == b"abc"
 
 
-def test_madvise_of_an_empty_range_does_nothing():
-    assert hugepages.madvise(4096, 0, hugepages.MADV_HUGEPAGE) is None
+def test_advice_on_an_empty_range_does_nothing():
+    assert hugepages.advise_huge(4096, 0) is False
 
 
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no transparent huge pages")

@@ -25,13 +25,13 @@ from statekit.storage import Storage, storage_errors
 from statekit.storage.hashing import HashingWriter
 
 CORE = "statekit"
+"""Writer/owner name used for the core's own files and objects."""
 
 READABLE_JSON_BYTES = 64 * 1024
 """JSON files up to this many characters are indented for people to read; larger ones
 (an optimizer skeleton of thousands of parameters) are written compact, because indenting
 takes Python's pure-Python encoder: 0.052 s against 0.008 s for the 1.3 MB skeleton of
 2,500 layers' AdamW state."""
-"""Writer/owner name used for the core's own files and objects."""
 
 
 class _TextFile(io.TextIOWrapper):

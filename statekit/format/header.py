@@ -13,9 +13,8 @@ import contextlib
 import gc
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from collections.abc import Iterator
 from typing import Any, BinaryIO, Callable
 
 import torch

@@ -40,7 +40,7 @@ HUGE_PAGE_BYTES = _huge_page_bytes()
 
 def _libc_madvise() -> Any:
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -51,36 +51,24 @@ def _libc_madvise() -> Any:
 _madvise = _libc_madvise()
 
 
-def madvise(address: int, nbytes: int, advice: int) -> int | None:
-    """``madvise(2)`` on every page that ``[address, address + nbytes)`` touches, with the
-    GIL released (``ctypes``): https://man7.org/linux/man-pages/man2/madvise.2.html.
+def advise_huge(address: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages for ``[address, address + nbytes)`` with
+    ``madvise(2)`` (https://man7.org/linux/man-pages/man2/madvise.2.html, GIL released by
+    ``ctypes``): untouched memory gets them on its first fault, where a 2 MiB-aligned
+    page fits inside the range.
 
     Args:
         address: first byte (any alignment; rounded down to its page).
         nbytes: length in bytes.
-        advice: an ``MADV_*`` value.
 
     Returns:
-        0 on success, the ``errno`` on failure, None where there is no ``madvise`` (not
-        Linux or no libc) or ``nbytes`` < 1.
+        True when the kernel took the advice; False where it refused it, where there is
+        no ``madvise`` (not Linux, no libc), or for an empty range.
     """
     if _madvise is None or nbytes < 1:
-        return None
+        return False
     start = address - address % _PAGE
-    end = address + nbytes
-    if _madvise(start, end - start, advice) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-def advise_huge(address: int, nbytes: int) -> bool:
-    """Ask for transparent huge pages for ``[address, address + nbytes)`` (untouched memory
-    gets them on its first fault, where a 2 MiB-aligned page fits inside the range).
-
-    Returns:
-        True when the kernel took the advice.
-    """
-    return madvise(address, nbytes, MADV_HUGEPAGE) == 0
+    return _madvise(start, address + nbytes - start, MADV_HUGEPAGE) == 0
 
 
 class IOBuffer:
