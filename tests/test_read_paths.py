@@ -135,6 +135,7 @@ def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, off
     """Pieces (O_DIRECT into the bounce buffers, whatever the alignment) land in place and
     reach ``on_chunk`` in file order, so the streaming checksum is the file's."""
     monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)  # several pieces per fill
+    monkeypatch.setattr(direct, "CACHE_STEP_BYTES", 300_007)  # copy/checksum steps end inside pieces
     data = os.urandom(3 * (1 << 20) + 12345)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
@@ -159,8 +160,9 @@ def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, off
         assert f.tell() == offset + want
     assert bytes(view) == data[offset : offset + want]
     assert b"".join(chunks) == data[offset : offset + want]
-    if f.direct:  # every byte is read O_DIRECT (through the bounce buffers)
+    if f.direct:  # every byte is read O_DIRECT (through the bounce buffers), copied out in steps
         assert sum(direct_bytes) >= want and len(chunks) >= 3
+        assert max(map(len, chunks)) == 300_007 and len(chunks) > want // 300_007
 
 
 def test_direct_reader_misaligned_destination_stops_at_end_of_file(tmp_path, monkeypatch):

@@ -11,9 +11,10 @@ import torch
 from safetensors import safe_open
 
 from statekit.engine.staging import StagingPool
+from statekit.format import tensors as tensor_files
 from statekit.format import write_tensors
 from statekit.storage import DirectWriter
-from statekit.storage.hashing import checksum_string, new_hasher
+from statekit.storage.hashing import checksum_bytes, checksum_string, new_hasher
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -48,6 +49,26 @@ def test_a_staged_file_is_written_from_its_arena_with_the_same_bytes(tmp_path, m
     if DirectWriter(str(tmp_path / "probe")).direct:  # tmpfs refuses O_DIRECT: everything is copied there
         assert staged_copied < 8192  # the header page and the unaligned tail only
     with safe_open(str(tmp_path / "staged.safetensors"), "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
+
+
+def test_copied_bytes_are_hashed_in_cache_sized_steps_and_the_checksum_is_the_files(tmp_path, monkeypatch):
+    """The copying path alternates copy and checksum in steps of CACHE_STEP_BYTES (an
+    odd size here, so steps end inside tensors); the checksum is still the whole file's."""
+    monkeypatch.setattr(tensor_files, "CACHE_STEP_BYTES", 100_003)
+    writes: list[int] = []
+    real = DirectWriter.write
+    monkeypatch.setattr(DirectWriter, "write", lambda self, data: writes.append(len(memoryview(data).cast("B"))) or real(self, data))
+    state = _state()
+    hasher = new_hasher()
+    path = tmp_path / "stepped.safetensors"
+    with DirectWriter(str(path)) as writer:
+        write_tensors(writer, state, None, hasher)
+    header_bytes = writes[0]
+    assert max(writes[1:]) == 100_003 and len(writes) > 1 + 1_332_000 // 100_003
+    assert sum(writes) - header_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert checksum_string(hasher) == checksum_bytes(path.read_bytes())
+    with safe_open(str(path), "pt") as f:
         assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
 
 

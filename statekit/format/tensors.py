@@ -16,7 +16,7 @@ import torch
 from statekit.errors import CorruptCheckpointError
 from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
 from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
-from statekit.storage.direct import DIRECT_ALIGN
+from statekit.storage.direct import CACHE_STEP_BYTES, DIRECT_ALIGN
 from statekit.storage.prefault import Prefaulter
 
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -77,12 +77,14 @@ def write_tensors(
     arena = _one_arena(tensors, planned)
     if arena is not None:  # a staged file: the arena as it is, not copied again (DirectWriter.write_stable)
         views, write = [memoryview(arena.numpy())], getattr(f, "write_stable", f.write)
-    else:
+        step = CHUNK_BYTES
+    else:  # each write copies: hash what was just copied while it is in cache
         views, write = (tensor_bytes(p.tensor) for p in planned), f.write
+        step = CACHE_STEP_BYTES if hasher is not None else CHUNK_BYTES
     size = len(header)
     for view in views:
-        for start in range(0, len(view), CHUNK_BYTES):
-            chunk = view[start : start + CHUNK_BYTES]
+        for start in range(0, len(view), step):
+            chunk = view[start : start + step]
             write(chunk)
             if hasher is not None:
                 hasher.update(chunk)

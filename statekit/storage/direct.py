@@ -20,6 +20,12 @@ BOUNCE_PIECE_BYTES = 16 * 1024 * 1024
 """Bytes per ``O_DIRECT`` read of a :class:`DirectReader` (one bounce buffer). Two
 buffers per reader: one is read into while the other is copied out and checksummed."""
 
+CACHE_STEP_BYTES = 256 * 1024
+"""Bytes a copy and the checksum of the same bytes alternate in (copy a step, hash it,
+next step): the hash then reads the step from the core's L2 cache (1 MiB on the benchmark
+VM), not from memory. A second pass over memory costs a load or save time beside the
+copy itself, and on a VM it also slows the disk (docs/benchmark.md, "The VM")."""
+
 _DIRECT_MIN_BYTES = 1024 * 1024  # a small read that does not continue the stream goes through the page cache
 
 
@@ -36,7 +42,8 @@ class DirectReader:
     ``O_DIRECT`` into two alternating huge-page bounce buffers
     (:class:`statekit.storage.hugepages.IOBuffer`) on a helper thread, always one piece
     ahead, across :meth:`fill` calls; the caller's thread copies each piece out
-    (``ctypes.memmove``, GIL released) and hands it to ``on_chunk`` (the checksum).
+    (``ctypes.memmove``, GIL released) in :data:`CACHE_STEP_BYTES` steps and hands each
+    step to ``on_chunk`` (the checksum) while it is still in cache.
     Why bounce every byte instead of reading straight into the destination: an
     ``O_DIRECT`` read into ordinary (4 KiB-page) memory ran at 2.3 GB/s on the benchmark
     VM against 3.2-3.5 GB/s into huge pages, and the copy (0.06 s per GiB) overlaps the
@@ -110,8 +117,9 @@ class DirectReader:
 
         Args:
             view: the destination bytes (e.g. a tensor's storage as ``uint8``).
-            on_chunk: called on the caller's thread with each piece read, in file order,
-                while the next piece is read (the checksum update), or None.
+            on_chunk: called on the caller's thread with each step copied out (at most
+                :data:`CACHE_STEP_BYTES`), in file order, while the next piece is read
+                (the checksum update), or None.
 
         Returns:
             Bytes read: ``len(view)``, or fewer where the file ends first.
@@ -129,9 +137,12 @@ class DirectReader:
             if start >= piece[1]:
                 break  # end of file
             take = min(piece[1] - start, n - done)
-            ctypes.memmove(buffer_address(view[done : done + take]), self._bounce[piece[2]].address + start, take)
-            if on_chunk is not None:
-                on_chunk(view[done : done + take])
+            source = self._bounce[piece[2]].address + start
+            for step in range(0, take, CACHE_STEP_BYTES):
+                part = view[done + step : done + min(take, step + CACHE_STEP_BYTES)]
+                ctypes.memmove(buffer_address(part), source + step, len(part))
+                if on_chunk is not None:
+                    on_chunk(part)  # while the step is still in the core's cache
             done += take
         self._pos += done
         return done
