@@ -64,9 +64,9 @@ def test_copied_bytes_are_hashed_in_cache_sized_steps_and_the_checksum_is_the_fi
     path = tmp_path / "stepped.safetensors"
     with DirectWriter(str(path)) as writer:
         write_tensors(writer, state, None, hasher)
-    header_bytes = writes[0]
-    assert max(writes[1:]) == 100_003 and len(writes) > 1 + 1_332_000 // 100_003
-    assert sum(writes) - header_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    data = sum(t.numel() * t.element_size() for t in state.values())
+    assert max(writes[1:]) == 100_003 and len(writes) - 1 >= data // 100_003  # writes[0]: the header
+    assert sum(writes[1:]) == data
     assert checksum_string(hasher) == checksum_bytes(path.read_bytes())
     with safe_open(str(path), "pt") as f:
         assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
