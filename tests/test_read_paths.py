@@ -165,6 +165,23 @@ def test_direct_reader_fill_reads_every_byte_in_order(tmp_path, monkeypatch, off
         assert max(map(len, chunks)) == 300_007 and len(chunks) > want // 300_007
 
 
+def test_page_cache_fill_hands_the_checksum_cache_sized_steps(tmp_path, monkeypatch):
+    """Where ``O_DIRECT`` is refused (tmpfs) a fill reads and checksums in
+    CACHE_STEP_BYTES steps too; every byte lands in place and reaches ``on_chunk`` in order."""
+    monkeypatch.setattr(direct, "CACHE_STEP_BYTES", 300_007)
+    data = os.urandom((2 << 20) + 4321)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    chunks: list[bytes] = []
+    out = bytearray(len(data) - 11)
+    with DirectReader(str(path)) as f:
+        f._direct_fd = None  # as where O_DIRECT is refused
+        f.seek(11)
+        assert f.fill(memoryview(out), lambda c: chunks.append(bytes(c))) == len(out)
+    assert bytes(out) == data[11:] and b"".join(chunks) == data[11:]
+    assert max(map(len, chunks)) == 300_007 and len(chunks) == -(-len(out) // 300_007)
+
+
 def test_direct_reader_misaligned_destination_stops_at_end_of_file(tmp_path, monkeypatch):
     monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 1 << 20)
     data = os.urandom((2 << 20) + 123)

@@ -148,9 +148,10 @@ class DirectReader:
         return done
 
     def _fill_cached(self, view: memoryview, on_chunk: Callable[[memoryview], Any] | None) -> int:
+        step = CACHE_STEP_BYTES if on_chunk is not None else BOUNCE_PIECE_BYTES  # tmpfs, 1 GiB: 0.110 s against 0.120
         done = 0
         while done < len(view):
-            got = self._read_piece(view[done : done + BOUNCE_PIECE_BYTES], self._pos + done, False)
+            got = self._read_piece(view[done : done + step], self._pos + done, False)
             if not got:
                 break
             if on_chunk is not None:
