@@ -232,6 +232,39 @@ def test_direct_reader_streams_across_fills_and_restarts_after_a_seek(tmp_path, 
         assert bytes(rest[: len(data) - (4 << 20)]) == data[4 << 20 :]
 
 
+def test_the_next_piece_is_queued_before_the_reader_waits_for_the_one_in_flight(tmp_path, monkeypatch):
+    """Once a piece is copied out, the read into its buffer is queued before the caller
+    waits for the piece in flight, so the read thread never waits for the caller to wake."""
+    piece = 1 << 20
+    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", piece)
+    data = os.urandom(4 * piece)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    release = threading.Event()
+    real_read_piece = DirectReader._read_piece
+
+    def held_second_piece(self, view, offset, use_direct):
+        if offset == piece:
+            assert release.wait(10)
+        return real_read_piece(self, view, offset, use_direct)
+
+    monkeypatch.setattr(DirectReader, "_read_piece", held_second_piece)
+    out = bytearray(len(data))
+    with DirectReader(str(path)) as f:
+        if not f.direct:
+            pytest.skip("O_DIRECT refused here: no read-ahead stream")
+        filling = threading.Thread(target=f.fill, args=(memoryview(out),))
+        filling.start()
+        deadline = time.monotonic() + 10
+        while not (f._ahead is not None and f._ahead[0] == 2 * piece) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queued = f._ahead is not None and f._ahead[0] == 2 * piece
+        release.set()
+        filling.join()
+    assert queued  # the third piece was queued while the second was still being read
+    assert bytes(out) == data
+
+
 def test_direct_reader_stops_at_end_of_file(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(b"x" * (2 << 20))

@@ -189,9 +189,11 @@ class DirectReader:
                 self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES) for _ in range(2)]
             ahead = self._start(position - position % DIRECT_ALIGN, 0)
         offset, future, which = ahead
-        got = future.result()
-        self._loaded = (offset, got, which)
-        self._ahead = self._start(offset + BOUNCE_PIECE_BYTES, 1 - which) if got == BOUNCE_PIECE_BYTES else None
+        # The other buffer has been copied out: queue the next piece into it before waiting,
+        # so the read thread goes on the moment this piece is in, not once this thread has
+        # woken up and asked. Past the end of the file that read gets 0 bytes.
+        self._start(offset + BOUNCE_PIECE_BYTES, 1 - which)
+        self._loaded = (offset, future.result(), which)
         return self._loaded
 
     def _start(self, offset: int, which: int) -> tuple[int, Future, int]:
