@@ -4,7 +4,10 @@ and checksum as the copying path; large files start their data on a 4 KiB bounda
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
+import time
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from safetensors import safe_open
 from statekit.engine.staging import StagingPool
 from statekit.format import tensors as tensor_files
 from statekit.format import write_tensors
-from statekit.storage import DirectWriter
+from statekit.storage import DirectWriter, direct_write
 from statekit.storage.hashing import checksum_bytes, checksum_string, new_hasher
 
 
@@ -70,6 +73,64 @@ def test_copied_bytes_are_hashed_in_cache_sized_steps_and_the_checksum_is_the_fi
     assert checksum_string(hasher) == checksum_bytes(path.read_bytes())
     with safe_open(str(path), "pt") as f:
         assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
+
+
+@pytest.fixture
+def small_buffers(monkeypatch):
+    """DirectWriter buffers of 64 KiB (a fresh pool), so a few hundred KiB make several writes."""
+    monkeypatch.setattr(direct_write, "DIRECT_BUFFER_BYTES", 64 * 1024)
+    monkeypatch.setattr(direct_write, "_buffer_pool", [])
+    return 64 * 1024
+
+
+def test_the_next_buffer_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, monkeypatch, small_buffers):
+    """A filled buffer's writer thread exists while the write before it is still running,
+    so it starts the moment that write ends; the file is still written in order."""
+    release = threading.Event()
+    real_write = os.write
+    calls = []
+
+    def held_first_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            assert release.wait(10)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_write.os, "write", held_first_write)
+    data = os.urandom(5 * small_buffers + 123)
+    path = tmp_path / "f.bin"
+    writer = DirectWriter(str(path))
+    filling = threading.Thread(target=writer.write, args=(data,))
+    filling.start()
+    deadline = time.monotonic() + 10
+    while sum(t.name == "statekit-write" for t in threading.enumerate()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    waiting = sum(t.name == "statekit-write" for t in threading.enumerate())
+    release.set()
+    filling.join()
+    writer.close()
+    assert waiting >= 2  # the second buffer's writer was there while the first write was held
+    assert path.read_bytes() == data
+
+
+def test_a_failed_write_is_raised_and_no_later_buffer_is_written(tmp_path, monkeypatch, small_buffers):
+    real_write = os.write
+    calls = []
+
+    def disk_full_at_second_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            time.sleep(0.05)  # the caller has handed the next buffer over by now
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_write.os, "write", disk_full_at_second_write)
+    writer = DirectWriter(str(tmp_path / "f.bin"))
+    with pytest.raises(OSError, match="No space left"):
+        writer.write(os.urandom(6 * small_buffers))
+        writer.close()
+    writer.abort()
+    assert len(calls) == 2  # nothing after the failed buffer reached the file
 
 
 @pytest.mark.parametrize(("numel", "offset"), [(300_000, 4096), (10, None)])
