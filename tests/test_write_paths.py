@@ -113,6 +113,49 @@ def test_the_next_buffer_goes_to_its_writer_before_the_write_before_it_ends(tmp_
     assert path.read_bytes() == data
 
 
+def test_a_stable_write_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, monkeypatch):
+    """write_stable (a staged arena, written from its own memory) chains its writes the
+    same way: the second chunk's writer exists while the first write is held."""
+    from statekit.storage.hugepages import IOBuffer
+
+    release = threading.Event()
+    real_write = os.write
+    calls = []
+
+    def held_first_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            assert release.wait(10)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_write.os, "write", held_first_write)
+    arena = IOBuffer(1 << 20)
+    payload = os.urandom(1 << 20)
+    arena.view[:] = payload
+    path = tmp_path / "f.bin"
+    writer = DirectWriter(str(path))
+    if not writer.direct:
+        writer.abort()
+        pytest.skip("O_DIRECT refused here: write_stable copies")
+
+    def two_chunks():
+        writer.write_stable(arena.view[: 1 << 19])
+        writer.write_stable(arena.view[1 << 19 :])
+
+    writing = threading.Thread(target=two_chunks)
+    writing.start()
+    deadline = time.monotonic() + 10
+    while sum(t.name == "statekit-write" for t in threading.enumerate()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    waiting = sum(t.name == "statekit-write" for t in threading.enumerate())
+    release.set()
+    writing.join()
+    writer.close()
+    arena.close()
+    assert waiting >= 2
+    assert path.read_bytes() == payload
+
+
 def test_a_failed_write_is_raised_and_no_later_buffer_is_written(tmp_path, monkeypatch, small_buffers):
     real_write = os.write
     calls = []

@@ -132,9 +132,7 @@ class DirectWriter:
             return self.write(view)
         if self._fill:
             self._submit(self._fill)
-        self._wait()
-        self._thread = threading.Thread(target=self._write_all, args=(view[:whole],), daemon=True)
-        self._thread.start()
+        self._join(self._chain(view[:whole]))  # bounds the writes in flight to two, as _submit
         self._size += whole
         if whole < len(view):
             self.write(view[whole:])
@@ -167,13 +165,21 @@ class DirectWriter:
         """Hand the filled buffer to a new writer thread, which starts writing the moment
         the write before it ends (not once this thread has woken up and started it), then
         wait for that earlier write: its buffer is the one filled next."""
-        previous = self._thread
-        view = self._view[:length]
-        self._thread = threading.Thread(target=self._write_after, args=(previous, view), name="statekit-write", daemon=True)
-        self._thread.start()
+        previous = self._chain(self._view[:length])
         self._views.reverse()
         self._view = self._views[0]
         self._fill = 0
+        self._join(previous)
+
+    def _chain(self, view: memoryview) -> threading.Thread | None:
+        """Start the thread that writes ``view`` after the current one; returns the one before."""
+        previous = self._thread
+        self._thread = threading.Thread(target=self._write_after, args=(previous, view), name="statekit-write", daemon=True)
+        self._thread.start()
+        return previous
+
+    def _join(self, previous: threading.Thread | None) -> None:
+        """Wait for an earlier write; raise the first write error seen."""
         if previous is not None:
             previous.join()
         if self._error is not None:
