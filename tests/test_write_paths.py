@@ -83,52 +83,53 @@ def small_buffers(monkeypatch):
     return 64 * 1024
 
 
-def test_the_next_buffer_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, monkeypatch, small_buffers):
-    """A filled buffer's writer thread exists while the write before it is still running,
-    so it starts the moment that write ends; the file is still written in order."""
+@pytest.fixture
+def held_first_write(monkeypatch) -> threading.Event:
+    """The writer's first ``os.write`` waits until the returned event is set."""
     release = threading.Event()
     real_write = os.write
     calls = []
 
-    def held_first_write(fd, data):
+    def held(fd, data):
         calls.append(len(data))
         if len(calls) == 1:
             assert release.wait(10)
         return real_write(fd, data)
 
-    monkeypatch.setattr(direct_write.os, "write", held_first_write)
-    data = os.urandom(5 * small_buffers + 123)
-    path = tmp_path / "f.bin"
-    writer = DirectWriter(str(path))
-    filling = threading.Thread(target=writer.write, args=(data,))
-    filling.start()
+    monkeypatch.setattr(direct_write.os, "write", held)
+    return release
+
+
+def _writer_threads_while(release: threading.Event, work: threading.Thread) -> int:
+    """Start ``work``, wait (up to 10 s) for two ``statekit-write`` threads to exist while
+    the first write is held, then release it; returns how many there were at most."""
+    work.start()
     deadline = time.monotonic() + 10
     while sum(t.name == "statekit-write" for t in threading.enumerate()) < 2 and time.monotonic() < deadline:
         time.sleep(0.001)
-    waiting = sum(t.name == "statekit-write" for t in threading.enumerate())
+    seen = sum(t.name == "statekit-write" for t in threading.enumerate())
     release.set()
-    filling.join()
+    work.join()
+    return seen
+
+
+def test_the_next_buffer_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, small_buffers, held_first_write):
+    """A filled buffer's writer thread exists while the write before it is still running,
+    so it starts the moment that write ends; the file is still written in order."""
+    data = os.urandom(5 * small_buffers + 123)
+    path = tmp_path / "f.bin"
+    writer = DirectWriter(str(path))
+    waiting = _writer_threads_while(held_first_write, threading.Thread(target=writer.write, args=(data,)))
     writer.close()
     assert waiting >= 2  # the second buffer's writer was there while the first write was held
     assert path.read_bytes() == data
 
 
-def test_a_stable_write_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, monkeypatch):
+def test_a_stable_write_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, held_first_write):
     """write_stable (a staged arena, written from its own memory) chains its writes the
     same way: the second chunk's writer exists while the first write is held."""
     from statekit.storage.hugepages import IOBuffer
 
-    release = threading.Event()
-    real_write = os.write
-    calls = []
-
-    def held_first_write(fd, data):
-        calls.append(len(data))
-        if len(calls) == 1:
-            assert release.wait(10)
-        return real_write(fd, data)
-
-    monkeypatch.setattr(direct_write.os, "write", held_first_write)
     arena = IOBuffer(1 << 20)
     payload = os.urandom(1 << 20)
     arena.view[:] = payload
@@ -142,14 +143,7 @@ def test_a_stable_write_goes_to_its_writer_before_the_write_before_it_ends(tmp_p
         writer.write_stable(arena.view[: 1 << 19])
         writer.write_stable(arena.view[1 << 19 :])
 
-    writing = threading.Thread(target=two_chunks)
-    writing.start()
-    deadline = time.monotonic() + 10
-    while sum(t.name == "statekit-write" for t in threading.enumerate()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    waiting = sum(t.name == "statekit-write" for t in threading.enumerate())
-    release.set()
-    writing.join()
+    waiting = _writer_threads_while(held_first_write, threading.Thread(target=two_chunks))
     writer.close()
     arena.close()
     assert waiting >= 2
