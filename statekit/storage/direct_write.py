@@ -56,8 +56,9 @@ class DirectWriter:
     helper thread (``os.write`` releases the GIL) while the caller fills the other, so the
     copy overlaps the I/O. Each buffer's thread is started while the write before it still
     runs and goes on the moment it ends, so the disk does not wait for the caller to wake
-    up between buffers (1 GiB saves 0.816 and 0.937 of the time before, 10+10 runs twice). The last, partial block is written padded to 4 KiB and the
-    file truncated to its true size. Where the file system refuses ``O_DIRECT`` (tmpfs,
+    up between buffers (1 GiB saves 0.816 and 0.937 of the time before, 10+10 runs twice).
+    The last, partial block is written padded to 4 KiB and the file truncated to its true
+    size. Where the file system refuses ``O_DIRECT`` (tmpfs,
     some network file systems) the same code writes through the page cache. On this VM
     buffered writes of 1 GiB ran at 0.11-0.29 GB/s (dirty-page throttling), ``O_DIRECT``
     at about 1 GB/s (see docs/benchmark.md).
