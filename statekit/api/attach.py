@@ -31,7 +31,7 @@ from statekit.engine import commit as commits, data
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
-from statekit.errors import CorruptCheckpointError
+from statekit.errors import CorruptCheckpointError, PluginMissingError
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -191,6 +191,7 @@ class _AttachedCalls:
         """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""
         checkpoint = self.context("load", input_dir)
         _check_statekit_files(checkpoint)  # before Accelerate restores anything
+        _check_owners_installed(checkpoint)  # a model a plugin took has no Accelerate file
         if checkpoint.manifest is not None:  # warns per difference (Accelerate's load_state has no strict_resume)
             live = fingerprints.compute(collect(self.accelerator), self.accelerator)
             fingerprints.check(checkpoint.manifest, live, checkpoint.url)
@@ -257,6 +258,27 @@ def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attach
     )
     checkpoint.accelerate_runs_hooks = True  # Accelerate calls its registered hooks itself
     return checkpoint
+
+
+def _check_owners_installed(checkpoint: Checkpoint) -> None:
+    """Fail before Accelerate restores anything if an object was saved by a plugin that is
+    not installed (or blocked): Accelerate would otherwise stop on a missing model file
+    (``pytorch_model.bin``) without naming the plugin."""
+    if checkpoint.manifest is None:
+        return
+    pm = get_plugin_manager()
+    for key, obj in (checkpoint.manifest.get("objects") or {}).items():
+        owner = obj.get("owner", CORE)
+        if owner in (CORE, ACCELERATE_WRITER) or pm.get_plugin(owner) is not None:
+            continue
+        dist_name = obj.get("owner_distribution", f"statekit-{owner}")
+        blocked = " (it is blocked by STATEKIT_DISABLE_PLUGINS)" if pm.is_blocked(owner) else ""
+        raise PluginMissingError(
+            f"{checkpoint.url}: {key!r} was saved by plugin {owner!r}, which is not available{blocked}; "
+            f"pip install {dist_name} (nothing was loaded)",
+            plugin_name=owner,
+            distribution=dist_name,
+        )
 
 
 def _check_statekit_files(checkpoint: Checkpoint) -> None:

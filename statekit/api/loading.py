@@ -9,6 +9,7 @@ written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -119,7 +120,7 @@ def load_objects(
         live = fingerprints.compute(entries, accelerator)
         fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume)
     if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
-        return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
+        return _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
     pm = get_plugin_manager()
     saved_objects = manifest["objects"]
     entries = [e for e in entries if e.key in saved_objects or not e.optional]
@@ -154,6 +155,57 @@ def load_objects(
     if not strict:
         manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}
     return manifest
+
+
+def _load_attached(
+    storage: Storage,
+    manifest: dict[str, Any],
+    entries: list[Entry],
+    accelerator: Any,
+    options: dict[str, Any] | None,
+    *,
+    allow_pickle: bool,
+    verify: bool,
+) -> dict[str, Any]:
+    """A directory written by an attached accelerator: the models a plugin took at save
+    time (``unet/`` of statekit-diffusers...) have no Accelerate file; they go back through
+    their plugin's ``statekit_load_state_pre``, everything else through Accelerate's reader.
+    The owners are checked first, so a missing plugin is named before anything is loaded."""
+    saved_objects = manifest.get("objects") or {}
+    # owner "accelerate": written by Accelerate itself (statekit.api.attach.ACCELERATE_WRITER)
+    owned = [e for e in entries if e.kind == "model" and saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, "accelerate")]
+    if not owned:
+        return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
+    pm = get_plugin_manager()
+    _check_loadable(pm, storage, owned, saved_objects)
+    rest = [e for e in entries if all(e is not o for o in owned)]
+    # Accelerate numbers the model files of what is left in ``weights`` after the plugins
+    # took theirs (model.safetensors, model_1...): the remaining models, in order.
+    renamed, original, n = [], {}, 0
+    for e in rest:
+        if e.kind == "model":
+            original[f"model_{n}"] = e.key
+            e = dataclasses.replace(e, key=f"model_{n}")
+            n += 1
+        renamed.append(e)
+    result = accelerate_format.load(storage, renamed, allow_pickle=allow_pickle, accelerator=accelerator)
+    result["objects"] = {original.get(k, k) if v.get("kind") == "model" else k: v for k, v in result["objects"].items()}
+    checkpoint = context_for(storage, "load", owned, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
+    models = [e.obj for e in owned]
+    keys = [e.key for e in owned]
+    hook_models = list(models)
+    taken: dict[str, str] = {}
+    call_each(
+        pm,
+        "statekit_load_state_pre",
+        checkpoint,
+        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
+        after_each=track_load_claims(checkpoint, hook_models, models, keys, [], taken),
+    )
+    _check_owners_took(storage, owned, saved_objects, taken)
+    call_each(pm, "statekit_load_state_post", checkpoint, {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint})
+    result["objects"].update({e.key: {"kind": e.kind, "owner": saved_objects[e.key]["owner"]} for e in owned})
+    return result
 
 
 def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import torch
 from conftest import assert_same_weights, tiny_cond_unet, tiny_unet, tiny_vae, train_step
 
 import statekit
+import statekit.hooks.registry
 
 import statekit_diffusers
 
@@ -230,3 +231,27 @@ def test_async_save_stages_the_diffusers_folders(pm, tmp_path):
     assert statekit.CheckpointManager(accelerator2, str(tmp_path / "run")).resume() == 1
     assert all(torch.equal(v, expected[k]) for k, v in unet2.state_dict().items())
     assert all(torch.equal(a, b) for a, b in zip(extra2["ema"].shadow_params, expected_ema))
+
+
+def test_attach_directory_reads_back_through_statekit_and_names_a_missing_plugin(pm, tmp_path):
+    """A directory of attach + accelerator.save_state whose UNet the plugin took (no
+    Accelerate model file): statekit.load_state and a manager resume route it back to the
+    plugin; without the plugin, accelerator.load_state names it before loading anything."""
+    accelerator, unet, vae, head, opt, _ = build(0)
+    statekit.attach(accelerator)
+    train_step(unet, opt)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    accelerator2, unet2, vae2, head2, opt2, _ = build(1)
+    statekit.load_state(accelerator2, str(tmp_path / "ckpt"), allow_pickle=True)
+    for a, b in ((unet, unet2), (vae, vae2), (head, head2)):
+        assert_same_weights(a, b)
+
+    blocked = statekit.hooks.registry.build_plugin_manager(autoload=False)
+    accelerator3, unet3, *_ = build(2)
+    statekit.attach(accelerator3)
+    with statekit.hooks.registry.use_plugin_manager(blocked):
+        with pytest.raises(statekit.PluginMissingError, match="statekit-diffusers"):
+            accelerator3.load_state(str(tmp_path / "ckpt"))
+        with pytest.raises(statekit.PluginMissingError, match="statekit-diffusers"):
+            statekit.load_state(accelerator3, str(tmp_path / "ckpt"), allow_pickle=True)
