@@ -89,6 +89,30 @@ def test_memory_checkpoint_is_copied(pm, tmp_path):
     assert "offload_copy=False" in str(raised(excinfo.value, statekit.StorageError))
 
 
+def test_offload_folder_with_copies_of_a_live_model_is_refused(pm, tmp_path):
+    """Two checkpoints copied into one offload_folder: the second load would rewrite the
+    .dat files the first model reads at every forward (its output would silently change)."""
+    import gc
+
+    first, second = build_net(), build_net()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(1.0)
+    base = f"memory://statekit-offload-tests/{uuid.uuid4().hex}"
+    statekit.save(f"{base}/a", {"model": first})
+    statekit.save(f"{base}/b", {"model": second})
+    model_a = build_net(meta=True)
+    statekit.load(f"{base}/a", {"model": model_a}, device_map=ALL_DISK, offload_folder=tmp_path / "off")
+    with pytest.raises(statekit.StatekitError, match="another model"):
+        statekit.load(f"{base}/b", {"model": build_net(meta=True)}, device_map=ALL_DISK, offload_folder=tmp_path / "off")
+    assert torch.equal(_forward(model_a), _forward(first))
+    del model_a
+    gc.collect()
+    model_b = build_net(meta=True)  # the folder is free once the model that used it is gone
+    statekit.load(f"{base}/b", {"model": model_b}, device_map=ALL_DISK, offload_folder=tmp_path / "off")
+    assert torch.equal(_forward(model_b), _forward(second))
+
+
 def test_auto_device_map_from_max_memory(saved, tmp_path):
     url, _, ref = saved
     model = build_net(meta=True)

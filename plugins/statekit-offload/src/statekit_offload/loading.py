@@ -59,6 +59,11 @@ _SAFETENSORS_FALLBACK_CODES = frozenset({"F64", "F32", "F16", "BF16", "I64", "I3
 # What a load did to a model, by model (see offload_info).
 _INFO: weakref.WeakKeyDictionary[torch.nn.Module, OffloadInfo] = weakref.WeakKeyDictionary()
 
+# Offload folders holding .dat copies that a live model of this process reads at every
+# forward (Accelerate's loader opens <folder>/<name>.dat on each access): a second load
+# into the same folder would rewrite those files under the first model.
+_DAT_FOLDERS: dict[str, weakref.ref[torch.nn.Module]] = {}
+
 
 @dataclass
 class OffloadInfo:
@@ -192,6 +197,8 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
     with torch.no_grad():
         retie_parameters(model, load.info.tied_parameters)
     load.finish(opts, device_map)
+    if load.info.copied and load.folder is not None:
+        _DAT_FOLDERS[load.folder] = weakref.ref(model)
     if load.info.in_place:
         load.info.marker = mark_in_use(checkpoint.url, model_key=key, offload_folder=load.folder)
         weakref.finalize(model, release_in_use, load.info.marker)
@@ -302,6 +309,15 @@ class _ModelLoad:
             sink = self.sink(e, names_of[e.name], readable_in_place)
             if sink.memory is not None or sink.paths or sink.done is not None:
                 sinks[e.name] = sink
+        if self.info.copied and self.folder is not None:
+            owner = _DAT_FOLDERS.get(self.folder)
+            live = owner() if owner is not None else None
+            if live is not None and live is not self.model:
+                raise StatekitError(
+                    f"{self.url}: offload_folder={self.folder!r} holds the offloaded weights of another model "
+                    f"({type(live).__name__} at 0x{id(live):x}), which reads them at every forward; writing this "
+                    "model's copies there would change that model's weights. Give each model its own offload_folder"
+                )
         try:
             _stream.stream(f, header, self.url, sinks, read_all=verify)
         except OSError as exc:
