@@ -28,17 +28,14 @@ from statekit.api import fingerprint as fingerprints
 from statekit.api.bridge import collect
 from statekit.api.saveload import plugin_versions
 from statekit.engine import commit as commits, data
-from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
-from statekit.errors import CorruptCheckpointError, PluginMissingError
+from statekit.errors import CorruptCheckpointError
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
-
-ACCELERATE_WRITER = "accelerate"
-"""``writer`` of the files Accelerate's ``save_state`` wrote, in an attach-mode manifest."""
 
 
 class Attachment:
@@ -269,16 +266,8 @@ def _check_owners_installed(checkpoint: Checkpoint) -> None:
     pm = get_plugin_manager()
     for key, obj in (checkpoint.manifest.get("objects") or {}).items():
         owner = obj.get("owner", CORE)
-        if owner in (CORE, ACCELERATE_WRITER) or pm.get_plugin(owner) is not None:
-            continue
-        dist_name = obj.get("owner_distribution", f"statekit-{owner}")
-        blocked = " (it is blocked by STATEKIT_DISABLE_PLUGINS)" if pm.is_blocked(owner) else ""
-        raise PluginMissingError(
-            f"{checkpoint.url}: {key!r} was saved by plugin {owner!r}, which is not available{blocked}; "
-            f"pip install {dist_name} (nothing was loaded)",
-            plugin_name=owner,
-            distribution=dist_name,
-        )
+        if owner not in (CORE, ACCELERATE_WRITER):
+            pm.require_owner(owner, obj.get("owner_distribution"), f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
 
 
 def _check_statekit_files(checkpoint: Checkpoint) -> None:

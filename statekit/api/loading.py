@@ -17,9 +17,9 @@ from typing import Any
 from statekit.api import fingerprint as fingerprints
 from statekit.api.saveload import context_for
 from statekit.engine import read
-from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, unwrap_model
-from statekit.errors import IncompleteCheckpointError, PluginError, PluginMissingError, StatekitWarning, StateMismatchError
+from statekit.errors import IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError
 from statekit.foreign import accelerate as accelerate_format
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_load_claims
@@ -172,8 +172,7 @@ def _load_attached(
     their plugin's ``statekit_load_state_pre``, everything else through Accelerate's reader.
     The owners are checked first, so a missing plugin is named before anything is loaded."""
     saved_objects = manifest.get("objects") or {}
-    # owner "accelerate": written by Accelerate itself (statekit.api.attach.ACCELERATE_WRITER)
-    owned = [e for e in entries if e.kind == "model" and saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, "accelerate")]
+    owned = [e for e in entries if e.kind == "model" and saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, ACCELERATE_WRITER)]
     if not owned:
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
     pm = get_plugin_manager()
@@ -214,16 +213,9 @@ def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], s
     if missing:
         raise StateMismatchError(f"checkpoint {storage.url}", missing=missing)
     for e in entries:
-        owner = saved_objects[e.key]["owner"]
-        if owner != CORE and pm.get_plugin(owner) is None:
-            dist_name = saved_objects[e.key].get("owner_distribution", f"statekit-{owner}")
-            blocked = " (it is blocked by STATEKIT_DISABLE_PLUGINS)" if pm.is_blocked(owner) else ""
-            raise PluginMissingError(
-                f"{storage.url}: {e.key!r} was saved by plugin {owner!r}, which is not available{blocked}; "
-                f"pip install {dist_name}",
-                plugin_name=owner,
-                distribution=dist_name,
-            )
+        saved = saved_objects[e.key]
+        if saved["owner"] not in (CORE, ACCELERATE_WRITER):
+            pm.require_owner(saved["owner"], saved.get("owner_distribution"), f"{storage.url}: {e.key!r}")
 
 
 def _check_owners_took(storage: Storage, entries: list[Entry], saved_objects: dict[str, Any], taken: dict[str, str]) -> None:

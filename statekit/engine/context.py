@@ -27,6 +27,10 @@ from statekit.storage.hashing import HashingWriter
 CORE = "statekit"
 """Writer/owner name used for the core's own files and objects."""
 
+ACCELERATE_WRITER = "accelerate"
+"""Writer/owner name an attached accelerator's manifest records for the files
+``Accelerator.save_state`` wrote itself (not a plugin: nothing to install)."""
+
 READABLE_JSON_BYTES = 64 * 1024
 """JSON files up to this many characters are indented for people to read; larger ones
 (an optimizer skeleton of thousands of parameters) are written compact, because indenting

@@ -22,7 +22,7 @@ from typing import Any
 import pluggy
 
 from statekit.hooks import hookspecs
-from statekit.errors import PluginError, StatekitError
+from statekit.errors import PluginError, PluginMissingError, StatekitError
 from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
@@ -137,6 +137,29 @@ class PluginManager(pluggy.PluginManager):
             self.register(factory(), name=name)
             self.sources[name] = PluginSource(name, "built-in", "statekit", version)
         return True
+
+    def require_owner(self, owner: str, distribution: str | None, what: str, then: str = "") -> None:
+        """Check that the plugin a checkpoint's object was saved by can load it back.
+
+        Args:
+            owner: the plugin name recorded in the manifest (``objects[key]["owner"]``).
+            distribution: the recorded ``owner_distribution``; None means ``statekit-<owner>``.
+            what: the object, for the message: ``"<url>: 'model_0'"``.
+            then: appended to the message (what the caller has not done yet).
+
+        Raises:
+            PluginMissingError: ``owner`` is not registered (not installed, or blocked by
+                ``STATEKIT_DISABLE_PLUGINS``), naming the distribution to ``pip install``.
+        """
+        if self.get_plugin(owner) is not None:
+            return
+        dist_name = distribution or f"statekit-{owner}"
+        blocked = " (it is blocked by STATEKIT_DISABLE_PLUGINS)" if self.is_blocked(owner) else ""
+        raise PluginMissingError(
+            f"{what} was saved by plugin {owner!r}, which is not available{blocked}; pip install {dist_name}{then}",
+            plugin_name=owner,
+            distribution=dist_name,
+        )
 
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
