@@ -89,6 +89,29 @@ def test_gc_removes_incomplete(tmp_path):
     assert not (root / "checkpoint-00000003").exists() and (root / "checkpoint-00000002").exists()
 
 
+def test_gc_keeps_a_save_in_progress(tmp_path, monkeypatch):
+    """gc run while a save writes (its live lock present) must not delete its files: the
+    save would commit a manifest over an emptied directory (on object stores) or fail."""
+    from statekit.storage import Storage
+
+    root = tmp_path / "run"
+    manager = CheckpointManager({"model": torch.nn.Linear(4, 4)}, str(root), keep_last=1)
+    manager.save(1)
+    outputs = []
+    real_commit = Storage.commit
+
+    def commit_after_gc(self, rel, data, exclusive=False):
+        outputs.append(_run("gc", str(root), "--json").output)
+        return real_commit(self, rel, data, exclusive)
+
+    monkeypatch.setattr(Storage, "commit", commit_after_gc)
+    manager.save(2)
+    monkeypatch.setattr(Storage, "commit", real_commit)
+    report = json.loads(outputs[0])
+    assert report["removed"] == [] and report["kept"][0]["url"] == str(root / "checkpoint-00000002")
+    statekit.verify(str(root / "checkpoint-00000002"))
+
+
 def test_convert_unknown_format_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["convert", str(tmp_path), str(tmp_path / "o"), "--to", "nope"])
     assert result.exit_code == 2 and "unknown format" in result.output

@@ -8,7 +8,9 @@ import click
 
 from statekit.api.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
+from statekit.engine.locking import live_save_lock
 from statekit.errors import CheckpointInUseError, StatekitError
+from statekit.storage import Storage
 from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 
 
@@ -94,6 +96,10 @@ def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> 
         for info in list_checkpoints(url, storage_options, details=False):
             if info.committed:
                 continue
+            holder = live_save_lock(Storage(info.url, storage_options))
+            if holder is not None:  # a save in progress, not an abandoned one: deleting it would break it
+                kept.append({"url": info.url, "reason": f"being saved by {holder.get('host')} pid {holder.get('pid')}"})
+                continue
             try:
                 if not dry_run:
                     delete_checkpoint(info.url, storage_options)
@@ -105,5 +111,5 @@ def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> 
     except StatekitError as exc:
         fail(exc)
     verb = "would remove" if dry_run else "removed"
-    lines = [f"{verb} {u}" for u in removed] + [f"kept {k['url']} (in use)" for k in kept]
+    lines = [f"{verb} {u}" for u in removed] + [f"kept {k['url']} ({k['reason']})" for k in kept]
     emit(as_json, {"dry_run": dry_run, "removed": removed, "kept": kept}, "\n".join(lines) or "nothing to remove")

@@ -69,6 +69,21 @@ def release_lock(storage: Storage, rank: int) -> None:
             pass  # the storage is failing; a later save finds the lock stale
 
 
+def live_save_lock(storage: Storage) -> dict[str, Any] | None:
+    """The holder of ``storage``'s save lock when a save is (or may still be) in progress:
+    a live process on this host, or another host's lock younger than
+    :data:`LOCK_TIMEOUT_S`; None when there is no lock or it is stale.
+
+    Args:
+        storage: a checkpoint directory.
+
+    Returns:
+        The lock's JSON (``host``, ``pid``, ``created``), or None.
+    """
+    holder = _lock_holder(storage)
+    return holder if holder is not None and holder.get("alive", True) else None
+
+
 def _remove_entry(storage: Storage, name: str) -> None:
     child = storage.child(name)
     if storage.fs.isdir(child.path):
