@@ -114,6 +114,12 @@ def test_resume_falls_back_from_a_corrupt_checkpoint(tmp_path, installed_plugin_
     with pytest.warns(statekit.StatekitWarning, match=r"checkpoint-00000002/model\.safetensors"):
         assert manager.resume() == 1
     assert_state_equal(model.state_dict(), good)
+    # the run goes on from step 1 and reaches step 2 again: the unloadable checkpoint is replaced
+    with pytest.warns(statekit.StatekitWarning, match="skipped as unloadable"):
+        manager.save(2)
+    statekit.verify(str(root / checkpoint_name(2)))
+    with pytest.raises(statekit.CheckpointExistsError):  # a loadable one is never replaced silently
+        manager.save(2)
 
 
 KILLED_SAVE = textwrap.dedent(

@@ -133,6 +133,7 @@ class CheckpointManager:
         self.resumed_from: str | None = None
         self._resumed_in_use: Any = None
         self.resumed_manifest: dict[str, Any] | None = None
+        self._skipped: set[str] = set()  # checkpoints under the root that resume() could not load
         self.replicate_to, self.replicate_options = replicate_to, replicate_options
         self.remote_keep_last = remote_keep_last
         self.delete_unreplicated = delete_unreplicated
@@ -219,6 +220,10 @@ class CheckpointManager:
             step = self.next_step()
         blocking = not self.async_save if blocking is None else blocking
         url = self.url_for(step)
+        if not overwrite and url in self._skipped:  # the run fell back past it and reached its step again
+            warnings.warn(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning, stacklevel=2)
+            overwrite = True
+        self._skipped.discard(url)
         metadata = {"metrics": dict(metrics)} if metrics else {}
         common = dict(
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
@@ -351,6 +356,8 @@ class CheckpointManager:
                 warnings.warn(
                     f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning, stacklevel=2
                 )
+                if info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
+                    self._skipped.add(info.url)  # saving its step again replaces it
                 last_error = exc
                 continue
             self.resumed_manifest = manifest
