@@ -378,3 +378,24 @@ def test_a_process_killed_mid_replication_leaves_no_committed_remote_copy(tmp_pa
     assert manager.replicator.wait(timeout=120) == []
     statekit.verify(dst.url)
     statekit.verify(f"{local}/{checkpoint_name(1)}")
+
+
+ENDS_RIGHT_AFTER_SAVING = """
+import sys, torch, statekit
+manager = statekit.CheckpointManager({"model": torch.nn.Linear(512, 512)}, sys.argv[1], replicate_to=sys.argv[2])
+manager.save(1)
+manager.save(2)
+"""
+
+
+def test_a_script_ending_right_after_its_last_save_still_replicates_it(tmp_path, s3_bucket, plugin_manager):
+    """No manager.wait() at the end: the exit waits for the queued copies (they would die
+    with the daemon thread, silently, and a node-local disk goes with the node)."""
+    import subprocess
+    import sys
+
+    remote = f"{s3_bucket}/run"
+    done = subprocess.run([sys.executable, "-c", ENDS_RIGHT_AFTER_SAVING, str(tmp_path / "local"), remote],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [i.step for i in statekit.api.listing.list_checkpoints(remote) if i.committed] == [1, 2]

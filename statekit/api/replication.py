@@ -29,10 +29,14 @@ again when the next manager starts (:meth:`Replicator.catch_up`).
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
+import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 from statekit import distributed, format as fmt
@@ -41,6 +45,12 @@ from statekit.api.remote_copy import copy_checkpoint
 from statekit.errors import StatekitError, StatekitWarning
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
+
+EXIT_TIMEOUT_ENV = "STATEKIT_REPLICATION_EXIT_TIMEOUT"
+"""Seconds the interpreter waits at exit for checkpoints still being replicated (default
+600); each one not replicated by then is named on stderr."""
+
+_replicators: weakref.WeakSet[Replicator] = weakref.WeakSet()
 
 
 class Replicator:
@@ -107,6 +117,7 @@ class Replicator:
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name=f"statekit-replicate {self.remote_url}", daemon=True)
         self._thread.start()
+        _replicators.add(self)
 
     # ---------------------------------------------------------------- queue
 
@@ -306,6 +317,32 @@ class Replicator:
             time.sleep(wait)
             wait = min(wait * 2, self.max_backoff_seconds)
         return None
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At interpreter exit, finish what is queued (a job whose script ends right after its
+    last save would otherwise drop it with the daemon thread, silently, and a node-local
+    disk is gone with the node) and name every checkpoint left unreplicated on stderr."""
+    from statekit.api.asyncsave import _wait_at_exit as wait_for_async_saves  # their commits queue copies
+
+    wait_for_async_saves()
+    try:
+        timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "600"))
+    except ValueError:
+        timeout = 600.0
+    deadline = time.monotonic() + timeout
+    for replicator in list(_replicators):
+        if not replicator.pending():  # nothing in flight (failures were warned at each try)
+            continue
+        print(f"statekit: waiting up to {timeout:g} s for replication to {replicator.remote_url} "
+              f"({len(replicator.pending())} checkpoint(s) queued; {EXIT_TIMEOUT_ENV} sets the limit)", file=sys.stderr)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            replicator.wait(max(0.0, deadline - time.monotonic()))
+        for w in caught:
+            print(f"statekit: {w.message}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def start_replication(
