@@ -167,6 +167,43 @@ def test_remote_retention_and_local_retention_after_replication(tmp_path, s3_buc
     assert [i.step for i in manager.list() if i.committed] == [4]
 
 
+def test_restarts_do_not_copy_again_what_remote_retention_deleted(tmp_path, s3_bucket, plugin_manager, monkeypatch):
+    remote = f"{s3_bucket}/run"
+    objects = _objects(0)
+    options = dict(keep_last=3, replicate_to=remote, remote_keep_last=1)
+    manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), **options)
+    for step in (1, 2, 3):
+        manager.save(step)
+        manager.wait(timeout=60)
+    assert [i.step for i in manager.replicator.list() if i.committed] == [3]  # the copy just made counts too
+    copies: list[str] = []
+    real = replication.copy_checkpoint
+    monkeypatch.setattr(replication, "copy_checkpoint", lambda src, dst, *a, **k: (copies.append(dst.url), real(src, dst, *a, **k))[1])
+    for _restart in range(2):
+        manager = statekit.CheckpointManager(_objects(1), str(tmp_path / "local"), **options)
+        assert manager.resume() == 3
+        manager.wait(timeout=60)
+        assert copies == []  # steps 1 and 2 were replicated once and retired by policy: not uploaded again
+        assert [i.step for i in manager.replicator.list() if i.committed] == [3]
+    manager.save(4)  # local retention may now delete 1 (its copy was retired, not lost)
+    manager.wait(timeout=60)
+    assert [i.step for i in manager.list() if i.committed] == [2, 3, 4]
+    assert [i.step for i in manager.replicator.list() if i.committed] == [4]
+
+
+def test_a_start_after_a_killed_copy_still_copies_what_remote_retention_keeps(tmp_path, s3_bucket, plugin_manager):
+    remote, local = f"{s3_bucket}/run", tmp_path / "local"
+    objects = _objects(0)
+    manager = statekit.CheckpointManager(objects, str(local), replicate_to=remote, remote_keep_last=2)
+    manager.save(1)
+    manager.wait(timeout=60)
+    for step in (2, 3):  # committed locally by a process killed before it copied them
+        statekit.save(str(local / checkpoint_name(step)), objects, step=step)
+    manager = statekit.CheckpointManager(_objects(1), str(local), replicate_to=remote, remote_keep_last=2)
+    manager.wait(timeout=60)
+    assert [i.step for i in manager.replicator.list() if i.committed] == [2, 3]
+
+
 def test_copy_refuses_a_destination_file_that_differs(tmp_path, plugin_manager, monkeypatch):
     """A file altered on its way is caught at the destination (size and checksum)."""
     statekit.save(str(tmp_path / "src"), _objects(0))

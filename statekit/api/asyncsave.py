@@ -74,7 +74,10 @@ class PendingSave:
 
 
 @atexit.register
-def _wait_at_exit() -> None:
+def wait_all_at_exit() -> None:
+    """Wait for every background save not yet collected (registered with ``atexit``, and
+    called first by replication's exit handler, since a commit queues a copy); a failed one
+    is printed to stderr and the interpreter exits with status 1."""
     for pending in list(_pending):
         if pending._collected:
             continue

@@ -92,8 +92,10 @@ class Replicator:
         world_size: int = 1,
         peer_timeout_seconds: float = 600.0,
         backlog_warning: int = 4,
+        keep_last: int | None = None,
     ) -> None:
         self.remote = Storage(remote_url, storage_options)
+        self.keep_last = keep_last
         self.backlog_warning = backlog_warning
         self._backlog_warned = False
         self.rank = rank
@@ -109,7 +111,8 @@ class Replicator:
         """Checkpoint name -> last error, for copies given up after ``retries`` tries."""
         self.replicated: set[str] = set()
         """Names whose remote copy committed (found by :meth:`catch_up`, or copied since;
-        remote retention may have deleted it later, by policy): what local retention may
+        remote retention may have deleted it later, by policy), and names :meth:`catch_up`
+        found superseded (remote retention would delete their copy at once): what local retention may
         delete, known without listing the remote tier."""
         self._queue: queue.Queue[tuple[str, str, bytes | None]] = queue.Queue()
         self._pending: dict[str, str] = {}  # name -> local URL, queued or being copied
@@ -224,16 +227,30 @@ class Replicator:
 
     def catch_up_names(self, local: list[CheckpointInfo]) -> set[str]:
         """Names of the committed ``local`` checkpoints without a committed remote copy
-        (the remote ones found are recorded as replicated)."""
+        (the remote ones found are recorded as replicated).
+
+        With remote retention (``keep_last``), a local checkpoint older than the newest
+        ``keep_last`` of the remote and local checkpoints together is not queued but
+        recorded as replicated: remote retention deleted its copy on purpose (or would
+        delete it at once), so copying it again would only churn the remote tier, and
+        local retention may delete it by its own policy."""
         try:
-            remote = {i.name for i in self.list() if i.committed}
+            remote = {i.name: i for i in self.list() if i.committed and not i.accelerate}
             with self._lock:
-                self.replicated |= remote
+                self.replicated |= set(remote)
         except StatekitError as exc:
             warnings.warn(f"{self.remote_url}: cannot list the remote tier ({exc}); replicating every local checkpoint",
                           StatekitWarning, stacklevel=3)
-            remote = set()
-        return {i.name for i in local if i.committed and not i.accelerate and i.name not in remote}
+            remote = {}
+        missing = {i.name: i for i in local if i.committed and not i.accelerate and i.name not in remote}
+        if self.keep_last is not None and remote:
+            both = sorted({**missing, **remote}.values(), key=lambda i: i.step)
+            wanted = {i.name for i in both[-self.keep_last:]} if self.keep_last > 0 else set()
+            superseded = set(missing) - wanted
+            with self._lock:
+                self.replicated |= superseded
+            missing = {n: i for n, i in missing.items() if n not in superseded}
+        return set(missing)
 
     def catch_up_ranks(self, local: list[CheckpointInfo], local_url_of: Any) -> list[str]:
         """:meth:`catch_up` with several ranks (every rank calls it): rank 0 decides what
@@ -324,9 +341,9 @@ def _wait_at_exit() -> None:
     """At interpreter exit, finish what is queued (a job whose script ends right after its
     last save would otherwise drop it with the daemon thread, silently, and a node-local
     disk is gone with the node) and name every checkpoint left unreplicated on stderr."""
-    from statekit.api.asyncsave import _wait_at_exit as wait_for_async_saves  # their commits queue copies
+    from statekit.api.asyncsave import wait_all_at_exit  # their commits queue copies
 
-    wait_for_async_saves()
+    wait_all_at_exit()
     try:
         timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "600"))
     except ValueError:
@@ -346,7 +363,13 @@ def _wait_at_exit() -> None:
 
 
 def start_replication(
-    remote_url: str, remote_options: dict[str, Any] | None, list_local: Any, local_url_of: Any, *, on_replicated: Any
+    remote_url: str,
+    remote_options: dict[str, Any] | None,
+    list_local: Any,
+    local_url_of: Any,
+    *,
+    on_replicated: Any,
+    keep_last: int | None = None,
 ) -> Replicator:
     """Start a manager's replicator and queue what a killed process left unreplicated
     (every rank calls it when ``world_size > 1``).
@@ -357,6 +380,8 @@ def start_replication(
         list_local: ``callable() -> list[CheckpointInfo]``, the local root's checkpoints.
         local_url_of: ``callable(name) -> str``, this rank's local directory of a checkpoint.
         on_replicated: ``callable(name)`` after a remote commit (run on rank 0 only).
+        keep_last: the remote retention's ``remote_keep_last`` (None: keep all); catch-up
+            does not copy again what that policy deleted.
 
     Returns:
         The running :class:`Replicator`.
@@ -366,7 +391,7 @@ def start_replication(
     """
     rank, world = distributed.rank_and_world_size()
     replicator = Replicator(remote_url, remote_options, on_replicated=on_replicated if rank == 0 else None,
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, keep_last=keep_last)
     if world == 1:
         replicator.catch_up(list_local())
     else:

@@ -53,12 +53,12 @@ class Replicate:
         def on_replicated(name: str) -> None:
             live = owner()
             if live is not None:
-                remote_retention(replicator_of(live), live.remote_keep_last, live.resumed_from)
+                remote_retention(replicator_of(live), live.remote_keep_last, live.resumed_from, just_copied=name)
 
         rank, _ = distributed.rank_and_world_size()
         manager.plugin_state[REPLICATE_PLUGIN] = start_replication(
             manager.replicate_to, manager.replicate_options, manager.list, manager.root.url_of,
-            on_replicated=on_replicated if rank == 0 else None,
+            on_replicated=on_replicated if rank == 0 else None, keep_last=manager.remote_keep_last,
         )
 
     @hookimpl
@@ -117,7 +117,9 @@ def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str
     return {i.url for i in local if i.name not in replicated}
 
 
-def remote_retention(replicator: Replicator | None, keep_last: int | None, resumed_from: str | None) -> None:
+def remote_retention(
+    replicator: Replicator | None, keep_last: int | None, resumed_from: str | None, just_copied: str | None = None
+) -> None:
     """Delete remote copies beyond the newest ``keep_last`` committed ones, never the one
     the run resumed from nor one being copied; a copy in use warns and is kept.
 
@@ -125,10 +127,14 @@ def remote_retention(replicator: Replicator | None, keep_last: int | None, resum
         replicator: the remote tier (None: nothing to do).
         keep_last: committed remote checkpoints to keep (None: keep every one).
         resumed_from: URL the run resumed from (kept), or None.
+        just_copied: name of the checkpoint whose remote commit runs this (on the
+            replicator's thread, before it leaves the pending list); it is not "being
+            copied" any more, so the policy may count and delete it like any other.
     """
     if replicator is None or keep_last is None:
         return
     committed = [i for i in replicator.list() if i.committed and not i.accelerate]
     keep = {i.url for i in committed[-keep_last:]} | {resumed_from}
-    keep |= {replicator.remote.url_of(name) for name in replicator.pending()}  # being copied
+    copying = set(replicator.pending()) - {just_copied}  # the copy that just committed is still listed as pending
+    keep |= {replicator.remote.url_of(name) for name in copying}
     delete_all_but(committed, keep, replicator.storage_options, "remote retention")
