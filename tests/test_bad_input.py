@@ -22,6 +22,29 @@ def test_wrong_url_scheme():
     assert info.value.url == "nosuch://x/ckpt"
 
 
+@pytest.mark.parametrize("url, fixed", [("s3:/bucket/run", "s3://bucket/run"), ("memory:run", "memory://run")])
+def test_a_scheme_with_one_slash_is_refused_not_taken_for_a_local_directory(tmp_path, monkeypatch, url, fixed):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(statekit.StorageError, match=f"did you mean '{fixed}'") as info:
+        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "local"), replicate_to=url)
+    assert info.value.url == url
+    with pytest.raises(statekit.StorageError, match="needs '://'"):
+        statekit.save(url, {"t": torch.zeros(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no ./s3: directory, no local root
+
+
+@pytest.mark.parametrize("option", ["remote_keep_last", "replicate_options", "delete_unreplicated"])
+def test_a_remote_tier_option_without_replicate_to(tmp_path, option):
+    value = {"remote_keep_last": 3, "replicate_options": {"anon": True}, "delete_unreplicated": True}[option]
+    with pytest.raises(ValueError, match=f"{option}=.*needs replicate_to="):
+        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "run"), **{option: value})
+
+
+def test_a_misspelled_manager_option_warns_with_the_right_name(tmp_path, plugin_manager):
+    with pytest.warns(statekit.StatekitWarning, match=r"option 'keep_lats' is read by no registered plugin.*did you mean 'keep_last'"):
+        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "run"), keep_lats=2)
+
+
 def test_missing_credentials(s3_server, monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)

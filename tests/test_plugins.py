@@ -9,6 +9,7 @@ import random
 import sys
 import textwrap
 import uuid
+import warnings
 from importlib.metadata import entry_points
 
 import numpy as np
@@ -762,6 +763,41 @@ def test_manages_rng(plugin_manager):
 
     plugin_manager.register(Rng(), name="rng")
     assert plugin_manager.manages_rng()
+
+
+def test_an_option_no_plugin_reads_warns_once_naming_the_closest_one(tmp_path, plugin_manager):
+    class Offloadish:
+        STATEKIT_OPTIONS = frozenset({"device_map", "offload_folder"})
+
+    plugin_manager.register(Offloadish(), name="offloadish")
+    with pytest.warns(statekit.StatekitWarning, match=r"'devce_map' is read by no registered plugin \(registered: offloadish\).*did you mean 'device_map'"):
+        statekit.save(str(tmp_path / "a"), {"t": torch.zeros(1)}, devce_map="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        statekit.save(str(tmp_path / "b"), {"t": torch.zeros(1)}, devce_map="auto")  # once per name
+        statekit.load(str(tmp_path / "b"), {"t": torch.zeros(1)}, device_map=None, offload_folder=None)  # declared
+
+
+def test_options_are_not_checked_while_a_plugin_declares_none(tmp_path, plugin_manager):
+    class Declares:
+        STATEKIT_OPTIONS = frozenset()
+
+    class Undeclared:  # may read any option
+        pass
+
+    plugin_manager.register(Declares(), name="declares")
+    plugin_manager.register(Undeclared(), name="undeclared")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        statekit.save(str(tmp_path / "a"), {"t": torch.zeros(1)}, anything=1)
+
+
+def test_every_installed_statekit_plugin_declares_its_options():
+    pm = plugins.build_plugin_manager(autoload=True)
+    ours = [name for name, source in pm.sources.items() if (source.distribution or "").startswith("statekit")]
+    assert ours, "no statekit plugin installed"
+    undeclared = [name for name in ours if getattr(pm.get_plugin(name), "STATEKIT_OPTIONS", None) is None]
+    assert undeclared == []
 
 
 # --------------------------------------------------------------------------- discovery and env switches

@@ -63,6 +63,8 @@ def _local_dir(checkpoint: Any, hooks: list[Any], mode: str) -> str:
 class AccelerateHooks:
     """The built-in plugin that runs an accelerator's registered pre-hooks (see the module)."""
 
+    STATEKIT_OPTIONS: frozenset[str] = frozenset()  # reads no checkpoint.options
+
     @hookimpl(tryfirst=True)
     def statekit_save_state_pre(self, models: list[Any], weights: list[Any], checkpoint: Any) -> None:
         """Run the save pre-hooks; a removed ``weights`` entry takes its model."""

@@ -15,6 +15,7 @@ accelerate is never imported here: the accelerator is only used through its attr
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,7 +106,8 @@ def save_state(
         staging: a :class:`statekit.engine.staging.StagingPool` to reuse (async saves).
         exclusive: fail if another saver commits this checkpoint first.
         after_commit: ``callable(manifest)`` run right after the commit (used by the manager).
-        **options: plugin options (``checkpoint.options``).
+        **options: plugin options (``checkpoint.options``); one that no registered plugin
+            reads warns.
 
     Returns:
         The committed manifest (or a ``PendingSave`` when not ``blocking``).
@@ -118,6 +120,7 @@ def save_state(
             written; save when ``accelerator.sync_gradients`` is True).
     """
     _ensure_hooks_plugin(get_plugin_manager())
+    get_plugin_manager().check_options(options, inspect.signature(save_state).parameters)
     check_can_save(accelerator)  # before anything is written
     result = saveload.save_objects(
         url,
@@ -178,6 +181,7 @@ def load_state(
         ResumeMismatchError: see ``strict_resume``; nothing was loaded.
     """
     _ensure_hooks_plugin(get_plugin_manager())
+    get_plugin_manager().check_options(options, inspect.signature(load_state).parameters)
     return loading.load_objects(
         url,
         collect(accelerator),

@@ -10,6 +10,7 @@ written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -59,7 +60,8 @@ def load(
         strict_resume: raise :class:`ResumeMismatchError` for a fingerprint difference
             instead of warning :class:`ResumeFingerprintWarning` (and compare even
             when the mapping holds no training state).
-        **options: options for plugins (``checkpoint.options``), e.g. ``device_map=``.
+        **options: options for plugins (``checkpoint.options``), e.g. ``device_map=``; one
+            that no registered plugin reads warns.
 
     Returns:
         The manifest. Not ``strict``: with ``"incompatible_keys"``: stable key ->
@@ -75,6 +77,7 @@ def load(
         PluginError: a plugin failed, or did not take an object it owns.
         ResumeMismatchError: see :func:`statekit.api.fingerprint.check`; nothing loaded.
     """
+    get_plugin_manager().check_options(options, inspect.signature(load).parameters)
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
     resume = strict_resume or any(e.kind in ("optimizer", "scheduler", "dataloader") for e in entries)
     return load_objects(

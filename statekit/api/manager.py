@@ -8,6 +8,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -79,10 +80,13 @@ class CheckpointManager:
             ``checkpoint_<n>`` folders under the root (a run migrating from
             ``automatic_checkpoint_naming``); without it such a resume raises
             :class:`PickleNotAllowedError` naming the file.
-        **options: plugin options passed to every save and load.
+        **options: plugin options passed to every save and load; one that no registered
+            plugin reads (a misspelled ``keep_last``) warns.
 
     Raises:
-        ValueError: a policy value is not a positive integer, or ``mode`` is not min/max.
+        ValueError: a policy value is not a positive integer, ``mode`` is not min/max, or
+            ``remote_keep_last``/``replicate_options``/``delete_unreplicated`` without
+            ``replicate_to``.
         PluginError: a ``statekit_attach`` or ``statekit_manager_start`` hook failed.
         PluginMissingError: ``replicate_to`` is set and the ``replicate`` plugin is blocked.
         StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
@@ -113,6 +117,11 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if replicate_to is None:
+            for name, value in (("remote_keep_last", remote_keep_last), ("replicate_options", replicate_options),
+                                ("delete_unreplicated", delete_unreplicated or None)):
+                if value is not None:
+                    raise ValueError(f"{name}={value!r} needs replicate_to= (the remote root); without it there is no remote tier")
         if isinstance(accelerator, Mapping):
             self.accelerator, self.objects = None, dict(accelerator)
         else:
@@ -141,6 +150,7 @@ class CheckpointManager:
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
         pm = get_plugin_manager()
         tiers.ensure_registered(pm, replicate_to)
+        pm.check_options(options, inspect.signature(CheckpointManager).parameters)
         self.attachment = attach(self.accelerator, self.objects)
         call_each(pm, "statekit_manager_start", None, {"manager": self})
 

@@ -13,6 +13,7 @@ manifest, barrier, run ``statekit_save_state_post``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from collections.abc import Mapping
@@ -63,7 +64,8 @@ def save(
         overwrite: replace a committed checkpoint at ``url`` (its manifest is removed first).
         per_rank: keys whose state differs per rank (data loaders are per rank by default).
         storage_options: fsspec options for the URL's filesystem.
-        **options: options for plugins (``checkpoint.options``).
+        **options: options for plugins (``checkpoint.options``); one that no registered
+            plugin reads warns (:meth:`~statekit.hooks.registry.PluginManager.check_options`).
 
     Returns:
         The committed manifest (a dict, see ``docs/format.md``).
@@ -74,6 +76,7 @@ def save(
         UnsupportedValueError: a value cannot be stored without pickle (names its key).
         StorageError: the storage failed (names the URL); nothing is committed.
     """
+    get_plugin_manager().check_options(options, inspect.signature(save).parameters)
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
     return save_objects(
         url, entries, step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options, options=options

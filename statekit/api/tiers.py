@@ -43,6 +43,8 @@ def replicator_of(manager: Any) -> Replicator | None:
 class Replicate:
     """The built-in plugin that copies a manager's checkpoints to ``replicate_to`` (see the module)."""
 
+    STATEKIT_OPTIONS: frozenset[str] = frozenset()  # reads no checkpoint.options (its settings are the manager's)
+
     @hookimpl
     def statekit_manager_start(self, manager: Any) -> None:
         """Start the replicator and catch up (every rank; collectives with several)."""

@@ -11,10 +11,12 @@ The manager is built on first use by :func:`get_plugin_manager`, never at import
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 import pluggy
 
 from statekit.hooks import hookspecs
-from statekit.errors import PluginError, PluginMissingError, StatekitError
+from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning
 from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
@@ -58,6 +60,7 @@ class PluginManager(pluggy.PluginManager):
         super().__init__("statekit")
         self.add_hookspecs(hookspecs)
         self.sources: dict[str, PluginSource] = {}
+        self._warned_options: set[str] = set()
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
         """Register a plugin object or module (see ``pluggy.PluginManager.register``).
@@ -160,6 +163,41 @@ class PluginManager(pluggy.PluginManager):
             plugin_name=owner,
             distribution=dist_name,
         )
+
+    def check_options(self, options: Mapping[str, Any], keywords: Iterable[str] = ()) -> None:
+        """Warn once per name about a plugin option that no registered plugin reads (a
+        misspelled ``keep_last`` would otherwise pass silently into ``checkpoint.options``).
+
+        A plugin declares the ``checkpoint.options`` keys it reads as ``STATEKIT_OPTIONS``
+        (a set of names; empty when it reads none). A plugin that declares nothing may read
+        any option, so with one registered nothing is checked.
+
+        Args:
+            options: the keyword options a caller passed through to the plugins.
+            keywords: the calling function's own keyword names, offered as suggestions.
+
+        Warns:
+            StatekitWarning: naming the option, the closest known name if any, and the
+                registered plugins.
+        """
+        declared: set[str] = set()
+        for plugin in self.get_plugins():
+            names = getattr(plugin, "STATEKIT_OPTIONS", None)
+            if names is None:
+                return
+            declared |= set(names)
+        for name in options:
+            if name in declared or name in self._warned_options:
+                continue
+            self._warned_options.add(name)
+            close = difflib.get_close_matches(name, sorted(declared | set(keywords)), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            plugins = ", ".join(sorted(n for n, _ in self.list_name_plugin())) or "none"
+            warnings.warn(
+                f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}",
+                StatekitWarning,
+                stacklevel=3,
+            )
 
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""

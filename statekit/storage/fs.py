@@ -15,16 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations
 
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
 from statekit.storage.direct_write import DirectWriter, fsync_dir
 
+
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//|:)")
+# "s3:/bucket/run": fsspec resolves it to the local path ./s3:/bucket/run, so a run would
+# "replicate" to the local disk. One-letter schemes are left alone (Windows drives).
 
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
 """Object stores whose first path component is a bucket (container) that their fsspec
@@ -52,11 +58,18 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
         The filesystem and the path within it.
 
     Raises:
-        StorageError: unknown scheme, or the backend package is missing (the message names it).
+        StorageError: unknown scheme, the backend package is missing (the message names
+            it), or a scheme with one slash (``s3:/bucket``), which fsspec would take for a
+            local directory named ``s3:``.
     """
     if not isinstance(url, (str, os.PathLike)):
         raise StorageError(f"checkpoint location must be a URL or path string, got {type(url).__name__}", url=str(url))
     url = os.fspath(url)
+    typo = _SCHEME_WITHOUT_SLASHES.match(url)
+    if typo and typo.group(1).lower() in known_implementations and typo.group(1).lower() != "file":
+        fixed = f"{typo.group(1)}://{url[typo.end():].lstrip('/')}"
+        raise StorageError(f"{url}: a {typo.group(1)!r} URL needs '://' (did you mean {fixed!r}?); "
+                           "as written it would be a local directory", url=url)
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
         options.setdefault("config_kwargs", S3_CLIENT_DEFAULTS)

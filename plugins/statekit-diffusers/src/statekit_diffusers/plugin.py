@@ -42,12 +42,16 @@ __all__ = [
     "EMA_COUNTERS",
     "PIPELINE_RECORD",
     "STATEKIT_CONVERTERS",
+    "STATEKIT_OPTIONS",
     "statekit_load_state_pre",
     "statekit_save_state_pre",
 ]
 
 STATEKIT_CONVERTERS = {"diffusers": convert}
 """Converters found by ``statekit convert SRC OUT --to diffusers``."""
+
+STATEKIT_OPTIONS = frozenset(settings.OPTIONS)
+"""The ``checkpoint.options`` this plugin reads (:mod:`statekit_diffusers.settings`)."""
 
 
 @hookimpl

@@ -24,6 +24,8 @@ OPTION_NAMES = "diffusers_names"
 OPTION_EMA = "diffusers_ema"
 OPTION_PIPELINE = "diffusers_pipeline"
 OPTION_MAX_SHARD = "max_shard_size"
+OPTIONS = (OPTION_NAMES, OPTION_EMA, OPTION_PIPELINE, OPTION_MAX_SHARD)
+"""Every ``checkpoint.options`` key this plugin reads."""
 
 _lock = threading.Lock()
 

@@ -56,6 +56,9 @@ def _convert_to_safetensors(src_url: str, out_url: str, *, storage_options: dict
 STATEKIT_CONVERTERS = {"safetensors": _convert_to_safetensors}
 """Converters offered to ``statekit convert`` (name -> ``fn(src_url, out_url, *, storage_options=None)``)."""
 
+STATEKIT_OPTIONS: frozenset[str] = frozenset()
+"""The ``checkpoint.options`` this plugin reads: none."""
+
 
 # --------------------------------------------------------------------------- helpers
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from statekit.plugin_api import CORE, StatekitError, hookimpl, unwrap_model
+from statekit_offload.options import OPTION_NAMES
 
 if TYPE_CHECKING:
     from statekit.plugin_api import Checkpoint
@@ -43,6 +44,10 @@ def _export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | Non
 
 STATEKIT_CONVERTERS = {"offload": _export}
 """Converters for ``statekit convert``: ``--to offload`` writes an Accelerate offload folder."""
+
+STATEKIT_OPTIONS = frozenset(OPTION_NAMES) | {"tied_parameters"}
+"""The ``checkpoint.options`` this plugin reads: the load options
+(:data:`statekit_offload.options.OPTION_NAMES`) and, on save, ``tied_parameters``."""
 
 
 @hookimpl(tryfirst=True)

@@ -66,6 +66,7 @@ __all__ = [
     "RANK_FILE_BASE",
     "SAMPLER_ROLE",
     "STATEKIT_MANAGES_RNG",
+    "STATEKIT_OPTIONS",
     "STATE_FORMAT",
     "DeviceRngModule",
     "derive_seed",
@@ -82,6 +83,9 @@ __all__ = [
 STATEKIT_MANAGES_RNG = True
 """Tells the host that this plugin manages random state itself: no RNG guard around its
 hooks, and no "RNG state is not saved" warning."""
+
+STATEKIT_OPTIONS: frozenset[str] = frozenset()
+"""The ``checkpoint.options`` this plugin reads: none."""
 
 STATE_FORMAT = 1
 """Version of the per-rank state file layout written by this module."""
