@@ -343,3 +343,113 @@ def test_failed_accelerate_load_leaves_every_object_untouched(tmp_path, fault, i
     assert target[4].state_dict() == snapshot[4] and target[5].state_dict() == snapshot[5]
     assert_state_equal(target[2].state_dict()["state"], optim_before)
     assert torch.equal(torch.get_rng_state(), rng_before[0]) and random.getstate() == rng_before[1]
+
+
+# --------------------------------------------------------------------------- review i11
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["default-loader", "stateful-loader"])
+@pytest.mark.parametrize("how", ["load_state", "manager"])
+def test_attached_checkpoint_loaded_by_the_dropin_resumes_at_the_next_batch(tmp_path, stateful, how, installed_plugin_manager):
+    """Saved by an attached ``accelerator.save_state``; loaded by ``statekit.load_state`` or
+    the manager on the project root: statekit's loader positions and statekit-rng's
+    generators are restored, as attach mode's ``accelerator.load_state`` restores them."""
+    run = build(seed=1, stateful=stateful, n=96, batch_size=8)
+    statekit.attach(run[0])
+    batches = iter(run[3])
+    for _ in range(3):
+        next(batches)
+    target = tmp_path / "checkpoints" / "checkpoint_0"
+    run[0].save_state(str(target))
+    rest = [y.tolist() for _, y in batches]
+
+    run2 = build(seed=2, stateful=stateful, n=96, batch_size=8)
+    if how == "load_state":
+        statekit.attach(run2[0])
+        statekit.load_state(run2[0], str(target), allow_pickle=True)
+    else:
+        assert statekit.CheckpointManager(run2[0], str(tmp_path / "checkpoints"), allow_pickle=True).resume() == 0
+    assert [y.tolist() for _, y in run2[3]] == rest
+
+
+def test_attached_checkpoint_with_a_plugin_owned_model_loads_through_the_dropin(tmp_path, plugin_manager):
+    class TakeFirst:
+        @statekit.hookimpl
+        def statekit_save_state_pre(self, models, weights, checkpoint):
+            i = next(i for i, m in enumerate(models) if checkpoint.key_of(m) == "model_0")
+            model = models.pop(i)
+            weights.pop(i)
+            checkpoint.save_tensors("mine/model_0.safetensors", dict(model.state_dict()))
+
+        @statekit.hookimpl
+        def statekit_load_state_pre(self, models, checkpoint):
+            for model in [m for m in models if checkpoint.key_of(m) == "model_0"]:
+                model.load_state_dict(checkpoint.load_tensors("mine/model_0.safetensors"))
+                models.remove(model)
+
+    plugin_manager.register(TakeFirst(), name="takefirst")
+
+    def two_models(seed):
+        accelerator = fresh_accelerator()
+        torch.manual_seed(seed)
+        first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+        prepared = accelerator.prepare(first, second, optimizer)
+        statekit.attach(accelerator)
+        return prepared, accelerator
+
+    (first, second, _), accelerator = two_models(0)
+    accelerator.save_state(str(tmp_path / "c"))  # Accelerate writes model_1's weights as model.safetensors
+    (first2, second2, _), accelerator2 = two_models(1)
+    statekit.load_state(accelerator2, str(tmp_path / "c"), allow_pickle=True)
+    assert_state_equal(first2.state_dict(), first.state_dict())
+    assert_state_equal(second2.state_dict(), second.state_dict())
+
+
+def test_hooks_registered_before_attach_after_prepare(tmp_path, installed_plugin_manager):
+    """diffusers' scripts register their hooks before prepare(); the README allows attach
+    after prepare(): statekit's hooks still see Accelerate's full lists."""
+    accelerator = fresh_accelerator()
+    _diffusers_style_hooks(accelerator, [])
+    model, optimizer, loader = _prepared(accelerator)
+    statekit.attach(accelerator)
+    accelerator.save_state(str(tmp_path / "c"))
+    assert "net/weights.pt" in statekit.verify(str(tmp_path / "c"))["files"]
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    accelerator.load_state(str(tmp_path / "c"))
+    assert_state_equal(model.state_dict(), expected)
+
+
+@pytest.mark.parametrize("edit", ["replace", "in-place"])
+def test_registered_hook_editing_a_weights_entry_is_saved_as_edited(tmp_path, edit, installed_plugin_manager):
+    """Accelerate saves whatever a save pre-hook left in ``weights``; so does the drop-in."""
+    accelerator = fresh_accelerator()
+
+    def hook(models, weights, output_dir):
+        if edit == "replace":
+            weights[0] = {k: v.clone() for k, v in weights[0].items() if k != "bias"}
+        else:
+            del weights[0]["bias"]
+
+    accelerator.register_save_state_pre_hook(hook)
+    model, optimizer, loader = _prepared(accelerator)
+    manifest = statekit.save_state(accelerator, str(tmp_path / "c"))
+    assert manifest["objects"]["model_0"]["owner"] == "statekit"
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(tmp_path / "c" / "model_0.safetensors"))) == {"weight"}
+    assert set(model.state_dict()) == {"weight", "bias"}  # the model itself is untouched
+
+
+def test_attach_makes_accelerates_files_durable_before_the_commit(tmp_path, monkeypatch, installed_plugin_manager):
+    import statekit.engine.context as context
+
+    synced: list[str] = []
+    monkeypatch.setattr(context, "fsync_path", synced.append)
+    accelerator = fresh_accelerator()
+    statekit.attach(accelerator)
+    _prepared(accelerator)
+    accelerator.save_state(str(tmp_path / "c"))
+    assert {"model.safetensors", "optimizer.bin"} <= {os.path.basename(p) for p in synced}

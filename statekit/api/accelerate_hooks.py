@@ -77,10 +77,13 @@ class AccelerateHooks:
         hook_models, hook_weights = list(models), list(weights)
         for hook in hooks:
             hook(hook_models, hook_weights, directory)
-        kept = {id(w) for w in hook_weights}
-        for i in reversed(range(len(weights))):
-            if id(weights[i]) not in kept:
-                del models[i], weights[i]
+        if len(hook_weights) == len(weights):  # nothing popped: Accelerate saves weights[i] as model i,
+            weights[:] = hook_weights  # so an entry a hook replaced is what gets written
+        else:
+            kept = {id(w) for w in hook_weights}
+            for i in reversed(range(len(weights))):
+                if id(weights[i]) not in kept:
+                    del models[i], weights[i]
         checkpoint.record_unlisted_at_commit = HOOKS_PLUGIN
 
     @hookimpl(tryfirst=True)

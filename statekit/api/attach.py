@@ -26,16 +26,17 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.bridge import collect
+from statekit.api.loading import check_owners_installed, check_statekit_files
 from statekit.api.saveload import plugin_versions
 from statekit.engine import commit as commits, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
-from statekit.errors import CorruptCheckpointError
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
+
 
 
 class Attachment:
@@ -124,6 +125,13 @@ class _AttachedCalls:
         handles = self.attachment._handles
         handles.append(self.accelerator.register_save_state_pre_hook(self.save_pre_hook))
         handles.append(self.accelerator.register_load_state_pre_hook(self.load_pre_hook))
+        # run before hooks the user registered earlier (attach after prepare()): statekit must
+        # see Accelerate's full models/weights lists (a diffusers-style hook pops weights) and
+        # check its files before any hook loads a model
+        for table, handle in zip(("_save_model_state_pre_hook", "_load_model_state_pre_hook"), handles[-2:]):
+            hooks = getattr(self.accelerator, table, None)
+            if hasattr(hooks, "move_to_end") and handle.id in hooks:
+                hooks.move_to_end(handle.id, last=False)
         self.accelerator.__dict__["save_state"] = self._wrapper("save", self.finish_save)
         self.accelerator.__dict__["load_state"] = self._wrapper("load", self.finish_load)
         self.accelerator.__dict__["prepare"] = self.prepare
@@ -187,8 +195,8 @@ class _AttachedCalls:
     def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
         """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""
         checkpoint = self.context("load", input_dir)
-        _check_statekit_files(checkpoint)  # before Accelerate restores anything
-        _check_owners_installed(checkpoint)  # a model a plugin took has no Accelerate file
+        check_statekit_files(checkpoint)  # before Accelerate restores anything
+        check_owners_installed(checkpoint)  # a model a plugin took has no Accelerate file
         if checkpoint.manifest is not None:  # warns per difference (Accelerate's load_state has no strict_resume)
             live = fingerprints.compute(collect(self.accelerator), self.accelerator)
             fingerprints.check(checkpoint.manifest, live, checkpoint.url)
@@ -255,37 +263,6 @@ def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attach
     )
     checkpoint.accelerate_runs_hooks = True  # Accelerate calls its registered hooks itself
     return checkpoint
-
-
-def _check_owners_installed(checkpoint: Checkpoint) -> None:
-    """Fail before Accelerate restores anything if an object was saved by a plugin that is
-    not installed (or blocked): Accelerate would otherwise stop on a missing model file
-    (``pytorch_model.bin``) without naming the plugin."""
-    if checkpoint.manifest is None:
-        return
-    pm = get_plugin_manager()
-    for key, obj in (checkpoint.manifest.get("objects") or {}).items():
-        owner = obj.get("owner", CORE)
-        if owner not in (CORE, ACCELERATE_WRITER):
-            pm.require_owner(owner, obj.get("owner_distribution"), f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
-
-
-def _check_statekit_files(checkpoint: Checkpoint) -> None:
-    """Fail before Accelerate restores anything if a file statekit or a plugin wrote is
-    missing or has the wrong size (a half-restored run is worse than a refused load)."""
-    if checkpoint.manifest is None:
-        return
-    for rel, entry in checkpoint.manifest["files"].items():
-        if entry.get("writer") == ACCELERATE_WRITER:
-            continue
-        url = checkpoint.storage.url_of(rel)
-        if not checkpoint.storage.exists(rel):
-            raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was loaded", path=url)
-        size = checkpoint.storage.size(rel)
-        if size != entry["size_bytes"]:
-            raise CorruptCheckpointError(
-                f"{url}: size {size} bytes, the manifest says {entry['size_bytes']}; nothing was loaded", path=url
-            )
 
 
 def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> dict[str, Any]:

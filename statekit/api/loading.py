@@ -17,10 +17,11 @@ from typing import Any
 
 from statekit.api import fingerprint as fingerprints
 from statekit.api.saveload import context_for
-from statekit.engine import read
+from statekit.engine import data, read
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, unwrap_model
-from statekit.errors import IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError
+from statekit.engine.gradients import AccumulatedGradients
+from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError
 from statekit.foreign import accelerate as accelerate_format
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_load_claims
@@ -160,56 +161,6 @@ def load_objects(
     return manifest
 
 
-def _load_attached(
-    storage: Storage,
-    manifest: dict[str, Any],
-    entries: list[Entry],
-    accelerator: Any,
-    options: dict[str, Any] | None,
-    *,
-    allow_pickle: bool,
-    verify: bool,
-) -> dict[str, Any]:
-    """A directory written by an attached accelerator: the models a plugin took at save
-    time (``unet/`` of statekit-diffusers...) have no Accelerate file; they go back through
-    their plugin's ``statekit_load_state_pre``, everything else through Accelerate's reader.
-    The owners are checked first, so a missing plugin is named before anything is loaded."""
-    saved_objects = manifest.get("objects") or {}
-    owned = [e for e in entries if e.kind == "model" and saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, ACCELERATE_WRITER)]
-    if not owned:
-        return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
-    pm = get_plugin_manager()
-    _check_loadable(pm, storage, owned, saved_objects)
-    rest = [e for e in entries if all(e is not o for o in owned)]
-    # Accelerate numbers the model files of what is left in ``weights`` after the plugins
-    # took theirs (model.safetensors, model_1...): the remaining models, in order.
-    renamed, original, n = [], {}, 0
-    for e in rest:
-        if e.kind == "model":
-            original[f"model_{n}"] = e.key
-            e = dataclasses.replace(e, key=f"model_{n}")
-            n += 1
-        renamed.append(e)
-    result = accelerate_format.load(storage, renamed, allow_pickle=allow_pickle, accelerator=accelerator)
-    result["objects"] = {original.get(k, k) if v.get("kind") == "model" else k: v for k, v in result["objects"].items()}
-    checkpoint = context_for(storage, "load", owned, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
-    models = [e.obj for e in owned]
-    keys = [e.key for e in owned]
-    hook_models = list(models)
-    taken: dict[str, str] = {}
-    call_each(
-        pm,
-        "statekit_load_state_pre",
-        checkpoint,
-        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
-        after_each=track_load_claims(checkpoint, hook_models, models, keys, [], taken),
-    )
-    _check_owners_took(storage, owned, saved_objects, taken)
-    call_each(pm, "statekit_load_state_post", checkpoint, {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint})
-    result["objects"].update({e.key: {"kind": e.kind, "owner": saved_objects[e.key]["owner"]} for e in owned})
-    return result
-
-
 def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: dict[str, Any]) -> None:
     """Every entry is in the checkpoint, and every plugin that owns one is installed."""
     missing = [e.key for e in entries if e.key not in saved_objects]
@@ -254,3 +205,100 @@ def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any
     base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
     if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
         accelerate_format.restore_rng(checkpoint.load_state(base))
+
+
+def check_statekit_files(checkpoint: Checkpoint) -> None:
+    """Fail before anything is restored if a file statekit or a plugin wrote next to
+    Accelerate's (attach mode) is missing or has the wrong size (a half-restored run is
+    worse than a refused load)."""
+    if checkpoint.manifest is None:
+        return
+    for rel, entry in checkpoint.manifest["files"].items():
+        if entry.get("writer") == ACCELERATE_WRITER:
+            continue
+        url = checkpoint.storage.url_of(rel)
+        if not checkpoint.storage.exists(rel):
+            raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was loaded", path=url)
+        size = checkpoint.storage.size(rel)
+        if size != entry["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"{url}: size {size} bytes, the manifest says {entry['size_bytes']}; nothing was loaded", path=url
+            )
+
+
+def check_owners_installed(checkpoint: Checkpoint) -> None:
+    """Fail before anything is restored if an object of an attach-mode checkpoint was saved
+    by a plugin that is not installed (or blocked): Accelerate would otherwise stop on a
+    missing model file (``pytorch_model.bin``) without naming the plugin.
+
+    Raises:
+        PluginMissingError: naming the object, the plugin and the distribution to install.
+    """
+    if checkpoint.manifest is None:
+        return
+    pm = get_plugin_manager()
+    for key, obj in (checkpoint.manifest.get("objects") or {}).items():
+        owner = obj.get("owner", CORE)
+        if owner not in (CORE, ACCELERATE_WRITER):
+            pm.require_owner(owner, obj.get("owner_distribution"), f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
+
+
+def _load_attached(
+    storage: Storage,
+    manifest: dict[str, Any],
+    entries: list[Entry],
+    accelerator: Any,
+    options: dict[str, Any] | None,
+    *,
+    allow_pickle: bool,
+    verify: bool,
+) -> dict[str, Any]:
+    """A directory an attached accelerator's ``save_state`` wrote, loaded as attach mode's
+    ``accelerator.load_state`` loads it: the load pre-hooks (a model a plugin takes is its
+    to load), Accelerate's files for the rest (all or nothing; the models left keep
+    Accelerate's positional file names), then statekit's own files (exact loader
+    positions, accumulated gradients) and the load post-hooks (statekit-rng's generators)."""
+    pm = get_plugin_manager()
+    checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
+    check_statekit_files(checkpoint)
+    check_owners_installed(checkpoint)
+    pickled = accelerate_format.pickle_files(accelerate_format.accelerate_files(storage.listdir()))
+    if pickled and not allow_pickle:  # before any hook loads anything
+        accelerate_format.read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
+    model_entries = [e for e in entries if e.kind == "model"]
+    models = [e.obj for e in model_entries]
+    hook_models = list(models)
+    taken: dict[str, str] = {}
+    call_each(
+        pm,
+        "statekit_load_state_pre",
+        checkpoint,
+        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
+        after_each=track_load_claims(
+            checkpoint, hook_models, models, [e.key for e in model_entries], [e.key for e in entries if e.kind != "model"], taken
+        ),
+    )
+    saved_objects = manifest["objects"]
+    owned = [e for e in model_entries if saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, ACCELERATE_WRITER)]
+    _check_owners_took(storage, owned, saved_objects, taken)
+    left = [e for e in model_entries if e.key not in taken]
+    # Accelerate numbers the weights it wrote by position among the models no hook took
+    by_position = [Entry(f"model_{i}", "model", e.obj) for i, e in enumerate(left)]
+    key_of = {f"model_{i}": e.key for i, e in enumerate(left)}
+    rest = [e for e in entries if e.kind != "model" and e.key not in taken]
+    own: list[tuple[Entry, Any]] = []
+    for e in rest:  # read before anything is applied
+        base = f"{e.key}/rank-{checkpoint.rank:05d}"
+        if (data.is_loader(e.obj) or isinstance(e.obj, AccumulatedGradients)) and f"{base}.json" in manifest["files"]:
+            own.append((e, checkpoint.load_state(base)))
+    summary = accelerate_format.load(storage, by_position + rest, allow_pickle=allow_pickle, accelerator=accelerator)
+    for e, state in own:  # statekit's exact positions replace Accelerate's
+        if data.is_loader(e.obj):
+            data.restore_loader(e.obj, state, name=e.key)
+        else:
+            e.obj.load_state_dict(state)
+    call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
+    if isinstance(summary.get("objects"), dict):  # report the caller's keys, not Accelerate's positions
+        summary["objects"] = {key_of.get(k, k): v for k, v in summary["objects"].items()}
+        summary["objects"].update({e.key: {"kind": e.kind, "owner": taken[e.key]} for e in model_entries if e.key in taken})
+    return summary

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitError
 from statekit.format import codec
 from statekit.storage import Storage, storage_errors
+from statekit.storage.direct_write import fsync_dir as fsync_path
 from statekit.storage.hashing import HashingWriter
 
 CORE = "statekit"
@@ -205,6 +207,14 @@ class Checkpoint(CheckpointReads):
                     size += len(chunk)
             self.files[rel] = {"size_bytes": size, "checksum": fmt.checksum_string(hasher), "rank": self.rank, "writer": writer}
             added.append(rel)
+        if self.storage.is_local:  # foreign writers do not fsync: make their files durable before the commit
+            directories = set()
+            for rel in added:
+                path = self.storage.path_of(rel)
+                fsync_path(path)
+                directories.add(os.path.dirname(path))
+            for directory in sorted(directories):
+                fsync_path(directory)
         return added
 
     @property

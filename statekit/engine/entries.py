@@ -185,6 +185,15 @@ class LazyStateDict(Mapping):
     def __len__(self) -> int:
         return len(self._get())
 
+    def __setitem__(self, key: str, value: Any) -> None:  # Accelerate's weights are plain dicts hooks may edit
+        self._get()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._get()[key]
+
+    def pop(self, key: str, *default: Any) -> Any:
+        return self._get().pop(key, *default)
+
     @property
     def computed(self) -> bool:
         """True once the state dict has been computed."""
