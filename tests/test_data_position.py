@@ -42,6 +42,35 @@ def test_save_after_the_last_batch_before_the_loop_ends(tmp_path, plugin_manager
     assert [_epoch(resumed) for _ in range(2)] == expected[1:]
 
 
+
+def test_save_after_the_last_batch_of_a_resumed_epoch(tmp_path, plugin_manager):
+    """The same save at the end of an epoch that was itself resumed mid-epoch: the skip
+    shortens the batch sampler, but the read-ahead must still come before the epoch's last
+    batch (not before its last batch counted from the resume point)."""
+    reference = _loader()
+    statekit.CheckpointManager({"loader": reference}, str(tmp_path / "ref"))
+    expected = [_epoch(reference) for _ in range(3)]
+
+    loader = _loader()
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "root"))
+    for i, batch in enumerate(loader):
+        if i == 1:
+            manager.save(2)
+            break
+    resumed = _loader(seed=7)
+    manager = statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "root"))
+    assert manager.resume() == 2
+    rest = []
+    for i, batch in enumerate(resumed):
+        rest.append(batch[0].tolist())
+        if i == 2:  # the epoch's last batch
+            manager.save(5)
+    assert rest == expected[0][2:]
+
+    again = _loader(seed=9)
+    assert statekit.CheckpointManager({"loader": again}, str(tmp_path / "root")).resume() == 5
+    assert [_epoch(again) for _ in range(2)] == expected[1:]
+
 def test_untracked_plain_loader_warns_at_save_and_load(tmp_path, plugin_manager):
     loader = _loader()
     batches = iter(loader)

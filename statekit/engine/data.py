@@ -114,12 +114,15 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.in_epoch = True
     # before the iterator is built: it takes iter(batch_sampler) when it is built
     record = iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0)
+    # the whole epoch's length, before the skip wrapper shortens the batch sampler:
+    # position.batches counts from the start of the epoch (it starts at ``skip``)
+    length = sampled_epoch_length(self)
     restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, record)
     parent = super(type(self), self).__iter__()
     try:
         if how == iterable.CONSUME:
             iterable.consume(parent, skip, position.epoch, name, inner)
-        for batch in run_sampler_out(parent, position, sampled_epoch_length(self)):
+        for batch in run_sampler_out(parent, position, length):
             if restore is not None:
                 restore()
                 restore = None
