@@ -124,3 +124,33 @@ def test_save_after_a_restore_before_iterating_keeps_the_restored_position(tmp_p
     assert statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "root")).resume() == 3
     assert _epoch(resumed) == expected[0][2:]
     assert _epoch(resumed) == expected[1]
+
+
+def test_skip_first_batches_after_an_attached_resume_is_not_applied_twice(tmp_path, installed_plugin_manager):
+    """An Accelerate script kept as it was (attach mode) resumes with
+    ``accelerator.skip_first_batches(loader, n)``: statekit's restored position already
+    skips n batches, so the loader itself comes back (with a warning); another n raises."""
+    from accelerate import Accelerator
+
+    def run():
+        torch.manual_seed(0)
+        accelerator = Accelerator()
+        statekit.attach(accelerator)
+        data = torch.utils.data.TensorDataset(torch.arange(20))
+        return accelerator, accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+
+    accelerator, loader = run()
+    expected = [_epoch(loader) for _ in range(2)]
+    accelerator, loader = run()
+    for i, batch in enumerate(loader):
+        if i == 1:
+            accelerator.save_state(str(tmp_path / "c"))
+            break
+    accelerator, loader = run()
+    accelerator.load_state(str(tmp_path / "c"))
+    with pytest.raises(statekit.StateMismatchError, match=r"skip_first_batches\(3\).*batch 2"):
+        accelerator.skip_first_batches(loader, 3)
+    with pytest.warns(statekit.StatekitWarning, match=r"returns the loader itself"):
+        active = accelerator.skip_first_batches(loader, 2)
+    assert active is loader
+    assert [_epoch(active), _epoch(loader)] == [expected[0][2:], expected[1]]

@@ -60,7 +60,7 @@ class Attachment:
             handle.remove()
         self._handles.clear()
         if self.accelerator is not None:
-            for name in ("save_state", "load_state", "prepare"):
+            for name in ("save_state", "load_state", "prepare", "skip_first_batches"):
                 self.accelerator.__dict__.pop(name, None)
             if self.accelerator.__dict__.get("_statekit_attachment") is self:
                 del self.accelerator.__dict__["_statekit_attachment"]
@@ -117,6 +117,7 @@ class _AttachedCalls:
         self.accelerator = accelerator
         self.attachment = attachment
         self.originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "prepare")}
+        self.originals["skip_first_batches"] = getattr(accelerator, "skip_first_batches", None)
 
     def install(self) -> None:
         """Register the pre-hooks and put the wrappers on the instance."""
@@ -135,6 +136,16 @@ class _AttachedCalls:
         self.accelerator.__dict__["save_state"] = self._wrapper("save", self.finish_save)
         self.accelerator.__dict__["load_state"] = self._wrapper("load", self.finish_load)
         self.accelerator.__dict__["prepare"] = self.prepare
+        if self.originals["skip_first_batches"] is not None:
+            self.accelerator.__dict__["skip_first_batches"] = self.skip_first_batches
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """``Accelerator.skip_first_batches``, except after a resume of a tracked loader:
+        statekit's restored position already skips the consumed batches (and replays the
+        epoch's permutation), so the loader itself is returned (see
+        :func:`statekit.engine.data.skip_after_resume`)."""
+        same = data.skip_after_resume(dataloader, num_batches)
+        return dataloader if same else self.originals["skip_first_batches"](dataloader, num_batches)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
         """``Accelerator.prepare``; the objects it adds join the attachment."""

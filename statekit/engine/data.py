@@ -38,7 +38,7 @@ from statekit.engine.samplers import (
     sampler_of,
     wrap_batch_sampler,
 )
-from statekit.errors import StatekitWarning
+from statekit.errors import StatekitWarning, StateMismatchError
 
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
 _subclasses: dict[type, type] = {}
@@ -321,6 +321,39 @@ def restore_loader(
         loader.load_state_dict(state["stateful"])
     return True
 
+
+
+def skip_after_resume(loader: Any, num_batches: int) -> bool:
+    """Decide a ``skip_first_batches(loader, num_batches)`` call (Accelerate's resume idiom).
+
+    Returns:
+        True when ``loader`` is tracked and holds a restored position that skips exactly
+        ``num_batches`` batches: the caller should iterate the loader itself (a
+        :class:`statekit.StatekitWarning` says so); False when nothing is restored.
+
+    Raises:
+        StateMismatchError: a restored position skips another number of batches: skipping
+            on top of it would skip twice or replay batches, in a redrawn order.
+    """
+    if not is_tracked(loader) or num_batches <= 0:
+        return False
+    position: Position = loader.__dict__["_statekit_position"]
+    if position.pending is None:
+        return False
+    restored = int(position.pending.get("batches", 0))
+    if restored != num_batches:
+        raise StateMismatchError(
+            f"{describe(loader)}: skip_first_batches({num_batches}) after a statekit resume that already "
+            f"continues epoch {position.pending.get('epoch')} at batch {restored}: skipping on top of it would "
+            "skip twice and redraw the order; iterate the loader itself (no skip_first_batches needed)"
+        )
+    warnings.warn(
+        f"{describe(loader)}: statekit's resume already continues epoch {position.pending.get('epoch')} at batch "
+        f"{restored}; skip_first_batches({num_batches}) returns the loader itself so no batch is skipped twice",
+        StatekitWarning,
+        stacklevel=3,
+    )
+    return True
 
 def is_loader(obj: Any) -> bool:
     """True for a ``torch.utils.data.DataLoader`` (Accelerate's adapters included)."""
