@@ -262,3 +262,14 @@ def test_accelerate_directory_loads_into_an_accumulating_run(tmp_path, installed
     statekit.load_state(other[0], str(tmp_path / "acc"), allow_pickle=True)
     assert other[5].count == 41
     assert_state_equal(other[1].state_dict(), run[1].state_dict())
+
+
+def test_accelerate_directory_saved_mid_window_warns(tmp_path, installed_plugin_manager):
+    """Accelerate's own checkpoint between optimizer steps has no gradients: loading it
+    into an accumulating run says the resume is not exact."""
+    run = build(accum=4)  # not attached: Accelerate writes its own format
+    train_micro_batches(run, 2)
+    run[0].save_state(str(tmp_path / "acc"))
+    other = build(accum=4, seed=3)
+    with pytest.warns(statekit.StatekitWarning, match=r"micro-batch 2 of gradient_accumulation_steps=4\) and holds no accumulated"):
+        statekit.load_state(other[0], str(tmp_path / "acc"), allow_pickle=True)
