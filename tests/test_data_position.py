@@ -71,6 +71,7 @@ def test_save_after_the_last_batch_of_a_resumed_epoch(tmp_path, plugin_manager):
     assert statekit.CheckpointManager({"loader": again}, str(tmp_path / "root")).resume() == 5
     assert [_epoch(again) for _ in range(2)] == expected[1:]
 
+
 def test_untracked_plain_loader_warns_at_save_and_load(tmp_path, plugin_manager):
     loader = _loader()
     batches = iter(loader)
@@ -154,3 +155,62 @@ def test_skip_first_batches_after_an_attached_resume_is_not_applied_twice(tmp_pa
         active = accelerator.skip_first_batches(loader, 2)
     assert active is loader
     assert [_epoch(active), _epoch(loader)] == [expected[0][2:], expected[1]]
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """A random augmentation drawn from the global torch RNG in ``__getitem__`` (as
+    torchvision transforms do), read in the training process (``num_workers=0``)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), float(i)) + torch.rand(4)
+
+
+class _AugmentedStream(torch.utils.data.IterableDataset):
+    """The same augmentation in a stream without state: a resume re-reads the consumed batches."""
+
+    def __iter__(self):
+        for i in range(64):
+            yield torch.full((4,), float(i)) + torch.rand(4)
+
+
+@pytest.mark.parametrize("save_at", [3, 7, 8])  # mid-epoch, the epoch's last batch, the next epoch's first
+@pytest.mark.parametrize("dataset", [_Augmented, _AugmentedStream])  # indices skipped / batches re-read
+def test_random_draws_of_a_batch_accelerate_fetched_ahead_are_replayed(tmp_path, installed_plugin_manager, save_at, dataset):
+    """Accelerate's loader fetches batch k+1 (and draws its augmentation) before it yields
+    batch k; a save after step k holds states past those draws. The resume fetches batch
+    k+1 again from the states before its first fetch, then goes on from the saved ones:
+    the same augmented batches and the same dropout masks as the uninterrupted run."""
+    from accelerate_helpers import fresh_accelerator
+
+    def run(root, stop=None, resume=False):
+        torch.manual_seed(0)
+        accelerator = fresh_accelerator()
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        loader = torch.utils.data.DataLoader(dataset(), batch_size=8, shuffle=dataset is _Augmented)
+        model, loader = accelerator.prepare(model, loader)
+        manager = statekit.CheckpointManager(accelerator, str(root))
+        step = manager.resume() if resume else 0
+        seen = []
+        while step < 12:
+            for batch in loader:
+                step += 1
+                seen.append((batch.clone(), model(batch).detach()))  # the batch and its dropout mask's output
+                if step == stop:
+                    manager.save(step)
+                    return seen
+                if step == 12:
+                    break
+        return seen
+
+    expected = run(tmp_path / "ref")
+    run(tmp_path / "run", stop=save_at)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "resumed epoch", statekit.StatekitWarning)  # the stream is re-read
+        resumed = run(tmp_path / "run", resume=True)
+    assert len(resumed) == 12 - save_at
+    for (batch, out), (want_batch, want_out) in zip(resumed, expected[save_at:]):
+        assert torch.equal(batch, want_batch)
+        assert torch.equal(out, want_out)

@@ -291,7 +291,10 @@ def _load_attached(
         base = f"{e.key}/rank-{checkpoint.rank:05d}"
         if (data.is_loader(e.obj) or isinstance(e.obj, AccumulatedGradients)) and f"{base}.json" in manifest["files"]:
             own.append((e, checkpoint.load_state(base)))
-    summary = accelerate_format.load(storage, by_position + rest, allow_pickle=allow_pickle, accelerator=accelerator)
+    gradients = any(isinstance(e.obj, AccumulatedGradients) for e, _ in own)
+    summary = accelerate_format.load(
+        storage, by_position + rest, allow_pickle=allow_pickle, accelerator=accelerator, gradients_restored=gradients
+    )
     for e, state in own:  # statekit's exact positions replace Accelerate's
         if data.is_loader(e.obj):
             data.restore_loader(e.obj, state, name=e.key)

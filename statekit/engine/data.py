@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from statekit.engine import elastic, iterable
+from statekit.engine import elastic, fetch_rng, iterable
 from statekit.engine.samplers import (
     dataset_length,
     generators,
@@ -58,6 +58,9 @@ class Position:
             by ``n`` (:func:`statekit.engine.iterable.recorder`); ``dataset_fetched``: the
             batches of the epoch its iterator asked for so far.
         workers_epoch: the epoch in which the loader's persistent workers started.
+        fetch_states: the global random states before each fetch of the epoch not consumed
+            yet, by fetch number (:mod:`statekit.engine.fetch_rng`); ``replay_after``: the
+            states a resume puts back once it fetched the read-ahead batches again.
         name: the loader's checkpoint key, for messages (set when it is restored).
     """
 
@@ -71,6 +74,8 @@ class Position:
     dataset_log: dict[int, Any] = field(default_factory=dict)
     dataset_fetched: int = 0
     workers_epoch: int | None = None
+    fetch_states: dict[int, Any] = field(default_factory=dict)
+    replay_after: Any = None
     name: str | None = None
 
 
@@ -114,6 +119,13 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.in_epoch = True
     # before the iterator is built: it takes iter(batch_sampler) when it is built
     record = iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0)
+    skips = how in (iterable.INDICES, iterable.DATASET)  # the consumed batches are not fetched again
+    replay = (pending or {}).get("fetch_states")
+    # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
+    log = fetch_rng.recorder(inner, position, skip if skips else 0, skip, replay, settle_after=how != iterable.CONSUME)
+    if log is not None:  # outermost: its states are taken right before the fetch
+        dataset_record = record
+        record = log if dataset_record is None else (lambda batch_sampler: log(dataset_record(batch_sampler)))
     # the whole epoch's length, before the skip wrapper shortens the batch sampler:
     # position.batches counts from the start of the epoch (it starts at ``skip``)
     length = sampled_epoch_length(self)
@@ -128,6 +140,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
                 restore = None
             position.batches += 1
             iterable.forget_before(position, position.batches)
+            fetch_rng.forget_before(position, position.batches)
+            fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
             yield batch
     finally:
         if restore is not None:
@@ -224,6 +238,8 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
     state.update(iterable.saved_fields(_inner(loader), position, batches, in_epoch))  # dataset states, workers
+    if in_epoch and fetch_rng.saved_states(position, batches):  # random states of batches fetched ahead
+        state["fetch_states"] = fetch_rng.saved_states(position, batches)
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (engine/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
@@ -294,8 +310,10 @@ def restore_loader(
             "epoch": int(state["epoch"]),
             "batches": batches,
             "start_states": dict(state.get("start_states") or {}),
-            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch")},
+            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states")},
         }
+        if batches != int(state["batches"]) or planned is not None:
+            position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
         if batches != int(state["batches"]):
             position.pending["dataset_after"] = None  # the epoch restarts: from its start state
         elif planned is None:  # a save before the next iter() saves this same position
@@ -320,7 +338,6 @@ def restore_loader(
     ):
         loader.load_state_dict(state["stateful"])
     return True
-
 
 
 def skip_after_resume(loader: Any, num_batches: int) -> bool:
@@ -354,6 +371,7 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
         stacklevel=3,
     )
     return True
+
 
 def is_loader(obj: Any) -> bool:
     """True for a ``torch.utils.data.DataLoader`` (Accelerate's adapters included)."""

@@ -1,4 +1,5 @@
-"""A context manager that puts the process's random states back (plugin calls, re-read batches must not shift them)."""
+"""The process's global random states: :func:`snapshot`/:func:`restore`, and :func:`rng_guard`,
+a context manager that puts them back (plugin calls, re-read batches must not shift them)."""
 
 from __future__ import annotations
 
@@ -26,25 +27,52 @@ def _device_module() -> Any:
     return module if hasattr(module, "get_rng_state_all") else None
 
 
+def snapshot() -> dict[str, Any]:
+    """The process's global random states: Python ``random``, NumPy's global generator (if
+    NumPy is imported), torch's CPU generator and the initialised accelerator's generators.
+
+    Returns:
+        ``{"python": tuple, "numpy": tuple | None, "torch": uint8 tensor (5,056 bytes),
+        "device": list of uint8 tensors | None}``: values the codec stores as they are.
+    """
+    np_random = sys.modules.get("numpy.random")
+    device = _device_module()
+    return {
+        "python": random.getstate(),
+        "numpy": np_random.get_state() if np_random is not None else None,
+        "torch": torch.get_rng_state(),
+        "device": device.get_rng_state_all() if device is not None else None,
+    }
+
+
+def restore(states: dict[str, Any]) -> None:
+    """Set the states :func:`snapshot` returned (NumPy's and the accelerator's only where
+    they were taken and are available now)."""
+    random.setstate(_as_python_state(states["python"]))
+    np_random = sys.modules.get("numpy.random")
+    if states.get("numpy") is not None and np_random is not None:
+        np_random.set_state(tuple(states["numpy"]))
+    torch.set_rng_state(states["torch"])
+    device = _device_module()
+    if states.get("device") is not None and device is not None:
+        device.set_rng_state_all(states["device"])
+
+
+def _as_python_state(state: Any) -> tuple[Any, ...]:
+    """``random.setstate`` wants ``(version, tuple of ints, gauss_next)``; a stored state may
+    come back with lists."""
+    version, internal, gauss_next = state
+    return (version, tuple(internal), gauss_next)
+
+
 @contextlib.contextmanager
 def rng_guard() -> Iterator[None]:
-    """Snapshot Python ``random``, NumPy's global generator (if NumPy is imported), torch's
-    CPU generator and the initialised accelerator's generators; restore them on exit.
+    """Snapshot the global random states (:func:`snapshot`); restore them on exit.
 
     Cost: a few KiB copied per call (torch's CPU state is 5,056 bytes).
     """
-    py_state = random.getstate()
-    np_random = sys.modules.get("numpy.random")
-    np_state = np_random.get_state() if np_random is not None else None
-    torch_state = torch.get_rng_state()
-    device = _device_module()
-    device_states = device.get_rng_state_all() if device is not None else None
+    states = snapshot()
     try:
         yield
     finally:
-        random.setstate(py_state)
-        if np_state is not None:
-            np_random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if device_states is not None:
-            device.set_rng_state_all(device_states)
+        restore(states)

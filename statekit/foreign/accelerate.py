@@ -173,7 +173,9 @@ def _index(key: str) -> int:
     return int(key.rsplit("_", 1)[1]) if re.search(r"_\d+$", key) else 0
 
 
-def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerator: Any = None) -> dict[str, Any]:
+def load(
+    storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerator: Any = None, gradients_restored: bool = False
+) -> dict[str, Any]:
     """Restore entries (stable keys ``model_0``, ``optimizer_0``...) from an Accelerate directory.
 
     All or nothing: every needed file is located, pickle permission checked, every file
@@ -191,6 +193,9 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
         allow_pickle: permit unpickling the directory's pickle files.
         accelerator: the run's Accelerator (its ``process_index`` picks the random-state
             file; its ``step`` is set from it), or None.
+        gradients_restored: the caller restores the accumulated gradients itself (an
+            attach-mode directory holds statekit's gradient file); otherwise a ``step``
+            between optimizer steps warns that the resume is not exact.
 
     Returns:
         A manifest-like dict: ``{"format": "accelerate", "step": ..., "objects": {...}}``.
@@ -213,9 +218,9 @@ def load(storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerato
     step = rng_states.get("step") if rng_states is not None else None
     if accelerator is not None and step is not None:
         accelerator.step = step
-        _warn_partial_window(accelerator, int(step))
+        if not gradients_restored:
+            _warn_partial_window(accelerator, int(step))
     return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
-
 
 
 def _warn_partial_window(accelerator: Any, step: int) -> None:
@@ -231,6 +236,7 @@ def _warn_partial_window(accelerator: Any, step: int) -> None:
             StatekitWarning,
             stacklevel=4,
         )
+
 
 def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tuple[Any, str]]:
     """``(entry, file name)`` for every entry with a file; raises if one has none."""
