@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import statekit
+from statekit.testing import rewrite_manifest
 
 
 def _saved(tmp_path, **extra):
@@ -119,14 +120,40 @@ def test_object_missing_from_checkpoint(tmp_path):
 def test_world_size_mismatch_warns_what_was_not_restored(tmp_path):
     url = str(tmp_path / "c")
     statekit.save(url, {"pos": {"batch": 3}}, per_rank=("pos",))
-    path = tmp_path / "c" / "statekit.json"
-    manifest = json.loads(path.read_text())
-    manifest["world_size"] = 4
-    path.write_text(json.dumps(manifest))
+    rewrite_manifest(tmp_path / "c", lambda manifest: manifest.update(world_size=4))
     state: dict = {}
     with pytest.warns(statekit.StatekitWarning, match=r"ranks 1\.\.3 for pos \(saved with world size 4, loaded with 1\)"):
         statekit.load(url, {"pos": state})
     assert state == {"batch": 3}  # rank 0's state is restored
+
+
+def test_a_manifest_edited_after_its_commit_fails_its_own_checksum(tmp_path):
+    """One flipped bit in the manifest (step 8 read as 9) would resume at the wrong step."""
+    url = str(tmp_path / "c")
+    statekit.save(url, {"model": torch.nn.Linear(4, 2)}, step=8)
+    path = tmp_path / "c" / "statekit.json"
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b'"step": 8') + 8] ^= 0x01  # '8' -> '9'
+    path.write_bytes(bytes(raw))
+    with pytest.raises(statekit.CorruptCheckpointError, match=r"statekit.json: the manifest does not match its own checksum") as info:
+        statekit.verify(url)
+    assert info.value.path.endswith("statekit.json")
+    with pytest.raises(statekit.CorruptCheckpointError, match="its own checksum"):
+        statekit.load(url, {"model": torch.nn.Linear(4, 2)})
+
+
+def test_a_manifest_without_a_checksum_still_loads(tmp_path):
+    """Manifests written before the self-checksum existed (format 1 all the same)."""
+    url = str(tmp_path / "c")
+    model = torch.nn.Linear(4, 2)
+    statekit.save(url, {"model": model})
+    path = tmp_path / "c" / "statekit.json"
+    manifest = json.loads(path.read_text())
+    del manifest["manifest_checksum"]
+    path.write_text(json.dumps(manifest, indent=1))
+    fresh = torch.nn.Linear(4, 2)
+    statekit.load(url, {"model": fresh})
+    assert torch.equal(fresh.weight, model.weight)
 
 
 def test_malformed_manifest_json(tmp_path):

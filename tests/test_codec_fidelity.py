@@ -493,7 +493,7 @@ def rewrite(url, rel, doc):
     storage.write_bytes(rel, data)
     manifest = json.loads(storage.read_bytes(fmt.MANIFEST_NAME))
     manifest["files"][rel].update(size_bytes=len(data), checksum=fmt.checksum_bytes(data))
-    storage.write_bytes(fmt.MANIFEST_NAME, json.dumps(manifest).encode("utf-8"))
+    storage.write_bytes(fmt.MANIFEST_NAME, fmt.manifest_bytes(manifest))  # re-sealed
 
 
 def test_version_1_state_file_still_loads(tmp_path):

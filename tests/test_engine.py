@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import statekit
+from statekit.testing import rewrite_manifest
 from statekit import format as fmt
 from statekit.api import saveload as engine
 from statekit.format.manifest import read_manifest
@@ -570,16 +571,9 @@ def test_deleted_file_is_corrupt(tmp_path):
         statekit.load(str(tmp_path), fresh())
 
 
-def edit_manifest(url, edit):
-    store = Storage(url)
-    manifest = json.loads(store.read_bytes(fmt.MANIFEST_NAME))
-    edit(manifest)
-    store.write_bytes(fmt.MANIFEST_NAME, json.dumps(manifest).encode())
-
-
 def test_newer_format_version(tmp_path):
     statekit.save(str(tmp_path), {"t": torch.ones(1)})
-    edit_manifest(str(tmp_path), lambda m: m.update(format="statekit/9"))
+    rewrite_manifest(tmp_path, lambda m: m.update(format="statekit/9"))
     with pytest.raises(FormatVersionError, match="statekit/9") as info:
         statekit.load(str(tmp_path), {"t": torch.zeros(1)})
     assert "statekit.json" in str(info.value)
@@ -595,14 +589,14 @@ def test_manifest_not_json(tmp_path):
 
 def test_manifest_path_escape_is_corrupt(tmp_path):
     statekit.save(str(tmp_path), {"t": torch.ones(1)})
-    edit_manifest(str(tmp_path), lambda m: m["files"].update({"../outside.json": m["files"]["t.json"]}))
+    rewrite_manifest(tmp_path, lambda m: m["files"].update({"../outside.json": m["files"]["t.json"]}))
     with pytest.raises(CorruptCheckpointError, match="invalid relative path"):
         statekit.load(str(tmp_path), {"t": torch.zeros(1)})
 
 
 def test_unlisted_file_is_corrupt(tmp_path):
     statekit.save(str(tmp_path), {"t": torch.ones(1)})
-    edit_manifest(str(tmp_path), lambda m: m["files"].pop("t.safetensors"))
+    rewrite_manifest(tmp_path, lambda m: m["files"].pop("t.safetensors"))
     with pytest.raises(CorruptCheckpointError, match="not listed in the manifest"):
         statekit.load(str(tmp_path), {"t": torch.zeros(1)})
 

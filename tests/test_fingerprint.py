@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 import statekit
+from statekit.testing import rewrite_manifest
 from statekit.cli import main
 from statekit.format.manifest import MANIFEST_NAME
 
@@ -82,14 +83,12 @@ def resume(root, strict_resume=False, **settings):
 
 def edited_copy(tmp_path, edit):
     """A root holding a copy of the checkpoint under ``tmp_path/run`` whose manifest
-    ``edit(manifest)`` changed (the manifest is not checksummed: a fingerprint written by
-    another setup, simulated)."""
+    ``edit(manifest)`` changed and re-sealed (a fingerprint written by another setup,
+    simulated)."""
     source = next(p for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint-"))
     copy_root = tmp_path / "edited"
     shutil.copytree(source, copy_root / source.name)
-    manifest = json.loads((copy_root / source.name / MANIFEST_NAME).read_text())
-    edit(manifest)
-    (copy_root / source.name / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rewrite_manifest(copy_root / source.name, edit)
     return str(copy_root)
 
 

@@ -248,7 +248,7 @@ def _two_node_checkpoint(tmp_path) -> tuple[bytes, Storage, Storage]:
             (tmp_path / "node1" / "c").mkdir(parents=True, exist_ok=True)
             shutil.move(tmp_path / "node0" / "c" / rel, tmp_path / "node1" / "c" / rel)
     assert any(m["rank"] == 1 for m in manifest["files"].values())
-    raw = json.dumps(manifest).encode()
+    raw = fmt.manifest_bytes(manifest)  # re-sealed: the rank fields changed
     return raw, Storage(str(tmp_path / "node0" / "c")), Storage(str(tmp_path / "node1" / "c"))
 
 

@@ -11,7 +11,6 @@ when one rank failed, so no rank waits forever in a collective.
 from __future__ import annotations
 
 import datetime
-import json
 from typing import Any
 
 from statekit import distributed, format as fmt
@@ -153,7 +152,7 @@ def commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[
         StorageError: the storage failed; nothing is committed.
         ValueError: the manifest is not strict JSON.
     """
-    data = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+    data = fmt.manifest_bytes(manifest)  # checksums itself
     storage.commit(fmt.MANIFEST_NAME, data, exclusive=exclusive)
     storage.remove(LOCK_NAME)  # committed: the lock has done its job
     return manifest

@@ -39,7 +39,15 @@ from statekit.format.dtypes import (
     dtype_name,
 )
 from statekit.format.header import MAX_HEADER_BYTES, TensorEntry, TensorHeader, build_header, parse_header, read_header
-from statekit.format.manifest import FORMAT, MANIFEST_NAME, check_relpath, read_manifest, validate_manifest
+from statekit.format.manifest import (
+    FORMAT,
+    MANIFEST_CHECKSUM,
+    MANIFEST_NAME,
+    check_relpath,
+    manifest_bytes,
+    read_manifest,
+    validate_manifest,
+)
 from statekit.format.tensors import CHUNK_BYTES, fresh_buffers, read_exactly_into, read_tensors, tensor_bytes, write_tensors
 
 # Former private names, kept as aliases because the tests use them (test_format, test_codec).
@@ -52,6 +60,7 @@ __all__ = [
     "CODE_ITEMSIZE",
     "DTYPE_FROM_CODE",
     "FORMAT",
+    "MANIFEST_CHECKSUM",
     "MANIFEST_NAME",
     "MAX_HEADER_BYTES",
     "NATIVE_DTYPES",
@@ -65,6 +74,7 @@ __all__ = [
     "dtype_name",
     "fresh_buffers",
     "new_hasher",
+    "manifest_bytes",
     "parse_header",
     "read_header",
     "read_manifest",

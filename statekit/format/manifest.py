@@ -12,12 +12,17 @@ from typing import Any
 
 from statekit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
 from statekit.storage import Storage
+from statekit.storage.hashing import checksum_bytes
 
 FORMAT = "statekit/1"
 """The manifest's ``format`` value this version writes and reads."""
 
 MANIFEST_NAME = "statekit.json"
 """File name of the manifest; its presence marks a committed checkpoint."""
+
+MANIFEST_CHECKSUM = "manifest_checksum"
+"""The manifest's field holding the XXH3-64 checksum of the rest of the manifest
+(:func:`manifest_bytes`); optional: manifests written before it existed have none."""
 
 _FIELDS: dict[str, type] = {
     "statekit_version": str,
@@ -60,6 +65,36 @@ def check_relpath(path: str, source: str = "manifest", error: type[Exception] = 
     return path
 
 
+def _canonical(body: dict[str, Any]) -> bytes:
+    """The manifest without its checksum as canonical JSON (sorted keys, no spaces): the
+    checksum covers the values, not the layout, so re-indenting the file keeps it valid."""
+    rest = {k: v for k, v in body.items() if k != MANIFEST_CHECKSUM}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set in ``manifest``.
+
+    Every file of a checkpoint is checksummed in the manifest; the manifest checksums
+    itself, so one flipped bit in it (a ``step`` of 9 instead of 8, a metric that steers
+    ``keep_best``) is a :class:`CorruptCheckpointError` at read, not a silent wrong resume.
+    The checksum is taken over the manifest as a reader parses it back (JSON turns integer
+    keys into strings), in canonical form.
+
+    Args:
+        manifest: the manifest (strict JSON: no NaN or infinity); updated in place.
+
+    Returns:
+        UTF-8 JSON, indented one space per level.
+
+    Raises:
+        ValueError: the manifest is not strict JSON.
+    """
+    parsed = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}, allow_nan=False))
+    manifest[MANIFEST_CHECKSUM] = checksum_bytes(_canonical(parsed))
+    return json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+
+
 def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
     """Check a parsed manifest against format version 1 (see ``docs/format.md``).
 
@@ -72,8 +107,9 @@ def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
 
     Raises:
         FormatVersionError: ``format`` is not ``statekit/1`` (a newer or foreign format).
-        CorruptCheckpointError: a required field is missing or has the wrong type, or the
-            optional ``fingerprint`` is not an object.
+        CorruptCheckpointError: a required field is missing or has the wrong type, the
+            optional ``fingerprint`` is not an object, or the manifest does not match its
+            own checksum (:data:`MANIFEST_CHECKSUM`; edited or damaged after its commit).
     """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{source}: manifest is not a JSON object", path=source)
@@ -103,6 +139,15 @@ def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
     for key, obj in manifest["objects"].items():
         if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str) or not isinstance(obj.get("owner"), str):
             raise CorruptCheckpointError(f"{source}: manifest entry for object {key!r} is malformed", path=source)
+    recorded = manifest.get(MANIFEST_CHECKSUM)
+    if recorded is not None:
+        actual = checksum_bytes(_canonical(manifest)) if isinstance(recorded, str) else None
+        if actual != recorded:
+            raise CorruptCheckpointError(
+                f"{source}: the manifest does not match its own checksum (recorded {recorded!r}, computed {actual!r}): "
+                "it was edited or damaged after the commit",
+                path=source,
+            )
     return manifest
 
 

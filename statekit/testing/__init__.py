@@ -22,12 +22,13 @@ Fixtures:
   data loader and a ``LambdaLR`` scheduler (:class:`TinyAccelerate`); skipped if
   accelerate is not installed.
 
-Helpers, usable outside pytest too: :func:`assert_state_equal`, and
+Helpers, usable outside pytest too: :func:`assert_state_equal`,
 :func:`start_moto_server`, the one S3 test-server starter (the ``s3_server`` fixture, the
-fault-injection tests and the demos' ``--moto`` use it).
+fault-injection tests and the demos' ``--moto`` use it), and :func:`rewrite_manifest`
+(edit a committed manifest and keep its self-checksum valid).
 
 Modules: :mod:`~statekit.testing.fixtures` (the fixtures), :mod:`~statekit.testing.s3`
-(the moto server), :mod:`~statekit.testing.compare` (state comparison),
+(the moto server), :mod:`~statekit.testing.manifests` (manifest edits), :mod:`~statekit.testing.compare` (state comparison),
 :mod:`~statekit.testing.training` (the tiny Accelerate setup).
 
 S3 access: s3fs (2024.6 and later, with botocore >= 1.31) reads ``AWS_ENDPOINT_URL``
@@ -50,6 +51,7 @@ from statekit.testing.fixtures import (
     storage_url,
     tiny_accelerate,
 )
+from statekit.testing.manifests import rewrite_manifest
 from statekit.testing.s3 import S3_ACCESS_KEY, S3_STARTUP_SECONDS, S3Server, start_moto_server  # noqa: F401
 from statekit.testing.training import TinyAccelerate
 
@@ -59,6 +61,7 @@ __all__ = [
     "assert_state_equal",
     "installed_plugin_manager",
     "plugin_manager",
+    "rewrite_manifest",
     "s3_bucket",
     "s3_server",
     "start_moto_server",
