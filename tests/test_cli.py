@@ -117,6 +117,23 @@ def test_convert_unknown_format_is_a_usage_error(tmp_path):
     assert result.exit_code == 2 and "unknown format" in result.output
 
 
+def test_convert_to_the_format_of_a_plugin_that_is_missing_names_what_to_install(tmp_path, plugin_manager):
+    class Fancy:
+        @statekit.hookimpl
+        def statekit_save_state_pre(self, models, weights, output_dir, checkpoint):
+            checkpoint.records["layout"] = "fancy"
+
+        STATEKIT_CONVERTERS = {"fancy": lambda src, out: None}
+
+    plugin_manager.register(Fancy(), name="fancy")
+    statekit.save(str(tmp_path / "c"), {"t": torch.zeros(1)})
+    plugin_manager.unregister(name="fancy")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "c"), str(tmp_path / "o"), "--to", "fancy"])
+    assert result.exit_code == 2
+    assert "unknown format 'fancy'" in result.output and "pip install statekit-fancy" in result.output
+    assert not (tmp_path / "o").exists()
+
+
 # --------------------------------------------------------------------------- diff, other formats, progress
 
 

@@ -9,6 +9,7 @@ import click
 from statekit.cli.output import fail, parse_key_values, storage_option, storage_options_of
 from statekit.errors import StatekitError
 from statekit.foreign.accelerate import convert as convert_accelerate
+from statekit.format.manifest import read_manifest
 from statekit.hooks.registry import get_plugin_manager
 from statekit.progress import progress
 from statekit.storage import Storage
@@ -38,7 +39,10 @@ def convert(src: str, out: str, target: str, allow_pickle: bool, raw_options: tu
         for plugin in get_plugin_manager().get_plugins():
             converters.update(getattr(plugin, "STATEKIT_CONVERTERS", {}) or {})
         if target not in converters:
-            raise click.UsageError(f"unknown format {target!r}; available: {', '.join(['statekit', *sorted(converters)])}")
+            raise click.UsageError(
+                f"unknown format {target!r}; available: {', '.join(['statekit', *sorted(converters)])}"
+                + _missing_plugin_hint(src, target, storage_options)
+            )
         options = parse_key_values(raw_options, "--option")
         if storage_options is not None:
             options["storage_options"] = storage_options
@@ -49,6 +53,24 @@ def convert(src: str, out: str, target: str, allow_pickle: bool, raw_options: tu
         click.echo(f"wrote {out} ({target})")
     except StatekitError as exc:
         fail(exc)
+
+
+def _missing_plugin_hint(src: str, target: str, storage_options: dict[str, Any] | None) -> str:
+    """When the source checkpoint was saved with a plugin named like the target format that
+    is not available now, what to install (``"; ... pip install statekit-diffusers"``)."""
+    pm = get_plugin_manager()
+    if pm.get_plugin(target) is not None:
+        return ""
+    try:
+        manifest = read_manifest(Storage(src, storage_options))
+    except (StatekitError, OSError):
+        return ""
+    if target not in manifest["plugins"]:
+        return ""
+    owned = [o for o in manifest["objects"].values() if o.get("owner") == target]
+    dist_name = next((o["owner_distribution"] for o in owned if o.get("owner_distribution")), f"statekit-{target}")
+    why = "is blocked by STATEKIT_DISABLE_PLUGINS" if pm.is_blocked(target) else "is not installed"
+    return f"; {src} was saved with plugin {target!r}, which provides this format and {why}: pip install {dist_name}"
 
 
 def _source_bytes(src: str, storage_options: dict[str, Any] | None) -> int | None:
