@@ -229,9 +229,9 @@ def test_write_failure_is_storage_error(tmp_path):
     assert str(blocker / "ckpt") in str(info.value)
 
 
-def test_fsync_dir_tolerates_missing(tmp_path):
-    st.fsync_dir(str(tmp_path / "missing"))
-    st.fsync_dir(str(tmp_path))
+def test_fsync_path_tolerates_missing(tmp_path):
+    st.fsync_path(str(tmp_path / "missing"))
+    st.fsync_path(str(tmp_path))
 
 
 @pytest.mark.s3

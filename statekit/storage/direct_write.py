@@ -1,6 +1,6 @@
 """Local file writes below the page cache: :class:`DirectWriter` (``O_DIRECT`` with two
 reused aligned buffers and a writer thread, or straight from the caller's aligned memory:
-:meth:`DirectWriter.write_stable`) and :func:`fsync_dir`. Reads: :mod:`statekit.storage.direct`."""
+:meth:`DirectWriter.write_stable`) and :func:`fsync_path`. Reads: :mod:`statekit.storage.direct`."""
 
 from __future__ import annotations
 
@@ -255,8 +255,9 @@ class DirectWriter:
             self.abort()
 
 
-def fsync_dir(path: str) -> None:
-    """fsync a local directory so a rename or create in it is durable (no-op where unsupported)."""
+def fsync_path(path: str) -> None:
+    """fsync a local file (its data) or directory (a rename or create in it) so it is
+    durable; a no-op where unsupported or when ``path`` is gone."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
-from statekit.storage.direct_write import DirectWriter, fsync_dir
+from statekit.storage.direct_write import DirectWriter, fsync_path
 
 
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//|:)")
@@ -303,7 +303,7 @@ class Storage:
             self._makedirs(path.rsplit("/", 1)[0])
             if self.is_local:
                 directory = os.path.dirname(path)
-                fsync_dir(directory)  # the data files' directory entries first
+                fsync_path(directory)  # the data files' directory entries first
                 tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
                 try:
                     with open(tmp, "wb") as f:
@@ -320,7 +320,7 @@ class Storage:
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)
-                fsync_dir(directory)
+                fsync_path(directory)
             elif exclusive:
                 if not self.create_exclusive(rel, data):
                     raise CheckpointExistsError(f"{url} already exists: another save committed it first")
