@@ -38,7 +38,6 @@ from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 
 
-
 class Attachment:
     """Handle returned by :func:`attach`; ``remove()`` undoes the hooks and wrappers.
 

@@ -74,6 +74,8 @@ class Replicator:
             the try fails (and is retried), seconds.
         backlog_warning: checkpoints queued at once above which a submit warns that the
             saves come faster than the remote tier takes them (once, until it drains).
+        keep_last: the remote retention's ``remote_keep_last`` (None: keep every one);
+            :meth:`catch_up_names` does not copy again what that policy deleted.
 
     Raises:
         StorageError: ``remote_url`` cannot be resolved (unknown scheme, backend missing).
@@ -112,8 +114,8 @@ class Replicator:
         self.replicated: set[str] = set()
         """Names whose remote copy committed (found by :meth:`catch_up`, or copied since;
         remote retention may have deleted it later, by policy), and names :meth:`catch_up`
-        found superseded (remote retention would delete their copy at once): what local retention may
-        delete, known without listing the remote tier."""
+        found superseded (remote retention would delete their copy at once): what local
+        retention may delete, known without listing the remote tier."""
         self._queue: queue.Queue[tuple[str, str, bytes | None]] = queue.Queue()
         self._pending: dict[str, str] = {}  # name -> local URL, queued or being copied
         self._lock = threading.Lock()
