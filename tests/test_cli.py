@@ -338,3 +338,24 @@ def test_cli_reads_s3_with_storage_options_alone(s3_server, s3_bucket, monkeypat
     without = CliRunner().invoke(main, ["ls", root])  # the same command without the options fails, naming the URL
     assert without.exit_code == 1 and root in without.output
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_ls_of_a_missing_root_or_of_a_checkpoint_is_an_error(tmp_path):
+    """A typo in the root (or the bucket) is exit 1, not "no checkpoints"; an empty root is fine."""
+    root = _root(tmp_path)
+    missing = CliRunner().invoke(main, ["ls", str(tmp_path / "typo")])
+    assert missing.exit_code == 1 and "does not exist" in missing.output
+    one = CliRunner().invoke(main, ["ls", str(root / "checkpoint-00000001")])
+    assert one.exit_code == 1 and "statekit inspect" in one.output
+    (tmp_path / "empty").mkdir()
+    empty = CliRunner().invoke(main, ["ls", str(tmp_path / "empty"), "--json"])
+    assert empty.exit_code == 0 and json.loads(empty.output) == []
+
+
+def test_verify_of_a_root_or_another_format_says_what_it_is(tmp_path):
+    root = _root(tmp_path)
+    result = CliRunner().invoke(main, ["verify", str(root)])
+    assert result.exit_code == 1 and "checkpoint root" in result.output and "never committed" not in result.output
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "m.pt")])
+    assert result.exit_code == 1 and "not a statekit checkpoint" in result.output and "'torch'" in result.output

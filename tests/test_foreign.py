@@ -274,3 +274,30 @@ def test_dcp_tensor_assembled_from_chunks(tmp_path):
     reader = open_checkpoint(str(root), allow_pickle=True)
     assert reader.tensors()["w"].file == "__0_0.distcp,__1_0.distcp" and reader.tensors()["w"].size_bytes == 96
     assert torch.equal(reader.load_tensor("w"), full)
+
+
+def test_diff_of_int64_values_beyond_float64_precision(tmp_path):
+    """2**60 and 2**60 + 1 are equal in float64: the diff must not call them identical."""
+    safetensors.torch.save_file({"seed": torch.tensor([2**60])}, str(tmp_path / "a.safetensors"))
+    safetensors.torch.save_file({"seed": torch.tensor([2**60 + 1])}, str(tmp_path / "b.safetensors"))
+    report = diff(open_checkpoint(str(tmp_path / "a.safetensors")), open_checkpoint(str(tmp_path / "b.safetensors")))
+    assert report["tensors"] == [{"key": "seed", "dtype": "int64", "shape": [1], "max_abs_diff": 1.0, "equal": False}]
+    assert not report["identical"]
+
+
+def test_diff_pairs_an_accelerate_directory_with_statekit_save_state_of_the_same_run(tmp_path):
+    """Accelerate names model.safetensors / optimizer.bin what statekit names model_0 / optimizer_0."""
+    from accelerate_helpers import build, train_steps
+
+    run = build(seed=0)
+    train_steps(run, 3)
+    accelerator, model, optimizer = run[0], run[1], run[2]
+    accelerator.save_state(str(tmp_path / "acc"))
+    statekit.save_state(accelerator, str(tmp_path / "sk"))
+    report = diff(open_checkpoint(str(tmp_path / "acc"), allow_pickle=True), open_checkpoint(str(tmp_path / "sk")))
+    pairs = {t["key"]: t.get("b_key") for t in report["tensors"]}
+    model_keys = {f"model.safetensors:{k}" for k in model.state_dict()}
+    assert model_keys <= set(pairs) and pairs["model.safetensors:fc1.weight"] == "model_0.safetensors:fc1.weight"
+    assert pairs["optimizer.bin:state.0.exp_avg"] == "optimizer_0.safetensors:state.0.exp_avg"
+    assert all(t["equal"] for t in report["tensors"]), [t for t in report["tensors"] if not t["equal"]]
+    assert not model_keys & set(report["removed"]) and not report["changed"]

@@ -9,7 +9,8 @@ import click
 from statekit.api.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.engine.locking import live_save_lock
-from statekit.errors import CheckpointInUseError, StatekitError
+from statekit.errors import CheckpointInUseError, CheckpointNotFoundError, StatekitError
+from statekit.format import MANIFEST_NAME
 from statekit.storage import Storage
 from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 
@@ -28,6 +29,8 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
     try:
         infos = list_checkpoints(url, storage_options_of(raw_storage))
         remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
+        if not infos and not remote:
+            _refuse_if_not_a_root(url, storage_options_of(raw_storage))
     except StatekitError as exc:
         fail(exc)
     if remote is None:
@@ -45,6 +48,16 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
              *([_tier_text(p)] if remote is not None else []), p["url"]] for p in payload]
     columns = ["step", "created", "size", "committed", "metrics", *(["tiers"] if remote is not None else []), "url"]
     console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2)))
+
+
+def _refuse_if_not_a_root(url: str, storage_options: dict[str, Any] | None) -> None:
+    """An empty listing is an answer only for a root that exists: a typo in the path or the
+    bucket, or a checkpoint given instead of its root, is an error (exit 1), not "no checkpoints"."""
+    root = Storage(url, storage_options)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"no such checkpoint root: {url} does not exist")
+    if MANIFEST_NAME in root.listdir():
+        raise StatekitError(f"{url} is a checkpoint, not a checkpoint root: show it with `statekit inspect`")
 
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:

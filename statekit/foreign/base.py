@@ -106,6 +106,19 @@ class CheckpointReader:
         """
         return f"{info.file}:{info.name}" if self.keyed_by_file else info.name
 
+    def match_key(self, key: str) -> str:
+        """The key under which :func:`statekit.foreign.diff` matches this tensor with one of a
+        checkpoint of another format when the keys differ (the key itself here; an Accelerate
+        directory names its files as a statekit checkpoint of the same run does).
+
+        Args:
+            key: a key of :meth:`tensors`.
+
+        Returns:
+            The key to match on.
+        """
+        return key
+
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor, keyed as :meth:`key`, in file then data order (metadata only).
 

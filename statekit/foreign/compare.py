@@ -38,23 +38,24 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         changed, or differing in value).
     """
     ta, tb = a.tensors(), b.tensors()
-    added = [k for k in tb if k not in ta]
-    removed = [k for k in ta if k not in tb]
+    pairs = _pairs(a, b, ta, tb)
+    paired_b = set(pairs.values())
+    added = [k for k in tb if k not in paired_b]
+    removed = [k for k in ta if k not in pairs]
     changed, compared = [], []
-    for key, ia in ta.items():
-        ib = tb.get(key)
-        if ib is None:
-            continue
+    for key, key_b in pairs.items():
+        ia, ib = ta[key], tb[key_b]
+        named = {"key": key, **({"b_key": key_b} if key_b != key else {})}
         if ia.shape != ib.shape or ia.dtype != ib.dtype:
-            changed.append({"key": key, "a": {"dtype": ia.dtype, "shape": list(ia.shape)},
+            changed.append({**named, "a": {"dtype": ia.dtype, "shape": list(ia.shape)},
                             "b": {"dtype": ib.dtype, "shape": list(ib.shape)}})
         if ia.shape != ib.shape:
             continue
-        x, y = a.load_tensor(key), b.load_tensor(key)
+        x, y = a.load_tensor(key), b.load_tensor(key_b)
         max_abs = _max_abs_diff(x, y)
-        equal = ia.dtype == ib.dtype and (torch.equal(x, y) or max_abs == 0.0)
+        equal = ia.dtype == ib.dtype and _equal_values(x, y, max_abs)
         del x, y
-        compared.append({"key": key, "dtype": ib.dtype, "shape": list(ib.shape), "max_abs_diff": max_abs, "equal": equal})
+        compared.append({**named, "dtype": ib.dtype, "shape": list(ib.shape), "max_abs_diff": max_abs, "equal": equal})
         if advance is not None:
             advance(ia.size_bytes + ib.size_bytes)
     sa, sb = a.summary(), b.summary()
@@ -73,6 +74,20 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
     }
 
 
+def _pairs(a: CheckpointReader, b: CheckpointReader, ta: dict[str, Any], tb: dict[str, Any]) -> dict[str, str]:
+    """``key in a -> key in b`` of the tensors compared: equal keys first, then (checkpoints of
+    two formats) the keys left over on both sides that match by :meth:`CheckpointReader.match_key`
+    (``model.safetensors:w`` of an Accelerate directory and ``model_0.safetensors:w`` of the
+    statekit checkpoint of the same run)."""
+    pairs = {k: k for k in ta if k in tb}
+    if a.format != b.format:
+        left_b = {b.match_key(k): k for k in tb if k not in pairs}
+        for key in ta:
+            if key not in pairs and (found := left_b.pop(a.match_key(key), None)) is not None:
+                pairs[key] = found
+    return pairs
+
+
 def _file_changes(a: CheckpointReader, b: CheckpointReader, files_a: dict[str, int], files_b: dict[str, int]) -> list[dict[str, Any]]:
     """Files of two directories of one format whose size or (statekit) manifest checksum differs."""
     if not (a.format == b.format and a.format in ("statekit", "accelerate", "dcp")):
@@ -88,12 +103,25 @@ def _file_changes(a: CheckpointReader, b: CheckpointReader, files_a: dict[str, i
     return files
 
 
+def _equal_values(x: torch.Tensor, y: torch.Tensor, max_abs: float | None) -> bool:
+    """Equal values of two tensors of one dtype: bit-equal, or (floating/complex only) equal
+    with NaN at the same places. Integers are never judged by the float64 difference, which
+    rounds values above 2**53 (2**60 and 2**60 + 1 have a float64 difference of 0)."""
+    if torch.equal(x, y):
+        return True
+    return (x.is_floating_point() or x.is_complex()) and max_abs == 0.0
+
+
 def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float | None:
     """max |x - y| in float64 (None for empty tensors; bool/int compared as numbers)."""
     if x.numel() == 0:
         return None
     if x.is_complex() or y.is_complex():
         d = (x.to(torch.complex128) - y.to(torch.complex128)).abs()
+    elif not (x.is_floating_point() or y.is_floating_point()) and x.dtype != torch.uint64 and y.dtype != torch.uint64:
+        # integers and bools: exact in int64 (float64 rounds above 2**53)
+        d = (x.to(torch.int64) - y.to(torch.int64)).abs()
+        return float(d.max().item())
     else:
         xd, yd = x.to(torch.float64), y.to(torch.float64)
         d = (xd - yd).abs()

@@ -7,6 +7,8 @@ the same files the same way.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from statekit import format as fmt
@@ -14,6 +16,10 @@ from statekit.foreign import accelerate
 from statekit.foreign.base import CheckpointReader, TensorInfo, basename, tensor_infos
 from statekit.foreign.pickles import PickleFiles, load_pickle
 from statekit.storage import Storage
+
+
+# An Accelerate file of one numbered object (group 1: kind, group 2: ``_<i>``, None for object 0)
+_OBJECT_FILE = re.compile(r"^(model|pytorch_model|optimizer|scheduler)(_\d+)?\.(safetensors|bin)$")
 
 
 class StatekitReader(CheckpointReader):
@@ -60,6 +66,18 @@ class AccelerateReader(CheckpointReader):
         )
         if not allow_pickle:
             self.skipped = accelerate.pickle_files(self._names)
+
+    def match_key(self, key: str) -> str:
+        """``model.safetensors:w`` -> ``model_0.safetensors:w``, ``optimizer_1.bin:state.0.step`` ->
+        ``optimizer_1.safetensors:state.0.step``: the file names of a statekit checkpoint of the
+        same Accelerate run (``statekit.save_state``, ``CheckpointManager``, ``statekit convert``)."""
+        rel, sep, name = key.partition(":")
+        match = _OBJECT_FILE.match(rel)
+        if not sep or match is None:
+            return key
+        kind = "model" if match.group(1) == "pytorch_model" else match.group(1)
+        index = int(match.group(2)[1:]) if match.group(2) else 0
+        return f"{kind}_{index}.safetensors:{name}"
 
     def _list(self) -> list[TensorInfo]:
         out: list[TensorInfo] = []
