@@ -23,8 +23,7 @@ before the commit (a committed remote copy holds exactly the manifest's files).
 
 Failures (endpoint down, frozen, a mismatch at the destination) are retried with
 exponential backoff; every failed try warns with the remote URL; training and local
-saves never wait. A checkpoint whose copy was interrupted (process killed) is copied
-again when the next manager starts (:meth:`Replicator.catch_up`).
+saves never wait. An interrupted copy is redone at the next start (:meth:`Replicator.catch_up`).
 """
 
 from __future__ import annotations
@@ -346,16 +345,15 @@ def _wait_at_exit() -> None:
     from statekit.api.asyncsave import wait_all_at_exit  # their commits queue copies
 
     wait_all_at_exit()
-    try:
-        timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "600"))
-    except ValueError:
-        timeout = 600.0
+    value = os.environ.get(EXIT_TIMEOUT_ENV, "600")
+    timeout = float(value) if value.replace(".", "", 1).isdigit() else 600.0
     deadline = time.monotonic() + timeout
     for replicator in list(_replicators):
         if not replicator.pending():  # nothing in flight (failures were warned at each try)
             continue
-        print(f"statekit: waiting up to {timeout:g} s for replication to {replicator.remote_url} "
-              f"({len(replicator.pending())} checkpoint(s) queued; {EXIT_TIMEOUT_ENV} sets the limit)", file=sys.stderr)
+        queued = len(replicator.pending())
+        print(f"statekit: waiting up to {timeout:g} s for replication to {replicator.remote_url} ({queued} "
+              f"checkpoint(s) queued; {EXIT_TIMEOUT_ENV} sets the limit)", file=sys.stderr)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             replicator.wait(max(0.0, deadline - time.monotonic()))

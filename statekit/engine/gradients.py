@@ -17,12 +17,13 @@ Accelerate's counters only: a loop that accumulates by hand (``no_sync`` with
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from statekit.engine.entries import check_fit, unwrap_model
-from statekit.errors import StatekitError, StateMismatchError
+from statekit.errors import StatekitError, StatekitWarning, StateMismatchError
 
 
 def accumulating(accelerator: Any) -> bool:
@@ -161,3 +162,27 @@ class AccumulatedGradients:
                 for name, p in model.named_parameters():
                     p.grad = grads[name].to(device=p.device).clone() if name in grads else None
         self.accelerator.gradient_state._set_sync_gradients(False)
+
+
+def warn_partial_window(accelerator: Any, step: int) -> None:
+    """Warn that a resume from a checkpoint without accumulated gradients (Accelerate's own)
+    is not exact when it was saved between optimizer steps: Accelerate's ``step`` counts
+    micro-batches and restarts at every sync, so one that is not a multiple of
+    ``gradient_accumulation_steps`` means mid-window.
+
+    Args:
+        accelerator: the resuming ``Accelerator``.
+        step: the restored ``accelerator.step``.
+
+    Warns:
+        StatekitWarning: saved mid-window (names the micro-batch and the setting).
+    """
+    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+    if steps > 1 and step % steps:
+        warnings.warn(
+            f"this Accelerate checkpoint was saved between optimizer steps (micro-batch {step % steps} of "
+            f"gradient_accumulation_steps={steps}) and holds no accumulated gradients: the first optimizer step "
+            "after the resume sums only the micro-batches seen after it, so the resume is not exact",
+            StatekitWarning,
+            stacklevel=4,
+        )

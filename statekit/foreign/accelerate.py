@@ -22,7 +22,6 @@ import copy
 import random
 import re
 import sys
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,8 +31,9 @@ from statekit import format as fmt
 from statekit.engine.commit import build_manifest, commit
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
+from statekit.engine.gradients import warn_partial_window
 from statekit.engine.locking import prepare_target, release_lock
-from statekit.errors import StatekitError, StatekitWarning, StateMismatchError
+from statekit.errors import StatekitError, StateMismatchError
 from statekit.foreign.pickles import load_pickle
 from statekit.storage import Storage
 
@@ -219,23 +219,8 @@ def load(
     if accelerator is not None and step is not None:
         accelerator.step = step
         if not gradients_restored:
-            _warn_partial_window(accelerator, int(step))
+            warn_partial_window(accelerator, int(step))
     return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
-
-
-def _warn_partial_window(accelerator: Any, step: int) -> None:
-    """Accelerate's ``step`` counts micro-batches and restarts at every sync; one that is
-    not a multiple of ``gradient_accumulation_steps`` was saved between optimizer steps,
-    and Accelerate's checkpoint has no accumulated gradients: say so."""
-    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
-    if steps > 1 and step % steps:
-        warnings.warn(
-            f"this Accelerate checkpoint was saved between optimizer steps (micro-batch {step % steps} of "
-            f"gradient_accumulation_steps={steps}) and holds no accumulated gradients: the first optimizer step "
-            "after the resume sums only the micro-batches seen after it, so the resume is not exact",
-            StatekitWarning,
-            stacklevel=4,
-        )
 
 
 def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tuple[Any, str]]:
