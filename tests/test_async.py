@@ -134,3 +134,43 @@ def test_pending_save_at_interpreter_exit(tmp_path, outcome):
         assert f"background save to {root / checkpoint_name(1)} failed" in proc.stderr
         assert "disk on fire" in proc.stderr and "Traceback" in proc.stderr
         assert not (root / checkpoint_name(1) / "statekit.json").exists()
+
+
+def test_async_saves_sharing_a_staging_pool_keep_each_saves_values(tmp_path, plugin_manager, monkeypatch):
+    """Two async saves given one StagingPool (the bridge's ``staging=``), the second started
+    while the first still writes: the first checkpoint held the second's weights (valid
+    checksums, no error); now the second save waits for the pool."""
+    import threading
+
+    from statekit.api.saveload import save_objects
+    from statekit.engine.context import Checkpoint
+    from statekit.engine.entries import classify
+    from statekit.engine.staging import StagingPool
+
+    gate = threading.Event()
+    flush = Checkpoint.flush
+
+    def slow_flush(self):
+        gate.wait(5)  # the first write goes on only once the second save has staged (or waited)
+        flush(self)
+
+    monkeypatch.setattr(Checkpoint, "flush", slow_flush)
+    model, pool, pending = torch.nn.Linear(64, 64), StagingPool(), []
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    pending.append(save_objects(str(tmp_path / "a"), [classify("model", model)], blocking=False, staging=pool))
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    second = threading.Thread(
+        target=lambda: pending.append(save_objects(str(tmp_path / "b"), [classify("model", model)], blocking=False, staging=pool))
+    )
+    second.start()
+    second.join(0.3)
+    gate.set()
+    second.join()
+    for p in pending:
+        p.wait()
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        fresh = torch.nn.Linear(64, 64)
+        statekit.load(str(tmp_path / name), {"model": fresh})
+        assert fresh.weight.unique().tolist() == [value], name

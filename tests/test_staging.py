@@ -86,3 +86,34 @@ def test_cuda_staging_is_pinned_and_exact():
     for k, v in t.items():
         assert staged[k].device.type == "cpu" and staged[k].is_pinned()
         assert torch.equal(staged[k], v.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64])
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4)])
+def test_a_dtype_at_an_arena_offset_it_cannot_be_aligned_to_stages_bytes_exactly(dtype, shape):
+    """complex128's copy kernel assumes 16-byte-aligned memory: staged at byte 8 of the
+    arena (after a uint8 tensor) it crashed the process with SIGSEGV."""
+    pool = StagingPool()
+    for first in (1, 8, 12):
+        t = {"pad": torch.arange(first, dtype=torch.uint8), "x": torch.randn(shape, dtype=dtype),
+             "conj": torch.randn(2, 3, dtype=dtype).conj() if dtype.is_complex else torch.randn(2, 3, dtype=dtype),
+             "t": torch.randn(4, 6, dtype=dtype).t()}
+        staged = pool.stage(f"f{first}.safetensors", t)
+        assert all(torch.equal(staged[k], v) and staged[k].dtype == v.dtype and staged[k].shape == v.shape for k, v in t.items())
+        t["x"].add_(1)
+        assert torch.equal(pool.stage(f"f{first}.safetensors", t)["x"], t["x"])  # reused buffers too
+
+
+def test_a_second_save_holding_the_pool_waits_until_the_first_releases_it():
+    import threading
+
+    pool = StagingPool()
+    pool.hold()
+    taken = threading.Event()
+    second = threading.Thread(target=lambda: (pool.hold(), taken.set()))
+    second.start()
+    assert not taken.wait(0.2)  # the first save still writes from the buffers
+    pool.release()
+    assert taken.wait(5)
+    second.join()
+    pool.release()

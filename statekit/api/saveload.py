@@ -130,10 +130,14 @@ def save_objects(
     models = [e.obj for e in entries if e.kind == "model"]
     owners: dict[str, str] = {}
     stage_error: Exception | None = None
+    if staging is not None:
+        staging.hold()  # its buffers are reused: wait until the save that used them last has written them
     try:
         _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
     except Exception as exc:
         if world_size == 1:
+            if staging is not None:
+                staging.release()
             release_lock(storage, rank)
             raise
         stage_error = exc  # every rank must still take part in the agreement below
@@ -150,6 +154,9 @@ def save_objects(
         except BaseException:
             release_lock(storage, rank)  # nothing committed; a retry may take the directory
             raise
+        finally:
+            if staging is not None:
+                staging.release()  # every staged byte is written (or the save failed)
         checkpoint.manifest = manifest
         checkpoint._writable = False
         if after_commit is not None:

@@ -39,15 +39,32 @@ ARENA_ALIGN = 4096
 class StagingPool:
     """CPU staging buffers of each file (by relative path), one arena per file.
 
-    Thread-safety: one save stages at a time (the manager waits for the previous save
-    before staging the next), so a buffer is never written while its last save reads it.
+    Thread-safety: one save uses the pool at a time, from :meth:`hold` (before it stages)
+    to :meth:`release` (once its background write is done): a second save that holds it
+    waits there, so a buffer is never written while the save before still writes it out.
     """
 
     def __init__(self) -> None:
         self._arenas: dict[str, tuple[Any, torch.Tensor, dict[str, torch.Tensor]]] = {}  # rel -> (layout, arena, views)
         self._lock = threading.Lock()
+        self._free = threading.Condition()
+        self._held = False
         self.allocated_bytes = 0
         """Bytes allocated so far (grows only when shapes or dtypes change)."""
+
+    def hold(self) -> None:
+        """Take the pool for one save: waits while another save holds it (its background
+        write still reads the buffers this save would overwrite)."""
+        with self._free:
+            while self._held:
+                self._free.wait()
+            self._held = True
+
+    def release(self) -> None:
+        """Give the pool back (the save's writes are done, or it failed)."""
+        with self._free:
+            self._held = False
+            self._free.notify_all()
 
     def stage(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> StagedTensors:
         """Copy ``tensors`` into this pool's arena for file ``rel``.
@@ -84,7 +101,13 @@ class StagingPool:
             arena, buffers = self._buffers_for(rel, unique)
             for name, t in unique.items():
                 accelerated = pin_memory_for(t.device)
-                buffers[name].copy_(t.detach(), non_blocking=accelerated)
+                buffer, source = buffers[name], t.detach()
+                if buffer.numel() and buffer.data_ptr() % buffer.element_size():
+                    # an arena offset the dtype's kernels do not expect (torch.frombuffer view):
+                    # copy bytes (a complex128 copy_ to an 8-byte-aligned address faults)
+                    buffer = buffer.reshape(-1).view(torch.uint8)
+                    source = source.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+                buffer.copy_(source, non_blocking=accelerated)
                 if accelerated:
                     devices.add(t.device)
             wait_for_copies(devices)
