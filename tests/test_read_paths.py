@@ -468,3 +468,23 @@ def test_fresh_memory_is_made_ahead_only_when_the_models_load_in_place(tmp_path,
     assert read_ahead_everything == []
     meta = torch.nn.Linear(2, 2, device="meta")
     assert not read.loads_in_place([meta])
+
+
+def test_a_conjugate_view_target_is_filled_with_its_values(tmp_path, plugin_manager):
+    """A buffer that is a lazy conjugate view (contiguous, conj bit set): the in-place read
+    raised StorageError ("view is not supported for conjugate view tensors") after
+    overwriting the tensors before it; it is filled through ``copy_`` now."""
+
+    class Module(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("z", torch.randn(1000, dtype=torch.complex64).conj())
+
+    model = Module()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    statekit.save(str(tmp_path / "c"), {"model": model})
+    fresh = Module()
+    assert fresh.z.is_conj()
+    statekit.load(str(tmp_path / "c"), {"model": fresh})
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())

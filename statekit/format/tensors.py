@@ -185,7 +185,8 @@ def read_tensors(
 
 
 def _fills_in_place(e: TensorEntry, target: torch.Tensor | None) -> bool:
-    """Whether ``e``'s bytes can land in ``target`` itself (CPU, contiguous, same dtype and shape)."""
+    """Whether ``e``'s bytes can land in ``target`` itself (CPU, contiguous, same dtype and
+    shape, no lazy conjugate or negative bit: such a view's stored bytes are not its values)."""
     return (
         target is not None
         and e.dtype in NATIVE_DTYPES
@@ -193,6 +194,8 @@ def _fills_in_place(e: TensorEntry, target: torch.Tensor | None) -> bool:
         and target.dtype == e.dtype
         and tuple(target.shape) == e.shape
         and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
     )
 
 
