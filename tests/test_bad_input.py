@@ -156,6 +156,14 @@ def test_a_manifest_without_a_checksum_still_loads(tmp_path):
     assert torch.equal(fresh.weight, model.weight)
 
 
+def test_loading_a_checkpoint_root_says_what_it_is(tmp_path):
+    manager = statekit.CheckpointManager({"model": torch.nn.Linear(4, 2)}, str(tmp_path / "run"))
+    manager.save(1)
+    manager.save(2)
+    with pytest.raises(statekit.IncompleteCheckpointError, match=r"run is a checkpoint root, not a checkpoint: it holds 2 .*'checkpoint-00000002'"):
+        statekit.load(str(tmp_path / "run"), {"model": torch.nn.Linear(4, 2)})
+
+
 def test_malformed_manifest_json(tmp_path):
     url = _saved(tmp_path)
     (tmp_path / "c" / "statekit.json").write_text('{"format": "statekit/1", ')

@@ -172,6 +172,13 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
         data = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         if storage.exists():
+            committed = _committed_children(storage)
+            if committed:  # a manager root (runs/exp1), not a checkpoint: nothing failed
+                raise IncompleteCheckpointError(
+                    f"{storage.url} is a checkpoint root, not a checkpoint: it holds {len(committed)} committed "
+                    f"checkpoint(s), the last by name {committed[-1]!r}; load one of them, or resume with "
+                    "CheckpointManager(...).resume()"
+                ) from None
             raise IncompleteCheckpointError(
                 f"{storage.url} has no {MANIFEST_NAME}: the save that wrote it never committed"
             ) from None
@@ -181,3 +188,12 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"{url}: manifest is not valid JSON: {exc}", path=url) from None
     return validate_manifest(manifest, url)
+
+
+def _committed_children(storage: Storage) -> list[str]:
+    """Names of the subdirectories holding a manifest, sorted (empty on any error): tells a
+    checkpoint root from a checkpoint whose save never committed."""
+    try:
+        return sorted(name for name in storage.listdir() if storage.exists(f"{name}/{MANIFEST_NAME}"))
+    except Exception:  # noqa: BLE001 - only the message depends on it
+        return []
