@@ -204,6 +204,28 @@ def test_a_start_after_a_killed_copy_still_copies_what_remote_retention_keeps(tm
     assert [i.step for i in manager.replicator.list() if i.committed] == [2, 3]
 
 
+def test_gc_of_the_remote_root_keeps_a_copy_in_progress(tmp_path, plugin_manager, monkeypatch):
+    from click.testing import CliRunner
+
+    from statekit.cli import main
+
+    statekit.save(str(tmp_path / "src"), _objects(0))
+    src, dst = Storage(str(tmp_path / "src")), Storage(str(tmp_path / "remote" / checkpoint_name(1)))
+    outputs = []
+    real_commit = Storage.commit
+
+    def gc_then_commit(self, rel, data, exclusive=False):  # gc runs after the files, before the manifest
+        outputs.append(CliRunner().invoke(main, ["gc", str(tmp_path / "remote"), "--json"]).output)
+        return real_commit(self, rel, data, exclusive)
+
+    monkeypatch.setattr(Storage, "commit", gc_then_commit)
+    remote_copy.copy_checkpoint(src, dst)
+    report = __import__("json").loads(outputs[0])
+    assert report["removed"] == [] and report["kept"][0]["url"] == dst.url
+    statekit.verify(dst.url)
+    assert ".statekit-lock" not in dst.listdir()  # released at the commit
+
+
 def test_copy_refuses_a_destination_file_that_differs(tmp_path, plugin_manager, monkeypatch):
     """A file altered on its way is caught at the destination (size and checksum)."""
     statekit.save(str(tmp_path / "src"), _objects(0))

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from statekit import format as fmt
+from statekit.engine.locking import mark_copy_in_progress, release_lock
 from statekit.errors import StatekitError
 from statekit.storage import Storage
 from statekit.storage.hashing import VerifyingReader, check_against, checksum_bytes, new_hasher
@@ -82,6 +83,7 @@ def copy_checkpoint(
             return manifest
         raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
     mine = sorted(rel for rel, meta in manifest["files"].items() if world_size == 1 or meta["rank"] == rank)
+    mark_copy_in_progress(dst)  # statekit gc of the remote root keeps it until the commit
     for rel in mine:
         meta = manifest["files"][rel]
         if meta["size_bytes"] <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
@@ -105,6 +107,7 @@ def copy_checkpoint(
             return manifest
         _wait_for_ranks(dst, manifest, marker["manifest"], world_size, peer_timeout_seconds)
     dst.commit(fmt.MANIFEST_NAME, raw)
+    release_lock(dst, 0)
     return manifest
 
 

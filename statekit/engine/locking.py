@@ -44,7 +44,7 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
                 f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         storage.remove(fmt.MANIFEST_NAME)  # uncommit first, so a crash below leaves no half checkpoint
-    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode()
+    lock = _lock_record()
     if storage.create_exclusive(LOCK_NAME, lock):
         for name in storage.listdir():  # leftovers of an interrupted save that had no lock
             if not name.startswith(LOCK_NAME):  # (another saver's lock attempt is not ours to remove)
@@ -59,6 +59,19 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
     storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
     if not storage.create_exclusive(LOCK_NAME, lock):
         raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
+
+
+def mark_copy_in_progress(storage: Storage) -> None:
+    """Put this process's lock in a directory a copy is filling (a checkpoint replicated to
+    the remote tier): ``statekit gc`` keeps a directory with a live lock, so it does not
+    delete a copy in progress; :func:`release_lock` removes it after the copy's commit.
+    Not exclusive: a copy redone after a failed try rewrites it."""
+    storage.write_bytes(LOCK_NAME, _lock_record())
+
+
+def _lock_record() -> bytes:
+    """The lock's JSON: who holds it (host, pid) and since when (seconds since the epoch)."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode()
 
 
 def release_lock(storage: Storage, rank: int) -> None:
