@@ -488,3 +488,13 @@ def test_a_conjugate_view_target_is_filled_with_its_values(tmp_path, plugin_mana
     assert fresh.z.is_conj()
     statekit.load(str(tmp_path / "c"), {"model": fresh})
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_bytes_appended_to_a_tensor_file_are_caught_by_a_verifying_load(tmp_path):
+    url = str(tmp_path / "c")
+    statekit.save(url, {"model": torch.nn.Linear(64, 64)})
+    with open(tmp_path / "c" / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 10)
+    with pytest.raises(statekit.CorruptCheckpointError, match=r"model\.safetensors.*size") as info:
+        statekit.load(url, {"model": torch.nn.Linear(64, 64)})
+    assert info.value.path.endswith("model.safetensors")
