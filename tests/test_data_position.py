@@ -21,6 +21,21 @@ def _epoch(loader) -> list[list[int]]:
     return [batch[0].tolist() for batch in loader]
 
 
+def _reference_then_saved_at_batch_2(tmp_path, epochs: int) -> list[list[list[int]]]:
+    """The batches of ``epochs`` uninterrupted epochs (root ``ref``), then a run saved as
+    step 2 after two batches of its first epoch (root ``root``)."""
+    reference = _loader()
+    statekit.CheckpointManager({"loader": reference}, str(tmp_path / "ref"))
+    expected = [_epoch(reference) for _ in range(epochs)]
+    loader = _loader()
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "root"))
+    for i, _ in enumerate(loader):
+        if i == 1:
+            manager.save(2)
+            break
+    return expected
+
+
 def test_save_after_the_last_batch_before_the_loop_ends(tmp_path, plugin_manager):
     """RandomSampler draws once more when it runs out; a save right after the last batch
     (inside the ``for`` loop) must hold the generator after that draw."""
@@ -47,16 +62,7 @@ def test_save_after_the_last_batch_of_a_resumed_epoch(tmp_path, plugin_manager):
     """The same save at the end of an epoch that was itself resumed mid-epoch: the skip
     shortens the batch sampler, but the read-ahead must still come before the epoch's last
     batch (not before its last batch counted from the resume point)."""
-    reference = _loader()
-    statekit.CheckpointManager({"loader": reference}, str(tmp_path / "ref"))
-    expected = [_epoch(reference) for _ in range(3)]
-
-    loader = _loader()
-    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "root"))
-    for i, batch in enumerate(loader):
-        if i == 1:
-            manager.save(2)
-            break
+    expected = _reference_then_saved_at_batch_2(tmp_path, epochs=3)
     resumed = _loader(seed=7)
     manager = statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "root"))
     assert manager.resume() == 2
@@ -107,16 +113,7 @@ def test_attached_run_saves_without_warning(tmp_path, installed_plugin_manager):
 
 
 def test_save_after_a_restore_before_iterating_keeps_the_restored_position(tmp_path, plugin_manager):
-    reference = _loader()
-    statekit.CheckpointManager({"loader": reference}, str(tmp_path / "ref"))
-    expected = [_epoch(reference) for _ in range(2)]
-
-    loader = _loader()
-    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "root"))
-    for i, _ in enumerate(loader):
-        if i == 1:
-            manager.save(2)
-            break
+    expected = _reference_then_saved_at_batch_2(tmp_path, epochs=2)
     again = _loader(seed=3)
     manager = statekit.CheckpointManager({"loader": again}, str(tmp_path / "root"))
     assert manager.resume() == 2

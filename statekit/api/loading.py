@@ -133,17 +133,8 @@ def load_objects(
         entries = [e for e in entries if e.key in saved_objects]
     _check_loadable(pm, storage, entries, saved_objects)
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
-    models = [e.obj for e in entries if e.kind == "model"]
+    models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
     keys = [e.key for e in entries if e.kind == "model"]
-    hook_models = list(models)
-    taken: dict[str, str] = {}
-    call_each(
-        pm,
-        "statekit_load_state_pre",
-        checkpoint,
-        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
-        after_each=track_load_claims(checkpoint, hook_models, models, keys, [e.key for e in entries if e.kind != "model"], taken),
-    )
     _check_owners_took(storage, entries, saved_objects, taken)
     core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
     rest = [e for e in entries if e.kind != "model" and e.key not in taken]
@@ -159,6 +150,30 @@ def load_objects(
     if not strict:
         manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}
     return manifest
+
+
+def _run_load_pre_hooks(
+    pm: PluginManager, checkpoint: Checkpoint, storage: Storage, entries: list[Entry]
+) -> tuple[list[Any], dict[str, str]]:
+    """Call ``statekit_load_state_pre`` with the entries' models (a plugin takes a model or
+    object by removing it, :func:`statekit.hooks.claims.track_load_claims`).
+
+    Returns:
+        The models, in the entries' order, and ``{key: plugin}`` of what plugins took.
+    """
+    models = [e.obj for e in entries if e.kind == "model"]
+    hook_models = list(models)
+    taken: dict[str, str] = {}
+    keys = [e.key for e in entries if e.kind == "model"]
+    others = [e.key for e in entries if e.kind != "model"]
+    call_each(
+        pm,
+        "statekit_load_state_pre",
+        checkpoint,
+        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
+        after_each=track_load_claims(checkpoint, hook_models, models, keys, others, taken),
+    )
+    return models, taken
 
 
 def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: dict[str, Any]) -> None:
@@ -266,18 +281,7 @@ def _load_attached(
     if pickled and not allow_pickle:  # before any hook loads anything
         accelerate_format.read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
     model_entries = [e for e in entries if e.kind == "model"]
-    models = [e.obj for e in model_entries]
-    hook_models = list(models)
-    taken: dict[str, str] = {}
-    call_each(
-        pm,
-        "statekit_load_state_pre",
-        checkpoint,
-        {"models": hook_models, "input_dir": storage.url, "checkpoint": checkpoint},
-        after_each=track_load_claims(
-            checkpoint, hook_models, models, [e.key for e in model_entries], [e.key for e in entries if e.kind != "model"], taken
-        ),
-    )
+    models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
     saved_objects = manifest["objects"]
     owned = [e for e in model_entries if saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, ACCELERATE_WRITER)]
     _check_owners_took(storage, owned, saved_objects, taken)
