@@ -192,7 +192,7 @@ class PluginManager(pluggy.PluginManager):
             self._warned_options.add(name)
             close = difflib.get_close_matches(name, sorted(declared | set(keywords)), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            plugins = ", ".join(sorted(n for n, _ in self.list_name_plugin())) or "none"
+            plugins = ", ".join(sorted(n for n, p in self.list_name_plugin() if p is not None)) or "none"
             warnings.warn(
                 f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}",
                 StatekitWarning,
