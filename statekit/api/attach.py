@@ -28,7 +28,7 @@ from statekit.api import fingerprint as fingerprints
 from statekit.api.bridge import collect
 from statekit.api.loading import check_owners_installed, check_statekit_files
 from statekit.api.saveload import plugin_versions
-from statekit.engine import commit as commits, data
+from statekit.engine import commit as commits, data, read
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -237,6 +237,11 @@ class _AttachedCalls:
         """After Accelerate's load: statekit's loader positions, then the post-hooks."""
         for key, obj in self.attachment.objects.items():
             rel = f"{key}/rank-{checkpoint.rank:05d}.json"
+            if data.is_loader(obj) and checkpoint.manifest is not None:
+                own, ranks = read.loader_positions(checkpoint, key)  # every saved rank's, for an elastic plan
+                if own is not None or ranks is not None:
+                    data.restore_loader(obj, own, name=key, ranks=ranks)
+                continue
             if not checkpoint.storage.exists(rel):
                 continue
             if data.is_loader(obj):

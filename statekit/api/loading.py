@@ -290,18 +290,22 @@ def _load_attached(
     by_position = [Entry(f"model_{i}", "model", e.obj) for i, e in enumerate(left)]
     key_of = {f"model_{i}": e.key for i, e in enumerate(left)}
     rest = [e for e in entries if e.kind != "model" and e.key not in taken]
-    own: list[tuple[Entry, Any]] = []
+    own: list[tuple[Entry, Any, Any]] = []
     for e in rest:  # read before anything is applied
         base = f"{e.key}/rank-{checkpoint.rank:05d}"
-        if (data.is_loader(e.obj) or isinstance(e.obj, AccumulatedGradients)) and f"{base}.json" in manifest["files"]:
-            own.append((e, checkpoint.load_state(base)))
-    gradients = any(isinstance(e.obj, AccumulatedGradients) for e, _ in own)
+        if data.is_loader(e.obj):
+            state, ranks = read.loader_positions(checkpoint, e.key)  # every saved rank's, for an elastic plan
+            if state is not None or ranks is not None:
+                own.append((e, state, ranks))
+        elif isinstance(e.obj, AccumulatedGradients) and f"{base}.json" in manifest["files"]:
+            own.append((e, checkpoint.load_state(base), None))
+    gradients = any(isinstance(e.obj, AccumulatedGradients) for e, _, _ in own)
     summary = accelerate_format.load(
         storage, by_position + rest, allow_pickle=allow_pickle, accelerator=accelerator, gradients_restored=gradients
     )
-    for e, state in own:  # statekit's exact positions replace Accelerate's
+    for e, state, ranks in own:  # statekit's exact positions replace Accelerate's
         if data.is_loader(e.obj):
-            data.restore_loader(e.obj, state, name=e.key)
+            data.restore_loader(e.obj, state, name=e.key, ranks=ranks)
         else:
             e.obj.load_state_dict(state)
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})

@@ -191,13 +191,14 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
         raise StateMismatchError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
 
-def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
-    """Restore a data loader's position: this rank's, and with another world size (or a
-    rank that saved nothing) those of every saved rank, from which
-    :mod:`statekit.engine.elastic` plans this rank's rest of the interrupted epoch."""
+def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] | None]:
+    """A data loader's saved positions: this rank's (None when it saved none) and, when
+    :mod:`statekit.engine.elastic` needs them (another world size, a rank that saved
+    nothing, an earlier elastic resume in this epoch, Accelerate's dispatcher), those of
+    every saved rank (index = saved rank); else None."""
     files = checkpoint.manifest["files"]
-    bases = [f"{e.key}/rank-{r:05d}" for r in range(int(checkpoint.manifest.get("world_size", 1)))]
-    base = f"{e.key}/rank-{checkpoint.rank:05d}"
+    bases = [f"{key}/rank-{r:05d}" for r in range(int(checkpoint.manifest.get("world_size", 1)))]
+    base = f"{key}/rank-{checkpoint.rank:05d}"
     own = checkpoint.load_state(base) if f"{base}.json" in files else None
     ranks = None
     mine = own if isinstance(own, dict) else {}
@@ -206,6 +207,15 @@ def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> N
     if own is None or len(bases) != checkpoint.world_size or mine.get("history") or (mine.get("layout") or {}).get("kind") == "dispatch":
         if all(f"{b}.json" in files for b in bases):
             ranks = [own if b == base else checkpoint.load_state(b) for b in bases]
+    return own, ranks
+
+
+def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
+    """Restore a data loader's position: this rank's, and with another world size (or a
+    rank that saved nothing) those of every saved rank, from which
+    :mod:`statekit.engine.elastic` plans this rank's rest of the interrupted epoch."""
+    base = f"{e.key}/rank-{checkpoint.rank:05d}"
+    own, ranks = loader_positions(checkpoint, e.key)
     try:
         restored = data.restore_loader(e.obj, own, name=e.key, ranks=ranks)
     except StateMismatchError:
