@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import json
 import warnings
 
@@ -704,3 +705,13 @@ def test_no_rng_warning_with_rng_plugin(monkeypatch, tmp_path, plugin_manager):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         statekit.save(str(tmp_path), {"t": torch.ones(1)})
+
+
+def test_metadata_with_a_surrogate_escaped_path_commits_and_verifies(tmp_path):
+    """os.fsdecode of a non-UTF-8 file name (a lone surrogate) was valid metadata before the
+    manifest checksummed itself; its canonical UTF-8 form must not fail the commit."""
+    path = os.fsdecode(b"/data/caf\xe9")
+    statekit.save(str(tmp_path / "c"), {"t": torch.ones(2)}, metadata={"dataset": path})
+    state = {"t": torch.zeros(2)}
+    manifest = statekit.load(str(tmp_path / "c"), state)
+    assert manifest["metadata"]["dataset"] == path and torch.equal(state["t"], torch.ones(2))

@@ -69,7 +69,10 @@ def _canonical(body: dict[str, Any]) -> bytes:
     """The manifest without its checksum as canonical JSON (sorted keys, no spaces): the
     checksum covers the values, not the layout, so re-indenting the file keeps it valid."""
     rest = {k: v for k, v in body.items() if k != MANIFEST_CHECKSUM}
-    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    # surrogatepass: a lone surrogate (os.fsdecode of a non-UTF-8 file name in metadata) is
+    # valid in the manifest file (written with \u escapes) and must not fail the commit
+    return text.encode("utf-8", "surrogatepass")
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
