@@ -211,3 +211,49 @@ def test_random_draws_of_a_batch_accelerate_fetched_ahead_are_replayed(tmp_path,
     for (batch, out), (want_batch, want_out) in zip(resumed, expected[save_at:]):
         assert torch.equal(batch, want_batch)
         assert torch.equal(out, want_out)
+
+
+def test_read_ahead_states_saved_with_more_devices_resume(tmp_path, installed_plugin_manager, monkeypatch):
+    """The replayed fetch states hold the generators of every device the saving process saw;
+    a resume on a process with fewer devices sets those it has (torch.cuda's
+    set_rng_state_all indexes past the last device: IndexError at the first batch)."""
+    from accelerate_helpers import fresh_accelerator
+
+    from statekit.engine import rng_guard
+
+    class Devices:  # behaves like torch.cuda's generator functions
+        def __init__(self, n):
+            self.gens = [torch.Generator() for _ in range(n)]
+
+        def get_rng_state_all(self):
+            return [g.get_state() for g in self.gens]
+
+        def set_rng_state_all(self, states):
+            for i, s in enumerate(states):
+                self.gens[i].set_state(s)
+
+        def device_count(self):
+            return len(self.gens)
+
+    def run(devices, stop=None, resume=False):
+        module = Devices(devices)
+        monkeypatch.setattr(rng_guard, "_device_module", lambda: module)
+        torch.manual_seed(0)
+        accelerator = fresh_accelerator()
+        loader = accelerator.prepare(torch.utils.data.DataLoader(_Augmented(), batch_size=8, shuffle=True))
+        manager = statekit.CheckpointManager(accelerator, str(tmp_path))
+        step = manager.resume() if resume else 0
+        seen = []
+        for batch in loader:
+            step += 1
+            seen.append(batch.clone())
+            if step == stop:
+                manager.save(step)
+                return seen
+        return seen
+
+    expected = run(2)
+    run(2, stop=3)
+    resumed = run(1, resume=True)
+    assert len(resumed) == len(expected) - 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed, expected[3:]))

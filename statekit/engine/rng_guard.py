@@ -47,7 +47,8 @@ def snapshot() -> dict[str, Any]:
 
 def restore(states: dict[str, Any]) -> None:
     """Set the states :func:`snapshot` returned (NumPy's and the accelerator's only where
-    they were taken and are available now)."""
+    they were taken and are available now; the accelerator's of the devices this process
+    has)."""
     random.setstate(_as_python_state(states["python"]))
     np_random = sys.modules.get("numpy.random")
     if states.get("numpy") is not None and np_random is not None:
@@ -55,7 +56,11 @@ def restore(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     device = _device_module()
     if states.get("device") is not None and device is not None:
-        device.set_rng_state_all(states["device"])
+        # states saved by a process that saw more devices (fetch_rng's, restored on resume):
+        # set_rng_state_all would index past the live devices (statekit-rng warns about the count)
+        count = getattr(device, "device_count", None)
+        live = int(count()) if callable(count) else len(states["device"])
+        device.set_rng_state_all(list(states["device"])[:live])
 
 
 def _as_python_state(state: Any) -> tuple[Any, ...]:
