@@ -172,3 +172,28 @@ def test_resume_after_a_killed_save(tmp_path, kill_on):
         assert step == 1  # killed at the commit itself
     assert torch.equal(t, torch.arange(10.0))
     statekit.verify(manager.latest())
+
+
+def test_a_checkpoint_skipped_for_a_missing_plugin_is_not_replaced(tmp_path, plugin_manager):
+    """resume() falls back past a checkpoint whose plugin is not installed here: the
+    checkpoint is good (another environment loads it), so saving its step again must not
+    replace it silently."""
+
+    class Taker:
+        @statekit.hookimpl
+        def statekit_save_state_pre(self, models, weights, checkpoint):
+            models.pop(0)
+            weights.pop(0)
+            checkpoint.save_state("taken", {"ok": 1})
+
+    root = str(tmp_path / "m")
+    manager = statekit.CheckpointManager({"model": torch.nn.Linear(3, 3)}, root)
+    manager.save(1)
+    plugin_manager.register(Taker(), name="taker")
+    manager.save(2)
+    plugin_manager.unregister(name="taker")
+    again = statekit.CheckpointManager({"model": torch.nn.Linear(3, 3)}, root)
+    with pytest.warns(statekit.StatekitWarning, match="not available"):
+        assert again.resume() == 1
+    with pytest.raises(statekit.CheckpointExistsError):
+        again.save(2)

@@ -25,6 +25,8 @@ from statekit.engine.entries import classify
 from statekit.api.listing import CheckpointInfo, checkpoint_name, list_checkpoints
 from statekit.errors import (
     CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
     PickleNotAllowedError,
     ResumeMismatchError,
     StatekitError,
@@ -366,8 +368,11 @@ class CheckpointManager:
                 warnings.warn(
                     f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning, stacklevel=2
                 )
-                if info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
-                    self._skipped.add(info.url)  # saving its step again replaces it
+                damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
+                if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
+                    # saving its step again replaces it; not one this environment cannot read (a
+                    # plugin not installed here, a newer format, a storage error): it may be good
+                    self._skipped.add(info.url)
                 last_error = exc
                 continue
             self.resumed_manifest = manifest
