@@ -120,8 +120,8 @@ class CheckpointManager:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         if replicate_to is None:
-            for name, value in (("remote_keep_last", remote_keep_last), ("replicate_options", replicate_options),
-                                ("delete_unreplicated", delete_unreplicated or None)):
+            for name, value in (("remote_keep_last", remote_keep_last), ("replicate_options", replicate_options or None),
+                                ("delete_unreplicated", delete_unreplicated or None)):  # ({} from a config is fine)
                 if value is not None:
                     raise ValueError(f"{name}={value!r} needs replicate_to= (the remote root); without it there is no remote tier")
         if isinstance(accelerator, Mapping):
@@ -370,9 +370,7 @@ class CheckpointManager:
                 )
                 damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
                 if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
-                    # saving its step again replaces it; not one this environment cannot read (a
-                    # plugin not installed here, a newer format, a storage error): it may be good
-                    self._skipped.add(info.url)
+                    self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
                 last_error = exc
                 continue
             self.resumed_manifest = manifest
