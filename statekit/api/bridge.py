@@ -15,7 +15,6 @@ accelerate is never imported here: the accelerator is only used through its attr
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,7 +119,7 @@ def save_state(
             written; save when ``accelerator.sync_gradients`` is True).
     """
     _ensure_hooks_plugin(get_plugin_manager())
-    get_plugin_manager().check_options(options, inspect.signature(save_state).parameters)
+    get_plugin_manager().check_options(options, save_state)
     check_can_save(accelerator)  # before anything is written
     result = saveload.save_objects(
         url,
@@ -181,7 +180,7 @@ def load_state(
         ResumeMismatchError: see ``strict_resume``; nothing was loaded.
     """
     _ensure_hooks_plugin(get_plugin_manager())
-    get_plugin_manager().check_options(options, inspect.signature(load_state).parameters)
+    get_plugin_manager().check_options(options, load_state)
     return loading.load_objects(
         url,
         collect(accelerator),

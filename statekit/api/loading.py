@@ -10,7 +10,6 @@ written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -78,7 +77,7 @@ def load(
         PluginError: a plugin failed, or did not take an object it owns.
         ResumeMismatchError: see :func:`statekit.api.fingerprint.check`; nothing loaded.
     """
-    get_plugin_manager().check_options(options, inspect.signature(load).parameters)
+    get_plugin_manager().check_options(options, load)
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
     resume = strict_resume or any(e.kind in ("optimizer", "scheduler", "dataloader") for e in entries)
     return load_objects(

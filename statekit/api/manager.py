@@ -8,7 +8,6 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -152,7 +151,7 @@ class CheckpointManager:
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
         pm = get_plugin_manager()
         tiers.ensure_registered(pm, replicate_to)
-        pm.check_options(options, inspect.signature(CheckpointManager).parameters)
+        pm.check_options(options, CheckpointManager)
         self.attachment = attach(self.accelerator, self.objects)
         call_each(pm, "statekit_manager_start", None, {"manager": self})
 

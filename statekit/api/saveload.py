@@ -13,7 +13,6 @@ manifest, barrier, run ``statekit_save_state_post``.
 
 from __future__ import annotations
 
-import inspect
 import json
 import warnings
 from collections.abc import Mapping
@@ -76,7 +75,7 @@ def save(
         UnsupportedValueError: a value cannot be stored without pickle (names its key).
         StorageError: the storage failed (names the URL); nothing is committed.
     """
-    get_plugin_manager().check_options(options, inspect.signature(save).parameters)
+    get_plugin_manager().check_options(options, save)
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
     return save_objects(
         url, entries, step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options, options=options

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -164,7 +165,7 @@ class PluginManager(pluggy.PluginManager):
             distribution=dist_name,
         )
 
-    def check_options(self, options: Mapping[str, Any], keywords: Iterable[str] = ()) -> None:
+    def check_options(self, options: Mapping[str, Any], caller: Callable[..., Any] | None = None) -> None:
         """Warn once per name about a plugin option that no registered plugin reads (a
         misspelled ``keep_last`` would otherwise pass silently into ``checkpoint.options``).
 
@@ -174,23 +175,28 @@ class PluginManager(pluggy.PluginManager):
 
         Args:
             options: the keyword options a caller passed through to the plugins.
-            keywords: the calling function's own keyword names, offered as suggestions.
+            caller: the function or class that took them; its own parameter names are
+                offered as suggestions (read only when an option is unknown).
 
         Warns:
             StatekitWarning: naming the option, the closest known name if any, and the
                 registered plugins.
         """
+        unknown = [name for name in options if name not in self._warned_options]
+        if not unknown:
+            return
         declared: set[str] = set()
         for plugin in self.get_plugins():
             names = getattr(plugin, "STATEKIT_OPTIONS", None)
             if names is None:
                 return
             declared |= set(names)
-        for name in options:
-            if name in declared or name in self._warned_options:
+        keywords = set(inspect.signature(caller).parameters) if caller is not None else set()
+        for name in unknown:
+            if name in declared:
                 continue
             self._warned_options.add(name)
-            close = difflib.get_close_matches(name, sorted(declared | set(keywords)), n=1)
+            close = difflib.get_close_matches(name, sorted(declared | keywords), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             plugins = ", ".join(sorted(n for n, p in self.list_name_plugin() if p is not None)) or "none"
             warnings.warn(
