@@ -238,8 +238,9 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
     state.update(iterable.saved_fields(_inner(loader), position, batches, in_epoch))  # dataset states, workers
-    if in_epoch and fetch_rng.saved_states(position, batches):  # random states of batches fetched ahead
-        state["fetch_states"] = fetch_rng.saved_states(position, batches)
+    ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
+    if ahead:
+        state["fetch_states"] = ahead
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (engine/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
