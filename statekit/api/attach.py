@@ -26,9 +26,9 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.bridge import collect
-from statekit.api.loading import check_owners_installed, check_statekit_files
+from statekit.api.loading import apply_own_states, check_owners_installed, check_statekit_files, read_own_states
 from statekit.api.saveload import plugin_versions
-from statekit.engine import commit as commits, data, read
+from statekit.engine import commit as commits, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -234,20 +234,8 @@ class _AttachedCalls:
         )
 
     def finish_load(self, checkpoint: Checkpoint) -> None:
-        """After Accelerate's load: statekit's loader positions, then the post-hooks."""
-        for key, obj in self.attachment.objects.items():
-            rel = f"{key}/rank-{checkpoint.rank:05d}.json"
-            if data.is_loader(obj) and checkpoint.manifest is not None:
-                own, ranks = read.loader_positions(checkpoint, key)  # every saved rank's, for an elastic plan
-                if own is not None or ranks is not None:
-                    data.restore_loader(obj, own, name=key, ranks=ranks)
-                continue
-            if not checkpoint.storage.exists(rel):
-                continue
-            if data.is_loader(obj):
-                data.restore_loader(obj, checkpoint.load_state(rel[: -len(".json")]), name=key)
-            elif isinstance(obj, AccumulatedGradients):
-                obj.load_state_dict(checkpoint.load_state(rel[: -len(".json")]))
+        """After Accelerate's load: statekit's loader positions and gradients, then the post-hooks."""
+        apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
         call_each(
             get_plugin_manager(),
             "statekit_load_state_post",

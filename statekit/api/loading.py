@@ -257,6 +257,55 @@ def check_owners_installed(checkpoint: Checkpoint) -> None:
             pm.require_owner(owner, obj.get("owner_distribution"), f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
 
 
+def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> list[tuple[str, Any, Any, Any]]:
+    """What statekit wrote next to Accelerate's files in attach mode, read before anything is
+    applied: each data loader's position (this rank's and, for an elastic plan with another
+    world size, every saved rank's: :func:`statekit.engine.read.loader_positions`) and the
+    accumulated gradients.
+
+    Args:
+        checkpoint: the attach-mode checkpoint being loaded.
+        objects: ``(key, object)`` of the run (``dataloader_<i>``, ``gradients``...).
+
+    Returns:
+        ``(key, object, state, ranks)`` for each object with a saved state (``ranks`` None
+        unless an elastic plan needs them), for :func:`apply_own_states`.
+
+    Raises:
+        CorruptCheckpointError: a file fails verification (names it).
+    """
+    files = checkpoint.manifest["files"] if checkpoint.manifest is not None else None
+    states = []
+    for key, obj in objects:
+        base = f"{key}/rank-{checkpoint.rank:05d}"
+        saved = f"{base}.json" in files if files is not None else checkpoint.storage.exists(f"{base}.json")
+        if data.is_loader(obj):
+            if files is not None:
+                own, ranks = read.loader_positions(checkpoint, key)
+            else:  # no manifest: this rank's file only, as written
+                own, ranks = (checkpoint.load_state(base) if saved else None), None
+            if own is not None or ranks is not None:
+                states.append((key, obj, own, ranks))
+        elif isinstance(obj, AccumulatedGradients) and saved:
+            states.append((key, obj, checkpoint.load_state(base), None))
+    return states
+
+
+def apply_own_states(states: list[tuple[str, Any, Any, Any]]) -> None:
+    """Put back what :func:`read_own_states` read: loader positions (replacing the one
+    Accelerate restored) and accumulated gradients.
+
+    Raises:
+        StateMismatchError: a position or the gradients do not fit this run (see
+            :func:`statekit.engine.data.restore_loader`, ``AccumulatedGradients.load_state_dict``).
+    """
+    for key, obj, state, ranks in states:
+        if data.is_loader(obj):
+            data.restore_loader(obj, state, name=key, ranks=ranks)
+        else:
+            obj.load_state_dict(state)
+
+
 def _load_attached(
     storage: Storage,
     manifest: dict[str, Any],
@@ -289,24 +338,12 @@ def _load_attached(
     by_position = [Entry(f"model_{i}", "model", e.obj) for i, e in enumerate(left)]
     key_of = {f"model_{i}": e.key for i, e in enumerate(left)}
     rest = [e for e in entries if e.kind != "model" and e.key not in taken]
-    own: list[tuple[Entry, Any, Any]] = []
-    for e in rest:  # read before anything is applied
-        base = f"{e.key}/rank-{checkpoint.rank:05d}"
-        if data.is_loader(e.obj):
-            state, ranks = read.loader_positions(checkpoint, e.key)  # every saved rank's, for an elastic plan
-            if state is not None or ranks is not None:
-                own.append((e, state, ranks))
-        elif isinstance(e.obj, AccumulatedGradients) and f"{base}.json" in manifest["files"]:
-            own.append((e, checkpoint.load_state(base), None))
-    gradients = any(isinstance(e.obj, AccumulatedGradients) for e, _, _ in own)
+    own = read_own_states(checkpoint, [(e.key, e.obj) for e in rest])  # read before anything is applied
+    gradients = any(isinstance(obj, AccumulatedGradients) for _, obj, _, _ in own)
     summary = accelerate_format.load(
         storage, by_position + rest, allow_pickle=allow_pickle, accelerator=accelerator, gradients_restored=gradients
     )
-    for e, state, ranks in own:  # statekit's exact positions replace Accelerate's
-        if data.is_loader(e.obj):
-            data.restore_loader(e.obj, state, name=e.key, ranks=ranks)
-        else:
-            e.obj.load_state_dict(state)
+    apply_own_states(own)  # statekit's exact positions replace Accelerate's
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
     if isinstance(summary.get("objects"), dict):  # report the caller's keys, not Accelerate's positions
         summary["objects"] = {key_of.get(k, k): v for k, v in summary["objects"].items()}
