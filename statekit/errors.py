@@ -25,6 +25,7 @@ __all__ = [
     "AsyncSaveError",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
+    "InvalidOptionError",
     "StorageError",
     "ResumeFingerprintWarning",
     "ResumeMismatchError",
@@ -227,6 +228,15 @@ class UnsupportedValueError(StatekitError, TypeError):
 
 class UnsupportedDtypeError(UnsupportedValueError):
     """A tensor dtype has no safetensors code and no byte-view encoding; names the key."""
+
+    __module__ = "statekit"
+
+
+class InvalidOptionError(StatekitError, ValueError):
+    """A setting given to statekit is invalid (a retention count that is not a positive
+    integer, a remote-tier option without ``replicate_to``, a ``CheckpointHook`` that would
+    never save); the message names the option and the value. Raised before anything is
+    created or written."""
 
     __module__ = "statekit"
 

@@ -37,7 +37,7 @@ def test_a_scheme_with_one_slash_is_refused_not_taken_for_a_local_directory(tmp_
 @pytest.mark.parametrize("option", ["remote_keep_last", "replicate_options", "delete_unreplicated"])
 def test_a_remote_tier_option_without_replicate_to(tmp_path, option):
     value = {"remote_keep_last": 3, "replicate_options": {"anon": True}, "delete_unreplicated": True}[option]
-    with pytest.raises(ValueError, match=f"{option}=.*needs replicate_to="):
+    with pytest.raises(statekit.InvalidOptionError, match=f"{option}=.*needs replicate_to="):
         statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "run"), **{option: value})
 
 

@@ -24,6 +24,7 @@ LEAVES = {
     "AsyncSaveError": None,
     "UnsupportedValueError": TypeError,
     "UnsupportedDtypeError": TypeError,
+    "InvalidOptionError": ValueError,
     "StorageError": OSError,
     "ResumeMismatchError": ValueError,
 }

@@ -179,7 +179,7 @@ def test_hook_refuses_a_save_in_the_middle_of_a_step(tmp_path: Path):
 def test_hook_refuses_progress_the_manager_does_not_save(tmp_path: Path):
     model, optimizer, progress, _ = _run_objects()
     manager = statekit.CheckpointManager({"model": model, "optimizer": optimizer}, str(tmp_path))
-    with pytest.raises(ValueError, match=r"progress object \(TrainerProgress\) is not among the objects the manager saves"):
+    with pytest.raises(statekit.InvalidOptionError, match=r"progress object \(TrainerProgress\) is not among the objects the manager saves"):
         statekit.CheckpointHook(manager, progress, every_n_steps=1)
 
 
@@ -193,7 +193,7 @@ def test_hook_refuses_progress_the_manager_does_not_save(tmp_path: Path):
 )
 def test_hook_refuses_bad_settings(tmp_path: Path, options, message):
     _, _, progress, objects = _run_objects()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(statekit.InvalidOptionError, match=message):
         statekit.CheckpointHook(statekit.CheckpointManager(objects, str(tmp_path)), progress, **options)
 
 
@@ -229,7 +229,7 @@ def test_every_channel_of_the_trainer_shape_is_a_method():
 def test_hook_with_accelerate(tiny_accelerate, tmp_path: Path):
     run = tiny_accelerate
     progress = statekit.TrainerProgress()
-    with pytest.raises(ValueError, match=r"register_for_checkpointing"):
+    with pytest.raises(statekit.InvalidOptionError, match=r"register_for_checkpointing"):
         statekit.CheckpointHook(statekit.CheckpointManager(run.accelerator, str(tmp_path)), progress, every_n_steps=1)
     run.accelerator.register_for_checkpointing(progress)
     hook = statekit.CheckpointHook(statekit.CheckpointManager(run.accelerator, str(tmp_path)), progress, every_n_steps=2)

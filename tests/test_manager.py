@@ -81,7 +81,7 @@ def test_keep_last_deletes_only_after_commit_and_never_the_resumed(tmp_path, ins
 
 
 def test_keep_last_validation(tmp_path):
-    with pytest.raises(ValueError, match="keep_last"):
+    with pytest.raises(statekit.InvalidOptionError, match="keep_last"):
         statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path), keep_last=0)
 
 

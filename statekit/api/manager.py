@@ -26,6 +26,7 @@ from statekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidOptionError,
     PickleNotAllowedError,
     ResumeMismatchError,
     StatekitError,
@@ -85,9 +86,8 @@ class CheckpointManager:
             plugin reads (a misspelled ``keep_last``) warns.
 
     Raises:
-        ValueError: a policy value is not a positive integer, ``mode`` is not min/max, or
-            ``remote_keep_last``/``replicate_options``/``delete_unreplicated`` without
-            ``replicate_to``.
+        InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
+            ``mode`` is not min/max, or a ``remote_*`` option without ``replicate_to``.
         PluginError: a ``statekit_attach`` or ``statekit_manager_start`` hook failed.
         PluginMissingError: ``replicate_to`` is set and the ``replicate`` plugin is blocked.
         StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
@@ -115,14 +115,14 @@ class CheckpointManager:
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps),
                             ("remote_keep_last", remote_keep_last)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+                raise InvalidOptionError(f"{name} must be a positive integer or None, got {value!r}")
         if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+            raise InvalidOptionError(f"mode must be 'min' or 'max', got {mode!r}")
         if replicate_to is None:
             for name, value in (("remote_keep_last", remote_keep_last), ("replicate_options", replicate_options or None),
                                 ("delete_unreplicated", delete_unreplicated or None)):  # ({} from a config is fine)
                 if value is not None:
-                    raise ValueError(f"{name}={value!r} needs replicate_to= (the remote root); without it there is no remote tier")
+                    raise InvalidOptionError(f"{name}={value!r} needs replicate_to= (the remote root); without it there is no remote tier")
         if isinstance(accelerator, Mapping):
             self.accelerator, self.objects = None, dict(accelerator)
         else:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from statekit.api.manager import CheckpointManager
-from statekit.errors import StatekitError, StateMismatchError
+from statekit.errors import InvalidOptionError, StatekitError, StateMismatchError
 
 __all__ = ["CheckpointHook", "TrainerProgress"]
 
@@ -182,8 +182,9 @@ class CheckpointHook(_TrainerChannels):
         every_n_epochs: save at the epoch end when ``epoch`` (epochs done) is a multiple of M.
 
     Raises:
-        ValueError: neither ``every_n_steps`` nor ``every_n_epochs`` is given, one is not
-            a positive int, or ``progress`` is not among the objects the manager saves
+        InvalidOptionError: (a ``ValueError``) neither ``every_n_steps`` nor
+            ``every_n_epochs`` is given, one is not a positive int, or ``progress`` is not
+            among the objects the manager saves
             (a resume would restore the model but restart the trainer's counters).
     """
 
@@ -196,12 +197,12 @@ class CheckpointHook(_TrainerChannels):
         every_n_epochs: int | None = None,
     ) -> None:
         if every_n_steps is None and every_n_epochs is None:
-            raise ValueError("CheckpointHook: give every_n_steps and/or every_n_epochs, or it never saves")
+            raise InvalidOptionError("CheckpointHook: give every_n_steps and/or every_n_epochs, or it never saves")
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and not (_count(value) and value > 0):
-                raise ValueError(f"CheckpointHook: {name} must be a positive int or None, got {value!r}")
+                raise InvalidOptionError(f"CheckpointHook: {name} must be a positive int or None, got {value!r}")
         if not _is_saved_by(manager, progress):
-            raise ValueError(
+            raise InvalidOptionError(
                 f"CheckpointHook: the progress object ({type(progress).__name__}) is not among the objects "
                 "the manager saves, so a resume would restart the trainer's counters; pass it in the mapping "
                 "(CheckpointManager({..., 'trainer': progress}, url)) or call "
