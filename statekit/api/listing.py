@@ -15,7 +15,6 @@ from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
 from statekit.storage.inuse import refuse_if_in_use
 
-_NAME = re.compile(r"^checkpoint-(\d{8,})$")
 _ACCELERATE_NAME = re.compile(r"^checkpoint_(\d+)$")  # ProjectConfiguration(automatic_checkpoint_naming=True)
 LATEST_NAME = "latest"
 
@@ -77,7 +76,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     root.invalidate()
     infos = []
     for name in root.listdir():
-        match = _NAME.match(name) or _ACCELERATE_NAME.match(name)
+        match = fmt.CHECKPOINT_DIR_NAME.match(name) or _ACCELERATE_NAME.match(name)
         if not match:
             continue
         child = root.child(name)

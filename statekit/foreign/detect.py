@@ -6,7 +6,6 @@ directories by the files they hold.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from statekit import format as fmt
@@ -99,7 +98,7 @@ def _detect(storage: Storage) -> str:
             f"{storage.url} has no {fmt.MANIFEST_NAME}: an incomplete statekit save (never committed), "
             "or not a checkpoint"
         )
-    if any(re.match(r"^checkpoint-\d+$", n) for n in names):
+    if fmt.checkpoint_dirs(names):
         raise StatekitError(f"{storage.url} is a checkpoint root, not a checkpoint: list it with `statekit ls`")
     raise StatekitError(
         f"{storage.url} is not a checkpoint statekit can read (no statekit.json, DCP .metadata, "

@@ -40,10 +40,12 @@ from statekit.format.dtypes import (
 )
 from statekit.format.header import MAX_HEADER_BYTES, TensorEntry, TensorHeader, build_header, parse_header, read_header
 from statekit.format.manifest import (
+    CHECKPOINT_DIR_NAME,
     FORMAT,
     MANIFEST_CHECKSUM,
     MANIFEST_NAME,
     check_relpath,
+    checkpoint_dirs,
     manifest_bytes,
     read_manifest,
     validate_manifest,
@@ -60,6 +62,7 @@ __all__ = [
     "CODE_ITEMSIZE",
     "DTYPE_FROM_CODE",
     "FORMAT",
+    "CHECKPOINT_DIR_NAME",
     "MANIFEST_CHECKSUM",
     "MANIFEST_NAME",
     "MAX_HEADER_BYTES",
@@ -74,6 +77,7 @@ __all__ = [
     "dtype_name",
     "fresh_buffers",
     "new_hasher",
+    "checkpoint_dirs",
     "manifest_bytes",
     "parse_header",
     "read_header",

@@ -8,6 +8,8 @@ schema is ``statekit/manifest.schema.json``, explained in ``docs/format.md``.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from statekit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
@@ -19,6 +21,10 @@ FORMAT = "statekit/1"
 
 MANIFEST_NAME = "statekit.json"
 """File name of the manifest; its presence marks a committed checkpoint."""
+
+CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d{8,})$")
+"""A manager's checkpoint directory name, ``checkpoint-<step:08d>`` (group 1: the step); the
+one pattern listing, format detection and the checkpoint-root message use."""
 
 MANIFEST_CHECKSUM = "manifest_checksum"
 """The manifest's field holding the XXH3-64 checksum of the rest of the manifest
@@ -93,7 +99,7 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     Raises:
         ValueError: the manifest is not strict JSON.
     """
-    parsed = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}, allow_nan=False))
+    parsed = json.loads(json.dumps(manifest, allow_nan=False))  # _canonical leaves out an old checksum
     manifest[MANIFEST_CHECKSUM] = checksum_bytes(_canonical(parsed))
     return json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
 
@@ -175,11 +181,11 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
         data = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         if storage.exists():
-            committed = _committed_children(storage)
-            if committed:  # a manager root (runs/exp1), not a checkpoint: nothing failed
+            children = checkpoint_dirs(storage.listdir())
+            if children:  # a manager root (runs/exp1), not a checkpoint: nothing failed
                 raise IncompleteCheckpointError(
-                    f"{storage.url} is a checkpoint root, not a checkpoint: it holds {len(committed)} committed "
-                    f"checkpoint(s), the last by name {committed[-1]!r}; load one of them, or resume with "
+                    f"{storage.url} is a checkpoint root, not a checkpoint: it holds {len(children)} checkpoint "
+                    f"directories, the last {children[-1]!r}; load one of them, or resume with "
                     "CheckpointManager(...).resume()"
                 ) from None
             raise IncompleteCheckpointError(
@@ -193,10 +199,7 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
     return validate_manifest(manifest, url)
 
 
-def _committed_children(storage: Storage) -> list[str]:
-    """Names of the subdirectories holding a manifest, sorted (empty on any error): tells a
-    checkpoint root from a checkpoint whose save never committed."""
-    try:
-        return sorted(name for name in storage.listdir() if storage.exists(f"{name}/{MANIFEST_NAME}"))
-    except Exception:  # noqa: BLE001 - only the message depends on it
-        return []
+def checkpoint_dirs(names: Iterable[str]) -> list[str]:
+    """The names among ``names`` (a directory listing) that are a manager's checkpoint
+    directories (:data:`CHECKPOINT_DIR_NAME`), sorted: a listing with any is a checkpoint root."""
+    return sorted(name for name in names if CHECKPOINT_DIR_NAME.match(name))
