@@ -224,7 +224,11 @@ def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any
 def check_statekit_files(checkpoint: Checkpoint) -> None:
     """Fail before anything is restored if a file statekit or a plugin wrote next to
     Accelerate's (attach mode) is missing or has the wrong size (a half-restored run is
-    worse than a refused load)."""
+    worse than a refused load).
+
+    Raises:
+        CorruptCheckpointError: naming the file, its size and the manifest's.
+    """
     if checkpoint.manifest is None:
         return
     for rel, entry in checkpoint.manifest["files"].items():

@@ -195,7 +195,15 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
     """A data loader's saved positions: this rank's (None when it saved none) and, when
     :mod:`statekit.engine.elastic` needs them (another world size, a rank that saved
     nothing, an earlier elastic resume in this epoch, Accelerate's dispatcher), those of
-    every saved rank (index = saved rank); else None."""
+    every saved rank (index = saved rank); else None.
+
+    Args:
+        checkpoint: a loading checkpoint with its manifest.
+        key: the loader's stable key (``dataloader_0``); its files are ``<key>/rank-<r>.json``.
+
+    Raises:
+        CorruptCheckpointError: a position file fails verification (names it).
+    """
     files = checkpoint.manifest["files"]
     bases = [f"{key}/rank-{r:05d}" for r in range(int(checkpoint.manifest.get("world_size", 1)))]
     base = f"{key}/rank-{checkpoint.rank:05d}"
