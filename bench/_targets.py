@@ -24,6 +24,9 @@ TARGETS = (
     ("train_during_save", "training steps overlapping a statekit async save / undisturbed", 1.10, "<="),
     ("train_during_dcp_thread_save", "training steps overlapping DCP async_save (thread) / undisturbed", None, "<="),
     ("train_during_dcp_process_save", "training steps overlapping DCP async_save (process) / undisturbed", None, "<="),
+    ("accel_block_vs_pinned_copy", "accelerator: statekit async save blocking time / one plain pinned device-to-host copy", 1.5, "<="),
+    ("accel_stage_vs_pinned_copy", "accelerator: statekit staging of the state / one plain pinned device-to-host copy", None, "<="),
+    ("accel_load_vs_torch", "accelerator: statekit load onto the GPU / torch.load(map_location) + load_state_dict", None, "<="),
     ("small_save_vs_torch", "2,500 Linear(8, 8) + AdamW: statekit save / torch.save", 1.0, "<="),
     ("small_load_vs_torch", "2,500 Linear(8, 8) + AdamW: statekit load / torch.load", 1.0, "<="),
 )
@@ -83,6 +86,7 @@ def target_ratios(records: list[dict]) -> dict[str, list[float]]:
     sk = lambda op, field="seconds": _by_run(records, "local", "statekit", op, field)  # noqa: E731
     acc = lambda op: _by_run(records, "local", "accelerate", op)  # noqa: E731
     small = lambda system, op: _by_run(records, "small", system, op)  # noqa: E731
+    gpu = lambda system, op: _by_run(records, "accelerator", system, op)  # noqa: E731
     return {
         "load_vs_read_limit": _per_run([sk("load"), _by_run(records, "local", "limit", "read")], _ratio),
         "save_vs_write_limit": _per_run([sk("save"), _by_run(records, "local", "limit", "write")], _ratio),
@@ -95,6 +99,9 @@ def target_ratios(records: list[dict]) -> dict[str, list[float]]:
         "train_during_save": _train_ratios(records, "statekit"),
         "train_during_dcp_thread_save": _train_ratios(records, "dcp_thread"),
         "train_during_dcp_process_save": _train_ratios(records, "dcp_process"),
+        "accel_block_vs_pinned_copy": _per_run([gpu("statekit", "async_block"), gpu("pinned-copy", "d2h")], _ratio),
+        "accel_stage_vs_pinned_copy": _per_run([gpu("statekit", "stage"), gpu("pinned-copy", "d2h")], _ratio),
+        "accel_load_vs_torch": _per_run([gpu("statekit", "load"), gpu("torch", "load")], _ratio),
         "small_save_vs_torch": _per_run([small("statekit", "save"), small("torch", "save")], _ratio),
         "small_load_vs_torch": _per_run([small("statekit", "load"), small("torch", "load")], _ratio),
     }

@@ -64,9 +64,10 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def build(size: int, dtype: torch.dtype, with_state: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(size: int, dtype: torch.dtype, with_state: bool = True, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model of ``nn.Linear(in, 2048)`` layers holding ``size / 3`` bytes of weights, and
-    AdamW; with ``with_state`` one optimizer step is taken (exp_avg + exp_avg_sq = 2x)."""
+    AdamW; with ``with_state`` one optimizer step is taken (exp_avg + exp_avg_sq = 2x).
+    ``device``: where the model and so the optimizer state live (``"cuda"``: the accelerator rows)."""
     torch.manual_seed(0)
     itemsize = torch.empty((), dtype=dtype).element_size()
     weight_elems = size // 3 // itemsize
@@ -75,7 +76,7 @@ def build(size: int, dtype: torch.dtype, with_state: bool = True) -> tuple[torch
     left = weight_elems
     while left > 0:
         fan_in = max(1, min(4096, (left - LAYER_OUT) // LAYER_OUT))
-        layers.append(torch.nn.Linear(fan_in, LAYER_OUT, dtype=dtype))
+        layers.append(torch.nn.Linear(fan_in, LAYER_OUT, dtype=dtype, device=device))
         left -= fan_in * LAYER_OUT + LAYER_OUT
         if left < per_layer // 64:
             break

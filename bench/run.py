@@ -5,7 +5,7 @@ Usage::
     bash bench/setup.sh        # once: installs fio (run.py also calls it when fio is missing)
     python bench/run.py --size 256MiB|1GiB|3GiB [--dtype fp32|bf16] [--runs 3]
                         [--json out.json] [--skip-s3] [--skip-scale] [--s3-runs N]
-                        [--skip-small] [--skip-training] [--skip-fio]
+                        [--skip-small] [--skip-training] [--skip-accelerator] [--skip-fio]
 
 The state is a model of large ``nn.Linear`` layers plus its AdamW state after one step,
 about ``--size`` bytes in all (weights one third, exp_avg and exp_avg_sq the rest). Every
@@ -20,7 +20,9 @@ of buffered and ``O_DIRECT`` in-process, and fio with ``direct=1``, 16 MiB block
 requests in flight, ``bench/_fio.py``), a cold read back (the same methods), and one
 memcpy of the state; the ``method`` field says which one gave each limit. The small-tensor
 rows (storage ``small``, ``bench/_small.py``) save and load 2,500 ``nn.Linear(8, 8)`` +
-AdamW with statekit and torch. The training rows (storage ``training``) come from
+AdamW with statekit and torch. The accelerator rows (storage ``accelerator``, only where
+torch sees a GPU: ``bench/_accelerator.py``) stage, save and load the same state living on
+the GPU, against one plain pinned device-to-host copy of the same bytes and torch. The training rows (storage ``training``) come from
 ``bench/async_training.py`` when it is present. S3 runs against a moto server started here on 127.0.0.1 at a
 fixed 256 MiB. Scale runs statekit under ``torchrun`` (gloo) with 1, 2 and 4 ranks
 writing one checkpoint of the same total size.
@@ -54,6 +56,7 @@ REPO = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_workers.py")
 SMALL = os.path.join(HERE, "_small.py")
 SCALE = os.path.join(HERE, "_scale.py")
+ACCELERATOR = os.path.join(HERE, "_accelerator.py")
 S3_SIZE = 256 * 1024**2
 
 LOCAL_PLAN = [
@@ -166,6 +169,28 @@ def bench_small(runs: int, workdir: str, log) -> list[dict]:
             log(f"  run {run} small {system:10s} {op:6s} {rec['seconds']:8.3f} s  ({res['tensors']} tensors)")
             if op == "load":
                 shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def bench_accelerator(size: int, dtype: str, runs: int, workdir: str, log) -> list[dict]:
+    """Staging, async, sync saves and loads of a state on the accelerator against a plain
+    pinned device-to-host copy and torch (``bench/_accelerator.py``, one process); storage
+    ``accelerator``. Nothing when this process sees no accelerator."""
+    import torch
+
+    accel = getattr(torch, "accelerator", None)
+    if not (accel.is_available() if accel is not None else torch.cuda.is_available()):
+        log(" accelerator: none in this process; skipped")
+        return []
+    d = os.path.join(workdir, "accelerator")
+    proc = subprocess.run([sys.executable, ACCELERATOR, d, str(size), dtype, str(runs)], capture_output=True, text=True, cwd=REPO)
+    out = [{**json.loads(line[7:]), "storage": "accelerator", "peak_rss_bytes": None}
+           for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0:
+        raise RuntimeError(f"accelerator rows failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    for r in out:
+        log(f"  run {r['run']} {r['device']} {r['system']:12s} {r['op']:12s} {r['seconds']:8.4f} s  {r['state_bytes'] / r['seconds'] / 1e9:7.2f} GB/s")
+    shutil.rmtree(d, ignore_errors=True)
     return out
 
 
@@ -316,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help='write {"records": [...], "targets": [...]} to this file')
     ap.add_argument("--skip-small", action="store_true", help="no 2,500 x Linear(8, 8) rows")
     ap.add_argument("--skip-training", action="store_true", help="no training-during-async-save rows")
+    ap.add_argument("--skip-accelerator", action="store_true", help="no accelerator rows (there are none without a GPU)")
     ap.add_argument("--skip-fio", action="store_true", help="limits from the in-process methods only (not for published numbers)")
     ap.add_argument("--skip-s3", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
@@ -346,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_small:
             log(f" small tensors: 2,500 x Linear(8, 8) + AdamW, {args.runs} runs")
             records += bench_small(args.runs, workdir, log)
+        if not args.skip_accelerator:
+            log(f" accelerator: {args.size} {args.dtype} on the GPU, {args.runs} runs")
+            records += bench_accelerator(size, args.dtype, args.runs, workdir, log)
         if not args.skip_training:
             log(f" training during an async save, {args.size}, {args.training_runs} runs")
             records += bench_training(size, args.training_runs, workdir, log)

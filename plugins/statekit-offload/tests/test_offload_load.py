@@ -251,15 +251,3 @@ def test_bad_device_map_string(saved, tmp_path):
     with pytest.raises(statekit.PluginError, match="device_map='everywhere'"):
         statekit.load(url, {"model": build_net(meta=True)}, device_map="everywhere", offload_folder=tmp_path)
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_cpu_and_disk(saved, tmp_path):
-    url, net, _ = saved
-    model = build_net(meta=True)
-    device_map = {"embed": 0, "block": "cpu", "out": "disk", "head": 0}
-    statekit.load(url, {"model": model}, device_map=device_map, offload_folder=tmp_path / "off")
-    assert model.embed.weight.device.type == "cuda" and model.head.weight is model.embed.weight
-    with torch.no_grad():
-        got = model(IDS.cuda())
-        want = net.cuda()(IDS.cuda())  # the fully loaded model, same kernels
-    assert got.device.type == "cuda" and torch.equal(got, want)
