@@ -76,8 +76,8 @@ def test_async_saves_stage_into_reused_pinned_buffers(tmp_path):
     manager.wait()
     allocated = manager.staging.allocated_bytes
     assert allocated >= sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    arenas = [arena for _, arena, _ in manager.staging._arenas.values()]
-    assert arenas and all(a.is_pinned() for a in arenas)
+    arenas = {rel: arena for rel, (_, arena, _) in manager.staging._arenas.items()}
+    assert arenas["model.safetensors"].is_pinned() and arenas["optim.safetensors"].is_pinned()
     manager.save(step=2)
     manager.wait()
     assert manager.staging.allocated_bytes == allocated  # same shapes: nothing allocated again

@@ -320,7 +320,7 @@ def test_unwrap_model_strips_data_parallel():
 
 def test_wrapped_model_saves_plain_keys(tmp_path):
     src = trained()["model"]
-    statekit.save(str(tmp_path), {"model": nn.DataParallel(src, device_ids=[])})
+    statekit.save(str(tmp_path), {"model": nn.DataParallel(src, device_ids=[] if not torch.cuda.is_available() else None)})
     dst = Net()
     statekit.load(str(tmp_path), {"model": dst})  # plain keys: loads into the bare module
     assert_state_equal(dict(src.state_dict()), dict(dst.state_dict()))

@@ -61,11 +61,15 @@ def build(flavor: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimize
     torch.manual_seed(seed)
     model = Net()
     if flavor == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # a CPU mesh, named: fully_shard's default mesh is on CUDA where a GPU is present,
+        # and these processes share one GPU (or none) over gloo
+        mesh = init_device_mesh("cpu", (rank_world()[1],))
         for layer in (model.inp, model.hidden, model.out):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif flavor in ("fsdp1", "fsdp1-flat"):
         from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -9,7 +9,7 @@ from accelerate import dispatch_model
 from conftest import IDS, build_net
 
 import statekit
-from statekit_offload import is_offloaded, offload_info
+from statekit_offload import is_offloaded
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -37,12 +37,17 @@ def test_a_module_split_across_gpu_and_cpu_loads_exactly(saved, tmp_path):
     model = build_net(meta=True)
     statekit.load(url, {"model": model}, device_map=GPU_MAP, offload_folder=tmp_path / "off")
     assert model.embed.weight.device == torch.device("cuda", 0) and model.block.lin.weight.device.type == "cuda"
-    assert model.block.norm.weight.device.type == "cpu" and model.out.weight.device.type == "meta"
+    # with a GPU to run on, Accelerate keeps cpu-mapped weights in host memory behind
+    # hooks (meta parameters), as it does disk-mapped ones
+    assert model.block.norm.weight.device.type == "meta" and model.out.weight.device.type == "meta"
     assert model.head.weight is model.embed.weight  # still tied, on the GPU
-    for name in ("embed.weight", "block.lin.weight", "block.lin.bias", "block.norm.weight"):
+    for name in ("embed.weight", "block.lin.weight", "block.lin.bias"):
         assert torch.equal(model.get_parameter(name).cpu(), net.get_parameter(name)), name
-    assert torch.equal(model.block.scale.cpu(), torch.tensor(2.5))
-    assert sorted(offload_info(model).in_place) == ["out.bias", "out.weight"]
+    statekit.save(str(tmp_path / "again"), {"model": model})  # every weight, wherever it lives
+    plain = build_net(seed=1)
+    statekit.load(str(tmp_path / "again"), {"model": plain})
+    for k, v in net.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v.cpu()), k
     with torch.no_grad():
         torch.testing.assert_close(model(IDS.cuda()), net.cuda()(IDS.cuda()))
 
