@@ -44,11 +44,13 @@ The names, by topic:
   :func:`in_use_markers`, :func:`is_in_use`, :func:`remove_stale_markers`,
   :class:`InUseMarker`;
 * processes: :func:`rank_and_world_size` and :func:`statekit_group` (statekit's own gloo
-  group, for a plugin's collectives).
+  group, for a plugin's collectives), and :func:`current_accelerator_type` (the one
+  accelerator lookup: the core's resume fingerprint and RNG guard use it too).
 """
 
 from __future__ import annotations
 
+from statekit.devices import current_accelerator_type
 from statekit.distributed import rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.data import sampler_of
@@ -152,6 +154,7 @@ __all__ = [
     "release_in_use",
     "remove_stale_markers",
     # processes
+    "current_accelerator_type",
     "rank_and_world_size",
     "statekit_group",
 ]

@@ -47,6 +47,7 @@ from statekit import distributed
 from statekit._version import __version__
 from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
 from statekit.engine import data, gradients
+from statekit.devices import current_accelerator_type
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError
 from statekit.hooks.registry import get_plugin_manager
@@ -159,11 +160,8 @@ def rng_live() -> list[str]:
     device type when a plugin manages RNG state (statekit-rng), else none."""
     if not get_plugin_manager().manages_rng():
         return []
-    kinds = list(CPU_RNG_KINDS)
-    accel = getattr(torch, "accelerator", None)
-    if accel is not None and accel.is_available():
-        kinds.append(accel.current_accelerator().type)
-    return sorted(kinds)
+    device_type = current_accelerator_type()  # the device statekit-rng saves (the same function)
+    return sorted([*CPU_RNG_KINDS, *([device_type] if device_type else [])])
 
 
 def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]:

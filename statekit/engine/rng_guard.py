@@ -11,15 +11,16 @@ from typing import Any
 
 import torch
 
+from statekit.devices import current_accelerator_type
+
 
 def _device_module() -> Any:
     """The current accelerator's device module (``torch.cuda``, ``torch.xpu``...) if it is
     available *and initialised*, else None: an uninitialised device has nothing to shift,
-    and touching it would initialise it (``torch.accelerator``, torch >= 2.6)."""
-    accelerator_api = getattr(torch, "accelerator", None)
-    if accelerator_api is None or not accelerator_api.is_available():
+    and touching it would initialise it (:func:`statekit.devices.current_accelerator_type`)."""
+    device_type = current_accelerator_type()
+    if device_type is None:
         return None
-    device_type = accelerator_api.current_accelerator().type
     module = torch.get_device_module(device_type)
     is_initialized = getattr(module, "is_initialized", None)
     if is_initialized is not None and not is_initialized():

