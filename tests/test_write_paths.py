@@ -190,3 +190,27 @@ def test_write_stable_copies_what_it_cannot_send_directly(tmp_path):
     writer.write_stable(memoryview(arena.numpy()))
     writer.close()
     assert path.read_bytes() == b"abc" + payload + bytes(arena.tolist())
+
+
+def test_accelerator_tensors_pass_through_one_reused_host_buffer(tmp_path, monkeypatch):
+    """Stand-in accelerator (CPU tensors treated as on a device): a sync write copies each
+    tensor through one host buffer, allocated once and smaller than the largest tensor
+    here, so chunks end inside tensors; the file is byte for byte the plain path's."""
+    state = {**_state(), "t": torch.randn(64, 48).t(), "c": torch.randn(7, dtype=torch.complex64).conj()}
+    plain = tmp_path / "plain.safetensors"
+    with DirectWriter(str(plain)) as writer:
+        write_tensors(writer, state, {"k": "v"}, new_hasher())
+    buffers: list[int] = []
+    monkeypatch.setattr(tensor_files, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(tensor_files, "host_buffer", lambda n: buffers.append(n) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(tensor_files, "BOUNCE_BYTES", 100_003)
+    monkeypatch.setattr(tensor_files, "tensor_bytes", lambda t: pytest.fail("a whole-tensor host copy"))
+    hasher = new_hasher()
+    path = tmp_path / "bounced.safetensors"
+    with DirectWriter(str(path)) as writer:
+        write_tensors(writer, state, {"k": "v"}, hasher)
+    assert buffers == [100_003]
+    assert path.read_bytes() == plain.read_bytes()
+    assert checksum_string(hasher) == checksum_bytes(path.read_bytes())
+    with safe_open(str(path), "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), state[k].resolve_conj()) for k in state)

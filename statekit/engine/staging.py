@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from statekit.format.header import view_identity
+from statekit.format.tensors import is_accelerator
 from statekit.storage.hugepages import HUGE_PAGE_BYTES, advise_huge
 
 
@@ -169,9 +170,9 @@ def _arena_views(tensors: Mapping[str, torch.Tensor], pin: bool) -> tuple[torch.
 
 
 def pin_memory_for(device: torch.device) -> bool:
-    """True when tensors on ``device`` are staged through pinned host memory: any device
-    but the CPU (and ``meta``, which has no data), i.e. CUDA and ``torch.accelerator`` devices."""
-    return device.type not in ("cpu", "meta")
+    """True when tensors on ``device`` are staged through pinned host memory: on an
+    accelerator (:func:`statekit.format.tensors.is_accelerator`)."""
+    return is_accelerator(device)
 
 
 def allocate_host(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
