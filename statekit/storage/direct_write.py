@@ -4,6 +4,7 @@ reused aligned buffers and a writer thread, or straight from the caller's aligne
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import threading
@@ -103,13 +104,23 @@ class DirectWriter:
         return self._size
 
     def write(self, data: Any) -> int:
-        """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk."""
+        """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk.
+
+        The copy is ``ctypes.memmove``, which releases the GIL (a slice assignment holds it:
+        the next buffer's writer thread then waited for it before it could start its write,
+        and 1 GiB saves took 1.05-1.31x as long on the benchmark VM, 5 alternating runs),
+        except for read-only data (``bytes``: headers), which is copied by slicing.
+        """
         view = memoryview(data).cast("B")
         n = len(view)
+        source = _address(view)
         pos = 0
         while pos < n:
             take = min(n - pos, DIRECT_BUFFER_BYTES - self._fill)
-            self._view[self._fill : self._fill + take] = view[pos : pos + take]
+            if source != 1:
+                ctypes.memmove(self._bufs[0].address + self._fill, source + pos, take)
+            else:
+                self._view[self._fill : self._fill + take] = view[pos : pos + take]
             self._fill += take
             pos += take
             if self._fill == DIRECT_BUFFER_BYTES:
@@ -167,6 +178,7 @@ class DirectWriter:
         the write before it ends (not once this thread has woken up and started it), then
         wait for that earlier write: its buffer is the one filled next."""
         previous = self._chain(self._view[:length])
+        self._bufs.reverse()
         self._views.reverse()
         self._view = self._views[0]
         self._fill = 0
