@@ -107,8 +107,9 @@ class DirectWriter:
         """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk.
 
         The copy is ``ctypes.memmove``, which releases the GIL (a slice assignment holds it:
-        the next buffer's writer thread then waited for it before it could start its write,
-        and 1 GiB saves took 1.05-1.31x as long on the benchmark VM, 5 alternating runs),
+        the next buffer's writer thread then waited for it before it could start its write:
+        1 GiB saves take 0.945 of the time with memmove, median of 10+10 alternating fresh
+        processes, ``bench/compare_commits.py``),
         except for read-only data (``bytes``: headers), which is copied by slicing.
         """
         view = memoryview(data).cast("B")
