@@ -319,3 +319,26 @@ def test_frozen_remote_tier_never_stops_training_and_replication_catches_up(froz
     assert missing == []
     for step in (1, 2):
         statekit.verify(f"{remote}/{checkpoint_name(step)}", storage_options=options)
+
+
+@pytest.mark.parametrize("holder", ["this process", "another process"])
+def test_a_live_save_lock_names_who_holds_it(tmp_path, plugin_manager, holder):
+    """A second save of a directory another live save holds is refused, naming the holder:
+    this very process (a second thread, an async save still writing) or another one."""
+    import json
+    import socket
+
+    from statekit.engine.locking import LOCK_NAME
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    pid = os.getpid() if holder == "this process" else os.getppid()  # the parent: alive, same host
+    (target / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "created": time.time()}))
+    with pytest.raises(statekit.CheckpointExistsError) as info:
+        statekit.save(str(target), {"w": torch.ones(2)})
+    message = str(info.value)
+    if holder == "this process":
+        assert "another save of this process (a second thread, or an async save still writing)" in message
+    else:
+        assert f"another process ({socket.gethostname()} pid {pid}), started 0 s ago" in message
+    assert (target / LOCK_NAME).exists() and not (target / "statekit.json").exists()

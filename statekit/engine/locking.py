@@ -52,10 +52,12 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
         return
     holder = _lock_holder(storage)
     if not overwrite and holder is not None and holder.get("alive", True):
-        raise CheckpointExistsError(
-            f"{storage.url} is being saved by another process ({holder.get('host')} pid {holder.get('pid')}, "
-            f"started {time.time() - holder.get('created', time.time()):.0f} s ago); pass overwrite=True to take over"
-        )
+        if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+            who = "another save of this process (a second thread, or an async save still writing)"
+        else:
+            who = f"another process ({holder.get('host')} pid {holder.get('pid')})"
+        age = time.time() - holder.get("created", time.time())
+        raise CheckpointExistsError(f"{storage.url} is being saved by {who}, started {age:.0f} s ago; pass overwrite=True to take over")
     storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
     if not storage.create_exclusive(LOCK_NAME, lock):
         raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
