@@ -342,3 +342,32 @@ def test_a_live_save_lock_names_who_holds_it(tmp_path, plugin_manager, holder):
     else:
         assert f"another process ({socket.gethostname()} pid {pid}), started 0 s ago" in message
     assert (target / LOCK_NAME).exists() and not (target / "statekit.json").exists()
+
+
+def test_a_lock_left_by_an_earlier_process_with_this_pid_is_stale(tmp_path, plugin_manager):
+    """A restarted container (a new PID namespace) gives the resumed run the pid of the
+    run that was killed mid-save on the same host: that lock names another process's
+    token and is stale, not "another save of this process"."""
+    import json
+    import socket
+
+    from statekit.engine.locking import LOCK_NAME
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "token": "a-process-that-is-gone", "created": time.time()}
+    (target / LOCK_NAME).write_text(json.dumps(record))
+    (target / "model.safetensors").write_bytes(b"half written")
+    statekit.save(str(target), {"w": torch.ones(2)})
+    assert (target / "statekit.json").exists() and not (target / "model.safetensors").exists()
+
+
+def test_a_live_save_of_this_process_is_named_so(tmp_path, plugin_manager):
+    """A save still holding the lock in this very process (its own token) is refused."""
+    from statekit.engine.locking import LOCK_NAME, _lock_record
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / LOCK_NAME).write_bytes(_lock_record())
+    with pytest.raises(statekit.CheckpointExistsError, match="another save of this process"):
+        statekit.save(str(target), {"w": torch.ones(2)})

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 from statekit import format as fmt
@@ -25,6 +26,11 @@ LOCK_NAME = ".statekit-lock"
 
 LOCK_TIMEOUT_S = 900.0
 """A lock of another host older than this (seconds) is taken to be left by a crashed save."""
+
+_PROCESS_TOKEN = uuid.uuid4().hex
+"""Written into this process's locks: a lock naming this host and pid but another token
+was left by an earlier process that had the same pid (a restarted container: a new PID
+namespace gives the same pids again), which is gone."""
 
 
 def prepare_target(storage: Storage, overwrite: bool) -> None:
@@ -52,7 +58,7 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
         return
     holder = _lock_holder(storage)
     if not overwrite and holder is not None and holder.get("alive", True):
-        if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+        if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid() and holder.get("token") in (None, _PROCESS_TOKEN):
             who = "another save of this process (a second thread, or an async save still writing)"
         else:
             who = f"another process ({holder.get('host')} pid {holder.get('pid')})"
@@ -73,7 +79,9 @@ def mark_copy_in_progress(storage: Storage) -> None:
 
 def _lock_record() -> bytes:
     """The lock's JSON: who holds it (host, pid) and since when (seconds since the epoch)."""
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode()
+    return json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "token": _PROCESS_TOKEN, "created": time.time()}
+    ).encode()
 
 
 def release_lock(storage: Storage, rank: int) -> None:
@@ -125,7 +133,10 @@ def _lock_holder(storage: Storage) -> dict[str, Any] | None:
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         try:
             os.kill(holder["pid"], 0)
-            holder["alive"] = holder["pid"] != os.getpid() or age < LOCK_TIMEOUT_S
+            if holder["pid"] == os.getpid() and holder.get("token") not in (None, _PROCESS_TOKEN):
+                holder["alive"] = False  # an earlier process with this pid (restarted container): gone
+            else:
+                holder["alive"] = holder["pid"] != os.getpid() or age < LOCK_TIMEOUT_S
         except ProcessLookupError:
             holder["alive"] = False
         except PermissionError:
