@@ -132,12 +132,17 @@ def main(argv: list[str]) -> None:
             drop_cache(sk_dir if system == "statekit" else pt_dir)
             gc.collect()
             emit(system, "load", timed(lambda: load(fresh_model, fresh_optim), device), run)
-            for p, q in zip(model.parameters(), fresh_model.parameters()):
-                if not torch.equal(p, q):
-                    raise SystemExit(f"bench/_accelerator.py: {system} load is not exact")
+            if not _same_state(model, optim, fresh_model, fresh_optim):
+                raise SystemExit(f"bench/_accelerator.py: {system} load is not exact")
             del fresh_model, fresh_optim
         shutil.rmtree(sk_dir)
         shutil.rmtree(pt_dir)
+
+
+def _same_state(model, optim, other_model, other_optim) -> bool:
+    """Whether two model + optimizer pairs hold identical tensors (weights and moments)."""
+    ours, theirs = all_tensors(model, optim), all_tensors(other_model, other_optim)
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def _torch_load(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer, device: torch.device) -> None:

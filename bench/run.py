@@ -21,8 +21,8 @@ requests in flight, ``bench/_fio.py``), a cold read back (the same methods), and
 memcpy of the state; the ``method`` field says which one gave each limit. The small-tensor
 rows (storage ``small``, ``bench/_small.py``) save and load 2,500 ``nn.Linear(8, 8)`` +
 AdamW with statekit and torch. The accelerator rows (storage ``accelerator``, only where
-torch sees a GPU: ``bench/_accelerator.py``) stage, save and load the same state living on
-the GPU, against one plain pinned device-to-host copy of the same bytes and torch. The training rows (storage ``training``) come from
+torch sees an accelerator: ``bench/_accelerator.py``) stage, save and load the same state living on
+it, against one plain pinned device-to-host copy of the same bytes and torch. The training rows (storage ``training``) come from
 ``bench/async_training.py`` when it is present. S3 runs against a moto server started here on 127.0.0.1 at a
 fixed 256 MiB. Scale runs statekit under ``torchrun`` (gloo) with 1, 2 and 4 ranks
 writing one checkpoint of the same total size.

@@ -204,12 +204,15 @@ def test_accelerator_tensors_pass_through_one_reused_host_buffer(tmp_path, monke
     monkeypatch.setattr(tensor_files, "is_accelerator", lambda device: True)
     monkeypatch.setattr(tensor_files, "host_buffer", lambda n: buffers.append(n) or torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(tensor_files, "BOUNCE_BYTES", 100_003)
-    monkeypatch.setattr(tensor_files, "tensor_bytes", lambda t: pytest.fail("a whole-tensor host copy"))
+    real_tensor_bytes = tensor_files.tensor_bytes
+    whole = []  # strided and conj tensors are copied whole (no device-side temporary)
+    monkeypatch.setattr(tensor_files, "tensor_bytes", lambda t: whole.append(tuple(t.shape)) or real_tensor_bytes(t))
     hasher = new_hasher()
     path = tmp_path / "bounced.safetensors"
     with DirectWriter(str(path)) as writer:
         write_tensors(writer, state, {"k": "v"}, hasher)
     assert buffers == [100_003]
+    assert sorted(whole) == [(7,), (48, 64)]  # the conj and the transposed one; the rest bounced
     assert path.read_bytes() == plain.read_bytes()
     assert checksum_string(hasher) == checksum_bytes(path.read_bytes())
     with safe_open(str(path), "pt") as f:

@@ -58,7 +58,8 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
         return
     holder = _lock_holder(storage)
     if not overwrite and holder is not None and holder.get("alive", True):
-        if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid() and holder.get("token") in (None, _PROCESS_TOKEN):
+        ours = holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+        if ours and holder.get("token") in (None, _PROCESS_TOKEN):
             who = "another save of this process (a second thread, or an async save still writing)"
         else:
             who = f"another process ({holder.get('host')} pid {holder.get('pid')})"

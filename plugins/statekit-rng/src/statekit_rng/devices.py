@@ -4,7 +4,10 @@ Devices are found with the core's ``statekit.plugin_api.current_accelerator_type
 lookup the resume fingerprint uses too) and ``torch.get_device_module(device_type)``,
 with no hard-coded list of backends (CUDA, XPU, MPS, HPU, a PrivateUse1 backend...).
 :mod:`statekit_rng.plugin` calls :func:`discover_accelerator` through its own namespace,
-so a test or an exotic backend can replace it there.
+so a test can replace it there. A backend needs no replacement: ``torch.accelerator``
+finds PrivateUse1 backends too, and the core's resume fingerprint names the device that
+``current_accelerator_type`` gives, so a replacement that names another device makes every
+resume warn that its random state is not restored.
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ def discover_accelerator() -> tuple[str, DeviceRngModule] | None:
     itself documents, instead of Accelerate's per-backend chain
     (``accelerate.utils.random.set_seed``).
 
-    Hooks look this function up in the module namespace at every call, so it can be
-    replaced (``monkeypatch.setattr(statekit_rng.plugin, "discover_accelerator", fake)``).
+    Hooks look this function up in the module namespace at every call, so a test can
+    replace it (``monkeypatch.setattr(statekit_rng.plugin, "discover_accelerator", fake)``;
+    the core's fingerprint still asks ``current_accelerator_type``).
 
     Returns:
         ``(device_type, module)`` with ``module`` following :class:`DeviceRngModule`
