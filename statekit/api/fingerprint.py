@@ -46,8 +46,8 @@ import torch
 from statekit import distributed
 from statekit._version import __version__
 from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
-from statekit.engine import data, gradients
 from statekit.devices import current_accelerator_type
+from statekit.engine import data, gradients
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError
 from statekit.hooks.registry import get_plugin_manager

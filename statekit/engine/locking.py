@@ -64,7 +64,9 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
         else:
             who = f"another process ({holder.get('host')} pid {holder.get('pid')})"
         age = time.time() - holder.get("created", time.time())
-        raise CheckpointExistsError(f"{storage.url} is being saved by {who}, started {age:.0f} s ago; pass overwrite=True to take over")
+        raise CheckpointExistsError(
+            f"{storage.url} is being saved by {who}, started {age:.0f} s ago; pass overwrite=True to take over"
+        )
     storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
     if not storage.create_exclusive(LOCK_NAME, lock):
         raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
@@ -79,7 +81,8 @@ def mark_copy_in_progress(storage: Storage) -> None:
 
 
 def _lock_record() -> bytes:
-    """The lock's JSON: who holds it (host, pid) and since when (seconds since the epoch)."""
+    """The lock's JSON: who holds it (host, pid, this process's token) and since when
+    (seconds since the epoch)."""
     return json.dumps(
         {"host": socket.gethostname(), "pid": os.getpid(), "token": _PROCESS_TOKEN, "created": time.time()}
     ).encode()
