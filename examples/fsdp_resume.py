@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import statekit
@@ -52,10 +53,13 @@ def build(seed: int = 0):
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)
     )
+    # a CPU mesh, named: fully_shard's default mesh is on CUDA wherever a GPU is present,
+    # and these gloo processes (all on one machine) would then share GPU 0 and hang
+    mesh = init_device_mesh("cpu", (_rank_world()[1],))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=100)
     return model, optim, sched

@@ -211,7 +211,8 @@ from statekit.engine.gradients import refuse_unsupported
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-fully_shard(model)  # FSDP2: DTensor parameters
+from torch.distributed.device_mesh import init_device_mesh
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))  # FSDP2: DTensor parameters (a CPU mesh: the default is CUDA where a GPU is)
 class Accelerator:
     gradient_accumulation_steps, step, distributed_type = 4, 2, "DistributedType.FSDP"
 try:

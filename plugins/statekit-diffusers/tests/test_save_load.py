@@ -288,6 +288,7 @@ def test_fsdp2_model_goes_to_statekit_fsdp_and_folder_names_avoid_its_key(pm, tm
     """With the real statekit-fsdp plugin: a fully_shard UNet is saved by it under its stable
     key ("unet/"), the plain UNet by statekit-diffusers under another folder."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     if pm.get_plugin("fsdp") is None:
@@ -295,14 +296,14 @@ def test_fsdp2_model_goes_to_statekit_fsdp_and_folder_names_avoid_its_key(pm, tm
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         sharded, plain = tiny_unet(), tiny_unet(seed=1)
-        fully_shard(sharded)
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
         url = str(tmp_path / "ckpt")
         manifest = statekit.save(url, {"unet": sharded, "plain": plain})
         assert manifest["objects"]["unet"]["owner"] == "fsdp"
         assert manifest["objects"]["plain"]["owner"] == "diffusers"
         assert manifest["records"]["diffusers"]["plain"]["folder"] == "unet_1"
         fresh_sharded, fresh_plain = tiny_unet(seed=2), tiny_unet(seed=2)
-        fully_shard(fresh_sharded)
+        fully_shard(fresh_sharded, mesh=init_device_mesh("cpu", (1,)))
         statekit.load(url, {"unet": fresh_sharded, "plain": fresh_plain})
     finally:
         dist.destroy_process_group()
