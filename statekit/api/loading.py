@@ -218,7 +218,7 @@ def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any
     entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
     base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
     if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
-        accelerate_format.restore_rng(checkpoint.load_state(base))
+        accelerate_format.restore_rng(checkpoint.load_state(base), checkpoint.storage.url)
 
 
 def check_statekit_files(checkpoint: Checkpoint) -> None:

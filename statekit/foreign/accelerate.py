@@ -22,6 +22,7 @@ import copy
 import random
 import re
 import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,7 +34,7 @@ from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 from statekit.engine.gradients import warn_partial_window
 from statekit.engine.locking import prepare_target, release_lock
-from statekit.errors import StatekitError, StateMismatchError
+from statekit.errors import StatekitError, StatekitWarning, StateMismatchError
 from statekit.foreign.pickles import load_pickle
 from statekit.storage import Storage
 
@@ -146,17 +147,24 @@ def read_model(storage: Storage, rel: str, allow_pickle: bool, into: dict[str, t
     return read_pickle(storage, rel, allow_pickle)
 
 
-def restore_rng(states: dict[str, Any]) -> None:
+def restore_rng(states: dict[str, Any], source: str = "Accelerate checkpoint") -> None:
     """Set the global generators from one ``random_states_<rank>.pkl`` dict, as
     ``accelerate.checkpointing.load_accelerator_state`` does (Python ``random``, NumPy,
-    torch CPU, CUDA when present)."""
+    torch CPU, CUDA when present). Accelerate saves every CUDA device its process sees;
+    where this process sees another number, the common ones are restored and a
+    :class:`StatekitWarning` naming ``source`` says so (Accelerate fails there)."""
     random.setstate(states["random_state"])
     np_random = sys.modules.get("numpy.random")
     if np_random is not None and "numpy_random_seed" in states:
         np_random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])
     if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
-        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+        saved, count = list(states["torch_cuda_manual_seed"]), torch.cuda.device_count()
+        torch.cuda.set_rng_state_all(saved[:count])
+        if len(saved) != count:
+            rest = f"cuda:{count}-{len(saved) - 1} not restored" if len(saved) > count else "the others keep their state"
+            warnings.warn(f"{source}: random states of {len(saved)} CUDA device(s) saved, this process sees {count} "
+                          f"({rest}): GPU draws (dropout) differ from the saved run's", StatekitWarning, stacklevel=2)
 
 
 def _rng_snapshot() -> dict[str, Any]:
@@ -277,7 +285,7 @@ def _apply_all_or_nothing(storage: Storage, staged: list[tuple[Any, str, Any]], 
             undo.append((e.obj, before))  # before the call: a load_state_dict may fail halfway
             e.obj.load_state_dict(state)
         if rng_states is not None:
-            restore_rng(rng_states)
+            restore_rng(rng_states, f"Accelerate checkpoint {storage.url}")
     except Exception as exc:
         for obj, before in reversed(undo):
             obj.load_state_dict(before)
