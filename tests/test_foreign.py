@@ -303,30 +303,32 @@ def test_diff_pairs_an_accelerate_directory_with_statekit_save_state_of_the_same
     assert not model_keys & set(report["removed"]) and not report["changed"]
 
 
-@pytest.mark.parametrize("saved_devices, visible, restored, warned", [(2, 1, 1, "cuda:1-1 not restored"), (1, 2, 1, "the others keep their state"), (2, 2, 2, None)])
-def test_accelerate_cuda_random_states_of_another_device_count(monkeypatch, saved_devices, visible, restored, warned):
-    """Accelerate saves the generators of every CUDA device its process sees; a resume that
-    sees another number restores the common ones and says so (torch's set_rng_state_all
-    fails with an invalid device ordinal for more states than devices)."""
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+@pytest.mark.parametrize("saved_devices, visible, restored, warned", [(2, 1, 1, ":1-1 not restored"), (1, 2, 1, "the others keep their state"), (2, 2, 2, None)])
+def test_accelerate_device_random_states_of_another_device_count(monkeypatch, kind, saved_devices, visible, restored, warned):
+    """Accelerate saves the generators of every device its process sees (CUDA, XPU, HPU...);
+    a resume that sees another number restores the common ones and says so (torch's
+    set_rng_state_all raises for more states than devices); XPU states were ignored."""
     import random
     import warnings
 
     import statekit
-    from statekit.foreign import accelerate as accelerate_format
+    from statekit.foreign import accelerate_rng
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls.append(list(states)))
-    cuda_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(saved_devices)]
-    states = {"random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state(), "torch_cuda_manual_seed": cuda_states}
+    module = getattr(torch, kind)
+    monkeypatch.setattr(module, "is_available", lambda: True)
+    monkeypatch.setattr(module, "device_count", lambda: visible)
+    monkeypatch.setattr(module, "set_rng_state_all", lambda states: calls.append(list(states)))
+    device_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(saved_devices)]
+    states = {"random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state(), f"torch_{kind}_manual_seed": device_states}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        accelerate_format.restore_rng(states, "ckpt-dir")
+        accelerate_rng.restore_rng(states, "ckpt-dir")
     assert len(calls) == 1 and [int(s[0]) for s in calls[0]] == list(range(restored))
     messages = [str(w.message) for w in caught if issubclass(w.category, statekit.StatekitWarning)]
     if warned is None:
         assert messages == []
     else:
-        assert len(messages) == 1 and messages[0].startswith(f"ckpt-dir: random states of {saved_devices} CUDA device(s) saved, this process sees {visible}")
+        assert len(messages) == 1 and messages[0].startswith(f"ckpt-dir: random states of {saved_devices} {kind.upper()} device(s) saved, this process sees {visible}")
         assert warned in messages[0]

@@ -22,6 +22,7 @@ from statekit.engine.entries import Entry, classify, unwrap_model
 from statekit.engine.gradients import AccumulatedGradients
 from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError
 from statekit.foreign import accelerate as accelerate_format
+from statekit.foreign.accelerate_rng import restore_rng
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_load_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
@@ -218,7 +219,7 @@ def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any
     entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
     base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
     if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
-        accelerate_format.restore_rng(checkpoint.load_state(base), checkpoint.storage.url)
+        restore_rng(checkpoint.load_state(base), checkpoint.storage.url)
 
 
 def check_statekit_files(checkpoint: Checkpoint) -> None:

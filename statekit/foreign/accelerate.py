@@ -19,10 +19,7 @@ is loaded.
 from __future__ import annotations
 
 import copy
-import random
 import re
-import sys
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,7 +31,8 @@ from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 from statekit.engine.gradients import warn_partial_window
 from statekit.engine.locking import prepare_target, release_lock
-from statekit.errors import StatekitError, StatekitWarning, StateMismatchError
+from statekit.errors import StatekitError, StateMismatchError
+from statekit.foreign.accelerate_rng import restore_rng, rng_snapshot
 from statekit.foreign.pickles import load_pickle
 from statekit.storage import Storage
 
@@ -147,36 +145,6 @@ def read_model(storage: Storage, rel: str, allow_pickle: bool, into: dict[str, t
     return read_pickle(storage, rel, allow_pickle)
 
 
-def restore_rng(states: dict[str, Any], source: str = "Accelerate checkpoint") -> None:
-    """Set the global generators from one ``random_states_<rank>.pkl`` dict, as
-    ``accelerate.checkpointing.load_accelerator_state`` does (Python ``random``, NumPy,
-    torch CPU, CUDA when present). Accelerate saves every CUDA device its process sees;
-    where this process sees another number, the common ones are restored and a
-    :class:`StatekitWarning` naming ``source`` says so (Accelerate fails there)."""
-    random.setstate(states["random_state"])
-    np_random = sys.modules.get("numpy.random")
-    if np_random is not None and "numpy_random_seed" in states:
-        np_random.set_state(states["numpy_random_seed"])
-    torch.set_rng_state(states["torch_manual_seed"])
-    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
-        saved, count = list(states["torch_cuda_manual_seed"]), torch.cuda.device_count()
-        torch.cuda.set_rng_state_all(saved[:count])
-        if len(saved) != count:
-            rest = f"cuda:{count}-{len(saved) - 1} not restored" if len(saved) > count else "the others keep their state"
-            warnings.warn(f"{source}: random states of {len(saved)} CUDA device(s) saved, this process sees {count} "
-                          f"({rest}): GPU draws (dropout) differ from the saved run's", StatekitWarning, stacklevel=2)
-
-
-def _rng_snapshot() -> dict[str, Any]:
-    states: dict[str, Any] = {"random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}
-    np_random = sys.modules.get("numpy.random")
-    if np_random is not None:
-        states["numpy_random_seed"] = np_random.get_state()
-    if torch.cuda.is_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    return states
-
-
 def _index(key: str) -> int:
     return int(key.rsplit("_", 1)[1]) if re.search(r"_\d+$", key) else 0
 
@@ -270,7 +238,7 @@ def _apply_all_or_nothing(storage: Storage, staged: list[tuple[Any, str, Any]], 
     """Apply staged states: objects that can refuse first, each with a snapshot to undo,
     then the random states, then the already checked models."""
     undo: list[Any] = []
-    rng_before = _rng_snapshot()
+    rng_before = rng_snapshot()
     try:
         for e, rel, state in staged:
             if isinstance(e, torch.nn.Module):
