@@ -42,11 +42,11 @@ from _workers import all_tensors, build, drop_cache, fsync_tree, state_nbytes  #
 
 
 def accelerator_device() -> torch.device | None:
-    """The current accelerator (CUDA or any ``torch.accelerator`` device), or None."""
-    accel = getattr(torch, "accelerator", None)
-    if accel is not None and accel.is_available():
-        return accel.current_accelerator()
-    return torch.device("cuda") if torch.cuda.is_available() else None
+    """The current accelerator (:func:`statekit.devices.current_accelerator_type`), or None."""
+    from statekit.devices import current_accelerator_type
+
+    kind = current_accelerator_type()
+    return torch.device(kind) if kind is not None else None
 
 
 def synchronize(device: torch.device) -> None:

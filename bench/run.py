@@ -176,10 +176,9 @@ def bench_accelerator(size: int, dtype: str, runs: int, workdir: str, log) -> li
     """Staging, async, sync saves and loads of a state on the accelerator against a plain
     pinned device-to-host copy and torch (``bench/_accelerator.py``, one process); storage
     ``accelerator``. Nothing when this process sees no accelerator."""
-    import torch
+    from statekit.devices import current_accelerator_type
 
-    accel = getattr(torch, "accelerator", None)
-    if not (accel.is_available() if accel is not None else torch.cuda.is_available()):
+    if current_accelerator_type() is None:
         log(" accelerator: none in this process; skipped")
         return []
     d = os.path.join(workdir, "accelerator")
@@ -373,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f" small tensors: 2,500 x Linear(8, 8) + AdamW, {args.runs} runs")
             records += bench_small(args.runs, workdir, log)
         if not args.skip_accelerator:
-            log(f" accelerator: {args.size} {args.dtype} on the GPU, {args.runs} runs")
+            log(f" accelerator: {args.size} {args.dtype} on the accelerator, {args.runs} runs")
             records += bench_accelerator(size, args.dtype, args.runs, workdir, log)
         if not args.skip_training:
             log(f" training during an async save, {args.size}, {args.training_runs} runs")
