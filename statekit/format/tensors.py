@@ -120,7 +120,7 @@ def _host_chunks(planned: list[Any], step: int) -> Iterator[memoryview]:
         source = t.detach().reshape(-1).view(torch.uint8)
         if bounce is None:
             bounce = host_buffer(BOUNCE_BYTES)
-        held = memoryview(bounce.numpy())
+            held = memoryview(bounce.numpy())
         for start in range(0, p.nbytes, len(bounce)):
             n = min(len(bounce), p.nbytes - start)
             bounce[:n].copy_(source[start : start + n])  # blocking: the bytes are on the host now
