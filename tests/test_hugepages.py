@@ -48,14 +48,18 @@ def test_advice_is_taken_where_the_kernel_has_transparent_huge_pages():
         buf.close()
 
 
-def test_writer_buffers_are_huge_page_aligned_and_pooled(tmp_path):
+def test_writer_buffers_are_huge_page_aligned_and_pooled(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_write, "_buffer_pool", [])
     data = os.urandom(direct_write.DIRECT_BUFFER_BYTES + 12345)
-    for name in ("a", "b"):
-        with direct_write.DirectWriter(str(tmp_path / name)) as f:
-            assert all(b.address % HUGE_PAGE_BYTES == 0 for b in f._bufs)
-            f.write(data)
-        assert (tmp_path / name).read_bytes() == data
-    assert direct_write._buffer_pool  # given back for the next file
+    with direct_write.DirectWriter(str(tmp_path / "a")) as f:
+        f.write(data)
+    pooled = {b.address for b in direct_write._buffer_pool}
+    assert len(pooled) == 2 and all(a % HUGE_PAGE_BYTES == 0 for a in pooled)  # given back for the next file
+    with direct_write.DirectWriter(str(tmp_path / "b")) as f:
+        f.write(data)
+        assert not direct_write._buffer_pool  # taken again
+    assert {b.address for b in direct_write._buffer_pool} == pooled
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == data
 
 
 def test_reader_bounce_buffers_are_huge_page_aligned(tmp_path):

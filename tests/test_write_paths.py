@@ -84,50 +84,55 @@ def small_buffers(monkeypatch):
 
 
 @pytest.fixture
-def held_first_write(monkeypatch) -> threading.Event:
-    """The writer's first ``os.write`` waits until the returned event is set."""
+def held_first_write(monkeypatch) -> tuple[threading.Event, list[int]]:
+    """The writer's write at offset 0 waits until the returned event is set; the list gets
+    the offset of every other write once it is done."""
     release = threading.Event()
-    real_write = os.write
-    calls = []
+    real_pwrite = os.pwrite
+    done: list[int] = []
 
-    def held(fd, data):
-        calls.append(len(data))
-        if len(calls) == 1:
+    def held(fd, data, offset):
+        if offset == 0:
             assert release.wait(10)
-        return real_write(fd, data)
+        n = real_pwrite(fd, data, offset)
+        if offset:
+            done.append(offset)
+        return n
 
-    monkeypatch.setattr(direct_write.os, "write", held)
-    return release
+    monkeypatch.setattr(direct_write.os, "pwrite", held)
+    return release, done
 
 
-def _writer_threads_while(release: threading.Event, work: threading.Thread) -> int:
-    """Start ``work``, wait (up to 10 s) for two ``statekit-write`` threads to exist while
-    the first write is held, then release it; returns how many there were at most."""
+def _writes_done_while_held(held: tuple[threading.Event, list[int]], work: threading.Thread, expect: int) -> list[int]:
+    """Start ``work``; wait (up to 10 s) until ``expect`` later writes are done while the
+    first is held, then release it; returns the offsets done while it was held (sorted)."""
+    release, done = held
     work.start()
     deadline = time.monotonic() + 10
-    while sum(t.name == "statekit-write" for t in threading.enumerate()) < 2 and time.monotonic() < deadline:
+    while len(done) < expect and time.monotonic() < deadline:
         time.sleep(0.001)
-    seen = sum(t.name == "statekit-write" for t in threading.enumerate())
+    seen = sorted(done)
     release.set()
     work.join()
     return seen
 
 
-def test_the_next_buffer_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, small_buffers, held_first_write):
-    """A filled buffer's writer thread exists while the write before it is still running,
-    so it starts the moment that write ends; the file is still written in order."""
-    data = os.urandom(5 * small_buffers + 123)
+def test_later_buffers_are_written_while_the_first_write_is_held(tmp_path, small_buffers, held_first_write):
+    """Several writes are in flight, and a slow one does not hold up the rest: while the
+    first buffer's write is held, every later full buffer reaches the file at its offset
+    (the tail waits for close); the file is complete once the first write ends."""
+    data = os.urandom(9 * small_buffers + 123)
     path = tmp_path / "f.bin"
     writer = DirectWriter(str(path))
-    waiting = _writer_threads_while(held_first_write, threading.Thread(target=writer.write, args=(data,)))
+    seen = _writes_done_while_held(held_first_write, threading.Thread(target=writer.write, args=(data,)), 8)
     writer.close()
-    assert waiting >= 2  # the second buffer's writer was there while the first write was held
+    assert seen == [i * small_buffers for i in range(1, 9)]
     assert path.read_bytes() == data
 
 
-def test_a_stable_write_goes_to_its_writer_before_the_write_before_it_ends(tmp_path, held_first_write):
-    """write_stable (a staged arena, written from its own memory) chains its writes the
-    same way: the second chunk's writer exists while the first write is held."""
+def test_stable_writes_are_in_flight_together_too(tmp_path, small_buffers, held_first_write):
+    """write_stable (a staged arena, written from its own memory) sends pieces of
+    DIRECT_BUFFER_BYTES the same way: all later pieces land while the first is held."""
     from statekit.storage.hugepages import IOBuffer
 
     arena = IOBuffer(1 << 20)
@@ -138,36 +143,39 @@ def test_a_stable_write_goes_to_its_writer_before_the_write_before_it_ends(tmp_p
     if not writer.direct:
         writer.abort()
         pytest.skip("O_DIRECT refused here: write_stable copies")
-
-    def two_chunks():
-        writer.write_stable(arena.view[: 1 << 19])
-        writer.write_stable(arena.view[1 << 19 :])
-
-    waiting = _writer_threads_while(held_first_write, threading.Thread(target=two_chunks))
+    seen = _writes_done_while_held(held_first_write, threading.Thread(target=writer.write_stable, args=(arena.view,)), 15)
     writer.close()
     arena.close()
-    assert waiting >= 2
+    assert seen == [i * small_buffers for i in range(1, 16)]
     assert path.read_bytes() == payload
 
 
-def test_a_failed_write_is_raised_and_no_later_buffer_is_written(tmp_path, monkeypatch, small_buffers):
-    real_write = os.write
+def test_a_failed_write_is_raised_and_no_write_starts_after_it(tmp_path, monkeypatch, small_buffers):
+    real_pwrite = os.pwrite
     calls = []
 
-    def disk_full_at_second_write(fd, data):
-        calls.append(len(data))
-        if len(calls) == 2:
-            time.sleep(0.05)  # the caller has handed the next buffer over by now
+    def disk_full_at_first_write(fd, data, offset):
+        calls.append(offset)
+        if offset == 0:
             raise OSError(28, "No space left on device")
-        return real_write(fd, data)
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(direct_write.os, "write", disk_full_at_second_write)
+    monkeypatch.setattr(direct_write.os, "pwrite", disk_full_at_first_write)
     writer = DirectWriter(str(tmp_path / "f.bin"))
     with pytest.raises(OSError, match="No space left"):
-        writer.write(os.urandom(6 * small_buffers))
+        writer.write(os.urandom(12 * small_buffers))
         writer.close()
     writer.abort()
-    assert len(calls) == 2  # nothing after the failed buffer reached the file
+    assert 1 <= len(calls) <= direct_write.DIRECT_DEPTH + 1  # at most those in flight with it, of 12
+
+
+def test_the_error_is_raised_by_close_when_the_last_write_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_write.os, "pwrite", lambda fd, data, offset: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    writer = DirectWriter(str(tmp_path / "f.bin"))
+    writer.write(b"x" * 1000)
+    with pytest.raises(OSError, match="Input/output error"):
+        writer.close()
+    assert writer.closed
 
 
 @pytest.mark.parametrize(("numel", "offset"), [(300_000, 4096), (10, None)])

@@ -1,12 +1,14 @@
-"""Local file writes below the page cache: :class:`DirectWriter` (``O_DIRECT`` with two
-reused aligned buffers and a writer thread, or straight from the caller's aligned memory:
-:meth:`DirectWriter.write_stable`) and :func:`fsync_path`. Reads: :mod:`statekit.storage.direct`."""
+"""Local file writes below the page cache: :class:`DirectWriter` (``O_DIRECT`` from reused
+aligned buffers, several writes in flight on helper threads, or straight from the caller's
+aligned memory: :meth:`DirectWriter.write_stable`) and :func:`fsync_path`. Reads: :mod:`statekit.storage.direct`."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
+import queue
 import threading
 from typing import Any
 
@@ -14,11 +16,19 @@ from statekit.storage.direct import DIRECT_ALIGN as _DIRECT_ALIGN
 from statekit.storage.direct import buffer_address
 from statekit.storage.hugepages import IOBuffer
 
-DIRECT_BUFFER_BYTES = 8 * 1024 * 1024
-"""Size of each aligned buffer of a :class:`DirectWriter` (two per writer, pooled): small
-enough to stay in cache between the copy into it and the write from it. 1 GiB saves on
-the benchmark VM against 16 MiB buffers: 0.920, 0.925 and 0.992 of the time (8, 12 and
-12 alternating runs); 4 MiB 0.970, 2 MiB 1.019."""
+DIRECT_BUFFER_BYTES = 4 * 1024 * 1024
+"""Size of each aligned buffer of a :class:`DirectWriter`, bytes: one request of the
+virtio disk (its ``max_sectors_kb`` is 4096 on the benchmark VM), small enough to stay in
+cache between the copy into it and the write from it."""
+
+DIRECT_DEPTH = 4
+"""Writer threads of one :class:`DirectWriter`, so writes in flight at once; it holds one
+more buffer than this (the one being filled) and queues at most one write beyond them.
+Sync saves of the 1 GiB benchmark state on the benchmark VM, medians of 8 alternating
+runs in one process: 0.298 s with 4 threads of 4 MiB buffers, 0.298 s with 3, 0.316 s
+with 6, 0.304 s with 8 of 2 MiB, 0.330 s with 4 of 8 MiB. Against the writer before it
+(one write in flight, the next chained behind it, two 8 MiB buffers): 0.308 s against
+0.338 s, medians of 10+10 alternating fresh processes (``bench/compare_commits.py``)."""
 
 _buffer_pool: list[IOBuffer] = []
 _buffer_lock = threading.Lock()
@@ -33,7 +43,7 @@ def _take_buffer() -> IOBuffer:
 
 def _give_buffer(buf: IOBuffer) -> None:
     with _buffer_lock:
-        if len(_buffer_pool) < 4:
+        if len(_buffer_pool) <= DIRECT_DEPTH and buf.nbytes == DIRECT_BUFFER_BYTES:
             _buffer_pool.append(buf)
             return
     buf.close()
@@ -51,21 +61,29 @@ def _address(view: memoryview) -> int:
 class DirectWriter:
     """A write-only local file that bypasses the page cache (``O_DIRECT``) where allowed.
 
-    Bytes given to :meth:`write` are copied into one of two huge-page-backed buffers
-    (:class:`statekit.storage.hugepages.IOBuffer`, :data:`DIRECT_BUFFER_BYTES` each,
-    reused across files); a full buffer is written by a
-    helper thread (``os.write`` releases the GIL) while the caller fills the other, so the
-    copy overlaps the I/O. Each buffer's thread is started while the write before it still
-    runs and goes on the moment it ends, so the disk does not wait for the caller to wake
-    up between buffers (1 GiB saves 0.816 and 0.937 of the time before, 10+10 runs twice).
+    Bytes given to :meth:`write` are copied into huge-page-backed buffers
+    (:class:`statekit.storage.hugepages.IOBuffer`, :data:`DIRECT_BUFFER_BYTES` each, reused
+    across files); each full buffer goes to the disk with ``os.pwrite`` at its own offset
+    on a helper thread (the GIL is released), up to :data:`DIRECT_DEPTH` writes at once,
+    while the caller fills the next buffer: the copy overlaps the I/O, and the disk always
+    has a request queued behind the one it is serving. The file is preallocated by the
+    caller (:meth:`preallocate`), so ext4 runs these writes side by side rather than
+    one after another (a direct write that extends the file takes its lock exclusively).
     The last, partial block is written padded to 4 KiB and the file truncated to its true
-    size. Where the file system refuses ``O_DIRECT`` (tmpfs,
-    some network file systems) the same code writes through the page cache. On this VM
-    buffered writes of 1 GiB ran at 0.11-0.29 GB/s (dirty-page throttling), ``O_DIRECT``
-    at about 1 GB/s (see docs/benchmark.md).
+    size. Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems)
+    the same code writes through the page cache. On this VM buffered writes of 1 GiB ran
+    at 0.11-0.29 GB/s (dirty-page throttling), ``O_DIRECT`` at about 4 GB/s (see
+    docs/benchmark.md).
+
+    After a failed write no further write is started; the error is raised by the next
+    :meth:`write`, :meth:`write_stable` or :meth:`close`. The file's content is then
+    undefined (writes already in flight may land): the caller removes or ignores it.
 
     Args:
         path: the file to create (truncated if it exists).
+
+    Raises:
+        OSError: the file cannot be created.
     """
 
     def __init__(self, path: str) -> None:
@@ -79,13 +97,18 @@ class DirectWriter:
                 raise
             self.direct = False
             self._fd = os.open(path, flags, 0o644)
-        self._bufs = [_take_buffer(), _take_buffer()]
-        self._views = [b.view for b in self._bufs]
-        self._view = self._views[0]
-        self._fill = 0
+        self._buf: IOBuffer | None = None  # being filled
+        self._held = 0  # buffers taken (current, spare and in flight), at most DIRECT_DEPTH + 1
+        self._fill = 0  # bytes in self._buf
+        self._offset = 0  # file offset of self._buf's first byte
         self._size = 0
-        self._thread: threading.Thread | None = None
+        self._spare: list[IOBuffer] = []  # held, not in flight
+        self._inflight = 0  # writes handed to the writer threads and not yet reported done
+        self._jobs: queue.SimpleQueue[tuple[memoryview, int, IOBuffer | None] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[IOBuffer | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
+        self._flag_lock = threading.Lock()
         self._allocated = 0
         self.closed = False
 
@@ -106,26 +129,34 @@ class DirectWriter:
     def write(self, data: Any) -> int:
         """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk.
 
-        The copy is ``ctypes.memmove``, which releases the GIL (a slice assignment holds it:
-        the next buffer's writer thread then waited for it before it could start its write:
-        1 GiB saves take 0.945 of the time with memmove, median of 10+10 alternating fresh
-        processes, ``bench/compare_commits.py``),
+        The copy is ``ctypes.memmove``, which releases the GIL (a slice assignment holds it,
+        and the writer threads then wait for it: 1 GiB saves took 0.945 of the time with
+        memmove, median of 10+10 alternating fresh processes, ``bench/compare_commits.py``),
         except for read-only data (``bytes``: headers), which is copied by slicing.
+
+        Returns:
+            ``len(data)`` in bytes.
+
+        Raises:
+            OSError: an earlier write failed (the first failure).
         """
+        self._raise_failure()
         view = memoryview(data).cast("B")
         n = len(view)
         source = _address(view)
         pos = 0
         while pos < n:
+            if self._buf is None:
+                self._buf = self._next_buffer()
             take = min(n - pos, DIRECT_BUFFER_BYTES - self._fill)
             if source != 1:
-                ctypes.memmove(self._bufs[0].address + self._fill, source + pos, take)
+                ctypes.memmove(self._buf.address + self._fill, source + pos, take)
             else:
-                self._view[self._fill : self._fill + take] = view[pos : pos + take]
+                self._buf.view[self._fill : self._fill + take] = view[pos : pos + take]
             self._fill += take
             pos += take
             if self._fill == DIRECT_BUFFER_BYTES:
-                self._submit(DIRECT_BUFFER_BYTES)
+                self._submit_buffer(DIRECT_BUFFER_BYTES)
         self._size += n
         return n
 
@@ -138,14 +169,22 @@ class DirectWriter:
 
         Returns:
             ``len(data)`` in bytes.
+
+        Raises:
+            OSError: an earlier write failed (the first failure).
         """
         view = memoryview(data).cast("B")
         whole = len(view) // _DIRECT_ALIGN * _DIRECT_ALIGN
         if not self.direct or not whole or self._fill % _DIRECT_ALIGN or _address(view) % _DIRECT_ALIGN:
             return self.write(view)
+        self._raise_failure()
         if self._fill:
-            self._submit(self._fill)
-        self._join(self._chain(view[:whole]))  # bounds the writes in flight to two, as _submit
+            self._submit_buffer(self._fill)
+        for start in range(0, whole, DIRECT_BUFFER_BYTES):
+            piece = view[start : min(whole, start + DIRECT_BUFFER_BYTES)]
+            self._make_room()
+            self._start(piece, self._offset, None)
+            self._offset += len(piece)
         self._size += whole
         if whole < len(view):
             self.write(view[whole:])
@@ -156,8 +195,9 @@ class DirectWriter:
 
     def preallocate(self, size: int) -> None:
         """Reserve ``size`` bytes on disk up front (``posix_fallocate``; best effort) so the
-        file gets contiguous extents: ``O_DIRECT`` writes in 8 MiB pieces otherwise leave a
-        file fragmented enough to read back 2x slower cold on ext4 (docs/benchmark.md)."""
+        file gets contiguous extents (``O_DIRECT`` writes in pieces otherwise leave a file
+        fragmented enough to read back 2x slower cold on ext4, docs/benchmark.md) and
+        its size covers the writes in flight, which ext4 then runs side by side."""
         if size <= 0 or not hasattr(os, "posix_fallocate"):
             return
         try:
@@ -166,97 +206,139 @@ class DirectWriter:
         except OSError:
             pass
 
-    def _wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def _submit(self, length: int) -> None:
-        """Hand the filled buffer to a new writer thread, which starts writing the moment
-        the write before it ends (not once this thread has woken up and started it), then
-        wait for that earlier write: its buffer is the one filled next."""
-        previous = self._chain(self._view[:length])
-        self._bufs.reverse()
-        self._views.reverse()
-        self._view = self._views[0]
+    def _submit_buffer(self, length: int) -> None:
+        """Send the first ``length`` bytes of the current buffer to the disk at its offset."""
+        self._make_room()
+        self._start(self._buf.view[:length], self._offset, self._buf)  # type: ignore[union-attr]
+        self._offset += length
         self._fill = 0
-        self._join(previous)
+        self._buf = None  # the next one is taken when bytes come for it
 
-    def _chain(self, view: memoryview) -> threading.Thread | None:
-        """Start the thread that writes ``view`` after the current one; returns the one before."""
-        previous = self._thread
-        self._thread = threading.Thread(target=self._write_after, args=(previous, view), name="statekit-write", daemon=True)
-        self._thread.start()
-        return previous
+    def _next_buffer(self) -> IOBuffer:
+        """A spare buffer, a new one while fewer than :data:`DIRECT_DEPTH` + 1 are held
+        (one being filled while the others are written), or else the first one whose write
+        ends."""
+        while not self._spare and self._held > DIRECT_DEPTH:  # then some are in flight
+            self._finish_one()
+        if self._spare:
+            return self._spare.pop()
+        self._held += 1
+        return _take_buffer()
 
-    def _join(self, previous: threading.Thread | None) -> None:
-        """Wait for an earlier write; raise the first write error seen."""
-        if previous is not None:
-            previous.join()
+    def _make_room(self) -> None:
+        """Wait until at most :data:`DIRECT_DEPTH` writes are outstanding: as many as there
+        are writer threads, so one more can wait in the queue, and a thread whose write
+        ends takes it at once instead of waiting for the caller to wake up and hand it
+        over (1 GiB of tensors through :func:`statekit.format.write_tensors`: 0.287 s
+        against 0.317 s with no write queued, medians of 6 alternating runs)."""
+        while self._inflight > DIRECT_DEPTH:
+            self._finish_one()
+
+    def _start(self, view: memoryview, offset: int, buf: IOBuffer | None) -> None:
+        if len(self._threads) < min(DIRECT_DEPTH, self._inflight + 1):  # started as writes overlap
+            thread = threading.Thread(target=self._serve, name="statekit-write", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._inflight += 1
+        self._jobs.put((view, offset, buf))
+
+    def _finish_one(self) -> None:
+        """Wait for any write in flight to end; its buffer becomes spare. Raises the first
+        write error seen."""
+        buf = self._done.get()
+        self._inflight -= 1
+        if buf is not None:
+            self._spare.append(buf)
+        self._raise_failure()
+
+    def _serve(self) -> None:
+        """A writer thread: writes jobs until it gets None, reporting each one done."""
+        while (job := self._jobs.get()) is not None:
+            view, offset, buf = job
+            self._write_at(view, offset)
+            self._done.put(buf)
+
+    def _raise_failure(self) -> None:
         if self._error is not None:
-            self._wait()  # raises it
+            raise self._error
 
-    def _write_after(self, previous: threading.Thread | None, view: memoryview) -> None:
-        if previous is not None:
-            previous.join()  # writes go to the file in order
-        if self._error is None:
-            self._write_all(view)
-
-    def _write_all(self, view: memoryview) -> None:
+    def _write_at(self, view: memoryview, offset: int) -> None:
+        """Write all of ``view`` at ``offset`` (helper thread). Keeps the first error and
+        skips the write once one is kept, so nothing is started after a failure."""
+        if self._error is not None:
+            return
         try:
             done = 0
             while done < len(view):
                 try:
-                    done += os.write(self._fd, view[done:])
+                    done += os.pwrite(self._fd, view[done:], offset + done)
                 except OSError as exc:
-                    if not self.direct or exc.errno != 22:  # EINVAL: O_DIRECT refused here
+                    if not self.direct or exc.errno != errno.EINVAL:  # O_DIRECT refused here
                         raise
-                    fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                    self.direct = False
+                    self._drop_direct()
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
-            self._error = exc
+            if self._error is None:
+                self._error = exc
+
+    def _drop_direct(self) -> None:
+        with self._flag_lock:
+            if self.direct:
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+
+    def _drain(self) -> None:
+        """Wait for every write in flight, keeping their buffers (errors stay in self._error)."""
+        while self._inflight:
+            buf = self._done.get()
+            self._inflight -= 1
+            if buf is not None:
+                self._spare.append(buf)
 
     def close(self) -> None:
-        """Write the tail, truncate to the true size, fsync, close. Idempotent."""
+        """Write the tail, wait for every write, truncate to the true size, fsync, close.
+        Idempotent.
+
+        Raises:
+            OSError: a write, the truncate or the fsync failed (the first failure).
+        """
         if self.closed:
             return
         self.closed = True
         try:
             tail = self._fill
-            if tail:
+            if tail and self._error is None:
                 padded = -(-tail // _DIRECT_ALIGN) * _DIRECT_ALIGN if self.direct else tail
                 if padded != tail:
-                    self._view[tail:padded] = bytes(padded - tail)
-                self._submit(padded)
-                self._wait()
-                if padded != tail:
-                    os.ftruncate(self._fd, self._size)
-            self._wait()
-            if self._allocated > self._size:
+                    self._buf.view[tail:padded] = bytes(padded - tail)  # type: ignore[union-attr]
+                self._submit_buffer(padded)
+            self._drain()
+            self._raise_failure()
+            if self._allocated > self._size or self._offset > self._size:
                 os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
         finally:
             self._release()
 
     def abort(self) -> None:
-        """Close without fsync after a failure (the caller removes or ignores the file)."""
+        """Close without fsync after a failure (the caller removes or ignores the file);
+        waits for the writes in flight, which read from buffers it gives back."""
         if self.closed:
             return
         self.closed = True
         self._release()
 
     def _release(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._drain()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
         os.close(self._fd)
-        self._view = None  # type: ignore[assignment]
-        for buf in self._bufs:
-            _give_buffer(buf)
-        self._views, self._bufs = [], []
+        for buf in (self._buf, *self._spare):
+            if buf is not None:
+                _give_buffer(buf)
+        self._buf, self._spare = None, []
 
     def __enter__(self) -> DirectWriter:
         return self
