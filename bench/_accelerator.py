@@ -11,7 +11,7 @@ this order (each op once per run, after one untimed warm-up of each):
 - ``pinned-copy d2h``: one plain device-to-host copy of every tensor into pinned host
   buffers allocated beforehand (``copy_(non_blocking=True)``, then one synchronize): the
   floor an async save's blocking time can reach (the bytes have to cross the bus once);
-- ``statekit stage``: :meth:`statekit.engine.staging.StagingPool.stage` of the same tensors
+- ``statekit stage``: :meth:`statekit.engine.staging.StagingPool.stage` (and ``settle``) of the same tensors
   into its reused pinned arena;
 - ``statekit async_block`` / ``async_total``: ``save_objects(..., blocking=False)`` with a
   reused staging pool: time until it returns (what training waits for), then until it is
@@ -104,12 +104,13 @@ def main(argv: list[str]) -> None:
 
     # warm-up: pinned buffers touched, the pool's arena allocated, CUDA kernels loaded
     copy()
-    pool.stage("state.safetensors", by_name)
+    stage = lambda: (pool.stage("state.safetensors", by_name), pool.settle())  # noqa: E731
+    stage()
     save_objects(os.path.join(d, "warm"), entries, blocking=False, staging=pool).wait()
     shutil.rmtree(os.path.join(d, "warm"))
     for run in range(runs):
         emit("pinned-copy", "d2h", timed(copy, device), run)
-        emit("statekit", "stage", timed(lambda: pool.stage("state.safetensors", by_name), device), run)
+        emit("statekit", "stage", timed(stage, device), run)
         target = os.path.join(d, f"async-{run}")
         synchronize(device)
         t0 = time.perf_counter()

@@ -7,7 +7,8 @@
 #
 #   bash bench/accelerator_check.sh OUTDIR [SECONDS]    # SECONDS: the budget (default 540)
 #
-# Writes into OUTDIR: env.txt, tests.log, accelerator.log/.json, bench.log/.json.
+# Writes into OUTDIR: env.txt, tests.log, accelerator.log/.json, async_profile.txt, bench.log/.json.
+# FSDP_SECONDS: the FSDP tests' time limit (default 200).
 # The machine has no package index and no moto (so no S3 rows), and no fio (--skip-fio).
 # Where its setuptools is too old for this pyproject, build the wheels here first and
 # bring them along in .whl/: `pip wheel --no-deps -w .whl . plugins/statekit-{rng,offload,fsdp}`.
@@ -37,16 +38,47 @@ pytest_in() {  # DIR LOG TIMEOUT ARGS...: one suite from its own directory, as `
     local dir=$1 log=$2 limit=$3; shift 3
     (cd "$dir" && timeout "$limit" $PY -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1; echo "exit $?" >>"$log")
 }
+# the FSDP tests start torch.distributed workers (a CUDA torch imports slowly): spread them
+# over the machine's cores where pytest-xdist is installed there
+spread=(); $PY -c "import xdist" 2>/dev/null && spread=(-n 6)
 pytest_in . /tmp/core.log 150 tests/test_cuda.py tests/test_staging.py tests/test_async.py tests/test_engine.py -rs &
 pytest_in plugins/statekit-rng /tmp/rng.log 150 tests -rs &
 pytest_in plugins/statekit-offload /tmp/offload.log 150 tests -rs &
-pytest_in plugins/statekit-fsdp /tmp/fsdp.log 200 tests -rs &
+pytest_in plugins/statekit-fsdp /tmp/fsdp.log "${FSDP_SECONDS:-200}" tests -rs "${spread[@]}" &
 wait
 for s in core rng offload fsdp; do echo "=== $s"; tail -120 /tmp/$s.log; done >"$out/tests.log"
 
 timeout 120 $PY bench/run.py --size 1GiB --runs 3 --skip-local --skip-small --skip-training --skip-s3 --skip-scale \
     --json "$out/accelerator.json" >"$out/accelerator.log" 2>&1
 echo "exit $? at $((SECONDS - start)) s" >>"$out/accelerator.log"
+
+# where an async save's blocking time goes beyond the device-to-host copy: one profiled save
+timeout 60 $PY - "$out/async_profile.txt" >"$out/async_profile.log" 2>&1 <<'PROFILE'
+import cProfile, io, os, pstats, shutil, sys, tempfile, time
+sys.path.insert(0, "bench")
+import torch
+from _workers import build
+from statekit.api.saveload import save_objects
+from statekit.engine.entries import classify
+from statekit.engine.staging import StagingPool
+model, optim = build(1 << 30, torch.float32, device="cuda")
+entries, pool, d = [classify("model", model), classify("optim", optim)], StagingPool(), tempfile.mkdtemp(dir=".")
+for i in range(3):  # warm: arenas, kernels, plugin discovery
+    save_objects(os.path.join(d, f"w{i}"), entries, blocking=False, staging=pool).wait()
+torch.cuda.synchronize()
+profile = cProfile.Profile()
+t0 = time.perf_counter()
+profile.enable()
+pending = save_objects(os.path.join(d, "p"), entries, blocking=False, staging=pool)
+profile.disable()
+block = time.perf_counter() - t0
+pending.wait()
+shutil.rmtree(d)
+text = io.StringIO()
+pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+open(sys.argv[1], "w").write(f"async save block {block:.4f} s (profiled)\n" + text.getvalue())
+PROFILE
 
 rest=$(( $(left) - 15 ))
 if [ "$rest" -gt 60 ]; then

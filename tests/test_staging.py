@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from statekit.api.saveload import save_objects
 from statekit.engine import staging
+from statekit.engine.entries import classify
 from statekit.engine.staging import StagingPool
 from statekit.storage.hugepages import HUGE_PAGE_BYTES
 
@@ -58,8 +60,8 @@ def test_tied_views_share_one_buffer():
 
 def test_accelerator_tensors_stage_pinned_and_wait_once(monkeypatch):
     """Stand-in accelerator (CPU tensors treated as on a device): buffers are asked
-    pinned, copies are queued non-blocking, and stage() waits for the device before it
-    returns; a pool reuses its pinned buffers."""
+    pinned, copies are queued non-blocking, and the pool waits for the device once, in
+    settle(), for every file staged since the last settle; release() settles too."""
     pins: list[bool] = []
     waits: list[set] = []
     monkeypatch.setattr(staging, "pin_memory_for", lambda device: True)
@@ -68,9 +70,36 @@ def test_accelerator_tensors_stage_pinned_and_wait_once(monkeypatch):
     pool = StagingPool()
     t = {"a": torch.randn(4, 4), "b": torch.randn(3)}
     staged = pool.stage("f.safetensors", t)
-    assert pins == [True]  # one pinned arena for the file
+    other = pool.stage("g.safetensors", {"c": torch.randn(2)})
+    assert pins == [True, True]  # one pinned arena per file
+    assert waits == []  # queued, not waited for yet
+    pool.settle()
     assert waits == [{torch.device("cpu")}]
-    assert all(torch.equal(staged[k], t[k]) for k in t)
+    assert all(torch.equal(staged[k], t[k]) for k in t) and other["c"].shape == (2,)
+    pool.settle()
+    assert waits[-1] == set()  # nothing queued since
+    pool.stage("f.safetensors", t)
+    pool.hold()
+    pool.release()  # a save that failed before settle(): no buffer is given back mid-copy
+    assert waits[-1] == {torch.device("cpu")}
+
+
+def test_an_async_save_settles_the_copies_once_before_it_returns(tmp_path, monkeypatch):
+    """An async save (save_objects(blocking=False), under save() and the manager) waits for the device-to-host copies of all its files in one
+    settle(), after the last file is staged and before it returns."""
+    calls: list[str] = []
+    real_stage, real_settle = StagingPool.stage, StagingPool.settle
+    monkeypatch.setattr(StagingPool, "stage", lambda self, rel, t: calls.append(f"stage {rel}") or real_stage(self, rel, t))
+    monkeypatch.setattr(StagingPool, "settle", lambda self: calls.append("settle") or real_settle(self))
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    optim.step()
+    pending = save_objects(str(tmp_path / "c"), [classify("model", model), classify("optim", optim)], blocking=False)
+    settled = list(calls)
+    pending.wait()
+    assert settled[-1] == "settle" and settled.count("settle") == 1
+    assert sum(c.startswith("stage") for c in settled) >= 2  # model and optimizer files, then one settle
 
 
 def test_pin_memory_only_off_the_cpu():

@@ -133,6 +133,8 @@ def save_objects(
         staging.hold()  # its buffers are reused: wait until the save that used them last has written them
     try:
         _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
+        if staging is not None:
+            staging.settle()  # every file's device-to-host copies, waited for once
     except BaseException as exc:
         if world_size == 1 or not isinstance(exc, Exception):  # (an interrupt too: the pool must not stay held)
             if staging is not None:

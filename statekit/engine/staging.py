@@ -15,13 +15,15 @@ async save takes from training (docs/benchmark.md).
 
 Tensors on an accelerator (CUDA or any ``torch.accelerator`` device) are staged into pinned
 (page-locked) host buffers with non-blocking device-to-host copies; one event per device,
-recorded after the last copy and waited for before :meth:`StagingPool.stage` returns, makes
-the save block only for the device-to-host transfer (as DCP's ``DefaultStager`` and
+recorded after the last copy of the last file and waited for by
+:meth:`StagingPool.settle` (once per save, so the next file's copies are queued while the
+earlier ones run), makes the save block only for the device-to-host transfer (as DCP's ``DefaultStager`` and
 torchtitan do: https://github.com/pytorch/pytorch/blob/main/torch/distributed/checkpoint/staging.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +52,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free = threading.Condition()
         self._held = False
+        self._copying: set[torch.device] = set()  # devices with copies queued since the last settle()
         self.allocated_bytes = 0
         """Bytes allocated so far (grows only when shapes or dtypes change)."""
 
@@ -62,7 +65,10 @@ class StagingPool:
             self._held = True
 
     def release(self) -> None:
-        """Give the pool back (the save's writes are done, or it failed)."""
+        """Give the pool back (the save's writes are done, or it failed), once no copy
+        into its buffers is still running (a failed save may not have settled)."""
+        with contextlib.suppress(Exception):  # a device error: the save that failed reports its own
+            self.settle()
         with self._free:
             self._held = False
             self._free.notify_all()
@@ -79,8 +85,8 @@ class StagingPool:
 
         Returns:
             ``name -> staged CPU tensor`` (contiguous copies owned by the pool, views of
-            the file's arena, ``.arena``), complete when this returns (accelerator copies
-            included).
+            the file's arena, ``.arena``): complete when this returns for CPU tensors, once
+            :meth:`settle` returns for accelerator tensors (their copies are queued).
         """
         refused: dict[str, Any] = {}  # the writer raises the proper error for these
         tied: dict[str, str] = {}  # name -> the name whose buffer it shares
@@ -97,7 +103,6 @@ class StagingPool:
                     continue
                 seen[identity] = name
             unique[name] = t
-        devices: set[torch.device] = set()
         with self._lock, torch.no_grad():
             arena, buffers = self._buffers_for(rel, unique)
             for name, t in unique.items():
@@ -110,14 +115,25 @@ class StagingPool:
                     source = source.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
                 buffer.copy_(source, non_blocking=accelerated)
                 if accelerated:
-                    devices.add(t.device)
-            wait_for_copies(devices)
+                    self._copying.add(t.device)
         staged = StagedTensors(
             (name, buffers[name] if name in unique else buffers[tied[name]] if name in tied else refused[name])
             for name in tensors
         )
         staged.arena = arena
         return staged
+
+    def settle(self) -> None:
+        """Wait until every device-to-host copy queued by :meth:`stage` since the last call
+        is done (one event per device: :func:`wait_for_copies`). An async save calls it
+        once, after its last file is staged and before ``save()`` returns.
+
+        Raises:
+            RuntimeError: the accelerator runtime reports an error (torch's own).
+        """
+        with self._lock:
+            devices, self._copying = self._copying, set()
+            wait_for_copies(devices)
 
     def _buffers_for(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The file's arena and a view of it per tensor (reused when names, shapes, dtypes
