@@ -54,10 +54,10 @@ def test_writer_buffers_are_huge_page_aligned_and_pooled(tmp_path, monkeypatch):
     with direct_write.DirectWriter(str(tmp_path / "a")) as f:
         f.write(data)
     pooled = {b.address for b in direct_write._buffer_pool}
-    assert len(pooled) == 2 and all(a % HUGE_PAGE_BYTES == 0 for a in pooled)  # given back for the next file
+    assert len(pooled) >= 2 and all(a % HUGE_PAGE_BYTES == 0 for a in pooled)  # given back for the next file
     with direct_write.DirectWriter(str(tmp_path / "b")) as f:
         f.write(data)
-        assert not direct_write._buffer_pool  # taken again
+        assert len(direct_write._buffer_pool) < len(pooled)  # taken again, none made
     assert {b.address for b in direct_write._buffer_pool} == pooled
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == data
 

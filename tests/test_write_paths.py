@@ -225,3 +225,52 @@ def test_accelerator_tensors_pass_through_one_reused_host_buffer(tmp_path, monke
     assert checksum_string(hasher) == checksum_bytes(path.read_bytes())
     with safe_open(str(path), "pt") as f:
         assert all(torch.equal(f.get_tensor(k), state[k].resolve_conj()) for k in state)
+
+
+def _new_buffer_on_helper(monkeypatch, helper) -> list[str]:
+    """Route direct_write._new_buffer: the writer's own thread makes real buffers, the
+    statekit-buffers helper calls ``helper(real)``; returns the names of the threads that
+    asked."""
+    real = direct_write._new_buffer
+    asked: list[str] = []
+
+    def new_buffer():
+        name = threading.current_thread().name
+        asked.append(name)
+        return helper(real) if name == "statekit-buffers" else real()
+
+    monkeypatch.setattr(direct_write, "_new_buffer", new_buffer)
+    return asked
+
+
+def test_a_writer_goes_on_while_its_other_buffers_are_made(tmp_path, monkeypatch, small_buffers):
+    """With an empty pool the writer makes its first buffer itself and the others on a
+    helper thread; it does not wait for them: here they are held back until the whole
+    payload is written with the one buffer. Then they arrive and go to the pool."""
+    release = threading.Event()
+    asked = _new_buffer_on_helper(monkeypatch, lambda real: release.wait(10) and real())
+    data = os.urandom(6 * small_buffers + 99)
+    path = tmp_path / "f.bin"
+    writer = DirectWriter(str(path))
+    writer.write(data)  # would wait forever if it needed a buffer still being made
+    assert asked[0] == "MainThread" and "statekit-buffers" in asked
+    release.set()
+    writer.close()
+    assert path.read_bytes() == data
+    assert len(direct_write._buffer_pool) == direct_write.DIRECT_DEPTH + 1  # its own and the four made
+
+
+def test_a_buffer_that_cannot_be_made_is_done_without(tmp_path, monkeypatch, small_buffers):
+    """Out of memory on the helper thread: the writer goes on with the buffers it has, and
+    asks for no more."""
+
+    def out_of_memory(real):
+        raise MemoryError
+
+    asked = _new_buffer_on_helper(monkeypatch, out_of_memory)
+    data = os.urandom(9 * small_buffers + 5)
+    path = tmp_path / "f.bin"
+    with DirectWriter(str(path)) as writer:
+        writer.write(data)
+    assert path.read_bytes() == data
+    assert asked.count("statekit-buffers") == 1  # the helper stops at the first failure, and is not started again

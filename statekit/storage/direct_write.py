@@ -34,10 +34,13 @@ _buffer_pool: list[IOBuffer] = []
 _buffer_lock = threading.Lock()
 
 
-def _take_buffer() -> IOBuffer:
+def _pooled_buffer() -> IOBuffer | None:
+    """A buffer from the pool, or None when it has none."""
     with _buffer_lock:
-        if _buffer_pool:
-            return _buffer_pool.pop()
+        return _buffer_pool.pop() if _buffer_pool else None
+
+
+def _new_buffer() -> IOBuffer:
     return IOBuffer(DIRECT_BUFFER_BYTES)  # huge-page aligned and backed: half the write time
 
 
@@ -63,7 +66,8 @@ class DirectWriter:
 
     Bytes given to :meth:`write` are copied into huge-page-backed buffers
     (:class:`statekit.storage.hugepages.IOBuffer`, :data:`DIRECT_BUFFER_BYTES` each, reused
-    across files); each full buffer goes to the disk with ``os.pwrite`` at its own offset
+    across files; where the pool has none, the writer makes its first one itself and the
+    others on a helper thread while it writes); each full buffer goes to the disk with ``os.pwrite`` at its own offset
     on a helper thread (the GIL is released), up to :data:`DIRECT_DEPTH` writes at once,
     while the caller fills the next buffer: the copy overlaps the I/O, and the disk always
     has a request queued behind the one it is serving. The file is preallocated by the
@@ -105,7 +109,9 @@ class DirectWriter:
         self._spare: list[IOBuffer] = []  # held, not in flight
         self._inflight = 0  # writes handed to the writer threads and not yet reported done
         self._jobs: queue.SimpleQueue[tuple[memoryview, int, IOBuffer | None] | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[IOBuffer | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[IOBuffer | None, bool]] = queue.SimpleQueue()  # (buffer, was written)
+        self._making = 0  # buffers a helper thread is still making for this writer
+        self._made_short = False  # one could not be made (out of memory)
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self._flag_lock = threading.Lock()
@@ -215,15 +221,48 @@ class DirectWriter:
         self._buf = None  # the next one is taken when bytes come for it
 
     def _next_buffer(self) -> IOBuffer:
-        """A spare buffer, a new one while fewer than :data:`DIRECT_DEPTH` + 1 are held
-        (one being filled while the others are written), or else the first one whose write
-        ends."""
-        while not self._spare and self._held > DIRECT_DEPTH:  # then some are in flight
+        """A spare buffer; else, while fewer than :data:`DIRECT_DEPTH` + 1 are held or on
+        their way (one being filled while the others are written), one from the pool;
+        else the first buffer whose write ends or that :meth:`_make_buffers` delivers.
+        Only a writer with no write in flight and none on its way makes one here."""
+        while not self._spare:
+            if self._held + self._making <= DIRECT_DEPTH:
+                buf = _pooled_buffer()
+                if buf is None and not self._inflight and not self._making:
+                    buf = _new_buffer()
+                if buf is not None:
+                    self._held += 1
+                    return buf
+                if not self._made_short:
+                    count = DIRECT_DEPTH + 1 - self._held - self._making
+                    self._making += count
+                    threading.Thread(target=self._make_buffers, args=(count,), name="statekit-buffers", daemon=True).start()
             self._finish_one()
-        if self._spare:
-            return self._spare.pop()
-        self._held += 1
-        return _take_buffer()
+        return self._spare.pop()
+
+    def _make_buffers(self, count: int) -> None:
+        """Make ``count`` buffers and fault them in (helper thread), handing each to the
+        writer as it is ready, as a finished write hands back its buffer (None: one that
+        could not be made).
+
+        Why: the first touch of fresh memory is slow on a VM (the host backs it too, and
+        huge pages may need compaction): about 8 ms per 4 MiB buffer on the benchmark VM,
+        where a fresh process's first save made its four extra buffers one after another
+        while the disk sat idle for 33 ms. The writer goes on writing with the buffers it
+        has and takes these as they come.
+        """
+        for made in range(count):
+            buf: IOBuffer | None = None
+            try:
+                buf = _new_buffer()
+                ctypes.memset(buf.address, 0, buf.nbytes)  # the page faults, GIL released
+            except BaseException:  # noqa: BLE001 - out of memory: the writer goes on with fewer
+                if buf is not None:
+                    buf.close()
+                for _ in range(count - made):
+                    self._done.put((None, False))
+                return
+            self._done.put((buf, False))
 
     def _make_room(self) -> None:
         """Wait until at most :data:`DIRECT_DEPTH` writes are outstanding: as many as there
@@ -243,20 +282,28 @@ class DirectWriter:
         self._jobs.put((view, offset, buf))
 
     def _finish_one(self) -> None:
-        """Wait for any write in flight to end; its buffer becomes spare. Raises the first
-        write error seen."""
-        buf = self._done.get()
-        self._inflight -= 1
+        """Wait until a write ends (its buffer becomes spare) or a buffer being made
+        arrives. Raises the first write error seen."""
+        self._take_done()
+        self._raise_failure()
+
+    def _take_done(self) -> None:
+        buf, wrote = self._done.get()
+        if wrote:
+            self._inflight -= 1
+        else:
+            self._making -= 1
+            self._held += buf is not None
+            self._made_short |= buf is None  # no more tries: go on with the buffers held
         if buf is not None:
             self._spare.append(buf)
-        self._raise_failure()
 
     def _serve(self) -> None:
         """A writer thread: writes jobs until it gets None, reporting each one done."""
         while (job := self._jobs.get()) is not None:
             view, offset, buf = job
             self._write_at(view, offset)
-            self._done.put(buf)
+            self._done.put((buf, True))
 
     def _raise_failure(self) -> None:
         if self._error is not None:
@@ -287,12 +334,10 @@ class DirectWriter:
                 self.direct = False
 
     def _drain(self) -> None:
-        """Wait for every write in flight, keeping their buffers (errors stay in self._error)."""
-        while self._inflight:
-            buf = self._done.get()
-            self._inflight -= 1
-            if buf is not None:
-                self._spare.append(buf)
+        """Wait for every write in flight and every buffer being made, keeping the
+        buffers (errors stay in self._error)."""
+        while self._inflight or self._making:
+            self._take_done()
 
     def close(self) -> None:
         """Write the tail, wait for every write, truncate to the true size, fsync, close.
