@@ -232,12 +232,14 @@ def test_direct_reader_streams_across_fills_and_restarts_after_a_seek(tmp_path, 
         assert bytes(rest[: len(data) - (4 << 20)]) == data[4 << 20 :]
 
 
-def test_the_next_piece_is_queued_before_the_reader_waits_for_the_one_in_flight(tmp_path, monkeypatch):
+def test_the_next_pieces_are_queued_before_the_reader_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     """Once a piece is copied out, the read into its buffer is queued before the caller
-    waits for the piece in flight, so the read thread never waits for the caller to wake."""
+    waits for the next piece, so the read threads never wait for the caller to wake:
+    while the second piece's read is held, the reads READS_AHEAD pieces past it are queued
+    (and the data still arrives whole and in order)."""
     piece = 1 << 20
     monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", piece)
-    data = os.urandom(4 * piece)
+    data = os.urandom((direct.READS_AHEAD + 3) * piece)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     release = threading.Event()
@@ -250,18 +252,23 @@ def test_the_next_piece_is_queued_before_the_reader_waits_for_the_one_in_flight(
 
     monkeypatch.setattr(DirectReader, "_read_piece", held_second_piece)
     out = bytearray(len(data))
+    last = (direct.READS_AHEAD + 1) * piece  # the last piece queued behind the held one
+
+    def queued() -> bool:
+        return any(offset == last for offset, _, _ in list(f._ahead))
+
     with DirectReader(str(path)) as f:
         if not f.direct:
             pytest.skip("O_DIRECT refused here: no read-ahead stream")
         filling = threading.Thread(target=f.fill, args=(memoryview(out),))
         filling.start()
         deadline = time.monotonic() + 10
-        while not (f._ahead is not None and f._ahead[0] == 2 * piece) and time.monotonic() < deadline:
+        while not queued() and time.monotonic() < deadline:
             time.sleep(0.001)
-        queued = f._ahead is not None and f._ahead[0] == 2 * piece
+        seen = queued()
         release.set()
         filling.join()
-    assert queued  # the third piece was queued while the second was still being read
+    assert seen
     assert bytes(out) == data
 
 

@@ -1,9 +1,11 @@
 """Local file reads below the page cache: :class:`DirectReader` (``O_DIRECT`` reads into
-huge-page bounce buffers, one read ahead of the caller's copy and checksum). Writes:
+huge-page bounce buffers, :data:`READS_AHEAD` reads ahead of the caller's copy and
+checksum). Writes:
 :mod:`statekit.storage.direct_write`."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 from collections.abc import Callable
@@ -17,13 +19,21 @@ DIRECT_ALIGN = 4096
 of this (4 KiB covers the logical block sizes of common disks)."""
 
 BOUNCE_PIECE_BYTES = 8 * 1024 * 1024
-"""Bytes per ``O_DIRECT`` read of a :class:`DirectReader` (one bounce buffer). Two
-buffers per reader: one is read into while the other is copied out and checksummed.
-Small enough that a piece is still in cache when it is copied out, large enough for two
+"""Bytes per ``O_DIRECT`` read of a :class:`DirectReader` (one bounce buffer; a reader
+holds :data:`READS_AHEAD` + 1 of them: the reads ahead go into the others while one is
+copied out and checksummed). Small enough that a piece is still in cache when it is copied out, large enough for two
 4 MiB requests in flight (a virtio disk's ``max_sectors_kb``). Cold 1 GiB load on the
 benchmark VM against 16 MiB pieces: 0.877 and 0.895 of the time (8 and 12 alternating
 runs); 2 MiB pieces were 4 % faster still (0.958 of 8 MiB's, within this VM's noise), but
 one 2 MiB request in flight leaves a disk with longer latency idle, and 1 MiB took 1.8x."""
+
+READS_AHEAD = 2
+"""Reads a :class:`DirectReader` keeps in flight (or queued) ahead of the piece being
+copied out, on as many threads. Alone, fio read this VM's disk as fast with one 8 MiB
+request in flight as with eight; in a load, where the copy-out, the checksum and the
+faulting-in of fresh memory run beside the reads, a cold 1 GiB load took 0.407 s with two
+ahead against 0.437 s with one (medians of 10+10 alternating fresh processes,
+``bench/compare_commits.py``)."""
 
 CACHE_STEP_BYTES = 256 * 1024
 """Bytes a copy and the checksum of the same bytes alternate in (copy a step, hash it,
@@ -44,9 +54,9 @@ class DirectReader:
 
     :meth:`fill` reads a whole destination (a tensor's bytes) from the current position.
     The file is read as a stream of aligned :data:`BOUNCE_PIECE_BYTES` pieces with
-    ``O_DIRECT`` into two alternating huge-page bounce buffers
-    (:class:`statekit.storage.hugepages.IOBuffer`) on a helper thread, always one piece
-    ahead, across :meth:`fill` calls; the caller's thread copies each piece out
+    ``O_DIRECT`` into huge-page bounce buffers used in turn
+    (:class:`statekit.storage.hugepages.IOBuffer`) on helper threads, always
+    :data:`READS_AHEAD` pieces ahead, across :meth:`fill` calls; the caller's thread copies each piece out
     (``ctypes.memmove``, GIL released) in :data:`CACHE_STEP_BYTES` steps and hands each
     step to ``on_chunk`` (the checksum) while it is still in cache.
     Why bounce every byte instead of reading straight into the destination: an
@@ -79,7 +89,7 @@ class DirectReader:
         self._pool: ThreadPoolExecutor | None = None
         self._bounce: list[IOBuffer] = []  # made on the first large fill
         self._loaded: tuple[int, int, int] | None = None  # (file offset, bytes held, buffer) of the piece being copied out
-        self._ahead: tuple[int, Future, int] | None = None  # (file offset, read, buffer) of the next piece
+        self._ahead: collections.deque[tuple[int, Future, int]] = collections.deque()  # (file offset, read, buffer) of the next pieces, in order
         self.closed = False
 
     @property
@@ -166,48 +176,52 @@ class DirectReader:
         return done
 
     def _holds(self, position: int) -> tuple[bool, bool]:
-        """Whether ``position`` lies in the piece being copied out, and in the one read ahead."""
+        """Whether ``position`` lies in the piece being copied out, and in the ones read ahead."""
         loaded, ahead = self._loaded, self._ahead
         in_loaded = loaded is not None and loaded[0] <= position < loaded[0] + loaded[1]
-        in_ahead = ahead is not None and ahead[0] <= position < ahead[0] + BOUNCE_PIECE_BYTES
+        in_ahead = bool(ahead) and ahead[0][0] <= position < ahead[-1][0] + BOUNCE_PIECE_BYTES
         return in_loaded, in_ahead
 
     def _streaming(self, position: int) -> bool:
-        """Whether ``position`` lies in the piece being copied out or the one read ahead."""
+        """Whether ``position`` lies in the piece being copied out or the ones read ahead."""
         return any(self._holds(position))
 
     def _piece_at(self, position: int) -> tuple[int, int, int]:
         """``(file offset, bytes held, buffer)`` of the loaded piece holding ``position``
-        (or ending before it at the end of the file), with the next piece read ahead."""
+        (or ending before it at the end of the file), with the next pieces read ahead."""
         in_loaded, in_ahead = self._holds(position)
         if in_loaded:
             return self._loaded  # type: ignore[return-value]
-        ahead = self._ahead if in_ahead else None
-        if ahead is None:
+        if in_ahead:
+            while not self._ahead[0][0] <= position < self._ahead[0][0] + BOUNCE_PIECE_BYTES:
+                self._ahead.popleft()[1].exception()  # skipped over (a seek forward)
+        else:
             self._drain()  # a seek (or the first read): restart the stream here
             if not self._bounce:
-                self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES) for _ in range(2)]
-            ahead = self._start(position - position % DIRECT_ALIGN, 0)
-        offset, future, which = ahead
-        # The other buffer has been copied out: queue the next piece into it before waiting,
-        # so the read thread goes on the moment this piece is in, not once this thread has
-        # woken up and asked. Past the end of the file that read gets 0 bytes.
-        self._start(offset + BOUNCE_PIECE_BYTES, 1 - which)
+                self._bounce = [IOBuffer(BOUNCE_PIECE_BYTES) for _ in range(READS_AHEAD + 1)]
+            self._start(position - position % DIRECT_ALIGN, 0)
+        offset, future, which = self._ahead.popleft()
+        # The buffers not read into have been copied out: queue the next pieces into them
+        # before waiting, so the read threads go on the moment a piece is in, not once this
+        # thread has woken up and asked. Past the end of the file those reads get 0 bytes.
+        busy = {which, *(b for _, _, b in self._ahead)}
+        for free in (b for b in range(len(self._bounce)) if b not in busy):
+            last = self._ahead[-1][0] if self._ahead else offset
+            self._start(last + BOUNCE_PIECE_BYTES, free)
         self._loaded = (offset, future.result(), which)
         return self._loaded
 
-    def _start(self, offset: int, which: int) -> tuple[int, Future, int]:
+    def _start(self, offset: int, which: int) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="statekit-read")
+            self._pool = ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="statekit-read")
         future = self._pool.submit(self._read_piece, self._bounce[which].view, offset, True)
-        self._ahead = (offset, future, which)
-        return self._ahead
+        self._ahead.append((offset, future, which))
 
     def _drain(self) -> None:
-        """Forget the stream; a read still in flight finishes first (its buffer is reused)."""
-        if self._ahead is not None:
-            self._ahead[1].exception()  # waits; a failed read-ahead nobody needs is dropped
-        self._loaded = self._ahead = None
+        """Forget the stream; reads still in flight finish first (their buffers are reused)."""
+        while self._ahead:
+            self._ahead.popleft()[1].exception()  # waits; a failed read-ahead nobody needs is dropped
+        self._loaded = None
 
     def _read_piece(self, piece: memoryview, offset: int, direct: bool) -> int:
         done = 0
@@ -234,7 +248,8 @@ class DirectReader:
         self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._loaded = self._ahead = None
+        self._loaded = None
+        self._ahead.clear()
         for buffer in self._bounce:
             buffer.close()
         self._bounce = []
