@@ -114,6 +114,29 @@ def test_local_damage_is_named(tmp_path, plugin_manager, read_path, damage, rel)
     assert info.value.path == f"{url}/{rel}"
 
 
+@pytest.mark.parametrize("where", [0.3, 0.5, 0.999])
+def test_a_flipped_byte_is_caught_with_many_pieces_read_ahead(tmp_path, plugin_manager, monkeypatch, where):
+    """256 KiB pieces: every file is dozens of pieces, each read while READS_AHEAD more
+    are in flight; the load is exact, and a byte flipped anywhere is caught and named."""
+    monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 256 * 1024)
+    url = str(tmp_path / "c")
+    saved = _state(0)
+    statekit.save(url, saved)
+    seen = _opened_direct(monkeypatch)
+    fresh = _state(1)
+    statekit.load(url, fresh)
+    _assert_equal_states(saved, fresh)
+    if not all(seen):
+        pytest.skip("O_DIRECT refused here: no read-ahead stream")
+    path = tmp_path / "c" / "optim.safetensors"
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(statekit.CorruptCheckpointError) as info:
+        statekit.load(url, _state(1))
+    assert info.value.path == f"{url}/optim.safetensors"
+
+
 @pytest.mark.parametrize("damage", [_flip_middle, _truncate], ids=["flipped-byte", "truncated"])
 def test_memory_damage_is_named(plugin_manager, damage, tmp_path):
     import fsspec
