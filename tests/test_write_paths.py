@@ -274,3 +274,32 @@ def test_a_buffer_that_cannot_be_made_is_done_without(tmp_path, monkeypatch, sma
         writer.write(data)
     assert path.read_bytes() == data
     assert asked.count("statekit-buffers") == 1  # the helper stops at the first failure, and is not started again
+
+
+def test_o_direct_refused_for_two_writes_in_flight_falls_back_for_both(tmp_path, monkeypatch, small_buffers):
+    """Two writes issued with O_DIRECT are both refused (EINVAL), the second after the
+    first has already dropped O_DIRECT: both are retried through the page cache."""
+    import errno
+    import fcntl
+
+    real_pwrite = os.pwrite
+    both = threading.Barrier(2, timeout=10)
+
+    def refuse_direct(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if offset in (0, small_buffers) and both.wait():
+                time.sleep(0.05)  # refused after the other one dropped O_DIRECT
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct_write.os, "pwrite", refuse_direct)
+    data = os.urandom(4 * small_buffers + 77)
+    path = tmp_path / "f.bin"
+    writer = DirectWriter(str(path))
+    if not writer.direct:
+        writer.abort()
+        pytest.skip("O_DIRECT refused at open here")
+    writer.write(data)
+    writer.close()
+    assert not writer.direct
+    assert path.read_bytes() == data

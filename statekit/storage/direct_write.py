@@ -317,10 +317,11 @@ class DirectWriter:
         try:
             done = 0
             while done < len(view):
+                was_direct = self.direct  # (another writer thread may drop O_DIRECT meanwhile)
                 try:
                     done += os.pwrite(self._fd, view[done:], offset + done)
                 except OSError as exc:
-                    if not self.direct or exc.errno != errno.EINVAL:  # O_DIRECT refused here
+                    if not was_direct or exc.errno != errno.EINVAL:  # O_DIRECT refused here
                         raise
                     self._drop_direct()
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
