@@ -303,3 +303,58 @@ def test_o_direct_refused_for_two_writes_in_flight_falls_back_for_both(tmp_path,
     writer.close()
     assert not writer.direct
     assert path.read_bytes() == data
+
+
+def _ends_within(target, seconds: float = 20) -> bool:
+    done = threading.Event()
+
+    def run():
+        try:
+            target()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(seconds)
+
+
+@pytest.mark.parametrize("where", ["report-taken", "thread-start"])
+def test_an_interrupt_mid_write_leaves_no_hang_and_no_thread(tmp_path, monkeypatch, small_buffers, where):
+    """A KeyboardInterrupt on the caller's thread lands right after a write's report was
+    taken (before it was counted), or inside a writer thread's start() once the thread
+    runs: abort() (the ``with`` block's exit) still returns, and no writer thread is left."""
+    if where == "report-taken":
+        real_take = DirectWriter._take_done
+
+        def taken_then_interrupted(self):
+            if getattr(self, "_interrupted", False):
+                return real_take(self)
+            self._interrupted = True
+            self._done.get()
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(DirectWriter, "_take_done", taken_then_interrupted)
+    else:
+        started = []
+
+        class InterruptedStart(threading.Thread):
+            def start(self):
+                super().start()
+                started.append(self.name)
+                if started.count("statekit-write") == 2:
+                    raise KeyboardInterrupt
+
+        monkeypatch.setattr(direct_write.threading, "Thread", InterruptedStart)
+    interrupted = []
+
+    def save():
+        try:
+            with DirectWriter(str(tmp_path / "f.bin")) as writer:
+                writer.write(os.urandom(12 * small_buffers))
+        except KeyboardInterrupt:
+            interrupted.append(True)
+
+    assert _ends_within(save)
+    assert interrupted
+    time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("statekit-")]

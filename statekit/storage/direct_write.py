@@ -113,6 +113,7 @@ class DirectWriter:
         self._making = 0  # buffers a helper thread is still making for this writer
         self._made_short = False  # one could not be made (out of memory)
         self._threads: list[threading.Thread] = []
+        self._helpers: list[threading.Thread] = []  # _make_buffers threads
         self._error: BaseException | None = None
         self._flag_lock = threading.Lock()
         self._allocated = 0
@@ -235,8 +236,10 @@ class DirectWriter:
                     return buf
                 if not self._made_short:
                     count = DIRECT_DEPTH + 1 - self._held - self._making
+                    helper = threading.Thread(target=self._make_buffers, args=(count,), name="statekit-buffers", daemon=True)
+                    self._helpers.append(helper)
                     self._making += count
-                    threading.Thread(target=self._make_buffers, args=(count,), name="statekit-buffers", daemon=True).start()
+                    helper.start()
             self._finish_one()
         return self._spare.pop()
 
@@ -276,10 +279,10 @@ class DirectWriter:
     def _start(self, view: memoryview, offset: int, buf: IOBuffer | None) -> None:
         if len(self._threads) < min(DIRECT_DEPTH, self._inflight + 1):  # started as writes overlap
             thread = threading.Thread(target=self._serve, name="statekit-write", daemon=True)
+            self._threads.append(thread)  # first: an interrupt inside start() must not leave a thread _release does not stop
             thread.start()
-            self._threads.append(thread)
-        self._inflight += 1
         self._jobs.put((view, offset, buf))
+        self._inflight += 1  # after the put: an interrupt between them leaves no count that no write reports
 
     def _finish_one(self) -> None:
         """Wait until a write ends (its buffer becomes spare) or a buffer being made
@@ -374,12 +377,23 @@ class DirectWriter:
         self._release()
 
     def _release(self) -> None:
-        self._drain()
+        # Waits for the threads themselves, not for the counts: an interrupt (KeyboardInterrupt)
+        # on the caller's thread may have left a count that no report will match (a report
+        # taken from self._done but not yet counted): a wait for it would never end.
         for _ in self._threads:
-            self._jobs.put(None)
-        for thread in self._threads:
-            thread.join()
-        self._threads = []
+            self._jobs.put(None)  # after every job queued: each thread ends once those are written
+        for thread in (*self._threads, *self._helpers):
+            if thread.ident is not None:  # (one whose start() was interrupted may never have run)
+                thread.join()
+        self._threads, self._helpers = [], []
+        while True:
+            try:
+                buf, _ = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if buf is not None:
+                self._spare.append(buf)
+        self._inflight = self._making = 0
         os.close(self._fd)
         for buf in (self._buf, *self._spare):
             if buf is not None:
