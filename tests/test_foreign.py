@@ -182,6 +182,45 @@ def test_detection_errors(tmp_path):
         detect_format(str(tmp_path / "junk.txt"))
 
 
+def test_a_save_that_failed_mid_file_is_not_read_as_an_accelerate_checkpoint(tmp_path, monkeypatch):
+    """statekit.save(url, {"model": m}) writes model.safetensors, Accelerate's name; a
+    write failing in the middle leaves it preallocated to full size, with a hole of zeros,
+    and no manifest. A load of that directory must say it is an incomplete statekit save,
+    not load the zeros as an Accelerate checkpoint (statekit's files carry a writer mark in
+    their header); a model.safetensors another tool wrote still reads as Accelerate's."""
+    import errno
+
+    from statekit.storage import direct_write
+
+    real_pwrite = os.pwrite
+
+    def disk_full_in_the_middle(fd, data, offset):
+        if offset == direct_write.DIRECT_BUFFER_BYTES:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    model = torch.nn.Linear(1024, 4096)  # 16 MiB: several buffers
+    url = str(tmp_path / "c")
+    monkeypatch.setattr(direct_write.os, "pwrite", disk_full_in_the_middle)
+    with pytest.raises(statekit.StorageError, match="No space left"):
+        statekit.save(url, {"model": model})
+    monkeypatch.setattr(direct_write.os, "pwrite", real_pwrite)
+    assert "model.safetensors" in os.listdir(url)
+    with pytest.raises(IncompleteCheckpointError, match="model.safetensors written by statekit"):
+        detect_format(url)
+    fresh = torch.nn.Linear(1024, 4096)
+    before = fresh.weight.detach().clone()
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        statekit.load(url, {"model": fresh})
+    assert torch.equal(fresh.weight, before)  # untouched
+    other = tmp_path / "acc"
+    other.mkdir()
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(other / "model.safetensors"))
+    assert detect_format(str(other)) == "accelerate"
+    statekit.load(str(other), {"model": fresh})
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_diff_reports_added_removed_changed_and_values(tmp_path):
     a = {"same": torch.ones(3), "moved": torch.zeros(2, 2), "gone": torch.ones(1), "reshaped": torch.ones(4), "cast": torch.ones(2)}
     b = {"same": torch.ones(3), "moved": torch.tensor([[0.0, 0.25], [-1.5, 0.0]]), "new": torch.ones(1),

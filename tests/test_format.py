@@ -158,7 +158,7 @@ def test_layout_is_safetensors(tmp_path):
     assert n % 8 == 0
     header = json.loads(data[8 : 8 + n])
     assert header["a"] == {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}
-    assert header["__metadata__"] == {"format": "pt"}
+    assert header["__metadata__"] == {"format": "pt", "statekit.writer": "statekit"}
     assert data[8 + n :] == t.numpy().tobytes()
 
 

@@ -89,10 +89,40 @@ def is_model_file(name: str) -> bool:
 
 
 def is_accelerate_checkpoint(storage: Storage) -> bool:
-    """True if the directory holds files only ``Accelerator.save_state`` writes (an
-    interrupted statekit save, with ``model_0.safetensors`` or a lock, is not one)."""
+    """True if the directory holds files only ``Accelerator.save_state`` writes. An
+    interrupted statekit save is not one: it has ``model_0.safetensors``, a lock, or a
+    ``model.safetensors`` that statekit wrote (:func:`written_by_statekit`)."""
     names = storage.listdir()
-    return ".statekit-lock" not in names and any(_ACCELERATE_ONLY.match(name) for name in names)
+    if ".statekit-lock" in names or not any(_ACCELERATE_ONLY.match(name) for name in names):
+        return False
+    return not written_by_statekit(storage, accelerate_files(names))
+
+
+def written_by_statekit(storage: Storage, names: Iterable[str]) -> list[str]:
+    """The safetensors files among ``names`` whose header carries statekit's writer mark
+    (``__metadata__[statekit.format.WRITER_KEY]``): in a directory with no manifest, a
+    save that never committed (one that failed or was killed mid-file leaves a
+    preallocated, partly written file; read as Accelerate's, it would load zeros).
+
+    Args:
+        storage: the directory.
+        names: file names in it.
+
+    Returns:
+        Those names (a header that cannot be read counts as not statekit's).
+    """
+    marked = []
+    for name in names:
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            with storage.open_read(name) as f:
+                header = fmt.read_header(f, storage.url_of(name))
+        except Exception:  # noqa: BLE001 - unreadable: the reader that opens it reports it
+            continue
+        if header.metadata.get(fmt.WRITER_KEY) == fmt.WRITER:
+            marked.append(name)
+    return marked
 
 
 def _suffix(i: int) -> str:

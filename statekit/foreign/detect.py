@@ -92,7 +92,13 @@ def _detect(storage: Storage) -> str:
     # save_state always writes random_states_<rank>.pkl; a lone model.safetensors next to
     # statekit's .json files is an uncommitted statekit save, not an Accelerate directory
     if accelerate.pickle_files(found) or (found and not any(n.endswith(".json") for n in names)):
-        return "accelerate"
+        mine = accelerate.written_by_statekit(storage, found)
+        if not mine:
+            return "accelerate"
+        raise IncompleteCheckpointError(
+            f"{storage.url} has no {fmt.MANIFEST_NAME}: an incomplete statekit save (never committed; "
+            f"{', '.join(mine)} written by statekit), not an Accelerate checkpoint"
+        )
     if any(n.endswith((".safetensors", ".json")) for n in names):
         raise IncompleteCheckpointError(
             f"{storage.url} has no {fmt.MANIFEST_NAME}: an incomplete statekit save (never committed), "

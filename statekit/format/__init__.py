@@ -38,7 +38,7 @@ from statekit.format.dtypes import (
     SAFETENSORS_CODES,
     dtype_name,
 )
-from statekit.format.header import MAX_HEADER_BYTES, TensorEntry, TensorHeader, build_header, parse_header, read_header
+from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, parse_header, read_header
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
     FORMAT,
@@ -57,6 +57,8 @@ _NATIVE = NATIVE_DTYPES
 _BYTE_VIEW = BYTE_VIEW_DTYPES
 
 __all__ = [
+    "WRITER",
+    "WRITER_KEY",
     "BYTE_VIEW_DTYPES",
     "CHUNK_BYTES",
     "CODE_ITEMSIZE",

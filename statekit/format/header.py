@@ -3,8 +3,9 @@
 A safetensors file (https://github.com/huggingface/safetensors#format) starts with an
 8-byte little-endian header length, then a JSON header ``{name: {"dtype", "shape",
 "data_offsets"}, "__metadata__": {...}}`` padded with spaces to a multiple of 8 bytes.
-statekit adds two ``__metadata__`` entries: ``statekit.aliases`` (tied weights stored
-once) and ``statekit.dtypes`` (byte-view dtypes, see :mod:`statekit.format.dtypes`).
+statekit adds to ``__metadata__`` its writer mark (:data:`WRITER_KEY`), and where needed
+``statekit.aliases`` (tied weights stored once) and ``statekit.dtypes`` (byte-view dtypes,
+see :mod:`statekit.format.dtypes`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ def _plan(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Planned], dict[str
     return planned, aliases, byte_views
 
 
+WRITER_KEY = "statekit.writer"
+"""``__metadata__`` key every tensor file statekit writes carries (value :data:`WRITER`).
+It tells a statekit file from one another tool wrote under the same name: a save that
+failed before its commit can leave ``model.safetensors`` (preallocated, partly written)
+with no manifest, which must not be read as an Accelerate checkpoint
+(:func:`statekit.foreign.accelerate.is_accelerate_checkpoint`)."""
+
+WRITER = "statekit"
+
+
 def build_header(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, data_align: int = 8
 ) -> tuple[bytes, list[_Planned]]:
@@ -141,7 +152,7 @@ def build_header(
     """
     planned, aliases, byte_views = _plan(tensors)
     header: dict[str, Any] = {}
-    meta = {"format": "pt", **(metadata or {})}
+    meta = {"format": "pt", WRITER_KEY: WRITER, **(metadata or {})}
     if aliases:
         meta["statekit.aliases"] = json.dumps(aliases, separators=(",", ":"))
     if byte_views:
