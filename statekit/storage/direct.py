@@ -89,7 +89,8 @@ class DirectReader:
         self._pool: ThreadPoolExecutor | None = None
         self._bounce: list[IOBuffer] = []  # made on the first large fill
         self._loaded: tuple[int, int, int] | None = None  # (file offset, bytes held, buffer) of the piece being copied out
-        self._ahead: collections.deque[tuple[int, Future, int]] = collections.deque()  # (file offset, read, buffer) of the next pieces, in order
+        # (file offset, read, buffer) of the next pieces, in file order
+        self._ahead: collections.deque[tuple[int, Future, int]] = collections.deque()
         self.closed = False
 
     @property

@@ -67,12 +67,13 @@ class DirectWriter:
     Bytes given to :meth:`write` are copied into huge-page-backed buffers
     (:class:`statekit.storage.hugepages.IOBuffer`, :data:`DIRECT_BUFFER_BYTES` each, reused
     across files; where the pool has none, the writer makes its first one itself and the
-    others on a helper thread while it writes); each full buffer goes to the disk with ``os.pwrite`` at its own offset
-    on a helper thread (the GIL is released), up to :data:`DIRECT_DEPTH` writes at once,
-    while the caller fills the next buffer: the copy overlaps the I/O, and the disk always
-    has a request queued behind the one it is serving. The file is preallocated by the
-    caller (:meth:`preallocate`), so ext4 runs these writes side by side rather than
-    one after another (a direct write that extends the file takes its lock exclusively).
+    others on a helper thread while it writes). Each full buffer goes to the disk with
+    ``os.pwrite`` at its own offset on a writer thread (the GIL is released), up to
+    :data:`DIRECT_DEPTH` writes at once, while the caller fills the next buffer: the copy
+    overlaps the I/O, and the disk always has a request queued behind the one it is
+    serving. The file is preallocated by the caller (:meth:`preallocate`), so ext4 runs
+    these writes side by side rather than one after another (a direct write that extends
+    the file takes its lock exclusively).
     The last, partial block is written padded to 4 KiB and the file truncated to its true
     size. Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems)
     the same code writes through the page cache. On this VM buffered writes of 1 GiB ran
@@ -236,7 +237,9 @@ class DirectWriter:
                     return buf
                 if not self._made_short:
                     count = DIRECT_DEPTH + 1 - self._held - self._making
-                    helper = threading.Thread(target=self._make_buffers, args=(count,), name="statekit-buffers", daemon=True)
+                    helper = threading.Thread(
+                        target=self._make_buffers, args=(count,), name="statekit-buffers", daemon=True
+                    )
                     self._helpers.append(helper)
                     self._making += count
                     helper.start()
@@ -279,7 +282,7 @@ class DirectWriter:
     def _start(self, view: memoryview, offset: int, buf: IOBuffer | None) -> None:
         if len(self._threads) < min(DIRECT_DEPTH, self._inflight + 1):  # started as writes overlap
             thread = threading.Thread(target=self._serve, name="statekit-write", daemon=True)
-            self._threads.append(thread)  # first: an interrupt inside start() must not leave a thread _release does not stop
+            self._threads.append(thread)  # first: an interrupt inside start() leaves no thread _release misses
             thread.start()
         self._jobs.put((view, offset, buf))
         self._inflight += 1  # after the put: an interrupt between them leaves no count that no write reports
