@@ -14,11 +14,13 @@ copying every byte once more into its own aligned buffers; that copy was most of
 async save takes from training (docs/benchmark.md).
 
 Tensors on an accelerator (CUDA or any ``torch.accelerator`` device) are staged into pinned
-(page-locked) host buffers with non-blocking device-to-host copies; one event per device,
-recorded after the last copy of the last file and waited for by
-:meth:`StagingPool.settle` (once per save, so the next file's copies are queued while the
-earlier ones run), makes the save block only for the device-to-host transfer (as DCP's ``DefaultStager`` and
-torchtitan do: https://github.com/pytorch/pytorch/blob/main/torch/distributed/checkpoint/staging.py).
+(page-locked) host buffers with non-blocking device-to-host copies. One event per device,
+recorded after the last copy of the last file and waited for by :meth:`StagingPool.settle`
+(once per save, so the next file's copies are queued while the earlier ones run), makes the
+save block only for the device-to-host transfer, as DCP's ``DefaultStager`` and torchtitan
+do (https://github.com/pytorch/pytorch/blob/main/torch/distributed/checkpoint/staging.py).
+An H200 async save of 1 GiB blocked 28.2 ms with one wait per file, 24.7 ms with one per
+save (docs/benchmark.md, "GPU runs").
 """
 
 from __future__ import annotations
