@@ -70,9 +70,9 @@ def _opened_direct(monkeypatch) -> list[bool]:
     return seen
 
 
-def test_local_load_is_exact(tmp_path, plugin_manager, read_path, monkeypatch):
-    if read_path == "direct" and not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform")
+def _exact_round_trip(tmp_path, monkeypatch) -> tuple[str, list[bool]]:
+    """Save _state(0) to tmp_path/c, load it into _state(1), check it is exact; returns
+    the URL and, per DirectReader opened by the load, whether it read with O_DIRECT."""
     url = str(tmp_path / "c")
     saved = _state(0)
     statekit.save(url, saved)
@@ -80,6 +80,13 @@ def test_local_load_is_exact(tmp_path, plugin_manager, read_path, monkeypatch):
     fresh = _state(1)
     statekit.load(url, fresh)
     _assert_equal_states(saved, fresh)
+    return url, seen
+
+
+def test_local_load_is_exact(tmp_path, plugin_manager, read_path, monkeypatch):
+    if read_path == "direct" and not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    _, seen = _exact_round_trip(tmp_path, monkeypatch)
     assert seen and all(s == (read_path == "direct") for s in seen)
 
 
@@ -119,13 +126,7 @@ def test_a_flipped_byte_is_caught_with_many_pieces_read_ahead(tmp_path, plugin_m
     """256 KiB pieces: every file is dozens of pieces, each read while READS_AHEAD more
     are in flight; the load is exact, and a byte flipped anywhere is caught and named."""
     monkeypatch.setattr(direct, "BOUNCE_PIECE_BYTES", 256 * 1024)
-    url = str(tmp_path / "c")
-    saved = _state(0)
-    statekit.save(url, saved)
-    seen = _opened_direct(monkeypatch)
-    fresh = _state(1)
-    statekit.load(url, fresh)
-    _assert_equal_states(saved, fresh)
+    url, seen = _exact_round_trip(tmp_path, monkeypatch)
     if not all(seen):
         pytest.skip("O_DIRECT refused here: no read-ahead stream")
     path = tmp_path / "c" / "optim.safetensors"
