@@ -2,7 +2,7 @@
 
 The accelerator path (pinned host buffers, non-blocking device-to-host copies, one event
 per device) runs for real only where CUDA is present (``test_cuda_staging_is_pinned_and_exact``);
-on CPU the seams ``allocate_host``/``wait_for_copies`` show the same wiring."""
+on CPU the seams ``allocate_host``/``record_copies`` show the same wiring."""
 
 from __future__ import annotations
 
@@ -61,27 +61,38 @@ def test_tied_views_share_one_buffer():
 def test_accelerator_tensors_stage_pinned_and_wait_once(monkeypatch):
     """Stand-in accelerator (CPU tensors treated as on a device): buffers are asked
     pinned, copies are queued non-blocking, and the pool waits for the device once, in
-    settle(), for every file staged since the last settle; release() settles too."""
+    settle(), on events recorded after each file's copies (on the stream current when they
+    were queued) for every file staged since the last settle; release() settles too."""
     pins: list[bool] = []
     waits: list[set] = []
     monkeypatch.setattr(staging, "pin_memory_for", lambda device: True)
     monkeypatch.setattr(staging, "allocate_host", lambda shape, dtype, pin: pins.append(pin) or torch.empty(shape, dtype=dtype))
-    monkeypatch.setattr(staging, "wait_for_copies", lambda devices: waits.append(set(devices)))
+    recorded: list[set] = []
+
+    class Event:
+        def __init__(self, devices):
+            self.devices = devices
+
+        def synchronize(self):
+            waits.append(self.devices)
+
+    monkeypatch.setattr(staging, "record_copies", lambda devices: recorded.append(set(devices)) or [Event(set(devices))])
     pool = StagingPool()
     t = {"a": torch.randn(4, 4), "b": torch.randn(3)}
     staged = pool.stage("f.safetensors", t)
     other = pool.stage("g.safetensors", {"c": torch.randn(2)})
     assert pins == [True, True]  # one pinned arena per file
-    assert waits == []  # queued, not waited for yet
+    assert recorded == [{torch.device("cpu")}] * 2  # an event after each file's copies, on the stream current then
+    assert waits == []  # not waited for yet
     pool.settle()
-    assert waits == [{torch.device("cpu")}]
+    assert waits == [{torch.device("cpu")}] * 2  # both, in one settle()
     assert all(torch.equal(staged[k], t[k]) for k in t) and other["c"].shape == (2,)
     pool.settle()
-    assert waits[-1] == set()  # nothing queued since
+    assert len(waits) == 2  # nothing queued since
     pool.stage("f.safetensors", t)
     pool.hold()
     pool.release()  # a save that failed before settle(): no buffer is given back mid-copy
-    assert waits[-1] == {torch.device("cpu")}
+    assert len(waits) == 3
 
 
 def test_an_async_save_settles_the_copies_once_before_it_returns(tmp_path, monkeypatch):

@@ -14,10 +14,10 @@ copying every byte once more into its own aligned buffers; that copy was most of
 async save takes from training (docs/benchmark.md).
 
 Tensors on an accelerator (CUDA or any ``torch.accelerator`` device) are staged into pinned
-(page-locked) host buffers with non-blocking device-to-host copies. One event per device,
-recorded after the last copy of the last file and waited for by :meth:`StagingPool.settle`
-(once per save, so the next file's copies are queued while the earlier ones run), makes the
-save block only for the device-to-host transfer, as DCP's ``DefaultStager`` and torchtitan
+(page-locked) host buffers with non-blocking device-to-host copies. An event per device
+and file, recorded after that file's copies on the stream they were queued on, and all of
+them waited for by :meth:`StagingPool.settle` (once per save, so the next file's copies are
+queued while the earlier ones run), make the save block only for the device-to-host transfer, as DCP's ``DefaultStager`` and torchtitan
 do (https://github.com/pytorch/pytorch/blob/main/torch/distributed/checkpoint/staging.py).
 An H200 async save of 1 GiB blocked 28.2 ms with one wait per file, 24.7 ms with one per
 save (docs/benchmark.md, "GPU runs").
@@ -54,7 +54,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free = threading.Condition()
         self._held = False
-        self._copying: set[torch.device] = set()  # devices with copies queued since the last settle()
+        self._copying: list[Any] = []  # events after the copies staged since the last settle()
         self.allocated_bytes = 0
         """Bytes allocated so far (grows only when shapes or dtypes change)."""
 
@@ -105,6 +105,7 @@ class StagingPool:
                     continue
                 seen[identity] = name
             unique[name] = t
+        devices: set[torch.device] = set()
         with self._lock, torch.no_grad():
             arena, buffers = self._buffers_for(rel, unique)
             for name, t in unique.items():
@@ -117,7 +118,8 @@ class StagingPool:
                     source = source.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
                 buffer.copy_(source, non_blocking=accelerated)
                 if accelerated:
-                    self._copying.add(t.device)
+                    devices.add(t.device)
+            self._copying.extend(record_copies(devices))  # on the streams current here (a caller's side stream too)
         staged = StagedTensors(
             (name, buffers[name] if name in unique else buffers[tied[name]] if name in tied else refused[name])
             for name in tensors
@@ -127,15 +129,17 @@ class StagingPool:
 
     def settle(self) -> None:
         """Wait until every device-to-host copy queued by :meth:`stage` since the last call
-        is done (one event per device: :func:`wait_for_copies`). An async save calls it
-        once, after its last file is staged and before ``save()`` returns.
+        is done: the events :func:`record_copies` recorded after each file's copies, on
+        the stream each was queued on. An async save calls it once, after its last file is
+        staged and before ``save()`` returns.
 
         Raises:
             RuntimeError: the accelerator runtime reports an error (torch's own).
         """
         with self._lock:
-            devices, self._copying = self._copying, set()
-            wait_for_copies(devices)
+            events, self._copying = self._copying, []
+            for event in events:
+                event.synchronize()
 
     def _buffers_for(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The file's arena and a view of it per tensor (reused when names, shapes, dtypes
@@ -203,10 +207,18 @@ def allocate_host(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Ten
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
 
-def wait_for_copies(devices: set[torch.device]) -> None:
-    """Wait until the non-blocking device-to-host copies queued on each device's current
-    stream are done: an event recorded after them, then synchronized (not the whole device)."""
+def record_copies(devices: set[torch.device]) -> list[Any]:
+    """One event per device, recorded on its current stream after the non-blocking
+    device-to-host copies queued there; :meth:`StagingPool.settle` synchronizes them (not
+    the whole device). Recorded where the copies were queued, so copies a caller queued on
+    a side stream (``torch.cuda.stream(s)``) are waited for too.
+
+    Returns:
+        The events (``torch.Event``), not yet waited for.
+    """
+    events = []
     for device in devices:
         event = torch.Event(device=device)
         event.record(torch.accelerator.current_stream(device))
-        event.synchronize()
+        events.append(event)
+    return events
