@@ -23,7 +23,7 @@ from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitError
 from statekit.format import codec
 from statekit.storage import Storage, storage_errors
-from statekit.storage.direct_write import fsync_path
+from statekit.storage.fs import fsync_path
 from statekit.storage.hashing import HashingWriter
 
 CORE = "statekit"

@@ -1,6 +1,6 @@
 """Local file writes below the page cache: :class:`DirectWriter` (``O_DIRECT`` from reused
 aligned buffers, several writes in flight on helper threads, or straight from the caller's
-aligned memory: :meth:`DirectWriter.write_stable`) and :func:`fsync_path`. Reads: :mod:`statekit.storage.direct`."""
+aligned memory: :meth:`DirectWriter.write_stable`). Reads: :mod:`statekit.storage.direct`."""
 
 from __future__ import annotations
 
@@ -24,11 +24,8 @@ cache between the copy into it and the write from it."""
 DIRECT_DEPTH = 4
 """Writer threads of one :class:`DirectWriter`, so writes in flight at once; it holds one
 more buffer than this (the one being filled) and queues at most one write beyond them.
-Sync saves of the 1 GiB benchmark state on the benchmark VM, medians of 8 alternating
-runs in one process: 0.298 s with 4 threads of 4 MiB buffers, 0.298 s with 3, 0.316 s
-with 6, 0.304 s with 8 of 2 MiB, 0.330 s with 4 of 8 MiB. Against the writer before it
-(one write in flight, the next chained behind it, two 8 MiB buffers): 0.308 s against
-0.338 s, medians of 10+10 alternating fresh processes (``bench/compare_commits.py``)."""
+1 GiB sync save: 0.308 s against 0.338 s with one write in flight (other depths and
+buffer sizes: docs/design-notes.md, "Performance")."""
 
 _buffer_pool: list[IOBuffer] = []
 _buffer_lock = threading.Lock()
@@ -137,10 +134,9 @@ class DirectWriter:
     def write(self, data: Any) -> int:
         """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk.
 
-        The copy is ``ctypes.memmove``, which releases the GIL (a slice assignment holds it,
-        and the writer threads then wait for it: 1 GiB saves took 0.945 of the time with
-        memmove, median of 10+10 alternating fresh processes, ``bench/compare_commits.py``),
-        except for read-only data (``bytes``: headers), which is copied by slicing.
+        The copy is ``ctypes.memmove``, which releases the GIL for the writer threads (1 GiB
+        saves: 0.945 of the time of a slice assignment), except for read-only data
+        (``bytes``: headers), which is copied by slicing.
 
         Returns:
             ``len(data)`` in bytes.
@@ -248,15 +244,9 @@ class DirectWriter:
 
     def _make_buffers(self, count: int) -> None:
         """Make ``count`` buffers and fault them in (helper thread), handing each to the
-        writer as it is ready, as a finished write hands back its buffer (None: one that
-        could not be made).
-
-        Why: the first touch of fresh memory is slow on a VM (the host backs it too, and
-        huge pages may need compaction): about 8 ms per 4 MiB buffer on the benchmark VM,
-        where a fresh process's first save made its four extra buffers one after another
-        while the disk sat idle for 33 ms. The writer goes on writing with the buffers it
-        has and takes these as they come.
-        """
+        writer as a finished write hands back its buffer (None: one that could not be made).
+        Fresh memory is slow to touch on a VM (about 8 ms per 4 MiB on the benchmark VM: a
+        first save made four buffers in line while the disk sat idle for 33 ms)."""
         for made in range(count):
             buf: IOBuffer | None = None
             try:
@@ -389,11 +379,8 @@ class DirectWriter:
             if thread.ident is not None:  # (one whose start() was interrupted may never have run)
                 thread.join()
         self._threads, self._helpers = [], []
-        while True:
-            try:
-                buf, _ = self._done.get_nowait()
-            except queue.Empty:
-                break
+        while not self._done.empty():  # every thread has ended: no report comes later
+            buf, _ = self._done.get_nowait()
             if buf is not None:
                 self._spare.append(buf)
         self._inflight = self._making = 0
@@ -411,18 +398,3 @@ class DirectWriter:
             self.close()
         else:
             self.abort()
-
-
-def fsync_path(path: str) -> None:
-    """fsync a local file (its data) or directory (a rename or create in it) so it is
-    durable; a no-op where unsupported or when ``path`` is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
-from statekit.storage.direct_write import DirectWriter, fsync_path
+from statekit.storage.direct_write import DirectWriter
 
 
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//|:)")
@@ -376,3 +376,18 @@ class Storage:
             if self.fs.exists(self.path):
                 self.fs.rm(self.path, recursive=True)
         self._made_dirs.clear()
+
+
+def fsync_path(path: str) -> None:
+    """fsync a local file (its data) or directory (a rename or create in it) so it is
+    durable; a no-op where unsupported or when ``path`` is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
