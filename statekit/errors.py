@@ -7,6 +7,8 @@ one type. Each leaf also subclasses the builtin it refines (``FileNotFoundError`
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Iterable
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "StorageError",
     "ResumeFingerprintWarning",
     "ResumeMismatchError",
+    "warn_user",
 ]
 
 
@@ -253,6 +256,21 @@ class StorageError(StatekitError, OSError):
     def __init__(self, message: str, url: str | None = None) -> None:
         super().__init__(message)
         self.url = url
+
+
+def warn_user(message: str, category: type[Warning] = StatekitWarning) -> None:
+    """Warn with the ``stacklevel`` of the first frame outside statekit, so the warning
+    points at the user's line (their ``save()``/``resume()``/``load_state()`` call),
+    however deep inside statekit it is raised.
+
+    Args:
+        message: the warning's text.
+        category: the warning class (a :class:`StatekitWarning` subclass).
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("statekit"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _preview(items: list[str], limit: int = 20) -> str:
