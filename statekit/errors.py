@@ -31,7 +31,6 @@ __all__ = [
     "StorageError",
     "ResumeFingerprintWarning",
     "ResumeMismatchError",
-    "warn_user",
 ]
 
 
