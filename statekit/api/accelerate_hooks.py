@@ -26,14 +26,62 @@ hooks :func:`statekit.attach` registers are never run by it.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from statekit._version import __version__
-from statekit.errors import PluginError
+from statekit.errors import PluginError, StorageError
 from statekit.hooks.registry import hookimpl
+from statekit.storage import url_to_fs
 
 HOOKS_PLUGIN = "accelerate-hooks"
 """Name of the built-in plugin that runs Accelerate's registered pre-hooks."""
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+
+def accelerate_directory(directory: Any, mode: str) -> Any:
+    """The directory to hand ``Accelerator.save_state``/``load_state`` of an attached
+    accelerator for the one the user passed.
+
+    Accelerate takes its argument as a local path: ``"file:///abs/dir"`` would become
+    ``./file:/abs/dir`` (while statekit's own files went to ``/abs/dir``), and an object
+    store URL a local folder named ``s3:``. So a ``file://`` URL is translated to its local
+    path, and any other URL is refused before anything is written or read.
+
+    Args:
+        directory: the argument given to the attached ``save_state``/``load_state`` (a
+            path, a URL, or None for Accelerate's automatic naming).
+        mode: ``"save"`` or ``"load"`` (for the message).
+
+    Returns:
+        ``directory`` unchanged (None, a path), or the local path of a ``file://`` URL.
+
+    Raises:
+        StorageError: a URL of another scheme (``s3://``, ``memory://``...), or one with a
+            single slash (``s3:/bucket``); the message names the URL and the statekit call
+            that saves or loads it.
+    """
+    if directory is None:
+        return None
+    url = os.fspath(directory)
+    scheme = _SCHEME.match(url)
+    if scheme is None:
+        url_to_fs(url)  # raises for "s3:/bucket", which would be a local folder named "s3:"
+        return directory
+    if scheme.group(1).lower() in ("file", "local"):
+        return url_to_fs(url)[1]
+    use = (f"statekit.save_state(accelerator, {url!r}) or a statekit.CheckpointManager(accelerator, root) with this URL as root"
+           if mode == "save" else
+           f"statekit.load_state(accelerator, {url!r}) or CheckpointManager(accelerator, root).resume()")
+    raise StorageError(
+        f"accelerator.{mode}_state({url!r}) with statekit attached: Accelerate {'writes' if mode == 'save' else 'reads'} "
+        f"local paths only (it would take this URL for a local folder named {scheme.group(1) + ':'!r}); "
+        f"nothing was {'written' if mode == 'save' else 'loaded'}. Use {use}",
+        url=url,
+    )
 
 
 def user_hooks(accelerator: Any, mode: str) -> list[Any]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
+from statekit.api.accelerate_hooks import accelerate_directory
 from statekit.api.bridge import collect
 from statekit.api.loading import apply_own_states, check_owners_installed, check_statekit_files, read_own_states
 from statekit.api.saveload import plugin_versions
@@ -159,6 +160,9 @@ class _AttachedCalls:
         attachment = self.attachment
 
         def call(directory: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if directory is None:  # accelerator.save_state(output_dir=...) / load_state(input_dir=...)
+                directory = kwargs.pop("output_dir" if mode == "save" else "input_dir", None)
+            directory = accelerate_directory(directory, mode)  # file:// -> local path; other URLs refused
             attachment._pending = None
             try:
                 result = original(directory, *args, **kwargs)
