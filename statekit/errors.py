@@ -257,19 +257,38 @@ class StorageError(StatekitError, OSError):
         self.url = url
 
 
+_NOT_USER_CODE = ("statekit", "accelerate", "torch", "contextlib", "functools")
+"""Module-name prefixes :func:`warn_user` walks past: statekit and its plugins
+(``statekit_*``), Accelerate (attach mode: ``accelerator.save_state`` calls statekit's
+hooks), torch (hooks, data loader iteration) and the stdlib's call wrappers."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by the function calling this one
+    that points at the first frame outside statekit, its plugins, Accelerate and torch:
+    the user's line. ``warnings.warn(msg, cat, stacklevel=user_stacklevel())``.
+
+    Returns:
+        The stack level to give ``warnings.warn``; where every frame is library code (a
+        background thread), the outermost frame's.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(_NOT_USER_CODE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_user(message: str, category: type[Warning] = StatekitWarning) -> None:
     """Warn with the ``stacklevel`` of the first frame outside statekit, so the warning
-    points at the user's line (their ``save()``/``resume()``/``load_state()`` call),
-    however deep inside statekit it is raised.
+    points at the user's line (their ``save()``/``resume()``/``load_state()`` call, or
+    ``accelerator.save_state()`` in attach mode), however deep inside statekit, a plugin or
+    Accelerate it is raised. Every warning on a path a user calls goes through it.
 
     Args:
         message: the warning's text.
         category: the warning class (a :class:`StatekitWarning` subclass).
     """
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("statekit"):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 def _preview(items: list[str], limit: int = 20) -> str:
