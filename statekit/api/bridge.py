@@ -22,6 +22,7 @@ from statekit.api import loading, saveload
 from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
 from statekit.engine.entries import Entry
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
+from statekit.errors import StatekitWarning, warn_user
 from statekit.hooks.registry import get_plugin_manager
 
 
@@ -75,6 +76,31 @@ def collect(accelerator: Any) -> list[Entry]:
     return entries
 
 
+_PREPARED = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects")
+
+
+def warn_if_nothing_prepared(accelerator: Any, url: str, verb: str) -> None:
+    """Warn (at the user's line) when the accelerator holds no model, optimizer, scheduler,
+    data loader or registered object: a save or load of it is only the step counters, and a
+    resume "succeeds" into a run that then trains from scratch.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        url: the checkpoint URL, for the message.
+        verb: ``"saved"`` or ``"loaded"``.
+
+    Warns:
+        StatekitWarning: naming ``accelerator.prepare()``.
+    """
+    if not any(getattr(accelerator, name, None) for name in _PREPARED):
+        warn_user(
+            f"{url}: the accelerator holds no model, optimizer, scheduler or data loader, so only its step "
+            f"counters are {verb}: call accelerator.prepare(model, optimizer, ...) (or "
+            "accelerator.register_for_checkpointing(obj)) before saving or resuming",
+            StatekitWarning,
+        )
+
+
 def save_state(
     accelerator: Any,
     url: str,
@@ -121,6 +147,7 @@ def save_state(
     _ensure_hooks_plugin(get_plugin_manager())
     get_plugin_manager().check_options(options, save_state)
     check_can_save(accelerator)  # before anything is written
+    warn_if_nothing_prepared(accelerator, url, "saved")
     result = saveload.save_objects(
         url,
         collect(accelerator),
@@ -181,6 +208,7 @@ def load_state(
     """
     _ensure_hooks_plugin(get_plugin_manager())
     get_plugin_manager().check_options(options, load_state)
+    warn_if_nothing_prepared(accelerator, url, "loaded")
     return loading.load_objects(
         url,
         collect(accelerator),

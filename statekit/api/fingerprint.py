@@ -22,6 +22,7 @@ compared; a checkpoint without a fingerprint is not compared at all)::
      "dataloaders": {"dataloader_0": {"batch_size": 8, "dataset_length": 60000,
          "drop_last": false, "even_batches": true, "num_workers": 2,
          "sampler": "RandomSampler", "shuffle": true, "seed": null}},
+     "objects": {"model_0": "model", "optimizer_0": "optimizer", "dataloader_0": "dataloader"},
      "versions": {"python": "3.11.9", "torch": "2.13.0", "accelerate": "1.15.0",
          "statekit": "0.4.0"}}
 
@@ -36,8 +37,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import platform
-import sys
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,11 +48,16 @@ from statekit.api.fingerprint_compare import Difference, compare, describe  # co
 from statekit.devices import current_accelerator_type
 from statekit.engine import data, gradients
 from statekit.engine.entries import Entry
-from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError
+from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError, warn_user
 from statekit.hooks.registry import get_plugin_manager
 
 CPU_RNG_KINDS = ("numpy", "python", "torch")
 """The host generators statekit-rng (and Accelerate's ``save_state``) save."""
+
+UNCOMPARED_OBJECTS = frozenset({"accelerator", "gradients", "accelerate_rng"})
+"""Saved objects every run has or that statekit restores by itself (the accelerator's
+counters, accumulated gradients, a converted checkpoint's random states): never reported
+as left unrestored."""
 
 
 # --------------------------------------------------------------------------- compute
@@ -81,6 +85,7 @@ def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None
         "mixed_precision": str(precision) if precision is not None else None,
         "rng": sorted(rng) if rng is not None else rng_live(),
         "dataloaders": {e.key: loader_fingerprint(e.obj, accelerator, world_size) for e in entries if data.is_loader(e.obj)},
+        "objects": {e.key: e.kind for e in entries if not e.optional and e.key not in UNCOMPARED_OBJECTS},
         "versions": versions(),
     }
 
@@ -213,21 +218,14 @@ def check(
     if any(p.startswith("random_states_") for p in manifest.get("files", {})):
         # Accelerate's own random states: its loader restores them whatever is installed
         live = {**live, "rng": sorted(set(live.get("rng") or []) | set(CPU_RNG_KINDS))}
+    if not isinstance(saved.get("objects"), Mapping):  # written before "objects" existed: the manifest's list
+        objects = {k: o.get("kind") for k, o in (manifest.get("objects") or {}).items() if k not in UNCOMPARED_OBJECTS}
+        saved = {**saved, "objects": objects}
     differences = compare(saved, live)
     refused = [d for d in differences if d.level == "error" or (strict_resume and d.level == "warning")]
-    stacklevel = _caller_level()
     for d in differences:
         if not refused or d.level == "info":
-            warnings.warn(f"{url}: resume fingerprint: {d.message}", ResumeFingerprintWarning, stacklevel=stacklevel)
+            warn_user(f"{url}: resume fingerprint: {d.message}", ResumeFingerprintWarning)
     if refused:
         raise ResumeMismatchError(url, [d.message for d in differences if d.level != "info"])
     return differences
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` (seen from :func:`check`) of the first frame outside statekit:
-    warnings point at the user's ``resume()``/``load_state()`` call, however deep the path."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("statekit"):
-        frame, level = frame.f_back, level + 1
-    return level

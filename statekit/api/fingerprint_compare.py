@@ -112,6 +112,9 @@ def compare(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[Differenc
             for key, (setting, effect) in _LOADER_EFFECTS.items():
                 if _differs(loader, live_loaders[name], key):
                     out.append(Difference(setting, loader[key], live_loaders[name][key], effect, where=name))
+    unrestored = _unrestored(saved.get("objects"), live.get("objects"))
+    if unrestored is not None:
+        out.append(unrestored)
     saved_versions, live_versions = saved.get("versions") or {}, live.get("versions") or {}
     for name, effect in _VERSION_EFFECTS.items():
         if _differs(saved_versions, live_versions, name):
@@ -144,6 +147,26 @@ def _accumulation(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Differen
         after,
         "each optimizer step sums another number of micro-batches: optimizer steps and the "
         "learning-rate schedule after the resume differ from the saved run's",
+    )
+
+
+def _unrestored(saved: Any, live: Any) -> Difference | None:
+    """The saved objects (model, optimizer, scheduler, data loader...) the resuming run has
+    no object for: their state would be left behind without a word."""
+    if not isinstance(saved, Mapping) or not isinstance(live, Mapping):
+        return None
+    left = sorted(k for k in saved if k not in live)
+    if not left:
+        return None
+    named = ", ".join(f"{k} ({saved[k]})" for k in left)
+    return Difference(
+        "objects",
+        sorted(saved),
+        sorted(live),
+        f"the checkpoint's {named} {'is' if len(left) == 1 else 'are'} not restored: the resuming run has no "
+        f"such object; pass {'it' if len(left) == 1 else 'them'} to "
+        "accelerator.prepare() (or register_for_checkpointing()) in the saved run's order, or, without "
+        "Accelerate, under the same key in the mapping given to statekit.load",
     )
 
 
