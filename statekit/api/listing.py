@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from statekit import format as fmt
-from statekit.errors import CheckpointInUseError, StatekitError, StatekitWarning
+from statekit.errors import CheckpointInUseError, StatekitError, StatekitWarning, warn_user
 from statekit.foreign import accelerate as accelerate_format
 from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
@@ -149,5 +148,5 @@ def delete_all_but(
                 delete_checkpoint(info.url, storage_options)
                 deleted.append(info.name)
             except CheckpointInUseError as exc:
-                warnings.warn(f"{what} kept {info.url}: {exc}", StatekitWarning, stacklevel=3)
+                warn_user(f"{what} kept {info.url}: {exc}", StatekitWarning)
     return deleted

@@ -10,7 +10,6 @@ written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,8 @@ from statekit.engine import data, read
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, unwrap_model
 from statekit.engine.gradients import AccumulatedGradients
-from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError
+from statekit.engine.optimizer_fit import parameter_names
+from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError, warn_user
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_rng import restore_rng
 from statekit.format.manifest import read_manifest
@@ -133,19 +133,24 @@ def load_objects(
         entries = [e for e in entries if e.key in saved_objects]
     _check_loadable(pm, storage, entries, saved_objects)
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
+    names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
+    # before any plugin or the core loads anything: the optimizers and tensors the core loads fit
+    read.check_entries(checkpoint, [e for e in entries if saved_objects[e.key]["owner"] == CORE], saved_objects, names)
     models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
     keys = [e.key for e in entries if e.kind == "model"]
     _check_owners_took(storage, entries, saved_objects, taken)
     core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
-    rest = [e for e in entries if e.kind != "model" and e.key not in taken]
-    ahead = read.tensor_files_of(checkpoint, rest, saved_objects) if read.loads_in_place([m for m, _ in core]) else []
+    early, late = read.split_for_load([e for e in entries if e.kind != "model" and e.key not in taken])
+    ahead = read.tensor_files_of(checkpoint, early + late, saved_objects) if read.loads_in_place([m for m, _ in core]) else []
     with checkpoint.fresh_memory_ahead(ahead):
+        read.check_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)  # every model first
+        not_restored = read.load_entries_undoable(checkpoint, early, saved_objects)  # put back if one refuses
         incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
-        not_restored = read.load_entries(checkpoint, rest, saved_objects)
+        not_restored += read.load_entries(checkpoint, late, saved_objects)  # checked above
     _restore_accelerate_rng(checkpoint, saved_objects)
     not_restored += _ranks_not_restored(manifest, checkpoint)
     if not_restored:
-        warnings.warn(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning, stacklevel=3)
+        warn_user(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning)
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
     if not strict:
         manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}

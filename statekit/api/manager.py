@@ -8,7 +8,6 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +31,7 @@ from statekit.errors import (
     StatekitError,
     StatekitWarning,
     StateMismatchError,
+    warn_user,
 )
 from statekit.engine.staging import StagingPool
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -232,7 +232,7 @@ class CheckpointManager:
         blocking = not self.async_save if blocking is None else blocking
         url = self.url_for(step)
         if not overwrite and url in self._skipped:  # the run fell back past it and reached its step again
-            warnings.warn(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning, stacklevel=2)
+            warn_user(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning)
             overwrite = True
         self._skipped.discard(url)
         metadata = {"metrics": dict(metrics)} if metrics else {}
@@ -298,7 +298,7 @@ class CheckpointManager:
             try:
                 self.wait()
             except StatekitError as exc:
-                warnings.warn(f"{exc}", StatekitWarning, stacklevel=2)
+                warn_user(f"{exc}", StatekitWarning)
 
     # ---------------------------------------------------------------- resume
 
@@ -356,17 +356,14 @@ class CheckpointManager:
             except StateMismatchError as exc:
                 if not (info.accelerate and exc.missing and not exc.mismatched):
                     raise
-                warnings.warn(
+                warn_user(
                     f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
                     StatekitWarning,
-                    stacklevel=2,
                 )
                 last_error = exc
                 continue
             except (StatekitError, CheckpointNotFoundError) as exc:
-                warnings.warn(
-                    f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning, stacklevel=2
-                )
+                warn_user(f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning)
                 damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
                 if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
                     self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)

@@ -41,7 +41,7 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api.listing import CheckpointInfo, list_checkpoints
 from statekit.api.remote_copy import copy_checkpoint
-from statekit.errors import StatekitError, StatekitWarning
+from statekit.errors import StatekitError, StatekitWarning, warn_user
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
 
@@ -145,11 +145,10 @@ class Replicator:
             self._backlog_warned = self._backlog_warned or warn
         self._queue.put((name, local_url, manifest))
         if warn:  # loud: local retention keeps every one of them until it is replicated
-            warnings.warn(
+            warn_user(
                 f"{self.remote_url}: replication is {behind} checkpoints behind (saves come faster than the remote tier "
                 "takes them); local retention keeps each one until its remote copy commits",
                 StatekitWarning,
-                stacklevel=3,
             )
 
     def submit_committed(self, local_url: str, local_options: dict[str, Any] | None = None) -> None:
@@ -169,7 +168,7 @@ class Replicator:
             try:
                 raw = Storage(local_url, local_options).read_bytes(fmt.MANIFEST_NAME)
             except (StatekitError, OSError) as exc:  # never raise between collectives
-                warnings.warn(f"{local_url}: not replicated ({exc})", StatekitWarning, stacklevel=2)
+                warn_user(f"{local_url}: not replicated ({exc})", StatekitWarning)
         raw = distributed.broadcast_from_rank0(raw)
         if raw is not None:
             self.submit(local_url, raw)
@@ -204,9 +203,9 @@ class Replicator:
                 self._idle.wait(left)
             pending, failed = list(self._pending), dict(self.failed)
         for name in pending:
-            warnings.warn(f"{self.remote_url}/{name}: not replicated yet (still copying)", StatekitWarning, stacklevel=2)
+            warn_user(f"{self.remote_url}/{name}: not replicated yet (still copying)", StatekitWarning)
         for name, error in failed.items():
-            warnings.warn(f"{self.remote_url}/{name}: not replicated: {error}", StatekitWarning, stacklevel=2)
+            warn_user(f"{self.remote_url}/{name}: not replicated: {error}", StatekitWarning)
         return pending + [n for n in failed if n not in pending]
 
     def catch_up(self, local: list[CheckpointInfo]) -> list[str]:
@@ -240,8 +239,8 @@ class Replicator:
             with self._lock:
                 self.replicated |= set(remote)
         except StatekitError as exc:
-            warnings.warn(f"{self.remote_url}: cannot list the remote tier ({exc}); replicating every local checkpoint",
-                          StatekitWarning, stacklevel=3)
+            warn_user(f"{self.remote_url}: cannot list the remote tier ({exc}); replicating every local checkpoint",
+                      StatekitWarning)
             remote = {}
         missing = {i.name: i for i in local if i.committed and not i.accelerate and i.name not in remote}
         if self.keep_last is not None and remote:
@@ -275,7 +274,7 @@ class Replicator:
                     try:
                         todo.append((info.name, Storage(info.url).read_bytes(fmt.MANIFEST_NAME)))
                     except (StatekitError, OSError) as exc:
-                        warnings.warn(f"{info.url}: not replicated ({exc})", StatekitWarning, stacklevel=2)
+                        warn_user(f"{info.url}: not replicated ({exc})", StatekitWarning)
         todo = distributed.broadcast_from_rank0(todo)
         for name, raw in todo:
             self.submit(local_url_of(name), raw)
@@ -298,7 +297,7 @@ class Replicator:
                 try:
                     self.on_replicated(name)
                 except Exception as exc:  # noqa: BLE001 - retention trouble must not stop replication
-                    warnings.warn(f"{self.remote_url}: after replicating {name}: {exc}", StatekitWarning, stacklevel=2)
+                    warn_user(f"{self.remote_url}: after replicating {name}: {exc}", StatekitWarning)
             with self._idle:
                 self._pending.pop(name, None)
                 if error is not None:
@@ -324,11 +323,10 @@ class Replicator:
                 if in_use is not None:
                     in_use()
             last = attempt == self.retries
-            warnings.warn(
+            warn_user(
                 f"{self.remote_url}/{name}: replication try {attempt} of {self.retries} failed ({error})"
                 + ("; giving up until the next start" if last else f"; retrying in {wait:.3g} s"),
                 StatekitWarning,
-                stacklevel=2,
             )
             if last:
                 return error

@@ -12,13 +12,12 @@ resumed from another root, or not at all).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit.api.listing import CheckpointInfo, list_checkpoints
 from statekit.engine import commit as commits
-from statekit.errors import PluginError, StatekitError, StatekitWarning
+from statekit.errors import PluginError, StatekitError, StatekitWarning, warn_user
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 
@@ -88,14 +87,14 @@ def _ordered(
         try:
             infos = [i for i in list_checkpoints(url, options) if i.committed and not i.accelerate]
         except StatekitError as exc:
-            warnings.warn(f"cannot list {url} ({exc}); resuming without it", StatekitWarning, stacklevel=4)
+            warn_user(f"cannot list {url} ({exc}); resuming without it", StatekitWarning)
             continue
         for twin in infos:
             if newest is not None and twin.name == newest.name and not _same_manifest(
                 Storage(newest.url, local_options), Storage(twin.url, options)
             ):
-                warnings.warn(f"{newest.url} and {twin.url} hold step {newest.step} with different manifests; "
-                              "using the local one", StatekitWarning, stacklevel=4)
+                warn_user(f"{newest.url} and {twin.url} hold step {newest.step} with different manifests; "
+                          "using the local one", StatekitWarning)
         tiers += [(i, k, options) for i in infos]
     return sorted(tiers, key=lambda it: (-it[0].step, it[1]))
 

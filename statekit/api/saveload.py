@@ -14,7 +14,6 @@ manifest, barrier, run ``statekit_save_state_post``.
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +25,7 @@ from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
 from statekit.engine.locking import prepare_target, release_lock
 from statekit.engine.staging import StagingPool
-from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError
+from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.storage import Storage
@@ -280,9 +279,8 @@ def _warn_if_no_rng(pm: PluginManager, checkpoint: Checkpoint) -> None:
     global _warned_rng
     if not _warned_rng and not pm.manages_rng() and not checkpoint.handles_rng:
         _warned_rng = True
-        warnings.warn(
+        warn_user(
             "no installed plugin saves random-number-generator state (install statekit-rng): "
             "a resume from this checkpoint will not be bit-exact",
             StatekitWarning,
-            stacklevel=3,
         )

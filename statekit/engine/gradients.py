@@ -17,13 +17,12 @@ Accelerate's counters only: a loop that accumulates by hand (``no_sync`` with
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from statekit.engine.entries import check_fit, unwrap_model
-from statekit.errors import StatekitError, StatekitWarning, StateMismatchError
+from statekit.errors import StatekitError, StatekitWarning, StateMismatchError, warn_user
 
 
 def accumulating(accelerator: Any) -> bool:
@@ -179,10 +178,9 @@ def warn_partial_window(accelerator: Any, step: int) -> None:
     """
     steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
     if steps > 1 and step % steps:
-        warnings.warn(
+        warn_user(
             f"this Accelerate checkpoint was saved between optimizer steps (micro-batch {step % steps} of "
             f"gradient_accumulation_steps={steps}) and holds no accumulated gradients: the first optimizer step "
             "after the resume sums only the micro-batches seen after it, so the resume is not exact",
             StatekitWarning,
-            stacklevel=4,
         )

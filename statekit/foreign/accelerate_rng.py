@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import random
 import sys
-import warnings
 from typing import Any
 
 import torch
 
-from statekit.errors import StatekitWarning
+from statekit.errors import StatekitWarning, warn_user
 
 DEVICE_SEED_KINDS = ("xpu", "mlu", "sdaa", "musa", "hpu", "neuron", "cuda")
 """Accelerators whose generators Accelerate saves as ``torch_<kind>_manual_seed``."""
@@ -58,9 +57,9 @@ def restore_rng(states: dict[str, Any], source: str = "Accelerate checkpoint") -
         module.set_rng_state_all(saved[:count])
         if len(saved) != count:
             rest = f"{kind}:{count}-{len(saved) - 1} not restored" if len(saved) > count else "the others keep their state"
-            warnings.warn(f"{source}: random states of {len(saved)} {kind.upper()} device(s) saved, this process sees "
-                          f"{count} ({rest}): draws on those devices (dropout) differ from the saved run's",
-                          StatekitWarning, stacklevel=2)
+            warn_user(f"{source}: random states of {len(saved)} {kind.upper()} device(s) saved, this process sees "
+                      f"{count} ({rest}): draws on those devices (dropout) differ from the saved run's",
+                      StatekitWarning)
 
 
 def rng_snapshot() -> dict[str, Any]:

@@ -16,7 +16,6 @@ import inspect
 import os
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -25,7 +24,7 @@ from typing import Any
 import pluggy
 
 from statekit.hooks import hookspecs
-from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning
+from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user
 from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
@@ -199,10 +198,9 @@ class PluginManager(pluggy.PluginManager):
             close = difflib.get_close_matches(name, sorted(declared | keywords), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             plugins = ", ".join(sorted(n for n, p in self.list_name_plugin() if p is not None)) or "none"
-            warnings.warn(
+            warn_user(
                 f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}",
                 StatekitWarning,
-                stacklevel=3,
             )
 
     def manages_rng(self) -> bool:
