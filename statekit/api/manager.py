@@ -343,6 +343,7 @@ class CheckpointManager:
                 checkpoint's (every difference listed; nothing loaded), or gradients saved
                 mid-accumulation meet another ``gradient_accumulation_steps``.
             PickleNotAllowedError: an Accelerate folder needs pickle and not ``allow_pickle``.
+            StorageError: the root is on an object store and its bucket does not exist.
             StatekitError: every committed checkpoint failed to load (the last error,
                 naming its folder).
         """
@@ -380,6 +381,7 @@ class CheckpointManager:
             return info.step if step is None or info.accelerate else int(step)
         if last_error is not None:
             raise last_error
+        self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
         return None
 
     def _load(

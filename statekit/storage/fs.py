@@ -267,6 +267,17 @@ class Storage:
             self.fs.makedirs(path, exist_ok=True)
         self._made_dirs.add(path)
 
+    def check_bucket(self) -> None:
+        """On an object store, refuse a URL whose bucket does not exist: listing it finds
+        nothing, which reads like an empty root (a resume would start a fresh run). Does
+        nothing on other filesystems.
+
+        Raises:
+            StorageError: the bucket does not exist (names it), or the check itself failed.
+        """
+        if self.protocol in BUCKET_PROTOCOLS:
+            self._check_bucket(self.path)
+
     def _check_bucket(self, path: str) -> None:
         """Refuse to write into a bucket that does not exist: s3fs's ``makedirs`` (and so
         any "create the directory" step) would create it, turning a typo in a bucket name
