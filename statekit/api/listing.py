@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from statekit import format as fmt
-from statekit.errors import CheckpointInUseError, StatekitError, StatekitWarning, warn_user
+from statekit.errors import CheckpointInUseError, InvalidOptionError, StatekitError, StatekitWarning, warn_user
 from statekit.foreign import accelerate as accelerate_format
 from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
@@ -51,6 +51,33 @@ class CheckpointInfo:
 def checkpoint_name(step: int) -> str:
     """Directory name of a step: ``checkpoint-00000500``."""
     return f"checkpoint-{int(step):08d}"
+
+
+def refuse_checkpoint_as_root(root: Storage) -> None:
+    """Refuse a manager root that is itself a checkpoint (it holds ``statekit.json``, or
+    the files of ``Accelerator.save_state``): saves would nest ``checkpoint-<step>``
+    folders inside it and a resume would never find it. A folder *holding* checkpoints
+    (``checkpoint-<step>``, Accelerate's ``checkpoint_<n>``) is a root.
+
+    Args:
+        root: the manager root.
+
+    Raises:
+        InvalidOptionError: naming the root, what it holds, and what to pass instead.
+    """
+    names = root.listdir()
+    if fmt.MANIFEST_NAME in names:
+        what = f"a statekit checkpoint (it holds {fmt.MANIFEST_NAME})"
+    elif accelerate_format.accelerate_files(names) and accelerate_format.is_accelerate_checkpoint(root):
+        what = "a checkpoint written by Accelerator.save_state"
+    else:
+        return
+    parent = root.url.rstrip("/").rsplit("/", 1)[0]
+    raise InvalidOptionError(
+        f"root_url {root.url!r} is {what}, not a root holding checkpoints: pass the folder to keep "
+        f"checkpoint-<step> folders in (its parent {parent!r}, for example) as the CheckpointManager "
+        f"root, or load this one with statekit.load_state(accelerator, {root.url!r})"
+    )
 
 
 def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointInfo]:

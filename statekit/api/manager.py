@@ -8,6 +8,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from statekit.api import tiers
 from statekit.api.resume_order import resume_candidates
 from statekit.api.retention import after_commit
 from statekit.engine.entries import classify
-from statekit.api.listing import CheckpointInfo, checkpoint_name, list_checkpoints
+from statekit.api.listing import CheckpointInfo, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -37,6 +38,8 @@ from statekit.engine.staging import StagingPool
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -87,7 +90,8 @@ class CheckpointManager:
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, or a ``remote_*`` option without ``replicate_to``.
+            ``mode`` is not min/max, a ``remote_*`` option without ``replicate_to``, or
+            ``root_url`` is itself a checkpoint (statekit's or Accelerate's).
         PluginError: a ``statekit_attach`` or ``statekit_manager_start`` hook failed.
         PluginMissingError: ``replicate_to`` is set and the ``replicate`` plugin is blocked.
         StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
@@ -128,6 +132,7 @@ class CheckpointManager:
         else:
             self.accelerator, self.objects = accelerator, None
         self.root = Storage(root_url, storage_options)
+        refuse_checkpoint_as_root(self.root)
         self.root_url = self.root.url
         self.keep_last = keep_last
         self.keep_best = keep_best
@@ -361,10 +366,12 @@ class CheckpointManager:
                     f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
                     StatekitWarning,
                 )
+                logger.info("skipped %s (%s): incomplete Accelerate checkpoint? %s", info.name, info.url, exc)
                 last_error = exc
                 continue
             except (StatekitError, CheckpointNotFoundError) as exc:
                 warn_user(f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning)
+                logger.info("skipped %s (%s): %s", info.name, info.url, exc)
                 damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
                 if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
                     self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
@@ -378,10 +385,13 @@ class CheckpointManager:
             step = manifest.get("step")
             # Accelerate's folders count saves, not steps (their "step" is the gradient
             # accumulation counter): the folder's number is what continues the naming
-            return info.step if step is None or info.accelerate else int(step)
+            step = info.step if step is None or info.accelerate else int(step)
+            logger.info("resumed from step %s (%s)", step, info.url)
+            return step
         if last_error is not None:
             raise last_error
         self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
+        logger.info("no committed checkpoint under %s: starting from the beginning", self.root_url)
         return None
 
     def _load(
