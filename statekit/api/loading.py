@@ -22,6 +22,7 @@ from statekit.engine.gradients import AccumulatedGradients
 from statekit.engine.optimizer_fit import parameter_names
 from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError, warn_user
 from statekit.foreign import accelerate as accelerate_format
+from statekit.foreign.accelerate_convert import loaders_left_as_they_are
 from statekit.foreign.accelerate_rng import restore_rng
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_load_claims
@@ -127,7 +128,8 @@ def load_objects(
         return _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
     pm = get_plugin_manager()
     saved_objects = manifest["objects"]
-    entries = [e for e in entries if e.key in saved_objects or not e.optional]
+    left = {e.key for e in loaders_left_as_they_are(manifest, entries, storage.url)}  # converted: as its source loads
+    entries = [e for e in entries if e.key in saved_objects or not (e.optional or e.key in left)]
     missing_objects = sorted(e.key for e in entries if e.key not in saved_objects)
     if not strict:  # load what the checkpoint holds
         entries = [e for e in entries if e.key in saved_objects]

@@ -1,8 +1,8 @@
 """Directories written by ``Accelerator.save_state``: their file names, pickle gate, ``load`` and ``convert``.
 
 This module is the one reader of Accelerate directories: the inspection reader
-(:class:`statekit.foreign.readers.AccelerateReader`), :func:`load` and :func:`convert`
-all take the file names (:func:`accelerate_files`) and the pickle gate
+(:class:`statekit.foreign.readers.AccelerateReader`), :func:`load` and the converter
+(:mod:`statekit.foreign.accelerate_convert`) all take the file names (:func:`accelerate_files`) and the pickle gate
 (:func:`read_pickle`) from here.
 
 File names follow ``accelerate.checkpointing.save_accelerator_state`` and
@@ -26,12 +26,9 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.engine.commit import build_manifest, commit
-from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 from statekit.engine.gradients import warn_partial_window
-from statekit.engine.locking import prepare_target, release_lock
-from statekit.errors import StatekitError, StateMismatchError
+from statekit.errors import StateMismatchError
 from statekit.foreign.accelerate_rng import restore_rng, rng_snapshot
 from statekit.foreign.pickles import load_pickle
 from statekit.storage import Storage
@@ -302,93 +299,10 @@ ACCELERATE_RNG = "accelerate_rng"
 core restores them on load as Accelerate's ``load_state`` would."""
 
 
-def convert(src_url: str, out_url: str, *, allow_pickle: bool = False, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rewrite a directory written by ``Accelerator.save_state`` in the statekit format.
+def convert(src_url: str, out_url: str, **kwargs: Any) -> dict[str, Any]:
+    """Rewrite an Accelerate directory in the statekit format: see
+    :func:`statekit.foreign.accelerate_convert.convert` (the converter; kept here for
+    existing callers)."""
+    from statekit.foreign.accelerate_convert import convert as convert_directory  # it imports this module
 
-    The result loads with :func:`statekit.load_state` and ``CheckpointManager.resume()``
-    into the same run and restores what ``Accelerator.load_state`` of the source restores:
-    models (streamed tensor file to tensor file as ``model_<i>.safetensors``, the
-    ``_orig_mod.``/``module.`` prefixes removed), optimizers, schedulers, scaler, custom
-    objects, StatefulDataLoader positions (``dl_state_dict``), the step counter
-    (``accelerator``) and the random states of every rank (``accelerate_rng/rank-<r>``,
-    restored by the core on load). Pickle files are unpickled only with
-    ``allow_pickle=True`` and stored through the codec. ``sampler.bin`` (a pickled sampler
-    object, not state) is not converted.
-
-    Args:
-        src_url: the Accelerate directory.
-        out_url: the new checkpoint's URL (must not hold a committed checkpoint).
-        allow_pickle: permit unpickling the source's pickle files.
-        storage_options: fsspec options for both URLs.
-
-    Returns:
-        The committed manifest.
-
-    Raises:
-        PickleNotAllowedError: the source has pickle files and not ``allow_pickle``.
-        CheckpointExistsError: ``out_url`` holds a committed checkpoint.
-        StatekitError: ``src_url`` is not an Accelerate checkpoint.
-    """
-    src = Storage(src_url, storage_options)
-    if not is_accelerate_checkpoint(src):
-        raise StatekitError(f"{src_url} is not a directory written by Accelerator.save_state")
-    names = accelerate_files(src.listdir())
-    pickled = pickle_files(names)
-    if pickled and not allow_pickle:
-        read_pickle(src, pickled[0], allow_pickle)  # raises, naming the file
-    out = Storage(out_url, storage_options)
-    prepare_target(out, overwrite=False)
-    try:
-        world_size = max(1, sum(1 for n in names if n.startswith("random_states_")))
-        checkpoint = Checkpoint(out, mode="save", world_size=world_size)
-        objects: dict[str, Any] = {}
-        for name in names:
-            converted = _convert_file(src, checkpoint, name, allow_pickle)
-            if converted is not None:
-                key, kind = converted
-                objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
-        counters = checkpoint.save_state("accelerator", {"step": int(checkpoint.step or 0), "iteration": 0})
-        objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counters)}
-        if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
-            objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
-        metadata = {"converted_from": src.url, "source_format": "accelerate"}
-        manifest = build_manifest(checkpoint, checkpoint.files, objects, plugins={}, metadata=metadata, records={})
-        return commit(out, manifest, exclusive=True)
-    except BaseException:
-        release_lock(out, 0)
-        raise
-
-
-_CONVERTED_KINDS = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
-                    "dl_state_dict": "dataloader", "custom_checkpoint": "custom", "scaler": "scaler"}
-
-
-def _convert_file(src: Storage, checkpoint: Checkpoint, name: str, allow_pickle: bool) -> tuple[str, str] | None:
-    """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of the object
-    it holds, or None (random states, recorded under :data:`ACCELERATE_RNG` and setting
-    ``checkpoint.step``; ``sampler.bin``, a pickled sampler object and not state)."""
-    stem = name.partition(".")[0]
-    base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
-    if base == "random_states":
-        states = read_pickle(src, name, allow_pickle)
-        checkpoint.step = states.get("step", checkpoint.step)
-        checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
-        return None
-    kind = _CONVERTED_KINDS.get(base)
-    if kind is None:
-        return None
-    key = "scaler" if kind == "scaler" else f"{kind}_{index}"
-    if kind == "model":
-        checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
-    elif kind == "dataloader":  # the form statekit.engine.data.restore_loader takes for a stateful loader
-        checkpoint.save_state(f"{key}/rank-00000", {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)})
-    else:
-        checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
-    return key, kind
-
-
-def _object_entry(checkpoint: Checkpoint, key: str, kind: str, *, per_rank: bool) -> dict[str, Any]:
-    """The manifest ``objects`` entry of a converted object owned by the core."""
-    prefix = f"{key}/" if per_rank else f"{key}."
-    files = sorted(p for p in checkpoint.files if p.startswith(prefix))
-    return {"kind": kind, "owner": CORE, "per_rank": per_rank, "files": files}
+    return convert_directory(src_url, out_url, **kwargs)

@@ -1,0 +1,252 @@
+"""``statekit convert``: a directory written by ``Accelerator.save_state`` rewritten in the
+statekit format, loading exactly as its source loads.
+
+Two kinds of source:
+
+- a plain Accelerate directory: every Accelerate file becomes a statekit object (models
+  streamed tensor file to tensor file, pickles unpickled with ``allow_pickle`` and stored
+  through the codec, the random states of every rank under :data:`ACCELERATE_RNG`);
+- a directory an attached accelerator wrote (Accelerate's files and a statekit manifest
+  with ``records["statekit"]["layout"] == "accelerate"``): Accelerate's files are converted
+  as above, and every file statekit or a plugin wrote next to them (exact loader
+  positions ``dataloader_<i>/rank-<r>``, accumulated gradients, statekit-rng's ``rng/``
+  files, models a plugin saved) is copied byte for byte (checksums checked against the
+  source manifest) with its records, plugin versions and resume fingerprint. Where both
+  hold a loader's state, statekit's position wins, as in the attached load.
+
+A loader the source kept no state for (plain Accelerate writes ``dl_state_dict`` only for
+a ``StatefulDataLoader``) gets no entry; the converted manifest records
+``records["statekit"]["converted_from"] = "accelerate"`` so a load leaves such a loader
+as it is, as ``load_state`` of the source does (:func:`loaders_left_as_they_are`).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+from statekit import format as fmt
+from statekit.engine.commit import build_manifest, commit
+from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
+from statekit.engine.entries import strip_wrapper_prefixes
+from statekit.engine.locking import prepare_target, release_lock
+from statekit.errors import CorruptCheckpointError, StatekitError, StatekitWarning
+from statekit.foreign.accelerate import (
+    ACCELERATE_RNG,
+    accelerate_files,
+    is_accelerate_checkpoint,
+    pickle_files,
+    read_model,
+    read_pickle,
+)
+from statekit.format.manifest import read_manifest
+from statekit.storage import Storage
+
+CONVERTED_FROM = "converted_from"
+"""Key of ``records["statekit"]`` naming the source format of a converted checkpoint."""
+
+_CONVERTED_KINDS = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
+                    "dl_state_dict": "dataloader", "custom_checkpoint": "custom", "scaler": "scaler"}
+
+_OWN_OBJECT = re.compile(r"^(dataloader_\d+|gradients)/rank-\d{5}\.")
+
+
+def convert(
+    src_url: str,
+    out_url: str,
+    *,
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Rewrite a directory written by ``Accelerator.save_state`` (with or without statekit
+    attached) in the statekit format.
+
+    The result loads with :func:`statekit.load_state` and ``CheckpointManager.resume()``
+    into the same run and restores exactly what ``statekit.load_state`` of the source
+    restores: models (``model_<i>.safetensors``, the ``_orig_mod.``/``module.`` prefixes
+    removed), optimizers, schedulers, scaler, custom objects, the step counter
+    (``accelerator``), the random states of every rank (``accelerate_rng/rank-<r>``,
+    restored by the core on load), ``StatefulDataLoader`` states (``dl_state_dict``, for
+    every rank, as Accelerate loads the one file on every rank), and for an attach-mode
+    source everything statekit and its plugins wrote there (see the module docstring).
+    ``sampler.bin`` (a pickled sampler object, which ``statekit.load_state`` of the source
+    does not restore either) is not converted.
+
+    Args:
+        src_url: the Accelerate directory.
+        out_url: the new checkpoint's URL.
+        allow_pickle: permit unpickling the source's pickle files.
+        storage_options: fsspec options for both URLs.
+        overwrite: replace a committed checkpoint at ``out_url``.
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        PickleNotAllowedError: the source has pickle files and not ``allow_pickle``
+            (nothing is written).
+        CheckpointExistsError: ``out_url`` holds a committed checkpoint and not ``overwrite``.
+        CorruptCheckpointError: a file of an attach-mode source differs from its manifest
+            (names it; nothing is committed).
+        StatekitError: ``src_url`` is not an Accelerate checkpoint.
+    """
+    src = Storage(src_url, storage_options)
+    if not is_accelerate_checkpoint(src):
+        raise StatekitError(f"{src_url} is not a directory written by Accelerator.save_state")
+    names = accelerate_files(src.listdir())
+    attached = _attached_manifest(src)
+    pickled = pickle_files(names)
+    if pickled and not allow_pickle:
+        read_pickle(src, pickled[0], allow_pickle)  # raises, naming the file
+    own = _own_files(src, attached)  # checked before anything is written
+    out = Storage(out_url, storage_options)
+    prepare_target(out, overwrite=overwrite)
+    try:
+        world_size = int(attached["world_size"]) if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
+        checkpoint = Checkpoint(out, mode="save", world_size=world_size)
+        model_keys = _accelerate_model_keys(attached)
+        own_keys = {rel.split("/", 1)[0] for rel in own if _OWN_OBJECT.match(rel)}
+        objects: dict[str, Any] = {}
+        for name in names:
+            converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys)
+            if converted is not None:
+                key, kind = converted
+                objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
+        for rel, entry in own.items():
+            _copy_file(src, checkpoint, rel, entry)
+        for key in sorted(own_keys):
+            objects[key] = _object_entry(checkpoint, key, "dataloader" if key.startswith("dataloader_") else "custom", per_rank=True)
+        for key, obj in (attached or {}).get("objects", {}).items():  # models a plugin (or a registered hook) saved
+            if obj.get("owner") not in (CORE, ACCELERATE_WRITER):
+                objects[key] = dict(obj)
+        counters = checkpoint.save_state("accelerator", {"step": int(checkpoint.step or 0), "iteration": 0})
+        objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counters)}
+        if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
+            objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
+        records = {k: v for k, v in (attached or {}).get("records", {}).items() if k != CORE}
+        records[CORE] = {CONVERTED_FROM: "accelerate"}
+        writers = {e["writer"] for e in checkpoint.files.values()} | {o["owner"] for o in objects.values()} | set(records)
+        plugins = {k: v for k, v in (attached or {}).get("plugins", {}).items() if k in writers}
+        metadata = {**(attached or {}).get("metadata", {}), "converted_from": src.url, "source_format": "accelerate"}
+        fingerprint = (attached or {}).get("fingerprint")
+        manifest = build_manifest(checkpoint, checkpoint.files, objects, plugins=plugins, metadata=metadata,
+                                  records=records, fingerprint=fingerprint)
+        return commit(out, manifest, exclusive=not overwrite)
+    except BaseException:
+        release_lock(out, 0)
+        raise
+
+
+def loaders_left_as_they_are(manifest: dict[str, Any], entries: list[Any], url: str) -> list[Any]:
+    """The run's data loaders a checkpoint converted from Accelerate holds no state for
+    (its source kept none: plain Accelerate saves a loader's state only for a
+    ``StatefulDataLoader``). A load leaves them as they are, as ``load_state`` of the
+    source does, and warns naming them: their epoch restarts from its first batch.
+
+    Args:
+        manifest: the checkpoint's manifest.
+        entries: the run's classified objects (:class:`statekit.engine.entries.Entry`).
+        url: the checkpoint, for the warning.
+
+    Returns:
+        Those entries (empty for a checkpoint that was not converted from Accelerate).
+    """
+    if manifest.get("records", {}).get(CORE, {}).get(CONVERTED_FROM) != "accelerate":
+        return []
+    absent = [e for e in entries if e.kind == "dataloader" and e.key not in manifest["objects"]]
+    if absent:
+        warnings.warn(
+            f"{url}: converted from an Accelerate directory that saved no state for "
+            f"{', '.join(e.key for e in absent)}: left as it is, as Accelerator.load_state of the source leaves it "
+            "(its epoch restarts from the first batch; statekit.attach(accelerator) before saving keeps the position)",
+            StatekitWarning,
+            stacklevel=4,
+        )
+    return absent
+
+
+def _attached_manifest(src: Storage) -> dict[str, Any] | None:
+    """The manifest an attached accelerator committed in ``src``, or None (plain Accelerate)."""
+    if not src.exists(fmt.MANIFEST_NAME):
+        return None
+    manifest = read_manifest(src)
+    return manifest if manifest["records"].get(CORE, {}).get("layout") == "accelerate" else None
+
+
+def _own_files(src: Storage, attached: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The files statekit and plugins wrote next to Accelerate's (attach mode), by path;
+    every file the manifest lists (Accelerate's too) must exist with its size."""
+    if attached is None:
+        return {}
+    for rel, entry in attached["files"].items():
+        url = src.url_of(rel)
+        if not src.exists(rel):
+            raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was converted", path=url)
+        if src.size(rel) != entry["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"{url}: size {src.size(rel)} bytes, the manifest says {entry['size_bytes']}; nothing was converted", path=url
+            )
+    return {rel: e for rel, e in sorted(attached["files"].items()) if e.get("writer") != ACCELERATE_WRITER}
+
+
+def _accelerate_model_keys(attached: dict[str, Any] | None) -> dict[int, str]:
+    """Accelerate's model file number -> the model's key. Accelerate numbers the models it
+    saved by position among those no plugin took (attach mode records the owners)."""
+    if attached is None:
+        return {}
+    models = sorted((k for k, o in attached["objects"].items() if o.get("kind") == "model"), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return dict(enumerate(k for k in models if attached["objects"][k].get("owner") == ACCELERATE_WRITER))
+
+
+def _copy_file(src: Storage, checkpoint: Checkpoint, rel: str, entry: dict[str, Any]) -> None:
+    """Copy one file byte for byte, recorded with its writer and rank; its checksum must be
+    the source manifest's."""
+    with src.open_read(rel) as f, checkpoint.open(rel, "wb") as out:
+        while chunk := f.read(fmt.CHUNK_BYTES):
+            out.write(chunk)
+    copied = checkpoint.files[rel]
+    if copied["checksum"] != entry["checksum"] or copied["size_bytes"] != entry["size_bytes"]:
+        url = src.url_of(rel)
+        raise CorruptCheckpointError(f"{url}: checksum {copied['checksum']}, the manifest says {entry['checksum']}; "
+                                     "nothing was converted", path=url)
+    copied.update(writer=entry["writer"], rank=entry.get("rank", 0))
+
+
+def _convert_file(
+    src: Storage, checkpoint: Checkpoint, name: str, allow_pickle: bool, model_keys: dict[int, str], own_keys: set[str]
+) -> tuple[str, str] | None:
+    """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of the object
+    it holds, or None (random states, recorded under :data:`ACCELERATE_RNG` and setting
+    ``checkpoint.step``; ``sampler.bin``; a loader state statekit's own position replaces)."""
+    stem = name.partition(".")[0]
+    base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
+    if base == "random_states":
+        states = read_pickle(src, name, allow_pickle)
+        checkpoint.step = states.get("step", checkpoint.step)
+        checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
+        return None
+    kind = _CONVERTED_KINDS.get(base)
+    if kind is None:
+        return None
+    key = "scaler" if kind == "scaler" else f"{kind}_{index}"
+    if kind == "model":
+        key = model_keys.get(int(index), key)
+        checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
+    elif kind == "dataloader":
+        if key in own_keys:  # attach mode: statekit's exact position replaces the loader's own state
+            return None
+        state = {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)}  # as restore_loader takes it
+        for rank in range(checkpoint.world_size):  # Accelerate loads this one file on every rank
+            checkpoint.save_state(f"{key}/rank-{rank:05d}", state)
+    else:
+        checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
+    return key, kind
+
+
+def _object_entry(checkpoint: Checkpoint, key: str, kind: str, *, per_rank: bool) -> dict[str, Any]:
+    """The manifest ``objects`` entry of a converted object owned by the core."""
+    prefix = f"{key}/" if per_rank else f"{key}."
+    files = sorted(p for p in checkpoint.files if p.startswith(prefix))
+    return {"kind": kind, "owner": CORE, "per_rank": per_rank, "files": files}
