@@ -8,6 +8,8 @@ use, in :func:`get_plugin_manager`).
 
 from __future__ import annotations
 
+import logging
+
 from statekit._version import __version__
 
 from statekit.api.attach import Attachment, attach
@@ -78,3 +80,8 @@ __all__ = [
     "save_state",
     "verify",
 ]
+
+# A library's logging convention: statekit's INFO lines (saves, loads, resumes, skipped
+# checkpoints) go to the "statekit" logger and its children; nothing is printed unless the
+# application configures logging (logging.basicConfig(level=logging.INFO)).
+logging.getLogger(__name__).addHandler(logging.NullHandler())

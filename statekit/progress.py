@@ -24,6 +24,26 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+
+def human(size_bytes: int | None) -> str:
+    """A size in bytes for people (the CLI's tables, the log lines of saves and loads).
+
+    Args:
+        size_bytes: a size in bytes, or None.
+
+    Returns:
+        ``"1.5 MiB"``; ``"-"`` for None.
+    """
+    if size_bytes is None:
+        return "-"
+    value = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size_bytes} B"
+
+
 ENV_VAR = "STATEKIT_PROGRESS"
 """Environment variable: ``0`` turns progress bars off, ``1`` forces them on."""
 

@@ -12,17 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-
-def human(size_bytes: int | None) -> str:
-    """A size in bytes for people (``"1.5 MiB"``; ``"-"`` for None)."""
-    if size_bytes is None:
-        return "-"
-    value = float(size_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size_bytes} B"
+from statekit.progress import human  # noqa: F401  (sizes for people: one owner, shared with the API's log lines)
 
 
 def shape(dims: Any) -> str:
