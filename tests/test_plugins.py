@@ -778,18 +778,22 @@ def test_an_option_no_plugin_reads_warns_once_naming_the_closest_one(tmp_path, p
         statekit.load(str(tmp_path / "b"), {"t": torch.zeros(1)}, device_map=None, offload_folder=None)  # declared
 
 
-def test_options_are_not_checked_while_a_plugin_declares_none(tmp_path, plugin_manager):
+def test_a_plugin_that_declares_no_options_does_not_hide_typos(tmp_path, plugin_manager):
     class Declares:
-        STATEKIT_OPTIONS = frozenset()
+        STATEKIT_OPTIONS = frozenset({"device_map"})
 
-    class Undeclared:  # may read any option
+    class Undeclared:  # counts as reading none: named in the warning, never silences it
         pass
 
     plugin_manager.register(Declares(), name="declares")
     plugin_manager.register(Undeclared(), name="undeclared")
+    model = torch.nn.Linear(2, 2)
+    with pytest.warns(statekit.StatekitWarning, match=r"'keep_lats' is declared by no registered plugin.*did you mean 'keep_last'\?.*plugin\(s\) undeclared declare no STATEKIT_OPTIONS") as caught:
+        statekit.CheckpointManager({"model": model}, str(tmp_path / "run"), keep_lats=2)
+    assert caught[0].filename == __file__  # the user's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        statekit.save(str(tmp_path / "a"), {"t": torch.zeros(1)}, anything=1)
+        statekit.save(str(tmp_path / "a"), {"t": torch.zeros(1)}, device_map=None)  # declared by one plugin
 
 
 def test_every_installed_statekit_plugin_declares_its_options():

@@ -24,7 +24,7 @@ from typing import Any
 import pluggy
 
 from statekit.hooks import hookspecs
-from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user
+from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user, warn_user
 from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
@@ -165,12 +165,13 @@ class PluginManager(pluggy.PluginManager):
         )
 
     def check_options(self, options: Mapping[str, Any], caller: Callable[..., Any] | None = None) -> None:
-        """Warn once per name about a plugin option that no registered plugin reads (a
+        """Warn once per name about a plugin option that no registered plugin declares (a
         misspelled ``keep_last`` would otherwise pass silently into ``checkpoint.options``).
 
         A plugin declares the ``checkpoint.options`` keys it reads as ``STATEKIT_OPTIONS``
-        (a set of names; empty when it reads none). A plugin that declares nothing may read
-        any option, so with one registered nothing is checked.
+        (a set of names; empty when it reads none). Options are checked per plugin: a
+        plugin that declares nothing counts as reading none, so it never switches the check
+        off for the others; the warning names it, in case it reads the option undeclared.
 
         Args:
             options: the keyword options a caller passed through to the plugins.
@@ -178,18 +179,22 @@ class PluginManager(pluggy.PluginManager):
                 offered as suggestions (read only when an option is unknown).
 
         Warns:
-            StatekitWarning: naming the option, the closest known name if any, and the
-                registered plugins.
+            StatekitWarning: naming the option, the closest known name if any, the
+                registered plugins, and those that declare no ``STATEKIT_OPTIONS``.
         """
         unknown = [name for name in options if name not in self._warned_options]
         if not unknown:
             return
         declared: set[str] = set()
-        for plugin in self.get_plugins():
+        undeclared: list[str] = []
+        for plugin_name, plugin in self.list_name_plugin():
+            if plugin is None:
+                continue
             names = getattr(plugin, "STATEKIT_OPTIONS", None)
             if names is None:
-                return
-            declared |= set(names)
+                undeclared.append(plugin_name)
+            else:
+                declared |= set(names)
         keywords = set(inspect.signature(caller).parameters) if caller is not None else set()
         for name in unknown:
             if name in declared:
@@ -198,10 +203,15 @@ class PluginManager(pluggy.PluginManager):
             close = difflib.get_close_matches(name, sorted(declared | keywords), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             plugins = ", ".join(sorted(n for n, p in self.list_name_plugin() if p is not None)) or "none"
-            warn_user(
-                f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}",
-                StatekitWarning,
-            )
+            if undeclared:
+                message = (
+                    f"option {name!r} is declared by no registered plugin (registered: {plugins}), so it most "
+                    f"likely does nothing{hint} (plugin(s) {', '.join(sorted(undeclared))} declare no "
+                    f"STATEKIT_OPTIONS: if one of them reads {name!r}, it should declare it)"
+                )
+            else:
+                message = f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}"
+            warn_user(message, StatekitWarning)
 
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""

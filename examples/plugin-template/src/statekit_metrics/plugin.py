@@ -27,6 +27,11 @@ from statekit.plugin_api import Checkpoint, StatekitError, hookimpl
 FILE = "metrics.json"
 """Path of the plugin's file, relative to the checkpoint."""
 
+STATEKIT_OPTIONS = frozenset({"run_name", "metrics_out"})
+"""The options this plugin documents (``run_name`` is recorded, ``metrics_out`` receives the
+file on load): declared so that statekit warns about a misspelled one. It records any
+other JSON option too, which statekit then warns about as possibly misspelled."""
+
 _LAST: dict[str, Any] = {}
 
 
