@@ -43,6 +43,8 @@ The names, by topic:
   ``overwrite=True`` respect them): :func:`mark_in_use`, :func:`release_in_use`,
   :func:`in_use_markers`, :func:`is_in_use`, :func:`remove_stale_markers`,
   :class:`InUseMarker`;
+* warnings: :func:`warn_user` (a warning that points at the user's line, not the plugin's:
+  every warning on a save/load path goes through it);
 * processes: :func:`rank_and_world_size` and :func:`statekit_group` (statekit's own gloo
   group, for a plugin's collectives), and :func:`current_accelerator_type` (the one
   accelerator lookup: the core's resume fingerprint and RNG guard use it too).
@@ -73,6 +75,7 @@ from statekit.errors import (
     StorageError,
     UnsupportedDtypeError,
     UnsupportedValueError,
+    warn_user,
 )
 from statekit.format import (
     CHUNK_BYTES,
@@ -124,6 +127,7 @@ __all__ = [
     "StorageError",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
+    "warn_user",
     # storage
     "Storage",
     "storage_errors",

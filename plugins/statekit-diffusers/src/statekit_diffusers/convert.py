@@ -25,7 +25,6 @@ UNet and one noise scheduler. Without one, the component folders are written and
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from statekit.plugin_api import (
@@ -38,6 +37,7 @@ from statekit.plugin_api import (
     Storage,
     read_manifest,
     storage_errors,
+    warn_user,
 )
 
 from statekit_diffusers import layout
@@ -110,12 +110,11 @@ def convert(
 
     pipeline = pipeline_class or records.get(PIPELINE_RECORD) or _infer_pipeline(entries)
     if pipeline is None:
-        warnings.warn(
+        warn_user(
             f"{out.url}: wrote the component folders ({', '.join(sorted(index))}) but no model_index.json: "
             "say which pipeline they form (save with diffusers_pipeline='StableDiffusionPipeline', "
             "or convert(..., pipeline_class=...))",
             StatekitWarning,
-            stacklevel=2,
         )
         return {}
     model_index = {"_class_name": pipeline, "_diffusers_version": layout.library_version(layout.DIFFUSERS), **index}

@@ -15,11 +15,10 @@ exported pipeline. Without the plugin the core stores the same configuration as 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from statekit.plugin_api import StatekitError, StatekitWarning
+from statekit.plugin_api import StatekitError, StatekitWarning, warn_user
 
 from statekit_diffusers import layout
 
@@ -87,11 +86,10 @@ class NoiseScheduler:
         changes = layout.config_changes(self.scheduler.config, state["config"])
         differences += [f"{k} saved {v!r} vs live {self.scheduler.config.get(k)!r}" for k, v in sorted(changes.items())]
         if differences:
-            warnings.warn(
+            warn_user(
                 "the noise scheduler differs from the checkpoint's (not changed; training will not resume exactly): "
                 + "; ".join(differences),
                 StatekitWarning,
-                stacklevel=2,
             )
 
     def __repr__(self) -> str:

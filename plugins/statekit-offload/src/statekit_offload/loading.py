@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from statekit.plugin_api import (
     mark_in_use,
     read_header,
     release_in_use,
+    warn_user,
 )
 from statekit_offload import _stream, offload_format
 from statekit_offload._ties import merge_groups
@@ -339,11 +339,10 @@ class _ModelLoad:
         from accelerate.utils.offload import extract_submodules_state_dict
 
         if self.info.in_memory_fallback:
-            warnings.warn(
+            warn_user(
                 f"{self.url}: {', '.join(self.info.in_memory_fallback)} mapped to 'disk' but kept in CPU memory: "
                 "Accelerate's offload format has no encoding for their dtype",
                 StatekitWarning,
-                stacklevel=3,
             )
         if self.folder is not None:
             offload_format.write_index(self.folder, self.index)
