@@ -173,7 +173,7 @@ def load_objects(
         read.check_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)  # every model first
         not_restored = read.load_entries_undoable(checkpoint, early, saved_objects)  # put back if one refuses
         incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
-        not_restored += read.load_entries(checkpoint, late, saved_objects)  # checked above
+        not_restored += _load_after_models(checkpoint, late, saved_objects)
     _restore_accelerate_rng(checkpoint, saved_objects)
     not_restored += _ranks_not_restored(manifest, checkpoint)
     if not_restored:
@@ -182,6 +182,21 @@ def load_objects(
     if not strict:
         manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}
     return manifest
+
+
+def _load_after_models(checkpoint: Checkpoint, late: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+    """The optimizers and tensors, applied after the models (their fit was checked before
+    anything was loaded; what can still fail is a damaged file): an error says what is loaded."""
+    try:
+        return read.load_entries(checkpoint, late, saved_objects)
+    except (CorruptCheckpointError, StateMismatchError) as exc:
+        note = (
+            f" (the models and every object but {', '.join(repr(e.key) for e in late)} are loaded; "
+            "load a good checkpoint before training)"
+        )
+        if isinstance(exc, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"{exc}{note}", path=exc.path) from exc
+        raise StateMismatchError(f"{checkpoint.url}", reason=f"{exc}{note}") from exc
 
 
 def _run_load_pre_hooks(

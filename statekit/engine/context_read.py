@@ -178,11 +178,16 @@ class CheckpointReads:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptCheckpointError(f"{self.url}/{rel}: not valid JSON: {exc}", path=f"{self.url}/{rel}") from None
 
-    def load_state(self, base: str) -> Any:
+    def load_state(self, base: str, shapes_only: bool = False) -> Any:
         """Read what :meth:`save_state` wrote under ``base``.
 
         Args:
             base: the ``base`` given to :meth:`save_state`.
+            shapes_only: tensors come back as meta tensors of the saved shapes and dtypes,
+                made from the tensor file's header: no tensor data is read (a load checks
+                that a state fits before it reads it, :mod:`statekit.engine.optimizer_fit`).
+                A value that needs its data to be rebuilt (a NumPy array) raises
+                ``TypeError`` or ``RuntimeError``.
 
         Returns:
             The state, with the same types as saved.
@@ -196,6 +201,27 @@ class CheckpointReads:
         doc = self.load_json(f"{base}.json")
         if not isinstance(doc, dict) or "state" not in doc:
             raise CorruptCheckpointError(f"{self.url}/{base}.json: not a statekit state file", path=f"{self.url}/{base}.json")
-        tensors = self.load_tensors(f"{base}.safetensors") if doc.get("tensors") else {}
+        if not doc.get("tensors"):
+            tensors = {}
+        elif shapes_only:
+            tensors = self._meta_tensors(f"{base}.safetensors")
+        else:
+            tensors = self.load_tensors(f"{base}.safetensors")
         source = f"{self.url}/{base}.json"
         return codec.decode(doc["state"], tensors, source=source, root=base, version=doc.get("codec", 1))
+
+    def _meta_tensors(self, rel: str) -> dict[str, torch.Tensor]:
+        """``name -> meta tensor`` of a tensor file's header (aliases included); reads the header only.
+
+        Raises:
+            CorruptCheckpointError: missing file or malformed header (names the file).
+        """
+        fmt.check_relpath(rel, source=self.url)
+        expected = self._expected(rel)
+        url = f"{self.url}/{rel}"
+        with self._open_read(rel) as f, storage_errors(url, "reading"):
+            size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
+            header = fmt.read_header(f, url, size)
+        tensors = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in header.entries}
+        tensors.update({alias: tensors[name] for alias, name in header.aliases.items()})
+        return tensors

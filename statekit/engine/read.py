@@ -7,6 +7,7 @@ module what no plugin took.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,8 @@ from statekit import format as fmt
 from statekit.engine import data
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, check_fit
+from statekit.engine.gradients import AccumulatedGradients
+from statekit.engine.optimizer_fit import check_optimizer_fit
 from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.progress import progress
 from statekit.format.manifest import read_manifest
@@ -49,6 +52,126 @@ def load_models(
         CorruptCheckpointError: a file fails verification (names it).
     """
     return {key: load_model(checkpoint, key, model, saved_objects[key], strict) for model, key in zip(core_models, keys)}
+
+
+def check_models(
+    checkpoint: Checkpoint,
+    core_models: list[torch.nn.Module],
+    keys: list[str],
+    saved_objects: dict[str, Any],
+    strict: bool = True,
+) -> None:
+    """Check every model against its saved keys, shapes and dtypes (from the tensor
+    file's header) before any model is filled: a load that refuses the second model has
+    not filled the first.
+
+    Args:
+        checkpoint, core_models, keys, saved_objects, strict: as :func:`load_models`.
+
+    Raises:
+        StateMismatchError: a model does not fit (every model is untouched).
+        CorruptCheckpointError: a header is malformed (names the file).
+    """
+    for model, key in zip(core_models, keys):
+        _fit_model(checkpoint, key, model, saved_objects[key], strict)
+
+
+def check_entries(
+    checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any], names: Mapping[int, str] | None = None
+) -> None:
+    """Check that the saved state of every optimizer and tensor among ``entries`` fits it,
+    before anything is applied: an optimizer's parameter groups and the shapes of its state
+    tensors (:func:`statekit.engine.optimizer_fit.check_optimizer_fit`), a tensor's shape
+    and dtype. Reads the state files' skeletons and the tensor files' headers, no tensor data.
+
+    Args:
+        checkpoint: the load's context.
+        entries: the objects the core loads (entries of other kinds are skipped).
+        saved_objects: the manifest's ``objects``.
+        names: ``id(parameter) -> name`` for the messages
+            (:func:`statekit.engine.optimizer_fit.parameter_names`).
+
+    Raises:
+        StateMismatchError: a state does not fit (names the object, the file, the
+            parameter and both shapes); nothing was loaded.
+        CorruptCheckpointError: a state file is missing or malformed (names it).
+    """
+    files = checkpoint.manifest["files"] if checkpoint.manifest is not None else {}
+    for e in entries:
+        saved = saved_objects.get(e.key)
+        if saved is None or e.kind not in ("optimizer", "tensor"):
+            continue
+        base = _state_base(checkpoint, e, saved)
+        if f"{base}.json" not in files:
+            continue  # per-rank state of another world size: reported when it is loaded
+        where = f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json)"
+        try:
+            state = checkpoint.load_state(base, shapes_only=True)
+        except (TypeError, RuntimeError, NotImplementedError):
+            continue  # a value that needs its data (a NumPy array): checked when it is applied
+        if e.kind == "optimizer":
+            check_optimizer_fit(where, e.obj, state, names)
+        else:
+            _check_tensor(where, e, state)
+
+
+def split_for_load(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """The order in which a load applies what no plugin took.
+
+    Returns:
+        ``(early, late)``: ``early`` is applied before the models are filled, each object
+        with a snapshot to put back if a later one refuses its state (schedulers, scaler,
+        custom objects, dicts; then the accumulated gradients, which check every gradient
+        before they set one, and the data loaders, whose positions are not put back);
+        ``late`` (optimizers, tensors: their large files are read after the models', into
+        the memory made ahead while the models are read) is checked before anything is
+        applied (:func:`check_entries`) and applied after the models.
+    """
+    late = [e for e in entries if e.kind in ("optimizer", "tensor")]
+    last = [e for e in entries if not _undoable(e) and e.kind != "dataloader"]
+    last += [e for e in entries if e.kind == "dataloader"]
+    placed = {id(e) for e in late + last}
+    early = [e for e in entries if id(e) not in placed] + last
+    return early, late
+
+
+def _undoable(e: Entry) -> bool:
+    """Whether a snapshot of the object's state puts it back (not a data loader's position,
+    nor accumulated gradients, whose state at a sync point is "no gradients")."""
+    return e.kind != "dataloader" and not isinstance(e.obj, AccumulatedGradients)
+
+
+def load_entries_undoable(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+    """Restore ``entries`` (the ``early`` of :func:`split_for_load`) all or nothing: each
+    object's current state is kept before its state is applied, and when one refuses its
+    state the ones already applied are put back before the error is raised.
+
+    Returns:
+        What could not be restored, as :func:`load_entries`.
+
+    Raises:
+        StateMismatchError: an object refused its state (names the object and file); every
+            object of ``entries`` applied before it was put back.
+        CorruptCheckpointError: a file fails verification (names it); nothing was applied.
+    """
+    not_restored: list[str] = []
+    undo: list[tuple[Entry, Any]] = []
+    try:
+        for e in entries:
+            if e.kind == "dict":
+                undo.append((e, dict(e.obj)))
+            elif _undoable(e):
+                undo.append((e, copy.deepcopy(e.obj.state_dict())))
+            _load_entry(checkpoint, e, saved_objects[e.key], not_restored)
+    except BaseException:
+        for e, before in reversed(undo):
+            if e.kind == "dict":
+                e.obj.clear()
+                e.obj.update(before)
+            else:
+                e.obj.load_state_dict(before)
+        raise
+    return not_restored
 
 
 def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
@@ -91,26 +214,44 @@ def _state_base(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any]) -> str:
     return f"{e.key}/rank-{checkpoint.rank:05d}" if saved.get("per_rank") else e.key
 
 
-def load_model(
+def _fit_model(
     checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any], strict: bool = True
-) -> dict[str, list[str]]:
-    """Fill one model in place (see :func:`load_models`); returns its missing and
-    unexpected keys (empty when strict)."""
+) -> tuple[dict[str, Any], set[str], dict[str, list[str]]]:
+    """Check one model against its saved state (the tensor file's header, or a codec
+    file's shapes) without filling it.
+
+    Returns:
+        ``(targets, saved keys, report)``: the model's state dict, the saved keys, and the
+        missing and unexpected keys (empty when strict).
+    """
     files = saved.get("files") or [f"{key}.safetensors"]
     targets = model.state_dict()
     if f"{key}.json" in files:  # a model with extra (non-tensor) state, stored through the codec
-        state = checkpoint.load_state(key)
+        try:
+            state = checkpoint.load_state(key, shapes_only=True)
+        except (TypeError, RuntimeError, NotImplementedError):
+            state = checkpoint.load_state(key)
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
-        report = _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state), strict)
-        model.load_state_dict(state, strict=strict)
-        return report
+        return targets, set(state), _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state), strict)
     rel = f"{key}.safetensors"
     header = _header(checkpoint, rel)
     shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
     for alias, name in header.aliases.items():
         shapes[alias] = shapes[name]
-    report = _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes), strict)
-    shared = {k: t for k, t in targets.items() if k in shapes}
+    return targets, set(shapes), _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes), strict)
+
+
+def load_model(
+    checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any], strict: bool = True
+) -> dict[str, list[str]]:
+    """Fill one model in place (see :func:`load_models`); returns its missing and
+    unexpected keys (empty when strict)."""
+    targets, saved_keys, report = _fit_model(checkpoint, key, model, saved, strict)
+    if f"{key}.json" in (saved.get("files") or ()):
+        model.load_state_dict(checkpoint.load_state(key), strict=strict)
+        return report
+    rel = f"{key}.safetensors"
+    shared = {k: t for k, t in targets.items() if k in saved_keys}
     try:
         with torch.no_grad():
             checkpoint.load_tensors(rel, into=shared)
@@ -169,13 +310,7 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
     state = checkpoint.load_state(base)
     where = f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json)"
     if e.kind == "tensor":
-        value = state.get(e.key) if isinstance(state, dict) else None
-        if not isinstance(value, torch.Tensor):
-            raise StateMismatchError(where, missing=[e.key])
-        if value.shape != e.obj.shape or value.dtype != e.obj.dtype:
-            raise StateMismatchError(
-                where, mismatched={e.key: f"saved {list(value.shape)} {value.dtype} vs target {list(e.obj.shape)} {e.obj.dtype}"}
-            )
+        value = _check_tensor(where, e, state)
         with torch.no_grad():
             e.obj.copy_(value)
         return
@@ -189,6 +324,18 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_res
             e.obj.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise StateMismatchError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_tensor(where: str, e: Entry, state: Any) -> torch.Tensor:
+    """The saved tensor of a tensor entry, checked against the live one's shape and dtype."""
+    value = state.get(e.key) if isinstance(state, dict) else None
+    if not isinstance(value, torch.Tensor):
+        raise StateMismatchError(where, missing=[e.key])
+    if value.shape != e.obj.shape or value.dtype != e.obj.dtype:
+        raise StateMismatchError(
+            where, mismatched={e.key: f"saved {list(value.shape)} {value.dtype} vs target {list(e.obj.shape)} {e.obj.dtype}"}
+        )
+    return value
 
 
 def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] | None]:

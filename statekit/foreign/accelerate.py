@@ -19,7 +19,9 @@ is loaded.
 from __future__ import annotations
 
 import copy
+import pickle
 import re
+import zipfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,9 +30,10 @@ import torch
 from statekit import format as fmt
 from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 from statekit.engine.gradients import warn_partial_window
-from statekit.errors import StateMismatchError
+from statekit.engine.optimizer_fit import check_optimizer_fit, parameter_names
+from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.foreign.accelerate_rng import restore_rng, rng_snapshot
-from statekit.foreign.pickles import load_pickle
+from statekit.foreign.pickles import load_pickle, unreadable_pickle
 from statekit.storage import Storage
 
 _ACCELERATE_FILE = re.compile(
@@ -205,8 +208,10 @@ def load(
 
     Raises:
         PickleNotAllowedError: a needed file is pickle and ``allow_pickle`` is False.
-        StateMismatchError: an object has no file, or its state does not fit; nothing
-            was changed.
+        StateMismatchError: an object has no file, or its state does not fit (an
+            optimizer's parameter groups or state shapes included); nothing was changed.
+        CorruptCheckpointError: a file cannot be read (a truncated ``optimizer.bin``;
+            names it); nothing was changed.
     """
     names = set(storage.listdir())
     plan = _plan_load(storage, entries, names)
@@ -215,8 +220,11 @@ def load(
     pickled = [rel for _, rel in plan if not rel.endswith(".safetensors")] + ([rng_file] if rng_file else [])
     if pickled and not allow_pickle:
         read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
-    staged = _read_and_check(storage, plan, allow_pickle, accelerator)  # nothing is applied yet
-    rng_states = read_pickle(storage, rng_file, allow_pickle) if rng_file else None
+    try:
+        staged = _read_and_check(storage, plan, allow_pickle, accelerator)  # nothing is applied yet
+        rng_states = read_pickle(storage, rng_file, allow_pickle) if rng_file else None
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc}; nothing was loaded", path=exc.path) from exc
     _apply_all_or_nothing(storage, staged, rng_states)
     step = rng_states.get("step") if rng_states is not None else None
     if accelerator is not None and step is not None:
@@ -246,11 +254,16 @@ def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tu
 
 def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle: bool, accelerator: Any) -> list[tuple[Any, str, Any]]:
     """Read every planned file; check each model's state fits it (the one fit check,
-    :func:`statekit.engine.entries.check_fit`). Returns ``(model or entry, file, state)``."""
+    :func:`statekit.engine.entries.check_fit`) and each optimizer's
+    (:func:`statekit.engine.optimizer_fit.check_optimizer_fit`). Returns ``(model or entry, file, state)``."""
     staged: list[tuple[Any, str, Any]] = []
+    names = parameter_names(unwrap_model(e.obj, accelerator) for e, _ in plan if e.kind == "model")
     for e, rel in plan:
         if e.kind != "model":
-            staged.append((e, rel, read_pickle(storage, rel, allow_pickle)))
+            state = read_pickle(storage, rel, allow_pickle)
+            if e.kind == "optimizer":
+                check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+            staged.append((e, rel, state))
             continue
         model = unwrap_model(e.obj, accelerator)
         targets = model.state_dict()
@@ -259,6 +272,87 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
         check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
         staged.append((model, rel, state))
     return staged
+
+
+def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any = None, *, strict: bool = True) -> None:
+    """Check, before ``Accelerator.load_state`` loads anything (attach mode), that the
+    models and optimizers fit Accelerate's files: Accelerate fills the models first and
+    an optimizer that refuses its state afterwards leaves a half-restored run.
+
+    Shapes only: a safetensors model file's header; a pickle file (``.bin``) opened with
+    ``torch.load(mmap=True, weights_only=True)``, which maps the tensor data without
+    reading it. A file the restricted unpickler refuses is left to Accelerate (it is not
+    unpickled here); a file Accelerate does not name this way (FSDP, DeepSpeed) is skipped.
+
+    Args:
+        storage: the directory being loaded.
+        entries: model entries keyed by their position among the models Accelerate loads
+            (``model_<i>``), and optimizer entries (``optimizer_<i>``); others are skipped.
+        accelerator: the run's Accelerator (unwraps its models), or None.
+        strict: False (``accelerator.load_state(dir, strict=False)``): a model's missing
+            and unexpected keys are allowed; shapes and dtypes of shared keys must match.
+
+    Raises:
+        StateMismatchError: a model or optimizer does not fit (names it, the file, the
+            parameter and both shapes); nothing was loaded.
+        CorruptCheckpointError: a file cannot be read (truncated; names it); nothing was loaded.
+    """
+    names_in_dir = set(storage.listdir())
+    models = [e for e in entries if e.kind == "model"]
+    names = parameter_names(unwrap_model(e.obj, accelerator) for e in models)
+    for e in entries:
+        if e.kind not in ("model", "optimizer"):
+            continue
+        rel = file_for(e.kind, _index(e.key), names_in_dir)
+        if rel is None or not storage.is_local:
+            continue
+        if e.kind == "model":
+            model = unwrap_model(e.obj, accelerator)
+            targets = model.state_dict()
+            saved = _saved_shapes(storage, rel, targets)
+            if saved is None:
+                continue
+            if not strict:
+                targets = {k: t for k, t in targets.items() if k in saved}
+                saved = {k: v for k, v in saved.items() if k in targets}
+            check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+        else:
+            state = _peek_pickle(storage, rel)
+            if state is not None:
+                check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+
+
+def _saved_shapes(storage: Storage, rel: str, targets: Any) -> dict[str, tuple[Any, Any]] | None:
+    """``name -> (shape, dtype)`` of a model file (prefixes stripped), from metadata only."""
+    if rel.endswith(".safetensors"):
+        with storage.open_read(rel) as f:
+            header = fmt.read_header(f, storage.url_of(rel), storage.size(rel))
+        by_name = {e.name: e for e in header.entries}
+        shapes = {e.name: (tuple(e.shape), e.dtype) for e in header.entries}
+        shapes.update({a: (tuple(by_name[n].shape), by_name[n].dtype) for a, n in header.aliases.items()})
+        return strip_wrapper_prefixes(shapes, targets)
+    state = _peek_pickle(storage, rel)
+    if not isinstance(state, dict):
+        return None
+    state = strip_wrapper_prefixes(state, targets)
+    return {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None) for k, v in state.items()}
+
+
+def _peek_pickle(storage: Storage, rel: str) -> Any:
+    """A local torch file's object with its tensors memory-mapped (no data read), or None
+    when the restricted unpickler refuses it (Accelerate's own load decides then).
+
+    Raises:
+        CorruptCheckpointError: the file cannot be read (truncated, damaged; names it).
+    """
+    try:
+        return torch.load(storage.path_of(rel), map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError:
+        return None
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:
+        if not zipfile.is_zipfile(storage.path_of(rel)) and "mmap" in str(exc):
+            return None  # an old (non-zip) torch file cannot be memory-mapped: Accelerate reads it
+        raise unreadable_pickle(storage.url_of(rel), exc) from exc
 
 
 def _apply_all_or_nothing(storage: Storage, staged: list[tuple[Any, str, Any]], rng_states: dict[str, Any] | None) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from statekit.engine.entries import strip_wrapper_prefixes
-from statekit.errors import PickleNotAllowedError
+from statekit.errors import CorruptCheckpointError, PickleNotAllowedError
 from statekit.storage import Storage
 
 
@@ -67,6 +67,7 @@ def load_pickle(
 
     Raises:
         PickleNotAllowedError: ``allow_pickle`` is False (names the file; nothing is read).
+        CorruptCheckpointError: the file cannot be unpickled (truncated or damaged; names it).
     """
     refuse_pickle(storage.url_of(rel), allow_pickle, what, remedy)
     if mmap and storage.is_local:
@@ -74,15 +75,36 @@ def load_pickle(
         for kwargs in ({"weights_only": True, "mmap": True}, {"weights_only": True}, {"weights_only": False}):
             try:
                 return torch.load(path, map_location="cpu", **kwargs)
-            except (pickle.UnpicklingError, RuntimeError, ValueError):
+            except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
                 if kwargs["weights_only"] is False:
-                    raise
+                    raise unreadable_pickle(storage.url_of(rel), exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
     data = storage.read_bytes(rel)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        raise unreadable_pickle(storage.url_of(rel), exc) from exc
+
+
+def unreadable_pickle(url: str, exc: BaseException) -> CorruptCheckpointError:
+    """The error for a torch file that cannot be unpickled (truncated by an interrupted
+    copy or save, or damaged): ``torch.load`` says ``negative seek value`` or
+    ``PytorchStreamReader failed reading zip archive``, naming no file.
+
+    Args:
+        url: the file.
+        exc: what ``torch.load`` raised.
+
+    Returns:
+        A :class:`CorruptCheckpointError` naming the file (``.path``) and the cause.
+    """
+    return CorruptCheckpointError(
+        f"{url}: cannot be read as a torch file (truncated or damaged): {type(exc).__name__}: {exc}",
+        path=url,
+    )
 
 
 def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:

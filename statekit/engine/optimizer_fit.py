@@ -1,0 +1,170 @@
+"""Does a saved optimizer state fit the live optimizer? Checked before anything of a load is applied.
+
+``torch.optim.Optimizer.load_state_dict`` checks only the number of parameter groups and
+of parameters per group, and only when it is called: in a load that has already filled
+the models, its refusal (a parameter frozen and left out of the optimizer since the save)
+leaves a half-restored run. It never compares the state tensors with the parameters: state
+saved for a parameter of another shape (parameters created in another order) loads, and
+the first ``optimizer.step()`` fails with a plain ``RuntimeError``.
+:func:`check_optimizer_fit` is the one check every load path runs first (the statekit
+format, an Accelerate directory, attach mode), from the saved state's structure and tensor
+shapes only: a tensor's data is never needed (the statekit format checks it from the
+tensor file's header, :func:`statekit.engine.read.peek_state`).
+
+Which state tensors must have their parameter's shape: the per-parameter buffers of
+``torch.optim`` (:data:`PARAMETER_SHAPED`); for any key, the shape the live optimizer
+already holds for that parameter (a run that stepped before loading). Other state
+(Adafactor's factored row/column statistics, 8-bit optimizers' quantisation maps) has
+shapes of its own and is not compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from statekit.errors import StateMismatchError
+
+PARAMETER_SHAPED = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta", "sum",
+     "ax", "prev", "step_size", "exp_inf"}
+)
+"""State keys of ``torch.optim`` optimizers (Adam/AdamW, SGD, RMSprop, Adadelta, Adagrad,
+ASGD, Rprop, Adamax, NAdam, RAdam) whose tensors have their parameter's shape."""
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` under wrappers (Accelerate's ``AcceleratedOptimizer``
+    keeps it as ``.optimizer``), or None when there is none."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def parameter_names(models: Iterable[torch.nn.Module]) -> dict[int, str]:
+    """``id(parameter) -> name`` over ``models`` (the first name of a shared parameter), for
+    messages that name a parameter the way the user's model does.
+
+    Args:
+        models: the run's (unwrapped) models.
+
+    Returns:
+        The names by parameter identity.
+    """
+    names: dict[int, str] = {}
+    for model in models:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+    return names
+
+
+def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[int, str] | None = None) -> None:
+    """Refuse a saved optimizer state that ``optimizer`` cannot take, before anything is applied.
+
+    Args:
+        where: the optimizer and the file its state comes from, for the message
+            (``"optimizer 'optimizer_0' (<url>/optimizer_0.json)"``).
+        optimizer: the live optimizer (an ``AcceleratedOptimizer`` is unwrapped); one that
+            is not a ``torch.optim.Optimizer``, or has ``load_state_dict`` pre-hooks (they
+            may rewrite the state), is not checked here.
+        state: the saved state dict; its tensors may be meta tensors (shapes only).
+        names: ``id(parameter) -> name`` (:func:`parameter_names`); a parameter without a
+            name is named by its group and index.
+
+    Raises:
+        StateMismatchError: not an optimizer state, another number of parameter groups or
+            of parameters in a group (the parameters that differ are named where the saved
+            state tells), or a state tensor whose shape is not its parameter's (names the
+            parameter, the state key and both shapes).
+    """
+    opt = torch_optimizer(optimizer)
+    if opt is None or getattr(opt, "_optimizer_load_state_dict_pre_hooks", None):
+        return
+    names = names or {}
+    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), (list, tuple)) or not isinstance(
+        state.get("state"), Mapping
+    ):
+        raise StateMismatchError(where, reason="the saved state is not an optimizer state dict (no 'state' and 'param_groups')")
+    saved_groups, live_groups = list(state["param_groups"]), opt.param_groups
+    if len(saved_groups) != len(live_groups):
+        raise StateMismatchError(
+            where,
+            reason=f"{len(saved_groups)} parameter groups saved, the optimizer has {len(live_groups)}; "
+            "nothing was loaded (build the optimizer with the parameter groups of the saved run)",
+        )
+    live_name = _namer(live_groups, names)
+    sizes = []
+    for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        if len(saved.get("params", ())) != len(live["params"]):
+            sizes.append(
+                f"parameter group {g}: {len(saved.get('params', ()))} parameters saved, the optimizer has "
+                f"{len(live['params'])}{_which_differ(state['state'], saved, live, g, live_name)}"
+            )
+    if sizes:
+        raise StateMismatchError(
+            where,
+            reason="; ".join(sizes) + "; nothing was loaded (a parameter frozen, added or removed since the save? "
+            "build the optimizer over the parameters of the saved run)",
+        )
+    mismatched = {}
+    for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        for i, (sid, p) in enumerate(zip(saved["params"], live["params"])):
+            per_param = state["state"].get(sid)
+            if not isinstance(per_param, Mapping):
+                continue
+            held = opt.state.get(p, {})
+            for key, value in per_param.items():
+                expected = _expected_shape(key, value, p, held)
+                if expected is not None and tuple(value.shape) != expected and live_name(g, i) not in mismatched:
+                    mismatched[live_name(g, i)] = (
+                        f"{key} saved {list(value.shape)} vs parameter {list(p.shape)}"
+                        + ("" if expected == tuple(p.shape) else f" (the optimizer holds {list(expected)})")
+                    )
+    if mismatched:
+        raise StateMismatchError(
+            where, mismatched=mismatched,
+            reason="the state was saved for parameters of other shapes (parameters created in another order?); "
+            "nothing was loaded",
+        )
+
+
+def _expected_shape(key: Any, value: Any, p: torch.Tensor, held: Mapping[Any, Any]) -> tuple[int, ...] | None:
+    """The shape a saved state tensor must have, or None when it is not compared."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    current = held.get(key)
+    if isinstance(current, torch.Tensor) and current.dim() > 0:
+        return tuple(current.shape)
+    return tuple(p.shape) if key in PARAMETER_SHAPED else None
+
+
+def _namer(live_groups: list[dict[str, Any]], names: Mapping[int, str]) -> Any:
+    def name(g: int, i: int) -> str:
+        p = live_groups[g]["params"][i]
+        label = names.get(id(p))
+        return f"{label} (group {g}, index {i})" if label else f"group {g}, index {i} {list(p.shape)}"
+
+    return name
+
+
+def _which_differ(saved_state: Mapping[Any, Any], saved: Mapping[str, Any], live: Mapping[str, Any], g: int, live_name: Any) -> str:
+    """A hint naming where the saved and live parameter lists part: the saved parameter names
+    (``param_groups[g]["param_names"]``, written by optimizers built from named parameters),
+    else the first position whose saved per-parameter state has another shape than the
+    live parameter there."""
+    saved_names, live_names = saved.get("param_names"), live.get("param_names")
+    if isinstance(saved_names, (list, tuple)) and isinstance(live_names, (list, tuple)):
+        gone = [n for n in saved_names if n not in set(live_names)]
+        new = [n for n in live_names if n not in set(saved_names)]
+        parts = ([f"saved but not in the optimizer: {', '.join(map(str, gone))}"] if gone else []) + (
+            [f"in the optimizer but not saved: {', '.join(map(str, new))}"] if new else []
+        )
+        return f" ({'; '.join(parts)})" if parts else ""
+    for i, (sid, p) in enumerate(zip(saved.get("params", ()), live["params"])):
+        shapes = [tuple(v.shape) for k, v in (saved_state.get(sid) or {}).items() if isinstance(v, torch.Tensor) and k in PARAMETER_SHAPED]
+        if shapes and shapes[0] != tuple(p.shape):
+            return f" (they part at {live_name(g, i)}: its saved state has shape {list(shapes[0])})"
+    return ""
