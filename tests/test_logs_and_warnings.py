@@ -136,3 +136,23 @@ def test_attach_mode_warning_points_at_the_users_load_state_line(tmp_path):
     with pytest.warns(statekit.ResumeFingerprintWarning, match="batch size 4 -> 8") as record:
         accelerator.load_state(str(tmp_path / "ckpt"))
     assert {w.filename for w in record if isinstance(w.message, statekit.ResumeFingerprintWarning)} == {__file__}
+
+
+def test_attach_mode_save_and_load_are_logged(tmp_path, caplog):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    statekit.attach(accelerator)
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    url = str(tmp_path / "ckpt")
+    caplog.set_level(logging.INFO, logger="statekit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerator.save_state(url)
+        accelerator.load_state(url)
+    lines = statekit_lines(caplog)
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf"saved step 0 to {re.escape(url)} \(\d+(\.\d)? (B|KiB), \d+\.\d\d s, attached\)", lines[0]), lines
+    assert re.fullmatch(rf"loaded {re.escape(url)} \(step 0, \d+(\.\d)? (B|KiB), \d+\.\d\d s, attached\)", lines[1]), lines

@@ -19,7 +19,9 @@ accelerate is never imported here: the accelerator is used through its attribute
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +30,7 @@ from statekit.api import fingerprint as fingerprints
 from statekit.api.accelerate_hooks import accelerate_directory
 from statekit.api.bridge import collect
 from statekit.api.loading import apply_own_states, check_owners_installed, check_statekit_files, read_own_states
-from statekit.api.saveload import plugin_versions
+from statekit.api.saveload import files_size, log_committed, plugin_versions
 from statekit.engine import commit as commits, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
@@ -36,7 +38,10 @@ from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
+from statekit.progress import human
 from statekit.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 
 class Attachment:
@@ -52,6 +57,7 @@ class Attachment:
         self.objects = objects
         self._handles: list[Any] = []
         self._pending: Checkpoint | None = None
+        self._started = 0.0  # time.perf_counter() when the current save_state/load_state began (log lines)
 
     def remove(self) -> None:
         """Unregister the Accelerate hooks and restore ``save_state``/``load_state``/``prepare``.
@@ -164,6 +170,7 @@ class _AttachedCalls:
                 directory = kwargs.pop("output_dir" if mode == "save" else "input_dir", None)
             directory = accelerate_directory(directory, mode)  # file:// -> local path; other URLs refused
             attachment._pending = None
+            attachment._started = time.perf_counter()
             try:
                 result = original(directory, *args, **kwargs)
                 if attachment._pending is not None:  # None: Accelerate returned before its hooks
@@ -228,6 +235,8 @@ class _AttachedCalls:
         """After Accelerate's save: commit the manifest, then the post-hooks."""
         self.accelerator.wait_for_everyone()
         checkpoint.manifest = _commit_attached(self.accelerator, checkpoint)
+        if checkpoint.rank == 0:
+            log_committed(checkpoint.manifest, checkpoint.url, self.attachment._started, ", attached")
         distributed.barrier()
         checkpoint._writable = False
         call_each(
@@ -245,6 +254,13 @@ class _AttachedCalls:
             "statekit_load_state_post",
             checkpoint,
             {"models": list(self.accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
+        )
+        manifest = checkpoint.manifest or {}
+        where = f", rank {checkpoint.rank}" if checkpoint.world_size > 1 else ""
+        logger.info(
+            "loaded %s (step %s, %s, %.2f s, attached%s)", checkpoint.url, manifest.get("step"),
+            human(files_size(manifest)) if manifest.get("files") else "-",
+            time.perf_counter() - self.attachment._started, where,
         )
 
 
