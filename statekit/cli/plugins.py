@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib import metadata
 from typing import Any
 
 import click
 
 from statekit.cli.output import emit, fail, table
-from statekit.errors import StatekitError
+from statekit.errors import StatekitError, StatekitWarning
 from statekit.hooks.registry import ENTRY_POINT_GROUP, get_plugin_manager
 
 
@@ -43,18 +44,33 @@ def _blocked(pm: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _broken(pm: Any) -> list[dict[str, Any]]:
+    """The installed entry-point plugins that failed to import (skipped; ``pm.broken``)."""
+    return [{"name": name, "distribution": b.source.distribution, "version": b.source.version, "origin": "entry point",
+             "entry_point": b.source.entry_point, "hooks": [], "blocked": False, "converters": [], "broken": b.error}
+            for name, b in sorted(pm.broken.items())]
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def plugins(as_json: bool) -> None:
-    """List plugins: name, distribution, version, origin and hooks (blocked ones marked)."""
+    """List plugins: name, distribution, version, origin and hooks (blocked ones marked;
+    one that fails to import is listed as broken, with its error, and the others still are)."""
     try:
-        pm = get_plugin_manager()
+        with warnings.catch_warnings():  # a broken plugin is shown in the table, not warned about
+            warnings.simplefilter("ignore", StatekitWarning)
+            pm = get_plugin_manager()
     except StatekitError as exc:
         fail(exc)
-    rows = _loaded(pm) + _blocked(pm)
+    rows = [{**r, "broken": None} for r in _loaded(pm) + _blocked(pm)] + _broken(pm)
     text = table(
-        [[r["name"] + (" (blocked)" if r["blocked"] else ""), r["distribution"] or "-", r["version"] or "-",
-          r["origin"] + (f" {r['entry_point']}" if r["entry_point"] else ""), ", ".join(r["hooks"]) or "-"] for r in rows],
+        [[r["name"] + (" (blocked)" if r["blocked"] else " (broken)" if r["broken"] else ""), r["distribution"] or "-",
+          r["version"] or "-", r["origin"] + (f" {r['entry_point']}" if r["entry_point"] else ""),
+          ", ".join(r["hooks"]) or "-"] for r in rows],
         ["plugin", "distribution", "version", "from", "hooks"],
     ) if rows else "no plugins installed"
+    for r in rows:
+        if r["broken"]:
+            text += (f"\nbroken: {r['name']} failed to import: {r['broken']} (its hooks do not run; fix or reinstall "
+                     f"{r['distribution']}, or set STATEKIT_DISABLE_PLUGINS={r['name']})")
     emit(as_json, rows, text)

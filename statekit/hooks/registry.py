@@ -53,6 +53,27 @@ class PluginSource:
     entry_point: str | None = None
 
 
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """An installed plugin whose entry point failed to import: it is skipped (its hooks do
+    not run), ``statekit plugins`` lists it as broken, and a load of a checkpoint it wrote
+    fails naming it.
+
+    Attributes:
+        source: where it is installed (name, distribution, version, entry point).
+        error: ``"<ExceptionType>: <message>"`` of the import failure.
+    """
+
+    source: PluginSource
+    error: str
+
+    def describe(self) -> str:
+        """``"plugin 'x' (entry point 'm' of distribution d 1.0) failed to import: E: ..."``."""
+        s = self.source
+        return (f"plugin {s.name!r} (entry point {s.entry_point!r} of distribution {s.distribution} {s.version}) "
+                f"failed to import: {self.error}")
+
+
 class PluginManager(pluggy.PluginManager):
     """A ``pluggy.PluginManager`` for project ``statekit`` that remembers plugin sources."""
 
@@ -60,6 +81,8 @@ class PluginManager(pluggy.PluginManager):
         super().__init__("statekit")
         self.add_hookspecs(hookspecs)
         self.sources: dict[str, PluginSource] = {}
+        self.broken: dict[str, BrokenPlugin] = {}
+        """Installed plugins that failed to import, by name (skipped; see :class:`BrokenPlugin`)."""
         self._warned_options: set[str] = set()
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
@@ -156,6 +179,14 @@ class PluginManager(pluggy.PluginManager):
         """
         if self.get_plugin(owner) is not None:
             return
+        broken = self.broken.get(owner)
+        if broken is not None:
+            raise PluginMissingError(
+                f"{what} was saved by {broken.describe()}; it cannot load what it saved: fix or reinstall "
+                f"{broken.source.distribution}{then}",
+                plugin_name=owner,
+                distribution=broken.source.distribution,
+            )
         dist_name = distribution or f"statekit-{owner}"
         blocked = " (it is blocked by STATEKIT_DISABLE_PLUGINS)" if self.is_blocked(owner) else ""
         raise PluginMissingError(
@@ -213,6 +244,37 @@ class PluginManager(pluggy.PluginManager):
                 message = f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}"
             warn_user(message, StatekitWarning)
 
+    def refuse_broken_writers(self, manifest: Mapping[str, Any], url: str) -> None:
+        """Refuse to load a checkpoint holding state of a plugin that failed to import:
+        that state cannot be restored, and a load without it would resume wrong.
+
+        Args:
+            manifest: the checkpoint's manifest.
+            url: the checkpoint URL, for the message.
+
+        Raises:
+            PluginError: naming the plugin, its import error, what it wrote and what to do.
+        """
+        if not self.broken:
+            return
+        wrote: dict[str, list[str]] = {}
+        for rel, entry in (manifest.get("files") or {}).items():
+            if entry.get("writer") in self.broken:
+                wrote.setdefault(entry["writer"], []).append(rel)
+        for key, obj in (manifest.get("objects") or {}).items():
+            if obj.get("owner") in self.broken:
+                wrote.setdefault(obj["owner"], []).append(key)
+        for name in manifest.get("records") or {}:
+            if name in self.broken:
+                wrote.setdefault(name, [])
+        for name, what in sorted(wrote.items()):
+            shown = f" ({', '.join(sorted(what)[:5])}{', ...' if len(what) > 5 else ''})" if what else ""
+            raise PluginError(
+                f"{url} holds state written by plugin {name!r}{shown}, and {self.broken[name].describe()}: "
+                f"nothing was loaded; fix or reinstall {self.broken[name].source.distribution} to load it",
+                plugin_name=name,
+            )
+
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
         return any(getattr(p, "STATEKIT_MANAGES_RNG", False) for p in self.get_plugins())
@@ -236,9 +298,13 @@ def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
     Returns:
         A new :class:`PluginManager` (a ``pluggy.PluginManager``).
 
+    Warns:
+        StatekitWarning: an entry point fails to import (naming the plugin, distribution,
+            entry point and error, and ``STATEKIT_DISABLE_PLUGINS=<name>``); it is skipped
+            and recorded in ``pm.broken``.
+
     Raises:
-        PluginError: an entry point fails to import (naming distribution and entry
-            point), or a plugin implements a hook that does not exist.
+        PluginError: a plugin implements a hook that does not exist.
     """
     pm = PluginManager()
     for name in _env_list("STATEKIT_DISABLE_PLUGINS"):
@@ -261,16 +327,20 @@ def _load_entry_points(pm: PluginManager) -> None:
             if ep.group != ENTRY_POINT_GROUP or pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
                 continue
             dist_name = dist.metadata["name"]
+            source = PluginSource(ep.name, "entry point", dist_name, dist.version, ep.value)
             try:
                 plugin = ep.load()
-            except Exception as exc:
-                raise PluginError(
-                    f"plugin {ep.name!r} (entry point {ep.value!r} of distribution "
-                    f"{dist_name} {dist.version}) failed to import: {type(exc).__name__}: {exc}",
-                    plugin_name=ep.name,
-                ) from exc
+            except Exception as exc:  # one broken plugin must not break every save, load and the CLI
+                broken = pm.broken[ep.name] = BrokenPlugin(source, f"{type(exc).__name__}: {exc}")
+                warn_user(
+                    f"{broken.describe()}; it is skipped: checkpoints saved now do NOT hold its state, and "
+                    f"checkpoints it wrote cannot be loaded. Fix or reinstall {dist_name}, or set "
+                    f"STATEKIT_DISABLE_PLUGINS={ep.name} to skip it without this warning",
+                    StatekitWarning,
+                )
+                continue
             pm.register(plugin, name=ep.name)
-            pm.sources[ep.name] = PluginSource(ep.name, "entry point", dist_name, dist.version, ep.value)
+            pm.sources[ep.name] = source
 
 
 _lock = threading.Lock()
@@ -346,7 +416,9 @@ def call_each(
 
     Raises:
         PluginError: an implementation raised; ``plugin_name``/``hook_name`` say which,
-            and ``__cause__`` is the original exception.
+            and ``__cause__`` is the original exception. Also, before any
+            ``statekit_load_state_pre`` call, the checkpoint holds state of a plugin that
+            failed to import (:meth:`PluginManager.refuse_broken_writers`).
         StatekitError: an implementation raised one of statekit's specific errors (a
             subclass such as ``StateMismatchError``, ``CorruptCheckpointError`` or
             ``StorageError``): it passes through with its type, with ``plugin_name`` and
@@ -355,6 +427,10 @@ def call_each(
     """
     trace = _env_flag("STATEKIT_TRACE_PLUGINS")
     hook = getattr(pm.hook, hook_name)
+    if hook_name == "statekit_load_state_pre" and getattr(pm, "broken", None) and checkpoint is not None:
+        # every load path calls this before anything is restored: a plugin that wrote
+        # state and cannot be called now would leave it behind without a word
+        pm.refuse_broken_writers(checkpoint.manifest or {}, checkpoint.url)
     results: list[tuple[str, Any]] = []
     for impl in reversed(hook.get_hookimpls()):
         name = impl.plugin_name
