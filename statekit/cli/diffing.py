@@ -26,6 +26,10 @@ def diff(a: str, b: str, as_json: bool, allow_pickle: bool, show_all: bool, raw_
     every tensor present in both with the same shape (read one pair at a time), files
     whose size or checksum changed, and the total size of each side. Keys are
     ``file:tensor`` for statekit and Accelerate directories, tensor names otherwise.
+    Tensors are matched by what they are across formats: a plain Accelerate directory,
+    one saved with statekit attached and a statekit checkpoint of the same run compare
+    equal (``model.safetensors`` with ``model_0.safetensors``, ``optimizer.bin`` with
+    ``optimizer_0.safetensors``; pickles need --allow-pickle).
     """
     try:
         options = storage_options_of(raw_storage)
@@ -55,6 +59,10 @@ def _summary(report: dict[str, Any], differing: list[dict[str, Any]]) -> list[st
     for side, info in (("a", sa), ("b", sb)):
         if info["skipped"]:
             lines.append(f"not read in {side}: {', '.join(info['skipped'])} (pickle: use --allow-pickle)")
+        if info.get("superseded"):
+            lines.append(f"not read in {side}: {', '.join(info['superseded'])} (a load replaces their state with statekit's own files)")
+    if report.get("not_compared"):
+        lines.append(f"{len(report['not_compared'])} tensors not compared (their counterpart is in a file not read)")
     if report["identical"]:
         lines.append(f"identical: {len(report['tensors'])} tensors equal, no keys added or removed")
     else:

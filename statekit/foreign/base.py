@@ -79,6 +79,11 @@ class CheckpointReader:
         keyed_by_file: True for directory formats with several tensor files
             (statekit, accelerate): keys are ``"file:tensor"``; else keys are tensor names.
         skipped: files that were not read (pickle files without ``allow_pickle``).
+        superseded: files not read because a load replaces their state with another file of
+            the checkpoint (an attach-mode directory's ``random_states_<r>.pkl`` next to
+            statekit-rng's ``rng/``).
+        layout: how the directory is laid out: ``"accelerate"`` for one an attached
+            accelerator wrote, else the format.
         metadata: format-specific facts (the statekit manifest, the DCP step...), JSON-able.
     """
 
@@ -90,6 +95,8 @@ class CheckpointReader:
         self.url = storage.url
         self.allow_pickle = allow_pickle
         self.skipped: list[str] = []
+        self.superseded: list[str] = []
+        self.layout = self.format
         self.metadata: dict[str, Any] = {}
         self._tensors: dict[str, TensorInfo] | None = None
         self._headers: dict[str, fmt.TensorHeader] = {}
@@ -168,7 +175,7 @@ class CheckpointReader:
         raise NotImplementedError
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-able description: url, format, files, tensor count and bytes, skipped files."""
+        """A JSON-able description: url, format, layout, files, tensor count and bytes, skipped and superseded files."""
         tensors = self.tensors()
         files = self.files()
         return {
@@ -179,6 +186,8 @@ class CheckpointReader:
             "tensor_count": len(tensors),
             "tensor_bytes": sum(i.size_bytes for i in tensors.values()),
             "skipped": list(self.skipped),
+            "superseded": list(self.superseded),
+            "layout": self.layout,
             "metadata": self.metadata,
         }
 

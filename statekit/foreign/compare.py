@@ -15,8 +15,12 @@ from statekit.foreign.base import CheckpointReader
 def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> dict[str, Any]:
     """Compare two checkpoints tensor by tensor.
 
-    Tensors are matched by key (:meth:`CheckpointReader.key`; ``file:tensor`` for
-    statekit and Accelerate directories). For every key in both with the same shape,
+    Tensors are matched by what they are: by key (:meth:`CheckpointReader.key`;
+    ``file:tensor`` for statekit and Accelerate directories), then the keys left over on
+    both sides by :meth:`CheckpointReader.match_key` (``model.safetensors:w`` of an Accelerate
+    directory, plain or attach-mode, and ``model_0.safetensors:w`` of the statekit checkpoint
+    of the same run; ``optimizer.bin:state.0.exp_avg`` and ``optimizer_0.safetensors:...``).
+    For every key in both with the same shape,
     the maximum absolute difference is computed from one pair of tensors at a time (in
     float64; ``inf`` where infinities differ, ``nan`` where only one side is NaN; equal
     infinities and NaN against NaN count as no difference); the two checkpoints are
@@ -28,20 +32,24 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         advance: ``callable(n_bytes)`` called after each compared pair (progress).
 
     Returns:
-        A JSON-able dict: ``a``/``b`` (url, format, size_bytes, tensor_bytes,
-        skipped), ``added``/``removed`` (lists of keys), ``changed`` (shape or dtype
-        changes: ``{key, a: {dtype, shape}, b: {...}}``), ``tensors`` (per compared key:
-        ``{key, dtype, shape, max_abs_diff, equal}``), ``files`` (for two directories of one
-        format: files whose size differs, or whose manifest checksum differs for statekit:
+        A JSON-able dict: ``a``/``b`` (url, format, layout, size_bytes, tensor_bytes,
+        skipped, superseded), ``added``/``removed`` (lists of keys), ``changed`` (shape or dtype
+        changes: ``{key, a: {dtype, shape}, b: {...}}``), ``not_compared`` (keys whose
+        counterpart lives in a file the other side did not read: a pickle without
+        ``allow_pickle``, a superseded file), ``tensors`` (per compared key:
+        ``{key, dtype, shape, max_abs_diff, equal}``; ``b_key`` where b names it otherwise),
+        ``files`` (for two directories of one format and layout: files whose size differs, or whose manifest checksum differs for statekit:
         ``{file, a_bytes, b_bytes, checksum_equal}``; a missing side is None), ``size_delta_bytes``
         (``b.size_bytes - a.size_bytes``), ``identical`` (no key added, removed,
-        changed, or differing in value).
+        changed, left uncompared, or differing in value).
     """
     ta, tb = a.tensors(), b.tensors()
     pairs = _pairs(a, b, ta, tb)
     paired_b = set(pairs.values())
-    added = [k for k in tb if k not in paired_b]
-    removed = [k for k in ta if k not in pairs]
+    unread_a, unread_b = _unread_files(a), _unread_files(b)  # the other side's tensors there are not "added"
+    added = [k for k in tb if k not in paired_b and _file_of(b.match_key(k)) not in unread_a]
+    removed = [k for k in ta if k not in pairs and _file_of(a.match_key(k)) not in unread_b]
+    unmatched = [k for k in tb if k not in paired_b and k not in added] + [k for k in ta if k not in pairs and k not in removed]
     changed, compared = [], []
     for key, key_b in pairs.items():
         ia, ib = ta[key], tb[key_b]
@@ -59,7 +67,7 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         if advance is not None:
             advance(ia.size_bytes + ib.size_bytes)
     sa, sb = a.summary(), b.summary()
-    side = ("url", "format", "size_bytes", "tensor_count", "tensor_bytes", "skipped")
+    side = ("url", "format", "layout", "size_bytes", "tensor_count", "tensor_bytes", "skipped", "superseded")
     files = _file_changes(a, b, sa["files"], sb["files"])
     return {
         "a": {k: sa[k] for k in side},
@@ -68,29 +76,39 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         "removed": removed,
         "changed": changed,
         "tensors": compared,
+        "not_compared": unmatched,
         "files": files,
         "size_delta_bytes": sb["size_bytes"] - sa["size_bytes"],
-        "identical": not (added or removed or changed or files or any(not t["equal"] for t in compared)),
+        "identical": not (added or removed or changed or files or unmatched or any(not t["equal"] for t in compared)),
     }
 
 
 def _pairs(a: CheckpointReader, b: CheckpointReader, ta: dict[str, Any], tb: dict[str, Any]) -> dict[str, str]:
-    """``key in a -> key in b`` of the tensors compared: equal keys first, then (checkpoints of
-    two formats) the keys left over on both sides that match by :meth:`CheckpointReader.match_key`
-    (``model.safetensors:w`` of an Accelerate directory and ``model_0.safetensors:w`` of the
+    """``key in a -> key in b`` of the tensors compared: equal keys first, then the keys left
+    over on both sides that match by :meth:`CheckpointReader.match_key` (``model.safetensors:w``
+    of an Accelerate directory, plain or attach-mode, and ``model_0.safetensors:w`` of the
     statekit checkpoint of the same run)."""
     pairs = {k: k for k in ta if k in tb}
-    if a.format != b.format:
-        left_b = {b.match_key(k): k for k in tb if k not in pairs}
-        for key in ta:
-            if key not in pairs and (found := left_b.pop(a.match_key(key), None)) is not None:
-                pairs[key] = found
+    left_b = {b.match_key(k): k for k in tb if k not in pairs}
+    for key in ta:
+        if key not in pairs and (found := left_b.pop(a.match_key(key), None)) is not None:
+            pairs[key] = found
     return pairs
 
 
+def _unread_files(reader: CheckpointReader) -> set[str]:
+    """The files a reader did not read (pickles without ``allow_pickle``, superseded files),
+    under the names :meth:`CheckpointReader.match_key` gives their tensors."""
+    return {_file_of(reader.match_key(f"{rel}:")) for rel in [*reader.skipped, *reader.superseded]}
+
+
+def _file_of(key: str) -> str:
+    return key.partition(":")[0]
+
+
 def _file_changes(a: CheckpointReader, b: CheckpointReader, files_a: dict[str, int], files_b: dict[str, int]) -> list[dict[str, Any]]:
-    """Files of two directories of one format whose size or (statekit) manifest checksum differs."""
-    if not (a.format == b.format and a.format in ("statekit", "accelerate", "dcp")):
+    """Files of two directories of one format and layout whose size or (statekit) manifest checksum differs."""
+    if not (a.format == b.format and a.layout == b.layout and a.format in ("statekit", "accelerate", "dcp")):
         return []
     sums_a = {rel: e["checksum"] for rel, e in a.metadata.get("files", {}).items()} if a.format == "statekit" else {}
     sums_b = {rel: e["checksum"] for rel, e in b.metadata.get("files", {}).items()} if b.format == "statekit" else {}

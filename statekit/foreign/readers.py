@@ -12,6 +12,7 @@ import re
 import torch
 
 from statekit import format as fmt
+from statekit.engine.context import ACCELERATE_WRITER, CORE
 from statekit.foreign import accelerate
 from statekit.foreign.base import CheckpointReader, TensorInfo, basename, tensor_infos
 from statekit.foreign.pickles import PickleFiles, load_pickle
@@ -19,11 +20,50 @@ from statekit.storage import Storage
 
 
 # An Accelerate file of one numbered object (group 1: kind, group 2: ``_<i>``, None for object 0)
-_OBJECT_FILE = re.compile(r"^(model|pytorch_model|optimizer|scheduler)(_\d+)?\.(safetensors|bin)$")
+_OBJECT_FILE = re.compile(r"^(model|pytorch_model|optimizer|scheduler|custom_checkpoint)(_\d+)?\.(safetensors|bin|pkl)$")
+_STATEKIT_NAME = {"pytorch_model": "model", "custom_checkpoint": "custom"}
+
+
+def accelerate_match_key(key: str) -> str:
+    """The key, in a statekit checkpoint of the same run, of a tensor of one of Accelerate's
+    files: ``model.safetensors:w`` -> ``model_0.safetensors:w``, ``optimizer_1.bin:state.0.step``
+    -> ``optimizer_1.safetensors:state.0.step``, ``scaler.pt:x`` -> ``scaler.safetensors:x``,
+    ``random_states_1.pkl:x`` -> ``accelerate_rng/rank-00001.safetensors:x`` (as ``statekit
+    convert`` names them). Other keys are returned as they are.
+
+    Args:
+        key: ``"file:tensor"``.
+
+    Returns:
+        The matching key.
+    """
+    rel, sep, name = key.partition(":")
+    if not sep:
+        return key
+    if rel == "scaler.pt":
+        return f"scaler.safetensors:{name}"
+    rng = re.match(r"^random_states_(\d+)\.pkl$", rel)
+    if rng:
+        return f"{accelerate.ACCELERATE_RNG}/rank-{int(rng.group(1)):05d}.safetensors:{name}"
+    match = _OBJECT_FILE.match(rel)
+    if match is None:
+        return key
+    kind = _STATEKIT_NAME.get(match.group(1), match.group(1))
+    index = int(match.group(2)[1:]) if match.group(2) else 0
+    return f"{kind}_{index}.safetensors:{name}"
 
 
 class StatekitReader(CheckpointReader):
-    """A committed statekit checkpoint (``statekit.json``); metadata is the manifest."""
+    """A committed statekit checkpoint (``statekit.json``); metadata is the manifest.
+
+    One written by an attached accelerator (``layout`` ``"accelerate"``) holds Accelerate's
+    files next to statekit's: they are read as :class:`AccelerateReader` reads them (model
+    names without wrapper prefixes, pickles only with ``allow_pickle``) and matched by
+    :meth:`match_key` with the statekit names of the same objects. Accelerate's files that
+    a load replaces with statekit's own (``random_states_<r>.pkl`` where statekit-rng saved
+    ``rng/rank-<r>``, ``dl_state_dict_<i>.bin`` where statekit saved ``dataloader_<i>/``) are
+    listed in :attr:`superseded`, not read.
+    """
 
     format = "statekit"
     keyed_by_file = True
@@ -32,20 +72,50 @@ class StatekitReader(CheckpointReader):
         super().__init__(storage, allow_pickle)
         self.manifest = fmt.read_manifest(storage)
         self.metadata = self.manifest
+        self.layout = self.manifest["records"].get(CORE, {}).get("layout", "statekit")
+        files = self.manifest["files"]
+        foreign = accelerate.accelerate_files(rel for rel, e in files.items() if e.get("writer") == ACCELERATE_WRITER)
+        self.superseded = [rel for rel in foreign if _superseded(rel, files)]
+        self._accelerate = [rel for rel in foreign if rel not in self.superseded]
+        self._pickles = PickleFiles(
+            lambda rel: accelerate.read_pickle(storage, rel, allow_pickle, mmap=True), accelerate.is_model_file
+        )
+        if not allow_pickle:
+            self.skipped = accelerate.pickle_files(self._accelerate)
 
     def files(self) -> dict[str, int]:
         """Files as listed in the manifest (plus the manifest itself is not counted)."""
         return {rel: e["size_bytes"] for rel, e in sorted(self.manifest["files"].items())}
 
+    def match_key(self, key: str) -> str:
+        """Keys of Accelerate's files (attach mode) as :func:`accelerate_match_key` maps them."""
+        return accelerate_match_key(key) if key.partition(":")[0] in self._accelerate else key
+
     def _list(self) -> list[TensorInfo]:
         out: list[TensorInfo] = []
         for rel in sorted(self.manifest["files"]):
-            if rel.endswith(".safetensors"):
-                out += self._safetensors_infos(rel)
+            if rel in self._accelerate and not rel.endswith(".safetensors"):
+                out += tensor_infos(self._pickles.tensors(rel), rel) if self.allow_pickle else []
+            elif rel.endswith(".safetensors"):
+                out += self._safetensors_infos(rel, model=rel in self._accelerate and accelerate.is_model_file(rel))
         return out
 
     def _load(self, info: TensorInfo) -> torch.Tensor:
-        return self._safetensors_load(info.file, info.name)
+        if info.file.endswith(".safetensors"):
+            return self._safetensors_load(info.file, info.name)
+        return self._pickles.tensors(info.file)[info.name]
+
+
+def _superseded(rel: str, files: dict) -> bool:
+    """Whether an attach-mode load replaces Accelerate's file ``rel`` with statekit's own state."""
+    rng = re.match(r"^random_states_(\d+)\.pkl$", rel)
+    if rng:
+        return f"rng/rank-{int(rng.group(1)):05d}.json" in files
+    loader = re.match(r"^dl_state_dict(?:_(\d+))?\.bin$", rel)
+    if loader:
+        key = f"dataloader_{int(loader.group(1) or 0)}/"
+        return any(other.startswith(key) for other in files)
+    return False
 
 
 class AccelerateReader(CheckpointReader):
@@ -70,14 +140,9 @@ class AccelerateReader(CheckpointReader):
     def match_key(self, key: str) -> str:
         """``model.safetensors:w`` -> ``model_0.safetensors:w``, ``optimizer_1.bin:state.0.step`` ->
         ``optimizer_1.safetensors:state.0.step``: the file names of a statekit checkpoint of the
-        same Accelerate run (``statekit.save_state``, ``CheckpointManager``, ``statekit convert``)."""
-        rel, sep, name = key.partition(":")
-        match = _OBJECT_FILE.match(rel)
-        if not sep or match is None:
-            return key
-        kind = "model" if match.group(1) == "pytorch_model" else match.group(1)
-        index = int(match.group(2)[1:]) if match.group(2) else 0
-        return f"{kind}_{index}.safetensors:{name}"
+        same Accelerate run (``statekit.save_state``, ``CheckpointManager``, ``statekit convert``):
+        :func:`accelerate_match_key`."""
+        return accelerate_match_key(key)
 
     def _list(self) -> list[TensorInfo]:
         out: list[TensorInfo] = []
