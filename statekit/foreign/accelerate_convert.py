@@ -109,8 +109,9 @@ def convert(
         model_keys = _accelerate_model_keys(attached)
         own_keys = {rel.split("/", 1)[0] for rel in own if _OWN_OBJECT.match(rel)}
         objects: dict[str, Any] = {}
+        counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
         for name in names:
-            converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys)
+            converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys, counters)
             if converted is not None:
                 key, kind = converted
                 objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
@@ -121,8 +122,8 @@ def convert(
         for key, obj in (attached or {}).get("objects", {}).items():  # models a plugin (or a registered hook) saved
             if obj.get("owner") not in (CORE, ACCELERATE_WRITER):
                 objects[key] = dict(obj)
-        counters = checkpoint.save_state("accelerator", {"step": int(checkpoint.step or 0), "iteration": 0})
-        objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counters)}
+        counter_files = checkpoint.save_state("accelerator", counters)
+        objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counter_files)}
         if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
             objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
         records = {k: v for k, v in (attached or {}).get("records", {}).items() if k != CORE}
@@ -215,16 +216,22 @@ def _copy_file(src: Storage, checkpoint: Checkpoint, rel: str, entry: dict[str, 
 
 
 def _convert_file(
-    src: Storage, checkpoint: Checkpoint, name: str, allow_pickle: bool, model_keys: dict[int, str], own_keys: set[str]
+    src: Storage,
+    checkpoint: Checkpoint,
+    name: str,
+    allow_pickle: bool,
+    model_keys: dict[int, str],
+    own_keys: set[str],
+    counters: dict[str, int],
 ) -> tuple[str, str] | None:
     """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of the object
-    it holds, or None (random states, recorded under :data:`ACCELERATE_RNG` and setting
-    ``checkpoint.step``; ``sampler.bin``; a loader state statekit's own position replaces)."""
+    it holds, or None (random states, recorded under :data:`ACCELERATE_RNG`, their ``step``
+    going to ``counters``; ``sampler.bin``; a loader state statekit's own position replaces)."""
     stem = name.partition(".")[0]
     base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
     if base == "random_states":
         states = read_pickle(src, name, allow_pickle)
-        checkpoint.step = states.get("step", checkpoint.step)
+        counters["step"] = int(states.get("step", counters["step"]) or 0)
         checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
         return None
     kind = _CONVERTED_KINDS.get(base)
