@@ -72,7 +72,9 @@ def convert(
     every rank, as Accelerate loads the one file on every rank), and for an attach-mode
     source everything statekit and its plugins wrote there (see the module docstring).
     ``sampler.bin`` (a pickled sampler object, which ``statekit.load_state`` of the source
-    does not restore either) is not converted.
+    does not restore either) is not converted. The manifest's ``step`` is None: Accelerate's
+    ``step`` is the gradient accumulation counter (restored through ``accelerator``), and a
+    manager names a converted folder's step by its directory name.
 
     Args:
         src_url: the Accelerate directory.
