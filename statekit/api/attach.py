@@ -29,12 +29,15 @@ from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.accelerate_hooks import accelerate_directory
 from statekit.api.bridge import collect
-from statekit.api.loading import apply_own_states, check_owners_installed, check_statekit_files, read_own_states
+from statekit.api.loading import (
+    apply_own_states, check_accelerate_load, check_owners_installed, check_statekit_files, read_own_states,
+)
 from statekit.api.saveload import files_size, log_committed, plugin_versions
 from statekit.engine import commit as commits, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
+from statekit.engine.locking import lock_accelerate_save, mark_save_failed
 from statekit.format.manifest import read_manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -171,11 +174,16 @@ class _AttachedCalls:
             directory = accelerate_directory(directory, mode)  # file:// -> local path; other URLs refused
             attachment._pending = None
             attachment._started = time.perf_counter()
+            attachment._strict = bool(kwargs.get("strict", True))  # load_state(dir, strict=False) reaches load_model
             try:
                 result = original(directory, *args, **kwargs)
                 if attachment._pending is not None:  # None: Accelerate returned before its hooks
                     finish(attachment._pending)
                 return result
+            except BaseException:
+                if mode == "save" and attachment._pending is not None:
+                    _abandon_save(attachment._pending)
+                raise
             finally:
                 attachment._pending = None
 
@@ -194,6 +202,7 @@ class _AttachedCalls:
         keep (loader positions, accumulated gradients)."""
         check_can_save(self.accelerator)
         checkpoint = self.context("save", output_dir)
+        _lock_save(self.accelerator, checkpoint)  # before Accelerate writes: nothing loadable until committed
         hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
         hook_weights = list(weights)
         owners: dict[str, str] = checkpoint.__dict__.setdefault("attach_owners", {})
@@ -218,6 +227,7 @@ class _AttachedCalls:
         checkpoint = self.context("load", input_dir)
         check_statekit_files(checkpoint)  # before Accelerate restores anything
         check_owners_installed(checkpoint)  # a model a plugin took has no Accelerate file
+        check_accelerate_load(checkpoint, self.accelerator, strict=getattr(self.attachment, "_strict", True))
         if checkpoint.manifest is not None:  # warns per difference (Accelerate's load_state has no strict_resume)
             live = fingerprints.compute(collect(self.accelerator), self.accelerator)
             fingerprints.check(checkpoint.manifest, live, checkpoint.url)
@@ -262,6 +272,25 @@ class _AttachedCalls:
             human(files_size(manifest)) if manifest.get("files") else "-",
             time.perf_counter() - self.attachment._started, where,
         )
+
+
+def _lock_save(accelerator: Any, checkpoint: Checkpoint) -> None:
+    """Rank 0 takes the directory's save lock and uncommits an earlier checkpoint there
+    (:func:`statekit.engine.locking.lock_accelerate_save`); every rank waits for it, so no
+    rank writes a file into a directory that still loads (``docs/design-notes.md``)."""
+    def lock() -> None:
+        if checkpoint.rank == 0:
+            lock_accelerate_save(checkpoint.storage)
+            checkpoint.__dict__["attach_locked"] = True
+
+    commits.agree(lock, checkpoint.url)
+
+
+def _abandon_save(checkpoint: Checkpoint) -> None:
+    """A save that failed before its commit leaves its lock, marked failed: Accelerate's
+    partly written files are never loaded as a checkpoint."""
+    if checkpoint.__dict__.get("attach_locked") and checkpoint.manifest is None:
+        mark_save_failed(checkpoint.storage)
 
 
 def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attachment) -> Checkpoint:

@@ -23,12 +23,13 @@ from statekit.engine import data, read
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, unwrap_model
 from statekit.engine.gradients import AccumulatedGradients
+from statekit.engine.locking import LOCK_NAME, live_save_lock
 from statekit.engine.optimizer_fit import parameter_names
 from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError, warn_user
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
 from statekit.foreign.accelerate_rng import restore_rng
-from statekit.format.manifest import read_manifest
+from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.hooks.claims import track_load_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.progress import human
@@ -145,6 +146,7 @@ def load_objects(
     except IncompleteCheckpointError:
         if accelerate_format.is_accelerate_checkpoint(storage):
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
+        _refuse_save_in_progress(storage)
         raise
     if compare_fingerprint:
         live = fingerprints.compute(entries, accelerator)
@@ -182,6 +184,17 @@ def load_objects(
     if not strict:
         manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}
     return manifest
+
+
+def _refuse_save_in_progress(storage: Storage) -> None:
+    """A directory without a manifest whose save lock is live is being saved (natively, or
+    by an attached ``accelerator.save_state``): say so, rather than "never committed"."""
+    holder = live_save_lock(storage)
+    if holder is not None:
+        raise IncompleteCheckpointError(
+            f"{storage.url} is being saved (host {holder.get('host')} pid {holder.get('pid')}) and is not committed "
+            "yet: nothing was loaded; load it after the save commits"
+        ) from None
 
 
 def _load_after_models(checkpoint: Checkpoint, late: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
@@ -307,6 +320,38 @@ def check_owners_installed(checkpoint: Checkpoint) -> None:
         owner = obj.get("owner", CORE)
         if owner not in (CORE, ACCELERATE_WRITER):
             pm.require_owner(owner, obj.get("owner_distribution"), f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
+
+
+def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool = True) -> None:
+    """Fail before ``Accelerator.load_state`` restores anything (attach mode) if the
+    directory is an attach-mode save not committed (a save lock and no manifest: being
+    written, or failed), or if a model or optimizer does not fit Accelerate's files:
+    Accelerate fills the models first, and an optimizer that refuses its state (a
+    parameter frozen since the save) would leave them overwritten
+    (:func:`statekit.foreign.accelerate.check_fit_before_load`).
+
+    Args:
+        checkpoint: the attach-mode load's context (its manifest says which models a
+            plugin saved: Accelerate numbers its files among the others).
+        accelerator: the run's Accelerator.
+        strict: as ``Accelerator.load_state(strict=...)`` for the models.
+
+    Raises:
+        IncompleteCheckpointError: the directory is being saved, or its save failed.
+        StateMismatchError: a model or optimizer does not fit (names it and the file).
+        CorruptCheckpointError: a file cannot be read (names it).
+    """
+    if checkpoint.manifest is None and checkpoint.storage.exists(LOCK_NAME):
+        _refuse_save_in_progress(checkpoint.storage)
+        raise IncompleteCheckpointError(
+            f"{checkpoint.url} has no {MANIFEST_NAME}: the save that wrote it never committed (it failed); nothing was loaded"
+        )
+    objects = (checkpoint.manifest or {}).get("objects") or {}
+    owned = {k for k, o in objects.items() if o.get("owner", CORE) not in (CORE, ACCELERATE_WRITER)}
+    left = [m for i, m in enumerate(accelerator._models) if f"model_{i}" not in owned]
+    entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(left)]
+    entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
+    accelerate_format.check_fit_before_load(checkpoint.storage, entries, accelerator, strict=strict)
 
 
 def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> list[tuple[str, Any, Any, Any]]:

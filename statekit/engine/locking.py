@@ -80,6 +80,44 @@ def mark_copy_in_progress(storage: Storage) -> None:
     storage.write_bytes(LOCK_NAME, _lock_record())
 
 
+def lock_accelerate_save(storage: Storage) -> None:
+    """Own a directory that ``Accelerator.save_state`` is about to write (attach mode), as
+    :func:`prepare_target` owns one for a native save: take the save lock, then uncommit
+    a checkpoint an earlier save committed there (Accelerate overwrites its files in
+    place). Until the manifest is committed, a load finds the lock and no manifest and
+    refuses the directory (:class:`IncompleteCheckpointError`), instead of reading it as a
+    plain Accelerate folder with half-written files. Nothing is cleared: the directory
+    is the user's, and Accelerate overwrites what it writes.
+
+    Args:
+        storage: the directory Accelerate writes.
+
+    Raises:
+        CheckpointExistsError: another live save holds the directory's lock.
+    """
+    storage.invalidate()
+    if not storage.create_exclusive(LOCK_NAME, _lock_record()):
+        holder = _lock_holder(storage)
+        if holder is not None and holder.get("alive", True):
+            raise CheckpointExistsError(
+                f"{storage.url} is being saved by another save (host {holder.get('host')} pid {holder.get('pid')}); "
+                "two saves into one directory would mix their files"
+            )
+        storage.write_bytes(LOCK_NAME, _lock_record())  # a failed or crashed save's lock
+    if storage.exists(fmt.MANIFEST_NAME):
+        storage.remove(fmt.MANIFEST_NAME)
+
+
+def mark_save_failed(storage: Storage) -> None:
+    """Leave a failed attach-mode save's lock in place, marked stale: the directory (with
+    Accelerate's partly written files) stays unloadable, and the next save into it takes
+    the lock over (:func:`lock_accelerate_save`, :func:`prepare_target`)."""
+    try:
+        storage.write_bytes(LOCK_NAME, json.dumps({**json.loads(_lock_record()), "failed": True}).encode())
+    except StatekitError:
+        pass  # the storage is failing: the lock stays as it was, stale once this process is gone
+
+
 def _lock_record() -> bytes:
     """The lock's JSON: who holds it (host, pid, this process's token) and since when
     (seconds since the epoch)."""
@@ -127,6 +165,8 @@ def _lock_holder(storage: Storage) -> dict[str, Any] | None:
         return None
     except (ValueError, StatekitError):
         holder = None
+    if isinstance(holder, dict) and holder.get("failed"):
+        return {**holder, "alive": False}  # left by a save that failed (mark_save_failed)
     if not isinstance(holder, dict):  # unreadable: alive unless the file is old
         try:
             age = time.time() - storage.fs.modified(storage.path_of(LOCK_NAME)).timestamp()
