@@ -21,17 +21,22 @@ from statekit.storage import Storage
 @click.option("--to", "target", default="statekit", show_default=True,
               help="Output format: statekit (from an Accelerate directory) or one a plugin provides.")
 @click.option("--allow-pickle", is_flag=True, help="Allow reading pickle files of the source (runs code from it).")
+@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at OUT (statekit output only).")
 @click.option("--option", "raw_options", multiple=True, metavar="KEY=VALUE",
               help="Option for a plugin's converter (VALUE parsed as JSON, else a string); repeatable.")
 @storage_option
-def convert(src: str, out: str, target: str, allow_pickle: bool, raw_options: tuple[str, ...], raw_storage: tuple[str, ...]) -> None:
+def convert(
+    src: str, out: str, target: str, allow_pickle: bool, overwrite: bool, raw_options: tuple[str, ...], raw_storage: tuple[str, ...]
+) -> None:
     """Convert a checkpoint: Accelerate directory -> statekit, or statekit -> a plugin's format."""
     try:
         storage_options = storage_options_of(raw_storage)
         if target == "statekit":
             total = _source_bytes(src, storage_options)
             with progress(total, "convert") as advance:
-                manifest = convert_accelerate(src, out, allow_pickle=allow_pickle, storage_options=storage_options)
+                manifest = convert_accelerate(
+                    src, out, allow_pickle=allow_pickle, storage_options=storage_options, overwrite=overwrite
+                )
                 advance(total or 0)
             click.echo(f"wrote {out}: {len(manifest['files'])} files")
             return
@@ -52,7 +57,7 @@ def convert(src: str, out: str, target: str, allow_pickle: bool, raw_options: tu
             advance(total or 0)
         click.echo(f"wrote {out} ({target})")
     except StatekitError as exc:
-        fail(exc)
+        fail(exc, flags=("--allow-pickle", "--overwrite"))
 
 
 def _missing_plugin_hint(src: str, target: str, storage_options: dict[str, Any] | None) -> str:

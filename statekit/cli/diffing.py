@@ -40,7 +40,7 @@ def diff(a: str, b: str, as_json: bool, allow_pickle: bool, show_all: bool, raw_
         with progress(total, "diff") as advance:
             report = diff_checkpoints(left, right, advance=advance)
     except StatekitError as exc:
-        fail(exc)
+        fail(exc, flags=("--allow-pickle",))
     if as_json:
         emit(True, report, "")
         return

@@ -10,8 +10,11 @@ import click
 from statekit import format as fmt
 from statekit.api.fingerprint import describe as describe_fingerprint
 from statekit.cli.output import console, emit, fail, human, rich_table, shape, storage_option, storage_options_of
+from statekit.engine.context import ACCELERATE_WRITER
+from statekit.engine.entries import strip_wrapper_prefixes
 from statekit.errors import StatekitError
 from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
+from statekit.foreign.accelerate import is_model_file
 
 
 @click.command()
@@ -37,7 +40,7 @@ def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool, raw_stor
             summary = reader.summary()
             infos = list(reader.tensors().items()) if tensors else []
     except StatekitError as exc:
-        fail(exc)
+        fail(exc, flags=("--allow-pickle",))
     if reader.format == "statekit":
         _show_statekit(reader.url, manifest, headers, as_json, tensors)
     else:
@@ -104,10 +107,17 @@ def _tensor_headers(reader: Any) -> dict[str, list[dict[str, Any]]]:
     """``file -> [{name, dtype, shape}]`` for every safetensors file (aliases: dtype "alias"),
     from the headers as :func:`statekit.format.read_header` parses them."""
     out = {}
-    for rel in sorted(reader.manifest["files"]):
+    files = reader.manifest["files"]
+    for rel in sorted(files):
         if not rel.endswith(".safetensors"):
             continue
         header = reader.header(rel)
-        out[rel] = [{"name": e.name, "dtype": fmt.dtype_name(e.dtype), "shape": list(e.shape)} for e in header.entries]
-        out[rel] += [{"name": a, "dtype": "alias", "shape": t} for a, t in header.aliases.items()]
+        rows = [{"name": e.name, "dtype": fmt.dtype_name(e.dtype), "shape": list(e.shape)} for e in header.entries]
+        rows += [{"name": a, "dtype": "alias", "shape": t} for a, t in header.aliases.items()]
+        if files[rel].get("writer") == ACCELERATE_WRITER and is_model_file(rel):
+            # attach mode: Accelerate keeps the _orig_mod./module. prefixes of a compiled or
+            # wrapped model; listed without them, as every reader names them (issue 11)
+            names = list(strip_wrapper_prefixes(dict.fromkeys(r["name"] for r in rows)))
+            rows = [{**r, "name": n} for r, n in zip(rows, names)]
+        out[rel] = rows
     return out

@@ -63,9 +63,22 @@ def emit(as_json: bool, payload: Any, text: str) -> None:
     click.echo(json.dumps(payload, indent=1, default=str) if as_json else text)
 
 
-def fail(exc: Exception) -> NoReturn:
-    """Print ``error: <exc>`` on standard error and exit with status 1 (a checkpoint problem)."""
-    click.echo(f"error: {exc}", err=True)
+CLI_FLAGS = {"--allow-pickle": "allow_pickle=True", "--overwrite": "overwrite=True"}
+"""Each command-line flag and the Python argument that library messages name for it."""
+
+
+def fail(exc: Exception, flags: tuple[str, ...] = ()) -> NoReturn:
+    """Print ``error: <exc>`` on standard error and exit with status 1 (a checkpoint problem).
+
+    Args:
+        exc: the error.
+        flags: the command's flags among :data:`CLI_FLAGS`: a message naming the Python
+            argument (``pass overwrite=True``) names the flag instead (``pass --overwrite``).
+    """
+    message = str(exc)
+    for flag in flags:
+        message = message.replace(CLI_FLAGS[flag], flag)
+    click.echo(f"error: {message}", err=True)
     sys.exit(1)
 
 

@@ -102,11 +102,15 @@ def _tier_text(entry: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @storage_option
 def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> None:
-    """Remove incomplete checkpoints (directories without a manifest) under a manager root."""
+    """Remove incomplete checkpoints (directories without a manifest) under a manager root
+    (a root that does not exist, or a checkpoint given instead of its root, is an error, exit 1)."""
     removed, kept = [], []
     try:
         storage_options = storage_options_of(raw_storage)
-        for info in list_checkpoints(url, storage_options, details=False):
+        infos = list_checkpoints(url, storage_options, details=False)
+        if not infos:  # as ls: a root that does not exist (a typo) or a checkpoint is an error
+            _refuse_if_not_a_root(url, storage_options)
+        for info in infos:
             if info.committed:
                 continue
             holder = live_save_lock(Storage(info.url, storage_options))
