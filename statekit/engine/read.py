@@ -119,20 +119,17 @@ def split_for_load(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
     """The order in which a load applies what no plugin took.
 
     Returns:
-        ``(early, late)``: ``early`` is applied before the models are filled, each object
-        with a snapshot to put back if a later one refuses its state (schedulers, scaler,
-        custom objects, dicts; then the accumulated gradients, which check every gradient
-        before they set one, and the data loaders, whose positions are not put back);
-        ``late`` (optimizers, tensors: their large files are read after the models', into
-        the memory made ahead while the models are read) is checked before anything is
-        applied (:func:`check_entries`) and applied after the models.
+        ``(early, late)``: ``early`` (schedulers, scaler, custom objects, dicts, data
+        loaders, accumulated gradients, in the given order: a loader's restore and the
+        step counters and gradients depend on it) is applied before the models are
+        filled, each object that can be put back with a snapshot
+        (:func:`load_entries_undoable`); ``late`` (optimizers, tensors: their large files
+        are read after the models', into the memory made ahead while the models are read)
+        is checked before anything is applied (:func:`check_entries`) and applied after
+        the models.
     """
     late = [e for e in entries if e.kind in ("optimizer", "tensor")]
-    last = [e for e in entries if not _undoable(e) and e.kind != "dataloader"]
-    last += [e for e in entries if e.kind == "dataloader"]
-    placed = {id(e) for e in late + last}
-    early = [e for e in entries if id(e) not in placed] + last
-    return early, late
+    return [e for e in entries if e.kind not in ("optimizer", "tensor")], late
 
 
 def _undoable(e: Entry) -> bool:
@@ -151,8 +148,9 @@ def load_entries_undoable(checkpoint: Checkpoint, entries: list[Entry], saved_ob
 
     Raises:
         StateMismatchError: an object refused its state (names the object and file); every
-            object of ``entries`` applied before it was put back.
-        CorruptCheckpointError: a file fails verification (names it); nothing was applied.
+            object of ``entries`` applied before it was put back, except data loader
+            positions and accumulated gradients (they have no snapshot to go back to).
+        CorruptCheckpointError: a file fails verification (names it); as for a refusal.
     """
     not_restored: list[str] = []
     undo: list[tuple[Entry, Any]] = []
