@@ -9,7 +9,6 @@ CheckpointManager, statekit.attach + accelerator.save_state/load_state, statekit
 from __future__ import annotations
 
 import copy
-import os
 import re
 import threading
 from typing import Any
@@ -20,7 +19,7 @@ from torch import nn
 
 import statekit
 from statekit.testing import assert_state_equal
-from tests.accelerate_helpers import fresh_accelerator
+from accelerate_helpers import fresh_accelerator
 
 FROZEN = "2.weight"
 
