@@ -236,15 +236,40 @@ def _run_load_pre_hooks(
     return models, taken
 
 
+_DISTINCT_KINDS = ("model", "optimizer", "scheduler", "dataloader", "scaler")
+"""Object kinds that never load into one another (a model's state is no optimizer's)."""
+
+
 def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: dict[str, Any]) -> None:
-    """Every entry is in the checkpoint, and every plugin that owns one is installed."""
+    """Every entry is in the checkpoint, of the kind saved there, and every plugin that owns
+    one is installed."""
     missing = [e.key for e in entries if e.key not in saved_objects]
     if missing:
-        raise StateMismatchError(f"checkpoint {storage.url}", missing=missing)
+        held = ", ".join(sorted(saved_objects)) or "nothing"
+        raise StateMismatchError(
+            f"the objects to load from {storage.url}",
+            missing=missing,
+            reason=f"the checkpoint holds no object under {'that key' if len(missing) == 1 else 'those keys'} (it "
+            f"holds: {held}): pass each object under the key it was saved with (`statekit inspect "
+            f"{storage.url}` lists them), or strict=False to load only what it holds",
+        )
+    for e in entries:
+        saved_kind = saved_objects[e.key].get("kind")
+        if e.kind != saved_kind and e.kind in _DISTINCT_KINDS and saved_kind in _DISTINCT_KINDS:
+            raise StateMismatchError(
+                f"{e.key!r} ({storage.url}; nothing was loaded)",
+                reason=f"the checkpoint saved {_a(saved_kind)} under {e.key!r}, and {_a(e.kind)} "
+                f"({type(e.obj).__name__}) was given for it: pass the {saved_kind} under {e.key!r} "
+                f"(`statekit inspect {storage.url}` lists every key and kind)",
+            )
     for e in entries:
         saved = saved_objects[e.key]
         if saved["owner"] not in (CORE, ACCELERATE_WRITER):
             pm.require_owner(saved["owner"], saved.get("owner_distribution"), f"{storage.url}: {e.key!r}")
+
+
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
 def _check_owners_took(storage: Storage, entries: list[Entry], saved_objects: dict[str, Any], taken: dict[str, str]) -> None:

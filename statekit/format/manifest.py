@@ -181,22 +181,53 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
         data = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         if storage.exists():
-            children = checkpoint_dirs(storage.listdir())
-            if children:  # a manager root (runs/exp1), not a checkpoint: nothing failed
-                raise IncompleteCheckpointError(
-                    f"{storage.url} is a checkpoint root, not a checkpoint: it holds {len(children)} checkpoint "
-                    f"directories, the last {children[-1]!r}; load one of them, or resume with "
-                    "CheckpointManager(...).resume()"
-                ) from None
-            raise IncompleteCheckpointError(
-                f"{storage.url} has no {MANIFEST_NAME}: the save that wrote it never committed"
-            ) from None
+            raise IncompleteCheckpointError(_why_no_manifest(storage)) from None
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
     try:
         manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"{url}: manifest is not valid JSON: {exc}", path=url) from None
     return validate_manifest(manifest, url)
+
+
+_ACCELERATE_DIR_NAME = re.compile(r"^checkpoint_(\d+)$")  # Accelerate's automatic_checkpoint_naming
+_SAVED_SUFFIXES = (".safetensors", ".json", ".bin", ".pkl", ".pt", ".distcp")  # files a save (any writer) leaves
+_LOCK_NAME = ".statekit-lock"  # statekit.engine.locking.LOCK_NAME (a layer above): taken before anything is written
+_NESTED_LOOKED_AT = 100  # subdirectories looked into for a message (an error path: bounded)
+
+
+def _why_no_manifest(storage: Storage) -> str:
+    """What a directory without a manifest is, in words: a manager root, a folder of
+    checkpoints (statekit's or Accelerate's) or of manager roots, an empty folder, or a save
+    that never committed; with what to pass instead."""
+    url = storage.url
+    names = storage.listdir()
+    children = checkpoint_dirs(names)
+    if children:  # a manager root (runs/exp1), not a checkpoint: nothing failed
+        return (f"{url} is a checkpoint root, not a checkpoint: it holds {len(children)} checkpoint directories, "
+                f"the last {children[-1]!r}; load one of them, or resume with CheckpointManager(...).resume()")
+    accelerate = sorted((n for n in names if _ACCELERATE_DIR_NAME.match(n)), key=lambda n: int(n.rsplit("_", 1)[1]))
+    if accelerate:
+        return (f"{url} is a folder of Accelerate checkpoints, not a checkpoint: it holds {len(accelerate)} "
+                f"(the last {accelerate[-1]!r}); load one of them, or resume with CheckpointManager(accelerator, "
+                f"{url!r}, allow_pickle=True).resume()")
+    if not names:
+        return f"{url} is empty (no {MANIFEST_NAME}): nothing was saved there, or the save that created it never committed"
+    if any(n == _LOCK_NAME or n.endswith(_SAVED_SUFFIXES) for n in names):  # a save's files (or Accelerate's)
+        return f"{url} has no {MANIFEST_NAME}: the save that wrote it never committed"
+    looked_at = names[:_NESTED_LOOKED_AT]
+    nested = [n for n in looked_at if storage.child(n).exists(MANIFEST_NAME)]
+    if nested:
+        return (f"{url} is a folder of checkpoints, not a checkpoint: it holds {', '.join(repr(n) for n in nested[:5])}"
+                f"{', ...' if len(nested) > 5 else ''}; load one of them ({url}/{nested[-1]})")
+    roots = [n for n in looked_at if checkpoint_dirs(storage.child(n).listdir())]
+    if roots:
+        return (f"{url} is a folder of checkpoint roots, not a checkpoint: it holds {', '.join(repr(n) for n in roots[:5])}"
+                f"{', ...' if len(roots) > 5 else ''}; load a checkpoint inside one, or resume with "
+                f"CheckpointManager(..., {url + '/' + roots[-1]!r}).resume()")
+    return (f"{url} is not a checkpoint: it has no {MANIFEST_NAME} and none of the files a save writes (it holds "
+            f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''}); pass a checkpoint's "
+            "own folder")
 
 
 def checkpoint_dirs(names: Iterable[str]) -> list[str]:
