@@ -203,6 +203,25 @@ def test_a_broken_plugin_warns_at_save_and_its_checkpoints_refuse_to_load(plugin
     assert torch.equal(model.weight, before)
 
 
+def test_an_attached_load_of_a_folder_a_broken_plugin_wrote_fails_naming_it(plugin_site, monkeypatch, tmp_path):
+    from statekit.hooks import registry
+
+    module = plugin_site.add("mine", SOMETIMES_BROKEN)
+    monkeypatch.setattr(registry, "_manager", None)
+    accelerator, (model, optimizer) = _prepared()
+    statekit.attach(accelerator)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    _rebuilt(plugin_site, monkeypatch, module, broken=True)
+    accelerator, (model, optimizer) = _prepared()
+    with pytest.warns(statekit.StatekitWarning, match=r"plugin 'mine'.*failed to import"):
+        statekit.attach(accelerator)
+    before = model.weight.detach().clone()
+    with pytest.raises(statekit.PluginError, match=r"holds state written by plugin 'mine' \(extra/mine.json\)"):
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    assert torch.equal(model.weight, before)
+
+
 def test_statekit_plugins_lists_a_broken_plugin_and_exits_0(plugin_site, monkeypatch):
     from click.testing import CliRunner
 
