@@ -233,7 +233,7 @@ def _check(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, 
     if layout["sampler"].get("random") and not any("sampler" in (s.get("start_states") or {}) for s in saved):
         raise _refuse(
             name, len(saved), live, f"the {layout['sampler']['class']} has no generator: its permutation came from the global "
-            "RNG and cannot be drawn again (give it a generator, or install statekit-rng)",
+            "RNG and cannot be drawn again by a sampler of another world size (give it one: RandomSampler(..., generator=torch.Generator()))",
         )
     if live["split_batches"] and live["batch_size"] % live["world_size"]:
         raise _refuse(name, len(saved), live, f"split_batches with batch size {live['batch_size']} on {live['world_size']} ranks")

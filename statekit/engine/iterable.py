@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from statekit.engine.rng_guard import rng_guard
+from statekit.engine.rng_guard import restore, rng_guard
 from statekit.errors import StatekitWarning
 
 DATASET, INDICES, CONSUME = "dataset", "indices", "consume"
@@ -232,7 +232,7 @@ def forget_before(position: Any, batches: int) -> None:
         del position.dataset_log[fetched]
 
 
-def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: Any) -> int:
+def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: Any, after: dict[str, Any] | None = None) -> int:
     """Read and discard the first ``count`` batches of a re-created epoch iterator.
 
     Args:
@@ -241,6 +241,9 @@ def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: A
         epoch: the epoch (for messages).
         name: the loader's name in messages.
         inner: the torch loader (for the reason given in the message).
+        after: the global random states to put back once the batches are read (the
+            checkpoint's, kept by :mod:`statekit.engine.epoch_rng` when the iterator was
+            built from the epoch start's); None: those found on entry.
 
     Returns:
         The batches discarded (``count``, or fewer if the iterator ended first).
@@ -253,6 +256,8 @@ def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: A
     started = time.perf_counter()
     with rng_guard():
         done = sum(1 for _ in itertools.islice(iterator, count))
+    if after is not None:
+        restore(after)
     seconds = time.perf_counter() - started
     if done < count:
         warnings.warn(

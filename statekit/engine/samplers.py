@@ -112,19 +112,27 @@ def run_sampler_out(parent: Iterator[Any], position: Any, length: int | None) ->
         yield batch
 
 
-def wrap_batch_sampler(inner: Any, skip: int, record: Any) -> Any:
+def wrap_batch_sampler(inner: Any, skip: int, record: Any, innermost: Any = None) -> Any:
     """Wrap the inner loader's batch sampler so its next iterator starts ``skip`` batches
-    in and/or records the dataset's state (``record``: a wrapper from
-    :func:`statekit.engine.iterable.recorder`); returns a function that puts the original
-    back (None if nothing was wrapped)."""
+    in and/or passes through ``record`` (the composed wrappers of
+    :mod:`statekit.engine.data`: dataset states, random states, indices); returns a function
+    that puts the original back (None if nothing was wrapped). ``innermost`` wraps the
+    original itself, inside the skip wrapper (it sees the sampler's own first draw). A
+    loader without automatic batching (``batch_size=None``) has its ``sampler`` wrapped
+    instead (never skipped)."""
+    slot = "batch_sampler"
     original = getattr(inner, "batch_sampler", None)
-    if original is None or (not skip and record is None):
+    if original is None and not skip:
+        # no automatic batching (batch_size=None): the iterator draws from the sampler
+        slot, original = "sampler", inner.__dict__.get("sampler")
+    if original is None or (not skip and record is None and innermost is None):
         return None
-    wrapped = SkipBatches(original, skip) if skip else original
-    object.__setattr__(inner, "batch_sampler", record(wrapped) if record is not None else wrapped)
+    base = innermost(original) if innermost is not None else original
+    wrapped = SkipBatches(base, skip) if skip else base
+    object.__setattr__(inner, slot, record(wrapped) if record is not None else wrapped)
 
     def restore() -> None:
-        object.__setattr__(inner, "batch_sampler", original)
+        object.__setattr__(inner, slot, original)
 
     return restore
 

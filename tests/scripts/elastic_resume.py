@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import statekit
-from statekit.plugin_api import sampler_of
+from statekit.engine import data
 
 L, B, SAVE_AT = 48, 4, 2
 
@@ -49,10 +49,14 @@ if phase == "save":
         plain.sampler.set_epoch(0)
         list(loader)
     plain.sampler.set_epoch(1)
-    # the sampler generators at the start of epoch 1: the test draws epochs 1 and 2 from them
-    record["start"] = {k: sampler_of(loaders[k]).generator.get_state().tolist() for k in ("shard", "dispatch")}
     iterators = {k: iter(loader) for k, loader in loaders.items()}
     record["before"] = {k: [ids(next(it)) for _ in range(SAVE_AT)] for k, it in iterators.items()}
+    # the sampler generators at the start of epoch 1 (the test draws epochs 1 and 2 from them):
+    # Accelerate's synchronized generator, or the one a RandomSampler without a generator
+    # seeded from the global generator (what statekit saves as the epoch's sampler state)
+    # (a dispatcher's other ranks draw nothing: rank 0 reads for all; the test reads rank 0's)
+    states = {k: data.loader_state(loaders[k])["start_states"].get("sampler") for k in ("shard", "dispatch")}
+    record["start"] = {k: state.tolist() for k, state in states.items() if state is not None}
     for manager in managers:
         manager.save(1)
 else:

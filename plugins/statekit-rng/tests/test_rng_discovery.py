@@ -23,7 +23,6 @@ def test_entry_point_registers_plugin_rng(monkeypatch: pytest.MonkeyPatch) -> No
     assert pm.manages_rng()
     hooks = {h.name for h in pm.get_hookcallers(rng_plugin)}
     assert hooks == {
-        "statekit_attach",
         "statekit_save_state_pre",
         "statekit_load_state_pre",
         "statekit_load_state_post",

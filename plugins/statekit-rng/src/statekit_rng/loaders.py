@@ -7,7 +7,6 @@ found with statekit's one sampler lookup, :func:`statekit.plugin_api.sampler_of`
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,9 +19,6 @@ LOADER_ROLE = "loader"
 
 SAMPLER_ROLE = "sampler"
 """Key of the generator of a data loader's sampler (draws the shuffling permutation)."""
-
-_ROLE_INDEX = {LOADER_ROLE: 0, SAMPLER_ROLE: 1}
-
 
 def data_loaders(objects: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     """The data loaders among ``objects``, as ``(stable key, loader)``."""
@@ -70,23 +66,6 @@ def generator_holders(loader: Any) -> dict[str, Any]:
     if sampler is not None and hasattr(sampler, "generator"):
         holders[SAMPLER_ROLE] = sampler
     return holders
-
-
-def derive_seed(base_seed: int, key: str, role: str) -> int:
-    """A 64-bit seed for one generator, derived without touching any random stream.
-
-    Args:
-        base_seed: the run's seed (``torch.initial_seed()``).
-        key: stable key of the data loader (``dataloader_0``).
-        role: ``"loader"`` or ``"sampler"``.
-
-    Returns:
-        An int in ``[0, 2**64)``: the first 8 bytes (little-endian) of BLAKE2b of
-        ``"statekit-rng/<base_seed>/<key>/<role index>"``; stable across processes,
-        machines and Python versions (unlike ``hash()``).
-    """
-    text = f"statekit-rng/{base_seed}/{key}/{_ROLE_INDEX.get(role, role)}"
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def new_generator(device: Any = None) -> torch.Generator:

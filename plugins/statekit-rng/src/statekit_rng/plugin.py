@@ -16,6 +16,13 @@ This is the set Accelerate saves in ``Accelerator.save_state``
 (``accelerate/checkpointing.py``: ``save_accelerator_state``, as ``random_states_<i>.pkl``),
 plus the data-loader generators, stored without pickle and restored *last* on load.
 
+The plugin does not give loaders generators of their own (it did before 2026-11-27): that
+changed a run's data order from its first batch the moment statekit was attached. A loader
+or sampler without a generator draws its order from the global generators when an epoch
+starts; statekit's core records those states at each epoch start and replays them on a
+mid-epoch resume (``statekit.engine.epoch_rng``). A checkpoint of an older run that holds
+loader generators still gets them back (a generator is created where the loader has none).
+
 Ordering: the snapshot is taken first on save (``tryfirst``), and the restore runs last on
 load (``trylast``), after every model and object has been loaded. The module sets
 ``STATEKIT_MANAGES_RNG = True``, so the host runs these hooks outside its RNG guard (which
@@ -50,7 +57,6 @@ from statekit_rng.loaders import (
     LOADER_ROLE,
     SAMPLER_ROLE,
     data_loaders,
-    derive_seed,
     find_sampler,
     generator_entry,
     generator_holders,
@@ -69,12 +75,10 @@ __all__ = [
     "STATEKIT_OPTIONS",
     "STATE_FORMAT",
     "DeviceRngModule",
-    "derive_seed",
     "discover_accelerator",
     "find_sampler",
     "restore",
     "snapshot",
-    "statekit_attach",
     "statekit_load_state_post",
     "statekit_load_state_pre",
     "statekit_save_state_pre",
@@ -98,49 +102,6 @@ _RANK_FILE = re.compile(r"^rng/rank-(\d+)\.json$")
 # Data loaders seen by statekit_load_state_pre, by checkpoint: a plugin that takes a
 # loader in load_state_pre removes it from checkpoint.objects before the restore runs.
 _loaders_at_load: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-@hookimpl
-def statekit_attach(accelerator: Any, objects: MutableMapping[str, Any]) -> None:
-    """Give every data loader, and its random sampler, a ``torch.Generator`` of its own.
-
-    Why: a ``DataLoader`` without ``generator`` draws its workers' base seed from the
-    global torch generator each time an iterator is built, and a ``RandomSampler``
-    without one draws its permutation seed from it at the start of each epoch. The
-    number of draws then depends on where the run started, so after a mid-epoch resume
-    the global stream (dropout masks, noise) would be shifted against the original run.
-    With generators of their own, building an iterator never consumes the global
-    generator, and their states are saved and restored by key.
-
-    Each new generator is seeded from ``torch.initial_seed()`` (the run's seed, as set by
-    ``torch.manual_seed`` / ``accelerate.utils.set_seed``), the loader's stable key and
-    its role (see :func:`derive_seed`): deterministic, and drawn from no random stream.
-    Generators already set are kept: in multi-process runs Accelerate's
-    ``prepare_data_loader`` gives the sampler a generator (``synchronized_generator``)
-    whose state ``accelerate.utils.random.synchronize_rng_states`` broadcasts from rank 0
-    at every ``iter()``, and ``SeedableRandomSampler`` reseeds its own every epoch.
-    The seed does not include the rank: ranks seeded alike (``set_seed(s)``) get alike
-    generators, ranks seeded apart (``set_seed(s, device_specific=True)``) get different
-    ones, as they would from the global generator.
-    Generators are created on ``torch.get_default_device()``, as Accelerate does.
-
-    Args:
-        accelerator: the ``accelerate.Accelerator`` or None (unused).
-        objects: the run's stateful objects by stable key; data loaders among them
-            (``torch.utils.data.DataLoader``, Accelerate's ``DataLoaderShard`` /
-            ``DataLoaderDispatcher``, torchdata's ``StatefulDataLoader``) are changed in
-            place. Keys are not added or removed.
-
-    Returns:
-        None.
-    """
-    base_seed = torch.initial_seed()
-    for key, loader in data_loaders(objects):
-        for role, holder in generator_holders(loader).items():
-            if getattr(holder, "generator", None) is None:
-                generator = new_generator()
-                generator.manual_seed(derive_seed(base_seed, key, role))
-                holder.generator = generator
 
 
 # --------------------------------------------------------------------------- save
