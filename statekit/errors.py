@@ -87,6 +87,31 @@ class ResumeMismatchError(StatekitError, ValueError):
         )
 
 
+class ResumeAuditWarning(StatekitWarning):
+    """The resume audit found a restored data loader that does not continue where the
+    saved run stood (``docs/concepts.md``, Resume audit): the message names the loader, the
+    step resumed from, and the expected and actual indices (or content, or epoch)."""
+
+    __module__ = "statekit"
+
+
+class ResumeAuditError(ResumeMismatchError):
+    """A :class:`ResumeAuditWarning`'s finding under ``strict_resume=True``, raised from the
+    data loader's ``for`` loop (the first batch after the resume) or from the next save (a
+    restored position never consumed). The model and optimizer are loaded already; the
+    batch in question was not handed to the training loop.
+
+    Attributes:
+        differences: the finding, as one message.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str) -> None:
+        self.differences = [message]
+        Exception.__init__(self, message)
+
+
 class CheckpointNotFoundError(StatekitError, FileNotFoundError):
     """No checkpoint (and no directory) exists at the URL."""
 

@@ -74,25 +74,42 @@ def build(seed: int = 0, stateful: bool = False, n: int = 100, batch_size: int =
     return accelerator, model, optimizer, loader, scheduler, counter
 
 
+def batches(loader):
+    """The loader's batches, continuing one training loop across calls of the helpers below.
+
+    A training loop holds its ``for`` loop's iterator while it saves; a helper that left its
+    loop with ``break`` before the test saves would leave the epoch instead (statekit then
+    saves a new pass, as the next ``for`` would start one). So the helpers take their batches
+    from one live iterator per loader, started again where an epoch ends.
+    """
+    while True:
+        live = loader.__dict__.get("_test_live_iterator")
+        if live is None:
+            live = iter(loader)
+            loader.__dict__["_test_live_iterator"] = live
+        for batch in live:
+            yield batch
+        loader.__dict__["_test_live_iterator"] = None
+
+
 def train_steps(run, steps: int, start: int = 0, on_step=None) -> list[float]:
     """Train ``steps`` optimizer steps from step ``start``; returns the losses."""
     accelerator, model, optimizer, loader, scheduler, counter = run
     losses: list[float] = []
     step = start
+    source = batches(loader)
     while step < start + steps:
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            step += 1
-            counter.count += 1
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step(step)
-            if step >= start + steps:
-                break
+        x, y = next(source)
+        loss = F.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        step += 1
+        counter.count += 1
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step)
     return losses
 
 
@@ -103,21 +120,20 @@ def train_micro_batches(run, count: int, start: int = 0, on_step=None) -> list[f
     accelerator, model, optimizer, loader, scheduler, counter = run
     losses: list[float] = []
     done = start
+    source = batches(loader)
     while done < start + count:
-        for x, y in loader:
-            with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(x), y)
-                accelerator.backward(loss)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            done += 1
-            counter.count += 1
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step(done)
-            if done >= start + count:
-                break
+        x, y = next(source)
+        with accelerator.accumulate(model):
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        done += 1
+        counter.count += 1
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(done)
     return losses
 
 
@@ -130,18 +146,17 @@ def train_loop(model, optimizer, loader, steps: int, start: int = 0, on_step=Non
     """
     seen: list[tuple[float, Any]] = []
     step = start
+    source = batches(loader)
     while step < start + steps:
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            seen.append((loss.item(), y.tolist() if record is None else record(x, y)))
-            if on_step is not None:
-                on_step(step)
-            if step >= start + steps:
-                break
+        x, y = next(source)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        seen.append((loss.item(), y.tolist() if record is None else record(x, y)))
+        if on_step is not None:
+            on_step(step)
     return seen
 
 

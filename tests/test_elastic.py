@@ -98,13 +98,13 @@ def _set_epoch(loader, epoch: int) -> None:
 def _save(make, n: int, k: int):
     """N ranks: epoch 0 whole, k batches of epoch 1, then every rank's saved position."""
     loaders = [make(n, r) for r in range(n)]
-    seen = []
+    seen, running = [], []  # the ranks' iterators stay alive until the save, as a training loop's do
     for loader in loaders:
         _set_epoch(loader, 0)
         list(loader)
         _set_epoch(loader, 1)
-        it = iter(loader)
-        seen += [_ids(next(it)) for _ in range(k)]
+        running.append(iter(loader))
+        seen += [_ids(next(running[-1])) for _ in range(k)]
     return [data.loader_state(loader) for loader in loaders], seen
 
 
@@ -205,11 +205,11 @@ def test_distributed_sampler_epoch_continues_on_another_world_size(n, m):
 def test_chained_resumes_2_to_3_to_1_see_every_sample_once():
     saved, before = _save(_accelerate_loader, 2, 1)  # 8 samples
     middle = [_accelerate_loader(3, r, seed=11) for r in range(3)]
-    seen = [i for b in before for i in b]
+    seen, running = [i for b in before for i in b], []
     for r, loader in enumerate(middle):
         data.restore_loader(loader, saved[r] if r < 2 else None, name="dataloader_0", ranks=saved)
-        it = iter(loader)
-        seen += _ids(next(it))  # one step on 3 ranks: 12 more samples
+        running.append(iter(loader))  # alive until the save, as a training loop's iterator is
+        seen += _ids(next(running[-1]))  # one step on 3 ranks: 12 more samples
     again = [data.loader_state(loader) for loader in middle]
     assert all("history" in s for s in again)
     last = _accelerate_loader(1, 0, seed=99)
@@ -258,16 +258,24 @@ def test_custom_batch_sampler_refuses_another_world_size():
         data.restore_loader(live, saved[0], name="dataloader_0", ranks=saved)
 
 
-def test_sampler_without_generator_refuses():
-    loader = DataLoader(DATASET, batch_size=B, shuffle=True)  # RandomSampler drawing from the global RNG
+def test_sampler_without_generator_resumes_on_another_world_size():
+    """A RandomSampler without a generator seeds a generator of its own from the global one
+    each epoch; statekit records that generator's state, so a sharded sampler (which has a
+    generator) of another world size draws the same permutation."""
+    torch.manual_seed(0)
+    loader = DataLoader(DATASET, batch_size=B, shuffle=True)  # RandomSampler drawing its seed from the global RNG
     data.track(loader)
     it = iter(loader)
-    next(it)
+    first = _ids(next(it))
     saved = [data.loader_state(loader)]
-    assert "sampler" not in saved[0]["start_states"]
-    live = _accelerate_loader(2, 1)
-    with pytest.raises(statekit.StateMismatchError, match=r"RandomSampler has no generator: its permutation came from the global RNG"):
-        data.restore_loader(live, None, name="dataloader_0", ranks=saved)
+    assert "sampler" in saved[0]["start_states"]
+    rest = [i for b in it for i in _ids(b)]
+    live = [_accelerate_loader(2, r, seed=123) for r in range(2)]
+    for r, shard in enumerate(live):
+        data.restore_loader(shard, saved[0] if r == 0 else None, name="dataloader_0", ranks=saved)
+    resumed = [i for shard in live for b in shard for i in _ids(b)]
+    # every sample the interrupted epoch had left, once, plus the padding a 2-rank epoch adds
+    assert Counter(rest) <= Counter(resumed) and len(resumed) == len(rest) + _shard_padding(len(rest), 2)
 
 
 def test_sampler_kind_change_refuses():
@@ -326,8 +334,15 @@ def _check_elastic_run(saved: list[dict], resumed: list[dict]) -> None:
                 sampler = DistributedSampler(range(SCRIPT_L), m, r, shuffle=True, seed=7)
                 sampler.set_epoch(2)
                 assert following_r == list(BatchSampler(sampler, SCRIPT_B, False)), (kind, r)
+            elif kind == "dispatch":
+                # the dispatcher's RandomSampler has no generator (Accelerate gives none, and
+                # attaching statekit must not change the run): each epoch's order is drawn from
+                # the global generator, whose stream another world size does not continue
+                continue
             else:  # 12 batches divide by 1, 2 and 3: no padding; rank r gets batches r, r + M, ...
                 assert following_r == list(BatchSampler(following, SCRIPT_B, False))[r::m], (kind, r)
+        if kind == "dispatch":  # the next epoch: every sample once over the M ranks
+            assert Counter(i for rank in resumed for b in rank["next"][kind] for i in b) == Counter(range(SCRIPT_L))
 
 
 @pytest.mark.slow

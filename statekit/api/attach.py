@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from statekit import distributed, format as fmt
-from statekit.api import fingerprint as fingerprints
+from statekit.api import fingerprint as fingerprints, skip_batches
 from statekit.api.accelerate_hooks import accelerate_directory
 from statekit.api.bridge import collect
 from statekit.api.loading import (
@@ -101,6 +101,7 @@ def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) ->
         _adopt(attachment, {k: v for k, v in (objects or {}).items() if not hasattr(v, "parameters")})
         return attachment
     _adopt(attachment, _non_models(accelerator))
+    skip_batches.install()  # accelerate.skip_first_batches (the function) after a resume
     _AttachedCalls(accelerator, attachment).install()
     accelerator.__dict__["_statekit_attachment"] = attachment
     return attachment

@@ -32,6 +32,9 @@ class CheckpointInfo:
         accelerate: True for a ``checkpoint_<n>`` folder of Accelerate's automatic
             naming (``step`` is then ``n``); committed means it has a manifest (attach
             mode) or Accelerate's files.
+        resume_audit: the verdict of the resume the saving run continued from (the
+            manifest's ``resume_audit``: ``verdict``, ``detail``, ``resumed_from``,
+            ``loaders``; :mod:`statekit.engine.audit`), or None when it did not resume.
     """
 
     step: int
@@ -41,6 +44,7 @@ class CheckpointInfo:
     size_bytes: int | None = None
     metrics: dict[str, Any] | None = None
     accelerate: bool = False
+    resume_audit: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -129,6 +133,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
                 sum(f["size_bytes"] for f in manifest["files"].values()),
                 manifest["metadata"].get("metrics"),
                 accelerate,
+                manifest.get("resume_audit"),
             )
         )
     return sorted(infos, key=lambda i: (not i.accelerate, i.step))

@@ -19,7 +19,7 @@ from typing import Any
 from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.saveload import context_for, files_size
-from statekit.engine import data, read
+from statekit.engine import audit, data, read
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, unwrap_model
 from statekit.engine.gradients import AccumulatedGradients
@@ -141,13 +141,18 @@ def load_objects(
         As :func:`load`.
     """
     storage = Storage(url, storage_options)
+    loaders = any(data.is_loader(e.obj) for e in entries)
     try:
         manifest = read_manifest(storage)
     except IncompleteCheckpointError:
         if accelerate_format.is_accelerate_checkpoint(storage):
+            if loaders:  # the resume audit: an Accelerate folder holds no record of the next batch
+                audit.begin(storage.url, None, strict_resume)
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
         _refuse_save_in_progress(storage)
         raise
+    if loaders:  # the resume audit's verdict of this resume (statekit.engine.audit)
+        audit.begin(storage.url, manifest.get("step"), strict_resume)
     if compare_fingerprint:
         live = fingerprints.compute(entries, accelerator)
         fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume)

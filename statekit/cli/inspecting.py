@@ -91,6 +91,7 @@ def _show_statekit(url: str, manifest: dict[str, Any], headers: dict[str, list[d
         lines.append(f"metadata    {json.dumps(manifest['metadata'])}")
     for i, line in enumerate(describe_fingerprint(manifest.get("fingerprint") or {}) if manifest.get("fingerprint") else []):
         lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
+    lines += _resume_audit_lines(manifest.get("resume_audit"))
     out.print("\n".join(lines), markup=False)
     if manifest["objects"]:
         out.print(rich_table([[k, o["kind"], o["owner"], "per rank" if o.get("per_rank") else "replicated"]
@@ -101,6 +102,19 @@ def _show_statekit(url: str, manifest: dict[str, Any], headers: dict[str, list[d
     for rel, entries in headers.items():
         out.print(rich_table([[e["name"], e["dtype"], shape(e["shape"]) if e["dtype"] != "alias" else f"-> {e['shape']}"]
                               for e in entries], ["tensor", "dtype", "shape"], title=f"{rel}:"))
+
+
+def _resume_audit_lines(resume_audit: dict[str, Any] | None) -> list[str]:
+    """The manifest's ``resume_audit``: the verdict of the resume the saving run continued
+    from, and each restored loader's (``docs/concepts.md``, Resume audit)."""
+    if not resume_audit:
+        return []
+    origin = resume_audit.get("resumed_from") or {}
+    head = f"resume audit {resume_audit.get('verdict')}: the run resumed from step {origin.get('step')} ({origin.get('url')})"
+    lines = [head + (f": {resume_audit['detail']}" if resume_audit.get("detail") else "")]
+    for key, loader in (resume_audit.get("loaders") or {}).items():
+        lines.append(f"{'':<12}{key}: {loader.get('verdict')}" + (f" ({loader['detail']})" if loader.get("detail") else ""))
+    return lines
 
 
 def _tensor_headers(reader: Any) -> dict[str, list[dict[str, Any]]]:

@@ -45,9 +45,18 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
         return
     rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), "yes" if p["committed"] else "NO (incomplete)",
              ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (p["metrics"] or {}).items()) or "-",
-             *([_tier_text(p)] if remote is not None else []), p["url"]] for p in payload]
-    columns = ["step", "created", "size", "committed", "metrics", *(["tiers"] if remote is not None else []), "url"]
+             *([_tier_text(p)] if remote is not None else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
+    columns = ["step", "created", "size", "committed", "metrics", *(["tiers"] if remote is not None else []), "resume", "url"]
     console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2)))
+
+
+def _audit_text(resume_audit: dict[str, Any] | None) -> str:
+    """The ``resume`` column: ``-`` (the run did not resume before this checkpoint), else the
+    resume audit's verdict and the step resumed from (``verified (from 140)``)."""
+    if not resume_audit:
+        return "-"
+    step = (resume_audit.get("resumed_from") or {}).get("step")
+    return f"{resume_audit.get('verdict')} (from {step if step is not None else '?'})"
 
 
 def _refuse_if_not_a_root(url: str, storage_options: dict[str, Any] | None) -> None:

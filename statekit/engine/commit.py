@@ -15,6 +15,7 @@ from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit._version import __version__
+from statekit.engine import audit
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry
 from statekit.engine.locking import LOCK_NAME
@@ -133,6 +134,9 @@ def build_manifest(
     }
     if fingerprint is not None:
         manifest["fingerprint"] = fingerprint
+    resume_audit = audit.summary(checkpoint.objects, checkpoint.step)  # the verdict of the resume this run continues from
+    if resume_audit is not None:
+        manifest["resume_audit"] = resume_audit
     return manifest
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from statekit.engine import elastic, fetch_rng, iterable
+from statekit.engine import audit, elastic, epoch_rng, fetch_rng, iterable
+from statekit.engine.rng_guard import snapshot
 from statekit.engine.samplers import (
     dataset_length,
     generators,
@@ -38,7 +39,7 @@ from statekit.engine.samplers import (
     sampler_of,
     wrap_batch_sampler,
 )
-from statekit.errors import StatekitWarning, StateMismatchError
+from statekit.errors import StatekitWarning, StateMismatchError, warn_user
 
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
 _subclasses: dict[type, type] = {}
@@ -62,6 +63,15 @@ class Position:
             yet, by fetch number (:mod:`statekit.engine.fetch_rng`); ``replay_after``: the
             states a resume puts back once it fetched the read-ahead batches again.
         name: the loader's checkpoint key, for messages (set when it is restored).
+        epoch_rng: the global random states right before the epoch's iterator was built
+            (:mod:`statekit.engine.epoch_rng`); ``resume_rng``: the states a resumed epoch's
+            replay puts back once the sampler made its first draws.
+        drawn: the sample indices the batch sampler handed out, by fetch number, not
+            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.engine.audit.IndexLog`).
+        parent: the running epoch's underlying iterator (the batch an Accelerate adapter
+            holds ahead is read from it for the resume audit).
+        resume_verdict: the verdict of the resume that restored this loader
+            (:class:`statekit.engine.audit.ResumeVerdict`), or None.
     """
 
     epoch: int = 0
@@ -77,6 +87,12 @@ class Position:
     fetch_states: dict[int, Any] = field(default_factory=dict)
     replay_after: Any = None
     name: str | None = None
+    epoch_rng: dict[str, Any] | None = None
+    resume_rng: dict[str, Any] | None = None
+    drawn: dict[int, Any] = field(default_factory=dict)
+    drawn_all: bool = False
+    parent: Any = None
+    resume_verdict: Any = None
 
 
 def is_tracked(loader: Any) -> bool:
@@ -117,39 +133,118 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
     position.batches = skip
     position.in_epoch = True
-    # before the iterator is built: it takes iter(batch_sampler) when it is built
-    record = iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0)
-    skips = how in (iterable.INDICES, iterable.DATASET)  # the consumed batches are not fetched again
-    replay = (pending or {}).get("fetch_states")
-    # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
-    log = fetch_rng.recorder(inner, position, skip if skips else 0, skip, replay, settle_after=how != iterable.CONSUME)
-    if log is not None:  # outermost: its states are taken right before the fetch
-        dataset_record = record
-        record = log if dataset_record is None else (lambda batch_sampler: log(dataset_record(batch_sampler)))
+    first = skip if how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
+    replay_start = (pending or {}).get("epoch_rng")
+    # the batch-sampler wrappers, innermost first (wrap_batch_sampler puts them on before the
+    # iterator is built and takes them off after the first batch):
+    wrappers = [
+        # the indices handed out, for the resume audit's record of the next batch
+        audit_log(self, inner, position, first),
+        iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0),
+        # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
+        fetch_rng.recorder(inner, position, first, skip, (pending or {}).get("fetch_states"), settle_after=how != iterable.CONSUME),
+        # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
+        epoch_rng.wrapper(position, replay_start),
+    ]
     # the whole epoch's length, before the skip wrapper shortens the batch sampler:
     # position.batches counts from the start of the epoch (it starts at ``skip``)
     length = sampled_epoch_length(self)
-    restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, record)
+    check = _first_batch_check(pending, name)
+    # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
+    # global random states back once the sampler made its epoch-start draws
+    innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
+    restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
+    position.epoch_rng = replay_start or snapshot()  # before the iterator draws the epoch's order
     parent = super(type(self), self).__iter__()
+    position.parent = parent
+    finished = False
     try:
         if how == iterable.CONSUME:
-            iterable.consume(parent, skip, position.epoch, name, inner)
+            iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng)
         for batch in run_sampler_out(parent, position, length):
             if restore is not None:
                 restore()
                 restore = None
+            if check is not None:
+                check(self, position, skip, batch)
+                check = None
             position.batches += 1
             iterable.forget_before(position, position.batches)
             fetch_rng.forget_before(position, position.batches)
+            audit.forget_before(position, position.batches)
             fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
             yield batch
+        finished = True
     finally:
         if restore is not None:
             restore()
+        epoch_rng.settle(position)
+        position.parent = None
+        if not finished:
+            _abandoned(self, position)
     position.in_epoch = False
     position.foreign = False
     position.epoch += 1
     position.batches = 0
+
+
+def _compose(wrappers: list[Any]) -> Any:
+    """One batch-sampler wrapper applying ``wrappers`` (innermost first; None skipped), or None."""
+    present = [w for w in wrappers if w is not None]
+    if not present:
+        return None
+
+    def wrap(batch_sampler: Any) -> Any:
+        for w in present:
+            batch_sampler = w(batch_sampler)
+        return batch_sampler
+
+    return wrap
+
+
+def _abandoned(loader: Any, position: Position) -> None:
+    """The ``for`` loop left the epoch before its end (``break``, an exception, ``zip`` with a
+    shorter loader), and the iterator was closed: the next ``iter()`` starts a new pass from
+    the generators as they are, so a save from now on saves that, not the abandoned epoch's
+    position (a resume would skip batches the next pass yields). Accelerate's adapters do not
+    count an abandoned pass (``iteration`` is raised only at the end of ``__iter__``), so
+    their epoch stays; a plain loader counts it."""
+    if not position.in_epoch:
+        return
+    position.in_epoch = False
+    position.foreign = False
+    iteration = loader.__dict__.get("iteration") if hasattr(loader, "__dict__") else None
+    position.epoch = int(iteration) if isinstance(iteration, int) else position.epoch + 1
+    position.batches = 0
+    position.drawn = {}
+    position.fetch_states = {}
+
+
+def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
+    """The :class:`statekit.engine.audit.IndexLog` wrapper for the loader's batch sampler, or
+    None for an iterable dataset (its batch sampler hands out no sample indices). It asks
+    one batch ahead only where nothing else does: a plain loader without worker processes."""
+    position.drawn = {}
+    position.drawn_all = False
+    if iterable.is_iterable(inner):
+        return None
+    read_ahead = inner is loader and iterable.num_workers(inner) == 0
+    return lambda batch_sampler: audit.IndexLog(batch_sampler, position, first, read_ahead)
+
+
+def _first_batch_check(pending: dict[str, Any] | None, label: str) -> Any:
+    """The resume audit's check of the first batch a restored loader yields, or None."""
+    record = audit.NextBatch.from_json((pending or {}).get("next"))
+    if record is None or (pending or {}).get("audit_skip"):
+        return None
+    name = (pending or {}).get("name") or label
+
+    def check(loader: Any, position: Position, fetched: int, batch: Any) -> None:
+        has = fetched in position.drawn
+        now = audit.sampler_epoch(loader, sampler_of(loader)) if record.sampler_epoch is not None else None
+        audit.check_first_batch(position.resume_verdict, name, label, record, position.drawn.get(fetched), has, batch, now)
+
+    return check
 
 
 def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> int:
@@ -241,10 +336,36 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
     if ahead:
         state["fetch_states"] = ahead
+    if in_epoch:  # the global states the epoch's order was drawn from (statekit.engine.epoch_rng)
+        state["epoch_rng"] = position.epoch_rng
+    state["next"] = _next_batch(loader, position, epoch, batches, in_epoch).to_json()  # the resume audit's record
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (engine/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
     return state
+
+
+def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_epoch: bool) -> audit.NextBatch:
+    """What the resumed loader must yield next (:mod:`statekit.engine.audit`)."""
+    record = audit.NextBatch(epoch=epoch, batch=batches)
+    if not in_epoch:
+        record.missing = "saved at an epoch boundary: the next epoch's order is drawn when it starts"
+        return record
+    record.sampler_epoch = audit.sampler_epoch(loader, sampler_of(loader))
+    inner = _inner(loader)
+    if batches in position.drawn:
+        record.indices_digest, record.indices_head = audit.indices_digest(position.drawn[batches])
+    held, batch = audit.accelerate_next_batch(position.parent, loader) if position.parent is not None else (False, None)
+    if held:
+        record.content_digest = audit.content_digest(batch)
+    if record.indices_digest is None and record.content_digest is None:
+        if iterable.is_iterable(inner):
+            record.missing = "an iterable dataset without a batch held ahead: neither indices nor content of the next batch are known at save time"
+        else:
+            record.missing = "the next batch's indices were not drawn at save time"
+    elif record.content_digest is None:
+        record.missing = "content not recorded (the loader does not hold the next batch at save time)"
+    return record
 
 
 def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
@@ -311,8 +432,20 @@ def restore_loader(
             "epoch": int(state["epoch"]),
             "batches": batches,
             "start_states": dict(state.get("start_states") or {}),
-            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states")},
+            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next")},
+            "name": name,
         }
+        why_not = None
+        if state.get("next") is None:
+            why_not = "the checkpoint holds no record of the next batch (saved by an older statekit)"
+        elif batches != int(state["batches"]):
+            why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
+        elif planned is not None:
+            why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
+        else:
+            why_not = audit.NextBatch.from_json(state["next"]).missing if not state["next"].get("indices_digest") and not state["next"].get("content_digest") else None
+        position.pending["audit_skip"] = why_not is not None
+        audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not)
         if batches != int(state["batches"]) or planned is not None:
             position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
         if batches != int(state["batches"]):
@@ -325,6 +458,9 @@ def restore_loader(
         if hasattr(loader, "iteration"):
             loader.iteration = int(state["epoch"])
         return True
+    if is_tracked(loader):  # the resume audit: nothing recorded to check this loader against
+        audit.restored(name or describe(loader), loader.__dict__["_statekit_position"], None,
+                       "the checkpoint holds no statekit position for this loader (saved untracked, or by Accelerate)")
     if hasattr(loader, "iteration") and "epoch" in state:
         loader.iteration = int(state["epoch"])
     if state.get("epoch_only"):
@@ -365,11 +501,9 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
             f"continues epoch {position.pending.get('epoch')} at batch {restored}: skipping on top of it would "
             "skip twice and redraw the order; iterate the loader itself (no skip_first_batches needed)"
         )
-    warnings.warn(
+    warn_user(
         f"{describe(loader)}: statekit's resume already continues epoch {position.pending.get('epoch')} at batch "
-        f"{restored}; skip_first_batches({num_batches}) returns the loader itself so no batch is skipped twice",
-        StatekitWarning,
-        stacklevel=3,
+        f"{restored}; skip_first_batches({num_batches}) returns the loader itself so no batch is skipped twice"
     )
     return True
 

@@ -1,0 +1,497 @@
+"""The resume audit: every resume checks that its data loaders continue where the saved run stood.
+
+The data position is restored by mechanisms that each cover known setups (generator states,
+index skipping, dataset states, replayed random draws). A setup nobody named can still
+resume on other batches: a sampler that shuffles with its own ``random.Random``, a dataset
+that augments with its own ``np.random.default_rng``, a restored loader replaced by another
+object. Only what the resumed loader *yields* shows it, so the audit compares that with
+what the saved run was about to yield.
+
+**At every save**, for every tracked loader whose epoch is in progress, the position
+records a :class:`NextBatch` (saved with the loader's position, per rank):
+
+- the sample indices of the next batch (a digest and the first few, for messages), for a
+  loader with a batch sampler. :class:`IndexLog` records the indices the batch sampler
+  hands out, by fetch number; for a loader that does not ask for indices ahead (a plain
+  ``DataLoader`` with ``num_workers=0``) it asks for one batch of indices ahead of the
+  iterator, which draws nothing the run would not draw anyway (it changes only *when* the
+  sampler runs, as the read-ahead of Accelerate's ``DataLoaderShard`` and of worker
+  processes already does);
+- a digest of the next batch's content where the loader holds it already: Accelerate's
+  ``DataLoaderShard`` fetches batch ``k + 1`` before it yields batch ``k`` (its ``next_batch``);
+- the sampler's epoch (``set_epoch``) or Accelerate's ``iteration``.
+
+**On resume**, the first batch each restored loader yields is compared with that record
+(:func:`check_first_batch`): a difference is a :class:`statekit.ResumeAuditWarning` naming
+the loader, the step, the expected and the actual indices (or content), or, under
+``strict_resume=True``, a :class:`statekit.ResumeAuditError` raised from the ``for`` loop.
+A restored position that the run never consumes (the next save finds it still waiting) is
+named too.
+
+**Verdicts.** The resume's verdict (:class:`ResumeVerdict`) is ``"verified"`` (every
+restored loader yielded what was recorded), ``"diverged"`` (the first difference), or
+``"unverifiable"`` (why: no record, a save at an epoch boundary, no loader). Every
+checkpoint written after the resume carries it in its manifest (``resume_audit``), which
+``statekit ls`` and ``statekit inspect`` show: a run's history says which resumes were proven.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from statekit.errors import ResumeAuditError, ResumeAuditWarning, warn_user
+from statekit.storage.hashing import new_hasher
+
+logger = logging.getLogger("statekit")
+
+HEAD = 8
+"""Indices kept in a record for messages (the digest covers all of them)."""
+
+VERIFIED, DIVERGED, UNVERIFIABLE, PENDING = "verified", "diverged", "unverifiable", "pending"
+"""A loader's (and a resume's) verdict."""
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class NextBatch:
+    """What a resumed loader must yield next, recorded at save time.
+
+    Attributes:
+        epoch: the loader's epoch (statekit's count of passes) the batch belongs to.
+        batch: the batch's number in that epoch (0-based).
+        indices_digest: XXH3-64 of the batch's sample indices (``repr`` of the list), or None.
+        indices_head: the first :data:`HEAD` indices, for messages, or None.
+        content_digest: XXH3-64 over the batch's tensors and values, or None when the loader
+            did not hold the batch yet.
+        sampler_epoch: ``sampler.epoch`` (``DistributedSampler.set_epoch``) or Accelerate's
+            ``iteration`` of the loader, or None.
+        missing: why indices or content are not recorded (for the verdict), or None.
+    """
+
+    epoch: int
+    batch: int
+    indices_digest: str | None = None
+    indices_head: list[Any] | None = None
+    content_digest: str | None = None
+    sampler_epoch: int | None = None
+    missing: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON object (stored in the loader's per-rank position file)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> NextBatch | None:
+        """The record from :meth:`to_json`'s object, or None for None (older checkpoints)."""
+        if not data:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def indices_digest(indices: Any) -> tuple[str, list[Any]]:
+    """Digest and head of one batch of sample indices.
+
+    Args:
+        indices: what the batch sampler yielded (a list of ints, usually).
+
+    Returns:
+        ``("xxh3_64:<hex>", first HEAD indices)``; the digest is over ``repr`` of the list.
+    """
+    items = list(indices) if isinstance(indices, (list, tuple, range)) or hasattr(indices, "__iter__") else [indices]
+    items = [_plain(i) for i in items]
+    hasher = new_hasher()
+    hasher.update(repr(items).encode())
+    return f"xxh3_64:{hasher.hexdigest()}", items[:HEAD]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy scalars
+        return value.item()
+    return value if isinstance(value, (int, str, float, bool, type(None))) else repr(value)
+
+
+def content_digest(batch: Any) -> str | None:
+    """XXH3-64 over a batch: tensors and arrays by dtype, shape and bytes; mappings, lists,
+    tuples and dataclasses by structure; numbers and strings by ``repr``.
+
+    Args:
+        batch: what a data loader yields (tensors on any device: they are copied to the
+            host to be hashed; the check runs once per save and once per resume).
+
+    Returns:
+        ``"xxh3_64:<hex>"``, or None when the batch holds an object of another kind (it
+        cannot be compared by content).
+    """
+    hasher = new_hasher()
+    try:
+        _feed(hasher, batch)
+    except _NotHashable:
+        return None
+    return f"xxh3_64:{hasher.hexdigest()}"
+
+
+class _NotHashable(Exception):
+    pass
+
+
+def _feed(hasher: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous()
+        hasher.update(f"T{data.dtype}{tuple(data.shape)}".encode())
+        if data.numel():
+            hasher.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        if value.dtype == object:
+            raise _NotHashable
+        hasher.update(f"A{value.dtype}{value.shape}".encode())
+        hasher.update(numpy.ascontiguousarray(value).tobytes())
+        return
+    if isinstance(value, (int, float, bool, str, bytes, type(None))) or (numpy is not None and isinstance(value, numpy.generic)):
+        hasher.update(f"V{value!r}".encode())
+        return
+    if isinstance(value, Mapping):
+        hasher.update(b"{")
+        for key, item in value.items():
+            hasher.update(f"K{key!r}".encode())
+            _feed(hasher, item)
+        hasher.update(b"}")
+        return
+    if isinstance(value, (list, tuple)):
+        hasher.update(b"[")
+        for item in value:
+            _feed(hasher, item)
+        hasher.update(b"]")
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        _feed(hasher, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+        return
+    raise _NotHashable
+
+
+# --------------------------------------------------------------------------- index log
+
+
+class IndexLog:
+    """A batch sampler that records the indices it hands out, by fetch number in the epoch,
+    in ``position.drawn`` (consumed ones are dropped by :func:`forget_before`).
+
+    Args:
+        batch_sampler: the batch sampler to wrap (skip and replay wrappers applied).
+        position: the loader's ``Position``.
+        first: fetch number of the first batch this iterator asks for.
+        read_ahead: also ask the wrapped sampler for the next batch's indices, so a save
+            after batch ``k`` knows batch ``k + 1``'s (for loaders that do not ask ahead).
+    """
+
+    def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool) -> None:
+        self.batch_sampler = batch_sampler
+        self.position = position
+        self.first = first
+        self.read_ahead = read_ahead
+
+    def __iter__(self) -> Iterator[Any]:
+        drawn: dict[int, Any] = {}
+        self.position.drawn = drawn
+        self.position.drawn_all = False
+        items = iter(self.batch_sampler)
+        fetched = self.first
+        ahead: list[Any] = []
+        while True:
+            if ahead:
+                indices = ahead.pop()
+            else:
+                try:
+                    indices = next(items)
+                except StopIteration:
+                    self.position.drawn_all = True
+                    return
+                drawn[fetched] = indices
+            if self.read_ahead:
+                try:
+                    ahead.append(next(items))
+                    drawn[fetched + 1] = ahead[0]
+                except StopIteration:
+                    self.position.drawn_all = True
+            fetched += 1
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("batch_sampler", "position", "first", "read_ahead"):
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+
+def forget_before(position: Any, batches: int) -> None:
+    """Drop the indices of fetches before ``batches`` (consumed: no record needs them)."""
+    for fetched in [k for k in position.drawn if k < batches]:
+        del position.drawn[fetched]
+
+
+def accelerate_next_batch(parent: Any, loader: Any) -> tuple[bool, Any]:
+    """The batch an Accelerate ``DataLoaderShard`` fetched ahead of the one it yielded last.
+
+    ``DataLoaderShard.__iter__`` holds it in its local ``next_batch`` while the training
+    loop runs (https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py);
+    at the epoch's last batch (``end_of_dataloader``) there is none.
+
+    Returns:
+        ``(True, batch)``, or ``(False, None)`` when the loader holds no next batch.
+    """
+    if getattr(loader, "end_of_dataloader", False):
+        return False, None
+    frame = getattr(parent, "gi_frame", None)
+    if frame is None or type(loader).__mro__[1].__name__ != "DataLoaderShard":
+        return False, None
+    local = frame.f_locals
+    return ("next_batch" in local), local.get("next_batch")
+
+
+def sampler_epoch(loader: Any, sampler: Any) -> int | None:
+    """The epoch the loader's sampler was set to (``sampler.epoch``, as
+    ``DistributedSampler.set_epoch`` sets it), else Accelerate's ``iteration``, else None."""
+    value = getattr(sampler, "epoch", None)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    value = loader.__dict__.get("iteration") if hasattr(loader, "__dict__") else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+@dataclass
+class LoaderVerdict:
+    """One restored loader's verdict.
+
+    Attributes:
+        loader: the loader's checkpoint key and classes.
+        verdict: ``"verified"``, ``"diverged"``, ``"unverifiable"`` or ``"pending"`` (it has
+            not yielded its first batch since the resume).
+        detail: the first difference, or why it cannot be verified; empty when verified.
+    """
+
+    loader: str
+    verdict: str
+    detail: str = ""
+
+
+@dataclass
+class ResumeVerdict:
+    """The verdict of one resume, carried by the loaders it restored into the checkpoints
+    saved with them.
+
+    Attributes:
+        url: the checkpoint resumed from.
+        step: its step (or None).
+        strict: ``strict_resume`` of that resume (a divergence raises).
+        order: how many resumes this process began up to this one (the newest wins).
+        loaders: by checkpoint key.
+    """
+
+    url: str
+    step: int | None
+    strict: bool = False
+    order: int = 0
+    loaders: dict[str, LoaderVerdict] = field(default_factory=dict)
+    positions: dict[str, Any] = field(default_factory=dict, repr=False)  # key -> weakref to the Position
+
+    @property
+    def verdict(self) -> str:
+        """``"diverged"`` if any loader diverged, else ``"pending"`` if one has not yielded,
+        else ``"verified"`` if one was verified, else ``"unverifiable"``."""
+        kinds = {v.verdict for v in self.loaders.values()}
+        for kind in (DIVERGED, PENDING, VERIFIED):
+            if kind in kinds:
+                return kind
+        return UNVERIFIABLE
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``resume_audit`` object (docs/format.md)."""
+        first = next((v for v in self.loaders.values() if v.verdict == DIVERGED), None)
+        if first is None:
+            first = next((v for v in self.loaders.values() if v.verdict != VERIFIED), None)
+        reason = first.detail if first is not None else ""
+        if not self.loaders:
+            reason = "no tracked data loader was restored"
+        return {
+            "resumed_from": {"url": self.url, "step": self.step},
+            "verdict": self.verdict,
+            "detail": reason,
+            "loaders": {key: {"verdict": v.verdict, "detail": v.detail} for key, v in self.loaders.items()},
+        }
+
+
+_loading: ResumeVerdict | None = None  # the verdict of the load running now (set by begin())
+_resumes = 0  # resumes begun in this process: the newest verdict wins when several apply
+
+
+def begin(url: str, step: int | None, strict: bool = False) -> ResumeVerdict:
+    """Start the verdict of a resume: called by every load of a training state, before its
+    loaders are restored. The loaders restored by this load carry it
+    (``position.resume_verdict``), so the checkpoints saved with them record it, and runs
+    of other objects in the same process do not.
+
+    Args:
+        url: the checkpoint's URL; step: its step; strict: ``strict_resume``.
+    """
+    global _loading, _resumes
+    _resumes += 1
+    _loading = ResumeVerdict(url=url, step=step, strict=strict, order=_resumes)
+    return _loading
+
+
+def restored(name: str, position: Any, record: NextBatch | None, why_not: str | None) -> None:
+    """Note that a loader was restored by the running load: its verdict is pending, or
+    unverifiable (``why_not``)."""
+    verdict = _loading
+    if verdict is None:
+        return
+    if record is None or why_not:
+        verdict.loaders[name] = LoaderVerdict(name, UNVERIFIABLE, why_not or "the checkpoint holds no record of the next batch")
+    else:
+        verdict.loaders[name] = LoaderVerdict(name, PENDING)
+    verdict.positions[name] = weakref.ref(position)
+    position.resume_verdict = verdict
+
+
+def check_first_batch(
+    verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch, indices: Any, has_indices: bool, batch: Any,
+    epoch_now: int | None,
+) -> None:
+    """Compare the first batch a restored loader yields with the saved record.
+
+    Args:
+        verdict: the resume's verdict the loader carries (None: a restore outside a load).
+        name: the loader's checkpoint key; label: its name in messages.
+        record: what the saved run was about to yield.
+        indices: the indices the resumed iterator drew for it (when ``has_indices``).
+        batch: the batch it yields.
+        epoch_now: the sampler's epoch / Accelerate ``iteration`` now, or None.
+
+    Warns:
+        ResumeAuditWarning: the batch differs from the record (not under ``strict_resume``).
+
+    Raises:
+        ResumeAuditError: the batch differs, under ``strict_resume=True``.
+    """
+    at = f"step {verdict.step}" if verdict is not None and verdict.step is not None else "the resume"
+    difference = None
+    if record.sampler_epoch is not None and epoch_now is not None and epoch_now != record.sampler_epoch:
+        difference = (
+            f"the restored position of epoch {record.sampler_epoch} (batch {record.batch}) was consumed in epoch "
+            f"{epoch_now} (the sampler's set_epoch / the loader's iteration)"
+        )
+    elif record.indices_digest is not None and has_indices:
+        digest, head = indices_digest(indices)
+        if digest != record.indices_digest:
+            difference = f"expected indices {_show(record.indices_head)} as batch {record.batch} of epoch {record.epoch}, got {_show(head)}"
+    if difference is None and record.content_digest is not None:
+        actual = content_digest(batch)
+        if actual is not None and actual != record.content_digest:
+            difference = (
+                f"batch {record.batch} of epoch {record.epoch} has the recorded indices"
+                f"{' ' + _show(record.indices_head) if record.indices_head else ''} but other content: the dataset or "
+                "sampler draws from random state no plugin restores (register it with accelerator.register_for_checkpointing, "
+                "or seed it from the loader's generators)"
+            )
+    if verdict is not None:
+        if difference is None:
+            checked = "indices" if record.indices_digest is not None and has_indices else ""
+            if record.content_digest is not None:
+                checked = f"{checked} and content" if checked else "content"
+            verdict.loaders[name] = (
+                LoaderVerdict(name, VERIFIED)
+                if checked
+                else LoaderVerdict(name, UNVERIFIABLE, record.missing or "neither the indices nor the content of the next batch were recorded")
+            )
+        else:
+            verdict.loaders[name] = LoaderVerdict(name, DIVERGED, difference)
+    if difference is None:
+        logger.info("resume audit: %s continues as recorded (batch %d of epoch %d)", label, record.batch, record.epoch)
+        return
+    message = f"resume audit: {label} after the resume from {at} does not continue where the saved run stood: {difference}"
+    if verdict is not None and verdict.strict:
+        raise ResumeAuditError(message)
+    warn_user(message, ResumeAuditWarning)
+
+
+def never_consumed(verdict: ResumeVerdict, step: int | None) -> None:
+    """At a save: name each loader restored by ``verdict``'s resume whose restored position
+    the run never consumed (it still waits for its next ``iter()`` though the run trained on).
+
+    Args:
+        verdict: the resume's verdict.
+        step: the step being saved (a save at the resumed step itself is not a sign).
+
+    Warns:
+        ResumeAuditWarning: one per such loader (and its verdict becomes ``"diverged"``).
+
+    Raises:
+        ResumeAuditError: such a loader, under ``strict_resume=True`` (the save commits nothing).
+    """
+    if step is None or step == verdict.step:
+        return
+    for name, ref in list(verdict.positions.items()):
+        position = ref()
+        entry = verdict.loaders.get(name)
+        if position is None or entry is None or entry.verdict not in (PENDING, UNVERIFIABLE):
+            continue
+        pending = getattr(position, "pending", None)
+        if pending is None or getattr(position, "resume_verdict", None) is not verdict:
+            continue
+        detail = (
+            f"the restored position (epoch {pending.get('epoch')}, batch {pending.get('batches')}) was never consumed: "
+            f"the run reached step {step} without iterating this loader (was it replaced by another loader object?)"
+        )
+        verdict.loaders[name] = LoaderVerdict(name, DIVERGED, detail)
+        del verdict.positions[name]
+        message = f"resume audit: {position.name or name} after the resume from step {verdict.step}: {detail}"
+        if verdict.strict:
+            raise ResumeAuditError(message)
+        warn_user(message, ResumeAuditWarning)
+
+
+def summary(objects: Mapping[str, Any], step: int | None) -> dict[str, Any] | None:
+    """The manifest's ``resume_audit`` for a checkpoint of ``step`` saved now with
+    ``objects``: the verdict of the newest resume that restored one of its data loaders, or
+    None when none of them was restored. Names never-consumed positions first
+    (:func:`never_consumed`).
+
+    Args:
+        objects: the saved objects by key (data loaders among them carry their resume's verdict).
+        step: the step being saved.
+    """
+    verdicts = [
+        v for v in (getattr(vars(o).get("_statekit_position"), "resume_verdict", None) for o in objects.values() if hasattr(o, "__dict__"))
+        if v is not None
+    ]
+    if not verdicts:
+        return None
+    verdict = max(verdicts, key=lambda v: v.order)
+    never_consumed(verdict, step)
+    return verdict.to_json()
+
+
+def _show(indices: list[Any] | None) -> str:
+    if indices is None:
+        return "(not recorded)"
+    text = ", ".join(repr(i) for i in indices[:HEAD])
+    return f"[{text}{', ...' if len(indices) >= HEAD else ''}]"
