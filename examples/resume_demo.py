@@ -125,7 +125,7 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
     step = harness.resume_step(manager, log) if resume else 0
     model.train()
     step = harness.train_steps(args, manager, loader, train_step, log, step=step, abandon_at=abandon_at,
-                               describe_save=lambda manifest: {"plugins": manifest["plugins"]})
+                               describe_save=lambda manifest: {"plugins": manifest["plugins"], "resume_audit": manifest.get("resume_audit")})
     model.eval()
     with torch.no_grad():
         x, y = test.tensors
@@ -158,6 +158,10 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
     analysis = checks.analyse(runs.ref_events(), runs.run_events())
     problems = analysis.problems + compare_final(runs.ref_final, runs.run_final)
     active = analysis.saves[-1]["plugins"] if analysis.saves else {}
+    # the resume audit's verdict, recorded in every checkpoint the resumed run wrote
+    audit = (analysis.saves[-1].get("resume_audit") if analysis.saves else None) or {}
+    if audit.get("verdict") == "diverged":
+        problems.append(f"resume audit: {audit.get('detail')}")
     installed = ", ".join(analysis.done["plugins"]) or "none"
     rows = [
         ("checkpoint root", args.url),
@@ -168,11 +172,21 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
         ("checkpoints written", analysis.written),
         ("save seconds", analysis.save_seconds),
         ("load seconds", f"{analysis.load_seconds:.4f}"),
+        ("resume audit", _audit_text(audit)),
         ("plugins active", f"{', '.join(f'{k} {v}' for k, v in active.items()) or 'none'} (installed: {installed})"),
         ("test accuracy", f"{analysis.done['accuracy']:.4f}"),
     ]
     exact = ["weights, optimizer state and all per-step losses equal the reference bit for bit"]
     return checks.print_report("statekit resume demo report", rows, problems, exact)
+
+
+def _audit_text(audit: dict) -> str:
+    """The resume audit's verdict (docs/concepts.md, Resume audit), as the report shows it."""
+    if not audit:
+        return "- (no checkpoint written after the resume)"
+    if audit.get("verdict") == "verified":
+        return "verified: the first batch after the resume is the one recorded at save time (indices and content)"
+    return f"{audit.get('verdict')}: {audit.get('detail')}"
 
 
 def _tier(args: argparse.Namespace, runs: harness.Runs) -> str:

@@ -357,3 +357,25 @@ def test_skip_first_batches_function_after_a_resume_continues_exactly(tmp_path, 
     seen += [b.tolist() for b in loader]
     assert len(seen) - 11 == 13
     assert seen == reference
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A stream without state whose length depends on where it is read (not reproducible)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def test_audit_names_a_resumed_epoch_that_ends_before_the_saved_position(tmp_path, installed_plugin_manager):
+    loader = DataLoader(Stream(24), batch_size=4)
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "run"))
+    it = iter(loader)
+    next(it), next(it), next(it)
+    manager.save(3)
+    shorter = DataLoader(Stream(8), batch_size=4)  # the stream came back shorter
+    assert statekit.CheckpointManager({"loader": shorter}, str(tmp_path / "run")).resume() == 3
+    with pytest.warns(statekit.ResumeAuditWarning, match=r"the resumed epoch 0 ended without yielding batch 3"):
+        assert list(shorter) == []

@@ -433,6 +433,27 @@ def check_first_batch(
     warn_user(message, ResumeAuditWarning)
 
 
+def nothing_yielded(verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch) -> None:
+    """A restored loader's resumed epoch ended without yielding a batch, though the saved run
+    was about to yield batch ``record.batch`` of it (a re-created iterator that ends sooner:
+    the dataset does not repeat its order).
+
+    Warns:
+        ResumeAuditWarning: always (the verdict becomes ``"diverged"``).
+
+    Raises:
+        ResumeAuditError: under ``strict_resume=True``.
+    """
+    detail = f"the resumed epoch {record.epoch} ended without yielding batch {record.batch}, which the saved run was about to yield"
+    if verdict is not None:
+        verdict.loaders[name] = LoaderVerdict(name, DIVERGED, detail)
+    at = f"step {verdict.step}" if verdict is not None and verdict.step is not None else "the resume"
+    message = f"resume audit: {label} after the resume from {at}: {detail}"
+    if verdict is not None and verdict.strict:
+        raise ResumeAuditError(message)
+    warn_user(message, ResumeAuditWarning)
+
+
 def never_consumed(verdict: ResumeVerdict, step: int | None) -> None:
     """At a save: name each loader restored by ``verdict``'s resume whose restored position
     the run never consumed (it still waits for its next ``iter()`` though the run trained on).

@@ -182,6 +182,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         position.parent = None
         if not finished:
             _abandoned(self, position)
+    if check is not None:  # a resumed epoch that yielded nothing
+        check(self, position, skip, None)
     position.in_epoch = False
     position.foreign = False
     position.epoch += 1
@@ -240,6 +242,9 @@ def _first_batch_check(pending: dict[str, Any] | None, label: str) -> Any:
     name = (pending or {}).get("name") or label
 
     def check(loader: Any, position: Position, fetched: int, batch: Any) -> None:
+        if batch is None and fetched not in position.drawn:  # the epoch ended before its first batch
+            audit.nothing_yielded(position.resume_verdict, name, label, record)
+            return
         has = fetched in position.drawn
         now = audit.sampler_epoch(loader, sampler_of(loader)) if record.sampler_epoch is not None else None
         audit.check_first_batch(position.resume_verdict, name, label, record, position.drawn.get(fetched), has, batch, now)
@@ -442,9 +447,9 @@ def restore_loader(
             why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
         elif planned is not None:
             why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
-        else:
-            why_not = audit.NextBatch.from_json(state["next"]).missing if not state["next"].get("indices_digest") and not state["next"].get("content_digest") else None
-        position.pending["audit_skip"] = why_not is not None
+        position.pending["audit_skip"] = why_not is not None  # the record does not describe what comes next
+        if why_not is None and not state["next"].get("indices_digest") and not state["next"].get("content_digest"):
+            why_not = state["next"].get("missing")  # checked only for a batch at all (audit.nothing_yielded)
         audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not)
         if batches != int(state["batches"]) or planned is not None:
             position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
