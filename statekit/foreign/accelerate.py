@@ -312,6 +312,8 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
             saved = _saved_shapes(storage, rel, targets)
             if saved is None:
                 continue
+            tied = _tied_to_saved(targets, saved)  # safetensors files keep one name of tied weights
+            targets = {k: t for k, t in targets.items() if k not in tied}
             if not strict:
                 targets = {k: t for k, t in targets.items() if k in saved}
                 saved = {k: v for k, v in saved.items() if k in targets}
@@ -320,6 +322,17 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
             state = _peek_pickle(storage, rel)
             if state is not None:
                 check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+
+
+def _tied_to_saved(targets: Any, saved: Any) -> set[str]:
+    """The model's keys missing from ``saved`` whose tensor shares its memory with one that
+    is saved (tied weights): Accelerate's safetensors files keep one name of each, and
+    ``safetensors.torch.load_model`` fills the others through it."""
+    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for k, t in targets.items():
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(k)
+    return {k for keys in groups.values() if any(n in saved for n in keys) for k in keys if k not in saved}
 
 
 def _saved_shapes(storage: Storage, rel: str, targets: Any) -> dict[str, tuple[Any, Any]] | None:
