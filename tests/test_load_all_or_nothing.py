@@ -364,13 +364,15 @@ def test_failed_attached_save_is_never_loaded(tmp_path):
     assert_state_equal(reader[1].state_dict(), model.state_dict())
 
 
-def test_attached_load_of_tied_weights_loads(tmp_path):
-    """Accelerate's safetensors file keeps one name of tied weights: the check before its
-    load counts the others as filled through it (as safetensors' load_model does)."""
+@pytest.mark.parametrize("how", ["attached", "load_state"])
+def test_tied_weights_of_an_accelerate_folder_load(tmp_path, how):
+    """Accelerate's safetensors file keeps one name of tied weights: the checks before a
+    load count the others as filled through it (as safetensors' load_model does)."""
 
     def tied_run(seed: int):
         accelerator = fresh_accelerator()
-        statekit.attach(accelerator)
+        if how == "attached":
+            statekit.attach(accelerator)
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         model[1].weight = model[0].weight
@@ -379,6 +381,9 @@ def test_attached_load_of_tied_weights_loads(tmp_path):
     accelerator, model = tied_run(0)
     accelerator.save_state(str(tmp_path / "ckpt"))
     accelerator, resumed = tied_run(1)
-    accelerator.load_state(str(tmp_path / "ckpt"))
+    if how == "attached":
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    else:
+        statekit.load_state(accelerator, str(tmp_path / "ckpt"), allow_pickle=True)
     assert_state_equal(resumed.state_dict(), model.state_dict())
     assert resumed[1].weight is resumed[0].weight

@@ -268,6 +268,7 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
         model = unwrap_model(e.obj, accelerator)
         targets = model.state_dict()
         state = strip_wrapper_prefixes(read_model(storage, rel, allow_pickle), targets)
+        state.update({k: state[source] for k, source in _tied_to_saved(targets, state).items()})  # one name kept of tied weights
         saved = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None) for k, v in state.items()}
         check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
         staged.append((model, rel, state))
@@ -324,15 +325,20 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
                 check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
 
 
-def _tied_to_saved(targets: Any, saved: Any) -> set[str]:
+def _tied_to_saved(targets: Any, saved: Any) -> dict[str, str]:
     """The model's keys missing from ``saved`` whose tensor shares its memory with one that
-    is saved (tied weights): Accelerate's safetensors files keep one name of each, and
-    ``safetensors.torch.load_model`` fills the others through it."""
+    is saved (tied weights), each with that saved key: Accelerate's safetensors files keep
+    one name of each, and ``safetensors.torch.load_model`` fills the others through it."""
     groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
     for k, t in targets.items():
         if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
             groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(k)
-    return {k for keys in groups.values() if any(n in saved for n in keys) for k in keys if k not in saved}
+    tied = {}
+    for keys in groups.values():
+        source = next((n for n in keys if n in saved), None)
+        if source is not None:
+            tied.update({k: source for k in keys if k not in saved})
+    return tied
 
 
 def _saved_shapes(storage: Storage, rel: str, targets: Any) -> dict[str, tuple[Any, Any]] | None:
