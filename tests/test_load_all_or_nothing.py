@@ -387,3 +387,32 @@ def test_tied_weights_of_an_accelerate_folder_load(tmp_path, how):
         statekit.load_state(accelerator, str(tmp_path / "ckpt"), allow_pickle=True)
     assert_state_equal(resumed.state_dict(), model.state_dict())
     assert resumed[1].weight is resumed[0].weight
+
+
+@pytest.mark.parametrize("how", ["load_state", "attached", "accelerate-folder"])
+def test_scheduler_of_another_class_is_refused(tmp_path, how):
+    """LRScheduler.load_state_dict never refuses: a StepLR state loaded into a
+    CosineAnnealingLR would leave a scheduler that is neither, silently."""
+    accelerator, model, optimizer, scheduler = make_run(seed=0, attach=how == "attached")
+    if how == "load_state":
+        statekit.save_state(accelerator, str(tmp_path / "ckpt"))
+    else:
+        accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator = fresh_accelerator()
+    if how == "attached":
+        statekit.attach(accelerator)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    before = snapshot(model, optimizer, scheduler)
+    with pytest.raises(statekit.StateMismatchError) as err:
+        if how == "attached":
+            accelerator.load_state(str(tmp_path / "ckpt"))
+        else:
+            statekit.load_state(accelerator, str(tmp_path / "ckpt"), allow_pickle=True)
+    message = str(err.value)
+    assert "scheduler 'scheduler_0'" in message
+    assert "missing keys: T_max, eta_min" in message and "unexpected keys: gamma, step_size" in message
+    assert "saved by another kind of scheduler than this CosineAnnealingLR; nothing was loaded" in message
+    assert_untouched(before, model, optimizer, scheduler)

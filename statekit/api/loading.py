@@ -355,7 +355,7 @@ def check_owners_installed(checkpoint: Checkpoint) -> None:
 def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool = True) -> None:
     """Fail before ``Accelerator.load_state`` restores anything (attach mode) if the
     directory is an attach-mode save not committed (a save lock and no manifest: being
-    written, or failed), or if a model or optimizer does not fit Accelerate's files:
+    written, or failed), or if a model, optimizer or scheduler does not fit Accelerate's files:
     Accelerate fills the models first, and an optimizer that refuses its state (a
     parameter frozen since the save) would leave them overwritten
     (:func:`statekit.foreign.accelerate.check_fit_before_load`).
@@ -381,6 +381,7 @@ def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool
     left = [m for i, m in enumerate(accelerator._models) if f"model_{i}" not in owned]
     entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(left)]
     entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
+    entries += [Entry(f"scheduler_{i}", "scheduler", o) for i, o in enumerate(accelerator._schedulers)]
     accelerate_format.check_fit_before_load(checkpoint.storage, entries, accelerator, strict=strict)
 
 

@@ -131,6 +131,36 @@ def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[i
         )
 
 
+def check_scheduler_fit(where: str, scheduler: Any, state: Any) -> None:
+    """Refuse a saved LR scheduler state of another scheduler class, before anything is applied.
+
+    ``LRScheduler.load_state_dict`` is ``__dict__.update``: it never refuses, and a
+    ``StepLR`` state loaded into a ``CosineAnnealingLR`` leaves a scheduler that is neither
+    (the saved run's schedule is not resumed, without a word). The public keys (not
+    starting with ``_``) name a class's settings; they are compared only when each side
+    has keys the other lacks, so a torch version that added or dropped one (``verbose``)
+    still loads.
+
+    Args:
+        where: the scheduler and its file, for the message.
+        scheduler: the live scheduler (Accelerate's ``AcceleratedScheduler`` is unwrapped).
+        state: the saved state dict.
+
+    Raises:
+        StateMismatchError: the keys differ both ways (names them and the live class).
+    """
+    live = getattr(scheduler, "scheduler", scheduler)
+    if not isinstance(live, torch.optim.lr_scheduler.LRScheduler) or not isinstance(state, Mapping):
+        return
+    mine = {k for k in live.state_dict() if isinstance(k, str) and not k.startswith("_")}
+    saved = {k for k in state if isinstance(k, str) and not k.startswith("_")}
+    if saved - mine and mine - saved:
+        raise StateMismatchError(
+            where, missing=mine - saved, unexpected=saved - mine,
+            reason=f"the state was saved by another kind of scheduler than this {type(live).__name__}; nothing was loaded",
+        )
+
+
 def _expected_shape(key: Any, value: Any, p: torch.Tensor, held: Mapping[Any, Any]) -> tuple[int, ...] | None:
     """The shape a saved state tensor must have, or None when it is not compared."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:

@@ -18,7 +18,7 @@ from statekit.engine import data
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, check_fit
 from statekit.engine.gradients import AccumulatedGradients
-from statekit.engine.optimizer_fit import check_optimizer_fit
+from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit
 from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.progress import progress
 from statekit.format.manifest import read_manifest
@@ -79,10 +79,11 @@ def check_models(
 def check_entries(
     checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any], names: Mapping[int, str] | None = None
 ) -> None:
-    """Check that the saved state of every optimizer and tensor among ``entries`` fits it,
-    before anything is applied: an optimizer's parameter groups and the shapes of its state
-    tensors (:func:`statekit.engine.optimizer_fit.check_optimizer_fit`), a tensor's shape
-    and dtype. Reads the state files' skeletons and the tensor files' headers, no tensor data.
+    """Check that the saved state of every optimizer, scheduler and tensor among ``entries``
+    fits it, before anything is applied: an optimizer's parameter groups and the shapes of
+    its state tensors (:func:`statekit.engine.optimizer_fit.check_optimizer_fit`), a
+    scheduler's class (:func:`statekit.engine.optimizer_fit.check_scheduler_fit`), a
+    tensor's shape and dtype. Reads the state files' skeletons and the tensor files' headers, no tensor data.
 
     Args:
         checkpoint: the load's context.
@@ -99,7 +100,7 @@ def check_entries(
     files = checkpoint.manifest["files"] if checkpoint.manifest is not None else {}
     for e in entries:
         saved = saved_objects.get(e.key)
-        if saved is None or e.kind not in ("optimizer", "tensor"):
+        if saved is None or e.kind not in ("optimizer", "scheduler", "tensor"):
             continue
         base = _state_base(checkpoint, e, saved)
         if f"{base}.json" not in files:
@@ -111,6 +112,8 @@ def check_entries(
             continue  # a value that needs its data (a NumPy array): checked when it is applied
         if e.kind == "optimizer":
             check_optimizer_fit(where, e.obj, state, names)
+        elif e.kind == "scheduler":
+            check_scheduler_fit(where, e.obj, state)
         else:
             _check_tensor(where, e, state)
 

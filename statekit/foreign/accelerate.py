@@ -30,7 +30,7 @@ import torch
 from statekit import format as fmt
 from statekit.engine.entries import check_fit, strip_wrapper_prefixes, unwrap_model
 from statekit.engine.gradients import warn_partial_window
-from statekit.engine.optimizer_fit import check_optimizer_fit, parameter_names
+from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit, parameter_names
 from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.foreign.accelerate_rng import restore_rng, rng_snapshot
 from statekit.foreign.pickles import load_pickle, unreadable_pickle
@@ -263,6 +263,8 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
             state = read_pickle(storage, rel, allow_pickle)
             if e.kind == "optimizer":
                 check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+            elif e.kind == "scheduler":
+                check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
             staged.append((e, rel, state))
             continue
         model = unwrap_model(e.obj, accelerator)
@@ -288,7 +290,8 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
     Args:
         storage: the directory being loaded.
         entries: model entries keyed by their position among the models Accelerate loads
-            (``model_<i>``), and optimizer entries (``optimizer_<i>``); others are skipped.
+            (``model_<i>``), optimizer and scheduler entries (``optimizer_<i>``,
+            ``scheduler_<i>``); others are skipped.
         accelerator: the run's Accelerator (unwraps its models), or None.
         strict: False (``accelerator.load_state(dir, strict=False)``): a model's missing
             and unexpected keys are allowed; shapes and dtypes of shared keys must match.
@@ -302,7 +305,7 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
     models = [e for e in entries if e.kind == "model"]
     names = parameter_names(unwrap_model(e.obj, accelerator) for e in models)
     for e in entries:
-        if e.kind not in ("model", "optimizer"):
+        if e.kind not in ("model", "optimizer", "scheduler"):
             continue
         rel = file_for(e.kind, _index(e.key), names_in_dir)
         if rel is None or not storage.is_local:
@@ -321,8 +324,10 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
             check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
         else:
             state = _peek_pickle(storage, rel)
-            if state is not None:
+            if state is not None and e.kind == "optimizer":
                 check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+            elif state is not None:
+                check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
 
 
 def _tied_to_saved(targets: Any, saved: Any) -> dict[str, str]:
