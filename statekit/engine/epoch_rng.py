@@ -47,9 +47,14 @@ class ReplayEpochStart:
         self.wrapped = wrapped
         self.start = start
         self.position = position
+        self.used = False
 
     def __iter__(self) -> Iterator[Any]:
-        if self.position.resume_rng is None:
+        # once: torch's multi-process iterator calls iter() twice while it is built (its
+        # __init__ and _reset), and an iterator with persistent workers keeps this object as
+        # its index sampler for every later epoch, which must not go back to this epoch's start
+        if not self.used:
+            self.used = True
             self.position.resume_rng = snapshot()
             restore(self.start)
         return iter(self.wrapped)
@@ -58,7 +63,7 @@ class ReplayEpochStart:
         return len(self.wrapped)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("wrapped", "start", "position"):
+        if name in ("wrapped", "start", "position", "used"):
             raise AttributeError(name)
         return getattr(self.wrapped, name)
 
