@@ -173,6 +173,9 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
             fetch_rng.forget_before(position, position.batches)
             audit.forget_before(position, position.batches)
             fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
+            # a rank that builds the iterator but never asks its sampler (the other ranks of
+            # Accelerate's DataLoaderDispatcher): the checkpoint's states back at its first batch
+            epoch_rng.settle(position)
             yield batch
         finished = True
     finally:
