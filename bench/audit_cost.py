@@ -2,21 +2,22 @@
 
 The audit adds, per batch, one batch-sampler wrapper that keeps the indices handed out until
 the batch is consumed (a plain loader asks one batch ahead), and, per save, a digest of the
-next batch's indices and content (``statekit/engine/audit.py``). This times the resume
-demo's training step (its CNN on scikit-learn's digits, AdamW, an Accelerate-prepared
-shuffled loader, one thread) in one process, alternating:
+next batch's indices and content (``statekit/engine/audit.py``). Its per-batch work is
+measured where it happens, iterating the resume demo's loader alone (scikit-learn's digits,
+shuffled, one thread), alternating in one process:
 
-- ``plain``: Accelerate alone, statekit not attached;
+- ``plain``: the loader, statekit not attached;
 - ``no audit``: statekit attached, the audit's index record switched off;
 - ``audit``: statekit attached, as shipped;
 
-and a plain torch ``DataLoader`` (the loader that asks ahead) tracked with and without it.
-It prints the median step time of each, the ratios in the same run, and the time of the
-per-save record against the step time.
+for an Accelerate-prepared loader and a plain torch ``DataLoader`` (the one that asks ahead),
+at batch sizes 32 (the demo's) and 512. The difference per batch is set against the demo's
+training step (its CNN, AdamW) timed in the same run: the audit's share of a step. The
+per-save record is timed too.
 
 Usage::
 
-    python bench/audit_cost.py [--steps 400] [--rounds 7] [--json OUT]
+    python bench/audit_cost.py [--epochs 3] [--steps 200] [--rounds 9] [--json OUT]
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ from statekit.engine import data  # noqa: E402
 from resume_demo import Net, digits  # noqa: E402
 
 
-def _loop_time(mode: str, batch_size: int, steps: int, prepared: bool) -> float:
-    """Seconds per step of the whole loop (data loading included), over ``steps`` steps."""
+def _build(prepared: bool, batch_size: int):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import set_seed
@@ -56,42 +56,58 @@ def _loop_time(mode: str, batch_size: int, steps: int, prepared: bool) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if prepared:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return accelerator, model, optimizer, loader
+
+
+def _attach(mode: str, accelerator: Any, loader: Any, prepared: bool) -> None:
+    if mode == "plain":
+        return
+    if prepared:
+        statekit.attach(accelerator)
+    else:
+        statekit.attach(None, {"loader": loader})
+
+
+def _per_batch(mode: str, prepared: bool, batch_size: int, epochs: int) -> float:
+    """Seconds per batch of iterating the loader alone (no training step): where the audit's
+    per-batch work is, without the step's noise around it."""
+    accelerator, _, _, loader = _build(prepared, batch_size)
     original = data.audit_log
     if mode == "no audit":
         data.audit_log = lambda *args, **kwargs: None
     try:
-        if mode != "plain":
-            if prepared:
-                statekit.attach(accelerator)
-            else:
-                statekit.attach(None, {"loader": loader})
-        done = 0
-        started = time.perf_counter()
-        while done < steps:
-            for x, y in loader:
-                loss = F.cross_entropy(model(x), y)
-                accelerator.backward(loss) if prepared else loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                done += 1
-                if done >= steps:
-                    break
-        return (time.perf_counter() - started) / steps
+        _attach(mode, accelerator, loader, prepared)
+        started, count = time.perf_counter(), 0
+        for _ in range(epochs):
+            for _batch in loader:
+                count += 1
+        return (time.perf_counter() - started) / count
     finally:
         data.audit_log = original
+
+
+def _step_time(prepared: bool, batch_size: int, steps: int) -> float:
+    """Median seconds of the demo's training step (forward, backward, AdamW), attached."""
+    accelerator, model, optimizer, loader = _build(prepared, batch_size)
+    _attach("audit", accelerator, loader, prepared)
+    times: list[float] = []
+    while len(times) < steps:
+        for x, y in loader:
+            started = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss) if prepared else loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - started)
+            if len(times) >= steps:
+                break
+    return statistics.median(times[len(times) // 4:])
 
 
 def _record_time(batch_size: int) -> tuple[float, float]:
     """Seconds of one save's audit record for a prepared loader mid-epoch (median of 200),
     and of the whole per-rank loader state it is part of."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    accelerator = Accelerator(cpu=True)
-    train, _ = digits()
-    loader = accelerator.prepare(torch.utils.data.DataLoader(train, batch_size=batch_size, shuffle=True))
+    accelerator, _, _, loader = _build(True, batch_size)
     statekit.attach(accelerator)
     it = iter(loader)
     next(it)
@@ -109,37 +125,42 @@ def _record_time(batch_size: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="training steps per measurement")
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds of the three modes")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of loader iteration per measurement")
+    parser.add_argument("--steps", type=int, default=200, help="training steps timed for the step time")
+    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds of the three modes")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    results: dict[str, Any] = {"steps": args.steps, "rounds": args.rounds, "rows": []}
-    for batch_size, prepared in ((32, True), (512, True), (32, False), (512, False)):
+    results: dict[str, Any] = {"epochs": args.epochs, "steps": args.steps, "rounds": args.rounds, "rows": []}
+    for prepared, batch_size in ((True, 32), (True, 512), (False, 32), (False, 512)):
         modes = ("plain", "no audit", "audit")
-        loops: dict[str, list[float]] = {m: [] for m in modes}
+        per_batch: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
             for mode in modes:
-                loops[mode].append(_loop_time(mode, batch_size, args.steps, prepared))
-        median = {m: statistics.median(v) for m, v in loops.items()}
+                per_batch[mode].append(_per_batch(mode, prepared, batch_size, args.epochs))
+        median = {m: statistics.median(v) for m, v in per_batch.items()}
+        step = _step_time(prepared, batch_size, args.steps)
+        overhead = median["audit"] - median["no audit"]
         row = {
-            "loader": "Accelerate-prepared" if prepared else "plain torch (asks one batch of indices ahead)",
+            "loader": "Accelerate-prepared" if prepared else "plain torch, asks one batch of indices ahead",
             "batch_size": batch_size,
-            "step_s": median,
-            "audit_vs_no_audit": median["audit"] / median["no audit"],
-            "audit_vs_plain": median["audit"] / median["plain"],
+            "per_batch_s": median,
+            "audit_overhead_per_batch_s": overhead,
+            "training_step_s": step,
+            "audit_overhead_vs_step": overhead / step,
         }
+        line = (
+            f"{row['loader']:<44} batch {batch_size:>3}: loader alone per batch: plain {median['plain'] * 1e6:.0f} us, "
+            f"attached {median['no audit'] * 1e6:.0f} us, attached + audit {median['audit'] * 1e6:.0f} us "
+            f"(audit {overhead * 1e6:+.0f} us); training step {step * 1e3:.2f} ms; audit / step {overhead / step:+.4f}"
+        )
         if prepared:
             record_s, state_s = _record_time(batch_size)
             row["record_per_save_s"] = record_s
             row["loader_state_per_save_s"] = state_s
-            row["record_vs_step"] = record_s / median["audit"]
+            row["record_vs_step"] = record_s / step
+            line += f"; per-save record {record_s * 1e6:.0f} us ({record_s / step:.3f} steps)"
         results["rows"].append(row)
-        print(
-            f"{row['loader']:<45} batch {batch_size:>3}: step (loop) plain {median['plain'] * 1e3:.3f} ms, "
-            f"attached no audit {median['no audit'] * 1e3:.3f} ms, audit {median['audit'] * 1e3:.3f} ms; "
-            f"audit / no audit {row['audit_vs_no_audit']:.4f}, audit / plain {row['audit_vs_plain']:.4f}"
-            + (f"; per-save record {row['record_per_save_s'] * 1e6:.0f} us ({row['record_vs_step']:.3f} of a step)" if prepared else "")
-        )
+        print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
