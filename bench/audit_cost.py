@@ -2,7 +2,7 @@
 
 The audit adds, per batch, one batch-sampler wrapper that keeps the indices handed out until
 the batch is consumed (a plain loader asks one batch ahead), and, per save, a digest of the
-next batch's indices and content (``statekit/engine/audit.py``). Its per-batch work is
+next batch's indices and content (``statekit/loaders/audit.py``). Its per-batch work is
 measured where it happens, iterating the resume demo's loader alone (scikit-learn's digits,
 shuffled, one thread), alternating in one process:
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import statekit  # noqa: E402
-from statekit.engine import data  # noqa: E402
+from statekit.loaders import data  # noqa: E402
 from resume_demo import Net, digits  # noqa: E402
 
 
@@ -104,6 +104,34 @@ def _step_time(prepared: bool, batch_size: int, steps: int) -> float:
     return statistics.median(times[len(times) // 4:])
 
 
+def _index_log_overhead(batch_size: int) -> float:
+    """Seconds the audit's index record adds per batch to the demo's batch sampler iterated
+    alone, with the one-batch read-ahead (min of 7 repeats of 20 epochs: the least noisy
+    figure on a shared machine)."""
+    import timeit
+
+    from statekit.loaders import audit
+
+    train, _ = digits()
+    batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(train, generator=torch.Generator().manual_seed(0)), batch_size, False)
+
+    class _Position:
+        drawn: dict = {}
+        drawn_all = False
+
+    def plain() -> None:
+        for _ in batches:
+            pass
+
+    def logged() -> None:
+        position = _Position()
+        for i, _ in enumerate(audit.IndexLog(batches, position, 0, True)):
+            audit.forget_before(position, i + 1)
+
+    per = {f: min(timeit.repeat(f, number=20, repeat=7)) / 20 / len(batches) for f in (plain, logged)}
+    return per[logged] - per[plain]
+
+
 def _record_time(batch_size: int) -> tuple[float, float]:
     """Seconds of one save's audit record for a prepared loader mid-epoch (median of 200),
     and of the whole per-rank loader state it is part of."""
@@ -140,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         median = {m: statistics.median(v) for m, v in per_batch.items()}
         step = _step_time(prepared, batch_size, args.steps)
         overhead = median["audit"] - median["no audit"]
+        index_log = _index_log_overhead(batch_size)
         row = {
             "loader": "Accelerate-prepared" if prepared else "plain torch, asks one batch of indices ahead",
             "batch_size": batch_size,
@@ -147,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             "audit_overhead_per_batch_s": overhead,
             "training_step_s": step,
             "audit_overhead_vs_step": overhead / step,
+            "index_log_per_batch_s": index_log,
+            "index_log_vs_step": index_log / step,
         }
         line = (
             f"{row['loader']:<44} batch {batch_size:>3}: loader alone per batch: plain {median['plain'] * 1e6:.0f} us, "
             f"attached {median['no audit'] * 1e6:.0f} us, attached + audit {median['audit'] * 1e6:.0f} us "
-            f"(audit {overhead * 1e6:+.0f} us); training step {step * 1e3:.2f} ms; audit / step {overhead / step:+.4f}"
+            f"(audit {overhead * 1e6:+.0f} us); training step {step * 1e3:.2f} ms; audit / step {overhead / step:+.4f}; "
+            f"index record alone {index_log * 1e6:.2f} us per batch ({index_log / step:.5f} of a step)"
         )
         if prepared:
             record_s, state_s = _record_time(batch_size)
