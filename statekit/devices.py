@@ -1,6 +1,6 @@
 """The accelerator of this process: the one place statekit finds it.
 
-The RNG guard (:mod:`statekit.engine.rng_guard`), the resume fingerprint
+The RNG guard (:mod:`statekit.loaders.rng_guard`), the resume fingerprint
 (:mod:`statekit.api.fingerprint`) and statekit-rng (through :mod:`statekit.plugin_api`)
 must agree on which device's generators a checkpoint holds; each asking torch its own way
 made them disagree where ``torch.accelerator`` is missing (torch 2.4 and 2.5).

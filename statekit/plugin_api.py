@@ -55,7 +55,7 @@ from __future__ import annotations
 from statekit.devices import current_accelerator_type
 from statekit.distributed import rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
-from statekit.engine.data import sampler_of
+from statekit.loaders.data import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
 from statekit.errors import (
     AsyncSaveError,

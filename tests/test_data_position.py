@@ -219,7 +219,7 @@ def test_read_ahead_states_saved_with_more_devices_resume(tmp_path, installed_pl
     set_rng_state_all indexes past the last device: IndexError at the first batch)."""
     from accelerate_helpers import fresh_accelerator
 
-    from statekit.engine import rng_guard
+    from statekit.loaders import rng_guard
 
     class Devices:  # behaves like torch.cuda's generator functions
         def __init__(self, n):

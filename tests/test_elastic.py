@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import statekit
-from statekit.engine import data, elastic
+from statekit.loaders import data, elastic
 
 from accelerate_helpers import torchrun
 

@@ -1,7 +1,7 @@
 """Attach mode: ``statekit.attach(accelerator)`` and the code that keeps calling
 ``accelerator.save_state`` / ``load_state``.
 
-``attach`` tracks the run's data loaders (exact mid-epoch resume, :mod:`statekit.engine.data`),
+``attach`` tracks the run's data loaders (exact mid-epoch resume, :mod:`statekit.loaders.data`),
 runs the ``statekit_attach`` hooks, and for an accelerator registers Accelerate's own
 pre-hooks and wraps this instance's ``save_state``, ``load_state`` and ``prepare``:
 
@@ -33,7 +33,8 @@ from statekit.api.loading import (
     apply_own_states, check_accelerate_load, check_owners_installed, check_statekit_files, read_own_states,
 )
 from statekit.api.saveload import files_size, log_committed, plugin_versions
-from statekit.engine import commit as commits, data
+from statekit.engine import commit as commits
+from statekit.loaders import data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -153,7 +154,7 @@ class _AttachedCalls:
         """``Accelerator.skip_first_batches``, except after a resume of a tracked loader:
         statekit's restored position already skips the consumed batches (and replays the
         epoch's permutation), so the loader itself is returned (see
-        :func:`statekit.engine.data.skip_after_resume`)."""
+        :func:`statekit.loaders.data.skip_after_resume`)."""
         same = data.skip_after_resume(dataloader, num_batches)
         return dataloader if same else self.originals["skip_first_batches"](dataloader, num_batches)
 

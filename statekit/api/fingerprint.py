@@ -29,7 +29,7 @@ compared; a checkpoint without a fingerprint is not compared at all)::
 The settings follow what Accelerate's ``prepare_data_loader`` and ``BatchSamplerShard``
 use to shard an epoch (``batch_size``, ``drop_last``, ``even_batches``, ``split_batches``:
 https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py) and
-what :mod:`statekit.engine.data` needs to replay one.
+what :mod:`statekit.loaders.data` needs to replay one.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from statekit import distributed
 from statekit._version import __version__
 from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
 from statekit.devices import current_accelerator_type
-from statekit.engine import data, gradients
+from statekit.engine import gradients
+from statekit.loaders import data
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError, warn_user
 from statekit.hooks.registry import get_plugin_manager

@@ -34,7 +34,7 @@ class CheckpointInfo:
             mode) or Accelerate's files.
         resume_audit: the verdict of the resume the saving run continued from (the
             manifest's ``resume_audit``: ``verdict``, ``detail``, ``resumed_from``,
-            ``loaders``; :mod:`statekit.engine.audit`), or None when it did not resume.
+            ``loaders``; :mod:`statekit.loaders.audit`), or None when it did not resume.
     """
 
     step: int

@@ -19,7 +19,8 @@ from typing import Any
 from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.saveload import context_for, files_size
-from statekit.engine import audit, data, read
+from statekit.engine import read
+from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, unwrap_model
 from statekit.engine.gradients import AccumulatedGradients
@@ -151,7 +152,7 @@ def load_objects(
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
         _refuse_save_in_progress(storage)
         raise
-    if loaders:  # the resume audit's verdict of this resume (statekit.engine.audit)
+    if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
         audit.begin(storage.url, manifest.get("step"), strict_resume)
     if compare_fingerprint:
         live = fingerprints.compute(entries, accelerator)
@@ -292,7 +293,7 @@ def _ranks_not_restored(manifest: dict[str, Any], checkpoint: Checkpoint) -> lis
     saved_world = manifest.get("world_size", 1)
     if saved_world <= checkpoint.world_size or checkpoint.rank != 0:
         return []
-    # data loader positions of every saved rank are read by each live rank (engine/elastic.py)
+    # data loader positions of every saved rank are read by each live rank (loaders/elastic.py)
     per_rank_keys = [k for k, o in manifest["objects"].items() if o.get("per_rank") and o.get("kind") != "dataloader"]
     if not per_rank_keys:
         return []
@@ -425,7 +426,7 @@ def apply_own_states(states: list[tuple[str, Any, Any, Any]]) -> None:
 
     Raises:
         StateMismatchError: a position or the gradients do not fit this run (see
-            :func:`statekit.engine.data.restore_loader`, ``AccumulatedGradients.load_state_dict``).
+            :func:`statekit.loaders.data.restore_loader`, ``AccumulatedGradients.load_state_dict``).
     """
     for key, obj, state, ranks in states:
         if data.is_loader(obj):

@@ -14,7 +14,7 @@ The method ``accelerator.skip_first_batches`` is wrapped per instance by
 transformers (``from accelerate import skip_first_batches``) before statekit is attached, so
 rebinding module attributes would miss those names. :func:`install` therefore points the
 function's code at :func:`_trampoline`, once per process: every existing name calls it.
-It decides as the method does (:func:`statekit.engine.data.skip_after_resume`): a tracked
+It decides as the method does (:func:`statekit.loaders.data.skip_after_resume`): a tracked
 loader whose restored position skips exactly ``n`` batches comes back itself (with a
 warning); another ``n`` raises; any other call runs Accelerate's own function unchanged.
 """
@@ -25,7 +25,7 @@ import sys
 import types
 from typing import Any
 
-from statekit.engine import data
+from statekit.loaders import data
 
 _original: Any = None
 

@@ -1,1 +1,1 @@
-"""The engine: the checkpoint context, entries, data-loader positions, staging, writing, reading and the commit (no pluggy)."""
+"""The engine: the checkpoint context, entries, staging, writing, reading and the commit (no pluggy); data-loader positions are in statekit.loaders."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.engine import data
+from statekit.loaders import data
 from statekit.errors import StateMismatchError, UnsupportedValueError
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.engine import data
+from statekit.loaders import data
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, check_fit
 from statekit.engine.gradients import AccumulatedGradients
@@ -341,7 +341,7 @@ def _check_tensor(where: str, e: Entry, state: Any) -> torch.Tensor:
 
 def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] | None]:
     """A data loader's saved positions: this rank's (None when it saved none) and, when
-    :mod:`statekit.engine.elastic` needs them (another world size, a rank that saved
+    :mod:`statekit.loaders.elastic` needs them (another world size, a rank that saved
     nothing, an earlier elastic resume in this epoch, Accelerate's dispatcher), those of
     every saved rank (index = saved rank); else None.
 
@@ -369,7 +369,7 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
 def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
     """Restore a data loader's position: this rank's, and with another world size (or a
     rank that saved nothing) those of every saved rank, from which
-    :mod:`statekit.engine.elastic` plans this rank's rest of the interrupted epoch."""
+    :mod:`statekit.loaders.elastic` plans this rank's rest of the interrupted epoch."""
     base = f"{e.key}/rank-{checkpoint.rank:05d}"
     own, ranks = loader_positions(checkpoint, e.key)
     try:

@@ -16,7 +16,7 @@ if mode in ("attach", "attachacc"):
     statekit.attach(acc)
 else:
     pass
-    from statekit.engine import data
+    from statekit.loaders import data
     data.track(loader)
 rank = acc.process_index
 rec = {}

@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import statekit
-from statekit.engine import data
+from statekit.loaders import data
 
 L, B, SAVE_AT = 48, 4, 2
 

@@ -131,7 +131,7 @@ def test_loader_that_lost_its_random_sampler_warns(pm, memory_url: str, fake_dev
 
 
 def test_loader_saved_by_the_core_round_trips(pm, memory_url: str, fake_devices) -> None:
-    pytest.importorskip("statekit.engine.data", reason="the core's data-loader support (statekit/engine/data.py) is not there yet")
+    pytest.importorskip("statekit.loaders.data", reason="the core's data-loader support (statekit/loaders/data.py) is not there yet")
     fake_devices(None)
     loader = _with_generators()
     _epoch(loader)

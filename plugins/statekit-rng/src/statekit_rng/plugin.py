@@ -20,7 +20,7 @@ The plugin does not give loaders generators of their own (it did before 2026-11-
 changed a run's data order from its first batch the moment statekit was attached. A loader
 or sampler without a generator draws its order from the global generators when an epoch
 starts; statekit's core records those states at each epoch start and replays them on a
-mid-epoch resume (``statekit.engine.epoch_rng``). A checkpoint of an older run that holds
+mid-epoch resume (``statekit.loaders.epoch_rng``). A checkpoint of an older run that holds
 loader generators still gets them back (a generator is created where the loader has none).
 
 Ordering: the snapshot is taken first on save (``tryfirst``), and the restore runs last on

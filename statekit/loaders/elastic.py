@@ -4,7 +4,7 @@ A run saved mid-epoch with N ranks and resumed with M must, over all ranks, see 
 sample of the interrupted epoch exactly once (plus the padding an M-rank run adds at the
 end of an epoch), not skip or repeat what the N ranks consumed (the failure of
 Megatron-Bridge PR#5637 and SimpleTuner PR#2986). The data loader's position
-(:mod:`statekit.engine.data`) saves, per rank, the epoch, the batches consumed and the
+(:mod:`statekit.loaders.data`) saves, per rank, the epoch, the batches consumed and the
 generator states at the epoch start; :func:`describe` adds the loader's **layout**: how its
 sampler's permutation is split over ranks. With the positions of all N saved ranks this
 module computes which samples were consumed and what each of the M live ranks yields for
@@ -43,7 +43,7 @@ https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.p
 https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py.
 User documentation: docs/concepts.md, "Changing the world size".
 The layout models (:func:`shard`, :func:`remaining`, :func:`permutation`) are in
-:mod:`statekit.engine.elastic_layouts`, re-exported here.
+:mod:`statekit.loaders.elastic_layouts`, re-exported here.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 
-from statekit.engine.iterable import is_accelerate
-from statekit.engine.elastic_layouts import (
+from statekit.loaders.iterable import is_accelerate
+from statekit.loaders.elastic_layouts import (
     DISPATCH,
     DISTRIBUTED,
     SHARD,
@@ -78,7 +78,7 @@ def describe(loader: Any, inner: Any, sampler: Any) -> dict[str, Any]:
         loader: the data loader (torch ``DataLoader`` or Accelerate adapter).
         inner: the torch loader that builds iterators (``loader.base_dataloader`` for an
             Accelerate adapter, else ``loader``).
-        sampler: the sampler that draws the indices (:func:`statekit.engine.data.sampler_of`).
+        sampler: the sampler that draws the indices (:func:`statekit.loaders.data.sampler_of`).
 
     Returns:
         Codec-able dict: ``kind`` (``shard``/``dispatch``/``distributed``, or
@@ -169,7 +169,7 @@ def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str
     """Plan the rest of an interrupted epoch from the positions of all saved ranks.
 
     Args:
-        saved: what :func:`statekit.engine.data.loader_state` returned on each saved rank
+        saved: what :func:`statekit.loaders.data.loader_state` returned on each saved rank
             (index = saved rank).
         own: this rank's saved position, or None when the checkpoint has none (the world grew).
         live: :func:`describe` of the live loader.
@@ -202,7 +202,7 @@ def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str
     if layout["world_size"] != len(saved):
         return None  # one loader per rank, not shards of one epoch: each rank resumes its own
     if layout["kind"] != UNSUPPORTED and live["kind"] != UNSUPPORTED and layout["length"] != live["length"]:
-        return None  # another dataset: nothing maps; the epoch restarts (statekit.engine.data.restore_loader)
+        return None  # another dataset: nothing maps; the epoch restarts (statekit.loaders.data.restore_loader)
     _check(saved, layout, live, name, epoch)
     counts = [int(s["batches"]) if int(s["epoch"]) == epoch else -1 for s in saved]  # -1: the rank finished the epoch
     segments = [*history, {"layout": layout, "batches": counts}]

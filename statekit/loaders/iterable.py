@@ -1,6 +1,6 @@
 """Data position of iterable datasets and of loaders with worker processes.
 
-:mod:`statekit.engine.data` resumes a loader mid-epoch by setting its generators back to
+:mod:`statekit.loaders.data` resumes a loader mid-epoch by setting its generators back to
 the epoch start and skipping the consumed batches at the index level. Index skipping is
 exact only for a map-style dataset read in the main process:
 
@@ -24,13 +24,13 @@ This module decides how the next iterator of a restored loader continues (:func:
     when the checkpoint is written: Accelerate's adapters fetch a batch ahead of the
     training loop, so at save time the dataset is already past the consumed batches.
 ``"indices"``
-    A map-style dataset without workers: :mod:`statekit.engine.data` skips indices.
+    A map-style dataset without workers: :mod:`statekit.loaders.data` skips indices.
 ``"consume"``
     Anything else: the iterator of the same epoch is re-created (generators at the epoch
     start, a Stateful dataset at its epoch-start state) and the consumed batches are read
     and discarded, in batches of the loader the training loop iterates (for Accelerate
     the prepared loader's), so the workers draw exactly what they drew before. Runs under
-    :func:`statekit.engine.rng_guard.rng_guard`: a dataset that draws from the global RNG
+    :func:`statekit.loaders.rng_guard.rng_guard`: a dataset that draws from the global RNG
     in the main process does not shift it. A :class:`statekit.StatekitWarning` reports
     how many batches were re-read and how long it took.
 
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from statekit.engine.rng_guard import restore, rng_guard
+from statekit.loaders.rng_guard import restore, rng_guard
 from statekit.errors import StatekitWarning
 
 DATASET, INDICES, CONSUME = "dataset", "indices", "consume"
@@ -118,7 +118,7 @@ def records_dataset(loader: Any, inner: Any) -> bool:
 def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None, skip: int, name: str) -> str | None:
     """Prepare the dataset for the epoch the next iterator starts; say how to skip.
 
-    Called by :mod:`statekit.engine.data` before the iterator is built, with the
+    Called by :mod:`statekit.loaders.data` before the iterator is built, with the
     generators already at the epoch start. Loads a saved dataset state into a Stateful
     dataset (the state after the consumed batches for ``"dataset"``, else the epoch-start
     state), snapshots the epoch-start dataset state into ``position.dataset_start``,
@@ -128,7 +128,7 @@ def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None,
     Args:
         loader: the tracked loader (torch ``DataLoader`` or Accelerate adapter).
         inner: the torch loader that builds iterators (``loader`` or its ``base_dataloader``).
-        position: the loader's ``statekit.engine.data.Position``.
+        position: the loader's ``statekit.loaders.data.Position``.
         pending: the restored position (``epoch``, ``batches``, ``dataset_start``,
             ``dataset_after``, ``workers_epoch``), or None for an epoch that is not a resume.
         skip: batches of this epoch consumed before the checkpoint.
@@ -242,7 +242,7 @@ def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: A
         name: the loader's name in messages.
         inner: the torch loader (for the reason given in the message).
         after: the global random states to put back once the batches are read (the
-            checkpoint's, kept by :mod:`statekit.engine.epoch_rng` when the iterator was
+            checkpoint's, kept by :mod:`statekit.loaders.epoch_rng` when the iterator was
             built from the epoch start's); None: those found on entry.
 
     Returns:

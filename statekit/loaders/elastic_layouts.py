@@ -2,12 +2,12 @@
 data loader's layout yields, and the epoch's permutation.
 
 Pure functions on positions (ints ``0..L-1`` standing for ``P[p]``, the epoch's
-permutation), used by :mod:`statekit.engine.elastic` to plan the rest of an interrupted
+permutation), used by :mod:`statekit.loaders.elastic` to plan the rest of an interrupted
 epoch: :func:`shard` models Accelerate's ``BatchSamplerShard`` (``shard``) and
 ``DataLoaderDispatcher`` (``dispatch``) and torch's ``DistributedSampler``
 (``distributed``) for any world size, :func:`remaining` applies them to the segments an
 epoch was consumed in, :func:`permutation` draws ``P`` again. The precise models and the
-sources they follow are described in :mod:`statekit.engine.elastic`'s docstring;
+sources they follow are described in :mod:`statekit.loaders.elastic`'s docstring;
 tests/test_elastic.py checks them against the real classes.
 """
 
@@ -48,7 +48,7 @@ def shard(positions: list[int], layout: dict[str, Any], epoch: list[int]) -> lis
 
     Args:
         positions: what is left of the epoch (the whole ``epoch`` for an uninterrupted one).
-        layout: :func:`statekit.engine.elastic.describe` of the loader (``kind``,
+        layout: :func:`statekit.loaders.elastic.describe` of the loader (``kind``,
             ``world_size``, ``batch_size``, ``drop_last``, ``even_batches``,
             ``split_batches``, ``sampler``).
         epoch: all positions of the epoch; padding is taken from its start.

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from statekit.engine.rng_guard import restore, snapshot
+from statekit.loaders.rng_guard import restore, snapshot
 
 
 class FetchLog:
@@ -45,7 +45,7 @@ class FetchLog:
         settle_after: put back the states found at the first replayed fetch once the
             replayed ones are fetched (False when the fetches run under an RNG guard, which
             puts them back itself: the consumed batches re-read by
-            :func:`statekit.engine.iterable.consume`).
+            :func:`statekit.loaders.iterable.consume`).
     """
 
     def __init__(

@@ -10,7 +10,7 @@ states at save time).
 
 statekit does not give loaders generators of their own for this (that would change the
 data order of a run the moment statekit is attached, against a run without it). Instead
-:mod:`statekit.engine.data` snapshots the global states (:func:`statekit.engine.rng_guard.snapshot`)
+:mod:`statekit.loaders.data` snapshots the global states (:func:`statekit.loaders.rng_guard.snapshot`)
 right before each epoch's iterator is built, and saves them with the position. A resume
 replays the epoch start (:func:`replay`): it sets those states back, lets the iterator and
 the sampler make the draws they made in the saved run, and puts back the states the
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from statekit.engine.rng_guard import restore, snapshot
+from statekit.loaders.rng_guard import restore, snapshot
 
 
 class ReplayEpochStart:
@@ -107,7 +107,7 @@ def settle(position: Any) -> None:
 
 def wrapper(position: Any, start: dict[str, Any] | None) -> Any:
     """The outermost wrapper (:class:`ReplayEpochStart`) for
-    :func:`statekit.engine.samplers.wrap_batch_sampler`, or None when the saved position has
+    :func:`statekit.loaders.samplers.wrap_batch_sampler`, or None when the saved position has
     no epoch-start states (saved by an older statekit, or at an epoch boundary, where the
     checkpoint's global states are the next epoch's start)."""
     position.resume_rng = None
@@ -132,7 +132,7 @@ class SeedProbe:
     on a copy of the global state gives that generator without drawing anything, so a
     resume with another world size, whose sampler has a generator (Accelerate gives one
     to a sharded sampler), draws this epoch's permutation again
-    (:mod:`statekit.engine.elastic`).
+    (:mod:`statekit.loaders.elastic`).
     """
 
     def __init__(self, wrapped: Any, position: Any) -> None:

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from statekit.engine import audit, elastic, epoch_rng, fetch_rng, iterable
-from statekit.engine.rng_guard import snapshot
-from statekit.engine.samplers import (
+from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable
+from statekit.loaders.rng_guard import snapshot
+from statekit.loaders.samplers import (
     dataset_length,
     generators,
     inner_loader as _inner,
@@ -56,22 +56,22 @@ class Position:
         pending: a restored position waiting for the next ``iter()``.
         dataset_start: a Stateful dataset's ``state_dict()`` at the epoch start.
         dataset_log: a Stateful iterable dataset's state after ``n`` batches of the epoch,
-            by ``n`` (:func:`statekit.engine.iterable.recorder`); ``dataset_fetched``: the
+            by ``n`` (:func:`statekit.loaders.iterable.recorder`); ``dataset_fetched``: the
             batches of the epoch its iterator asked for so far.
         workers_epoch: the epoch in which the loader's persistent workers started.
         fetch_states: the global random states before each fetch of the epoch not consumed
-            yet, by fetch number (:mod:`statekit.engine.fetch_rng`); ``replay_after``: the
+            yet, by fetch number (:mod:`statekit.loaders.fetch_rng`); ``replay_after``: the
             states a resume puts back once it fetched the read-ahead batches again.
         name: the loader's checkpoint key, for messages (set when it is restored).
         epoch_rng: the global random states right before the epoch's iterator was built
-            (:mod:`statekit.engine.epoch_rng`); ``resume_rng``: the states a resumed epoch's
+            (:mod:`statekit.loaders.epoch_rng`); ``resume_rng``: the states a resumed epoch's
             replay puts back once the sampler made its first draws.
         drawn: the sample indices the batch sampler handed out, by fetch number, not
-            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.engine.audit.IndexLog`).
+            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.audit.IndexLog`).
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
             holds ahead is read from it for the resume audit).
         resume_verdict: the verdict of the resume that restored this loader
-            (:class:`statekit.engine.audit.ResumeVerdict`), or None.
+            (:class:`statekit.loaders.audit.ResumeVerdict`), or None.
     """
 
     epoch: int = 0
@@ -226,7 +226,7 @@ def _abandoned(loader: Any, position: Position) -> None:
 
 
 def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
-    """The :class:`statekit.engine.audit.IndexLog` wrapper for the loader's batch sampler, or
+    """The :class:`statekit.loaders.audit.IndexLog` wrapper for the loader's batch sampler, or
     None for an iterable dataset (its batch sampler hands out no sample indices). It asks
     one batch ahead only where nothing else does: a plain loader without worker processes."""
     position.drawn = {}
@@ -344,7 +344,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
     if ahead:
         state["fetch_states"] = ahead
-    if in_epoch:  # the global states the epoch's order was drawn from (statekit.engine.epoch_rng)
+    if in_epoch:  # the global states the epoch's order was drawn from (statekit.loaders.epoch_rng)
         state["epoch_rng"] = position.epoch_rng
     state["next"] = _next_batch(loader, position, epoch, batches, in_epoch).to_json()  # the resume audit's record
     # how the epoch is split over ranks, and (after a resume with another world size) what
@@ -354,7 +354,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
 
 
 def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_epoch: bool) -> audit.NextBatch:
-    """What the resumed loader must yield next (:mod:`statekit.engine.audit`)."""
+    """What the resumed loader must yield next (:mod:`statekit.loaders.audit`)."""
     record = audit.NextBatch(epoch=epoch, batch=batches)
     if not in_epoch:
         record.missing = "saved at an epoch boundary: the next epoch's order is drawn when it starts"
@@ -403,7 +403,7 @@ def restore_loader(
     loader: Any, state: dict[str, Any] | None, name: str | None = None, ranks: list[dict[str, Any]] | None = None
 ) -> bool:
     """Put a loader back at a saved position; the next ``iter(loader)`` continues there
-    (how it skips the consumed batches: :mod:`statekit.engine.iterable`).
+    (how it skips the consumed batches: :mod:`statekit.loaders.iterable`).
 
     Args:
         loader: the loader (tracked or not).
@@ -412,14 +412,14 @@ def restore_loader(
         name: the loader's checkpoint key (``dataloader_0``), named in warnings.
         ranks: the saved states of every saved rank (index = saved rank), when known.
             With another world size they plan this rank's rest of the interrupted epoch
-            (:mod:`statekit.engine.elastic`).
+            (:mod:`statekit.loaders.elastic`).
 
     Returns:
         False when nothing was restored (``state`` is None and no plan applies).
 
     Raises:
         StateMismatchError: the world size changed mid-epoch and this loader's setup
-            cannot continue the epoch exactly (see :func:`statekit.engine.elastic.plan`).
+            cannot continue the epoch exactly (see :func:`statekit.loaders.elastic.plan`).
     """
     planned = elastic.plan(ranks, state, elastic.describe(loader, _inner(loader), sampler_of(loader)), name or "data loader") if ranks else None
     if planned is not None:  # another world size: this rank yields its share of what no saved rank consumed

@@ -1,0 +1,1 @@
+"""Data-loader position (placeholder; see below)."""
