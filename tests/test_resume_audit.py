@@ -379,3 +379,20 @@ def test_audit_names_a_resumed_epoch_that_ends_before_the_saved_position(tmp_pat
     assert statekit.CheckpointManager({"loader": shorter}, str(tmp_path / "run")).resume() == 3
     with pytest.warns(statekit.ResumeAuditWarning, match=r"the resumed epoch 0 ended without yielding batch 3"):
         assert list(shorter) == []
+
+
+def test_a_plain_loader_is_verified_by_its_indices_and_says_so(tmp_path, installed_plugin_manager):
+    """A plain DataLoader does not hold the next batch at save time: the verdict says the
+    content was not checked, rather than claiming more than was checked."""
+    loader = DataLoader(list(range(32)), batch_size=4, shuffle=True)
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "run"))
+    _train(loader, 3, manager, save_at=3)
+    resumed = DataLoader(list(range(32)), batch_size=4, shuffle=True)
+    manager = statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "run"))
+    assert manager.resume() == 3
+    _train(resumed, 2, start=3)
+    manager.save(5)
+    listed = json.loads(CliRunner().invoke(cli, ["ls", str(tmp_path / "run"), "--json"]).output)
+    audit = [c for c in listed if c["step"] == 5][0]["resume_audit"]
+    assert audit["verdict"] == "verified"
+    assert audit["detail"].startswith("indices only: content not recorded")

@@ -285,7 +285,8 @@ class LoaderVerdict:
         loader: the loader's checkpoint key and classes.
         verdict: ``"verified"``, ``"diverged"``, ``"unverifiable"`` or ``"pending"`` (it has
             not yielded its first batch since the resume).
-        detail: the first difference, or why it cannot be verified; empty when verified.
+        detail: the first difference, or why it cannot be verified; for a verified loader,
+            what was not checked (``"indices only: content not recorded ..."``), else empty.
     """
 
     loader: str
@@ -328,6 +329,8 @@ class ResumeVerdict:
         first = next((v for v in self.loaders.values() if v.verdict == DIVERGED), None)
         if first is None:
             first = next((v for v in self.loaders.values() if v.verdict != VERIFIED), None)
+        if first is None:  # every loader verified: say what was not checked, if anything
+            first = next((v for v in self.loaders.values() if v.detail), None)
         reason = first.detail if first is not None else ""
         if not self.loaders:
             reason = "no tracked data loader was restored"
@@ -417,8 +420,9 @@ def check_first_batch(
             checked = "indices" if record.indices_digest is not None and has_indices else ""
             if record.content_digest is not None:
                 checked = f"{checked} and content" if checked else "content"
+            partial = f"{checked} only: {record.missing}" if checked and record.missing else ""  # what was not checked
             verdict.loaders[name] = (
-                LoaderVerdict(name, VERIFIED)
+                LoaderVerdict(name, VERIFIED, partial)
                 if checked
                 else LoaderVerdict(name, UNVERIFIABLE, record.missing or "neither the indices nor the content of the next batch were recorded")
             )
