@@ -396,3 +396,33 @@ def test_a_plain_loader_is_verified_by_its_indices_and_says_so(tmp_path, install
     audit = [c for c in listed if c["step"] == 5][0]["resume_audit"]
     assert audit["verdict"] == "verified"
     assert audit["detail"].startswith("indices only: content not recorded")
+
+
+def test_attach_mode_resumes_are_audited_too(tmp_path, installed_plugin_manager):
+    """Code that keeps calling accelerator.save_state / load_state with statekit attached."""
+
+    def build(sampler: bool):
+        from accelerate.utils import set_seed
+
+        set_seed(0)
+        accelerator = _accelerator()
+        statekit.attach(accelerator)
+        kwargs = {"sampler": OwnRandomSampler(32)} if sampler else {"shuffle": True}
+        return accelerator, accelerator.prepare(DataLoader(list(range(32)), batch_size=4, **kwargs))
+
+    for sampler, verdict in ((False, "verified"), (True, "diverged")):
+        accelerator, loader = build(sampler)
+        list(loader)  # epoch 0: the private sampler's next shuffle is not its first any more
+        it = iter(loader)
+        next(it), next(it), next(it)
+        accelerator.save_state(str(tmp_path / f"a{sampler}"))
+        accelerator, loader = build(sampler)
+        accelerator.load_state(str(tmp_path / f"a{sampler}"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(loader)
+        named = [w for w in caught if issubclass(w.category, statekit.ResumeAuditWarning)]
+        assert bool(named) == sampler, [str(w.message) for w in caught]
+        accelerator.save_state(str(tmp_path / f"b{sampler}"))
+        manifest = json.loads((tmp_path / f"b{sampler}" / "statekit.json").read_text())
+        assert manifest["resume_audit"]["verdict"] == verdict

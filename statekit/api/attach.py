@@ -34,7 +34,7 @@ from statekit.api.loading import (
 )
 from statekit.api.saveload import files_size, log_committed, plugin_versions
 from statekit.engine import commit as commits
-from statekit.loaders import data
+from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -260,6 +260,8 @@ class _AttachedCalls:
 
     def finish_load(self, checkpoint: Checkpoint) -> None:
         """After Accelerate's load: statekit's loader positions and gradients, then the post-hooks."""
+        # the resume audit's verdict of this resume (statekit.loaders.audit)
+        audit.begin(checkpoint.url, (checkpoint.manifest or {}).get("step"))
         apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
         call_each(
             get_plugin_manager(),
