@@ -42,8 +42,8 @@ from statekit.errors import (
     UnsupportedValueError,
 )
 from statekit.api.listing import CheckpointInfo
-from statekit.api.manager import CheckpointManager
-from statekit.api.trainer_hook import CheckpointHook, TrainerProgress
+from statekit.manager.manager import CheckpointManager
+from statekit.manager.trainer_hook import CheckpointHook, TrainerProgress
 from statekit.hooks.registry import get_plugin_manager, hookimpl
 
 __all__ = [

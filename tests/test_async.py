@@ -11,7 +11,7 @@ import torch
 
 import statekit
 from statekit.api.asyncsave import AsyncSaveError, PendingSave
-from statekit.api.manager import checkpoint_name
+from statekit.manager.manager import checkpoint_name
 from statekit.testing import assert_state_equal
 
 

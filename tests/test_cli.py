@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import statekit
 from statekit.cli import main
-from statekit.api.manager import CheckpointManager
+from statekit.manager.manager import CheckpointManager
 
 
 def _run(*args: str):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import statekit
-from statekit.api.manager import checkpoint_name
+from statekit.manager.manager import checkpoint_name
 from statekit.engine.context import Checkpoint
 from statekit.storage import Storage
 from statekit.storage.hashing import checksum_bytes

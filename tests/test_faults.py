@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import statekit
-from statekit.api.manager import checkpoint_name
+from statekit.manager.manager import checkpoint_name
 from statekit.testing import assert_state_equal, start_moto_server
 
 from fault_helpers import make_state
@@ -282,7 +282,7 @@ def test_two_savers_racing(tmp_path, same_step):
     outputs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     results = [out.strip().splitlines()[-1] for out, _ in outputs]
-    infos = statekit.api.manager.list_checkpoints(root)
+    infos = statekit.manager.manager.list_checkpoints(root)
     if same_step:
         assert sorted(r.split(":")[0] for r in results) == ["committed", "exists"], results
         assert [(i.step, i.committed) for i in infos] == [(5, True)]

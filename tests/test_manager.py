@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import statekit
-from statekit.api.manager import checkpoint_name, list_checkpoints
+from statekit.manager.manager import checkpoint_name, list_checkpoints
 from statekit.testing import assert_state_equal
 
 from accelerate_helpers import build, train_steps

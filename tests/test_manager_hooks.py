@@ -161,7 +161,7 @@ def test_hook_statekit_resume_roots(plugin_manager, tmp_path, monkeypatch):
 
     plugin_manager.register(Roots(), name="roots")
     seen_options = []
-    from statekit.api import manager as manager_module
+    from statekit.manager import manager as manager_module
 
     original = manager_module.loading.load_objects
     monkeypatch.setattr(manager_module.loading, "load_objects",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import statekit
-from statekit.api.manager import list_checkpoints
+from statekit.manager.manager import list_checkpoints
 
 
 def _steps(root: str) -> list[int]:

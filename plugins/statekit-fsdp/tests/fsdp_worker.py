@@ -200,7 +200,7 @@ def main(argv: list[str]) -> None:
             statekit.load(args.url, {"model": model, "optim": optim})
             dump(args.full, model, optim)
         else:
-            from statekit.api.manager import CheckpointManager
+            from statekit.manager.manager import CheckpointManager
 
             model, optim = build(args.flavor, seed=0 if not args.resume else 1)
             sched = scheduler(optim)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from statekit.api.manager import CheckpointManager
+from statekit.manager.manager import CheckpointManager
 from statekit.errors import InvalidOptionError, StatekitError, StateMismatchError
 
 __all__ = ["CheckpointHook", "TrainerProgress"]

@@ -18,8 +18,8 @@ from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
 from statekit.api import tiers
-from statekit.api.resume_order import resume_candidates
-from statekit.api.retention import after_commit
+from statekit.manager.resume_order import resume_candidates
+from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
 from statekit.api.listing import CheckpointInfo, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
@@ -323,7 +323,7 @@ class CheckpointManager:
         Candidates come from the root and from every root a plugin offers
         (``statekit_resume_roots``; with ``replicate_to``, the remote tier): newest step
         first, the root's own copy of a step before another root's
-        (:mod:`statekit.api.resume_order`).
+        (:mod:`statekit.manager.resume_order`).
 
         Before loading, the checkpoint's resume fingerprint is compared with the run
         (``docs/concepts.md``, Resume fingerprint): each difference is a
