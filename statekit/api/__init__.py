@@ -1,1 +1,34 @@
-"""The public API behind the facade: save/load through the hooks, the Accelerate bridge, attach, CheckpointManager, async saves."""
+"""One save or one load: the public calls behind the facade, through the hooks to the engine.
+
+Owns: :func:`~statekit.api.saveload.save` / :func:`~statekit.api.loading.load` (and their
+``*_objects`` forms the manager and the bridge call), the Accelerate bridge
+(:mod:`~statekit.api.bridge`: ``save_state``/``load_state`` of a whole run;
+:mod:`~statekit.api.accelerate_hooks`: pre-hooks registered with Accelerate), attach mode
+(:mod:`~statekit.api.attach`), async saves (:mod:`~statekit.api.asyncsave`:
+``PendingSave``), the resume fingerprint (:mod:`~statekit.api.fingerprint`,
+:mod:`~statekit.api.fingerprint_compare`), ``skip_first_batches`` routing
+(:mod:`~statekit.api.skip_batches`), listing and naming the checkpoints under a root
+(:mod:`~statekit.api.listing`), and for now the two-tier replication
+(:mod:`~statekit.api.tiers`, :mod:`~statekit.api.replication`,
+:mod:`~statekit.api.remote_copy`; issue 28 makes it a plugin package).
+
+Not here: a run's lifetime (:mod:`statekit.manager`, the layer above), the hook contract
+(:mod:`statekit.hooks`), what is written and read (:mod:`statekit.engine`).
+
+Call sequence of a save: :func:`~statekit.api.saveload.save` -> ``classify`` each object
+(:func:`statekit.engine.entries.classify`) -> :func:`~statekit.api.saveload.save_objects`:
+free-space check and ``prepare_target`` (the save lock, :mod:`statekit.engine.locking`) ->
+``context_for`` (a :class:`statekit.engine.context.Checkpoint`) ->
+:func:`statekit.api.fingerprint.compute` -> ``statekit_save_state_pre`` one plugin at a
+time (:func:`statekit.hooks.registry.call_each`, claims tracked) ->
+:func:`statekit.engine.write.write_core_state` (what no plugin took) -> ``flush`` (staged
+files of an async save) -> ``_commit``: :func:`statekit.engine.commit.gather_files`,
+``objects_table``, ``build_manifest``, :func:`statekit.engine.commit.commit` on rank 0 ->
+``statekit_save_state_post``. Of a load: :func:`~statekit.api.loading.load` ->
+:func:`~statekit.api.loading.load_objects`: :func:`statekit.format.manifest.read_manifest`
+(an Accelerate folder goes to :func:`statekit.foreign.accelerate.load`) -> resume audit
+``begin`` and :func:`statekit.api.fingerprint.check` -> ``_check_loadable`` and
+:func:`statekit.engine.read.check_entries` (nothing touched yet) -> ``statekit_load_state_pre``
+-> :func:`statekit.engine.read.check_models`, ``load_entries_undoable``, ``load_models``,
+the late entries -> Accelerate's random states -> ``statekit_load_state_post``.
+"""

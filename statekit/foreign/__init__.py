@@ -27,6 +27,13 @@ Submodules: :mod:`~statekit.foreign.detect` (detection, opening), :mod:`~stateki
 (one reader per format), :mod:`~statekit.foreign.pickles` (the pickle gate),
 :mod:`~statekit.foreign.compare` (:func:`diff`), :mod:`~statekit.foreign.accelerate`
 (Accelerate directories: file names, ``load``, ``convert``).
+
+Call sequence: :func:`open_checkpoint` -> :func:`detect_format` -> the format's
+:class:`CheckpointReader` (``tensors()`` lists from headers or metadata, ``load_tensor``
+reads one) -> :func:`diff` compares two readers tensor by tensor. Loading an Accelerate
+folder (:func:`statekit.api.loading.load_objects` falls back to it) goes through
+:func:`statekit.foreign.accelerate.load`; ``statekit convert`` through
+:func:`statekit.foreign.accelerate.convert`, which commits through :mod:`statekit.engine.commit`.
 """
 
 from __future__ import annotations

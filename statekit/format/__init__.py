@@ -23,6 +23,20 @@ Submodules, one responsibility each (this package re-exports their public names,
 - :mod:`statekit.format.tensors`: streaming tensor data to and from files.
 - :mod:`statekit.format.manifest`: the manifest's name, validation and reading.
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
+- :mod:`statekit.format.codec_types`: the codec's type rules.
+
+Not here: where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
+from as file objects), which files a checkpoint holds (:mod:`statekit.engine`).
+
+Call sequence of a save (called by :class:`statekit.engine.context.Checkpoint`):
+``save_state`` -> :func:`~statekit.format.codec.encode` (skeleton + tensors) ->
+:func:`~statekit.format.tensors.write_tensors` -> :func:`~statekit.format.header.build_header`
+-> the header, then each tensor's bytes in chunks, hashed in the same pass; the engine
+builds the manifest and :func:`~statekit.format.manifest.manifest_bytes` serialises it.
+Of a load: :func:`~statekit.format.manifest.read_manifest` (``validate_manifest``) ->
+per file :func:`~statekit.format.tensors.read_tensors` ->
+:func:`~statekit.format.header.read_header` -> each tensor read into its target (or a
+fresh buffer) -> :func:`~statekit.format.codec.decode` of a state file's skeleton with its tensors.
 """
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         state["epoch_rng"] = position.epoch_rng
     state["next"] = _next_batch(loader, position, epoch, batches, in_epoch).to_json()  # the resume audit's record
     # how the epoch is split over ranks, and (after a resume with another world size) what
-    # earlier world sizes consumed of it: lets any world size continue it (engine/elastic.py)
+    # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
     return state
 
