@@ -200,13 +200,11 @@ def main(argv: list[str]) -> None:
             statekit.load(args.url, {"model": model, "optim": optim})
             dump(args.full, model, optim)
         else:
-            from statekit.manager.manager import CheckpointManager
-
             model, optim = build(args.flavor, seed=0 if not args.resume else 1)
             sched = scheduler(optim)
             # async: the shards are staged on this thread, written in the background while
             # training goes on (and changes the parameters)
-            manager = CheckpointManager({"model": model, "optim": optim, "sched": sched}, args.url, async_save=True)
+            manager = statekit.CheckpointManager({"model": model, "optim": optim, "sched": sched}, args.url, async_save=True)
             first = 0
             if args.resume:
                 first = manager.resume()
