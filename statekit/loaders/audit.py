@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from statekit.errors import ResumeAuditError, ResumeAuditWarning, warn_user
+from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.storage.hashing import new_hasher
 
 logger = logging.getLogger("statekit")
@@ -186,7 +187,7 @@ def _feed(hasher: Any, value: Any) -> None:
 # --------------------------------------------------------------------------- index log
 
 
-class IndexLog:
+class IndexLog(BatchSamplerWrapper):
     """A batch sampler that records the indices it hands out, by fetch number in the epoch,
     in ``position.drawn`` (consumed ones are dropped by :func:`forget_before`).
 
@@ -199,7 +200,7 @@ class IndexLog:
     """
 
     def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool) -> None:
-        self.batch_sampler = batch_sampler
+        super().__init__(batch_sampler)
         self.position = position
         self.first = first
         self.read_ahead = read_ahead
@@ -229,14 +230,6 @@ class IndexLog:
                     self.position.drawn_all = True
             fetched += 1
             yield indices
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("batch_sampler", "position", "first", "read_ahead"):
-            raise AttributeError(name)
-        return getattr(self.batch_sampler, name)
 
 
 def forget_before(position: Any, batches: int) -> None:

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from statekit.loaders.rng_guard import restore, snapshot
+from statekit.loaders.samplers import BatchSamplerWrapper
 
 
-class ReplayEpochStart:
+class ReplayEpochStart(BatchSamplerWrapper):
     """The outermost batch sampler (or sampler) wrapper of a resumed epoch's first iterator.
 
     ``iter()`` of it keeps the global random states found then in ``position.resume_rng``
@@ -44,7 +45,7 @@ class ReplayEpochStart:
     """
 
     def __init__(self, wrapped: Any, start: dict[str, Any], position: Any) -> None:
-        self.wrapped = wrapped
+        super().__init__(wrapped)
         self.start = start
         self.position = position
         self.used = False
@@ -57,28 +58,20 @@ class ReplayEpochStart:
             self.used = True
             self.position.resume_rng = snapshot()
             restore(self.start)
-        return iter(self.wrapped)
-
-    def __len__(self) -> int:
-        return len(self.wrapped)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("wrapped", "start", "position", "used"):
-            raise AttributeError(name)
-        return getattr(self.wrapped, name)
+        return iter(self.batch_sampler)
 
 
-class SettleAfterFirst:
-    """The innermost wrapper (around the skip wrapper): once the sampler handed over the
+class SettleAfterFirst(BatchSamplerWrapper):
+    """The innermost wrapper (inside the skip wrapper): once the sampler handed over the
     first batch of the resumed iterator, the global states :class:`ReplayEpochStart` kept
     are put back (:func:`settle`), before the batch is fetched."""
 
     def __init__(self, wrapped: Any, position: Any) -> None:
-        self.wrapped = wrapped
+        super().__init__(wrapped)
         self.position = position
 
     def __iter__(self) -> Iterator[Any]:
-        items = iter(self.wrapped)
+        items = iter(self.batch_sampler)
         try:
             first = next(items)
         except StopIteration:
@@ -87,14 +80,6 @@ class SettleAfterFirst:
         settle(self.position)
         yield first
         yield from items
-
-    def __len__(self) -> int:
-        return len(self.wrapped)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("wrapped", "position"):
-            raise AttributeError(name)
-        return getattr(self.wrapped, name)
 
 
 def settle(position: Any) -> None:
@@ -116,12 +101,7 @@ def wrapper(position: Any, start: dict[str, Any] | None) -> Any:
     return lambda batch_sampler: ReplayEpochStart(batch_sampler, start, position)
 
 
-def settle_wrapper(position: Any) -> Any:
-    """The innermost wrapper (:class:`SettleAfterFirst`)."""
-    return lambda batch_sampler: SettleAfterFirst(batch_sampler, position)
-
-
-class SeedProbe:
+class SeedProbe(BatchSamplerWrapper):
     """The innermost wrapper for a ``RandomSampler`` without a generator: right before the
     sampler's first draw of the epoch, work out the generator it is about to seed and keep
     its state as the epoch's ``"sampler"`` start state.
@@ -136,24 +116,16 @@ class SeedProbe:
     """
 
     def __init__(self, wrapped: Any, position: Any) -> None:
-        self.wrapped = wrapped
+        super().__init__(wrapped)
         self.position = position
 
     def __iter__(self) -> Iterator[Any]:
-        items = iter(self.wrapped)
+        items = iter(self.batch_sampler)
         probe = torch.Generator()
         probe.set_state(torch.get_rng_state())
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=probe).item())
         self.position.start_states["sampler"] = torch.Generator().manual_seed(seed).get_state()
         yield from items
-
-    def __len__(self) -> int:
-        return len(self.wrapped)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("wrapped", "position"):
-            raise AttributeError(name)
-        return getattr(self.wrapped, name)
 
 
 def draws_seed_from_global(sampler: Any) -> bool:

@@ -24,9 +24,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from statekit.loaders.rng_guard import restore, snapshot
+from statekit.loaders.samplers import BatchSamplerWrapper
 
 
-class FetchLog:
+class FetchLog(BatchSamplerWrapper):
     """A batch sampler that records the global random states before each fetch in
     ``position.fetch_states`` (by fetch number in the epoch) and, on a resume, sets the
     recorded states of batches the interrupted run had fetched ahead before fetching them
@@ -51,7 +52,7 @@ class FetchLog:
     def __init__(
         self, batch_sampler: Any, position: Any, first: int, replay: dict[int, dict[str, Any]], settle_after: bool
     ) -> None:
-        self.batch_sampler = batch_sampler
+        super().__init__(batch_sampler)
         self.position = position
         self.first = first
         self.replay = dict(replay)
@@ -70,12 +71,6 @@ class FetchLog:
             self.position.fetch_states[fetched] = snapshot()
             yield indices
         settle(self.position)
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.batch_sampler, name)
 
 
 def recorder(

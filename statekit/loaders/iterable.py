@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from statekit.loaders.rng_guard import restore, rng_guard
+from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.errors import StatekitWarning
 
 DATASET, INDICES, CONSUME = "dataset", "indices", "consume"
@@ -203,12 +204,12 @@ def recorder(loader: Any, inner: Any, position: Any, first: int) -> Any:
     return lambda batch_sampler: _RecordDatasetState(batch_sampler, inner.dataset, position, first)
 
 
-class _RecordDatasetState:
+class _RecordDatasetState(BatchSamplerWrapper):
     """A batch sampler that records ``dataset.state_dict()`` before yielding each batch,
     and counts the batches asked for in ``position.dataset_fetched``."""
 
     def __init__(self, batch_sampler: Any, dataset: Any, position: Any, first: int) -> None:
-        self.batch_sampler = batch_sampler
+        super().__init__(batch_sampler)
         self.dataset = dataset
         self.position = position
         self.first = first
@@ -218,12 +219,6 @@ class _RecordDatasetState:
             self.position.dataset_log[fetched] = copy.deepcopy(self.dataset.state_dict())
             self.position.dataset_fetched = fetched + 1
             yield indices
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.batch_sampler, name)
 
 
 def forget_before(position: Any, batches: int) -> None:

@@ -137,11 +137,32 @@ def wrap_batch_sampler(inner: Any, skip: int, record: Any, innermost: Any = None
     return restore
 
 
-class SkipBatches:
+class BatchSamplerWrapper:
+    """Base of the batch-sampler wrappers the loaders install around a loader's batch sampler
+    while an iterator takes it (skip, replay, records): the wrapped one's length and
+    attributes (``sampler``, ``batch_size``, ``set_epoch``...) show through.
+
+    Args:
+        batch_sampler: the wrapped batch sampler (or sampler).
+    """
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "batch_sampler":  # not set yet (copy, unpickling): no endless recursion
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+
+class SkipBatches(BatchSamplerWrapper):
     """A batch sampler that drops the first ``count`` batches of another."""
 
     def __init__(self, batch_sampler: Any, count: int) -> None:
-        self.batch_sampler = batch_sampler
+        super().__init__(batch_sampler)
         self.count = count
 
     def __iter__(self) -> Iterator[Any]:
@@ -149,9 +170,6 @@ class SkipBatches:
 
     def __len__(self) -> int:
         return max(len(self.batch_sampler) - self.count, 0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.batch_sampler, name)
 
 
 def dataset_length(loader: Any) -> int | None:
