@@ -426,3 +426,33 @@ def test_attach_mode_resumes_are_audited_too(tmp_path, installed_plugin_manager)
         accelerator.save_state(str(tmp_path / f"b{sampler}"))
         manifest = json.loads((tmp_path / f"b{sampler}" / "statekit.json").read_text())
         assert manifest["resume_audit"]["verdict"] == verdict
+
+
+def test_audit_names_a_saved_position_shifted_by_one_batch(tmp_path, installed_plugin_manager):
+    """A checkpoint whose loader position is one batch off (edited here, with valid
+    checksums, as a buggy position mechanism would write it): the audit names it."""
+    from statekit.storage.hashing import checksum_bytes
+    from statekit.testing import rewrite_manifest
+
+    torch.manual_seed(0)
+    expected = [b.tolist() for b in DataLoader(list(range(32)), batch_size=4, shuffle=True)][3]  # uninterrupted
+    torch.manual_seed(0)
+    loader = DataLoader(list(range(32)), batch_size=4, shuffle=True)
+    manager = statekit.CheckpointManager({"loader": loader}, str(tmp_path / "run"))
+    it = iter(loader)
+    next(it), next(it), next(it)
+    manager.save(3)
+    checkpoint = tmp_path / "run" / "checkpoint-00000003"
+    position = checkpoint / "loader" / "rank-00000.json"
+    data = position.read_bytes().replace(b'"batches": 3,', b'"batches": 4,', 1)
+    position.write_bytes(data)
+
+    def fix(manifest):
+        manifest["files"]["loader/rank-00000.json"].update(size_bytes=len(data), checksum=checksum_bytes(data))
+
+    rewrite_manifest(checkpoint, fix)
+    resumed = DataLoader(list(range(32)), batch_size=4, shuffle=True)
+    assert statekit.CheckpointManager({"loader": resumed}, str(tmp_path / "run")).resume() == 3
+    with pytest.warns(statekit.ResumeAuditWarning, match=r"expected indices \[(\d+, ){3}\d+\] as batch 3 of epoch 0, got \[") as record:
+        next(iter(resumed))
+    assert str(expected)[1:-1] in str(record[0].message)
