@@ -9,7 +9,6 @@ written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time

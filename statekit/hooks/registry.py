@@ -24,7 +24,7 @@ from typing import Any
 import pluggy
 
 from statekit.hooks import hookspecs
-from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user, warn_user
+from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user
 from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"

@@ -109,8 +109,8 @@ def indices_digest(indices: Any) -> tuple[str, list[Any]]:
     Returns:
         ``("xxh3_64:<hex>", first HEAD indices)``; the digest is over ``repr`` of the list.
     """
-    items = list(indices) if isinstance(indices, (list, tuple, range)) or hasattr(indices, "__iter__") else [indices]
-    items = [_plain(i) for i in items]
+    one = isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__")  # a sampler without batching: one index
+    items = [_plain(i) for i in ([indices] if one else indices)]
     hasher = new_hasher()
     hasher.update(repr(items).encode())
     return f"xxh3_64:{hasher.hexdigest()}", items[:HEAD]
