@@ -1,8 +1,8 @@
 """The engine: what one save writes and one load reads, below the hooks (no pluggy here).
 
-Owns: the checkpoint context handed to hooks (:mod:`~statekit.engine.context`, writing;
-:mod:`~statekit.engine.context_read`, reading: ``save_tensors``/``save_state``/``open``,
-``load_tensors``/``load_state``, every file recorded with its size and checksum), the
+Owns: the checkpoint context handed to hooks (:mod:`~statekit.engine.context`:
+``save_tensors``/``save_state``/``open``, ``load_tensors``/``load_state``, every file
+recorded with its size and checksum on save and checked against them on load), the
 classification of saved objects (:mod:`~statekit.engine.entries`: ``classify``,
 ``unwrap_model``, ``check_fit``), the core's own files (:mod:`~statekit.engine.write`),
 reading and fit-checking them (:mod:`~statekit.engine.read`, ``verify``;
