@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import statekit
-from statekit.api.listing import list_checkpoints
+from statekit.manager.listing import list_checkpoints
 
 try:  # pytest and moto come with statekit[test]: only --moto needs them
     from statekit.testing import start_moto_server

@@ -41,7 +41,7 @@ from statekit.errors import (
     UnsupportedDtypeError,
     UnsupportedValueError,
 )
-from statekit.api.listing import CheckpointInfo
+from statekit.manager.listing import CheckpointInfo
 from statekit.manager.manager import CheckpointManager
 from statekit.manager.trainer_hook import CheckpointHook, TrainerProgress
 from statekit.hooks.registry import get_plugin_manager, hookimpl

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import statekit
 from statekit.cli import main
 from statekit.storage.inuse import in_use_markers, mark_in_use, release_in_use
-from statekit.api.listing import checkpoint_name, delete_checkpoint, list_checkpoints
+from statekit.manager.listing import checkpoint_name, delete_checkpoint, list_checkpoints
 
 
 def test_retention_keeps_a_checkpoint_in_use(tmp_path, plugin_manager):

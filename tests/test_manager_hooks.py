@@ -10,7 +10,7 @@ from torch import nn
 
 import statekit
 from statekit import format as fmt, hookimpl
-from statekit.api.listing import CheckpointInfo, checkpoint_name
+from statekit.manager.listing import CheckpointInfo, checkpoint_name
 from statekit.errors import PluginError, PluginMissingError
 from statekit.storage import Storage
 from statekit.testing import assert_state_equal

@@ -10,8 +10,8 @@ import torch
 
 import statekit
 from statekit import format as fmt
-from statekit.api import remote_copy, replication
-from statekit.api.listing import checkpoint_name
+from statekit_replicate import remote_copy, replication
+from statekit.manager.listing import checkpoint_name
 from statekit.storage import Storage
 
 pytestmark = pytest.mark.s3
@@ -356,7 +356,7 @@ def test_checkpoints_being_replicated_and_resumed_from_are_marked_in_use(tmp_pat
     def watching_copy(src, dst, *args, **kwargs):
         seen.append([m.by for m in inuse.in_use_markers(src.url)])
         with pytest.raises(statekit.CheckpointInUseError):  # statekit gc / another run's retention
-            statekit.api.listing.delete_checkpoint(src.url)
+            statekit.manager.listing.delete_checkpoint(src.url)
         return real_copy(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(replication, "copy_checkpoint", watching_copy)
@@ -372,7 +372,7 @@ def test_checkpoints_being_replicated_and_resumed_from_are_marked_in_use(tmp_pat
     assert resumed.resume() == 1 and resumed.resumed_from == local
     assert [m.by for m in inuse.in_use_markers(local)] == ["statekit"]
     with pytest.raises(statekit.CheckpointInUseError):
-        statekit.api.listing.delete_checkpoint(local)
+        statekit.manager.listing.delete_checkpoint(local)
     del resumed
     gc.collect()
     assert not inuse.is_in_use(local)  # the run that resumed from it is gone
@@ -432,7 +432,7 @@ def test_a_process_killed_mid_replication_leaves_no_committed_remote_copy(tmp_pa
         if proc.poll() is None:
             proc.kill()
     assert dst.find() and not dst.exists(fmt.MANIFEST_NAME), dst.find()  # killed between files and manifest
-    assert not [i for i in statekit.api.listing.list_checkpoints(remote) if i.committed]
+    assert not [i for i in statekit.manager.listing.list_checkpoints(remote) if i.committed]
     manager = statekit.CheckpointManager({"t": torch.zeros(1)}, local, replicate_to=remote)  # the next start
     assert manager.replicator.wait(timeout=120) == []
     statekit.verify(dst.url)
@@ -457,4 +457,4 @@ def test_a_script_ending_right_after_its_last_save_still_replicates_it(tmp_path,
     done = subprocess.run([sys.executable, "-c", ENDS_RIGHT_AFTER_SAVING, str(tmp_path / "local"), remote],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert [i.step for i in statekit.api.listing.list_checkpoints(remote) if i.committed] == [1, 2]
+    assert [i.step for i in statekit.manager.listing.list_checkpoints(remote) if i.committed] == [1, 2]

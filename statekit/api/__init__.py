@@ -8,9 +8,9 @@ Owns: :func:`~statekit.api.saveload.save` / :func:`~statekit.api.loading.load` (
 ``PendingSave``), the resume fingerprint (:mod:`~statekit.api.fingerprint`,
 :mod:`~statekit.api.fingerprint_compare`), ``skip_first_batches`` routing
 (:mod:`~statekit.api.skip_batches`), listing and naming the checkpoints under a root
-(:mod:`~statekit.api.listing`), and for now the two-tier replication
-(:mod:`~statekit.api.tiers`, :mod:`~statekit.api.replication`,
-:mod:`~statekit.api.remote_copy`; issue 28 makes it a plugin package).
+(:mod:`~statekit.manager.listing`), and for now the two-tier replication
+(:mod:`~statekit_replicate.plugin`, :mod:`~statekit_replicate.replication`,
+:mod:`~statekit_replicate.remote_copy`; issue 28 makes it a plugin package).
 
 Not here: a run's lifetime (:mod:`statekit.manager`, the layer above), the hook contract
 (:mod:`statekit.hooks`), what is written and read (:mod:`statekit.engine`).

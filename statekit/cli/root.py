@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from statekit.api.listing import delete_checkpoint, list_checkpoints
+from statekit.manager.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.engine.locking import live_save_lock
 from statekit.errors import CheckpointInUseError, CheckpointNotFoundError, StatekitError

@@ -176,7 +176,7 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
 # ----------------------------------------------------------------------------------------
 # Manager hooks: a run's checkpoints under a CheckpointManager root, not one checkpoint.
 # They let a plugin extend the manager (the built-in ``replicate`` plugin, two-tier
-# storage, is built on them: statekit.api.tiers). ``manager`` is the
+# storage, is built on them: statekit_replicate.plugin). ``manager`` is the
 # :class:`statekit.CheckpointManager`; a plugin may rely on its ``root_url``,
 # ``storage_options``, ``options`` (the manager's plugin options), ``list()``,
 # ``url_for(step)``, ``resumed_from`` and ``plugin_state`` (a dict in which a plugin keeps
@@ -246,7 +246,7 @@ def statekit_retention_keep(checkpoints: list[Any], manager: Any) -> Any:
 
     Args:
         checkpoints: the committed checkpoints under the root retention chooses from, as
-            ``statekit.api.listing.CheckpointInfo`` (``url``, ``name``, ``step``,
+            ``statekit.manager.listing.CheckpointInfo`` (``url``, ``name``, ``step``,
             ``metrics``...), oldest first.
         manager: the :class:`statekit.CheckpointManager`.
 

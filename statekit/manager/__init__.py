@@ -9,7 +9,7 @@ the order in which a resume tries checkpoints across the roots plugins offer
 (:mod:`~statekit.manager.trainer_hook`: ``CheckpointHook``, ``TrainerProgress``).
 
 Not here: one save or one load (:mod:`statekit.api`, which this layer calls), listing and
-naming the checkpoints under a root (:mod:`statekit.api.listing`: the CLI and the
+naming the checkpoints under a root (:mod:`statekit.manager.listing`: the CLI and the
 two-tier replication, still in :mod:`statekit.api`, use it too).
 
 Call sequence of a save: ``CheckpointManager.save(step)`` -> ``url_for(step)`` ->

@@ -17,11 +17,11 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
-from statekit.api import tiers
+import statekit_replicate.plugin as tiers
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
-from statekit.api.listing import CheckpointInfo, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
+from statekit.manager.listing import CheckpointInfo, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -71,7 +71,7 @@ class CheckpointManager:
         storage_options: fsspec options.
         replicate_to: a remote root (``s3://bucket/run``): every committed checkpoint is
             copied there in the background, verified, manifest last, by the built-in
-            ``replicate`` plugin (:mod:`statekit.api.tiers`, ``docs/tiers.md``);
+            ``replicate`` plugin (:mod:`statekit_replicate.plugin`, ``docs/tiers.md``);
             :meth:`resume` then considers both roots. With several ranks each rank's
             ``root_url`` may be a disk of its node only: each rank replicates the files
             it wrote.
@@ -162,7 +162,7 @@ class CheckpointManager:
 
     @property
     def replicator(self) -> Any:
-        """The remote tier's :class:`statekit.api.replication.Replicator` (None without
+        """The remote tier's :class:`statekit_replicate.replication.Replicator` (None without
         ``replicate_to``)."""
         return tiers.replicator_of(self)
 

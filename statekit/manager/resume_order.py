@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from statekit import distributed, format as fmt
-from statekit.api.listing import CheckpointInfo, list_checkpoints
+from statekit.manager.listing import CheckpointInfo, list_checkpoints
 from statekit.engine import commit as commits
 from statekit.errors import PluginError, StatekitError, StatekitWarning, warn_user
 from statekit.hooks.registry import call_each, get_plugin_manager

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from statekit import distributed
-from statekit.api.listing import LATEST_NAME, checkpoint_name, delete_all_but
+from statekit.manager.listing import LATEST_NAME, checkpoint_name, delete_all_but
 from statekit.errors import PluginError
 from statekit.hooks.registry import call_each, get_plugin_manager
 

@@ -21,7 +21,7 @@ when it is this host and process ``pid`` exists and, where recorded, started at
 when the model is garbage-collected, at interpreter exit, or by :func:`release_in_use`;
 a marker left by a killed process is stale and :func:`remove_stale_markers` deletes it.
 
-``statekit.api.listing.delete_checkpoint`` (so retention and ``statekit gc``) and saving with
+``statekit.manager.listing.delete_checkpoint`` (so retention and ``statekit gc``) and saving with
 ``overwrite=True`` refuse a checkpoint with a live marker (:class:`CheckpointInUseError`).
 The marker is not listed in the manifest, so ``statekit verify`` ignores it.
 """

@@ -1,7 +1,7 @@
 """Two-tier checkpoints: committed local checkpoints copied to a remote root in the background.
 
 A :class:`Replicator` belongs to a :class:`~statekit.CheckpointManager` created with
-``replicate_to=`` (the built-in ``replicate`` plugin, :mod:`statekit.api.tiers`, starts it
+``replicate_to=`` (the built-in ``replicate`` plugin, :mod:`statekit_replicate.plugin`, starts it
 and feeds it through the manager hooks). Each checkpoint committed under the local root is
 queued at its commit (an async save's too, from its writer thread) and copied by one
 background thread:
@@ -39,8 +39,8 @@ import weakref
 from typing import Any
 
 from statekit import distributed, format as fmt
-from statekit.api.listing import CheckpointInfo, list_checkpoints
-from statekit.api.remote_copy import copy_checkpoint
+from statekit.manager.listing import CheckpointInfo, list_checkpoints
+from statekit_replicate.remote_copy import copy_checkpoint
 from statekit.errors import StatekitError, StatekitWarning, warn_user
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
@@ -214,7 +214,7 @@ class Replicator:
         One process only; with several ranks every rank runs :meth:`catch_up_ranks`.
 
         Args:
-            local: the local root's checkpoints (:func:`statekit.api.listing.list_checkpoints`).
+            local: the local root's checkpoints (:func:`statekit.manager.listing.list_checkpoints`).
 
         Returns:
             The names queued.

@@ -4,7 +4,7 @@
 :class:`Replicate` (:func:`ensure_registered`); everything two-tier happens in its hook
 implementations, through the contract any plugin has (``docs/hooks.md``, Manager hooks):
 
-* ``statekit_manager_start``: start a :class:`~statekit.api.replication.Replicator` for the
+* ``statekit_manager_start``: start a :class:`~statekit_replicate.replication.Replicator` for the
   manager (kept in ``manager.plugin_state["replicate"]``) and queue what a killed process
   left unreplicated;
 * ``statekit_checkpoint_committed``: queue the new checkpoint (an async save's at its
@@ -16,7 +16,7 @@ implementations, through the contract any plugin has (``docs/hooks.md``, Manager
 
 Remote retention (``remote_keep_last``) runs on the replicator's thread after each remote
 commit and never deletes the checkpoint the run resumed from nor one being copied. The
-copying itself is :mod:`statekit.api.replication` and :mod:`statekit.api.remote_copy`.
+copying itself is :mod:`statekit_replicate.replication` and :mod:`statekit_replicate.remote_copy`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 from statekit import distributed
 from statekit._version import __version__
-from statekit.api.listing import CheckpointInfo, delete_all_but
-from statekit.api.replication import Replicator, start_replication
+from statekit.manager.listing import CheckpointInfo, delete_all_but
+from statekit_replicate.replication import Replicator, start_replication
 from statekit.errors import PluginMissingError
 from statekit.hooks.registry import hookimpl
 

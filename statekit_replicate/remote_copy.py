@@ -1,6 +1,6 @@
 """Copying one committed checkpoint to another root, verified at the destination, manifest last.
 
-The copy behind two-tier checkpoints (:mod:`statekit.api.replication`). Every data file is
+The copy behind two-tier checkpoints (:mod:`statekit_replicate.replication`). Every data file is
 streamed (no staging copy of the checkpoint), read back at the destination and checked
 against the manifest's size and XXH3-64 checksum, and the manifest is written last with
 the same atomic commit as a save (:meth:`statekit.storage.Storage.commit`): a copy
