@@ -33,7 +33,9 @@ The names, by topic:
   :func:`view_identity` (the one tied-view test),
   :class:`TensorHeader`, :class:`TensorEntry`, :data:`CHUNK_BYTES`), the dtype tables
   (:data:`SAFETENSORS_CODES`, :data:`NATIVE_DTYPES`, :data:`DTYPE_FROM_CODE`), the state
-  codec's :func:`encode`, and :func:`read_manifest`. There is no checksum helper: files
+  codec's :func:`encode`, :func:`read_manifest`, and the per-rank path
+  ``<key>/rank-<r:05d>`` (:func:`rank_path`, :func:`rank_name`, :func:`parse_rank_path`:
+  every per-rank file of the core and of a plugin is named through them). There is no checksum helper: files
   read through the checkpoint (``checkpoint.open(rel, "rb")``, ``read_bytes``,
   ``load_tensors``...) are verified against the manifest's size and checksum as they are
   read, and files written through it are recorded with theirs;
@@ -92,6 +94,7 @@ from statekit.format import (
 )
 from statekit.format.codec import encode
 from statekit.format.header import view_identity
+from statekit.format.layout import parse_rank_path, rank_name, rank_path
 from statekit.format.manifest import read_manifest
 from statekit.hooks.registry import hookimpl
 from statekit.storage import Storage, storage_errors
@@ -140,6 +143,9 @@ __all__ = [
     "TensorHeader",
     "build_header",
     "encode",
+    "parse_rank_path",
+    "rank_name",
+    "rank_path",
     "read_exactly_into",
     "read_header",
     "read_manifest",

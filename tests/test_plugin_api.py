@@ -177,3 +177,18 @@ def test_plugins_use_the_declared_names():
     }
     unused = set(plugin_api.__all__) - used - offload_reexports - errors
     assert not unused, f"names of statekit.plugin_api no plugin uses: {sorted(unused)}"
+
+
+def test_rank_path_names_the_files_a_per_rank_save_writes(tmp_path):
+    """A plugin names per-rank files with ``rank_path``; the core's per-rank files follow the same rule."""
+    import statekit
+
+    manifest = statekit.save(str(tmp_path), {"pos": {"index": 17}}, per_rank=["pos"])
+    assert plugin_api.rank_path("pos", 0) + ".json" in manifest["files"]
+    assert plugin_api.rank_path("dataloader_0", 3) == "dataloader_0/rank-00003"
+    assert plugin_api.rank_name(123456) == "rank-123456"
+    assert plugin_api.parse_rank_path("rng/rank-00001.json") == ("rng", 1)
+    assert plugin_api.parse_rank_path("model_0/rank-00002.safetensors") == ("model_0", 2)
+    assert plugin_api.parse_rank_path(plugin_api.rank_path("a/b", 7)) == ("a/b", 7)
+    assert plugin_api.parse_rank_path("model.safetensors") is None
+    assert plugin_api.parse_rank_path("rng/rank-1.json") is None

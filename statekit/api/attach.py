@@ -220,9 +220,9 @@ class _AttachedCalls:
         checkpoint.plugin = None
         for key, obj in self.attachment.objects.items():  # what Accelerate does not keep: exact positions, gradients
             if data.is_loader(obj):
-                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", data.loader_state(obj, key))
+                checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), data.loader_state(obj, key))
             elif isinstance(obj, AccumulatedGradients):
-                checkpoint.save_state(f"{key}/rank-{checkpoint.rank:05d}", obj.state_dict())
+                checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), obj.state_dict())
 
     def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
         """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""

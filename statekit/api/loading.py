@@ -29,6 +29,7 @@ from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, P
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
 from statekit.foreign.accelerate_rng import restore_rng
+from statekit.format.layout import rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.hooks.claims import track_load_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
@@ -307,7 +308,7 @@ def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any
     rank's, as ``Accelerator.load_state`` of the source would (statekit-rng, which runs
     later, leaves a checkpoint without its records alone)."""
     entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
-    base = f"{accelerate_format.ACCELERATE_RNG}/rank-{checkpoint.rank:05d}"
+    base = rank_path(accelerate_format.ACCELERATE_RNG, checkpoint.rank)
     if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
         restore_rng(checkpoint.load_state(base), checkpoint.storage.url)
 
@@ -405,7 +406,7 @@ def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> l
     files = checkpoint.manifest["files"] if checkpoint.manifest is not None else None
     states = []
     for key, obj in objects:
-        base = f"{key}/rank-{checkpoint.rank:05d}"
+        base = rank_path(key, checkpoint.rank)
         saved = f"{base}.json" in files if files is not None else checkpoint.storage.exists(f"{base}.json")
         if data.is_loader(obj):
             if files is not None:

@@ -211,4 +211,4 @@ def _state_of(entry: Entry) -> Any:
 
 
 def _rank_base(entry: Entry, rank: int) -> str:
-    return f"{entry.key}/rank-{rank:05d}" if entry.per_rank else entry.key
+    return fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key

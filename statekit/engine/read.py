@@ -212,7 +212,7 @@ def loads_in_place(models: list[torch.nn.Module]) -> bool:
 
 def _state_base(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any]) -> str:
     """Where an entry's state files are: ``<key>``, or ``<key>/rank-<rank>`` for per-rank state."""
-    return f"{e.key}/rank-{checkpoint.rank:05d}" if saved.get("per_rank") else e.key
+    return fmt.rank_path(e.key, checkpoint.rank) if saved.get("per_rank") else e.key
 
 
 def _fit_model(
@@ -353,8 +353,8 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
         CorruptCheckpointError: a position file fails verification (names it).
     """
     files = checkpoint.manifest["files"]
-    bases = [f"{key}/rank-{r:05d}" for r in range(int(checkpoint.manifest.get("world_size", 1)))]
-    base = f"{key}/rank-{checkpoint.rank:05d}"
+    bases = [fmt.rank_path(key, r) for r in range(int(checkpoint.manifest.get("world_size", 1)))]
+    base = fmt.rank_path(key, checkpoint.rank)
     own = checkpoint.load_state(base) if f"{base}.json" in files else None
     ranks = None
     mine = own if isinstance(own, dict) else {}
@@ -370,7 +370,7 @@ def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> N
     """Restore a data loader's position: this rank's, and with another world size (or a
     rank that saved nothing) those of every saved rank, from which
     :mod:`statekit.loaders.elastic` plans this rank's rest of the interrupted epoch."""
-    base = f"{e.key}/rank-{checkpoint.rank:05d}"
+    base = fmt.rank_path(e.key, checkpoint.rank)
     own, ranks = loader_positions(checkpoint, e.key)
     try:
         restored = data.restore_loader(e.obj, own, name=e.key, ranks=ranks)

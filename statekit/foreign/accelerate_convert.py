@@ -49,7 +49,8 @@ CONVERTED_FROM = "converted_from"
 _CONVERTED_KINDS = {"model": "model", "pytorch_model": "model", "optimizer": "optimizer", "scheduler": "scheduler",
                     "dl_state_dict": "dataloader", "custom_checkpoint": "custom", "scaler": "scaler"}
 
-_OWN_OBJECT = re.compile(r"^(dataloader_\d+|gradients)/rank-\d{5}\.")
+_OWN_KEY = re.compile(r"^(dataloader_\d+|gradients)$")
+"""Keys of the per-rank files (:func:`statekit.format.rank_path`) an attached save writes next to Accelerate's."""
 
 
 def convert(
@@ -109,7 +110,7 @@ def convert(
         world_size = int(attached["world_size"]) if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
         checkpoint = Checkpoint(out, mode="save", world_size=world_size)
         model_keys = _accelerate_model_keys(attached)
-        own_keys = {rel.split("/", 1)[0] for rel in own if _OWN_OBJECT.match(rel)}
+        own_keys = {found[0] for found in map(fmt.parse_rank_path, own) if found and _OWN_KEY.match(found[0])}
         objects: dict[str, Any] = {}
         counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
         for name in names:
@@ -234,7 +235,7 @@ def _convert_file(
     if base == "random_states":
         states = read_pickle(src, name, allow_pickle)
         counters["step"] = int(states.get("step", counters["step"]) or 0)
-        checkpoint.save_state(f"{ACCELERATE_RNG}/rank-{int(index):05d}", states)
+        checkpoint.save_state(fmt.rank_path(ACCELERATE_RNG, int(index)), states)
         return None
     kind = _CONVERTED_KINDS.get(base)
     if kind is None:
@@ -248,7 +249,7 @@ def _convert_file(
             return None
         state = {"tracked": False, "stateful": read_pickle(src, name, allow_pickle)}  # as restore_loader takes it
         for rank in range(checkpoint.world_size):  # Accelerate loads this one file on every rank
-            checkpoint.save_state(f"{key}/rank-{rank:05d}", state)
+            checkpoint.save_state(fmt.rank_path(key, rank), state)
     else:
         checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
     return key, kind

@@ -44,7 +44,7 @@ def accelerate_match_key(key: str) -> str:
         return f"scaler.safetensors:{name}"
     rng = re.match(r"^random_states_(\d+)\.pkl$", rel)
     if rng:
-        return f"{accelerate.ACCELERATE_RNG}/rank-{int(rng.group(1)):05d}.safetensors:{name}"
+        return f"{fmt.rank_path(accelerate.ACCELERATE_RNG, int(rng.group(1)))}.safetensors:{name}"
     match = _OBJECT_FILE.match(rel)
     if match is None:
         return key
@@ -110,7 +110,7 @@ def _superseded(rel: str, files: dict) -> bool:
     """Whether an attach-mode load replaces Accelerate's file ``rel`` with statekit's own state."""
     rng = re.match(r"^random_states_(\d+)\.pkl$", rel)
     if rng:
-        return f"rng/rank-{int(rng.group(1)):05d}.json" in files
+        return f"{fmt.rank_path('rng', int(rng.group(1)))}.json" in files
     loader = re.match(r"^dl_state_dict(?:_(\d+))?\.bin$", rel)
     if loader:
         key = f"dataloader_{int(loader.group(1) or 0)}/"

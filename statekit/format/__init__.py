@@ -22,6 +22,7 @@ Submodules, one responsibility each (this package re-exports their public names,
   :func:`read_header`, the one safetensors header reader.
 - :mod:`statekit.format.tensors`: streaming tensor data to and from files.
 - :mod:`statekit.format.manifest`: the manifest's name, validation and reading.
+- :mod:`statekit.format.layout`: the per-rank path ``<key>/rank-<r:05d>`` (:func:`rank_path`).
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
 - :mod:`statekit.format.codec_types`: the codec's type rules.
 
@@ -53,6 +54,7 @@ from statekit.format.dtypes import (
     dtype_name,
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, parse_header, read_header
+from statekit.format.layout import parse_rank_path, rank_name, rank_path
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
     FORMAT,
@@ -96,6 +98,9 @@ __all__ = [
     "checkpoint_dirs",
     "manifest_bytes",
     "parse_header",
+    "parse_rank_path",
+    "rank_name",
+    "rank_path",
     "read_header",
     "read_manifest",
     "read_exactly_into",

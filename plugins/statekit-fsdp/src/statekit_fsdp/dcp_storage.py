@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from statekit.plugin_api import CorruptCheckpointError, StatekitError
+from statekit.plugin_api import CorruptCheckpointError, StatekitError, rank_name
 from statekit_fsdp.dcp_metadata import METADATA_NAME, metadata_to_json, read_metadata
 
 
 def shard_file(rank: int) -> str:
     """File name (relative to the model's directory) of one rank's shards."""
-    return f"rank-{rank:05d}.safetensors"
+    return f"{rank_name(rank)}.safetensors"
 
 
 def chunk_name(fqn: str, offsets: Any) -> str:

@@ -46,6 +46,7 @@ from statekit.plugin_api import (
     TensorHeader,
     check_fit,
     mark_in_use,
+    rank_name,
     read_header,
     release_in_use,
     warn_user,
@@ -244,7 +245,7 @@ class _ModelLoad:
             return
         folder = check_offload_folder(opts.offload_folder, source=self.url)
         if checkpoint.world_size > 1:
-            folder = check_offload_folder(os.path.join(folder, f"rank-{checkpoint.rank:05d}"), source=self.url)
+            folder = check_offload_folder(os.path.join(folder, rank_name(checkpoint.rank)), source=self.url)
         self.folder = self.info.offload_folder = folder
         local = bool(getattr(checkpoint.storage, "is_local", False))
         if opts.offload_copy is False and not local:

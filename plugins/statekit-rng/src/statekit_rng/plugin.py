@@ -43,7 +43,6 @@ function returning ``(device_type, module)`` for any ``module`` that follows
 from __future__ import annotations
 
 import random
-import re
 import warnings
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -51,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from statekit.plugin_api import CorruptCheckpointError, FormatVersionError, StatekitWarning, hookimpl
+from statekit.plugin_api import CorruptCheckpointError, FormatVersionError, StatekitWarning, hookimpl, parse_rank_path, rank_path
 from statekit_rng.devices import DeviceRngModule, discover_accelerator, restore_devices
 from statekit_rng.loaders import (
     LOADER_ROLE,
@@ -69,11 +68,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOADER_ROLE",
-    "RANK_FILE_BASE",
     "SAMPLER_ROLE",
     "STATEKIT_MANAGES_RNG",
     "STATEKIT_OPTIONS",
     "STATE_FORMAT",
+    "STATE_KEY",
     "DeviceRngModule",
     "discover_accelerator",
     "find_sampler",
@@ -94,10 +93,9 @@ STATEKIT_OPTIONS: frozenset[str] = frozenset()
 STATE_FORMAT = 1
 """Version of the per-rank state file layout written by this module."""
 
-RANK_FILE_BASE = "rng/rank-{rank:05d}"
-"""Base path (without ``.json`` / ``.safetensors``) of one rank's RNG state."""
-
-_RANK_FILE = re.compile(r"^rng/rank-(\d+)\.json$")
+STATE_KEY = "rng"
+"""Key of the per-rank state: one rank's RNG state is ``rank_path(STATE_KEY, rank)`` (``rng/rank-00000``)
+plus ``.json`` / ``.safetensors``."""
 
 # Data loaders seen by statekit_load_state_pre, by checkpoint: a plugin that takes a
 # loader in load_state_pre removes it from checkpoint.objects before the restore runs.
@@ -172,7 +170,7 @@ def statekit_save_state_pre(checkpoint: Checkpoint) -> None:
         StorageError: the write failed.
     """
     state = snapshot(checkpoint.objects)
-    checkpoint.save_state(RANK_FILE_BASE.format(rank=checkpoint.rank), state)
+    checkpoint.save_state(rank_path(STATE_KEY, checkpoint.rank), state)
     checkpoint.records.update(
         {
             "format": STATE_FORMAT,
@@ -233,7 +231,8 @@ def restore(state: Mapping[str, Any], loaders: Mapping[str, Any] | None = None, 
 
 
 def _ranks_in(files: Mapping[str, Any]) -> list[int]:
-    return sorted(int(m.group(1)) for m in map(_RANK_FILE.match, files) if m)
+    found = [parse_rank_path(rel) for rel in files if rel.endswith(".json")]
+    return sorted(rank for key, rank in filter(None, found) if key == STATE_KEY)
 
 
 @hookimpl(tryfirst=True)
@@ -286,7 +285,7 @@ def statekit_load_state_post(checkpoint: Checkpoint) -> None:
     files = (checkpoint.manifest or {}).get("files", {})
     rank, world_size = checkpoint.rank, checkpoint.world_size
     saved_world = records.get("world_size", (checkpoint.manifest or {}).get("world_size"))
-    base = RANK_FILE_BASE.format(rank=rank)
+    base = rank_path(STATE_KEY, rank)
     not_restored: list[str] = []
     if f"{base}.json" in files:
         source = f"{checkpoint.url}/{base}.json"

@@ -1,0 +1,57 @@
+"""Names inside a checkpoint directory that follow a rule: the per-rank path.
+
+State that every rank writes for itself (a data loader's position, accumulated gradients,
+statekit-rng's random states, an FSDP model's shards, Accelerate's converted random states)
+lives under ``<key>/rank-<r:05d>`` (``dataloader_0/rank-00003.json``): the rank, zero-padded
+to five digits (wider for ranks from 100000 on, as ``format(r, "05d")`` writes them).
+:func:`rank_path` builds such a path, :func:`rank_name` its last component, and
+:func:`parse_rank_path` reads one back; every module of the core and every plugin goes
+through them (plugins through :mod:`statekit.plugin_api`), so the rule is written once.
+"""
+
+from __future__ import annotations
+
+import re
+
+_RANK_PATH = re.compile(r"^(?P<key>.+)/rank-(?P<rank>\d{5,})(?P<suffix>\..*)?$")
+
+
+def rank_name(rank: int) -> str:
+    """The per-rank component of a path: ``rank-<rank:05d>``.
+
+    Args:
+        rank: the process rank (``0`` .. world size - 1).
+
+    Returns:
+        ``"rank-00003"`` for rank 3.
+    """
+    return f"rank-{int(rank):05d}"
+
+
+def rank_path(key: str, rank: int) -> str:
+    """Where one rank's copy of a per-rank state lives, relative to the checkpoint
+    directory and without a suffix (``.json`` / ``.safetensors`` are added by the writer).
+
+    Args:
+        key: the state's stable key (``"dataloader_0"``, ``"rng"``).
+        rank: the rank that writes it.
+
+    Returns:
+        ``"<key>/rank-<rank:05d>"`` (``"dataloader_0/rank-00003"``).
+    """
+    return f"{key}/{rank_name(rank)}"
+
+
+def parse_rank_path(rel: str) -> tuple[str, int] | None:
+    """The inverse of :func:`rank_path`, for a path with or without a file suffix.
+
+    Args:
+        rel: a path relative to the checkpoint directory (``"rng/rank-00001.json"``).
+
+    Returns:
+        ``(key, rank)`` (``("rng", 1)``), or None when ``rel`` is not a per-rank path.
+    """
+    match = _RANK_PATH.match(rel)
+    if match is None:
+        return None
+    return match.group("key"), int(match.group("rank"))
