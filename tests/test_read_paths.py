@@ -464,22 +464,24 @@ def test_flipped_byte_is_caught_with_fresh_memory_made_ahead(tmp_path, plugin_ma
     assert not [t for t in threading.enumerate() if t.name == "statekit-fresh-ahead"]
 
 
-def test_fresh_ahead_hands_out_each_files_buffers_once_and_skips_what_it_cannot_parse(tmp_path, plugin_manager):
-    from statekit.engine.read_ahead import FreshAhead
+def test_fresh_ahead_hands_out_each_files_buffers_once_and_skips_what_it_cannot_parse(tmp_path, plugin_manager, read_ahead_everything):
+    from statekit.engine.context import Checkpoint
+    from statekit.format import read_manifest
     from statekit.storage import Storage
 
     url = str(tmp_path / "c")
     statekit.save(url, _state(0))
     (tmp_path / "c" / "bad.safetensors").write_bytes(b"not a safetensors file")
-    ahead = FreshAhead(Storage(url), ["bad.safetensors", "optim.safetensors", "missing.safetensors"])
-    try:
+    storage = Storage(url)
+    checkpoint = Checkpoint(storage, mode="load", manifest=read_manifest(storage), verify=False)
+    rels = ["bad.safetensors", "optim.safetensors", "missing.safetensors"]
+    with checkpoint.reading_each_file_once(), checkpoint.fresh_memory_ahead(rels):
+        ahead = checkpoint._ahead
         assert ahead.take("bad.safetensors") is None and ahead.take("missing.safetensors") is None
         buffers = ahead.take("optim.safetensors")
         assert buffers and all(b.device.type == "cpu" and b.is_contiguous() for b in buffers.values())
         assert ahead.take("optim.safetensors") is None  # handed out once
         assert ahead.take("model.safetensors") is None  # not one of its files
-    finally:
-        ahead.close()
     assert not [t for t in threading.enumerate() if t.name == "statekit-fresh-ahead"]
 
 

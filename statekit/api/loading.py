@@ -169,19 +169,20 @@ def load_objects(
     _check_loadable(pm, storage, entries, saved_objects)
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
     names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
-    # before any plugin or the core loads anything: the optimizers and tensors the core loads fit
-    read.check_entries(checkpoint, [e for e in entries if saved_objects[e.key]["owner"] == CORE], saved_objects, names)
-    models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
-    keys = [e.key for e in entries if e.kind == "model"]
-    _check_owners_took(storage, entries, saved_objects, taken)
-    core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
-    early, late = read.split_for_load([e for e in entries if e.kind != "model" and e.key not in taken])
-    ahead = read.tensor_files_of(checkpoint, early + late, saved_objects) if read.loads_in_place([m for m, _ in core]) else []
-    with checkpoint.fresh_memory_ahead(ahead):
-        read.check_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)  # every model first
-        not_restored = read.load_entries_undoable(checkpoint, early, saved_objects)  # put back if one refuses
-        incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
-        not_restored += _load_after_models(checkpoint, late, saved_objects)
+    with checkpoint.reading_each_file_once():  # each file opened once, its header parsed once; closed on any exit
+        # before any plugin or the core loads anything: the optimizers and tensors the core loads fit
+        read.check_entries(checkpoint, [e for e in entries if saved_objects[e.key]["owner"] == CORE], saved_objects, names)
+        models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
+        keys = [e.key for e in entries if e.kind == "model"]
+        _check_owners_took(storage, entries, saved_objects, taken)
+        core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
+        early, late = read.split_for_load([e for e in entries if e.kind != "model" and e.key not in taken])
+        ahead = read.tensor_files_of(checkpoint, early + late, saved_objects) if read.loads_in_place([m for m, _ in core]) else []
+        with checkpoint.fresh_memory_ahead(ahead):
+            read.check_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)  # every model first
+            not_restored = read.load_entries_undoable(checkpoint, early, saved_objects)  # put back if one refuses
+            incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
+            not_restored += _load_after_models(checkpoint, late, saved_objects)
     _restore_accelerate_rng(checkpoint, saved_objects)
     not_restored += _ranks_not_restored(manifest, checkpoint)
     if not_restored:

@@ -19,7 +19,9 @@ import contextlib
 import io
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
@@ -31,7 +33,6 @@ from statekit.errors import CorruptCheckpointError, StatekitError
 from statekit.format import codec
 from statekit.storage import Storage, storage_errors
 from statekit.storage.fs import fsync_path
-from statekit.storage.direct import DirectReader
 from statekit.storage.hashing import HashingWriter, VerifyingReader, check_against
 
 CORE = "statekit"
@@ -120,6 +121,8 @@ class Checkpoint:
         self._deferred: list[Callable[[], None]] = []
         self._planned: set[str] = set()
         self._ahead: FreshAhead | None = None
+        self._held: dict[str, _OpenTensorFile] | None = None  # inside reading_each_file_once
+        self._kept_json: dict[str, bytes] | None = None
 
     # ---------------------------------------------------------------- identity
 
@@ -391,15 +394,57 @@ class Checkpoint:
     # ---------------------------------------------------------------- reading
 
     @contextlib.contextmanager
+    def reading_each_file_once(self) -> Iterator[None]:
+        """Within the block, each file of the checkpoint is opened once and its header parsed
+        once, however many steps of the load look at it.
+
+        A tensor file whose header is read (a fit check: ``load_state(shapes_only=True)``,
+        :meth:`tensor_header`) stays open, positioned at its data section, with its parsed
+        header and (with ``verify``) the checksum of the bytes read so far, until
+        :meth:`load_tensors` reads its data from that same open file; a state file's JSON
+        skeleton read for a fit check is kept until ``load_state`` of the same base. No
+        tensor data is kept. The block's end closes every file still open, also when the
+        load fails half-way (a file whose data was never read).
+
+        Yields:
+            None.
+        """
+        if self._held is not None:
+            yield
+            return
+        self._held, self._kept_json = {}, {}
+        try:
+            yield
+        finally:
+            held, self._held, self._kept_json = self._held, None, None
+            errors = []
+            for opened in held.values():
+                try:
+                    opened.file.close()
+                except Exception as exc:  # noqa: BLE001 - close the others first
+                    errors.append(exc)
+            if errors and sys.exc_info()[0] is None:
+                raise errors[0]
+
+    @contextlib.contextmanager
     def fresh_memory_ahead(self, rels: list[str]) -> Iterator[None]:
         """Within the block, the large local tensor files among ``rels`` (read later in
         the block into fresh memory, in this order) get their buffers made and faulted
-        in ahead, on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`)."""
-        rels = [rel for rel in rels if worth_reading_ahead(self.manifest, rel)]
+        in ahead, on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`).
+
+        The buffers are made from the files' headers (:meth:`tensor_header`: inside
+        :meth:`reading_each_file_once` the headers the fit checks parsed, or the file
+        opened here and kept open for its read). A file that cannot be opened or parsed
+        gets no buffers: its own read reports the fault."""
+        rels = [rel for rel in rels if self.storage.is_local and worth_reading_ahead(self.manifest, rel)]
         if not rels or self._ahead is not None:
             yield
             return
-        self._ahead = FreshAhead(self.storage, rels)
+        headers = {}
+        for rel in rels:
+            with contextlib.suppress(StatekitError):  # CorruptCheckpointError, StorageError: reported by its read
+                headers[rel] = self.tensor_header(rel)
+        self._ahead = FreshAhead(headers)
         try:
             yield
         finally:
@@ -416,24 +461,61 @@ class Checkpoint:
         finally:
             f.close()
 
-    def _open_read(self, rel: str) -> BinaryIO:
+    def _open_read(self, rel: str, bulk: bool = False) -> BinaryIO:
+        """``Storage.open_read`` (which chooses the I/O method); a missing file is a
+        :class:`CorruptCheckpointError` naming it."""
         try:
-            return self.storage.open_read(rel)
+            return self.storage.open_read(rel, bulk=bulk)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
 
-    def _open_tensor_file(self, rel: str) -> Any:
-        """A local tensor file as a :class:`DirectReader` (``O_DIRECT`` through huge-page
-        bounce buffers, the copy-out and checksum overlapped with the next read); remote
-        ones as :meth:`_open_read` does."""
-        if not self.storage.is_local:
-            return self._open_read(rel)
+    def _open_tensor_file(self, rel: str) -> _OpenTensorFile:
+        """Open a tensor file (``bulk``: the storage layer picks ``O_DIRECT`` locally) and
+        parse its header, hashed when verifying; the file is left at its data section.
+
+        Raises:
+            CorruptCheckpointError: missing file or malformed header (names the file);
+                the file is closed.
+            StorageError: the storage failed (names the URL).
+        """
+        fmt.check_relpath(rel, source=self.url)
+        expected = self._expected(rel)
+        url = f"{self.url}/{rel}"
+        f = self._open_read(rel, bulk=True)
         try:
-            return DirectReader(self.storage.path_of(rel))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
-        except OSError:
-            return self._open_read(rel)
+            with storage_errors(url, "reading"):
+                size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
+                hasher = fmt.new_hasher() if expected is not None else None
+                header = fmt.read_header(f, url, size, hasher)
+        except BaseException:
+            f.close()
+            raise
+        return _OpenTensorFile(f, header, hasher, size, expected)
+
+    def tensor_header(self, rel: str) -> fmt.TensorHeader:
+        """The parsed header of a tensor file of the checkpoint (no tensor data is read).
+
+        Inside :meth:`reading_each_file_once` the file stays open for the read of its data
+        and the header is parsed once; outside it the file is closed again.
+
+        Args:
+            rel: relative path of a safetensors file.
+
+        Returns:
+            The header: entries (names, dtypes, shapes, offsets), aliases, metadata.
+
+        Raises:
+            CorruptCheckpointError: missing file or malformed header (names the file).
+            StorageError: the storage failed (names the URL).
+        """
+        if self._held is not None and rel in self._held:
+            return self._held[rel].header
+        opened = self._open_tensor_file(rel)
+        if self._held is not None:
+            self._held[rel] = opened
+        else:
+            opened.file.close()
+        return opened.header
 
     def _expected(self, rel: str) -> dict[str, Any] | None:
         if not self.verify or self.manifest is None:
@@ -479,6 +561,9 @@ class Checkpoint:
     ) -> dict[str, torch.Tensor]:
         """Read a safetensors file of the checkpoint (verified when ``verify`` is on).
 
+        Inside :meth:`reading_each_file_once`, a file whose header was read already is read
+        on from where its header ended, through the same open file.
+
         Args:
             rel: relative path.
             into: tensors to fill in place (see :func:`statekit.format.read_tensors`).
@@ -492,19 +577,25 @@ class Checkpoint:
                 checksum mismatch (names the file). With ``into``, targets read before the
                 fault hold new values; the message says the load is incomplete.
         """
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
+        opened = self._held.pop(rel, None) if self._held is not None else None
+        if opened is None:
+            opened = self._open_tensor_file(rel)
         url = f"{self.url}/{rel}"
-        hasher = fmt.new_hasher() if expected is not None else None
-        with self._open_tensor_file(rel) as f, storage_errors(url, "reading"):
-            size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
-            fresh, ready = (self._ahead.take(rel), self._ahead.ready) if self._ahead is not None else (None, None)
-            tensors, header = fmt.read_tensors(f, url, size, into=into, names=names, hasher=hasher, fresh=fresh, ready=ready)
-            seen = header.data_start + header.data_bytes  # the bytes the header accounts for
-            if expected is not None and seen == expected["size_bytes"]:
-                seen = f.seek(0, 2)  # bytes appended after them are never read: the open file's size says
+        f, expected = opened.file, opened.expected
+        try:
+            with storage_errors(url, "reading"):
+                fresh, ready = (self._ahead.take(rel), self._ahead.ready) if self._ahead is not None else (None, None)
+                tensors, header = fmt.read_tensors(
+                    f, url, opened.size, into=into, names=names, hasher=opened.hasher, fresh=fresh, ready=ready,
+                    header=opened.header,
+                )
+                seen = header.data_start + header.data_bytes  # the bytes the header accounts for
+                if expected is not None and seen == expected["size_bytes"]:
+                    seen = f.seek(0, 2)  # bytes appended after them are never read: the open file's size says
+        finally:
+            f.close()
         if expected is not None:
-            self._check(rel, expected, seen, hasher)
+            self._check(rel, expected, seen, opened.hasher)
         return tensors
 
     def load_json(self, rel: str) -> Any:
@@ -519,7 +610,9 @@ class Checkpoint:
         Raises:
             CorruptCheckpointError: missing, mismatched or not JSON (names the file).
         """
-        data = self.read_bytes(rel)
+        return self._decode_json(rel, self.read_bytes(rel))
+
+    def _decode_json(self, rel: str, data: bytes) -> Any:
         try:
             return json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -534,7 +627,9 @@ class Checkpoint:
                 made from the tensor file's header: no tensor data is read (a load checks
                 that a state fits before it reads it, :mod:`statekit.engine.optimizer_fit`).
                 A value that needs its data to be rebuilt (a NumPy array) raises
-                ``TypeError`` or ``RuntimeError``.
+                ``TypeError`` or ``RuntimeError``. Inside :meth:`reading_each_file_once`
+                the skeleton's bytes and the tensor file (open, header parsed) are kept
+                for the full read.
 
         Returns:
             The state, with the same types as saved.
@@ -545,17 +640,22 @@ class Checkpoint:
                 process (loading never imports code), or lacks the saved value.
             FormatVersionError: the file's codec version is newer than this statekit reads.
         """
-        doc = self.load_json(f"{base}.json")
+        rel = f"{base}.json"
+        data = self._kept_json.pop(rel, None) if self._kept_json is not None else None
+        if data is None:
+            data = self.read_bytes(rel)
+        if shapes_only and self._kept_json is not None:
+            self._kept_json[rel] = data  # the skeleton (no tensor data), for the full read
+        doc = self._decode_json(rel, data)
         if not isinstance(doc, dict) or "state" not in doc:
-            raise CorruptCheckpointError(f"{self.url}/{base}.json: not a statekit state file", path=f"{self.url}/{base}.json")
+            raise CorruptCheckpointError(f"{self.url}/{rel}: not a statekit state file", path=f"{self.url}/{rel}")
         if not doc.get("tensors"):
             tensors = {}
         elif shapes_only:
             tensors = self._meta_tensors(f"{base}.safetensors")
         else:
             tensors = self.load_tensors(f"{base}.safetensors")
-        source = f"{self.url}/{base}.json"
-        return codec.decode(doc["state"], tensors, source=source, root=base, version=doc.get("codec", 1))
+        return codec.decode(doc["state"], tensors, source=f"{self.url}/{rel}", root=base, version=doc.get("codec", 1))
 
     def _meta_tensors(self, rel: str) -> dict[str, torch.Tensor]:
         """``name -> meta tensor`` of a tensor file's header (aliases included); reads the header only.
@@ -563,12 +663,26 @@ class Checkpoint:
         Raises:
             CorruptCheckpointError: missing file or malformed header (names the file).
         """
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
-        url = f"{self.url}/{rel}"
-        with self._open_read(rel) as f, storage_errors(url, "reading"):
-            size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
-            header = fmt.read_header(f, url, size)
+        header = self.tensor_header(rel)
         tensors = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in header.entries}
         tensors.update({alias: tensors[name] for alias, name in header.aliases.items()})
         return tensors
+
+
+@dataclass
+class _OpenTensorFile:
+    """A tensor file opened for one load: positioned at its data section, header parsed.
+
+    Attributes:
+        file: the open file (from ``Storage.open_read(rel, bulk=True)``).
+        header: its parsed header.
+        hasher: the checksum of the bytes read so far (the header), when verifying; else None.
+        size: the file's size in bytes (the manifest's when verifying).
+        expected: its manifest entry when verifying, else None.
+    """
+
+    file: Any
+    header: fmt.TensorHeader
+    hasher: Any
+    size: int
+    expected: dict[str, Any] | None

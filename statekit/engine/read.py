@@ -235,7 +235,7 @@ def _fit_model(
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
         return targets, set(state), _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state), strict)
     rel = f"{key}.safetensors"
-    header = _header(checkpoint, rel)
+    header = checkpoint.tensor_header(rel)  # kept open for load_model's read (Checkpoint.reading_each_file_once)
     shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
     for alias, name in header.aliases.items():
         shapes[alias] = shapes[name]
@@ -289,14 +289,6 @@ def _check_model_state(
         saved = {k: v for k, v in saved.items() if k in targets}
     check_fit(f"model {key!r} ({checkpoint.url}/{rel}; the model is untouched)", targets, saved)
     return report if not strict else {"missing_keys": [], "unexpected_keys": []}
-
-
-def _header(checkpoint: Checkpoint, rel: str) -> fmt.TensorHeader:
-    url = f"{checkpoint.url}/{rel}"
-    with checkpoint.open(rel, "rb") as f:
-        size = checkpoint.manifest["files"].get(rel, {}).get("size_bytes") if checkpoint.manifest else None
-        header, _ = fmt.parse_header(f.read(8), f.read, size, url)
-    return header
 
 
 def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_restored: list[str]) -> None:

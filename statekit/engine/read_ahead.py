@@ -20,47 +20,44 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.storage import Storage
 from statekit.storage.prefault import PREFAULT_MIN_BYTES, Prefaulter
 
 
 class FreshAhead:
-    """Buffers for the local tensor files ``rels`` (in the order the load reads them),
-    made on a daemon thread; :meth:`take` hands a file's buffers to its read.
+    """Buffers for the tensor files whose ``headers`` are given (in the order the load
+    reads them), made on a daemon thread; :meth:`take` hands a file's buffers to its read.
 
     Args:
-        storage: the checkpoint's storage; nothing is done unless it is local.
-        rels: tensor files the load will read into fresh memory, in order.
+        headers: ``rel -> parsed header`` of the files the load will read into fresh
+            memory (:meth:`statekit.Checkpoint.tensor_header`: the files themselves are
+            not opened here).
 
-    The thread never raises: a file it cannot open or parse gets no buffers, and the
-    load's own read of it reports the fault. :meth:`close` stops and joins it.
+    The thread never raises: a file whose buffers cannot be made gets none, and the load's
+    own read of it allocates them. :meth:`close` stops and joins it.
     """
 
-    def __init__(self, storage: Storage, rels: list[str]) -> None:
-        self._storage = storage
-        self._rels = list(rels) if storage.is_local else []
-        self._ready = {rel: threading.Event() for rel in self._rels}
+    def __init__(self, headers: dict[str, fmt.TensorHeader]) -> None:
+        self._headers = dict(headers)
+        self._ready = {rel: threading.Event() for rel in self._headers}
         self._buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._prefaulter: Prefaulter | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
-        if self._rels:
+        if self._headers:
             self._thread = threading.Thread(target=self._run, name="statekit-fresh-ahead", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
         made: list[torch.Tensor] = []
         try:
-            for rel in self._rels:
+            for rel, header in self._headers.items():
                 try:
                     if not self._closed:
-                        with open(self._storage.path_of(rel), "rb") as f:  # the header only
-                            header = fmt.read_header(f, self._storage.url_of(rel))
                         buffers = fmt.fresh_buffers(header, list(header.entries))
                         self._buffers[rel] = buffers
                         made += buffers.values()
-                except Exception:  # noqa: BLE001 - the load's own read of the file reports it
+                except Exception:  # noqa: BLE001 - out of memory: the load's own read allocates
                     pass
             with self._lock:
                 if not self._closed:
@@ -75,8 +72,7 @@ class FreshAhead:
 
     def take(self, rel: str) -> dict[str, torch.Tensor] | None:
         """The buffers made for ``rel`` (waits until every file's are allocated, not until
-        they are faulted in), or None: not one of the files, not local, or it could not be
-        parsed. Each file's buffers are handed out once; pass each to :meth:`ready` before
+        they are faulted in), or None: not one of the files, or none could be made. Each file's buffers are handed out once; pass each to :meth:`ready` before
         writing into it."""
         ready = self._ready.get(rel)
         if ready is None:

@@ -170,11 +170,13 @@ def read_tensors(
     hasher: Any = None,
     fresh: Mapping[str, torch.Tensor] | None = None,
     ready: Callable[[torch.Tensor], None] | None = None,
+    header: TensorHeader | None = None,
 ) -> tuple[dict[str, torch.Tensor], TensorHeader]:
     """Read a safetensors file sequentially, optionally straight into existing tensors.
 
     Args:
-        f: a binary file open for reading at offset 0.
+        f: a binary file open for reading at offset 0 (or, with ``header``, at the start
+            of its data section).
         source: its URL, named in errors.
         file_size: its size in bytes if known (validates the data section).
         into: ``name -> tensor`` to fill in place. A CPU, contiguous target of the same
@@ -190,6 +192,9 @@ def read_tensors(
         ready: called with each buffer of ``fresh`` before any byte is read into it (the
             caller's helper hand-off, e.g. :meth:`statekit.engine.read_ahead.FreshAhead.ready`);
             None only where no other thread writes into ``fresh``.
+        header: the file's header, parsed already from ``f`` (with ``hasher`` fed its
+            bytes): the read goes on from the data section, and the header is not read
+            again. None: parsed here.
 
     Returns:
         ``(tensors, header)``: ``tensors`` maps every (selected) name, aliases included, to
@@ -198,7 +203,8 @@ def read_tensors(
     Raises:
         CorruptCheckpointError: malformed header or truncated data; names ``source``.
     """
-    header = read_header(f, source, file_size, hasher)
+    if header is None:
+        header = read_header(f, source, file_size, hasher)
     wanted = None if names is None or hasher is not None else set(names)
     if wanted is not None:
         wanted |= {header.aliases[a] for a in wanted if a in header.aliases}

@@ -18,9 +18,9 @@ Call sequence of a save: ``Storage(url)`` -> ``open_write(rel)`` (local: a
 :class:`~statekit.storage.direct_write.DirectWriter`, fsync on close; remote: the fsspec
 file) for each data file -> ``commit(manifest_name, bytes)`` (local: fsync the directory,
 write a temporary file, rename or link it, fsync again; remote: one put, or a conditional create when ``exclusive``). Of a load:
-``read_bytes`` of the manifest -> per file ``open_read`` (or a
-:class:`~statekit.storage.direct.DirectReader` for local tensor files, chosen by
-:mod:`statekit.engine.context_read`) -> ``check_against`` of size and checksum.
+``read_bytes`` of the manifest -> per file ``open_read`` (``bulk=True`` for tensor files:
+locally a :class:`~statekit.storage.direct.DirectReader`; the storage layer chooses the I/O
+method in both directions) -> ``check_against`` of size and checksum.
 """
 
 from statekit.storage.direct_write import DirectWriter

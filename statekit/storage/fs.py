@@ -25,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
 from statekit.errors import CheckpointExistsError, StatekitError, StorageError
+from statekit.storage.direct import DirectReader
 from statekit.storage.direct_write import DirectWriter
 
 
@@ -202,8 +203,22 @@ class Storage:
 
     # ---------------------------------------------------------------- reading
 
-    def open_read(self, rel: str) -> BinaryIO:
-        """Open a file for reading (binary).
+    def open_read(self, rel: str, *, bulk: bool = False) -> BinaryIO:
+        """Open a file for reading (binary), with the I/O method that suits the read: the
+        storage layer chooses it for reads as :meth:`open_write` does for writes.
+
+        Args:
+            rel: path relative to this directory.
+            bulk: the file is large and read mostly front to back (tensor data): a local
+                one is opened as a :class:`~statekit.storage.direct.DirectReader`
+                (``O_DIRECT`` through huge-page bounce buffers, reading ahead; through the
+                page cache where the file system refuses ``O_DIRECT``), or as a plain file
+                where even that cannot be opened. Remote files are the same either way
+                (the fsspec file: ranged reads of one open file).
+
+        Returns:
+            A binary file object: ``read``, ``readinto``, ``seek``, ``tell``, ``close``
+            (a :class:`~statekit.storage.direct.DirectReader` also has ``fill``).
 
         Raises:
             FileNotFoundError: no such file.
@@ -212,6 +227,13 @@ class Storage:
         path = self.path_of(rel)
         with storage_errors(self.url_of(rel), "opening"):
             if self.is_local:
+                if bulk:
+                    try:
+                        return DirectReader(path)
+                    except FileNotFoundError:
+                        raise
+                    except OSError:
+                        pass  # opened below through the page cache (or its error raised there)
                 return open(path, "rb")  # noqa: SIM115 - caller closes
             return self.fs.open(path, "rb")
 
