@@ -141,8 +141,8 @@ def build_header(
         tensors: ``name -> tensor`` (any device, any strides).
         metadata: extra ``__metadata__`` entries (str -> str).
         data_align: the JSON is padded with spaces so that the data starts at a multiple
-            of this many bytes (8, safetensors' own padding; 4096 for page-aligned
-            direct I/O). Trailing spaces are valid JSON: every safetensors reader takes them.
+            of this many bytes (8, safetensors' own padding; 4096,
+            :data:`statekit.format.tensors.PAGE_BYTES`, for large files). Trailing spaces are valid JSON: every safetensors reader takes them.
 
     Returns:
         ``(header_bytes, plan)``: the 8-byte length + padded JSON, and the write plan.

@@ -16,15 +16,19 @@ import torch
 from statekit.errors import CorruptCheckpointError
 from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
 from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
-from statekit.storage.direct import CACHE_STEP_BYTES, DIRECT_ALIGN
 from statekit.storage.prefault import Prefaulter
-
-CHUNK_BYTES = 16 * 1024 * 1024
-"""Largest single write/read: big enough for sequential I/O, small enough to bound buffers."""
+from statekit.storage.streams import CACHE_STEP_BYTES, CHUNK_BYTES, bulk_writer, fill
 
 ALIGN_MIN_BYTES = 1024 * 1024
-"""Files with at least this many tensor bytes start their data section on a 4 KiB
-boundary (``O_DIRECT`` reads and writes of whole pages)."""
+"""Files with at least this many tensor bytes start their data section at a multiple of
+:data:`PAGE_BYTES` (format version 1 layout)."""
+
+PAGE_BYTES = 4096
+"""Layout of format version 1: the data section of a file with :data:`ALIGN_MIN_BYTES` of
+tensor data or more starts at a multiple of this many bytes (one page; the header's JSON
+is padded with spaces, which every safetensors reader takes), whatever the file is written
+to, so that a reader that works in whole pages (the storage's ``O_DIRECT`` reader) reads
+the data section in whole pages. Part of the file's bytes: the same for every storage."""
 
 
 # --------------------------------------------------------------------------- writing
@@ -55,7 +59,9 @@ def write_tensors(
     no serialised copy of the whole file is built.
 
     Args:
-        f: a binary file open for writing (local file or fsspec file).
+        f: a binary file open for writing (written through
+            :func:`statekit.storage.streams.bulk_writer`: the storage's own files decide
+            how the bytes reach the disk; any other file is written with ``write``).
         tensors: ``name -> tensor``. Identical views of one storage (tied weights) are
             stored once and listed in ``__metadata__["statekit.aliases"]``.
         metadata: extra ``__metadata__`` entries (str -> str).
@@ -68,18 +74,17 @@ def write_tensors(
         UnsupportedDtypeError: a tensor cannot be stored (names the key).
     """
     planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
-    header, planned = build_header(tensors, metadata, data_align=DIRECT_ALIGN if planned_bytes >= ALIGN_MIN_BYTES else 8)
-    preallocate = getattr(f, "preallocate", None)  # statekit.storage.DirectWriter: contiguous extents
-    if callable(preallocate):
-        preallocate(len(header) + sum(p.nbytes for p in planned))
-    f.write(header)
+    header, planned = build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
+    sink = bulk_writer(f)  # the storage's interface: how the bytes reach the disk is its business
+    sink.preallocate(len(header) + sum(p.nbytes for p in planned))
+    sink.write(header)
     if hasher is not None:
         hasher.update(header)
     arena = _one_arena(tensors, planned)
-    if arena is not None:  # a staged file: the arena as it is, not copied again (DirectWriter.write_stable)
-        chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), getattr(f, "write_stable", f.write)
+    if arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
+        chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), sink.write_stable
     else:  # each write copies: hash what was just copied while it is in cache
-        chunks, write = _host_chunks(planned, CACHE_STEP_BYTES if hasher is not None else CHUNK_BYTES), f.write
+        chunks, write = _host_chunks(planned, CACHE_STEP_BYTES if hasher is not None else CHUNK_BYTES), sink.write
     size = len(header)
     for chunk in chunks:
         write(chunk)
@@ -180,8 +185,8 @@ def read_tensors(
         source: its URL, named in errors.
         file_size: its size in bytes if known (validates the data section).
         into: ``name -> tensor`` to fill in place. A CPU, contiguous target of the same
-            dtype and shape receives the bytes directly (no intermediate tensor: ``f``'s
-            ``fill`` or ``readinto`` writes into it); any other target is filled with
+            dtype and shape receives the bytes directly (no intermediate tensor:
+            :func:`read_exactly_into` reads into it); any other target is filled with
             ``copy_`` from a one-tensor buffer.
         names: read only these names (others are skipped with ``seek``); all if None.
             Ignored when ``hasher`` is given, which needs every byte.
@@ -312,10 +317,10 @@ def _read_one(
 
 
 def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str, hasher: Any = None) -> None:
-    """Fill ``view`` from ``f``: with the reader's ``fill`` when it has one
-    (:class:`statekit.storage.direct.DirectReader`: ``O_DIRECT``, checksum overlapped
-    with the next read), else ``readinto`` (or ``read``) in chunks of :data:`CHUNK_BYTES`,
-    so the bytes land in place without a copy.
+    """Fill ``view`` from ``f``, in place (no intermediate copy), through the storage's
+    read interface (:func:`statekit.storage.streams.fill`: the storage's ``O_DIRECT``
+    reader with the checksum overlapped with the next read, or ``readinto`` in chunks of
+    :data:`CHUNK_BYTES` for any other file).
 
     Args:
         f: a binary file positioned at the tensor's first byte.
@@ -327,21 +332,5 @@ def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str, has
     Raises:
         CorruptCheckpointError: the file ends before ``view`` is full (names file and tensor).
     """
-    done, total = 0, len(view)
-    fill = getattr(f, "fill", None)
-    if fill is not None:
-        done = fill(view, hasher.update if hasher is not None else None)
-    readinto = getattr(f, "readinto", None)
-    while done < total:
-        want = min(CHUNK_BYTES, total - done)
-        if readinto is not None:
-            got = readinto(view[done : done + want])
-        else:
-            data = f.read(want)
-            got = len(data)
-            view[done : done + got] = data
-        if not got:
-            raise CorruptCheckpointError(f"{source}: truncated while reading tensor {name!r}", path=source)
-        if hasher is not None:
-            hasher.update(view[done : done + got])
-        done += got
+    if fill(f, view, hasher.update if hasher is not None else None) < len(view):
+        raise CorruptCheckpointError(f"{source}: truncated while reading tensor {name!r}", path=source)

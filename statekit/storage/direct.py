@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from statekit.storage.hugepages import IOBuffer
+from statekit.storage.streams import CACHE_STEP_BYTES
 
 DIRECT_ALIGN = 4096
 """Bytes: file offsets, lengths and memory addresses of ``O_DIRECT`` reads are multiples
@@ -35,11 +36,6 @@ faulting-in of fresh memory run beside the reads, a cold 1 GiB load took 0.407 s
 ahead against 0.437 s with one (medians of 10+10 alternating fresh processes,
 ``bench/compare_commits.py``)."""
 
-CACHE_STEP_BYTES = 256 * 1024
-"""Bytes a copy and the checksum of the same bytes alternate in (copy a step, hash it,
-next step): the hash then reads the step from the core's L2 cache (1 MiB on the benchmark
-VM), not from memory. A second pass over memory costs a load or save time beside the
-copy itself, and on a VM it also slows the disk (docs/benchmark.md, "The VM")."""
 
 _DIRECT_MIN_BYTES = 1024 * 1024  # a small read that does not continue the stream goes through the page cache
 
@@ -66,7 +62,8 @@ class DirectReader:
     parameters sit 64 bytes past a page). A seek outside the stream restarts it; a small
     read that does not continue it goes through the page cache, as does every read where
     ``O_DIRECT`` is refused (tmpfs, some network file systems). ``read``/``readinto``/
-    ``seek``/``tell`` make it usable as a binary file for header parsing.
+    ``seek``/``tell`` make it usable as a binary file for header parsing. Opened by
+    ``Storage.open_read(rel, bulk=True)``; :func:`statekit.storage.streams.fill` calls :meth:`fill`.
 
     Args:
         path: the local file to read.
