@@ -28,7 +28,8 @@ entries to rank 0) -> ``objects_table`` -> ``build_manifest`` (with the resume a
 :mod:`statekit.api.loading`): :func:`~statekit.engine.read.check_entries` and
 ``check_models`` (headers and skeletons only, nothing touched) ->
 ``load_entries_undoable`` -> ``load_models`` -> ``load_model`` ->
-``Checkpoint.load_tensors`` -> :func:`statekit.format.read_tensors` from a
-``DirectReader`` or ``Storage.open_read``, checked against the manifest's size and
-checksum; a data loader's state goes to :func:`statekit.loaders.data.restore_loader`.
+``Checkpoint.load_tensors`` -> :func:`statekit.format.read_tensors` from
+``Storage.open_read(rel, bulk=True)`` (the storage picks the I/O method), checked against
+the manifest's size and checksum; all of it inside ``Checkpoint.reading_each_file_once``,
+so the file a check parsed the header of is read on through the same open file; a data loader's state goes to :func:`statekit.loaders.data.restore_loader`.
 """
