@@ -7,12 +7,11 @@ Owns: :func:`~statekit.api.saveload.save` / :func:`~statekit.api.loading.load` (
 (:mod:`~statekit.api.attach`), async saves (:mod:`~statekit.api.asyncsave`:
 ``PendingSave``), the resume fingerprint (:mod:`~statekit.api.fingerprint`,
 :mod:`~statekit.api.fingerprint_compare`), ``skip_first_batches`` routing
-(:mod:`~statekit.api.skip_batches`), listing and naming the checkpoints under a root
-(:mod:`~statekit.manager.listing`), and for now the two-tier replication
-(:mod:`~statekit_replicate.plugin`, :mod:`~statekit_replicate.replication`,
-:mod:`~statekit_replicate.remote_copy`; issue 28 makes it a plugin package).
+(:mod:`~statekit.api.skip_batches`).
 
-Not here: a run's lifetime (:mod:`statekit.manager`, the layer above), the hook contract
+Not here: a run's lifetime and the checkpoints under a root (:mod:`statekit.manager`, the
+layer above: listing in :mod:`statekit.manager.listing`), two-tier storage (the plugin
+package :mod:`statekit_replicate`, on the manager hooks), the hook contract
 (:mod:`statekit.hooks`), what is written and read (:mod:`statekit.engine`).
 
 Call sequence of a save: :func:`~statekit.api.saveload.save` -> ``classify`` each object

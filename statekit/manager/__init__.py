@@ -1,6 +1,7 @@
 """A run's lifetime: many saves and one resume under a root (the top layer below the CLI).
 
-Owns: :class:`~statekit.manager.manager.CheckpointManager` (naming a step's directory,
+Owns: :class:`~statekit.manager.manager.CheckpointManager` (naming a step's directory, the
+plugins' manager options (``STATEKIT_MANAGER_OPTIONS``, validated by their plugin),
 ``save``/``resume``/``wait``, async saves one at a time, the in-use marker of the checkpoint
 a run resumed from), what happens after each commit (:mod:`~statekit.manager.retention`:
 ``latest``, keep policies with plugin vetoes, the ``statekit_checkpoint_committed`` hook),
@@ -8,9 +9,13 @@ the order in which a resume tries checkpoints across the roots plugins offer
 (:mod:`~statekit.manager.resume_order`), and the trainer hook for hook-based trainers
 (:mod:`~statekit.manager.trainer_hook`: ``CheckpointHook``, ``TrainerProgress``).
 
-Not here: one save or one load (:mod:`statekit.api`, which this layer calls), listing and
-naming the checkpoints under a root (:mod:`statekit.manager.listing`: the CLI and the
-two-tier replication, still in :mod:`statekit.api`, use it too).
+Also here: listing, naming and deleting the checkpoints under a root
+(:mod:`~statekit.manager.listing`; the CLI uses it without a manager, and plugins through
+:mod:`statekit.plugin_api`).
+
+Not here: one save or one load (:mod:`statekit.api`, which this layer calls), two-tier
+storage (the ``replicate`` plugin, package :mod:`statekit_replicate`, registered by its
+entry point: the manager imports no plugin).
 
 Call sequence of a save: ``CheckpointManager.save(step)`` -> ``url_for(step)`` ->
 :func:`statekit.api.bridge.save_state` (Accelerate) or

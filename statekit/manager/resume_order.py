@@ -1,6 +1,6 @@
 """The checkpoints ``CheckpointManager.resume()`` tries, in order: those under the
 manager's root and under every root a plugin offers (``statekit_resume_roots``; the
-built-in ``replicate`` plugin offers the remote tier).
+``replicate`` plugin offers the remote tier).
 
 Order: newest step first; for one step the manager's own root first, then the offered
 roots in the order offered. With several ranks rank 0 decides for all, and a checkpoint
