@@ -57,7 +57,15 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
-    """Broadcast a picklable object from rank 0 to every rank; returns it everywhere."""
+    """Broadcast a picklable object from rank 0 to every rank (a collective on statekit's
+    own gloo group: every rank calls it at the same point).
+
+    Args:
+        obj: the object on rank 0 (other ranks' values are ignored; pass None).
+
+    Returns:
+        Rank 0's object, on every rank (``obj`` itself in one process).
+    """
     _, world = rank_and_world_size()
     if world == 1:
         return obj
