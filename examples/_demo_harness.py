@@ -124,7 +124,7 @@ def train_steps(
     train_step: Callable[[Any], float],
     log: Log,
     *,
-    describe_save: Callable[[dict], dict],
+    describe_save: Callable[[Any], dict],
     step: int = 0,
     abandon_at: int | None = None,
 ) -> int:
@@ -145,7 +145,7 @@ def train_steps(
             if step % args.save_every == 0:
                 started = time.perf_counter()
                 manifest = manager.save(step, metrics={"loss": loss})
-                size = sum(f["size_bytes"] for f in manifest["files"].values())
+                size = manifest.size_bytes
                 log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size,
                      **describe_save(manifest)})
             if step >= args.steps:

@@ -17,7 +17,7 @@ from statekit.storage import Storage
 # --------------------------------------------------------------------------- comparison
 
 
-def open_final(url: str) -> tuple[statekit.Checkpoint, dict]:
+def open_final(url: str) -> tuple[statekit.Checkpoint, statekit.plugin_api.Manifest]:
     """A final state written by a demo's ``train``, opened for reading, and its manifest."""
     storage = Storage(url)
     manifest = read_manifest(storage)

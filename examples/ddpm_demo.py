@@ -117,8 +117,8 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
         ema.step(unet.parameters())
         return loss.item()
 
-    def folders(manifest: dict) -> dict:
-        return {"folders": sorted({p.split("/")[0] for p in manifest["files"] if "/" in p})}
+    def folders(manifest: statekit.plugin_api.Manifest) -> dict:
+        return {"folders": sorted({p.split("/")[0] for p in manifest.files if "/" in p})}
 
     step = harness.resume_step(manager, log) if resume else 0
     unet.train()
@@ -142,7 +142,7 @@ def compare_final(a: str, b: str) -> list[str]:
         states[name] = {
             "unet": checkpoint.load_tensors("unet/diffusion_pytorch_model.safetensors"),
             "ema": checkpoint.load_tensors("unet_ema/diffusion_pytorch_model.safetensors"),
-            "counters": manifest["records"]["diffusers"]["ema"]["counters"],
+            "counters": manifest.records["diffusers"]["ema"]["counters"],
             "optimizer": checkpoint.load_state("optimizer"),
         }
     ref, res = states["reference"], states["resumed"]

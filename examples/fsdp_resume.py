@@ -101,7 +101,7 @@ def run(mode: str, directory: Path, steps: int, save_at: int) -> None:
     first = 0
     if mode == "resume":
         manifest = statekit.load(ckpt, {"model": model, "optim": optim, "sched": sched})
-        first = manifest["step"]
+        first = manifest.step
     losses = {}
     for step in range(first, steps):
         losses[step] = step_once(model, optim, sched, step)

@@ -125,7 +125,9 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
     step = harness.resume_step(manager, log) if resume else 0
     model.train()
     step = harness.train_steps(args, manager, loader, train_step, log, step=step, abandon_at=abandon_at,
-                               describe_save=lambda manifest: {"plugins": manifest["plugins"], "resume_audit": manifest.get("resume_audit")})
+                               describe_save=lambda manifest: {
+                                   "plugins": dict(manifest.plugins),
+                                   "resume_audit": manifest.resume_audit.to_json() if manifest.resume_audit else None})
     model.eval()
     with torch.no_grad():
         x, y = test.tensors

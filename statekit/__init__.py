@@ -15,6 +15,7 @@ from statekit._version import __version__
 from statekit.api.attach import Attachment, attach
 from statekit.api.bridge import load_state, save_state
 from statekit.engine.context import Checkpoint
+from statekit.format.manifest_types import Manifest
 from statekit.api.loading import load
 from statekit.api.saveload import save
 from statekit.engine.read import verify
@@ -51,6 +52,7 @@ __all__ = [
     "AsyncSaveError",
     "Attachment",
     "Checkpoint",
+    "Manifest",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointHook",

@@ -218,32 +218,32 @@ def test_manifest_fields(storage_url):
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     manifest = statekit.save(storage_url, src, step=42, metadata={"loss": 0.5, "tags": ["a"]})
     assert manifest == read_manifest(Storage(storage_url))
-    assert json.loads(Storage(storage_url).read_bytes(fmt.MANIFEST_NAME)) == manifest
-    assert manifest["format"] == "statekit/1"
-    assert manifest["statekit_version"] == statekit.__version__
-    assert manifest["created"].endswith("Z")
-    created = datetime.datetime.fromisoformat(manifest["created"].replace("Z", "+00:00"))
+    assert json.loads(Storage(storage_url).read_bytes(fmt.MANIFEST_NAME)) == manifest.to_json()
+    assert manifest.format == "statekit/1"
+    assert manifest.statekit_version == statekit.__version__
+    assert manifest.created.endswith("Z")
+    created = datetime.datetime.fromisoformat(manifest.created.replace("Z", "+00:00"))
     assert before <= created <= datetime.datetime.now(datetime.timezone.utc)
-    assert manifest["step"] == 42
-    assert manifest["world_size"] == 1
-    assert manifest["plugins"] == {}
-    assert manifest["records"] == {}
-    assert manifest["metadata"] == {"loss": 0.5, "tags": ["a"]}
+    assert manifest.step == 42
+    assert manifest.world_size == 1
+    assert manifest.plugins == {}
+    assert manifest.records == {}
+    assert manifest.metadata == {"loss": 0.5, "tags": ["a"]}
     store = Storage(storage_url)
-    assert set(manifest["files"]) == set(store.find()) - {fmt.MANIFEST_NAME}
-    for rel, entry in manifest["files"].items():
+    assert set(manifest.files) == set(store.find()) - {fmt.MANIFEST_NAME}
+    for rel, entry in manifest.files.items():
         data = store.read_bytes(rel)
-        assert entry == {"size_bytes": len(data), "checksum": fmt.checksum_bytes(data), "rank": 0, "writer": "statekit"}
-    kinds = {k: v["kind"] for k, v in manifest["objects"].items()}
+        assert entry == fmt.FileEntry(size_bytes=len(data), checksum=fmt.checksum_bytes(data), rank=0, writer="statekit")
+    kinds = {k: v.kind for k, v in manifest.objects.items()}
     assert kinds == {"model": "model", "optim": "optimizer", "sched": "scheduler", "ema": "tensor", "info": "dict", "counter": "custom"}
-    assert list(manifest["objects"]) == list(src)  # mapping order kept
-    for key, obj in manifest["objects"].items():
-        assert obj["owner"] == "statekit"
-        assert obj["per_rank"] is False
-        assert obj["files"] and all(f.startswith(f"{key}.") for f in obj["files"])
-    assert manifest["objects"]["model"]["files"] == ["model.safetensors"]
-    assert manifest["objects"]["optim"]["files"] == ["optim.json", "optim.safetensors"]
-    assert manifest["objects"]["sched"]["files"] == ["sched.json"]
+    assert list(manifest.objects) == list(src)  # mapping order kept
+    for key, obj in manifest.objects.items():
+        assert obj.owner == "statekit"
+        assert obj.per_rank is False
+        assert obj.files and all(f.startswith(f"{key}.") for f in obj.files)
+    assert manifest.objects["model"].files == ("model.safetensors",)
+    assert manifest.objects["optim"].files == ("optim.json", "optim.safetensors")
+    assert manifest.objects["sched"].files == ("sched.json",)
 
 
 def test_model_file_is_plain_safetensors(tmp_path):

@@ -29,7 +29,8 @@ def validate(manifest, schema):
 
 
 def manifest_at(url):
-    return read_manifest(Storage(url))
+    """The committed manifest as its JSON object (what the schema describes)."""
+    return read_manifest(Storage(url)).to_json()
 
 
 def test_schema_ships_as_package_data():

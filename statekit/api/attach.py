@@ -32,7 +32,7 @@ from statekit.api.bridge import collect
 from statekit.api.loading import (
     apply_own_states, check_accelerate_load, check_owners_installed, check_statekit_files, read_own_states,
 )
-from statekit.api.saveload import files_size, log_committed, plugin_versions
+from statekit.api.saveload import log_committed, plugin_versions
 from statekit.engine import commit as commits
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
@@ -40,6 +40,7 @@ from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.engine.locking import lock_accelerate_save, mark_save_failed
 from statekit.format.manifest import read_manifest
+from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.progress import human
@@ -261,7 +262,7 @@ class _AttachedCalls:
     def finish_load(self, checkpoint: Checkpoint) -> None:
         """After Accelerate's load: statekit's loader positions and gradients, then the post-hooks."""
         # the resume audit's verdict of this resume (statekit.loaders.audit)
-        audit.begin(checkpoint.url, (checkpoint.manifest or {}).get("step"))
+        audit.begin(checkpoint.url, checkpoint.manifest.step if checkpoint.manifest is not None else None)
         apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
         call_each(
             get_plugin_manager(),
@@ -269,11 +270,11 @@ class _AttachedCalls:
             checkpoint,
             {"models": list(self.accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
         )
-        manifest = checkpoint.manifest or {}
+        manifest = checkpoint.manifest
         where = f", rank {checkpoint.rank}" if checkpoint.world_size > 1 else ""
         logger.info(
-            "loaded %s (step %s, %s, %.2f s, attached%s)", checkpoint.url, manifest.get("step"),
-            human(files_size(manifest)) if manifest.get("files") else "-",
+            "loaded %s (step %s, %s, %.2f s, attached%s)", checkpoint.url, manifest.step if manifest is not None else None,
+            human(manifest.size_bytes) if manifest is not None and manifest.files else "-",
             time.perf_counter() - self.attachment._started, where,
         )
 
@@ -321,7 +322,7 @@ def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attach
     return checkpoint
 
 
-def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> dict[str, Any]:
+def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
     """Manifest for a directory Accelerate wrote, through the one manifest builder: every
     file checksummed (rank 0 reads back Accelerate's files; statekit's own were
     checksummed while written)."""
@@ -333,11 +334,11 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> dict[str, Any]
     manifest = None
     if checkpoint.rank == 0:
         objects = {
-            f"model_{i}": {"kind": "model", "owner": owners.get(f"model_{i}", ACCELERATE_WRITER), "per_rank": False, "files": []}
+            f"model_{i}": ObjectEntry(kind="model", owner=owners.get(f"model_{i}", ACCELERATE_WRITER), per_rank=False, files=())
             for i in range(len(accelerator._models))
         }
         records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
         fingerprint = fingerprints.compute(collect(accelerator), accelerator, rng=fingerprints.rng_saved(records, files))
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records, fingerprint=fingerprint)
-        commits.commit(checkpoint.storage, manifest, exclusive=False)
+        manifest = commits.commit(checkpoint.storage, manifest, exclusive=False)
     return distributed.broadcast_from_rank0(manifest)

@@ -50,6 +50,7 @@ from statekit.engine import gradients
 from statekit.loaders import data
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError, warn_user
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import get_plugin_manager
 
 CPU_RNG_KINDS = ("numpy", "python", "torch")
@@ -193,7 +194,7 @@ def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]
 
 
 def check(
-    manifest: Mapping[str, Any], live: Mapping[str, Any], url: str, *, strict_resume: bool = False
+    manifest: Manifest, live: Mapping[str, Any], url: str, *, strict_resume: bool = False
 ) -> list[Difference]:
     """Compare a checkpoint's fingerprint with the live run: warn, or raise.
 
@@ -213,14 +214,14 @@ def check(
             ``gradient_accumulation_steps`` (always); lists every non-version difference.
             Version differences are warned first.
     """
-    saved = manifest.get("fingerprint")
-    if not isinstance(saved, Mapping):
+    if manifest.fingerprint is None:
         return []
-    if any(p.startswith("random_states_") for p in manifest.get("files", {})):
+    saved = manifest.fingerprint.to_json()  # compared key by key: a newer writer's setting too
+    if any(p.startswith("random_states_") for p in manifest.files):
         # Accelerate's own random states: its loader restores them whatever is installed
         live = {**live, "rng": sorted(set(live.get("rng") or []) | set(CPU_RNG_KINDS))}
-    if not isinstance(saved.get("objects"), Mapping):  # written before "objects" existed: the manifest's list
-        objects = {k: o.get("kind") for k, o in (manifest.get("objects") or {}).items() if k not in UNCOMPARED_OBJECTS}
+    if not isinstance(manifest.fingerprint.objects, Mapping):  # written before "objects" existed: the manifest's list
+        objects = {k: o.kind for k, o in manifest.objects.items() if k not in UNCOMPARED_OBJECTS}
         saved = {**saved, "objects": objects}
     differences = compare(saved, live)
     refused = [d for d in differences if d.level == "error" or (strict_resume and d.level == "warning")]

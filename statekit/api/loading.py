@@ -9,6 +9,7 @@ written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 from statekit import distributed
 from statekit.api import fingerprint as fingerprints
-from statekit.api.saveload import context_for, files_size
+from statekit.api.saveload import context_for
 from statekit.engine import read
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
@@ -30,7 +31,9 @@ from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
 from statekit.foreign.accelerate_rng import restore_rng
 from statekit.format.layout import rank_path
+from statekit.format.layout import rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
+from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.hooks.claims import track_load_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.progress import human
@@ -50,7 +53,7 @@ def load(
     strict: bool = True,
     strict_resume: bool = False,
     **options: Any,
-) -> dict[str, Any]:
+) -> Manifest | dict[str, Any]:
     """Restore a mapping of stateful objects from a committed checkpoint, in place.
 
     A training state (the mapping holds an optimizer, LR scheduler or data loader) is a
@@ -75,9 +78,12 @@ def load(
             that no registered plugin reads warns.
 
     Returns:
-        The manifest. Not ``strict``: with ``"incompatible_keys"``: stable key ->
-        ``{"missing_keys": [...], "unexpected_keys": [...]}`` for every model the core
-        loaded, and ``"missing_objects"``: the keys the checkpoint did not hold.
+        The manifest (:class:`statekit.format.Manifest`). Not ``strict``: its
+        ``incompatible_keys`` holds stable key -> ``{"missing_keys": [...],
+        "unexpected_keys": [...]}`` for every model the core loaded, and
+        ``missing_objects`` the keys the checkpoint did not hold. A directory
+        ``Accelerator.save_state`` wrote (no statekit manifest, or attach mode's) gives
+        the summary dict of :func:`statekit.foreign.accelerate.load` instead.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: see
@@ -101,13 +107,14 @@ def _logged(load_fn: Any) -> Any:
     """One INFO line per load that returns: ``loaded <url> (step 140, 12.3 MiB, 0.20 s)``."""
 
     @functools.wraps(load_fn)
-    def wrapper(url: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def wrapper(url: str, *args: Any, **kwargs: Any) -> Manifest | dict[str, Any]:
         started = time.perf_counter()
         manifest = load_fn(url, *args, **kwargs)
         rank, world_size = distributed.rank_and_world_size()
         where = f", rank {rank}" if world_size > 1 else ""
-        step = manifest.get("step") if isinstance(manifest, dict) else None
-        size = human(files_size(manifest)) if isinstance(manifest, dict) and manifest.get("files") else "-"
+        typed = isinstance(manifest, Manifest)  # else the summary of a directory Accelerate wrote
+        step = manifest.step if typed else manifest.get("step") if isinstance(manifest, dict) else None
+        size = human(manifest.size_bytes) if typed and manifest.files else "-"
         logger.info("loaded %s (step %s, %s, %.2f s%s)", url, step, size, time.perf_counter() - started, where)
         return manifest
 
@@ -127,7 +134,7 @@ def load_objects(
     strict: bool = True,
     compare_fingerprint: bool = True,
     strict_resume: bool = False,
-) -> dict[str, Any]:
+) -> Manifest | dict[str, Any]:
     """Load classified entries (the engine behind :func:`load` and the Accelerate bridge).
 
     A directory written by ``Accelerator.save_state`` (no manifest, or a manifest of
@@ -136,7 +143,7 @@ def load_objects(
     live run before anything is loaded (:func:`statekit.api.fingerprint.check`).
 
     Returns:
-        The manifest.
+        The manifest, or the summary dict of a directory Accelerate wrote (as :func:`load`).
 
     Raises:
         As :func:`load`.
@@ -153,25 +160,25 @@ def load_objects(
         _refuse_save_in_progress(storage)
         raise
     if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
-        audit.begin(storage.url, manifest.get("step"), strict_resume)
+        audit.begin(storage.url, manifest.step, strict_resume)
     if compare_fingerprint:
         live = fingerprints.compute(entries, accelerator)
         fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume)
-    if manifest["records"].get(CORE, {}).get("layout") == "accelerate":  # written by an attached accelerator
+    if manifest.layout(CORE) == "accelerate":  # written by an attached accelerator
         return _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
     pm = get_plugin_manager()
-    saved_objects = manifest["objects"]
+    saved_objects = manifest.objects
     left = {e.key for e in loaders_left_as_they_are(manifest, entries, storage.url)}  # converted: as its source loads
     entries = [e for e in entries if e.key in saved_objects or not (e.optional or e.key in left)]
     missing_objects = sorted(e.key for e in entries if e.key not in saved_objects)
     if not strict:  # load what the checkpoint holds
         entries = [e for e in entries if e.key in saved_objects]
     _check_loadable(pm, storage, entries, saved_objects)
-    checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
+    checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.step, manifest=manifest, verify=verify)
     names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
     with checkpoint.reading_each_file_once():  # each file opened once, its header parsed once; closed on any exit
         # before any plugin or the core loads anything: the optimizers and tensors the core loads fit
-        read.check_entries(checkpoint, [e for e in entries if saved_objects[e.key]["owner"] == CORE], saved_objects, names)
+        read.check_entries(checkpoint, [e for e in entries if saved_objects[e.key].owner == CORE], saved_objects, names)
         models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
         keys = [e.key for e in entries if e.kind == "model"]
         _check_owners_took(storage, entries, saved_objects, taken)
@@ -189,7 +196,7 @@ def load_objects(
         warn_user(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning)
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
     if not strict:
-        manifest = {**manifest, "incompatible_keys": incompatible, "missing_objects": missing_objects}
+        manifest = dataclasses.replace(manifest, incompatible_keys=incompatible, missing_objects=tuple(missing_objects))
     return manifest
 
 
@@ -204,7 +211,7 @@ def _refuse_save_in_progress(storage: Storage) -> None:
         ) from None
 
 
-def _load_after_models(checkpoint: Checkpoint, late: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+def _load_after_models(checkpoint: Checkpoint, late: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
     """The optimizers and tensors, applied after the models (their fit was checked before
     anything was loaded; what can still fail is a damaged file): an error says what is loaded."""
     try:
@@ -247,7 +254,7 @@ _DISTINCT_KINDS = ("model", "optimizer", "scheduler", "dataloader", "scaler")
 """Object kinds that never load into one another (a model's state is no optimizer's)."""
 
 
-def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: dict[str, Any]) -> None:
+def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> None:
     """Every entry is in the checkpoint, of the kind saved there, and every plugin that owns
     one is installed."""
     missing = [e.key for e in entries if e.key not in saved_objects]
@@ -261,7 +268,7 @@ def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], s
             f"{storage.url}` lists them), or strict=False to load only what it holds",
         )
     for e in entries:
-        saved_kind = saved_objects[e.key].get("kind")
+        saved_kind = saved_objects[e.key].kind
         if e.kind != saved_kind and e.kind in _DISTINCT_KINDS and saved_kind in _DISTINCT_KINDS:
             raise StateMismatchError(
                 f"{e.key!r} ({storage.url}; nothing was loaded)",
@@ -271,17 +278,17 @@ def _check_loadable(pm: PluginManager, storage: Storage, entries: list[Entry], s
             )
     for e in entries:
         saved = saved_objects[e.key]
-        if saved["owner"] not in (CORE, ACCELERATE_WRITER):
-            pm.require_owner(saved["owner"], saved.get("owner_distribution"), f"{storage.url}: {e.key!r}")
+        if saved.owner not in (CORE, ACCELERATE_WRITER):
+            pm.require_owner(saved.owner, saved.owner_distribution, f"{storage.url}: {e.key!r}")
 
 
 def _a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
-def _check_owners_took(storage: Storage, entries: list[Entry], saved_objects: dict[str, Any], taken: dict[str, str]) -> None:
+def _check_owners_took(storage: Storage, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry], taken: dict[str, str]) -> None:
     for e in entries:
-        owner = saved_objects[e.key]["owner"]
+        owner = saved_objects[e.key].owner
         if owner != CORE and taken.get(e.key) != owner:
             raise PluginError(
                 f"{storage.url}: {e.key!r} was saved by plugin {owner!r}, which did not load it in statekit_load_state_pre",
@@ -290,12 +297,12 @@ def _check_owners_took(storage: Storage, entries: list[Entry], saved_objects: di
             )
 
 
-def _ranks_not_restored(manifest: dict[str, Any], checkpoint: Checkpoint) -> list[str]:
-    saved_world = manifest.get("world_size", 1)
+def _ranks_not_restored(manifest: Manifest, checkpoint: Checkpoint) -> list[str]:
+    saved_world = manifest.world_size
     if saved_world <= checkpoint.world_size or checkpoint.rank != 0:
         return []
     # data loader positions of every saved rank are read by each live rank (loaders/elastic.py)
-    per_rank_keys = [k for k, o in manifest["objects"].items() if o.get("per_rank") and o.get("kind") != "dataloader"]
+    per_rank_keys = [k for k, o in manifest.objects.items() if o.per_rank and o.kind != "dataloader"]
     if not per_rank_keys:
         return []
     return [
@@ -304,13 +311,13 @@ def _ranks_not_restored(manifest: dict[str, Any], checkpoint: Checkpoint) -> lis
     ]
 
 
-def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: dict[str, Any]) -> None:
+def _restore_accelerate_rng(checkpoint: Checkpoint, saved_objects: Mapping[str, ObjectEntry]) -> None:
     """A checkpoint converted from Accelerate carries its random states: restore this
     rank's, as ``Accelerator.load_state`` of the source would (statekit-rng, which runs
     later, leaves a checkpoint without its records alone)."""
     entry = saved_objects.get(accelerate_format.ACCELERATE_RNG)
     base = rank_path(accelerate_format.ACCELERATE_RNG, checkpoint.rank)
-    if entry is not None and entry.get("owner") == CORE and f"{base}.json" in checkpoint.manifest["files"]:
+    if entry is not None and entry.owner == CORE and f"{base}.json" in checkpoint.manifest.files:
         restore_rng(checkpoint.load_state(base), checkpoint.storage.url)
 
 
@@ -324,16 +331,16 @@ def check_statekit_files(checkpoint: Checkpoint) -> None:
     """
     if checkpoint.manifest is None:
         return
-    for rel, entry in checkpoint.manifest["files"].items():
-        if entry.get("writer") == ACCELERATE_WRITER:
+    for rel, entry in checkpoint.manifest.files.items():
+        if entry.writer == ACCELERATE_WRITER:
             continue
         url = checkpoint.storage.url_of(rel)
         if not checkpoint.storage.exists(rel):
             raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was loaded", path=url)
         size = checkpoint.storage.size(rel)
-        if size != entry["size_bytes"]:
+        if size != entry.size_bytes:
             raise CorruptCheckpointError(
-                f"{url}: size {size} bytes, the manifest says {entry['size_bytes']}; nothing was loaded", path=url
+                f"{url}: size {size} bytes, the manifest says {entry.size_bytes}; nothing was loaded", path=url
             )
 
 
@@ -348,10 +355,10 @@ def check_owners_installed(checkpoint: Checkpoint) -> None:
     if checkpoint.manifest is None:
         return
     pm = get_plugin_manager()
-    for key, obj in (checkpoint.manifest.get("objects") or {}).items():
-        owner = obj.get("owner", CORE)
+    for key, obj in checkpoint.manifest.objects.items():
+        owner = obj.owner
         if owner not in (CORE, ACCELERATE_WRITER):
-            pm.require_owner(owner, obj.get("owner_distribution"), f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
+            pm.require_owner(owner, obj.owner_distribution, f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
 
 
 def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool = True) -> None:
@@ -378,8 +385,8 @@ def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool
         raise IncompleteCheckpointError(
             f"{checkpoint.url} has no {MANIFEST_NAME}: the save that wrote it never committed (it failed); nothing was loaded"
         )
-    objects = (checkpoint.manifest or {}).get("objects") or {}
-    owned = {k for k, o in objects.items() if o.get("owner", CORE) not in (CORE, ACCELERATE_WRITER)}
+    objects = checkpoint.manifest.objects if checkpoint.manifest is not None else {}
+    owned = {k for k, o in objects.items() if o.owner not in (CORE, ACCELERATE_WRITER)}
     left = [m for i, m in enumerate(accelerator._models) if f"model_{i}" not in owned]
     entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(left)]
     entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
@@ -404,7 +411,7 @@ def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> l
     Raises:
         CorruptCheckpointError: a file fails verification (names it).
     """
-    files = checkpoint.manifest["files"] if checkpoint.manifest is not None else None
+    files = checkpoint.manifest.files if checkpoint.manifest is not None else None
     states = []
     for key, obj in objects:
         base = rank_path(key, checkpoint.rank)
@@ -438,7 +445,7 @@ def apply_own_states(states: list[tuple[str, Any, Any, Any]]) -> None:
 
 def _load_attached(
     storage: Storage,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     entries: list[Entry],
     accelerator: Any,
     options: dict[str, Any] | None,
@@ -452,7 +459,7 @@ def _load_attached(
     Accelerate's positional file names), then statekit's own files (exact loader
     positions, accumulated gradients) and the load post-hooks (statekit-rng's generators)."""
     pm = get_plugin_manager()
-    checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.get("step"), manifest=manifest, verify=verify)
+    checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.step, manifest=manifest, verify=verify)
     check_statekit_files(checkpoint)
     check_owners_installed(checkpoint)
     pickled = accelerate_format.pickle_files(accelerate_format.accelerate_files(storage.listdir()))
@@ -460,8 +467,8 @@ def _load_attached(
         accelerate_format.read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
     model_entries = [e for e in entries if e.kind == "model"]
     models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
-    saved_objects = manifest["objects"]
-    owned = [e for e in model_entries if saved_objects.get(e.key, {}).get("owner", CORE) not in (CORE, ACCELERATE_WRITER)]
+    saved_objects = manifest.objects
+    owned = [e for e in model_entries if e.key in saved_objects and saved_objects[e.key].owner not in (CORE, ACCELERATE_WRITER)]
     _check_owners_took(storage, owned, saved_objects, taken)
     left = [e for e in model_entries if e.key not in taken]
     # Accelerate numbers the weights it wrote by position among the models no hook took

@@ -28,6 +28,7 @@ from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
 from statekit.engine.locking import prepare_target, release_lock
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError, warn_user
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.progress import human
@@ -51,7 +52,7 @@ def save(
     per_rank: tuple[str, ...] | list[str] = (),
     storage_options: dict[str, Any] | None = None,
     **options: Any,
-) -> dict[str, Any]:
+) -> Manifest:
     """Save a mapping of stateful objects and tensors as one committed checkpoint.
 
     Call it on every rank when torch.distributed is initialised: every rank writes its
@@ -71,7 +72,7 @@ def save(
             plugin reads warns (:meth:`~statekit.hooks.registry.PluginManager.check_options`).
 
     Returns:
-        The committed manifest (a dict, see ``docs/format.md``).
+        The committed manifest (a :class:`statekit.format.Manifest`, see ``docs/format.md``).
 
     Raises:
         CheckpointExistsError: a committed checkpoint exists at ``url`` and not ``overwrite``.
@@ -148,7 +149,7 @@ def save_objects(
             raise
         stage_error = exc  # every rank must still take part in the agreement below
 
-    def finish() -> dict[str, Any]:
+    def finish() -> Manifest:
         def flush() -> None:
             if stage_error is not None:
                 raise stage_error
@@ -172,7 +173,7 @@ def save_objects(
         distributed.barrier()
         return manifest
 
-    def post(manifest: dict[str, Any]) -> None:
+    def post(manifest: Manifest) -> None:
         _warn_if_no_rng(pm, checkpoint)
         call_each(pm, "statekit_save_state_post", checkpoint, {"models": models, "output_dir": storage.url, "checkpoint": checkpoint})
 
@@ -183,19 +184,7 @@ def save_objects(
     return manifest
 
 
-def files_size(manifest: dict[str, Any]) -> int:
-    """Bytes of every file the manifest lists.
-
-    Args:
-        manifest: a committed manifest.
-
-    Returns:
-        The sum of the files' ``size_bytes``.
-    """
-    return sum(int(f.get("size_bytes") or 0) for f in manifest.get("files", {}).values())
-
-
-def log_committed(manifest: dict[str, Any], url: str, started: float, how: str = "") -> None:
+def log_committed(manifest: Manifest, url: str, started: float, how: str = "") -> None:
     """Log one INFO line for a committed save: ``saved step 140 to <url> (12.3 MiB, 0.41 s)``.
 
     Args:
@@ -204,9 +193,9 @@ def log_committed(manifest: dict[str, Any], url: str, started: float, how: str =
         started: ``time.perf_counter()`` when the save began.
         how: appended inside the parentheses (``", async"``, ``", attached"``).
     """
-    step = manifest.get("step")
+    step = manifest.step
     what = f"step {step}" if step is not None else "checkpoint"
-    logger.info("saved %s to %s (%s, %.2f s%s)", what, url, human(files_size(manifest)), time.perf_counter() - started, how)
+    logger.info("saved %s to %s (%s, %.2f s%s)", what, url, human(manifest.size_bytes), time.perf_counter() - started, how)
 
 
 def _target(url: str, storage_options: dict[str, Any] | None, world_size: int) -> Storage:
@@ -272,7 +261,7 @@ def _commit(
     metadata: dict[str, Any],
     exclusive: bool,
     fingerprint: dict[str, Any],
-) -> dict[str, Any]:
+) -> Manifest:
     """Gather every rank's file entries to rank 0, build and commit the manifest there
     (with the resume ``fingerprint``, its RNG kinds from what the plugins saved), share it."""
     plugins = _plugin_versions(pm, owners, checkpoint)

@@ -38,7 +38,7 @@ def convert(
                     src, out, allow_pickle=allow_pickle, storage_options=storage_options, overwrite=overwrite
                 )
                 advance(total or 0)
-            click.echo(f"wrote {out}: {len(manifest['files'])} files")
+            click.echo(f"wrote {out}: {len(manifest.files)} files")
             return
         converters = {}
         for plugin in get_plugin_manager().get_plugins():
@@ -70,10 +70,10 @@ def _missing_plugin_hint(src: str, target: str, storage_options: dict[str, Any] 
         manifest = read_manifest(Storage(src, storage_options))
     except (StatekitError, OSError):
         return ""
-    if target not in manifest["plugins"]:
+    if target not in manifest.plugins:
         return ""
-    owned = [o for o in manifest["objects"].values() if o.get("owner") == target]
-    dist_name = next((o["owner_distribution"] for o in owned if o.get("owner_distribution")), f"statekit-{target}")
+    owned = [o for o in manifest.objects.values() if o.owner == target]
+    dist_name = next((o.owner_distribution for o in owned if o.owner_distribution), f"statekit-{target}")
     why = "is blocked by STATEKIT_DISABLE_PLUGINS" if pm.is_blocked(target) else "is not installed"
     return f"; {src} was saved with plugin {target!r}, which provides this format and {why}: pip install {dist_name}"
 

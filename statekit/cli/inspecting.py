@@ -15,6 +15,7 @@ from statekit.engine.entries import strip_wrapper_prefixes
 from statekit.errors import StatekitError
 from statekit.foreign import CheckpointReader, TensorInfo, open_checkpoint
 from statekit.foreign.accelerate import is_model_file
+from statekit.format.manifest_types import Manifest, ResumeAudit
 
 
 @click.command()
@@ -72,47 +73,47 @@ def _show_foreign(reader: CheckpointReader, summary: dict[str, Any], infos: list
                              ["tensor", "dtype", "shape", "size"], right=(3,)))
 
 
-def _show_statekit(url: str, manifest: dict[str, Any], headers: dict[str, list[dict[str, Any]]], as_json: bool,
+def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[str, Any]]], as_json: bool,
                    tensors: bool) -> None:
     """A statekit checkpoint: the manifest's step, plugins, objects and files (and tensors)."""
     if as_json:
-        emit(True, {**manifest, "tensors": headers} if tensors else manifest, "")
+        emit(True, {**manifest.to_json(), "tensors": headers} if tensors else manifest.to_json(), "")
         return
     out = console()
-    total = sum(f["size_bytes"] for f in manifest["files"].values())
     lines = [
         f"checkpoint  {url}",
-        f"format      {manifest['format']} (statekit {manifest['statekit_version']}), created {manifest['created']}",
-        f"step        {manifest.get('step')}    world size {manifest['world_size']}    "
-        f"{len(manifest['files'])} files, {human(total)}",
-        f"plugins     {', '.join(f'{k} {v}' for k, v in manifest['plugins'].items()) or 'none'}",
+        f"format      {manifest.format} (statekit {manifest.statekit_version}), created {manifest.created}",
+        f"step        {manifest.step}    world size {manifest.world_size}    "
+        f"{len(manifest.files)} files, {human(manifest.size_bytes)}",
+        f"plugins     {', '.join(f'{k} {v}' for k, v in manifest.plugins.items()) or 'none'}",
     ]
-    if manifest["metadata"]:
-        lines.append(f"metadata    {json.dumps(manifest['metadata'])}")
-    for i, line in enumerate(describe_fingerprint(manifest.get("fingerprint") or {}) if manifest.get("fingerprint") else []):
+    if manifest.metadata:
+        lines.append(f"metadata    {json.dumps(manifest.metadata)}")
+    fingerprint = manifest.fingerprint.to_json() if manifest.fingerprint is not None else None
+    for i, line in enumerate(describe_fingerprint(fingerprint) if fingerprint else []):
         lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
-    lines += _resume_audit_lines(manifest.get("resume_audit"))
+    lines += _resume_audit_lines(manifest.resume_audit)
     out.print("\n".join(lines), markup=False)
-    if manifest["objects"]:
-        out.print(rich_table([[k, o["kind"], o["owner"], "per rank" if o.get("per_rank") else "replicated"]
-                              for k, o in manifest["objects"].items()], ["object", "kind", "owner", "scope"]))
-    out.print(rich_table([[p, human(f["size_bytes"]), str(f["rank"]), f.get("writer", "-"), f["checksum"]]
-                          for p, f in sorted(manifest["files"].items())],
+    if manifest.objects:
+        out.print(rich_table([[k, o.kind, o.owner, "per rank" if o.per_rank else "replicated"]
+                              for k, o in manifest.objects.items()], ["object", "kind", "owner", "scope"]))
+    out.print(rich_table([[p, human(f.size_bytes), str(f.rank), f.writer or "-", f.checksum]
+                          for p, f in sorted(manifest.files.items())],
                          ["file", "size", "rank", "writer", "checksum"], right=(1, 2)))
     for rel, entries in headers.items():
         out.print(rich_table([[e["name"], e["dtype"], shape(e["shape"]) if e["dtype"] != "alias" else f"-> {e['shape']}"]
                               for e in entries], ["tensor", "dtype", "shape"], title=f"{rel}:"))
 
 
-def _resume_audit_lines(resume_audit: dict[str, Any] | None) -> list[str]:
+def _resume_audit_lines(resume_audit: ResumeAudit | None) -> list[str]:
     """The manifest's ``resume_audit``: the verdict of the resume the saving run continued
     from, and each restored loader's (``docs/concepts.md``, Resume audit)."""
-    if not resume_audit:
+    if resume_audit is None:
         return []
-    origin = resume_audit.get("resumed_from") or {}
-    head = f"resume audit {resume_audit.get('verdict')}: the run resumed from step {origin.get('step')} ({origin.get('url')})"
-    lines = [head + (f": {resume_audit['detail']}" if resume_audit.get("detail") else "")]
-    for key, loader in (resume_audit.get("loaders") or {}).items():
+    origin = resume_audit.resumed_from
+    head = f"resume audit {resume_audit.verdict}: the run resumed from step {origin.get('step')} ({origin.get('url')})"
+    lines = [head + (f": {resume_audit.detail}" if resume_audit.detail else "")]
+    for key, loader in resume_audit.loaders.items():
         lines.append(f"{'':<12}{key}: {loader.get('verdict')}" + (f" ({loader['detail']})" if loader.get("detail") else ""))
     return lines
 
@@ -121,14 +122,14 @@ def _tensor_headers(reader: Any) -> dict[str, list[dict[str, Any]]]:
     """``file -> [{name, dtype, shape}]`` for every safetensors file (aliases: dtype "alias"),
     from the headers as :func:`statekit.format.read_header` parses them."""
     out = {}
-    files = reader.manifest["files"]
+    files = reader.manifest.files
     for rel in sorted(files):
         if not rel.endswith(".safetensors"):
             continue
         header = reader.header(rel)
         rows = [{"name": e.name, "dtype": fmt.dtype_name(e.dtype), "shape": list(e.shape)} for e in header.entries]
         rows += [{"name": a, "dtype": "alias", "shape": t} for a, t in header.aliases.items()]
-        if files[rel].get("writer") == ACCELERATE_WRITER and is_model_file(rel):
+        if files[rel].writer == ACCELERATE_WRITER and is_model_file(rel):
             # attach mode: Accelerate keeps the _orig_mod./module. prefixes of a compiled or
             # wrapped model; listed without them, as every reader names them (issue 11)
             names = list(strip_wrapper_prefixes(dict.fromkeys(r["name"] for r in rows)))

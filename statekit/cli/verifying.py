@@ -29,9 +29,9 @@ def verify(url: str, as_json: bool, raw_storage: tuple[str, ...]) -> None:
             click.echo(json.dumps({"ok": False, "url": url, "error": str(exc), "file": getattr(exc, "path", None)}))
             sys.exit(1)
         fail(exc)
-    total = sum(f["size_bytes"] for f in manifest["files"].values())
-    emit(as_json, {"ok": True, "url": url, "files": len(manifest["files"]), "size_bytes": total},
-         f"ok: {len(manifest['files'])} files, {human(total)} verified ({url})")
+    total = manifest.size_bytes
+    emit(as_json, {"ok": True, "url": url, "files": len(manifest.files), "size_bytes": total},
+         f"ok: {len(manifest.files)} files, {human(total)} verified ({url})")
 
 
 def _explained(url: str, storage_options: dict | None) -> StatekitError | None:

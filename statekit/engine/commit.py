@@ -11,6 +11,7 @@ when one rank failed, so no rank waits forever in a collective.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from typing import Any
 
 from statekit import distributed, format as fmt
@@ -20,6 +21,7 @@ from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry
 from statekit.engine.locking import LOCK_NAME
 from statekit.errors import StatekitError
+from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
 from statekit.storage import Storage
 
 
@@ -74,42 +76,41 @@ def gather_files(checkpoint: Checkpoint) -> dict[str, Any] | None:
 
 
 def objects_table(
-    entries: list[Entry], owners: dict[str, str], files: dict[str, Any], distributions: dict[str, str]
-) -> dict[str, Any]:
+    entries: list[Entry], owners: dict[str, str], files: Mapping[str, Any], distributions: dict[str, str]
+) -> dict[str, ObjectEntry]:
     """The manifest's ``objects``: kind, owner, per_rank, the core's files, and for objects
     a plugin owns the distribution to install (``distributions[owner]``)."""
     table = {}
     for e in entries:
         owner = owners.get(e.key, CORE)
         prefix = f"{e.key}/" if e.per_rank else f"{e.key}."
-        item: dict[str, Any] = {
-            "kind": e.kind,
-            "owner": owner,
-            "per_rank": e.per_rank,
-            "files": sorted(p for p in files if p.startswith(prefix)) if owner == CORE else [],
-        }
-        if owner != CORE:
-            item["owner_distribution"] = distributions.get(owner) or f"statekit-{owner}"
-        table[e.key] = item
+        table[e.key] = ObjectEntry(
+            kind=e.kind,
+            owner=owner,
+            per_rank=e.per_rank,
+            files=tuple(sorted(p for p in files if p.startswith(prefix))) if owner == CORE else (),
+            owner_distribution=None if owner == CORE else distributions.get(owner) or f"statekit-{owner}",
+        )
     return table
 
 
 def build_manifest(
     checkpoint: Checkpoint,
-    files: dict[str, Any],
-    objects: dict[str, Any],
+    files: Mapping[str, Mapping[str, Any]],
+    objects: Mapping[str, ObjectEntry],
     *,
     plugins: dict[str, str],
     metadata: dict[str, Any] | None = None,
     records: dict[str, Any] | None = None,
-    fingerprint: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    fingerprint: Mapping[str, Any] | None = None,
+) -> Manifest:
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
 
     Args:
         checkpoint: the save's context (``step`` and ``world_size`` come from it).
-        files: relative path -> ``{size_bytes, checksum, rank, writer}``.
+        files: relative path -> the entry the save recorded (``{size_bytes, checksum,
+            rank, writer}``, :attr:`Checkpoint.files`).
         objects: stable key -> object entry (:func:`objects_table`).
         plugins: plugin name -> version, for every plugin that wrote or owns something.
         metadata: JSON-able user metadata.
@@ -118,29 +119,29 @@ def build_manifest(
             :mod:`statekit.api.fingerprint`; the engine only records it); None: none.
 
     Returns:
-        The manifest dict, ready for :func:`commit`.
+        The manifest, ready for :func:`commit` (no checksum yet).
     """
-    manifest = {
-        "format": fmt.FORMAT,
-        "statekit_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "step": checkpoint.step,
-        "world_size": checkpoint.world_size,
-        "plugins": dict(plugins),
-        "objects": objects,
-        "records": checkpoint.all_records() if records is None else records,
-        "files": files,
-        "metadata": dict(metadata or {}),
-    }
-    if fingerprint is not None:
-        manifest["fingerprint"] = fingerprint
+    url = checkpoint.storage.url_of(fmt.MANIFEST_NAME)
     resume_audit = audit.summary(checkpoint.objects, checkpoint.step)  # the verdict of the resume this run continues from
-    if resume_audit is not None:
-        manifest["resume_audit"] = resume_audit
-    return manifest
+    return Manifest(
+        statekit_version=__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        step=checkpoint.step,
+        world_size=checkpoint.world_size,
+        plugins=dict(plugins),
+        objects=dict(objects),
+        records=checkpoint.all_records() if records is None else records,
+        files={
+            rel: FileEntry(size_bytes=e["size_bytes"], checksum=e["checksum"], rank=e["rank"], writer=e["writer"])
+            for rel, e in files.items()
+        },
+        metadata=dict(metadata or {}),
+        fingerprint=None if fingerprint is None else Fingerprint.from_json(dict(fingerprint), url),
+        resume_audit=None if resume_audit is None else ResumeAudit.from_json(resume_audit, url),
+    )
 
 
-def commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[str, Any]:
+def commit(storage: Storage, manifest: Manifest, exclusive: bool) -> Manifest:
     """Write the manifest last, atomically, and release the save lock.
 
     Args:
@@ -149,14 +150,14 @@ def commit(storage: Storage, manifest: dict[str, Any], exclusive: bool) -> dict[
         exclusive: fail if another saver committed this checkpoint first.
 
     Returns:
-        ``manifest``.
+        The manifest as committed (with its ``manifest_checksum``).
 
     Raises:
         CheckpointExistsError: ``exclusive`` and the manifest exists.
         StorageError: the storage failed; nothing is committed.
         ValueError: the manifest is not strict JSON.
     """
-    data = fmt.manifest_bytes(manifest)  # checksums itself
+    manifest, data = manifest.sealed()  # checksums itself
     storage.commit(fmt.MANIFEST_NAME, data, exclusive=exclusive)
     storage.remove(LOCK_NAME)  # committed: the lock has done its job
     return manifest

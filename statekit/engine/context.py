@@ -31,6 +31,7 @@ from statekit.engine.read_ahead import FreshAhead, worth_reading_ahead
 from statekit.engine.staging import StagingPool
 from statekit.errors import CorruptCheckpointError, StatekitError
 from statekit.format import codec
+from statekit.format.manifest_types import FileEntry, Manifest
 from statekit.storage import Storage, storage_errors
 from statekit.storage.fs import fsync_path
 from statekit.storage.hashing import HashingWriter, VerifyingReader, check_against
@@ -72,7 +73,7 @@ class Checkpoint:
         plugin (str | None): the plugin being called; None while the core runs.
         objects (dict): stateful objects other than models, by stable key; a plugin that
             handles one pops it (and owns it).
-        manifest (dict | None): on load, the manifest read; after a save, the committed one.
+        manifest (Manifest | None): on load, the manifest read; after a save, the committed one.
         mode (str): ``"save"`` or ``"load"``.
         verify (bool): on load, check sizes and checksums while reading.
     """
@@ -89,7 +90,7 @@ class Checkpoint:
         options: dict[str, Any] | None = None,
         objects: dict[str, Any] | None = None,
         model_keys: dict[int, str] | None = None,
-        manifest: dict[str, Any] | None = None,
+        manifest: Manifest | None = None,
         verify: bool = True,
         staging: StagingPool | None = None,
     ) -> None:
@@ -114,7 +115,7 @@ class Checkpoint:
         self.record_unlisted_at_commit: str | None = None
         self._model_keys = dict(model_keys or {})
         self._records: dict[str, dict[str, Any]] = (
-            {k: dict(v) for k, v in manifest.get("records", {}).items()} if manifest else {}
+            {k: dict(v) for k, v in manifest.records.items()} if manifest is not None else {}
         )
         self._writable = mode == "save"
         self._staging = staging
@@ -170,8 +171,8 @@ class Checkpoint:
             The owner's plugin name, ``"statekit"`` for the core, or None when the
             manifest does not list ``key`` (or on save).
         """
-        entry = (self.manifest or {}).get("objects", {}).get(key)
-        return entry.get("owner") if entry else None
+        entry = self.manifest.objects.get(key) if self.manifest is not None else None
+        return entry.owner if entry is not None else None
 
     # ---------------------------------------------------------------- writing
 
@@ -484,7 +485,7 @@ class Checkpoint:
         f = self._open_read(rel, bulk=True)
         try:
             with storage_errors(url, "reading"):
-                size = expected["size_bytes"] if expected is not None else self.storage.size(rel)
+                size = expected.size_bytes if expected is not None else self.storage.size(rel)
                 hasher = fmt.new_hasher() if expected is not None else None
                 header = fmt.read_header(f, url, size, hasher)
         except BaseException:
@@ -517,17 +518,17 @@ class Checkpoint:
             opened.file.close()
         return opened.header
 
-    def _expected(self, rel: str) -> dict[str, Any] | None:
+    def _expected(self, rel: str) -> FileEntry | None:
         if not self.verify or self.manifest is None:
             return None
-        entry = self.manifest["files"].get(rel)
+        entry = self.manifest.files.get(rel)
         if entry is None:
             raise CorruptCheckpointError(
                 f"{self.url}/{rel}: file is not listed in the manifest", path=f"{self.url}/{rel}"
             )
         return entry
 
-    def _check(self, rel: str, expected: dict[str, Any] | None, size_bytes: int, hasher: Any) -> None:
+    def _check(self, rel: str, expected: FileEntry | None, size_bytes: int, hasher: Any) -> None:
         if expected is not None:
             check_against(f"{self.url}/{rel}", expected, size_bytes, hasher)
 
@@ -590,7 +591,7 @@ class Checkpoint:
                     header=opened.header,
                 )
                 seen = header.data_start + header.data_bytes  # the bytes the header accounts for
-                if expected is not None and seen == expected["size_bytes"]:
+                if expected is not None and seen == expected.size_bytes:
                     seen = f.seek(0, 2)  # bytes appended after them are never read: the open file's size says
         finally:
             f.close()
@@ -685,4 +686,4 @@ class _OpenTensorFile:
     header: fmt.TensorHeader
     hasher: Any
     size: int
-    expected: dict[str, Any] | None
+    expected: FileEntry | None

@@ -22,6 +22,7 @@ from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_f
 from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.progress import progress
 from statekit.format.manifest import read_manifest
+from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.storage import Storage
 
 
@@ -29,7 +30,7 @@ def load_models(
     checkpoint: Checkpoint,
     core_models: list[torch.nn.Module],
     keys: list[str],
-    saved_objects: dict[str, Any],
+    saved_objects: Mapping[str, ObjectEntry],
     strict: bool = True,
 ) -> dict[str, dict[str, list[str]]]:
     """Fill every model in place from its ``<key>.safetensors`` (or codec file), each
@@ -58,7 +59,7 @@ def check_models(
     checkpoint: Checkpoint,
     core_models: list[torch.nn.Module],
     keys: list[str],
-    saved_objects: dict[str, Any],
+    saved_objects: Mapping[str, ObjectEntry],
     strict: bool = True,
 ) -> None:
     """Check every model against its saved keys, shapes and dtypes (from the tensor
@@ -77,7 +78,7 @@ def check_models(
 
 
 def check_entries(
-    checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any], names: Mapping[int, str] | None = None
+    checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry], names: Mapping[int, str] | None = None
 ) -> None:
     """Check that the saved state of every optimizer, scheduler and tensor among ``entries``
     fits it, before anything is applied: an optimizer's parameter groups and the shapes of
@@ -97,7 +98,7 @@ def check_entries(
             parameter and both shapes); nothing was loaded.
         CorruptCheckpointError: a state file is missing or malformed (names it).
     """
-    files = checkpoint.manifest["files"] if checkpoint.manifest is not None else {}
+    files = checkpoint.manifest.files if checkpoint.manifest is not None else {}
     for e in entries:
         saved = saved_objects.get(e.key)
         if saved is None or e.kind not in ("optimizer", "scheduler", "tensor"):
@@ -141,7 +142,7 @@ def _undoable(e: Entry) -> bool:
     return e.kind != "dataloader" and not isinstance(e.obj, AccumulatedGradients)
 
 
-def load_entries_undoable(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+def load_entries_undoable(checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
     """Restore ``entries`` (the ``early`` of :func:`split_for_load`) all or nothing: each
     object's current state is kept before its state is applied, and when one refuses its
     state the ones already applied are put back before the error is raised.
@@ -175,7 +176,7 @@ def load_entries_undoable(checkpoint: Checkpoint, entries: list[Entry], saved_ob
     return not_restored
 
 
-def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
     """Restore every non-model entry; returns what could not be restored (per-rank state
     of a rank the checkpoint has no file for), for one warning.
 
@@ -188,14 +189,14 @@ def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: di
     return not_restored
 
 
-def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects: dict[str, Any]) -> list[str]:
+def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
     """The tensor files :func:`load_entries` reads for ``entries`` on this rank, in order
     (a file the checkpoint lacks included: the caller filters), for
     :meth:`statekit.Checkpoint.fresh_memory_ahead`."""
     rels = []
     for e in entries:
-        saved = saved_objects.get(e.key, {})
-        if e.kind == "dataloader" and saved.get("per_rank"):
+        saved = saved_objects.get(e.key)
+        if e.kind == "dataloader" and saved is not None and saved.per_rank:
             continue
         rels.append(f"{_state_base(checkpoint, e, saved)}.safetensors")
     return rels
@@ -210,13 +211,13 @@ def loads_in_place(models: list[torch.nn.Module]) -> bool:
     return all(t.device.type == "cpu" for m in models for t in (*m.parameters(), *m.buffers()))
 
 
-def _state_base(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any]) -> str:
+def _state_base(checkpoint: Checkpoint, e: Entry, saved: ObjectEntry | None) -> str:
     """Where an entry's state files are: ``<key>``, or ``<key>/rank-<rank>`` for per-rank state."""
-    return fmt.rank_path(e.key, checkpoint.rank) if saved.get("per_rank") else e.key
+    return fmt.rank_path(e.key, checkpoint.rank) if saved is not None and saved.per_rank else e.key
 
 
 def _fit_model(
-    checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any], strict: bool = True
+    checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: ObjectEntry, strict: bool = True
 ) -> tuple[dict[str, Any], set[str], dict[str, list[str]]]:
     """Check one model against its saved state (the tensor file's header, or a codec
     file's shapes) without filling it.
@@ -225,7 +226,7 @@ def _fit_model(
         ``(targets, saved keys, report)``: the model's state dict, the saved keys, and the
         missing and unexpected keys (empty when strict).
     """
-    files = saved.get("files") or [f"{key}.safetensors"]
+    files = saved.files or [f"{key}.safetensors"]
     targets = model.state_dict()
     if f"{key}.json" in files:  # a model with extra (non-tensor) state, stored through the codec
         try:
@@ -243,12 +244,12 @@ def _fit_model(
 
 
 def load_model(
-    checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: dict[str, Any], strict: bool = True
+    checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: ObjectEntry, strict: bool = True
 ) -> dict[str, list[str]]:
     """Fill one model in place (see :func:`load_models`); returns its missing and
     unexpected keys (empty when strict)."""
     targets, saved_keys, report = _fit_model(checkpoint, key, model, saved, strict)
-    if f"{key}.json" in (saved.get("files") or ()):
+    if f"{key}.json" in (saved.files or ()):
         model.load_state_dict(checkpoint.load_state(key), strict=strict)
         return report
     rel = f"{key}.safetensors"
@@ -291,13 +292,13 @@ def _check_model_state(
     return report if not strict else {"missing_keys": [], "unexpected_keys": []}
 
 
-def _load_entry(checkpoint: Checkpoint, e: Entry, saved: dict[str, Any], not_restored: list[str]) -> None:
-    per_rank = bool(saved.get("per_rank"))  # as saved: the caller need not repeat per_rank=
+def _load_entry(checkpoint: Checkpoint, e: Entry, saved: ObjectEntry, not_restored: list[str]) -> None:
+    per_rank = bool(saved.per_rank)  # as saved: the caller need not repeat per_rank=
     if e.kind == "dataloader" and per_rank:
         _load_loader(checkpoint, e, not_restored)
         return
     base = _state_base(checkpoint, e, saved)
-    if per_rank and f"{base}.json" not in checkpoint.manifest["files"]:
+    if per_rank and f"{base}.json" not in checkpoint.manifest.files:
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
         return
     state = checkpoint.load_state(base)
@@ -344,8 +345,8 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
     Raises:
         CorruptCheckpointError: a position file fails verification (names it).
     """
-    files = checkpoint.manifest["files"]
-    bases = [fmt.rank_path(key, r) for r in range(int(checkpoint.manifest.get("world_size", 1)))]
+    files = checkpoint.manifest.files
+    bases = [fmt.rank_path(key, r) for r in range(checkpoint.manifest.world_size)]
     base = fmt.rank_path(key, checkpoint.rank)
     own = checkpoint.load_state(base) if f"{base}.json" in files else None
     ranks = None
@@ -374,7 +375,7 @@ def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> N
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
 
 
-def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Check every file of a committed checkpoint against its manifest (size and checksum).
 
     Reads each file once, streaming (the checkpoint's verifying reader checks size and
@@ -397,9 +398,8 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
     storage = Storage(url, storage_options)
     manifest = read_manifest(storage)
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
-    total = sum(entry["size_bytes"] for entry in manifest["files"].values())
-    with progress(total, "verify") as advance:
-        for rel in sorted(manifest["files"]):
+    with progress(manifest.size_bytes, "verify") as advance:
+        for rel in sorted(manifest.files):
             with checkpoint.open(rel, "rb") as f:
                 while chunk := f.read(fmt.CHUNK_BYTES):
                     advance(len(chunk))

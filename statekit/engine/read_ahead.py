@@ -98,9 +98,10 @@ class FreshAhead:
         self._buffers.clear()
 
 
-def worth_reading_ahead(manifest: dict[str, Any] | None, rel: str) -> bool:
+def worth_reading_ahead(manifest: Manifest | None, rel: str) -> bool:
     """Whether ``rel`` is a tensor file large enough (:data:`PREFAULT_MIN_BYTES`, by the
     manifest's size) for fresh memory made ahead to pay."""
     if manifest is None or not rel.endswith(".safetensors"):
         return False
-    return int(manifest["files"].get(rel, {}).get("size_bytes", 0)) >= PREFAULT_MIN_BYTES
+    entry = manifest.files.get(rel)
+    return entry is not None and entry.size_bytes >= PREFAULT_MIN_BYTES

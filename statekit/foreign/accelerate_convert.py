@@ -41,6 +41,7 @@ from statekit.foreign.accelerate import (
     read_pickle,
 )
 from statekit.format.manifest import read_manifest
+from statekit.format.manifest_types import FileEntry, Manifest, ObjectEntry
 from statekit.storage import Storage
 
 CONVERTED_FROM = "converted_from"
@@ -107,11 +108,11 @@ def convert(
     out = Storage(out_url, storage_options)
     prepare_target(out, overwrite=overwrite)
     try:
-        world_size = int(attached["world_size"]) if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
+        world_size = attached.world_size if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
         checkpoint = Checkpoint(out, mode="save", world_size=world_size)
         model_keys = _accelerate_model_keys(attached)
         own_keys = {found[0] for found in map(fmt.parse_rank_path, own) if found and _OWN_KEY.match(found[0])}
-        objects: dict[str, Any] = {}
+        objects: dict[str, ObjectEntry] = {}
         counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
         for name in names:
             converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys, counters)
@@ -122,19 +123,19 @@ def convert(
             _copy_file(src, checkpoint, rel, entry)
         for key in sorted(own_keys):
             objects[key] = _object_entry(checkpoint, key, "dataloader" if key.startswith("dataloader_") else "custom", per_rank=True)
-        for key, obj in (attached or {}).get("objects", {}).items():  # models a plugin (or a registered hook) saved
-            if obj.get("owner") not in (CORE, ACCELERATE_WRITER):
-                objects[key] = dict(obj)
+        for key, obj in (attached.objects if attached else {}).items():  # models a plugin (or a registered hook) saved
+            if obj.owner not in (CORE, ACCELERATE_WRITER):
+                objects[key] = obj
         counter_files = checkpoint.save_state("accelerator", counters)
-        objects["accelerator"] = {"kind": "custom", "owner": CORE, "per_rank": False, "files": sorted(counter_files)}
+        objects["accelerator"] = ObjectEntry(kind="custom", owner=CORE, per_rank=False, files=tuple(sorted(counter_files)))
         if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
             objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
-        records = {k: v for k, v in (attached or {}).get("records", {}).items() if k != CORE}
+        records = {k: v for k, v in (attached.records if attached else {}).items() if k != CORE}
         records[CORE] = {CONVERTED_FROM: "accelerate"}
-        writers = {e["writer"] for e in checkpoint.files.values()} | {o["owner"] for o in objects.values()} | set(records)
-        plugins = {k: v for k, v in (attached or {}).get("plugins", {}).items() if k in writers}
-        metadata = {**(attached or {}).get("metadata", {}), "converted_from": src.url, "source_format": "accelerate"}
-        fingerprint = (attached or {}).get("fingerprint")
+        writers = {e["writer"] for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
+        plugins = {k: v for k, v in (attached.plugins if attached else {}).items() if k in writers}
+        metadata = {**(attached.metadata if attached else {}), "converted_from": src.url, "source_format": "accelerate"}
+        fingerprint = attached.fingerprint.to_json() if attached and attached.fingerprint else None
         manifest = build_manifest(checkpoint, checkpoint.files, objects, plugins=plugins, metadata=metadata,
                                   records=records, fingerprint=fingerprint)
         return commit(out, manifest, exclusive=not overwrite)
@@ -143,7 +144,7 @@ def convert(
         raise
 
 
-def loaders_left_as_they_are(manifest: dict[str, Any], entries: list[Any], url: str) -> list[Any]:
+def loaders_left_as_they_are(manifest: Manifest, entries: list[Any], url: str) -> list[Any]:
     """The run's data loaders a checkpoint converted from Accelerate holds no state for
     (its source kept none: plain Accelerate saves a loader's state only for a
     ``StatefulDataLoader``). A load leaves them as they are, as ``load_state`` of the
@@ -157,9 +158,9 @@ def loaders_left_as_they_are(manifest: dict[str, Any], entries: list[Any], url: 
     Returns:
         Those entries (empty for a checkpoint that was not converted from Accelerate).
     """
-    if manifest.get("records", {}).get(CORE, {}).get(CONVERTED_FROM) != "accelerate":
+    if (manifest.records.get(CORE) or {}).get(CONVERTED_FROM) != "accelerate":
         return []
-    absent = [e for e in entries if e.kind == "dataloader" and e.key not in manifest["objects"]]
+    absent = [e for e in entries if e.kind == "dataloader" and e.key not in manifest.objects]
     if absent:
         warnings.warn(
             f"{url}: converted from an Accelerate directory that saved no state for "
@@ -171,51 +172,51 @@ def loaders_left_as_they_are(manifest: dict[str, Any], entries: list[Any], url: 
     return absent
 
 
-def _attached_manifest(src: Storage) -> dict[str, Any] | None:
+def _attached_manifest(src: Storage) -> Manifest | None:
     """The manifest an attached accelerator committed in ``src``, or None (plain Accelerate)."""
     if not src.exists(fmt.MANIFEST_NAME):
         return None
     manifest = read_manifest(src)
-    return manifest if manifest["records"].get(CORE, {}).get("layout") == "accelerate" else None
+    return manifest if manifest.layout(CORE) == "accelerate" else None
 
 
-def _own_files(src: Storage, attached: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+def _own_files(src: Storage, attached: Manifest | None) -> dict[str, FileEntry]:
     """The files statekit and plugins wrote next to Accelerate's (attach mode), by path;
     every file the manifest lists (Accelerate's too) must exist with its size."""
     if attached is None:
         return {}
-    for rel, entry in attached["files"].items():
+    for rel, entry in attached.files.items():
         url = src.url_of(rel)
         if not src.exists(rel):
             raise CorruptCheckpointError(f"{url}: file is missing (listed in the manifest); nothing was converted", path=url)
-        if src.size(rel) != entry["size_bytes"]:
+        if src.size(rel) != entry.size_bytes:
             raise CorruptCheckpointError(
-                f"{url}: size {src.size(rel)} bytes, the manifest says {entry['size_bytes']}; nothing was converted", path=url
+                f"{url}: size {src.size(rel)} bytes, the manifest says {entry.size_bytes}; nothing was converted", path=url
             )
-    return {rel: e for rel, e in sorted(attached["files"].items()) if e.get("writer") != ACCELERATE_WRITER}
+    return {rel: e for rel, e in sorted(attached.files.items()) if e.writer != ACCELERATE_WRITER}
 
 
-def _accelerate_model_keys(attached: dict[str, Any] | None) -> dict[int, str]:
+def _accelerate_model_keys(attached: Manifest | None) -> dict[int, str]:
     """Accelerate's model file number -> the model's key. Accelerate numbers the models it
     saved by position among those no plugin took (attach mode records the owners)."""
     if attached is None:
         return {}
-    models = sorted((k for k, o in attached["objects"].items() if o.get("kind") == "model"), key=lambda k: int(k.rsplit("_", 1)[1]))
-    return dict(enumerate(k for k in models if attached["objects"][k].get("owner") == ACCELERATE_WRITER))
+    models = sorted((k for k, o in attached.objects.items() if o.kind == "model"), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return dict(enumerate(k for k in models if attached.objects[k].owner == ACCELERATE_WRITER))
 
 
-def _copy_file(src: Storage, checkpoint: Checkpoint, rel: str, entry: dict[str, Any]) -> None:
+def _copy_file(src: Storage, checkpoint: Checkpoint, rel: str, entry: FileEntry) -> None:
     """Copy one file byte for byte, recorded with its writer and rank; its checksum must be
     the source manifest's."""
     with src.open_read(rel) as f, checkpoint.open(rel, "wb") as out:
         while chunk := f.read(fmt.CHUNK_BYTES):
             out.write(chunk)
     copied = checkpoint.files[rel]
-    if copied["checksum"] != entry["checksum"] or copied["size_bytes"] != entry["size_bytes"]:
+    if copied["checksum"] != entry.checksum or copied["size_bytes"] != entry.size_bytes:
         url = src.url_of(rel)
-        raise CorruptCheckpointError(f"{url}: checksum {copied['checksum']}, the manifest says {entry['checksum']}; "
+        raise CorruptCheckpointError(f"{url}: checksum {copied['checksum']}, the manifest says {entry.checksum}; "
                                      "nothing was converted", path=url)
-    copied.update(writer=entry["writer"], rank=entry.get("rank", 0))
+    copied.update(writer=entry.writer, rank=entry.rank)
 
 
 def _convert_file(
@@ -255,8 +256,8 @@ def _convert_file(
     return key, kind
 
 
-def _object_entry(checkpoint: Checkpoint, key: str, kind: str, *, per_rank: bool) -> dict[str, Any]:
+def _object_entry(checkpoint: Checkpoint, key: str, kind: str, *, per_rank: bool) -> ObjectEntry:
     """The manifest ``objects`` entry of a converted object owned by the core."""
     prefix = f"{key}/" if per_rank else f"{key}."
-    files = sorted(p for p in checkpoint.files if p.startswith(prefix))
-    return {"kind": kind, "owner": CORE, "per_rank": per_rank, "files": files}
+    files = tuple(sorted(p for p in checkpoint.files if p.startswith(prefix)))
+    return ObjectEntry(kind=kind, owner=CORE, per_rank=per_rank, files=files)

@@ -106,12 +106,18 @@ def _file_of(key: str) -> str:
     return key.partition(":")[0]
 
 
+def _checksums(reader: CheckpointReader) -> dict[str, str]:
+    """A statekit checkpoint's file checksums from its manifest (other formats record none)."""
+    manifest = getattr(reader, "manifest", None) if reader.format == "statekit" else None
+    return {rel: e.checksum for rel, e in manifest.files.items()} if manifest is not None else {}
+
+
 def _file_changes(a: CheckpointReader, b: CheckpointReader, files_a: dict[str, int], files_b: dict[str, int]) -> list[dict[str, Any]]:
     """Files of two directories of one format and layout whose size or (statekit) manifest checksum differs."""
     if not (a.format == b.format and a.layout == b.layout and a.format in ("statekit", "accelerate", "dcp")):
         return []
-    sums_a = {rel: e["checksum"] for rel, e in a.metadata.get("files", {}).items()} if a.format == "statekit" else {}
-    sums_b = {rel: e["checksum"] for rel, e in b.metadata.get("files", {}).items()} if b.format == "statekit" else {}
+    sums_a = _checksums(a)
+    sums_b = _checksums(b)
     files = []
     for rel in sorted(set(files_a) | set(files_b)):
         size_a, size_b = files_a.get(rel), files_b.get(rel)

@@ -71,10 +71,10 @@ class StatekitReader(CheckpointReader):
     def __init__(self, storage: Storage, allow_pickle: bool) -> None:
         super().__init__(storage, allow_pickle)
         self.manifest = fmt.read_manifest(storage)
-        self.metadata = self.manifest
-        self.layout = self.manifest["records"].get(CORE, {}).get("layout", "statekit")
-        files = self.manifest["files"]
-        foreign = accelerate.accelerate_files(rel for rel, e in files.items() if e.get("writer") == ACCELERATE_WRITER)
+        self.metadata = self.manifest.to_json()  # the reader's metadata is JSON, as every reader's
+        self.layout = self.manifest.layout(CORE)
+        files = self.manifest.files
+        foreign = accelerate.accelerate_files(rel for rel, e in files.items() if e.writer == ACCELERATE_WRITER)
         self.superseded = [rel for rel in foreign if _superseded(rel, files)]
         self._accelerate = [rel for rel in foreign if rel not in self.superseded]
         self._pickles = PickleFiles(
@@ -85,7 +85,7 @@ class StatekitReader(CheckpointReader):
 
     def files(self) -> dict[str, int]:
         """Files as listed in the manifest (plus the manifest itself is not counted)."""
-        return {rel: e["size_bytes"] for rel, e in sorted(self.manifest["files"].items())}
+        return {rel: e.size_bytes for rel, e in sorted(self.manifest.files.items())}
 
     def match_key(self, key: str) -> str:
         """Keys of Accelerate's files (attach mode) as :func:`accelerate_match_key` maps them."""
@@ -93,7 +93,7 @@ class StatekitReader(CheckpointReader):
 
     def _list(self) -> list[TensorInfo]:
         out: list[TensorInfo] = []
-        for rel in sorted(self.manifest["files"]):
+        for rel in sorted(self.manifest.files):
             if rel in self._accelerate and not rel.endswith(".safetensors"):
                 out += tensor_infos(self._pickles.tensors(rel), rel) if self.allow_pickle else []
             elif rel.endswith(".safetensors"):

@@ -21,7 +21,10 @@ Submodules, one responsibility each (this package re-exports their public names,
 - :mod:`statekit.format.header`: building headers, and :func:`parse_header` /
   :func:`read_header`, the one safetensors header reader.
 - :mod:`statekit.format.tensors`: streaming tensor data to and from files.
-- :mod:`statekit.format.manifest`: the manifest's name, validation and reading.
+- :mod:`statekit.format.manifest_types`: the manifest's dataclasses (:class:`Manifest`,
+  :class:`FileEntry`, :class:`ObjectEntry`, :class:`Fingerprint`, :class:`ResumeAudit`),
+  parsed and validated in one place (``Manifest.from_json``), written back by ``to_json``.
+- :mod:`statekit.format.manifest`: the manifest file's name, bytes and reading.
 - :mod:`statekit.format.layout`: the per-rank path ``<key>/rank-<r:05d>`` (:func:`rank_path`).
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
 - :mod:`statekit.format.codec_types`: the codec's type rules.
@@ -34,7 +37,7 @@ Call sequence of a save (called by :class:`statekit.engine.context.Checkpoint`):
 :func:`~statekit.format.tensors.write_tensors` -> :func:`~statekit.format.header.build_header`
 -> the header, then each tensor's bytes in chunks, hashed in the same pass; the engine
 builds the manifest and :func:`~statekit.format.manifest.manifest_bytes` serialises it.
-Of a load: :func:`~statekit.format.manifest.read_manifest` (``validate_manifest``) ->
+Of a load: :func:`~statekit.format.manifest.read_manifest` (``Manifest.from_json``) ->
 per file :func:`~statekit.format.tensors.read_tensors` ->
 :func:`~statekit.format.header.read_header` -> each tensor read into its target (or a
 fresh buffer) -> :func:`~statekit.format.codec.decode` of a state file's skeleton with its tensors.
@@ -55,6 +58,7 @@ from statekit.format.dtypes import (
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, parse_header, read_header
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
+from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
     FORMAT,
@@ -81,6 +85,11 @@ __all__ = [
     "DTYPE_FROM_CODE",
     "FORMAT",
     "CHECKPOINT_DIR_NAME",
+    "FileEntry",
+    "Fingerprint",
+    "Manifest",
+    "ObjectEntry",
+    "ResumeAudit",
     "MANIFEST_CHECKSUM",
     "MANIFEST_NAME",
     "MAX_HEADER_BYTES",

@@ -1,8 +1,11 @@
-"""The manifest (``statekit.json``, format ``statekit/1``): its name, validation and reading.
+"""The manifest file (``statekit.json``, format ``statekit/1``): its name, its bytes, reading it.
 
 The manifest lists every file of a committed checkpoint with its size and checksum, the
-objects saved and who saved them; its presence marks the checkpoint committed. The
-schema is ``statekit/manifest.schema.json``, explained in ``docs/format.md``.
+objects saved and who saved them; its presence marks the checkpoint committed. Its types,
+parsing and validation are :mod:`statekit.format.manifest_types` (:class:`Manifest`); this
+module reads it from storage (:func:`read_manifest`), turns it into the file's bytes
+(:func:`manifest_bytes`) and says what a directory without one is. The schema is
+``statekit/manifest.schema.json``, explained in ``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -12,12 +15,20 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from statekit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
+from statekit.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from statekit.format.manifest_types import (  # noqa: F401 (re-exported: the names' old home)
+    FORMAT,
+    MANIFEST_CHECKSUM,
+    FileEntry,
+    Fingerprint,
+    Manifest,
+    ObjectEntry,
+    ResumeAudit,
+    canonical_bytes,
+    check_relpath,
+)
 from statekit.storage import Storage
 from statekit.storage.hashing import checksum_bytes
-
-FORMAT = "statekit/1"
-"""The manifest's ``format`` value this version writes and reads."""
 
 MANIFEST_NAME = "statekit.json"
 """File name of the manifest; its presence marks a committed checkpoint."""
@@ -26,72 +37,20 @@ CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d{8,})$")
 """A manager's checkpoint directory name, ``checkpoint-<step:08d>`` (group 1: the step); the
 one pattern listing, format detection and the checkpoint-root message use."""
 
-MANIFEST_CHECKSUM = "manifest_checksum"
-"""The manifest's field holding the XXH3-64 checksum of the rest of the manifest
-(:func:`manifest_bytes`); optional: manifests written before it existed have none."""
 
-_FIELDS: dict[str, type] = {
-    "statekit_version": str,
-    "created": str,
-    "world_size": int,
-    "plugins": dict,
-    "objects": dict,
-    "files": dict,
-    "metadata": dict,
-    "records": dict,
-}
-"""The manifest's required fields and their JSON types."""
-
-
-def check_relpath(path: str, source: str = "manifest", error: type[Exception] = CorruptCheckpointError) -> str:
-    """Validate a checkpoint-relative path: no scheme, no absolute path, no ``..``.
-
-    Args:
-        path: the relative path.
-        source: what holds it (a manifest URL), named in the error.
-        error: the error class to raise (writers pass a plain ``StatekitError``: a bad
-            path given to a writer is a caller bug, not a corrupt checkpoint).
-
-    Returns:
-        ``path`` unchanged.
-
-    Raises:
-        CorruptCheckpointError: the path escapes the checkpoint or is malformed.
-    """
-    parts = path.split("/") if isinstance(path, str) else []
-    if (
-        not parts
-        or "://" in path
-        or path.startswith("/")
-        or "\\" in path
-        or any(p in ("", ".", "..") for p in parts)
-    ):
-        message = f"{source}: invalid relative path {path!r} (must stay inside the checkpoint)"
-        raise error(message, path=source) if error is CorruptCheckpointError else error(message)
-    return path
-
-
-def _canonical(body: dict[str, Any]) -> bytes:
-    """The manifest without its checksum as canonical JSON (sorted keys, no spaces): the
-    checksum covers the values, not the layout, so re-indenting the file keeps it valid."""
-    rest = {k: v for k, v in body.items() if k != MANIFEST_CHECKSUM}
-    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    # surrogatepass: a lone surrogate (os.fsdecode of a non-UTF-8 file name in metadata) is
-    # valid in the manifest file (written with \u escapes) and must not fail the commit
-    return text.encode("utf-8", "surrogatepass")
-
-
-def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set in ``manifest``.
+def manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
+    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set.
 
     Every file of a checkpoint is checksummed in the manifest; the manifest checksums
     itself, so one flipped bit in it (a ``step`` of 9 instead of 8, a metric that steers
     ``keep_best``) is a :class:`CorruptCheckpointError` at read, not a silent wrong resume.
     The checksum is taken over the manifest as a reader parses it back (JSON turns integer
-    keys into strings), in canonical form.
+    keys into strings), in canonical form. A :class:`Manifest` gives the same bytes as its
+    ``to_json()`` dict; :meth:`Manifest.sealed` also returns the manifest with its checksum.
 
     Args:
-        manifest: the manifest (strict JSON: no NaN or infinity); updated in place.
+        manifest: the manifest, typed or as its JSON dict (strict JSON: no NaN or
+            infinity); a dict is updated in place (its checksum set).
 
     Returns:
         UTF-8 JSON, indented one space per level.
@@ -99,13 +58,16 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     Raises:
         ValueError: the manifest is not strict JSON.
     """
-    parsed = json.loads(json.dumps(manifest, allow_nan=False))  # _canonical leaves out an old checksum
-    manifest[MANIFEST_CHECKSUM] = checksum_bytes(_canonical(parsed))
+    if isinstance(manifest, Manifest):
+        return manifest.sealed()[1]
+    parsed = json.loads(json.dumps(manifest, allow_nan=False))  # canonical_bytes leaves out an old checksum
+    manifest[MANIFEST_CHECKSUM] = checksum_bytes(canonical_bytes(parsed))
     return json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
 
 
 def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
-    """Check a parsed manifest against format version 1 (see ``docs/format.md``).
+    """Check a parsed manifest (a JSON dict) against format version 1: what
+    :meth:`Manifest.from_json`, the one validator, checks.
 
     Args:
         manifest: the parsed JSON.
@@ -120,47 +82,11 @@ def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
             optional ``fingerprint`` is not an object, or the manifest does not match its
             own checksum (:data:`MANIFEST_CHECKSUM`; edited or damaged after its commit).
     """
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpointError(f"{source}: manifest is not a JSON object", path=source)
-    fmt = manifest.get("format")
-    if fmt != FORMAT:
-        if isinstance(fmt, str) and fmt.startswith("statekit/"):
-            raise FormatVersionError(
-                f"{source}: checkpoint format {fmt!r} is not supported by this statekit (reads {FORMAT!r}); upgrade statekit"
-            )
-        raise CorruptCheckpointError(f"{source}: not a statekit manifest (format={fmt!r})", path=source)
-    for key, typ in _FIELDS.items():
-        if not isinstance(manifest.get(key), typ) or isinstance(manifest.get(key), bool):
-            raise CorruptCheckpointError(f"{source}: manifest field {key!r} missing or not {typ.__name__}", path=source)
-    if manifest.get("step") is not None and (not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool)):
-        raise CorruptCheckpointError(f"{source}: manifest field 'step' is not an integer", path=source)
-    if "fingerprint" in manifest and not isinstance(manifest["fingerprint"], dict):  # optional (older checkpoints lack it)
-        raise CorruptCheckpointError(f"{source}: manifest field 'fingerprint' is not an object", path=source)
-    for path, entry in manifest["files"].items():
-        check_relpath(path, source)
-        if (
-            not isinstance(entry, dict)
-            or not isinstance(entry.get("size_bytes"), int)
-            or not isinstance(entry.get("checksum"), str)
-            or not isinstance(entry.get("rank"), int)
-        ):
-            raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r} is malformed", path=source)
-    for key, obj in manifest["objects"].items():
-        if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str) or not isinstance(obj.get("owner"), str):
-            raise CorruptCheckpointError(f"{source}: manifest entry for object {key!r} is malformed", path=source)
-    recorded = manifest.get(MANIFEST_CHECKSUM)
-    if recorded is not None:
-        actual = checksum_bytes(_canonical(manifest)) if isinstance(recorded, str) else None
-        if actual != recorded:
-            raise CorruptCheckpointError(
-                f"{source}: the manifest does not match its own checksum (recorded {recorded!r}, computed {actual!r}): "
-                "it was edited or damaged after the commit",
-                path=source,
-            )
+    Manifest.from_json(manifest, source)
     return manifest
 
 
-def read_manifest(storage: Storage) -> dict[str, Any]:
+def read_manifest(storage: Storage) -> Manifest:
     """Read and validate the manifest of a checkpoint directory.
 
     Args:
@@ -183,11 +109,7 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
         if storage.exists():
             raise IncompleteCheckpointError(_why_no_manifest(storage)) from None
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{url}: manifest is not valid JSON: {exc}", path=url) from None
-    return validate_manifest(manifest, url)
+    return Manifest.from_json(data, url)
 
 
 _ACCELERATE_DIR_NAME = re.compile(r"^checkpoint_(\d+)$")  # Accelerate's automatic_checkpoint_naming

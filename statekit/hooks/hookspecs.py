@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # annotation-only imports keep this module cheap
     import torch
 
     from statekit.engine.context import Checkpoint
+    from statekit.format.manifest_types import Manifest
 
 hookspec = pluggy.HookspecMarker("statekit")
 
@@ -207,7 +208,7 @@ def statekit_manager_start(manager: Any) -> None:
 
 
 @hookspec
-def statekit_checkpoint_committed(url: str, manifest: Mapping[str, Any], manager: Any) -> None:
+def statekit_checkpoint_committed(url: str, manifest: Manifest, manager: Any) -> None:
     """React at once to a checkpoint the manager committed under its root.
 
     Called on every rank right after the commit, once rank 0 updated ``latest`` and
@@ -223,7 +224,7 @@ def statekit_checkpoint_committed(url: str, manifest: Mapping[str, Any], manager
 
     Args:
         url: the committed checkpoint's URL under ``manager.root_url`` (this rank's root).
-        manifest: the committed manifest (read-only).
+        manifest: the committed manifest (a :class:`statekit.plugin_api.Manifest`, frozen).
         manager: the :class:`statekit.CheckpointManager`.
 
     Returns:

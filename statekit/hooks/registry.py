@@ -25,6 +25,7 @@ import pluggy
 
 from statekit.hooks import hookspecs
 from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.rng_guard import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
@@ -244,27 +245,27 @@ class PluginManager(pluggy.PluginManager):
                 message = f"option {name!r} is read by no registered plugin (registered: {plugins}), so it does nothing{hint}"
             warn_user(message, StatekitWarning)
 
-    def refuse_broken_writers(self, manifest: Mapping[str, Any], url: str) -> None:
+    def refuse_broken_writers(self, manifest: Manifest | None, url: str) -> None:
         """Refuse to load a checkpoint holding state of a plugin that failed to import:
         that state cannot be restored, and a load without it would resume wrong.
 
         Args:
-            manifest: the checkpoint's manifest.
+            manifest: the checkpoint's manifest (None: nothing to check).
             url: the checkpoint URL, for the message.
 
         Raises:
             PluginError: naming the plugin, its import error, what it wrote and what to do.
         """
-        if not self.broken:
+        if not self.broken or manifest is None:
             return
         wrote: dict[str, list[str]] = {}
-        for rel, entry in (manifest.get("files") or {}).items():
-            if entry.get("writer") in self.broken:
-                wrote.setdefault(entry["writer"], []).append(rel)
-        for key, obj in (manifest.get("objects") or {}).items():
-            if obj.get("owner") in self.broken:
-                wrote.setdefault(obj["owner"], []).append(key)
-        for name in manifest.get("records") or {}:
+        for rel, entry in manifest.files.items():
+            if entry.writer in self.broken:
+                wrote.setdefault(entry.writer, []).append(rel)
+        for key, obj in manifest.objects.items():
+            if obj.owner in self.broken:
+                wrote.setdefault(obj.owner, []).append(key)
+        for name in manifest.records:
             if name in self.broken:
                 wrote.setdefault(name, [])
         for name, what in sorted(wrote.items()):
@@ -430,7 +431,7 @@ def call_each(
     if hook_name == "statekit_load_state_pre" and getattr(pm, "broken", None) and checkpoint is not None:
         # every load path calls this before anything is restored: a plugin that wrote
         # state and cannot be called now would leave it behind without a word
-        pm.refuse_broken_writers(checkpoint.manifest or {}, checkpoint.url)
+        pm.refuse_broken_writers(checkpoint.manifest, checkpoint.url)
     results: list[tuple[str, Any]] = []
     for impl in reversed(hook.get_hookimpls()):
         name = impl.plugin_name

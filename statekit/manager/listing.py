@@ -129,11 +129,11 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
                 step,
                 child.url,
                 True,
-                manifest.get("created"),
-                sum(f["size_bytes"] for f in manifest["files"].values()),
-                manifest["metadata"].get("metrics"),
+                manifest.created,
+                manifest.size_bytes,
+                manifest.metadata.get("metrics"),  # the user's metadata: plain JSON
                 accelerate,
-                manifest.get("resume_audit"),
+                manifest.resume_audit.to_json() if manifest.resume_audit is not None else None,  # a flat, JSON-able record
             )
         )
     return sorted(infos, key=lambda i: (not i.accelerate, i.step))

@@ -35,6 +35,7 @@ from statekit.errors import (
     warn_user,
 )
 from statekit.engine.staging import StagingPool
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
@@ -147,7 +148,7 @@ class CheckpointManager:
         self.options = options
         self.resumed_from: str | None = None
         self._resumed_in_use: Any = None
-        self.resumed_manifest: dict[str, Any] | None = None
+        self.resumed_manifest: Manifest | dict[str, Any] | None = None
         self._skipped: set[str] = set()  # checkpoints under the root that resume() could not load
         self.replicate_to, self.replicate_options = replicate_to, replicate_options
         self.remote_keep_last = remote_keep_last
@@ -333,7 +334,7 @@ class CheckpointManager:
         Args:
             verify: check sizes and checksums while reading.
             strict: False loads what matches (see :func:`statekit.load`); the missing and
-                unexpected keys are in ``self.resumed_manifest["incompatible_keys"]``.
+                unexpected keys are in ``self.resumed_manifest.incompatible_keys``.
             strict_resume: raise :class:`ResumeMismatchError` for a fingerprint
                 difference other than a version, instead of warning.
 
@@ -382,7 +383,7 @@ class CheckpointManager:
             if self._resumed_in_use is not None:
                 self._resumed_in_use()  # the previous resume's marker
             self._resumed_in_use = hold_in_use(self, info.url, by="statekit")  # no other process deletes it
-            step = manifest.get("step")
+            step = manifest.step if isinstance(manifest, Manifest) else manifest.get("step")  # (a summary of Accelerate's files)
             # Accelerate's folders count saves, not steps (their "step" is the gradient
             # accumulation counter): the folder's number is what continues the naming
             step = info.step if step is None or info.accelerate else int(step)

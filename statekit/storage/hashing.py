@@ -10,8 +10,7 @@ owns the hasher; :mod:`statekit.format` re-exports :func:`new_hasher`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import xxhash
 
@@ -51,23 +50,31 @@ def checksum_bytes(data: bytes) -> str:
     return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
 
 
-def check_against(url: str, expected: Mapping[str, Any], size_bytes: int, hasher: Any) -> None:
+class Expected(Protocol):
+    """What a verifying read compares with: a file's manifest entry
+    (:class:`statekit.format.manifest_types.FileEntry`, a layer above, fits)."""
+
+    size_bytes: int
+    checksum: str
+
+
+def check_against(url: str, expected: Expected, size_bytes: int, hasher: Any) -> None:
     """Compare what was read with a file's manifest entry: size first, then checksum.
 
     Args:
         url: the file's URL, named in the error.
-        expected: its manifest entry (``size_bytes``, ``checksum``).
+        expected: its manifest entry (``.size_bytes``, ``.checksum``).
         size_bytes: bytes read.
         hasher: the hasher that saw every byte read.
 
     Raises:
         CorruptCheckpointError: size or checksum differs (names the file).
     """
-    if size_bytes != expected["size_bytes"]:
-        raise CorruptCheckpointError(f"{url}: size {size_bytes} bytes, manifest says {expected['size_bytes']}", path=url)
+    if size_bytes != expected.size_bytes:
+        raise CorruptCheckpointError(f"{url}: size {size_bytes} bytes, manifest says {expected.size_bytes}", path=url)
     actual = checksum_string(hasher)
-    if actual != expected["checksum"]:
-        raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected['checksum']}", path=url)
+    if actual != expected.checksum:
+        raise CorruptCheckpointError(f"{url}: checksum {actual}, manifest says {expected.checksum}", path=url)
 
 
 class HashingWriter:
@@ -142,10 +149,10 @@ class VerifyingReader:
     Args:
         f: a binary file open for reading at offset 0.
         url: its URL, named in errors.
-        expected: its manifest entry (``size_bytes``, ``checksum``).
+        expected: its manifest entry (``.size_bytes``, ``.checksum``).
     """
 
-    def __init__(self, f: BinaryIO, url: str, expected: Mapping[str, Any]) -> None:
+    def __init__(self, f: BinaryIO, url: str, expected: Expected) -> None:
         self._f = f
         self._url = url
         self._expected = expected
@@ -158,10 +165,10 @@ class VerifyingReader:
         if self._sequential:
             self._hasher.update(data)
             self._size += len(data)
-            if self._size > self._expected["size_bytes"]:
+            if self._size > self._expected.size_bytes:
                 self._sequential = False
                 raise CorruptCheckpointError(
-                    f"{self._url}: longer than the {self._expected['size_bytes']} bytes the manifest says", path=self._url
+                    f"{self._url}: longer than the {self._expected.size_bytes} bytes the manifest says", path=self._url
                 )
 
     def read(self, n: int = -1) -> bytes:

@@ -23,8 +23,8 @@ def test_round_trip(plugin_manager, storage_url, assert_state_equal):
     statekit.save(storage_url, {"model": model}, step=42, run_name="exp1", lr=0.5)
 
     manifest = statekit.verify(storage_url)
-    assert manifest["files"][statekit_metrics.FILE]["writer"] == "metrics"
-    assert manifest["records"]["metrics"] == {"file": "metrics.json"}
+    assert manifest.files[statekit_metrics.FILE].writer == "metrics"
+    assert manifest.records["metrics"] == {"file": "metrics.json"}
 
     fresh = torch.nn.Linear(3, 2)
     out: dict = {}

@@ -32,6 +32,7 @@ from statekit.plugin_api import (
     Checkpoint,
     CheckpointExistsError,
     CorruptCheckpointError,
+    Manifest,
     StatekitError,
     StatekitWarning,
     Storage,
@@ -82,7 +83,7 @@ def convert(
     """
     src = Storage(src_url, storage_options)
     manifest = read_manifest(src)
-    records = manifest["records"].get(plugin_name) or {}
+    records = manifest.records.get(plugin_name) or {}
     entries = {k: r for k, r in records.items() if isinstance(r, dict) and isinstance(r.get("folder"), str)}
     models = {k: r for k, r in entries.items() if r.get("kind") == "model"}
     if not models:
@@ -129,12 +130,12 @@ def _infer_pipeline(entries: dict[str, dict[str, Any]]) -> str | None:
     return None
 
 
-def _weight_files(manifest: dict[str, Any], folder: str, library: str) -> list[str]:
+def _weight_files(manifest: Manifest, folder: str, library: str) -> list[str]:
     """The weight files (and shard index) of a saved folder, from the manifest."""
     stem = layout.WEIGHTS_NAME[library].rsplit(".", 1)[0]
     files = sorted(
         rel
-        for rel in manifest["files"]
+        for rel in manifest.files
         if rel.startswith(f"{folder}/") and rel.count("/") == 1 and rel.split("/", 1)[1].startswith(stem)
     )
     if not files:

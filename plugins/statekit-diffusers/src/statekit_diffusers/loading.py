@@ -32,7 +32,7 @@ def _saved_shapes(checkpoint: Any, files: list[str]) -> dict[str, tuple[tuple[in
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for rel in files:
         url = f"{checkpoint.url}/{rel}"
-        size = checkpoint.manifest["files"].get(rel, {}).get("size_bytes") if checkpoint.manifest else None
+        size = checkpoint.manifest.size_of(rel) if checkpoint.manifest is not None else None
         with checkpoint.open(rel, "rb") as f:
             header = read_header(f, url, size)
         shapes.update((e.name, (e.shape, e.dtype)) for e in header.entries)

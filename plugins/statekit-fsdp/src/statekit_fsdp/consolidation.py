@@ -34,6 +34,7 @@ from statekit.plugin_api import (
     SAFETENSORS_CODES,
     Checkpoint,
     CorruptCheckpointError,
+    Manifest,
     StatekitError,
     Storage,
     UnsupportedDtypeError,
@@ -76,11 +77,11 @@ def consolidate(
     """
     storage = Storage(src_url, storage_options)
     manifest = read_manifest(storage)
-    models = [(k, o) for k, o in manifest["objects"].items() if o.get("kind") == "model"]
-    readable = [(k, o) for k, o in models if o.get("owner") in (PLUGIN_NAME, CORE)]
+    models = [(k, o) for k, o in manifest.objects.items() if o.kind == "model"]
+    readable = [(k, o) for k, o in models if o.owner in (PLUGIN_NAME, CORE)]
     for key, obj in models:
         if (key, obj) not in readable:
-            logger.warning("statekit-fsdp: %s: model %r was saved by plugin %r; not consolidated", src_url, key, obj.get("owner"))
+            logger.warning("statekit-fsdp: %s: model %r was saved by plugin %r; not consolidated", src_url, key, obj.owner)
     if not readable:
         raise StatekitError(
             f"{src_url}: no model to consolidate (models: {[k for k, _ in models] or 'none'}; "
@@ -90,7 +91,7 @@ def consolidate(
     written = []
     for key, obj in readable:
         name = "model.safetensors" if len(readable) == 1 else f"{key}.safetensors"
-        if obj["owner"] == PLUGIN_NAME:
+        if obj.owner == PLUGIN_NAME:
             _consolidate_sharded(storage, manifest, key, out, name, verify)
         else:
             _copy_replicated(storage, manifest, key, out, name, verify)
@@ -101,7 +102,7 @@ def consolidate(
 # --------------------------------------------------------------------------- sharded models
 
 
-def _consolidate_sharded(storage: Storage, manifest: dict[str, Any], key: str, out: Storage, out_name: str, verify: bool) -> None:
+def _consolidate_sharded(storage: Storage, manifest: Manifest, key: str, out: Storage, out_name: str, verify: bool) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from statekit_fsdp.dcp_metadata import read_metadata
@@ -206,10 +207,10 @@ def _verify_file(checkpoint: Checkpoint, rel: str) -> None:
 # --------------------------------------------------------------------------- replicated (core) models
 
 
-def _copy_replicated(storage: Storage, manifest: dict[str, Any], key: str, out: Storage, out_name: str, verify: bool) -> None:
-    files = manifest["objects"][key].get("files") or []
+def _copy_replicated(storage: Storage, manifest: Manifest, key: str, out: Storage, out_name: str, verify: bool) -> None:
+    files = manifest.objects[key].files or ()
     rel = f"{key}.safetensors"
-    if f"{key}.json" in files or rel not in manifest["files"]:
+    if f"{key}.json" in files or rel not in manifest.files:
         raise StatekitError(f"{storage.url}: model {key!r} is not stored as plain tensors ({rel}); cannot consolidate it")
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=verify)
     tensors = checkpoint.load_tensors(rel)  # the core's replicated file: one copy, aliases expanded

@@ -45,7 +45,7 @@ def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None
     manifest = read_manifest(storage)
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
     keys = [
-        k for k, o in manifest["objects"].items() if o.get("kind") == "model" and f"{k}.safetensors" in manifest["files"]
+        k for k, o in manifest.objects.items() if o.kind == "model" and f"{k}.safetensors" in manifest.files
     ]
     if not keys:
         raise StatekitError(f"{storage.url}: no model stored as <key>.safetensors; nothing to export to an offload folder")
@@ -69,7 +69,7 @@ def _export_model(checkpoint: Any, key: str, folder: str) -> None:
     url = f"{checkpoint.url}/{rel}"
     index: dict[str, Any] = {}
     with checkpoint.open(rel, "rb") as f:  # statekit's verifying reader: every byte is checked
-        header = read_header(f, url, checkpoint.manifest["files"][rel]["size_bytes"])
+        header = read_header(f, url, checkpoint.manifest.files[rel].size_bytes)
         sinks = {e.name: _stream.Sink() for e in header.entries}
         names = [(e.name, e) for e in header.entries]
         by_name = {e.name: e for e in header.entries}

@@ -141,7 +141,7 @@ def model_file(checkpoint: Any, key: str) -> str:
             which an offloaded load cannot use.
         CorruptCheckpointError: the manifest lists no ``<key>.safetensors``.
     """
-    files = (checkpoint.manifest or {}).get("files", {})
+    files = checkpoint.manifest.files if checkpoint.manifest is not None else {}
     rel = f"{key}.safetensors"
     if rel not in files:
         if f"{key}.json" in files:
@@ -185,7 +185,7 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
     load.prepare_folder(checkpoint, rel, opts)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     with checkpoint.open(rel, "rb") as f:
-        header = read_header(f, url, checkpoint.manifest["files"][rel]["size_bytes"] if checkpoint.verify else None)
+        header = read_header(f, url, checkpoint.manifest.files[rel].size_bytes if checkpoint.verify else None)
         check_shapes(header, targets, f"model {key!r} ({url})")
         names_of: dict[str, list[str]] = {e.name: [e.name] for e in header.entries}
         for alias, stored in header.aliases.items():

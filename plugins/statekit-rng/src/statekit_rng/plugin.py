@@ -267,7 +267,7 @@ def statekit_load_state_post(checkpoint: Checkpoint) -> None:
 
     Args:
         checkpoint: the load's context: ``records`` (saved by
-            :func:`statekit_save_state_pre`), ``manifest["files"]``, ``rank``,
+            :func:`statekit_save_state_pre`), ``manifest.files``, ``rank``,
             ``world_size``, ``objects``.
 
     Returns:
@@ -282,9 +282,10 @@ def statekit_load_state_post(checkpoint: Checkpoint) -> None:
     records = checkpoint.records
     if not records:
         return
-    files = (checkpoint.manifest or {}).get("files", {})
+    manifest = checkpoint.manifest
+    files = manifest.files if manifest is not None else {}
     rank, world_size = checkpoint.rank, checkpoint.world_size
-    saved_world = records.get("world_size", (checkpoint.manifest or {}).get("world_size"))
+    saved_world = records.get("world_size", manifest.world_size if manifest is not None else None)
     base = rank_path(STATE_KEY, rank)
     not_restored: list[str] = []
     if f"{base}.json" in files:
