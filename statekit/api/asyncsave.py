@@ -20,6 +20,7 @@ import weakref
 from typing import Any, Callable
 
 from statekit.errors import AsyncSaveError
+from statekit.format.manifest_types import Manifest
 
 _pending: weakref.WeakSet[PendingSave] = weakref.WeakSet()
 
@@ -33,11 +34,11 @@ class PendingSave:
         post: ``callable(manifest)`` running the post-hooks (run by ``wait()``).
     """
 
-    def __init__(self, url: str, finish: Callable[[], dict[str, Any]], post: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, url: str, finish: Callable[[], Manifest], post: Callable[[Manifest], None]) -> None:
         self.url = url
         self._finish = finish
         self._post = post
-        self._manifest: dict[str, Any] | None = None
+        self._manifest: Manifest | None = None
         self._error: BaseException | None = None
         self._collected = False
         self._thread = threading.Thread(target=self._run, name=f"statekit-save {url}", daemon=False)
@@ -54,7 +55,7 @@ class PendingSave:
         """True once the background write finished (committed or failed)."""
         return not self._thread.is_alive()
 
-    def wait(self) -> dict[str, Any]:
+    def wait(self) -> Manifest:
         """Join the write; run the post-hooks once; return the manifest.
 
         Raises:

@@ -23,6 +23,7 @@ from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plu
 from statekit.engine.entries import Entry
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.errors import StatekitWarning, warn_user
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import get_plugin_manager
 
 
@@ -178,7 +179,7 @@ def load_state(
     strict: bool = True,
     strict_resume: bool = False,
     **options: Any,
-) -> dict[str, Any]:
+) -> Manifest | dict[str, Any]:
     """Restore a run saved by :func:`save_state`, or a directory written by
     ``Accelerator.save_state`` (its pickle files only with ``allow_pickle=True``).
 
@@ -197,7 +198,8 @@ def load_state(
         **options: plugin options.
 
     Returns:
-        The manifest (for an Accelerate directory, a summary with ``format: "accelerate"``).
+        The manifest (:class:`statekit.Manifest`; for an Accelerate directory, a summary
+        dict with ``format: "accelerate"``).
 
     Raises:
         StatekitError: as :func:`statekit.load` (``CheckpointNotFoundError``,

@@ -207,7 +207,7 @@ class CheckpointManager:
         *,
         overwrite: bool = False,
         blocking: bool | None = None,
-    ) -> dict[str, Any] | PendingSave:
+    ) -> Manifest | PendingSave:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
         A previous async save is waited for first (and its error raised here).
@@ -268,7 +268,7 @@ class CheckpointManager:
         config = getattr(self.accelerator, "project_configuration", None)
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
 
-    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+    def wait(self, timeout: float | None = None) -> Manifest | None:
         """Wait for the pending async save (if any) and run its post-hooks; then for the
         plugins' background work (``statekit_manager_wait``: with ``replicate_to``, the
         replication of every committed checkpoint).
@@ -290,7 +290,7 @@ class CheckpointManager:
         call_each(get_plugin_manager(), "statekit_manager_wait", None, {"manager": self, "timeout": timeout})
         return manifest
 
-    def _wait_save(self) -> dict[str, Any] | None:
+    def _wait_save(self) -> Manifest | None:
         pending, self.pending = self.pending, None
         return pending.wait() if pending is not None else None
 
@@ -397,7 +397,7 @@ class CheckpointManager:
 
     def _load(
         self, url: str, storage_options: dict[str, Any] | None, verify: bool, strict: bool, strict_resume: bool
-    ) -> dict[str, Any]:
+    ) -> Manifest | dict[str, Any]:
         common = dict(
             verify=verify, storage_options=storage_options, allow_pickle=self.allow_pickle, strict=strict,
             strict_resume=strict_resume,

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from statekit.api.asyncsave import PendingSave
+from statekit.format.manifest_types import Manifest
 from statekit.manager.manager import CheckpointManager
 from statekit.errors import InvalidOptionError, StatekitError, StateMismatchError
 
@@ -246,7 +248,7 @@ class CheckpointHook(_TrainerChannels):
         self.resumed_step = self.last_saved_step = step
         return step
 
-    def on_step_end(self, args: Any = None) -> dict[str, Any] | None:
+    def on_step_end(self, args: Any = None) -> Manifest | PendingSave | None:
         """Save if ``progress.global_step`` is a multiple of ``every_n_steps``.
 
         Args:
@@ -263,7 +265,7 @@ class CheckpointHook(_TrainerChannels):
             return None
         return self._save("on_step_end")
 
-    def on_epoch_end(self, args: Any = None) -> dict[str, Any] | None:
+    def on_epoch_end(self, args: Any = None) -> Manifest | PendingSave | None:
         """Save if ``progress.epoch`` (epochs done) is a multiple of ``every_n_epochs``.
 
         Args:
@@ -280,7 +282,7 @@ class CheckpointHook(_TrainerChannels):
             return None
         return self._save("on_epoch_end")
 
-    def on_loop_end(self, args: Any = None) -> dict[str, Any] | None:
+    def on_loop_end(self, args: Any = None) -> Manifest | PendingSave | None:
         """Wait for a pending async save to commit.
 
         Args:
