@@ -10,6 +10,7 @@ import torch
 import statekit
 from statekit.manager.manager import checkpoint_name
 from statekit.engine.context import Checkpoint
+from statekit.plugin_api import FileEntry
 from statekit.storage import Storage
 from statekit.storage.hashing import checksum_bytes
 
@@ -78,7 +79,10 @@ def test_text_read_is_verified(tmp_path):
     with writer.open("a.txt", "w") as f:
         f.write("hello\n")
     (tmp_path / "c" / "a.txt").write_text("hellO\n")  # same size, other bytes
-    manifest = {"files": dict(writer.files)}
+    manifest = statekit.Manifest(
+        statekit_version=statekit.__version__, created="2026-11-27T00:00:00Z", step=None, world_size=1, plugins={},
+        objects={}, records={}, metadata={}, files={rel: FileEntry(**entry) for rel, entry in writer.files.items()},
+    )
     reader = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
     with pytest.raises(statekit.CorruptCheckpointError, match="a.txt: checksum"):
         with reader.open("a.txt", "r") as f:
