@@ -32,8 +32,8 @@ def test_partial_load_fills_shared_keys_and_reports_the_rest(tmp_path):
     other = torch.nn.Linear(1, 1)
     before = {k: v.clone() for k, v in other.state_dict().items()}
     manifest = statekit.load(str(tmp_path / "c"), {"model": smaller, "aux": other}, strict=False)
-    assert manifest["incompatible_keys"] == {"model": {"missing_keys": [], "unexpected_keys": ["2.bias", "2.weight"]}}
-    assert manifest["missing_objects"] == ["aux"]
+    assert manifest.incompatible_keys == {"model": {"missing_keys": [], "unexpected_keys": ["2.bias", "2.weight"]}}
+    assert manifest.missing_objects == ("aux",)
     assert_state_equal(smaller.state_dict(), {k: v for k, v in saved.state_dict().items() if not k.startswith("2.")})
     assert_state_equal(other.state_dict(), before)  # not in the checkpoint: left alone
 
@@ -42,7 +42,7 @@ def test_partial_load_fills_shared_keys_and_reports_the_rest(tmp_path):
     small = _net()
     statekit.save(str(tmp_path / "small"), {"model": small})
     manifest = statekit.load(str(tmp_path / "small"), {"model": bigger}, strict=False)
-    assert manifest["incompatible_keys"]["model"] == {"missing_keys": ["2.bias", "2.weight"], "unexpected_keys": []}
+    assert manifest.incompatible_keys["model"] == {"missing_keys": ["2.bias", "2.weight"], "unexpected_keys": []}
     assert_state_equal({k: v for k, v in bigger.state_dict().items() if k.startswith("2.")}, fresh_tail)
 
 
@@ -69,8 +69,8 @@ def test_manager_and_load_state_take_strict(tmp_path, installed_plugin_manager):
     with pytest.raises(statekit.StateMismatchError):
         statekit.load_state(other, manager.url_for(1))
     manifest = statekit.load_state(other, manager.url_for(1), strict=False)
-    assert manifest["incompatible_keys"]["model_0"]["unexpected_keys"] == ["2.bias", "2.weight"]
+    assert manifest.incompatible_keys["model_0"]["unexpected_keys"] == ["2.bias", "2.weight"]
     again = statekit.CheckpointManager(other, str(tmp_path / "root"))
     assert again.resume(strict=False) == 1
-    assert again.resumed_manifest["incompatible_keys"]["model_0"]["unexpected_keys"] == ["2.bias", "2.weight"]
+    assert again.resumed_manifest.incompatible_keys["model_0"]["unexpected_keys"] == ["2.bias", "2.weight"]
     assert_state_equal(smaller.state_dict(), {k: v for k, v in model.state_dict().items() if not k.startswith("2.")})
