@@ -51,12 +51,22 @@ The names, by topic:
   every warning on a save/load path goes through it);
 * processes: :func:`rank_and_world_size` and :func:`statekit_group` (statekit's own gloo
   group, for a plugin's collectives), and :func:`current_accelerator_type` (the one
-  accelerator lookup: the core's resume fingerprint and RNG guard use it too).
+  accelerator lookup: the core's resume fingerprint and RNG guard use it too);
+* random states: :func:`accelerator_generators` (the accelerator and the module holding its
+  generators, :class:`DeviceRngModule`), :func:`snapshot_random_states` and
+  :func:`restore_random_states` (Python, NumPy, torch CPU and the accelerator's
+  generators: the one snapshot and restore, which the core's RNG guard uses too).
 """
 
 from __future__ import annotations
 
-from statekit.devices import current_accelerator_type
+from statekit.devices import (
+    DeviceRngModule,
+    accelerator_generators,
+    current_accelerator_type,
+    restore_random_states,
+    snapshot_random_states,
+)
 from statekit.distributed import rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
 from statekit.loaders.data import sampler_of
@@ -172,7 +182,11 @@ __all__ = [
     "release_in_use",
     "remove_stale_markers",
     # processes
+    "DeviceRngModule",
+    "accelerator_generators",
     "current_accelerator_type",
+    "restore_random_states",
+    "snapshot_random_states",
     "rank_and_world_size",
     "statekit_group",
 ]

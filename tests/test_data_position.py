@@ -219,7 +219,7 @@ def test_read_ahead_states_saved_with_more_devices_resume(tmp_path, installed_pl
     set_rng_state_all indexes past the last device: IndexError at the first batch)."""
     from accelerate_helpers import fresh_accelerator
 
-    from statekit.loaders import rng_guard
+    import statekit.devices
 
     class Devices:  # behaves like torch.cuda's generator functions
         def __init__(self, n):
@@ -237,7 +237,7 @@ def test_read_ahead_states_saved_with_more_devices_resume(tmp_path, installed_pl
 
     def run(devices, stop=None, resume=False):
         module = Devices(devices)
-        monkeypatch.setattr(rng_guard, "_device_module", lambda: module)
+        monkeypatch.setattr(statekit.devices, "accelerator_generators", lambda initialised_only=False: ("cuda", module))
         torch.manual_seed(0)
         accelerator = fresh_accelerator()
         loader = accelerator.prepare(torch.utils.data.DataLoader(_Augmented(), batch_size=8, shuffle=True))

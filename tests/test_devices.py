@@ -38,3 +38,31 @@ def test_the_resume_fingerprint_names_the_same_device_as_the_rng_plugin(monkeypa
     monkeypatch.setattr(torch, "get_device_module", lambda t: types.SimpleNamespace(is_available=lambda: t == "cuda"))
     assert installed_plugin_manager.manages_rng()
     assert fingerprint.rng_live() == ["cuda", "numpy", "python", "torch"]
+
+
+def test_random_states_snapshot_and_restore_put_every_generator_back():
+    """The one snapshot/restore (statekit.devices, plugin_api): Python, NumPy and torch CPU
+    draws after a restore repeat those after the snapshot; rng_guard puts them back."""
+    import random
+
+    import numpy as np
+    import numpy.random  # noqa: F401 - NumPy's state is taken once numpy.random is imported
+
+    from statekit.plugin_api import restore_random_states, snapshot_random_states
+
+    states = snapshot_random_states()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    restore_random_states(states)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+    from statekit.devices import rng_guard
+
+    restore_random_states(states)
+    random.random(), np.random.rand(), torch.rand(3)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    restore_random_states(states)
+    random.random(), np.random.rand(), torch.rand(3)
+    with rng_guard():
+        random.random(), np.random.rand(), torch.rand(3)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert expected[:2] == got[:2] and torch.equal(expected[2], got[2])

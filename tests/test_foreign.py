@@ -352,11 +352,12 @@ def test_accelerate_device_random_states_of_another_device_count(monkeypatch, ki
     import warnings
 
     import statekit
+    from statekit import devices
     from statekit.foreign import accelerate_rng
 
     calls = []
     module = getattr(torch, kind)
-    monkeypatch.setattr(module, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "current_accelerator_type", lambda: kind)
     monkeypatch.setattr(module, "device_count", lambda: visible)
     monkeypatch.setattr(module, "set_rng_state_all", lambda states: calls.append(list(states)))
     device_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(saved_devices)]

@@ -175,7 +175,9 @@ def test_plugins_use_the_declared_names():
         for name in plugin_api.__all__
         if inspect.isclass(getattr(plugin_api, name)) and issubclass(getattr(plugin_api, name), (Exception, Warning))
     }
-    unused = set(plugin_api.__all__) - used - offload_reexports - errors
+    # promised before statekit-rng moved to accelerator_generators (the lookup behind it): stays importable
+    kept = {"current_accelerator_type"}
+    unused = set(plugin_api.__all__) - used - offload_reexports - errors - kept
     assert not unused, f"names of statekit.plugin_api no plugin uses: {sorted(unused)}"
 
 
@@ -184,7 +186,7 @@ def test_rank_path_names_the_files_a_per_rank_save_writes(tmp_path):
     import statekit
 
     manifest = statekit.save(str(tmp_path), {"pos": {"index": 17}}, per_rank=["pos"])
-    assert plugin_api.rank_path("pos", 0) + ".json" in manifest["files"]
+    assert plugin_api.rank_path("pos", 0) + ".json" in manifest.files
     assert plugin_api.rank_path("dataloader_0", 3) == "dataloader_0/rank-00003"
     assert plugin_api.rank_name(123456) == "rank-123456"
     assert plugin_api.parse_rank_path("rng/rank-00001.json") == ("rng", 1)

@@ -4,9 +4,9 @@ Owns: the hookspecs and their documentation (:mod:`~statekit.hooks.hookspecs`, t
 plugins implement: save/load pre and post hooks, attach, the manager hooks), the plugin
 manager (:mod:`~statekit.hooks.registry`: entry-point discovery in group ``statekit``,
 blocking with ``STATEKIT_DISABLE_PLUGINS``, tracing, :func:`~statekit.hooks.registry.call_each`),
-which plugin took which model or object (:mod:`~statekit.hooks.claims`), and the RNG
-guard around plugin calls (:mod:`~statekit.hooks.rng_guard`, re-exported from
-:mod:`statekit.loaders.rng_guard`).
+which plugin took which model or object (:mod:`~statekit.hooks.claims`). The RNG
+guard around plugin calls is :func:`statekit.devices.rng_guard` (the one snapshot and
+restore of the global random states).
 
 Call sequence: :func:`~statekit.hooks.registry.get_plugin_manager` (built on first use,
 entry points loaded) -> the API calls :func:`~statekit.hooks.registry.call_each` with a

@@ -26,7 +26,7 @@ import pluggy
 from statekit.hooks import hookspecs
 from statekit.errors import PluginError, PluginMissingError, StatekitError, StatekitWarning, warn_user
 from statekit.format.manifest_types import Manifest
-from statekit.hooks.rng_guard import rng_guard
+from statekit.devices import rng_guard
 
 ENTRY_POINT_GROUP = "statekit"
 """Entry-point group that plugin distributions register under."""
@@ -398,7 +398,7 @@ def call_each(
 
     Implementations run in pluggy's call order (``reversed(get_hookimpls())``: tryfirst,
     then the last registered first). Before each call ``checkpoint.plugin`` is set to the
-    plugin's name; the call runs under :func:`statekit.hooks.rng_guard.rng_guard` unless the
+    plugin's name; the call runs under :func:`statekit.devices.rng_guard` unless the
     plugin declares ``STATEKIT_MANAGES_RNG = True``; afterwards ``after_each(name)`` lets
     the caller record what the plugin removed from ``models``/``objects``.
 

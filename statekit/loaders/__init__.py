@@ -8,9 +8,9 @@ discard), the random states of batches fetched ahead (:mod:`~statekit.loaders.fe
 and of the epoch's start (:mod:`~statekit.loaders.epoch_rng`), elastic resume on another
 world size (:mod:`~statekit.loaders.elastic`, :mod:`~statekit.loaders.elastic_layouts`),
 the resume audit (:mod:`~statekit.loaders.audit`: the next-batch record a save writes and
-the check of the first batch after a resume), and the process's global random states
-(:mod:`~statekit.loaders.rng_guard`: ``snapshot``/``restore``/``rng_guard``, which the
-hooks layer re-exports for plugin calls).
+the check of the first batch after a resume). The global random states these modules
+keep are snapshot and restored by :mod:`statekit.devices` (``snapshot_random_states``,
+``restore_random_states``, ``rng_guard``), their one owner.
 
 Imports only :mod:`statekit.errors`, :mod:`statekit.devices` and the checksum of
 :mod:`statekit.storage.hashing`; nothing here reads or writes a file: the engine stores

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable
-from statekit.loaders.rng_guard import snapshot
+from statekit.devices import snapshot_random_states
 from statekit.loaders.samplers import (
     dataset_length,
     generators,
@@ -154,7 +154,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     # global random states back once the sampler made its epoch-start draws
     innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
     restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
-    position.epoch_rng = replay_start or snapshot()  # before the iterator draws the epoch's order
+    position.epoch_rng = replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
     parent = super(type(self), self).__iter__()
     position.parent = parent
     finished = False

@@ -10,7 +10,7 @@ states at save time).
 
 statekit does not give loaders generators of their own for this (that would change the
 data order of a run the moment statekit is attached, against a run without it). Instead
-:mod:`statekit.loaders.data` snapshots the global states (:func:`statekit.loaders.rng_guard.snapshot`)
+:mod:`statekit.loaders.data` snapshots the global states (:func:`statekit.devices.snapshot_random_states`)
 right before each epoch's iterator is built, and saves them with the position. A resume
 replays the epoch start (:func:`replay`): it sets those states back, lets the iterator and
 the sampler make the draws they made in the saved run, and puts back the states the
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from statekit.loaders.rng_guard import restore, snapshot
+from statekit.devices import restore_random_states, snapshot_random_states
 from statekit.loaders.samplers import BatchSamplerWrapper
 
 
@@ -40,7 +40,7 @@ class ReplayEpochStart(BatchSamplerWrapper):
 
     Args:
         wrapped: the wrapped batch sampler.
-        start: the global states at the saved epoch's start (:func:`snapshot`).
+        start: the global states at the saved epoch's start (:func:`~statekit.devices.snapshot_random_states`).
         position: the loader's ``Position``.
     """
 
@@ -56,8 +56,8 @@ class ReplayEpochStart(BatchSamplerWrapper):
         # its index sampler for every later epoch, which must not go back to this epoch's start
         if not self.used:
             self.used = True
-            self.position.resume_rng = snapshot()
-            restore(self.start)
+            self.position.resume_rng = snapshot_random_states()
+            restore_random_states(self.start)
         return iter(self.batch_sampler)
 
 
@@ -87,7 +87,7 @@ def settle(position: Any) -> None:
     states = getattr(position, "resume_rng", None)
     if states is not None:
         position.resume_rng = None
-        restore(states)
+        restore_random_states(states)
 
 
 def wrapper(position: Any, start: dict[str, Any] | None) -> Any:

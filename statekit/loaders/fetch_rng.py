@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from statekit.loaders.rng_guard import restore, snapshot
+from statekit.devices import restore_random_states, snapshot_random_states
 from statekit.loaders.samplers import BatchSamplerWrapper
 
 
@@ -64,11 +64,11 @@ class FetchLog(BatchSamplerWrapper):
             states = replay.pop(fetched, None)
             if states is not None:
                 if self.settle_after and self.position.replay_after is None:
-                    self.position.replay_after = snapshot()  # what the checkpoint restored
-                restore(states)  # this batch's first fetch started here
+                    self.position.replay_after = snapshot_random_states()  # what the checkpoint restored
+                restore_random_states(states)  # this batch's first fetch started here
             elif not replay:
                 settle(self.position)
-            self.position.fetch_states[fetched] = snapshot()
+            self.position.fetch_states[fetched] = snapshot_random_states()
             yield indices
         settle(self.position)
 
@@ -102,7 +102,7 @@ def settle(position: Any) -> None:
     checkpoint restored (once)."""
     if position.replay_after is not None:
         states, position.replay_after = position.replay_after, None
-        restore(states)
+        restore_random_states(states)
 
 
 def forget_before(position: Any, batches: int) -> None:

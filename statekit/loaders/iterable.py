@@ -30,7 +30,7 @@ This module decides how the next iterator of a restored loader continues (:func:
     start, a Stateful dataset at its epoch-start state) and the consumed batches are read
     and discarded, in batches of the loader the training loop iterates (for Accelerate
     the prepared loader's), so the workers draw exactly what they drew before. Runs under
-    :func:`statekit.loaders.rng_guard.rng_guard`: a dataset that draws from the global RNG
+    :func:`statekit.devices.rng_guard`: a dataset that draws from the global RNG
     in the main process does not shift it. A :class:`statekit.StatekitWarning` reports
     how many batches were re-read and how long it took.
 
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from statekit.loaders.rng_guard import restore, rng_guard
+from statekit.devices import restore_random_states, rng_guard
 from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.errors import StatekitWarning
 
@@ -252,7 +252,7 @@ def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: A
     with rng_guard():
         done = sum(1 for _ in itertools.islice(iterator, count))
     if after is not None:
-        restore(after)
+        restore_random_states(after)
     seconds = time.perf_counter() - started
     if done < count:
         warnings.warn(

@@ -115,9 +115,14 @@ class _MpsLike:
         self.generator.set_state(new_state)
 
 
-def test_per_device_module_is_adapted() -> None:
+def test_per_device_module_is_adapted(monkeypatch: pytest.MonkeyPatch) -> None:
     module = _MpsLike()
-    adapted = rng_devices._PerDeviceRng(module)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("mps"))
+    monkeypatch.setattr(torch, "get_device_module", lambda device_type=None: module)
+    found = rng_plugin.discover_accelerator()
+    assert found is not None and found[0] == "mps"
+    adapted = found[1]
     states = adapted.get_rng_state_all()
     first = torch.rand(2, generator=module.generator)
     adapted.set_rng_state_all(states)

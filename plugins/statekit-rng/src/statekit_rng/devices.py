@@ -1,8 +1,9 @@
 """The device generators of the current accelerator: discovery, and restoring saved states.
 
-Devices are found with the core's ``statekit.plugin_api.current_accelerator_type`` (the
-lookup the resume fingerprint uses too) and ``torch.get_device_module(device_type)``,
-with no hard-coded list of backends (CUDA, XPU, MPS, HPU, a PrivateUse1 backend...).
+Devices are found with the core's ``statekit.plugin_api.accelerator_generators`` (the
+lookup the resume fingerprint and the RNG guard use too: ``torch.get_device_module`` of
+the current accelerator), with no hard-coded list of backends (CUDA, XPU, MPS, HPU, a
+PrivateUse1 backend...).
 :mod:`statekit_rng.plugin` calls :func:`discover_accelerator` through its own namespace,
 so a test can replace it there. A backend needs no replacement: ``torch.accelerator``
 finds PrivateUse1 backends too, and the core's resume fingerprint names the device that
@@ -13,67 +14,22 @@ resume warn that its random state is not restored.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
 
 import torch
 
-from statekit.plugin_api import current_accelerator_type
+from statekit.plugin_api import DeviceRngModule, accelerator_generators
 
-
-class DeviceRngModule(Protocol):
-    """The part of a torch device module (``torch.cuda``, ``torch.xpu``...) this plugin uses.
-
-    ``torch.get_device_module(device_type)`` returns such a module for CUDA, XPU and
-    PrivateUse1 backends; :func:`discover_accelerator` adapts modules that only have
-    per-device ``get_rng_state`` / ``set_rng_state`` (MPS).
-    """
-
-    def device_count(self) -> int:
-        """Number of devices of this type visible to the process."""
-        ...
-
-    def get_rng_state_all(self) -> list[torch.Tensor]:
-        """The generator state of every device, as CPU ``torch.uint8`` tensors."""
-        ...
-
-    def set_rng_state_all(self, new_states: Sequence[torch.Tensor]) -> None:
-        """Set the generator state of devices ``0 .. len(new_states) - 1``."""
-        ...
-
-
-class _PerDeviceRng:
-    """Adapts a device module with only ``get_rng_state(device)`` / ``set_rng_state(state,
-    device)`` (``torch.mps``) to :class:`DeviceRngModule`."""
-
-    def __init__(self, module: Any) -> None:
-        self._module = module
-
-    def device_count(self) -> int:
-        count = getattr(self._module, "device_count", None)
-        return int(count()) if callable(count) else 1
-
-    def get_rng_state_all(self) -> list[torch.Tensor]:
-        n = self.device_count()
-        if n == 1:
-            return [self._module.get_rng_state()]
-        return [self._module.get_rng_state(i) for i in range(n)]
-
-    def set_rng_state_all(self, new_states: Sequence[torch.Tensor]) -> None:
-        if len(new_states) == 1 and self.device_count() == 1:
-            self._module.set_rng_state(new_states[0])
-            return
-        for i, state in enumerate(new_states):
-            self._module.set_rng_state(state, i)
+__all__ = ["DeviceRngModule", "discover_accelerator", "restore_devices"]
 
 
 def discover_accelerator() -> tuple[str, DeviceRngModule] | None:
     """Find the accelerator of this process and the module that holds its generators.
 
-    The device type is the core's :func:`statekit.plugin_api.current_accelerator_type`
-    (``torch.accelerator`` on torch >= 2.6; earlier versions probe ``cuda``, ``xpu``, ``mps``
-    and the PrivateUse1 backend), the module ``torch.get_device_module(device_type)``: the device-generic path torch
-    itself documents, instead of Accelerate's per-backend chain
-    (``accelerate.utils.random.set_seed``).
+    The core's :func:`statekit.plugin_api.accelerator_generators` (the one lookup:
+    ``torch.accelerator`` on torch >= 2.6, earlier versions probe ``cuda``, ``xpu``, ``mps``
+    and the PrivateUse1 backend; the module ``torch.get_device_module(device_type)``, MPS's
+    per-device functions adapted): the device-generic path torch itself documents, instead
+    of Accelerate's per-backend chain (``accelerate.utils.random.set_seed``).
 
     Hooks look this function up in the module namespace at every call, so a test can
     replace it (``monkeypatch.setattr(statekit_rng.plugin, "discover_accelerator", fake)``;
@@ -86,13 +42,7 @@ def discover_accelerator() -> tuple[str, DeviceRngModule] | None:
     Raises:
         Whatever torch raises while initialising the device runtime.
     """
-    device_type = current_accelerator_type()
-    if device_type is None:
-        return None
-    module = torch.get_device_module(device_type)
-    if not (hasattr(module, "get_rng_state_all") and hasattr(module, "set_rng_state_all")):
-        module = _PerDeviceRng(module)
-    return device_type, module
+    return accelerator_generators()
 
 
 def _device_names(device_type: str, indices: Sequence[int]) -> str:

@@ -50,7 +50,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from statekit.plugin_api import CorruptCheckpointError, FormatVersionError, StatekitWarning, hookimpl, parse_rank_path, rank_path
+from statekit.plugin_api import (
+    CorruptCheckpointError,
+    FormatVersionError,
+    StatekitWarning,
+    hookimpl,
+    parse_rank_path,
+    rank_path,
+    restore_random_states,
+    snapshot_random_states,
+)
 from statekit_rng.devices import DeviceRngModule, discover_accelerator, restore_devices
 from statekit_rng.loaders import (
     LOADER_ROLE,
@@ -122,9 +131,10 @@ def snapshot(objects: Mapping[str, Any] | None = None) -> dict[str, Any]:
     Raises:
         Whatever torch raises while reading a device generator.
     """
-    import numpy as np
+    import numpy.random  # noqa: F401 - the core's snapshot takes NumPy's state once it is imported
 
     found = discover_accelerator()
+    host = snapshot_random_states(accelerator=None)  # Python, NumPy, torch CPU; the devices below
     device_type, device_states = None, []
     if found is not None:
         device_type, module = found
@@ -140,9 +150,9 @@ def snapshot(objects: Mapping[str, Any] | None = None) -> dict[str, Any]:
             loaders[key] = entries
     return {
         "format": STATE_FORMAT,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "python": host["python"],
+        "numpy": host["numpy"],
+        "torch": host["torch"],
         "device_type": device_type,
         "devices": device_states,
         "loaders": loaders,
@@ -218,13 +228,12 @@ def restore(state: Mapping[str, Any], loaders: Mapping[str, Any] | None = None, 
         CorruptCheckpointError: the state lacks a field (names ``source``).
         FormatVersionError: the state was written by a newer statekit-rng.
     """
-    import numpy as np
+    import numpy.random  # noqa: F401 - the core's restore sets NumPy's state once it is imported
 
     state = _check_state(state, source)
     not_restored: list[str] = []
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    restore_random_states({"python": state["python"], "numpy": state["numpy"], "torch": state["torch"], "device": None},
+                          accelerator=None)
     restore_devices(discover_accelerator(), state["device_type"], state["devices"], not_restored)
     restore_loaders(state["loaders"], loaders or {}, not_restored)
     return not_restored
