@@ -26,9 +26,9 @@ def _state(seed: int) -> dict:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
     model(torch.randn(3, 16)).sum().backward()
     optimizer.step()
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
     scheduler.step()
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
 
