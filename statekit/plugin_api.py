@@ -33,8 +33,7 @@ The names, by topic:
   :func:`view_identity` (the one tied-view test),
   :class:`TensorHeader`, :class:`TensorEntry`, :data:`CHUNK_BYTES`), the dtype tables
   (:data:`SAFETENSORS_CODES`, :data:`NATIVE_DTYPES`, :data:`DTYPE_FROM_CODE`), the state
-  codec's :func:`encode`, :func:`read_manifest` and the manifest's types (:class:`Manifest`,
-  :class:`FileEntry`, :class:`ObjectEntry`, :class:`Fingerprint`, :class:`ResumeAudit`:
+  codec's :func:`encode`, :func:`read_manifest` and :class:`Manifest` (typed:
   ``checkpoint.manifest`` at load, read by attribute), and the per-rank path
   ``<key>/rank-<r:05d>`` (:func:`rank_path`, :func:`rank_name`, :func:`parse_rank_path`:
   every per-rank file of the core and of a plugin is named through them). There is no checksum helper: files
@@ -108,7 +107,7 @@ from statekit.format.codec import encode
 from statekit.format.header import view_identity
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
 from statekit.format.manifest import read_manifest
-from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import hookimpl
 from statekit.storage import Storage, storage_errors
 from statekit.storage.inuse import (
@@ -162,11 +161,7 @@ __all__ = [
     "read_exactly_into",
     "read_header",
     "read_manifest",
-    "FileEntry",
-    "Fingerprint",
     "Manifest",
-    "ObjectEntry",
-    "ResumeAudit",
     "read_tensors",
     "tensor_bytes",
     "view_identity",

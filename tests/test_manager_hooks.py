@@ -74,7 +74,7 @@ class Committed:
     @hookimpl
     def statekit_checkpoint_committed(self, url, manifest, manager):
         latest = Storage(manager.root_url).read_bytes("latest").decode().strip()
-        self.calls.append(dict(url=url, manifest=dict(manifest), manager=manager, latest=latest,
+        self.calls.append(dict(url=url, manifest=manifest, manager=manager, latest=latest,
                                committed=Storage(url).exists(fmt.MANIFEST_NAME),
                                main=threading.current_thread() is threading.main_thread()))
         if self.block:
