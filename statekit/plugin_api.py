@@ -29,7 +29,7 @@ The names, by topic:
 * storage: :class:`Storage` (a checkpoint location: any fsspec URL) and
   :func:`storage_errors`;
 * the format: safetensors headers and tensor streams (:func:`read_header`, the one
-  header reader; :func:`build_header`, :func:`read_tensors`, :func:`read_exactly_into`, :func:`tensor_bytes`,
+  header reader; :func:`build_header` and :func:`encode_header` (the one header writer), :func:`read_tensors`, :func:`read_exactly_into`, :func:`tensor_bytes`,
   :func:`view_identity` (the one tied-view test),
   :class:`TensorHeader`, :class:`TensorEntry`, :data:`CHUNK_BYTES`), the dtype tables
   (:data:`SAFETENSORS_CODES`, :data:`NATIVE_DTYPES`, :data:`DTYPE_FROM_CODE`), the state
@@ -98,6 +98,7 @@ from statekit.format import (
     TensorEntry,
     TensorHeader,
     build_header,
+    encode_header,
     read_exactly_into,
     read_header,
     read_tensors,
@@ -154,6 +155,7 @@ __all__ = [
     "TensorEntry",
     "TensorHeader",
     "build_header",
+    "encode_header",
     "encode",
     "parse_rank_path",
     "rank_name",

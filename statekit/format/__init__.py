@@ -56,7 +56,7 @@ from statekit.format.dtypes import (
     SAFETENSORS_CODES,
     dtype_name,
 )
-from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, parse_header, read_header
+from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, encode_header, parse_header, read_header
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
 from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
 from statekit.format.manifest import (
@@ -98,6 +98,7 @@ __all__ = [
     "TensorEntry",
     "TensorHeader",
     "build_header",
+    "encode_header",
     "check_relpath",
     "checksum_bytes",
     "checksum_string",

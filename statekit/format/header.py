@@ -14,7 +14,7 @@ import contextlib
 import gc
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
@@ -151,21 +151,51 @@ def build_header(
         UnsupportedDtypeError: a tensor's dtype or layout cannot be stored; names the key.
     """
     planned, aliases, byte_views = _plan(tensors)
-    header: dict[str, Any] = {}
     meta = {"format": "pt", WRITER_KEY: WRITER, **(metadata or {})}
     if aliases:
         meta["statekit.aliases"] = json.dumps(aliases, separators=(",", ":"))
     if byte_views:
         meta["statekit.dtypes"] = json.dumps(byte_views, separators=(",", ":"))
-    header["__metadata__"] = meta
+    return encode_header(((p.name, p.code, p.shape, p.nbytes) for p in planned), meta, data_align=data_align), planned
+
+
+def encode_header(
+    entries: Iterable[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str], *, data_align: int = 8
+) -> bytes:
+    """The one safetensors header writer: 8-byte little-endian length, then the JSON header
+    (``__metadata__`` first, then each tensor with ``data_offsets`` laid out back to back in
+    the order given), padded with spaces.
+
+    :func:`build_header` calls it for tensors in memory; a writer that knows only names,
+    dtypes and shapes (statekit-fsdp's consolidation, which builds the header from DCP
+    metadata before any tensor is read) calls it directly.
+
+    Args:
+        entries: ``(name, safetensors dtype code, stored shape, size in bytes)`` per tensor,
+            in the order their bytes follow the header.
+        metadata: the ``__metadata__`` entries (str -> str), as written (nothing added).
+        data_align: pad so that the data starts at a multiple of this many bytes (8,
+            safetensors' own padding).
+
+    Returns:
+        The header bytes: length prefix + padded JSON.
+
+    Raises:
+        UnsupportedDtypeError: two entries have the same name, or one is named
+            ``__metadata__`` (names it).
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
-    for p in planned:
-        header[p.name] = {"dtype": p.code, "shape": p.shape, "data_offsets": [offset, offset + p.nbytes]}
-        offset += p.nbytes
+    for name, code, shape, nbytes in entries:
+        if name in header:
+            what = "is reserved for the metadata" if name == "__metadata__" else "appears twice"
+            raise UnsupportedDtypeError(f"tensor name {name!r} {what} in one safetensors header")
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     with gc_paused():
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % data_align)
-    return struct.pack("<Q", len(raw)) + raw, planned
+    return struct.pack("<Q", len(raw)) + raw
 
 
 # --------------------------------------------------------------------------- parsing

@@ -20,9 +20,7 @@ The layout written follows the safetensors specification
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from collections import OrderedDict
 from typing import Any, BinaryIO
 
@@ -38,6 +36,7 @@ from statekit.plugin_api import (
     StatekitError,
     Storage,
     UnsupportedDtypeError,
+    encode_header,
     read_manifest,
     read_tensors,
     tensor_bytes,
@@ -225,21 +224,20 @@ def _copy_replicated(storage: Storage, manifest: Manifest, key: str, out: Storag
 
 
 def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], source: str) -> bytes:
-    """The safetensors header (8-byte length + space-padded JSON) for tensors written in order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
+    """The safetensors header for tensors written in order, by the core's one header writer
+    (``encode_header``); ``__metadata__`` is ``{"format": "pt"}`` only (the output is a plain
+    safetensors file for any tool), and only native safetensors dtypes are accepted."""
+    specs = []
+    seen: set[str] = set()
     for name, dtype, shape in entries:
         code = _CODES.get(dtype)
         if code is None:
             raise UnsupportedDtypeError(f"{source}: tensor {name!r} has dtype {dtype}, which safetensors cannot store natively")
-        if name in header:
+        if name in seen or name == "__metadata__":
             raise StatekitError(f"{source}: tensor name {name!r} appears twice")
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+        seen.add(name)
+        specs.append((name, code, shape, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()))
+    return encode_header(specs, {"format": "pt"})
 
 
 def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
