@@ -10,7 +10,7 @@ import torch
 import statekit
 from statekit.manager.manager import checkpoint_name
 from statekit.engine.context import Checkpoint
-from statekit.plugin_api import FileEntry
+from statekit.format import FileEntry
 from statekit.storage import Storage
 from statekit.storage.hashing import checksum_bytes
 

@@ -19,7 +19,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import statekit
-from statekit.plugin_api import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit, Storage, read_manifest
+from statekit.format import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
+from statekit.plugin_api import Storage, read_manifest
 from statekit.format.manifest import manifest_bytes
 
 DATA = Path(__file__).parent / "data"
