@@ -77,16 +77,16 @@ def copy_checkpoint(
         raw = src.read_bytes(fmt.MANIFEST_NAME)
     else:
         raw = manifest_bytes
-        manifest = fmt.validate_manifest(json.loads(raw.decode("utf-8")), src.url_of(fmt.MANIFEST_NAME))
+        manifest = fmt.Manifest.from_json(raw, src.url_of(fmt.MANIFEST_NAME))
     if dst.exists(fmt.MANIFEST_NAME):
         if dst.read_bytes(fmt.MANIFEST_NAME) == raw:
             return manifest
         raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
-    mine = sorted(rel for rel, meta in manifest["files"].items() if world_size == 1 or meta["rank"] == rank)
+    mine = sorted(rel for rel, meta in manifest.files.items() if world_size == 1 or meta.rank == rank)
     mark_copy_in_progress(dst)  # statekit gc of the remote root keeps it until the commit
     for rel in mine:
-        meta = manifest["files"][rel]
-        if meta["size_bytes"] <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
+        meta = manifest.files[rel]
+        if meta.size_bytes <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
             dst.write_bytes(rel, src.read_bytes(rel))
             back = dst.read_bytes(rel)
             hasher = new_hasher()
@@ -115,10 +115,10 @@ def _marker_name(rank: int) -> str:
     return f"{MARKER_PREFIX}{rank:05d}.json"
 
 
-def _wait_for_ranks(dst: Storage, manifest: dict[str, Any], digest: str, world_size: int, timeout: float) -> None:
+def _wait_for_ranks(dst: Storage, manifest: fmt.Manifest, digest: str, world_size: int, timeout: float) -> None:
     """Rank 0: wait until every other rank's marker in ``dst`` names this manifest and the
     files it wrote, then remove the markers (before the commit)."""
-    expected = {r: sorted(rel for rel, m in manifest["files"].items() if m["rank"] == r) for r in range(1, world_size)}
+    expected = {r: sorted(rel for rel, m in manifest.files.items() if m.rank == r) for r in range(1, world_size)}
     waiting = set(expected)
     deadline = time.monotonic() + timeout
     while True:
