@@ -48,8 +48,19 @@ The names, by topic:
   :class:`InUseMarker`;
 * warnings: :func:`warn_user` (a warning that points at the user's line, not the plugin's:
   every warning on a save/load path goes through it);
-* processes: :func:`rank_and_world_size` and :func:`statekit_group` (statekit's own gloo
-  group, for a plugin's collectives), and :func:`current_accelerator_type` (the one
+* the manager hooks (``docs/hooks.md``, Manager hooks): :class:`ManagerView`, what a hook
+  may rely on of the ``CheckpointManager`` it is handed (root URL, storage options,
+  ``manager_options``, ``list()``, ``url_of(name)``, ``resumed_from``, ``plugin_state``),
+  and the checkpoints under a root: :class:`CheckpointInfo`, :func:`list_checkpoints`,
+  :func:`delete_all_but` (retention's one deletion loop);
+* copying a committed checkpoint to another root (the ``replicate`` plugin):
+  :data:`MANIFEST_NAME` (written last: the commit), :class:`Manifest` (parse manifest
+  bytes), :class:`VerifyingReader` and :func:`checksum_bytes` (verify a copy at its
+  destination against the manifest), :func:`mark_copy_in_progress` and
+  :func:`end_copy_in_progress` (``statekit gc`` keeps a copy being filled), and
+  :func:`hold_in_use` (an in-use marker that lives as long as an object);
+* processes: :func:`rank_and_world_size`, :func:`statekit_group` (statekit's own gloo
+  group, for a plugin's collectives) and :func:`broadcast_from_rank0`, and :func:`current_accelerator_type` (the one
   accelerator lookup: the core's resume fingerprint and RNG guard use it too);
 * random states: :func:`accelerator_generators` (the accelerator and the module holding its
   generators, :class:`DeviceRngModule`), :func:`snapshot_random_states` and
@@ -66,8 +77,9 @@ from statekit.devices import (
     restore_random_states,
     snapshot_random_states,
 )
-from statekit.distributed import rank_and_world_size, statekit_group
+from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
 from statekit.loaders.data import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
 from statekit.errors import (
@@ -107,12 +119,16 @@ from statekit.format import (
 from statekit.format.codec import encode
 from statekit.format.header import view_identity
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
-from statekit.format.manifest import read_manifest
+from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import Manifest
+from statekit.hooks.hookspecs import ManagerView
 from statekit.hooks.registry import hookimpl
+from statekit.manager.listing import CheckpointInfo, delete_all_but, list_checkpoints
 from statekit.storage import Storage, storage_errors
+from statekit.storage.hashing import VerifyingReader, checksum_bytes
 from statekit.storage.inuse import (
     InUseMarker,
+    hold_in_use,
     in_use_markers,
     is_in_use,
     mark_in_use,
@@ -167,6 +183,18 @@ __all__ = [
     "read_tensors",
     "tensor_bytes",
     "view_identity",
+    # the manager hooks and the checkpoints under a root
+    "CheckpointInfo",
+    "ManagerView",
+    "delete_all_but",
+    "list_checkpoints",
+    # copying a committed checkpoint to another root
+    "MANIFEST_NAME",
+    "VerifyingReader",
+    "checksum_bytes",
+    "end_copy_in_progress",
+    "hold_in_use",
+    "mark_copy_in_progress",
     # models and data
     "check_fit",
     "sampler_of",
@@ -179,6 +207,7 @@ __all__ = [
     "release_in_use",
     "remove_stale_markers",
     # processes
+    "broadcast_from_rank0",
     "DeviceRngModule",
     "accelerator_generators",
     "current_accelerator_type",

@@ -1,12 +1,17 @@
-"""Two-tier checkpoints as a built-in plugin, ``replicate``, on the manager hooks.
+"""The ``replicate`` plugin: two-tier checkpoints on the manager hooks and the plugin API.
 
-``CheckpointManager(..., replicate_to="s3://bucket/run")`` registers
-:class:`Replicate` (:func:`ensure_registered`); everything two-tier happens in its hook
-implementations, through the contract any plugin has (``docs/hooks.md``, Manager hooks):
+``CheckpointManager(..., replicate_to="s3://bucket/run")`` copies every committed
+checkpoint to the remote root. The plugin is registered like any plugin, through the
+entry point ``replicate`` of group ``statekit`` (the statekit distribution declares it),
+imports statekit only through :mod:`statekit.plugin_api`, and uses only the contract any
+plugin has (``docs/hooks.md``, Manager hooks):
 
-* ``statekit_manager_start``: start a :class:`~statekit_replicate.replication.Replicator` for the
-  manager (kept in ``manager.plugin_state["replicate"]``) and queue what a killed process
-  left unreplicated;
+* ``STATEKIT_MANAGER_OPTIONS``: the manager keyword options it owns (``replicate_to``,
+  ``replicate_options``, ``remote_keep_last``, ``delete_unreplicated``), validated in
+  ``statekit_manager_options`` and read back from ``manager.manager_options``;
+* ``statekit_manager_start``: start a :class:`~statekit_replicate.replication.Replicator`
+  for the manager (kept in ``manager.plugin_state["replicate"]``) and queue what a killed
+  process left unreplicated;
 * ``statekit_checkpoint_committed``: queue the new checkpoint (an async save's at its
   commit, from the writer thread);
 * ``statekit_retention_keep``: local retention keeps every checkpoint whose remote copy
@@ -16,99 +21,137 @@ implementations, through the contract any plugin has (``docs/hooks.md``, Manager
 
 Remote retention (``remote_keep_last``) runs on the replicator's thread after each remote
 commit and never deletes the checkpoint the run resumed from nor one being copied. The
-copying itself is :mod:`statekit_replicate.replication` and :mod:`statekit_replicate.remote_copy`.
+copying itself is :mod:`statekit_replicate.replication` and
+:mod:`statekit_replicate.remote_copy`.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
-from statekit import distributed
-from statekit._version import __version__
-from statekit.manager.listing import CheckpointInfo, delete_all_but
+from statekit.plugin_api import (
+    CheckpointInfo,
+    InvalidOptionError,
+    ManagerView,
+    delete_all_but,
+    hookimpl,
+    rank_and_world_size,
+)
 from statekit_replicate.replication import Replicator, start_replication
-from statekit.errors import PluginMissingError
-from statekit.hooks.registry import hookimpl
 
 REPLICATE_PLUGIN = "replicate"
-"""Name of the built-in two-tier plugin (and its key in ``manager.plugin_state``)."""
+"""The plugin's name (its entry point) and its key in ``manager.plugin_state``."""
+
+MANAGER_OPTIONS: Mapping[str, Any] = {
+    "replicate_to": None,
+    "replicate_options": None,
+    "remote_keep_last": None,
+    "delete_unreplicated": False,
+}
+"""The ``CheckpointManager(...)`` options this plugin owns, with their defaults:
+
+* ``replicate_to``: the remote root (``s3://bucket/run``, any fsspec URL); None: one tier;
+* ``replicate_options``: fsspec options of the remote root (the local root's are
+  ``storage_options``);
+* ``remote_keep_last``: keep the newest N committed checkpoints on the remote root (None:
+  keep every one);
+* ``delete_unreplicated``: let local retention delete a checkpoint whose remote copy has
+  not committed yet (default False: it is kept until it has)."""
 
 
-def replicator_of(manager: Any) -> Replicator | None:
+def replicator_of(manager: ManagerView) -> Replicator | None:
     """The manager's :class:`Replicator`, or None without ``replicate_to``."""
     return manager.plugin_state.get(REPLICATE_PLUGIN)
 
 
-class Replicate:
-    """The built-in plugin that copies a manager's checkpoints to ``replicate_to`` (see the module)."""
+def check_options(options: Mapping[str, Any]) -> None:
+    """Validate the plugin's manager options (:data:`MANAGER_OPTIONS`).
 
-    STATEKIT_OPTIONS: frozenset[str] = frozenset()  # reads no checkpoint.options (its settings are the manager's)
+    Args:
+        options: the manager options (every declared name, given or default).
+
+    Raises:
+        InvalidOptionError: ``remote_keep_last`` is not a positive integer or None, or a
+            remote-tier option is given without ``replicate_to`` (naming the option).
+    """
+    keep = options.get("remote_keep_last")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise InvalidOptionError(f"remote_keep_last must be a positive integer or None, got {keep!r}")
+    if options.get("replicate_to") is None:
+        given = {
+            "remote_keep_last": keep,
+            "replicate_options": options.get("replicate_options") or None,  # {} from a config is fine
+            "delete_unreplicated": options.get("delete_unreplicated") or None,  # False too
+        }
+        for name, value in given.items():
+            if value is not None:
+                raise InvalidOptionError(f"{name}={value!r} needs replicate_to= (the remote root); without it there is no remote tier")
+
+
+class Replicate:
+    """The plugin that copies a manager's checkpoints to ``replicate_to`` (see the module)."""
+
+    STATEKIT_OPTIONS: frozenset[str] = frozenset()  # reads no checkpoint.options
+    STATEKIT_MANAGER_OPTIONS: Mapping[str, Any] = MANAGER_OPTIONS
 
     @hookimpl
-    def statekit_manager_start(self, manager: Any) -> None:
+    def statekit_manager_options(self, options: Mapping[str, Any]) -> None:
+        """Validate ``replicate_to`` and its companions (every rank, before anything is created)."""
+        check_options(options)
+
+    @hookimpl
+    def statekit_manager_start(self, manager: ManagerView) -> None:
         """Start the replicator and catch up (every rank; collectives with several)."""
-        if manager.replicate_to is None:
+        settings = manager.manager_options
+        if settings["replicate_to"] is None:
             return
         owner = weakref.ref(manager)  # the replicator's thread must not keep the manager alive
 
         def on_replicated(name: str) -> None:
             live = owner()
             if live is not None:
-                remote_retention(replicator_of(live), live.remote_keep_last, live.resumed_from, just_copied=name)
+                remote_retention(replicator_of(live), live.manager_options["remote_keep_last"], live.resumed_from,
+                                 just_copied=name)
 
-        rank, _ = distributed.rank_and_world_size()
+        rank, _ = rank_and_world_size()
         manager.plugin_state[REPLICATE_PLUGIN] = start_replication(
-            manager.replicate_to, manager.replicate_options, manager.list, manager.root.url_of,
-            on_replicated=on_replicated if rank == 0 else None, keep_last=manager.remote_keep_last,
+            settings["replicate_to"], settings["replicate_options"], manager.list, manager.url_of,
+            on_replicated=on_replicated if rank == 0 else None, keep_last=settings["remote_keep_last"],
         )
 
     @hookimpl
-    def statekit_checkpoint_committed(self, url: str, manager: Any) -> None:
+    def statekit_checkpoint_committed(self, url: str, manager: ManagerView) -> None:
         """Queue the committed checkpoint (every rank; rank 0 shares the manifest)."""
         replicator = replicator_of(manager)
         if replicator is not None:
             replicator.submit_committed(url, manager.storage_options)
 
     @hookimpl
-    def statekit_retention_keep(self, checkpoints: list[CheckpointInfo], manager: Any) -> set[str] | None:
+    def statekit_retention_keep(self, checkpoints: list[CheckpointInfo], manager: ManagerView) -> set[str] | None:
         """Keep the local checkpoints without a committed remote copy."""
         replicator = replicator_of(manager)
-        if replicator is None or manager.delete_unreplicated:
+        if replicator is None or manager.manager_options["delete_unreplicated"]:
             return None
         return unreplicated(replicator, checkpoints)
 
     @hookimpl
-    def statekit_resume_roots(self, manager: Any) -> list[tuple[str, Any]] | None:
+    def statekit_resume_roots(self, manager: ManagerView) -> list[tuple[str, Any]] | None:
         """Offer the remote root to ``resume()``."""
         replicator = replicator_of(manager)
         return None if replicator is None else [(replicator.remote_url, replicator.storage_options)]
 
     @hookimpl
-    def statekit_manager_wait(self, manager: Any, timeout: float | None) -> None:
+    def statekit_manager_wait(self, manager: ManagerView, timeout: float | None) -> None:
         """Wait for the copies; warn about each one not done."""
         replicator = replicator_of(manager)
         if replicator is not None:
             replicator.wait(timeout)
 
 
-def ensure_registered(pm: Any, replicate_to: str | None) -> None:
-    """Register :class:`Replicate` as :data:`REPLICATE_PLUGIN` on ``pm`` once.
-
-    Args:
-        pm: the plugin manager.
-        replicate_to: the manager's remote root, or None.
-
-    Raises:
-        PluginMissingError: ``replicate_to`` is set but ``STATEKIT_DISABLE_PLUGINS``
-            blocks the plugin (the remote tier would silently not exist).
-    """
-    if not pm.register_builtin(Replicate, REPLICATE_PLUGIN, __version__) and replicate_to is not None:
-        raise PluginMissingError(
-            f"replicate_to={replicate_to!r} needs the built-in plugin {REPLICATE_PLUGIN!r}, "
-            "which STATEKIT_DISABLE_PLUGINS blocks",
-            plugin_name=REPLICATE_PLUGIN,
-        )
+plugin = Replicate()
+"""The registered plugin object (entry point ``replicate = "statekit_replicate.plugin:plugin"``)."""
 
 
 def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str]:

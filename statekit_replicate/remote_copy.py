@@ -3,7 +3,7 @@
 The copy behind two-tier checkpoints (:mod:`statekit_replicate.replication`). Every data file is
 streamed (no staging copy of the checkpoint), read back at the destination and checked
 against the manifest's size and XXH3-64 checksum, and the manifest is written last with
-the same atomic commit as a save (:meth:`statekit.storage.Storage.commit`): a copy
+the same atomic commit as a save (:meth:`statekit.plugin_api.Storage.commit`): a copy
 interrupted anywhere has no manifest and is never loaded.
 
 Several ranks assemble one copy: each copies the files its rank wrote (the manifest's
@@ -14,15 +14,21 @@ and its files, and removes the markers first.
 
 from __future__ import annotations
 
+import io
 import json
 import time
-from typing import Any
 
-from statekit import format as fmt
-from statekit.engine.locking import mark_copy_in_progress, release_lock
-from statekit.errors import StatekitError
-from statekit.storage import Storage
-from statekit.storage.hashing import VerifyingReader, check_against, checksum_bytes, new_hasher
+from statekit.plugin_api import (
+    MANIFEST_NAME,
+    Manifest,
+    StatekitError,
+    Storage,
+    VerifyingReader,
+    checksum_bytes,
+    end_copy_in_progress,
+    mark_copy_in_progress,
+    read_manifest,
+)
 
 COPY_CHUNK_BYTES = 16 * 1024 * 1024
 """Bytes per read/write while streaming a file to the remote tier."""
@@ -43,7 +49,7 @@ def copy_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     peer_timeout_seconds: float = 600.0,
-) -> dict[str, Any]:
+) -> Manifest:
     """Copy one committed checkpoint: data files streamed and verified at the destination,
     then the manifest, byte for byte (the commit). A destination that already holds the
     same manifest is left as it is.
@@ -73,13 +79,13 @@ def copy_checkpoint(
             ``peer_timeout_seconds`` for a rank's marker (names the ranks).
     """
     if manifest_bytes is None:
-        manifest = fmt.read_manifest(src)  # names an uncommitted or corrupt source
-        raw = src.read_bytes(fmt.MANIFEST_NAME)
+        manifest = read_manifest(src)  # names an uncommitted or corrupt source
+        raw = src.read_bytes(MANIFEST_NAME)
     else:
         raw = manifest_bytes
-        manifest = fmt.Manifest.from_json(raw, src.url_of(fmt.MANIFEST_NAME))
-    if dst.exists(fmt.MANIFEST_NAME):
-        if dst.read_bytes(fmt.MANIFEST_NAME) == raw:
+        manifest = Manifest.from_json(raw, src.url_of(MANIFEST_NAME))
+    if dst.exists(MANIFEST_NAME):
+        if dst.read_bytes(MANIFEST_NAME) == raw:
             return manifest
         raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
     mine = sorted(rel for rel, meta in manifest.files.items() if world_size == 1 or meta.rank == rank)
@@ -88,10 +94,7 @@ def copy_checkpoint(
         meta = manifest.files[rel]
         if meta.size_bytes <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
             dst.write_bytes(rel, src.read_bytes(rel))
-            back = dst.read_bytes(rel)
-            hasher = new_hasher()
-            hasher.update(back)
-            check_against(dst.url_of(rel), meta, len(back), hasher)
+            VerifyingReader(io.BytesIO(dst.read_bytes(rel)), dst.url_of(rel), meta).read()  # checks size and checksum
             continue
         with src.open_read(rel) as f, dst.open_write(rel) as out:
             while chunk := f.read(COPY_CHUNK_BYTES):
@@ -106,8 +109,8 @@ def copy_checkpoint(
             dst.write_bytes(_marker_name(rank), json.dumps(marker).encode("utf-8"))
             return manifest
         _wait_for_ranks(dst, manifest, marker["manifest"], world_size, peer_timeout_seconds)
-    dst.commit(fmt.MANIFEST_NAME, raw)
-    release_lock(dst, 0)
+    dst.commit(MANIFEST_NAME, raw)
+    end_copy_in_progress(dst)
     return manifest
 
 
@@ -115,7 +118,7 @@ def _marker_name(rank: int) -> str:
     return f"{MARKER_PREFIX}{rank:05d}.json"
 
 
-def _wait_for_ranks(dst: Storage, manifest: fmt.Manifest, digest: str, world_size: int, timeout: float) -> None:
+def _wait_for_ranks(dst: Storage, manifest: Manifest, digest: str, world_size: int, timeout: float) -> None:
     """Rank 0: wait until every other rank's marker in ``dst`` names this manifest and the
     files it wrote, then remove the markers (before the commit)."""
     expected = {r: sorted(rel for rel, m in manifest.files.items() if m.rank == r) for r in range(1, world_size)}

@@ -1,16 +1,16 @@
 """Two-tier checkpoints: committed local checkpoints copied to a remote root in the background.
 
 A :class:`Replicator` belongs to a :class:`~statekit.CheckpointManager` created with
-``replicate_to=`` (the built-in ``replicate`` plugin, :mod:`statekit_replicate.plugin`, starts it
+``replicate_to=`` (the ``replicate`` plugin, :mod:`statekit_replicate.plugin`, starts it
 and feeds it through the manager hooks). Each checkpoint committed under the local root is
 queued at its commit (an async save's too, from its writer thread) and copied by one
 background thread:
 
 1. every data file listed in the local manifest, streamed local -> remote (no staging
    copy), then read back from the remote and checked against the manifest's size and
-   XXH3-64 checksum (:class:`statekit.storage.hashing.VerifyingReader`);
+   XXH3-64 checksum (:class:`statekit.plugin_api.VerifyingReader`);
 2. the manifest last, byte for byte, with the same single-PUT / atomic-rename commit as a
-   save (:meth:`statekit.storage.Storage.commit`), so the remote copy is committed
+   save (:meth:`statekit.plugin_api.Storage.commit`), so the remote copy is committed
    atomically too: a copy interrupted anywhere before this step has no manifest and is
    never loaded.
 
@@ -29,6 +29,7 @@ saves never wait. An interrupted copy is redone at the next start (:meth:`Replic
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import queue
 import sys
@@ -38,16 +39,27 @@ import warnings
 import weakref
 from typing import Any
 
-from statekit import distributed, format as fmt
-from statekit.manager.listing import CheckpointInfo, list_checkpoints
+from statekit.plugin_api import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    InvalidOptionError,
+    StatekitError,
+    StatekitWarning,
+    Storage,
+    broadcast_from_rank0,
+    hold_in_use,
+    list_checkpoints,
+    rank_and_world_size,
+    warn_user,
+)
 from statekit_replicate.remote_copy import copy_checkpoint
-from statekit.errors import StatekitError, StatekitWarning, warn_user
-from statekit.storage import Storage
-from statekit.storage.inuse import hold_in_use
 
 EXIT_TIMEOUT_ENV = "STATEKIT_REPLICATION_EXIT_TIMEOUT"
 """Seconds the interpreter waits at exit for checkpoints still being replicated (default
-600); each one not replicated by then is named on stderr."""
+600; any finite number >= 0, ``1e3`` included); each one not replicated by then is named
+on stderr."""
+
+DEFAULT_EXIT_TIMEOUT_SECONDS = 600.0
 
 _replicators: weakref.WeakSet[Replicator] = weakref.WeakSet()
 
@@ -166,10 +178,10 @@ class Replicator:
         raw = None
         if self.rank == 0:
             try:
-                raw = Storage(local_url, local_options).read_bytes(fmt.MANIFEST_NAME)
+                raw = Storage(local_url, local_options).read_bytes(MANIFEST_NAME)
             except (StatekitError, OSError) as exc:  # never raise between collectives
                 warn_user(f"{local_url}: not replicated ({exc})", StatekitWarning)
-        raw = distributed.broadcast_from_rank0(raw)
+        raw = broadcast_from_rank0(raw)
         if raw is not None:
             self.submit(local_url, raw)
 
@@ -214,7 +226,7 @@ class Replicator:
         One process only; with several ranks every rank runs :meth:`catch_up_ranks`.
 
         Args:
-            local: the local root's checkpoints (:func:`statekit.manager.listing.list_checkpoints`).
+            local: the local root's checkpoints (:func:`statekit.plugin_api.list_checkpoints`).
 
         Returns:
             The names queued.
@@ -272,10 +284,10 @@ class Replicator:
             for info in local:
                 if info.name in names:
                     try:
-                        todo.append((info.name, Storage(info.url).read_bytes(fmt.MANIFEST_NAME)))
+                        todo.append((info.name, Storage(info.url).read_bytes(MANIFEST_NAME)))
                     except (StatekitError, OSError) as exc:
                         warn_user(f"{info.url}: not replicated ({exc})", StatekitWarning)
-        todo = distributed.broadcast_from_rank0(todo)
+        todo = broadcast_from_rank0(todo)
         for name, raw in todo:
             self.submit(local_url_of(name), raw)
         return [name for name, _ in todo]
@@ -335,16 +347,46 @@ class Replicator:
         return None
 
 
+def exit_timeout_seconds() -> float:
+    """The wait at interpreter exit for copies still queued: :data:`EXIT_TIMEOUT_ENV`, or
+    600 s when it is unset or empty.
+
+    Returns:
+        Seconds, a finite number >= 0.
+
+    Raises:
+        InvalidOptionError: the variable is not a finite number of seconds >= 0 (naming
+            the variable and its value).
+    """
+    value = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_EXIT_TIMEOUT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidOptionError(
+            f"{EXIT_TIMEOUT_ENV}={value!r} is not a number of seconds >= 0 (the wait at exit for checkpoints "
+            f"still being replicated; unset it for the default {DEFAULT_EXIT_TIMEOUT_SECONDS:g} s)"
+        )
+    return seconds
+
+
 @atexit.register
 def _wait_at_exit() -> None:
     """At interpreter exit, finish what is queued (a job whose script ends right after its
     last save would otherwise drop it with the daemon thread, silently, and a node-local
-    disk is gone with the node) and name every checkpoint left unreplicated on stderr."""
-    from statekit.api.asyncsave import wait_all_at_exit  # their commits queue copies
+    disk is gone with the node) and name every checkpoint left unreplicated on stderr.
 
-    wait_all_at_exit()
-    value = os.environ.get(EXIT_TIMEOUT_ENV, "600")
-    timeout = float(value) if value.replace(".", "", 1).isdigit() else 600.0
+    An async save still writing is done by then: its writer thread is not a daemon, and
+    the interpreter joins such threads before it runs any exit handler, so its commit has
+    queued its copy (``statekit_checkpoint_committed`` runs on that thread)."""
+    try:
+        timeout = exit_timeout_seconds()
+    except InvalidOptionError as exc:  # changed since the manager started: say so, keep the default
+        print(f"statekit: {exc}; waiting up to {DEFAULT_EXIT_TIMEOUT_SECONDS:g} s", file=sys.stderr)
+        timeout = DEFAULT_EXIT_TIMEOUT_SECONDS
     deadline = time.monotonic() + timeout
     for replicator in list(_replicators):
         if not replicator.pending():  # nothing in flight (failures were warned at each try)
@@ -386,8 +428,11 @@ def start_replication(
 
     Raises:
         StorageError: ``remote_url`` cannot be resolved.
+        InvalidOptionError: :data:`EXIT_TIMEOUT_ENV` is not a number of seconds (refused
+            now rather than at exit).
     """
-    rank, world = distributed.rank_and_world_size()
+    exit_timeout_seconds()  # the same on every rank: raised before any collective
+    rank, world = rank_and_world_size()
     replicator = Replicator(remote_url, remote_options, on_replicated=on_replicated if rank == 0 else None,
                             rank=rank, world_size=world, keep_last=keep_last)
     if world == 1:

@@ -41,6 +41,7 @@ def test_hookspecs_found():
             "statekit_save_state_post",
             "statekit_load_state_pre",
             "statekit_load_state_post",
+            "statekit_manager_options",
             "statekit_manager_start",
             "statekit_checkpoint_committed",
             "statekit_retention_keep",

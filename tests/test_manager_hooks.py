@@ -263,3 +263,37 @@ def test_one_url_kept_by_retention(plugin_manager, tmp_path):
     for step in (1, 2, 3):
         manager.save(step)
     assert [i.step for i in manager.list()] == [1, 3]
+
+
+def test_hook_statekit_manager_options(plugin_manager, tmp_path):
+    seen = []
+
+    class Owner:
+        STATEKIT_MANAGER_OPTIONS = {"mirror_to": None, "mirror_every": 1}
+
+        @hookimpl
+        def statekit_manager_options(self, options):
+            seen.append(("options", dict(options), threading.current_thread() is threading.main_thread()))
+            if options["mirror_every"] == 0:
+                raise statekit.InvalidOptionError("mirror_every must be positive, got 0")
+            if options["mirror_every"] == -1:
+                raise ValueError("plugin broke")
+
+        @hookimpl
+        def statekit_manager_start(self, manager):
+            seen.append(("start", manager.manager_options["mirror_to"]))
+
+    plugin_manager.register(Owner(), name="owner")
+    manager = statekit.CheckpointManager(run_state(), str(tmp_path / "run"), mirror_to="there")
+    assert seen[0] == ("options", {**manager.manager_options}, True)  # once, before start, every declared name
+    assert seen[0][1]["mirror_to"] == "there" and seen[0][1]["mirror_every"] == 1  # the default
+    assert seen[1:] == [("start", "there")] and manager.options == {}  # not a checkpoint option
+
+    seen.clear()
+    with pytest.raises(statekit.InvalidOptionError, match="mirror_every must be positive, got 0") as info:
+        statekit.CheckpointManager(run_state(), str(tmp_path / "run"), mirror_every=0)
+    assert info.value.plugin_name == "owner" and info.value.hook_name == "statekit_manager_options"
+    with pytest.raises(PluginError, match="plugin broke") as info:
+        statekit.CheckpointManager(run_state(), str(tmp_path / "run"), mirror_every=-1)
+    assert info.value.hook_name == "statekit_manager_options"
+    assert [s[0] for s in seen] == ["options", "options"]  # refused before anything started

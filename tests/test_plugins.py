@@ -41,6 +41,7 @@ def test_every_hook_has_a_test():
         "statekit_checkpoint_committed",
         "statekit_load_state_post",
         "statekit_load_state_pre",
+        "statekit_manager_options",
         "statekit_manager_start",
         "statekit_manager_wait",
         "statekit_resume_roots",
@@ -770,7 +771,7 @@ def test_an_option_no_plugin_reads_warns_once_naming_the_closest_one(tmp_path, p
         STATEKIT_OPTIONS = frozenset({"device_map", "offload_folder"})
 
     plugin_manager.register(Offloadish(), name="offloadish")
-    with pytest.warns(statekit.StatekitWarning, match=r"'devce_map' is read by no registered plugin \(registered: offloadish\).*did you mean 'device_map'"):
+    with pytest.warns(statekit.StatekitWarning, match=r"'devce_map' is read by no registered plugin \(registered: offloadish, replicate\).*did you mean 'device_map'"):
         statekit.save(str(tmp_path / "a"), {"t": torch.zeros(1)}, devce_map="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

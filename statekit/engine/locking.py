@@ -80,6 +80,17 @@ def mark_copy_in_progress(storage: Storage) -> None:
     storage.write_bytes(LOCK_NAME, _lock_record())
 
 
+def end_copy_in_progress(storage: Storage) -> None:
+    """Remove the lock :func:`mark_copy_in_progress` put in a copy's directory, after the
+    copy's commit (a storage failing now is left alone: a later ``statekit gc`` finds the
+    lock stale).
+
+    Args:
+        storage: the directory the copy filled.
+    """
+    release_lock(storage, 0)
+
+
 def lock_accelerate_save(storage: Storage) -> None:
     """Own a directory that ``Accelerator.save_state`` is about to write (attach mode), as
     :func:`prepare_target` owns one for a native save: take the save lock, then uncommit

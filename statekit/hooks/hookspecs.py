@@ -22,7 +22,7 @@ Calling rules common to every hook (see ``docs/hooks.md``):
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pluggy
 
@@ -176,17 +176,84 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
 
 # ----------------------------------------------------------------------------------------
 # Manager hooks: a run's checkpoints under a CheckpointManager root, not one checkpoint.
-# They let a plugin extend the manager (the built-in ``replicate`` plugin, two-tier
-# storage, is built on them: statekit_replicate.plugin). ``manager`` is the
-# :class:`statekit.CheckpointManager`; a plugin may rely on its ``root_url``,
-# ``storage_options``, ``options`` (the manager's plugin options), ``list()``,
-# ``url_for(step)``, ``resumed_from`` and ``plugin_state`` (a dict in which a plugin keeps
-# its per-manager state under its own name). No ``checkpoint`` context is passed, and
-# ``checkpoint.plugin`` attribution does not apply.
+# They let a plugin extend the manager: the ``replicate`` plugin (two-tier storage, the
+# package statekit_replicate) is built on them and on statekit.plugin_api alone. ``manager``
+# is the :class:`statekit.CheckpointManager`; a plugin relies on what :class:`ManagerView`
+# lists and nothing else. No ``checkpoint`` context is passed, and ``checkpoint.plugin``
+# attribution does not apply.
+
+
+@runtime_checkable
+class ManagerView(Protocol):
+    """What a manager hook may rely on of the :class:`statekit.CheckpointManager` it is
+    handed (``manager``): the promised part of the manager for plugins
+    (``statekit.plugin_api.ManagerView``, ``docs/hooks.md``). Anything else on the manager
+    may change between releases.
+
+    Attributes:
+        root_url: the manager's root (this rank's; with several ranks it may be a disk of
+            the node only), normalised as a URL.
+        storage_options: fsspec options of the root, or None.
+        options: the checkpoint options passed to every save and load (``**options`` of
+            ``CheckpointManager`` that are not manager options).
+        manager_options: the manager-level options plugins declare
+            (``STATEKIT_MANAGER_OPTIONS``): every declared name, with the value given to
+            ``CheckpointManager(...)`` or the declared default, validated by
+            ``statekit_manager_options`` (read-only).
+        resumed_from: URL of the checkpoint the run resumed from (it may be under another
+            root a plugin offered), or None before a resume.
+        plugin_state: per-manager state of plugins, a dict in which each plugin keeps its
+            own under its own name (as pytest's ``config.stash``).
+    """
+
+    root_url: str
+    storage_options: dict[str, Any] | None
+    options: dict[str, Any]
+    manager_options: Mapping[str, Any]
+    resumed_from: str | None
+    plugin_state: dict[str, Any]
+
+    def list(self) -> list[Any]:
+        """Every checkpoint directory under the root (committed or not), oldest first, as
+        ``statekit.plugin_api.CheckpointInfo`` (``url``, ``name``, ``step``, ``committed``,
+        ``metrics``...)."""
+
+    def url_for(self, step: int) -> str:
+        """URL of the checkpoint directory of ``step`` under the root (``checkpoint-<step:08d>``)."""
+
+    def url_of(self, name: str) -> str:
+        """URL of the directory ``name`` under the root (a checkpoint's name, as
+        ``CheckpointInfo.name``, on this rank's root)."""
 
 
 @hookspec
-def statekit_manager_start(manager: Any) -> None:
+def statekit_manager_options(options: Mapping[str, Any]) -> None:
+    """Validate the manager-level options a plugin declares.
+
+    A plugin owns keyword options of ``CheckpointManager(...)`` by declaring them as
+    ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default (the ``replicate``
+    plugin: ``replicate_to``, ``replicate_options``, ``remote_keep_last``,
+    ``delete_unreplicated``). The manager takes them out of its ``**options`` (they are
+    not passed to saves and loads) and calls this hook with them before it creates
+    anything, on every rank.
+
+    Args:
+        options: every manager-level option of the registered plugins, with the value
+            given or the declared default (read-only; a plugin checks its own names). The
+            same mapping is ``manager.manager_options`` in the other manager hooks.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    Raises:
+        InvalidOptionError: a value is invalid (naming the option and the value); it
+            passes through with its type and the manager is not created. Anything else
+            the plugin raises becomes a :class:`statekit.PluginError`.
+    """
+
+
+@hookspec
+def statekit_manager_start(manager: ManagerView) -> None:
     """Start what a plugin runs beside a manager (a background replicator, say) and catch
     up on work a killed process left undone.
 
@@ -196,7 +263,7 @@ def statekit_manager_start(manager: Any) -> None:
     between them on one rank only).
 
     Args:
-        manager: the new :class:`statekit.CheckpointManager`.
+        manager: the new :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
 
     Returns:
         Nothing; return values are ignored.
@@ -208,7 +275,7 @@ def statekit_manager_start(manager: Any) -> None:
 
 
 @hookspec
-def statekit_checkpoint_committed(url: str, manifest: Manifest, manager: Any) -> None:
+def statekit_checkpoint_committed(url: str, manifest: Manifest, manager: ManagerView) -> None:
     """React at once to a checkpoint the manager committed under its root.
 
     Called on every rank right after the commit, once rank 0 updated ``latest`` and
@@ -225,7 +292,7 @@ def statekit_checkpoint_committed(url: str, manifest: Manifest, manager: Any) ->
     Args:
         url: the committed checkpoint's URL under ``manager.root_url`` (this rank's root).
         manifest: the committed manifest (a :class:`statekit.plugin_api.Manifest`, frozen).
-        manager: the :class:`statekit.CheckpointManager`.
+        manager: the :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
 
     Returns:
         Nothing; return values are ignored.
@@ -238,7 +305,7 @@ def statekit_checkpoint_committed(url: str, manifest: Manifest, manager: Any) ->
 
 
 @hookspec
-def statekit_retention_keep(checkpoints: list[Any], manager: Any) -> Any:
+def statekit_retention_keep(checkpoints: list[Any], manager: ManagerView) -> Any:
     """Veto the deletion of checkpoints by the manager's retention.
 
     Called on rank 0 each time retention runs (after a commit, when a policy such as
@@ -247,9 +314,9 @@ def statekit_retention_keep(checkpoints: list[Any], manager: Any) -> Any:
 
     Args:
         checkpoints: the committed checkpoints under the root retention chooses from, as
-            ``statekit.manager.listing.CheckpointInfo`` (``url``, ``name``, ``step``,
+            ``statekit.plugin_api.CheckpointInfo`` (``url``, ``name``, ``step``,
             ``metrics``...), oldest first.
-        manager: the :class:`statekit.CheckpointManager`.
+        manager: the :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
 
     Returns:
         An iterable of URLs (from ``checkpoints``) to keep, one URL, or None.
@@ -262,7 +329,7 @@ def statekit_retention_keep(checkpoints: list[Any], manager: Any) -> Any:
 
 
 @hookspec
-def statekit_resume_roots(manager: Any) -> Any:
+def statekit_resume_roots(manager: ManagerView) -> Any:
     """Offer other roots (a remote tier, say) whose committed checkpoints ``resume()`` may
     load.
 
@@ -276,7 +343,7 @@ def statekit_resume_roots(manager: Any) -> Any:
     verified, with that root's storage options.
 
     Args:
-        manager: the :class:`statekit.CheckpointManager`.
+        manager: the :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
 
     Returns:
         A list of ``(root_url, storage_options)`` pairs (``storage_options`` a dict of
@@ -290,7 +357,7 @@ def statekit_resume_roots(manager: Any) -> Any:
 
 
 @hookspec
-def statekit_manager_wait(manager: Any, timeout: float | None) -> None:
+def statekit_manager_wait(manager: ManagerView, timeout: float | None) -> None:
     """Wait for a plugin's background work for this manager (uploads in flight...).
 
     Called on every rank by ``CheckpointManager.wait()`` (and on leaving its ``with``
@@ -299,7 +366,7 @@ def statekit_manager_wait(manager: Any, timeout: float | None) -> None:
     work that did not finish, naming its URL; it does not raise for unfinished work.
 
     Args:
-        manager: the :class:`statekit.CheckpointManager`.
+        manager: the :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
         timeout: seconds to wait at most, or None to wait until done.
 
     Returns:

@@ -4,7 +4,10 @@ The manager is built on first use by :func:`get_plugin_manager`, never at import
 (pluggy's eggsample pattern). Environment switches, read when it is built:
 
 * ``STATEKIT_DISABLE_PLUGINS=a,b`` blocks plugins by name (entry-point name);
-* ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points at all;
+* ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points of other distributions: the
+  plugins that ship inside the statekit distribution (``replicate``), declared under the
+  same entry-point group, still load (as before they were entry points: they are part of
+  statekit, and ``replicate_to=`` must not depend on the switch);
 * ``STATEKIT_TRACE_PLUGINS=1`` prints every hook call and its result to stderr.
 """
 
@@ -146,8 +149,8 @@ class PluginManager(pluggy.PluginManager):
                     raise pluggy.PluginValidationError(impl.plugin, problem)
 
     def register_builtin(self, factory: Any, name: str, version: str) -> bool:
-        """Register a plugin that ships inside statekit (``accelerate-hooks``,
-        ``replicate``) once, recorded as ``built-in``; a name blocked with
+        """Register a plugin that ships inside statekit's core (``accelerate-hooks``)
+        once, recorded as ``built-in``; a name blocked with
         ``STATEKIT_DISABLE_PLUGINS`` stays blocked.
 
         Args:
@@ -164,6 +167,66 @@ class PluginManager(pluggy.PluginManager):
             self.register(factory(), name=name)
             self.sources[name] = PluginSource(name, "built-in", "statekit", version)
         return True
+
+    def manager_option_owners(self) -> dict[str, tuple[str, Any]]:
+        """The manager-level options the registered plugins declare.
+
+        A plugin declares the keyword options of ``CheckpointManager(...)`` it owns as
+        ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default value (the
+        ``replicate`` plugin: ``replicate_to``, ``replicate_options``, ``remote_keep_last``,
+        ``delete_unreplicated``); it validates them in ``statekit_manager_options``.
+
+        Returns:
+            ``{option: (plugin name, default)}``.
+
+        Raises:
+            PluginError: two registered plugins declare the same option (naming both).
+        """
+        owners: dict[str, tuple[str, Any]] = {}
+        for plugin_name, plugin in self.list_name_plugin():
+            for option, default in dict(getattr(plugin, "STATEKIT_MANAGER_OPTIONS", None) or {}).items():
+                if option in owners and owners[option][0] != plugin_name:
+                    raise PluginError(
+                        f"plugins {owners[option][0]!r} and {plugin_name!r} both declare the manager option {option!r}",
+                        plugin_name=plugin_name,
+                    )
+                owners[option] = (plugin_name, default)
+        return owners
+
+    def take_manager_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Take the manager-level options out of a manager's keyword options.
+
+        Args:
+            options: ``CheckpointManager(...)``'s ``**options``; the declared manager-level
+                ones are removed from it (in place), the rest stay checkpoint options.
+
+        Returns:
+            Every option the registered plugins declare (:meth:`manager_option_owners`):
+            the value given, or the declared default.
+
+        Raises:
+            PluginMissingError: an option of a plugin that ships inside statekit is given
+                (a value other than its default) while ``STATEKIT_DISABLE_PLUGINS`` blocks
+                that plugin: the feature would silently not exist.
+            PluginError: as :meth:`manager_option_owners`.
+        """
+        owners = self.manager_option_owners()
+        taken = {option: options.pop(option, default) for option, (_, default) in owners.items()}
+        for option, value in list(options.items()):
+            for ep in _builtin_entry_points():
+                if not self.is_blocked(ep.name):
+                    continue
+                declared = dict(getattr(ep.load(), "STATEKIT_MANAGER_OPTIONS", None) or {})
+                if option not in declared:
+                    continue
+                if value is declared[option] or value == declared[option]:
+                    del options[option]  # the default: the plugin would do nothing
+                    break
+                raise PluginMissingError(
+                    f"{option}={value!r} needs the built-in plugin {ep.name!r}, which STATEKIT_DISABLE_PLUGINS blocks",
+                    plugin_name=ep.name,
+                )
+        return taken
 
     def require_owner(self, owner: str, distribution: str | None, what: str, then: str = "") -> None:
         """Check that the plugin a checkpoint's object was saved by can load it back.
@@ -228,6 +291,7 @@ class PluginManager(pluggy.PluginManager):
             else:
                 declared |= set(names)
         keywords = set(inspect.signature(caller).parameters) if caller is not None else set()
+        keywords |= set(self.manager_option_owners())  # suggestions only: they are not checkpoint options
         for name in unknown:
             if name in declared:
                 continue
@@ -294,7 +358,8 @@ def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
 
     Args:
         autoload: load plugins from entry points of group ``statekit``; defaults to True
-            unless ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD`` is set.
+            unless ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD`` is set. False still loads the
+            entry points of the statekit distribution itself (its built-in plugins).
 
     Returns:
         A new :class:`PluginManager` (a ``pluggy.PluginManager``).
@@ -312,8 +377,7 @@ def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
         pm.set_blocked(name)
     if autoload is None:
         autoload = not _env_flag("STATEKIT_DISABLE_PLUGIN_AUTOLOAD")
-    if autoload:
-        _load_entry_points(pm)
+    _load_entry_points(pm, builtin_only=not autoload)
     pm.check_pending()
     if _env_flag("STATEKIT_TRACE_PLUGINS"):
         pm.trace.root.setwriter(sys.stderr.write)
@@ -321,9 +385,29 @@ def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
     return pm
 
 
-def _load_entry_points(pm: PluginManager) -> None:
+def _statekit_distribution() -> Any:
+    """statekit's own installed distribution, or None (a source tree on ``sys.path``)."""
+    try:
+        return metadata.distribution("statekit")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _builtin_entry_points() -> list[Any]:
+    """The entry points of group ``statekit`` that the statekit distribution itself
+    declares: the plugins shipped inside it (``replicate``)."""
+    dist = _statekit_distribution()
+    return [ep for ep in (dist.entry_points if dist is not None else []) if ep.group == ENTRY_POINT_GROUP]
+
+
+def _load_entry_points(pm: PluginManager, *, builtin_only: bool = False) -> None:
     # Mirrors pluggy.PluginManager.load_setuptools_entrypoints, but attributes failures.
-    for dist in list(metadata.distributions()):
+    if builtin_only:
+        dist = _statekit_distribution()
+        dists = [dist] if dist is not None else []
+    else:
+        dists = list(metadata.distributions())
+    for dist in dists:
         for ep in dist.entry_points:
             if ep.group != ENTRY_POINT_GROUP or pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from statekit import distributed
@@ -17,7 +18,6 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
-import statekit_replicate.plugin as tiers
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
@@ -70,31 +70,32 @@ class CheckpointManager:
         keep_every_n_steps: keep checkpoints whose step is a multiple of M.
         async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
         storage_options: fsspec options.
-        replicate_to: a remote root (``s3://bucket/run``): every committed checkpoint is
-            copied there in the background, verified, manifest last, by the built-in
-            ``replicate`` plugin (:mod:`statekit_replicate.plugin`, ``docs/tiers.md``);
-            :meth:`resume` then considers both roots. With several ranks each rank's
-            ``root_url`` may be a disk of its node only: each rank replicates the files
-            it wrote.
-        replicate_options: fsspec options of the remote root (the local root's are
-            ``storage_options``).
-        remote_keep_last: keep the newest N committed checkpoints on the remote root
-            (None: keep every one).
-        delete_unreplicated: let local retention delete a checkpoint whose remote copy
-            has not committed yet (default False: it is kept until it has).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
             ``checkpoint_<n>`` folders under the root (a run migrating from
             ``automatic_checkpoint_naming``); without it such a resume raises
             :class:`PickleNotAllowedError` naming the file.
-        **options: plugin options passed to every save and load; one that no registered
-            plugin reads (a misspelled ``keep_last``) warns.
+        **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
+            ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
+            plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
+            every committed checkpoint is copied there in the background, verified,
+            manifest last; :meth:`resume` then considers both roots; with several ranks
+            each rank's ``root_url`` may be a disk of its node only), ``replicate_options``
+            (the remote root's fsspec options), ``remote_keep_last`` (keep the newest N
+            committed checkpoints there; None: all) and ``delete_unreplicated`` (let local
+            retention delete a checkpoint not replicated yet; default False), owned by the
+            ``replicate`` plugin (``docs/tiers.md``). The others are plugin options passed
+            to every save and load; one that no registered plugin reads (a misspelled
+            ``keep_last``) warns.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, a ``remote_*`` option without ``replicate_to``, or
-            ``root_url`` is itself a checkpoint (statekit's or Accelerate's).
-        PluginError: a ``statekit_attach`` or ``statekit_manager_start`` hook failed.
-        PluginMissingError: ``replicate_to`` is set and the ``replicate`` plugin is blocked.
+            ``mode`` is not min/max, ``root_url`` is itself a checkpoint (statekit's or
+            Accelerate's), or a plugin refused its manager option (``remote_keep_last``
+            not a positive integer, a ``remote_*`` option without ``replicate_to``).
+        PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
+            ``statekit_manager_start`` hook failed.
+        PluginMissingError: a manager option of a plugin shipped with statekit is given
+            while ``STATEKIT_DISABLE_PLUGINS`` blocks it (``replicate_to`` and ``replicate``).
         StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
     """
 
@@ -110,24 +111,19 @@ class CheckpointManager:
         keep_every_n_steps: int | None = None,
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
-        replicate_to: str | None = None,
-        replicate_options: dict[str, Any] | None = None,
-        remote_keep_last: int | None = None,
-        delete_unreplicated: bool = False,
         allow_pickle: bool = False,
         **options: Any,
     ) -> None:
-        for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps),
-                            ("remote_keep_last", remote_keep_last)):
+        for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidOptionError(f"{name} must be a positive integer or None, got {value!r}")
         if mode not in ("min", "max"):
             raise InvalidOptionError(f"mode must be 'min' or 'max', got {mode!r}")
-        if replicate_to is None:
-            for name, value in (("remote_keep_last", remote_keep_last), ("replicate_options", replicate_options or None),
-                                ("delete_unreplicated", delete_unreplicated or None)):  # ({} from a config is fine)
-                if value is not None:
-                    raise InvalidOptionError(f"{name}={value!r} needs replicate_to= (the remote root); without it there is no remote tier")
+        pm = get_plugin_manager()
+        self.manager_options: Mapping[str, Any] = MappingProxyType(pm.take_manager_options(options))
+        """The manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``): every declared
+        name, with the value given or the plugin's default (read-only)."""
+        call_each(pm, "statekit_manager_options", None, {"options": self.manager_options})
         if isinstance(accelerator, Mapping):
             self.accelerator, self.objects = None, dict(accelerator)
         else:
@@ -150,22 +146,17 @@ class CheckpointManager:
         self._resumed_in_use: Any = None
         self.resumed_manifest: Manifest | dict[str, Any] | None = None
         self._skipped: set[str] = set()  # checkpoints under the root that resume() could not load
-        self.replicate_to, self.replicate_options = replicate_to, replicate_options
-        self.remote_keep_last = remote_keep_last
-        self.delete_unreplicated = delete_unreplicated
         self.plugin_state: dict[str, Any] = {}
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
-        pm = get_plugin_manager()
-        tiers.ensure_registered(pm, replicate_to)
         pm.check_options(options, CheckpointManager)
         self.attachment = attach(self.accelerator, self.objects)
         call_each(pm, "statekit_manager_start", None, {"manager": self})
 
     @property
     def replicator(self) -> Any:
-        """The remote tier's :class:`statekit_replicate.replication.Replicator` (None without
-        ``replicate_to``)."""
-        return tiers.replicator_of(self)
+        """The remote tier's :class:`statekit_replicate.replication.Replicator`, kept by the
+        ``replicate`` plugin in ``plugin_state["replicate"]`` (None without ``replicate_to``)."""
+        return self.plugin_state.get("replicate")
 
     # ---------------------------------------------------------------- queries
 
@@ -198,7 +189,18 @@ class CheckpointManager:
         Returns:
             ``<root>/checkpoint-<step:08d>``.
         """
-        return self.root.url_of(checkpoint_name(step))
+        return self.url_of(checkpoint_name(step))
+
+    def url_of(self, name: str) -> str:
+        """URL of the directory ``name`` under the root (this rank's root).
+
+        Args:
+            name: a checkpoint directory's name (``CheckpointInfo.name``).
+
+        Returns:
+            ``<root>/<name>``.
+        """
+        return self.root.url_of(name)
 
     def save(
         self,
