@@ -39,7 +39,8 @@ The names, by topic:
   every per-rank file of the core and of a plugin is named through them). There is no checksum helper: files
   read through the checkpoint (``checkpoint.open(rel, "rb")``, ``read_bytes``,
   ``load_tensors``...) are verified against the manifest's size and checksum as they are
-  read, and files written through it are recorded with theirs;
+  read, and files written through it are recorded with theirs (only a copy outside any
+  checkpoint context verifies by hand, with :class:`VerifyingReader`, below);
 * models and data: :func:`unwrap_model`, :func:`check_fit` (the one "does this state fit
   this model" check) and :func:`sampler_of` (the one sampler lookup);
 * in-use markers of checkpoints read in place (retention, ``statekit gc`` and
