@@ -81,7 +81,7 @@ from statekit.devices import (
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
-from statekit.loaders.data import sampler_of
+from statekit.loaders.samplers import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
 from statekit.errors import (
     AsyncSaveError,

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import statekit
-from statekit.loaders import data, elastic
+from statekit.loaders import data, elastic, elastic_layouts, samplers
 
 from accelerate_helpers import torchrun
 
@@ -45,7 +45,7 @@ def test_shard_model_equals_batch_sampler_shard(split):
         if split and size % n:
             continue
         layout = {"kind": "shard", "world_size": n, "batch_size": size, "drop_last": drop, "even_batches": even, "split_batches": split}
-        model = elastic.shard(list(range(length)), layout, list(range(length)))
+        model = elastic_layouts.shard(list(range(length)), layout, list(range(length)))
         for r in range(n):
             real = accelerate_data.BatchSamplerShard(BatchSampler(range(length), size, drop), n, r, split, even)
             assert [list(b) for b in real] == model[r], (length, size, n, even, drop, r)
@@ -56,7 +56,7 @@ def test_shard_model_equals_batch_sampler_shard(split):
 def test_distributed_model_equals_distributed_sampler():
     for length, size, n, drop, sampler_drop in itertools.product([2, 5, 7, 12, 13], [1, 2, 4], [1, 2, 3, 4], [True, False], [True, False]):
         layout = {"kind": "distributed", "world_size": n, "batch_size": size, "drop_last": drop, "sampler": {"drop_last": sampler_drop}}
-        model = elastic.shard(list(range(length)), layout, list(range(length)))
+        model = elastic_layouts.shard(list(range(length)), layout, list(range(length)))
         for r in range(n):
             real = BatchSampler(DistributedSampler(range(length), n, r, shuffle=False, drop_last=sampler_drop), size, drop)
             assert list(real) == model[r], (length, size, n, drop, sampler_drop, r)
@@ -65,13 +65,13 @@ def test_distributed_model_equals_distributed_sampler():
 def test_dispatch_model_slices_concatenated_batches_and_pads_from_the_first_samples():
     layout = {"kind": "dispatch", "world_size": 2, "batch_size": 3, "drop_last": False, "split_batches": False}
     # base batches [0,1,2] [3,4,5] | [6,7,8] [9]: the last step has 4 samples -> 2 each;
-    per_rank = elastic.shard(list(range(10)), layout, list(range(10)))
+    per_rank = elastic_layouts.shard(list(range(10)), layout, list(range(10)))
     assert per_rank == [[[0, 1, 2], [6, 7]], [[3, 4, 5], [8, 9]]]
     # 3 samples in the last step: padded with the first 2 samples of the iteration, 2 each
-    per_rank = elastic.shard(list(range(9)), layout, list(range(9)))
+    per_rank = elastic_layouts.shard(list(range(9)), layout, list(range(9)))
     assert per_rank == [[[0, 1, 2], [6, 7]], [[3, 4, 5], [8, 0]]]
     split = {**layout, "batch_size": 4, "split_batches": True}
-    assert elastic.shard(list(range(6)), split, list(range(6))) == [[[0, 1], [4]], [[2, 3], [5]]]
+    assert elastic_layouts.shard(list(range(6)), split, list(range(6))) == [[[0, 1], [4]], [[2, 3], [5]]]
 
 
 # --- real loaders, ranks of one run simulated in one process ---
@@ -240,7 +240,7 @@ class _Buckets(BatchSampler):
 
 def _saved_position(loader, batches: int = 2) -> dict:
     return {"tracked": True, "epoch": 0, "batches": batches, "start_states": {},
-            "layout": elastic.describe(loader, data._inner(loader), data.sampler_of(loader))}
+            "layout": elastic.describe(loader, samplers.inner_loader(loader), samplers.sampler_of(loader))}
 
 
 def test_iterable_dataset_refuses_another_world_size():

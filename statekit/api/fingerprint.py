@@ -47,7 +47,7 @@ from statekit._version import __version__
 from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
 from statekit.devices import current_accelerator_type
 from statekit.engine import gradients
-from statekit.loaders import data
+from statekit.loaders import data, samplers
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError, warn_user
 from statekit.format.manifest_types import Manifest
@@ -107,7 +107,7 @@ def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1
         ``"seed"}``; None where the loader does not say.
     """
     batch_sampler = _get(loader, "batch_sampler")
-    sampler = data.sampler_of(loader)
+    sampler = samplers.sampler_of(loader)
     total = _get(loader, "total_batch_size")  # Accelerate's: every process's batches together
     if isinstance(total, int) and _get(loader, "_is_accelerate_prepared"):
         batch_size = total // max(int(getattr(accelerator, "num_processes", world_size) or 1), 1)
@@ -119,7 +119,7 @@ def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1
     drop_last = _get(batch_sampler, "drop_last")
     return {
         "batch_size": _int(batch_size),
-        "dataset_length": data.dataset_length(loader),
+        "dataset_length": samplers.dataset_length(loader),
         "drop_last": bool(drop_last if drop_last is not None else _get(loader, "drop_last")),
         "even_batches": bool(even) if even is not None else None,
         "num_workers": _int(_get(loader, "num_workers")),

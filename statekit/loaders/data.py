@@ -33,7 +33,7 @@ from statekit.devices import snapshot_random_states
 from statekit.loaders.samplers import (
     dataset_length,
     generators,
-    inner_loader as _inner,
+    inner_loader,
     run_sampler_out,
     sampled_epoch_length,
     sampler_of,
@@ -125,7 +125,7 @@ def track(loader: Any) -> Position:
 
 def _tracked_iter(self: Any) -> Iterator[Any]:
     position: Position = self.__dict__["_statekit_position"]
-    inner = _inner(self)
+    inner = inner_loader(self)
     pending, position.pending = position.pending, None
     skip = _apply_pending(self, position, pending) if pending is not None else _start_fresh(inner, position)
     name = describe(self)
@@ -265,7 +265,7 @@ def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> 
     position.epoch = pending["epoch"]
     if hasattr(loader, "iteration"):
         loader.iteration = pending["epoch"]
-    inner = _inner(loader)
+    inner = inner_loader(loader)
     if callable(getattr(inner, "load_state_dict", None)):
         # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
         # Accelerate calls it in prepare()); that iterator ignores the skip.
@@ -321,7 +321,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         # current generators as "epoch start" would lose it)
         return dict(position.pending["saved"])
     epoch, batches, states = position.epoch, position.batches, position.start_states
-    restored = getattr(_inner(loader), "next_iter_state", None)
+    restored = getattr(inner_loader(loader), "next_iter_state", None)
     if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
         # a loader resumed by its own state (see _tracked_iter): save that state
         own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
@@ -340,7 +340,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
             states = {role: gen.get_state() for role, gen in generators(loader).items()}
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
-    state.update(iterable.saved_fields(_inner(loader), position, batches, in_epoch))  # dataset states, workers
+    state.update(iterable.saved_fields(inner_loader(loader), position, batches, in_epoch))  # dataset states, workers
     ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
     if ahead:
         state["fetch_states"] = ahead
@@ -349,7 +349,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     state["next"] = _next_batch(loader, position, epoch, batches, in_epoch).to_json()  # the resume audit's record
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
-    state.update(elastic.saved_fields(loader, elastic.describe(loader, _inner(loader), sampler_of(loader)), epoch, in_epoch))
+    state.update(elastic.saved_fields(loader, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), epoch, in_epoch))
     return state
 
 
@@ -360,7 +360,7 @@ def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_ep
         record.missing = "saved at an epoch boundary: the next epoch's order is drawn when it starts"
         return record
     record.sampler_epoch = audit.sampler_epoch(loader, sampler_of(loader))
-    inner = _inner(loader)
+    inner = inner_loader(loader)
     if batches in position.drawn:
         record.indices_digest, record.indices_head = audit.indices_digest(position.drawn[batches])
     held, batch = audit.accelerate_next_batch(position.parent, loader) if position.parent is not None else (False, None)
@@ -421,10 +421,10 @@ def restore_loader(
         StateMismatchError: the world size changed mid-epoch and this loader's setup
             cannot continue the epoch exactly (see :func:`statekit.loaders.elastic.plan`).
     """
-    planned = elastic.plan(ranks, state, elastic.describe(loader, _inner(loader), sampler_of(loader)), name or "data loader") if ranks else None
+    planned = elastic.plan(ranks, state, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), name or "data loader") if ranks else None
     if planned is not None:  # another world size: this rank yields its share of what no saved rank consumed
         state = {**(state or ranks[0]), "epoch": planned.epoch, "batches": 0, "start_states": planned.start_states}
-        elastic.install(loader, _inner(loader), planned, sampler_of(loader))
+        elastic.install(loader, inner_loader(loader), planned, sampler_of(loader))
     elif state is None:
         return False
     if state.get("tracked"):

@@ -42,8 +42,11 @@ https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.p
 ``DistributedSampler.__iter__``,
 https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py.
 User documentation: docs/concepts.md, "Changing the world size".
-The layout models (:func:`shard`, :func:`remaining`, :func:`permutation`) are in
-:mod:`statekit.loaders.elastic_layouts`, re-exported here.
+The layout models (:func:`~statekit.loaders.elastic_layouts.shard`,
+:func:`~statekit.loaders.elastic_layouts.remaining`,
+:func:`~statekit.loaders.elastic_layouts.permutation`) are
+:mod:`statekit.loaders.elastic_layouts`'s (pure index arithmetic, tested against the real
+classes); this module reads loaders, plans and installs.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from statekit.loaders.elastic_layouts import (
     DISTRIBUTED,
     SHARD,
     UNSUPPORTED,
-    chunk as _chunk,
+    chunk,
     permutation,
     remaining,
     shard,
@@ -78,7 +81,7 @@ def describe(loader: Any, inner: Any, sampler: Any) -> dict[str, Any]:
         loader: the data loader (torch ``DataLoader`` or Accelerate adapter).
         inner: the torch loader that builds iterators (``loader.base_dataloader`` for an
             Accelerate adapter, else ``loader``).
-        sampler: the sampler that draws the indices (:func:`statekit.loaders.data.sampler_of`).
+        sampler: the sampler that draws the indices (:func:`statekit.loaders.samplers.sampler_of`).
 
     Returns:
         Codec-able dict: ``kind`` (``shard``/``dispatch``/``distributed``, or
@@ -211,7 +214,7 @@ def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str
     per_rank = shard(left, live, list(range(length)))
     rank = int(live["rank"])
     base = own if own is not None and int(own["epoch"]) == epoch else next(s for s in saved if int(s["epoch"]) == epoch)
-    batches = _chunk(left, live["batch_size"], live["drop_last"]) if live["kind"] == DISPATCH else per_rank[rank]
+    batches = chunk(left, live["batch_size"], live["drop_last"]) if live["kind"] == DISPATCH else per_rank[rank]
     source = (segments[0]["layout"])["sampler"]
     return Plan(epoch, dict(base.get("start_states") or {}), batches, len(per_rank[rank]), source, length, segments)
 
