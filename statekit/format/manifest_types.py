@@ -34,6 +34,7 @@ Compatibility rules, the same for every type:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -114,6 +115,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@functools.cache
+def _json_fields(cls: type) -> list[str]:
+    """The JSON keys of a manifest type's fields, in declaration order (computed once per class)."""
+    return [f.name for f in dataclasses.fields(cls) if f.name not in cls._JSON_ONLY]  # type: ignore[attr-defined]
+
+
 class _JsonRecord:
     """What every manifest type shares: the JSON form (``to_json``) with the parsed key
     order and the unknown keys (``extra``) kept, and the deprecated dict-style reads."""
@@ -127,7 +134,7 @@ class _JsonRecord:
     key_order: tuple[str, ...]
 
     def _field_names(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if f.name not in self._JSON_ONLY]  # type: ignore[arg-type]
+        return _json_fields(type(self))
 
     def _json_value(self, name: str) -> Any:
         value = getattr(self, name)
@@ -201,6 +208,15 @@ class _JsonRecord:
         return self._legacy("items").items()
 
 
+def _built(cls: type, values: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass ``cls`` with every field in ``values``, made
+    without the frozen ``__init__``'s per-field ``object.__setattr__`` (a manifest of a
+    sharded checkpoint holds tens of thousands of file entries)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
 def _need_object(value: Any, what: str, source: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{source}: manifest field {what!r} is not an object", path=source)
@@ -254,14 +270,14 @@ class FileEntry(_JsonRecord):
             or not isinstance(entry.get("rank"), int)
         ):
             raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r} is malformed", path=source)
-        return cls(
-            size_bytes=entry["size_bytes"],
-            checksum=entry["checksum"],
-            rank=entry["rank"],
-            writer=entry.get("writer"),
-            extra={k: v for k, v in entry.items() if k not in cls._KEYS},
-            key_order=tuple(entry),
-        )
+        return _built(cls, {
+            "size_bytes": entry["size_bytes"],
+            "checksum": entry["checksum"],
+            "rank": entry["rank"],
+            "writer": entry.get("writer"),
+            "extra": {k: v for k, v in entry.items() if k not in cls._KEYS} if len(entry) > 4 else {},
+            "key_order": tuple(entry),
+        })
 
     _NULLABLE = frozenset({"writer"})
 
@@ -309,15 +325,15 @@ class ObjectEntry(_JsonRecord):
         if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str) or not isinstance(obj.get("owner"), str):
             raise CorruptCheckpointError(f"{source}: manifest entry for object {key!r} is malformed", path=source)
         files = obj.get("files")
-        return cls(
-            kind=obj["kind"],
-            owner=obj["owner"],
-            per_rank=obj.get("per_rank"),
-            files=tuple(files) if isinstance(files, list) else files,
-            owner_distribution=obj.get("owner_distribution"),
-            extra={k: v for k, v in obj.items() if k not in cls._KEYS},
-            key_order=tuple(obj),
-        )
+        return _built(cls, {
+            "kind": obj["kind"],
+            "owner": obj["owner"],
+            "per_rank": obj.get("per_rank"),
+            "files": tuple(files) if isinstance(files, list) else files,
+            "owner_distribution": obj.get("owner_distribution"),
+            "extra": {k: v for k, v in obj.items() if k not in cls._KEYS},
+            "key_order": tuple(obj),
+        })
 
 
 @dataclasses.dataclass(frozen=True)
