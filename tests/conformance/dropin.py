@@ -74,7 +74,7 @@ def save_state(self: Any, output_dir: str | os.PathLike[str] | None = None, safe
         manager = manager_of(self)
         common.count("dropin_manager_save")
         manifest = manager.save()
-        return manager.url_for(manifest["step"])
+        return manager.url_for(manifest.step)
     if output_dir is None:
         raise TypeError("save_state() without output_dir needs automatic_checkpoint_naming (Accelerate: os.makedirs(None))")
     url = os.fspath(output_dir)
