@@ -36,7 +36,7 @@ Call sequence of a save (called by :class:`statekit.engine.context.Checkpoint`):
 ``save_state`` -> :func:`~statekit.format.codec.encode` (skeleton + tensors) ->
 :func:`~statekit.format.tensors.write_tensors` -> :func:`~statekit.format.header.build_header`
 -> the header, then each tensor's bytes in chunks, hashed in the same pass; the engine
-builds the manifest and :func:`~statekit.format.manifest.manifest_bytes` serialises it.
+builds a :class:`Manifest` and ``Manifest.sealed`` checksums and serialises it.
 Of a load: :func:`~statekit.format.manifest.read_manifest` (``Manifest.from_json``) ->
 per file :func:`~statekit.format.tensors.read_tensors` ->
 :func:`~statekit.format.header.read_header` -> each tensor read into its target (or a
