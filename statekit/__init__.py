@@ -42,7 +42,7 @@ from statekit.errors import (
     UnsupportedDtypeError,
     UnsupportedValueError,
 )
-from statekit.manager.listing import CheckpointInfo
+from statekit.manager.listing import CheckpointDir, CheckpointInfo
 from statekit.manager.manager import CheckpointManager
 from statekit.manager.trainer_hook import CheckpointHook, TrainerProgress
 from statekit.hooks.registry import get_plugin_manager, hookimpl
@@ -53,6 +53,7 @@ __all__ = [
     "Attachment",
     "Checkpoint",
     "Manifest",
+    "CheckpointDir",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointHook",

@@ -52,7 +52,7 @@ The names, by topic:
 * the manager hooks (``docs/hooks.md``, Manager hooks): :class:`ManagerView`, what a hook
   may rely on of the ``CheckpointManager`` it is handed (root URL, storage options,
   ``manager_options``, ``list()``, ``url_of(name)``, ``resumed_from``, ``plugin_state``),
-  and the checkpoints under a root: :class:`CheckpointInfo`, :func:`list_checkpoints`,
+  and the checkpoints under a root: :class:`CheckpointDir`, :func:`list_checkpoints`,
   :func:`delete_all_but` (retention's one deletion loop);
 * copying a committed checkpoint to another root (the ``replicate`` plugin):
   :data:`MANIFEST_NAME` (written last: the commit), :class:`Manifest` (parse manifest
@@ -124,7 +124,7 @@ from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.hookspecs import ManagerView
 from statekit.hooks.registry import hookimpl
-from statekit.manager.listing import CheckpointInfo, delete_all_but, list_checkpoints
+from statekit.manager.listing import CheckpointDir, delete_all_but, list_checkpoints
 from statekit.storage import Storage, storage_errors
 from statekit.storage.hashing import VerifyingReader, checksum_bytes
 from statekit.storage.inuse import (
@@ -185,7 +185,7 @@ __all__ = [
     "tensor_bytes",
     "view_identity",
     # the manager hooks and the checkpoints under a root
-    "CheckpointInfo",
+    "CheckpointDir",
     "ManagerView",
     "delete_all_but",
     "list_checkpoints",

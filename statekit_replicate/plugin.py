@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from statekit.plugin_api import (
-    CheckpointInfo,
+    CheckpointDir,
     InvalidOptionError,
     ManagerView,
     delete_all_but,
@@ -129,7 +129,7 @@ class Replicate:
             replicator.submit_committed(url, manager.storage_options)
 
     @hookimpl
-    def statekit_retention_keep(self, checkpoints: list[CheckpointInfo], manager: ManagerView) -> set[str] | None:
+    def statekit_retention_keep(self, checkpoints: list[CheckpointDir], manager: ManagerView) -> set[str] | None:
         """Keep the local checkpoints without a committed remote copy."""
         replicator = replicator_of(manager)
         if replicator is None or manager.manager_options["delete_unreplicated"]:
@@ -154,7 +154,7 @@ plugin = Replicate()
 """The registered plugin object (entry point ``replicate = "statekit_replicate.plugin:plugin"``)."""
 
 
-def unreplicated(replicator: Replicator, local: list[CheckpointInfo]) -> set[str]:
+def unreplicated(replicator: Replicator, local: list[CheckpointDir]) -> set[str]:
     """URLs of the ``local`` checkpoints not known to have a committed remote copy: local
     retention keeps these. Known from the replicator's own record, so a save never waits
     on the remote tier (which may be down or frozen)."""

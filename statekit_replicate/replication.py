@@ -41,7 +41,7 @@ from typing import Any
 
 from statekit.plugin_api import (
     MANIFEST_NAME,
-    CheckpointInfo,
+    CheckpointDir,
     InvalidOptionError,
     StatekitError,
     StatekitWarning,
@@ -220,7 +220,7 @@ class Replicator:
             warn_user(f"{self.remote_url}/{name}: not replicated: {error}", StatekitWarning)
         return pending + [n for n in failed if n not in pending]
 
-    def catch_up(self, local: list[CheckpointInfo]) -> list[str]:
+    def catch_up(self, local: list[CheckpointDir]) -> list[str]:
         """Queue every committed local checkpoint without a committed remote copy (a copy
         a killed process left half done is redone: files are rewritten, the manifest last).
         One process only; with several ranks every rank runs :meth:`catch_up_ranks`.
@@ -237,7 +237,7 @@ class Replicator:
                 self.submit(info.url)
         return [n for n in (i.name for i in local) if n in names]
 
-    def catch_up_names(self, local: list[CheckpointInfo]) -> set[str]:
+    def catch_up_names(self, local: list[CheckpointDir]) -> set[str]:
         """Names of the committed ``local`` checkpoints without a committed remote copy
         (the remote ones found are recorded as replicated).
 
@@ -264,7 +264,7 @@ class Replicator:
             missing = {n: i for n, i in missing.items() if n not in superseded}
         return set(missing)
 
-    def catch_up_ranks(self, local: list[CheckpointInfo], local_url_of: Any) -> list[str]:
+    def catch_up_ranks(self, local: list[CheckpointDir], local_url_of: Any) -> list[str]:
         """:meth:`catch_up` with several ranks (every rank calls it): rank 0 decides what
         to redo from its local root and shares each manifest, and every rank queues its
         part from its own local root.
@@ -292,7 +292,7 @@ class Replicator:
             self.submit(local_url_of(name), raw)
         return [name for name, _ in todo]
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> list[CheckpointDir]:
         """The remote root's checkpoints, oldest first (:func:`list_checkpoints`)."""
         return list_checkpoints(self.remote_url, self.storage_options)
 
@@ -417,7 +417,7 @@ def start_replication(
     Args:
         remote_url: the remote root.
         remote_options: its fsspec options.
-        list_local: ``callable() -> list[CheckpointInfo]``, the local root's checkpoints.
+        list_local: ``callable() -> list[CheckpointDir]``, the local root's checkpoints.
         local_url_of: ``callable(name) -> str``, this rank's local directory of a checkpoint.
         on_replicated: ``callable(name)`` after a remote commit (run on rank 0 only).
         keep_last: the remote retention's ``remote_keep_last`` (None: keep all); catch-up

@@ -10,7 +10,7 @@ from torch import nn
 
 import statekit
 from statekit import format as fmt, hookimpl
-from statekit.manager.listing import CheckpointInfo, checkpoint_name
+from statekit.manager.listing import CheckpointDir, checkpoint_name
 from statekit.errors import PluginError, PluginMissingError
 from statekit.storage import Storage
 from statekit.testing import assert_state_equal
@@ -123,7 +123,7 @@ def test_hook_statekit_retention_keep(plugin_manager, tmp_path):
     class KeepFirst:
         @hookimpl
         def statekit_retention_keep(self, checkpoints, manager):
-            seen.append(([i.step for i in checkpoints], all(isinstance(i, CheckpointInfo) for i in checkpoints), manager))
+            seen.append(([i.step for i in checkpoints], all(isinstance(i, CheckpointDir) for i in checkpoints), manager))
             return [checkpoints[0].url] if checkpoints[0].step == 1 else None
 
     plugin_manager.register(KeepFirst(), name="keepfirst")

@@ -215,7 +215,7 @@ class ManagerView(Protocol):
 
     def list(self) -> list[Any]:
         """Every checkpoint directory under the root (committed or not), oldest first, as
-        ``statekit.plugin_api.CheckpointInfo`` (``url``, ``name``, ``step``, ``committed``,
+        ``statekit.plugin_api.CheckpointDir`` (``url``, ``name``, ``step``, ``committed``,
         ``metrics``...)."""
 
     def url_for(self, step: int) -> str:
@@ -223,7 +223,7 @@ class ManagerView(Protocol):
 
     def url_of(self, name: str) -> str:
         """URL of the directory ``name`` under the root (a checkpoint's name, as
-        ``CheckpointInfo.name``, on this rank's root)."""
+        ``CheckpointDir.name``, on this rank's root)."""
 
 
 @hookspec
@@ -314,7 +314,7 @@ def statekit_retention_keep(checkpoints: list[Any], manager: ManagerView) -> Any
 
     Args:
         checkpoints: the committed checkpoints under the root retention chooses from, as
-            ``statekit.plugin_api.CheckpointInfo`` (``url``, ``name``, ``step``,
+            ``statekit.plugin_api.CheckpointDir`` (``url``, ``name``, ``step``,
             ``metrics``...), oldest first.
         manager: the :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
 

@@ -19,8 +19,11 @@ LATEST_NAME = "latest"
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint directory under a manager root.
+class CheckpointDir:
+    """One checkpoint directory under a manager root, as a listing reports it (committed or
+    not). Not to be confused with :class:`statekit.Checkpoint`, the context one save or load
+    works through (what hooks receive as ``checkpoint``). Called ``CheckpointInfo`` before
+    issue 28; that name stays importable from ``statekit``.
 
     Attributes:
         step: the step in its name.
@@ -50,6 +53,10 @@ class CheckpointInfo:
     def name(self) -> str:
         """The directory's name (``checkpoint-<step:08d>``, or Accelerate's ``checkpoint_<n>``)."""
         return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+CheckpointInfo = CheckpointDir
+"""Former name of :class:`CheckpointDir`, kept importable from ``statekit``."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -84,7 +91,7 @@ def refuse_checkpoint_as_root(root: Storage) -> None:
     )
 
 
-def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointInfo]:
+def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointDir]:
     """Every checkpoint directory under a root, oldest first.
 
     ``checkpoint-<step>`` directories are the manager's; ``checkpoint_<n>`` folders are
@@ -97,7 +104,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
         details: read each manifest (created, size, metrics); otherwise only check it exists.
 
     Returns:
-        :class:`CheckpointInfo` per directory, committed or not.
+        :class:`CheckpointDir` per directory, committed or not.
 
     Raises:
         StorageError: the root cannot be listed.
@@ -114,18 +121,18 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
         accelerate = match.re is _ACCELERATE_NAME
         if not child.exists(fmt.MANIFEST_NAME):
             committed = accelerate and accelerate_format.is_accelerate_checkpoint(child)
-            infos.append(CheckpointInfo(step, child.url, committed, accelerate=accelerate))
+            infos.append(CheckpointDir(step, child.url, committed, accelerate=accelerate))
             continue
         if not details:
-            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
+            infos.append(CheckpointDir(step, child.url, True, accelerate=accelerate))
             continue
         try:
             manifest = read_manifest(child)
         except StatekitError:
-            infos.append(CheckpointInfo(step, child.url, True, accelerate=accelerate))
+            infos.append(CheckpointDir(step, child.url, True, accelerate=accelerate))
             continue
         infos.append(
-            CheckpointInfo(
+            CheckpointDir(
                 step,
                 child.url,
                 True,
@@ -159,7 +166,7 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
 
 
 def delete_all_but(
-    committed: list[CheckpointInfo], keep: set[str | None], storage_options: dict[str, Any] | None, what: str = "retention"
+    committed: list[CheckpointDir], keep: set[str | None], storage_options: dict[str, Any] | None, what: str = "retention"
 ) -> list[str]:
     """Delete every checkpoint of ``committed`` whose URL is not in ``keep`` (retention's
     one deletion loop, both tiers); one a live process uses is kept with a warning.

@@ -21,7 +21,7 @@ from statekit.api.asyncsave import PendingSave
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
-from statekit.manager.listing import CheckpointInfo, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
+from statekit.manager.listing import CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -160,11 +160,11 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- queries
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> list[CheckpointDir]:
         """Every checkpoint directory under the root (committed or not), oldest first.
 
         Returns:
-            One :class:`CheckpointInfo` per ``checkpoint-<step>`` directory.
+            One :class:`CheckpointDir` per ``checkpoint-<step>`` directory.
         """
         return list_checkpoints(self.root_url, self.storage_options)
 
@@ -195,7 +195,7 @@ class CheckpointManager:
         """URL of the directory ``name`` under the root (this rank's root).
 
         Args:
-            name: a checkpoint directory's name (``CheckpointInfo.name``).
+            name: a checkpoint directory's name (``CheckpointDir.name``).
 
         Returns:
             ``<root>/<name>``.

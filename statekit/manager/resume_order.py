@@ -15,13 +15,13 @@ import dataclasses
 from typing import Any
 
 from statekit import distributed, format as fmt
-from statekit.manager.listing import CheckpointInfo, list_checkpoints
+from statekit.manager.listing import CheckpointDir, list_checkpoints
 from statekit.engine import commit as commits
 from statekit.errors import PluginError, StatekitError, StatekitWarning, warn_user
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 
-Candidate = tuple[CheckpointInfo, "dict[str, Any] | None"]
+Candidate = tuple[CheckpointDir, "dict[str, Any] | None"]
 """A committed checkpoint and the fsspec options to read it with."""
 
 
@@ -33,7 +33,7 @@ def resume_candidates(manager: Any) -> list[Candidate]:
         manager: the :class:`statekit.CheckpointManager`.
 
     Returns:
-        ``(CheckpointInfo, storage_options)`` pairs; those under the manager's root point
+        ``(CheckpointDir, storage_options)`` pairs; those under the manager's root point
         at this rank's own root.
 
     Raises:
@@ -44,7 +44,7 @@ def resume_candidates(manager: Any) -> list[Candidate]:
     local = [i for i in manager.list() if i.committed]
     everywhere = distributed.gather_to_rank0({i.name for i in local}) if world > 1 else None
 
-    def decide() -> list[tuple[CheckpointInfo, int, dict[str, Any] | None]]:
+    def decide() -> list[tuple[CheckpointDir, int, dict[str, Any] | None]]:
         shared = local if everywhere is None else [i for i in local if i.name in set.intersection(*everywhere)]
         offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
         return _ordered(shared, manager.storage_options, [root for name, pairs in offered for root in _roots(name, pairs)])
@@ -77,8 +77,8 @@ def _roots(plugin: str, pairs: Any) -> list[tuple[str, dict[str, Any] | None]]:
 
 
 def _ordered(
-    local: list[CheckpointInfo], local_options: dict[str, Any] | None, roots: list[tuple[str, dict[str, Any] | None]]
-) -> list[tuple[CheckpointInfo, int, dict[str, Any] | None]]:
+    local: list[CheckpointDir], local_options: dict[str, Any] | None, roots: list[tuple[str, dict[str, Any] | None]]
+) -> list[tuple[CheckpointDir, int, dict[str, Any] | None]]:
     """``(info, tier, storage_options)``, best first; tier 0 is the manager's root, tier k
     the k-th root offered."""
     tiers = [(i, 0, local_options) for i in local]
