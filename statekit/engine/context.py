@@ -19,7 +19,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -409,22 +408,29 @@ class Checkpoint:
 
         Yields:
             None.
+
+        Raises:
+            StorageError: closing a file failed (the others are closed first; raised only
+                when the block itself did not raise).
         """
         if self._held is not None:
             yield
             return
         self._held, self._kept_json = {}, {}
+        failed = True
         try:
             yield
+            failed = False
         finally:
             held, self._held, self._kept_json = self._held, None, None
             errors = []
-            for opened in held.values():
+            for rel, opened in held.items():
                 try:
-                    opened.file.close()
+                    with storage_errors(f"{self.url}/{rel}", "closing"):
+                        opened.file.close()
                 except Exception as exc:  # noqa: BLE001 - close the others first
                     errors.append(exc)
-            if errors and sys.exc_info()[0] is None:
+            if errors and not failed:  # (after a failure, that failure is what the caller sees)
                 raise errors[0]
 
     @contextlib.contextmanager
@@ -436,7 +442,15 @@ class Checkpoint:
         The buffers are made from the files' headers (:meth:`tensor_header`: inside
         :meth:`reading_each_file_once` the headers the fit checks parsed, or the file
         opened here and kept open for its read). A file that cannot be opened or parsed
-        gets no buffers: its own read reports the fault."""
+        gets no buffers: its own read reports the fault.
+
+        Args:
+            rels: relative paths of the tensor files read later in the block, in order
+                (files under 16 MiB and remote ones are skipped).
+
+        Yields:
+            None.
+        """
         rels = [rel for rel in rels if self.storage.is_local and worth_reading_ahead(self.manifest, rel)]
         if not rels or self._ahead is not None:
             yield
