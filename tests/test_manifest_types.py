@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -197,3 +198,37 @@ def test_the_schema_and_the_dataclasses_name_the_same_fields():
     assert set(schema["$defs"]["fingerprint"]["properties"]) == json_fields(Fingerprint)
     assert set(schema["properties"]["resume_audit"]["properties"]) == json_fields(ResumeAudit)
     assert set(schema["required"]) == {f for f in json_fields(Manifest) if f not in ("fingerprint", "resume_audit", "manifest_checksum")}
+
+
+def test_statekit_itself_never_reads_the_manifest_by_key(tmp_path, tiny_accelerate):
+    """Every public path (save, load, verify, the manager with Accelerate, attach mode,
+    convert, the CLI) reads the typed manifest by attribute: a key read inside statekit
+    would warn here."""
+    from click.testing import CliRunner
+
+    from statekit.cli import main
+
+    run = tiny_accelerate
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        url = str(tmp_path / "plain")
+        statekit.save(url, {"model": torch.nn.Linear(2, 2), "t": torch.ones(2)}, step=1)
+        statekit.load(url, {"model": torch.nn.Linear(2, 2), "t": torch.zeros(2), "aux": torch.zeros(1)}, strict=False)
+        statekit.verify(url)
+        manager = statekit.CheckpointManager(run.accelerator, str(tmp_path / "run"))
+        for i, batch in enumerate(run.loader):
+            run.train_step(batch)
+            if i == 1:
+                manager.save(2, metrics={"loss": 0.5})
+                break
+        statekit.CheckpointManager(run.accelerator, str(tmp_path / "run")).resume()
+        statekit.attach(run.accelerator)
+        run.accelerator.save_state(str(tmp_path / "attached"))
+        run.accelerator.load_state(str(tmp_path / "attached"))
+        runner = CliRunner()
+        for args in (["inspect", url], ["inspect", str(tmp_path / "run" / "checkpoint-00000002"), "--json"],
+                     ["verify", url], ["ls", str(tmp_path / "run")], ["diff", url, url],
+                     ["convert", str(tmp_path / "attached"), str(tmp_path / "converted"), "--allow-pickle"]):
+            assert runner.invoke(main, args, catch_exceptions=False).exit_code == 0, args
+    key_reads = [str(w.message) for w in caught if "is deprecated: the manifest is a typed object" in str(w.message)]
+    assert not key_reads
