@@ -258,7 +258,7 @@ def test_model_file_is_plain_safetensors(tmp_path):
 def test_step_none_and_metadata_default():
     url = "memory://statekit-tests/defaults"
     manifest = statekit.save(url, {"t": torch.ones(1)}, overwrite=True)
-    assert manifest["step"] is None and manifest["metadata"] == {}
+    assert manifest.step is None and manifest.metadata == {}
     Storage(url).remove_tree()
 
 
@@ -268,7 +268,7 @@ def test_tied_weights_model(tmp_path):
     assert src.head.weight is src.embed.weight
     manifest = statekit.save(str(tmp_path), {"model": src})
     with open(tmp_path / "model.safetensors", "rb") as f:
-        _, header = fmt.read_tensors(f, "model", manifest["files"]["model.safetensors"]["size_bytes"])
+        _, header = fmt.read_tensors(f, "model", manifest.files["model.safetensors"].size_bytes)
     assert len(header.entries) == 1  # stored once
     assert header.aliases in ({"head.weight": "embed.weight"}, {"embed.weight": "head.weight"})
     dst = Tied()
@@ -282,7 +282,7 @@ def test_model_with_extra_state():
     src = WithExtraState()
     src.extra = {"calls": 3, "name": "ema", "window": (2, 5), "ids": {7: "seven"}}
     manifest = statekit.save(url, {"model": src}, overwrite=True)
-    assert manifest["objects"]["model"]["files"] == ["model.json", "model.safetensors"]
+    assert manifest.objects["model"].files == ("model.json", "model.safetensors")
     dst = WithExtraState()
     statekit.load(url, {"model": dst})
     assert_state_equal(src.extra, dst.extra)
@@ -293,9 +293,9 @@ def test_model_with_extra_state():
 def test_per_rank_key(tmp_path):
     state = {"pos": {"index": 17, "order": (3, 1, 2)}, "t": torch.arange(3)}
     manifest = statekit.save(str(tmp_path), state, per_rank=["pos"])
-    assert "pos/rank-00000.json" in manifest["files"]
-    assert manifest["objects"]["pos"]["per_rank"] is True
-    assert manifest["objects"]["pos"]["files"] == ["pos/rank-00000.json"]
+    assert "pos/rank-00000.json" in manifest.files
+    assert manifest.objects["pos"].per_rank is True
+    assert manifest.objects["pos"].files == ("pos/rank-00000.json",)
     back = {"pos": {}, "t": torch.zeros(3, dtype=torch.int64)}
     statekit.load(str(tmp_path), back, per_rank=["pos"])
     assert_state_equal(state, back)
@@ -466,11 +466,11 @@ def test_exists_and_overwrite(storage_url):
         statekit.save(storage_url, {"t": torch.full((2,), 2.0)}, step=2)
     assert storage_url in str(info.value)
     t = torch.zeros(2)
-    assert statekit.load(storage_url, {"t": t})["step"] == 1
+    assert statekit.load(storage_url, {"t": t}).step == 1
     assert torch.equal(t, torch.ones(2))
     statekit.save(storage_url, {"t": torch.full((2,), 3.0), "u": torch.zeros(1)}, step=3, overwrite=True)
     manifest = statekit.load(storage_url, {"t": t})
-    assert manifest["step"] == 3 and set(manifest["objects"]) == {"t", "u"}
+    assert manifest.step == 3 and set(manifest.objects) == {"t", "u"}
     assert torch.equal(t, torch.full((2,), 3.0))
 
 
@@ -658,7 +658,7 @@ def test_failed_save_keeps_previous_checkpoint(storage_url):
         statekit.save(bad_url, {**src, "broken": Broken()}, step=2)
     assert not Storage(bad_url).exists(fmt.MANIFEST_NAME)
     dst = fresh()
-    assert statekit.load(good_url, dst)["step"] == 1
+    assert statekit.load(good_url, dst).step == 1
     assert_state_equal(snapshot(src), snapshot(dst))
 
 
@@ -714,4 +714,4 @@ def test_metadata_with_a_surrogate_escaped_path_commits_and_verifies(tmp_path):
     statekit.save(str(tmp_path / "c"), {"t": torch.ones(2)}, metadata={"dataset": path})
     state = {"t": torch.zeros(2)}
     manifest = statekit.load(str(tmp_path / "c"), state)
-    assert manifest["metadata"]["dataset"] == path and torch.equal(state["t"], torch.ones(2))
+    assert manifest.metadata["dataset"] == path and torch.equal(state["t"], torch.ones(2))

@@ -223,8 +223,8 @@ def test_hook_statekit_save_state_pre(plugin_manager, tmp_path):
     assert call["manifest_exists"] is False  # pre-hooks run before anything is committed
     assert ckpt.key_of(model) == "model" and ckpt.key_of(other) == "aux"
     # the recorder took nothing: the core saved everything
-    assert {o["owner"] for o in manifest["objects"].values()} == {"statekit"}
-    assert manifest["plugins"] == {}
+    assert {o.owner for o in manifest.objects.values()} == {"statekit"}
+    assert manifest.plugins == {}
 
 
 def test_hook_statekit_save_state_post(plugin_manager, tmp_path):
@@ -291,17 +291,17 @@ def test_owner_and_writer_recorded(plugin_manager, tmp_path):
     plugin_manager.register(Owner(), name="owner")
     url = url_for(tmp_path)
     manifest = statekit.save(url, {"model": new_model(), "other": nn.Linear(2, 2)})
-    obj = manifest["objects"]["model"]
-    assert obj["owner"] == "owner"
-    assert obj["owner_distribution"] == "statekit-owner"
-    assert obj["files"] == []
-    assert manifest["objects"]["other"]["owner"] == "statekit"
-    assert manifest["files"]["model/weights.safetensors"]["writer"] == "owner"
-    assert manifest["files"]["model/meta.json"]["writer"] == "owner"
-    assert manifest["files"]["other.safetensors"]["writer"] == "statekit"
-    assert "model.safetensors" not in manifest["files"]  # the core skipped the taken model
-    assert manifest["plugins"] == {"owner": "unknown"}  # in-code plugin: no distribution version
-    assert manifest["records"] == {"owner": {"layout": {"key": "model", "files": 2}}}
+    obj = manifest.objects["model"]
+    assert obj.owner == "owner"
+    assert obj.owner_distribution == "statekit-owner"
+    assert obj.files == ()
+    assert manifest.objects["other"].owner == "statekit"
+    assert manifest.files["model/weights.safetensors"].writer == "owner"
+    assert manifest.files["model/meta.json"].writer == "owner"
+    assert manifest.files["other.safetensors"].writer == "statekit"
+    assert "model.safetensors" not in manifest.files  # the core skipped the taken model
+    assert manifest.plugins == {"owner": "unknown"}  # in-code plugin: no distribution version
+    assert manifest.records == {"owner": {"layout": {"key": "model", "files": 2}}}
 
 
 def test_owned_object(plugin_manager, tmp_path):
@@ -323,8 +323,8 @@ def test_owned_object(plugin_manager, tmp_path):
     opt.step()
     url = url_for(tmp_path)
     manifest = statekit.save(url, {"model": model, "opt": opt})
-    assert manifest["objects"]["opt"]["owner"] == "optowner"
-    assert "opt.json" not in manifest["files"] and "opt_by_plugin.json" in manifest["files"]
+    assert manifest.objects["opt"].owner == "optowner"
+    assert "opt.json" not in manifest.files and "opt_by_plugin.json" in manifest.files
     model2 = new_model(3)
     opt2 = torch.optim.Adam(model2.parameters())
     statekit.load(url, {"model": model2, "opt": opt2})
@@ -538,8 +538,8 @@ def test_plugin_reads_are_verified(plugin_manager, tmp_path, reader):
     plugin_manager.register(BlobPlugin(), name="blob")
     url = url_for(tmp_path)
     manifest = statekit.save(url, {"t": torch.ones(1)})
-    assert manifest["files"]["blob.bin"]["writer"] == "blob"
-    assert manifest["files"]["blob.bin"]["size_bytes"] == 100
+    assert manifest.files["blob.bin"].writer == "blob"
+    assert manifest.files["blob.bin"].size_bytes == 100
     plugin_manager.unregister(name="blob")
     good = BlobPlugin(reader)
     plugin_manager.register(good, name="blob")
@@ -878,8 +878,8 @@ def test_entry_point_plugin_version_in_manifest(plugin_site, tmp_path):
     with plugins.use_plugin_manager(plugins.build_plugin_manager()):
         manifest = statekit.save(url_for(tmp_path), {"model": new_model()})
     assert sys.modules[module]
-    assert manifest["plugins"] == {"owner": "4.5.6"}
-    assert manifest["objects"]["model"]["owner_distribution"] == plugin_site.distribution("owner")
+    assert manifest.plugins == {"owner": "4.5.6"}
+    assert manifest.objects["model"].owner_distribution == plugin_site.distribution("owner")
 
 
 def test_disable_plugins_env(plugin_site, monkeypatch):
@@ -971,4 +971,4 @@ def test_save_json_indents_small_files_and_writes_large_ones_compact(tmp_path, p
     assert "\n" in small_text and json.loads(small_text) == small
     assert "\n" not in large_text and ", " not in large_text and json.loads(large_text) == large
     manifest = statekit.verify(url)  # sizes and checksums are those of the bytes written
-    assert {"extra/small.json", "extra/large.json"} <= set(manifest["files"])
+    assert {"extra/small.json", "extra/large.json"} <= set(manifest.files)
