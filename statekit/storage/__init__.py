@@ -6,7 +6,10 @@ Owns: fsspec URLs and the :class:`~statekit.storage.fs.Storage` of one directory
 the commit protocol (``Storage.commit``: the manifest written last, atomically, ``exclusive``
 for racing savers), the O_DIRECT writer and reader with their aligned, huge-page buffers
 (:mod:`~statekit.storage.direct_write`, :mod:`~statekit.storage.direct`,
-:mod:`~statekit.storage.hugepages`), faulting in fresh load buffers
+:mod:`~statekit.storage.hugepages`) and the choice of them in both directions
+(``open_write``; ``open_read(rel, bulk=True)``), the file-like interface the format
+streams tensor bytes through without knowing any of that
+(:mod:`~statekit.storage.streams`: ``bulk_writer``, ``fill``), faulting in fresh load buffers
 (:mod:`~statekit.storage.prefault`), the one checksum (XXH3-64) with its hashing writer and
 verifying reader (:mod:`~statekit.storage.hashing`), and in-use markers
 (:mod:`~statekit.storage.inuse`).
