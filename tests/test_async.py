@@ -24,7 +24,7 @@ def test_checkpoint_holds_the_values_at_save_time(tmp_path, plugin_manager):
     with torch.no_grad():
         model.weight.add_(1.0)  # the training loop goes on right away
     manifest = manager.wait()
-    assert manifest["step"] == 1
+    assert manifest.step == 1
     fresh = torch.nn.Linear(256, 256)
     statekit.load(str(tmp_path / checkpoint_name(1)), {"model": fresh})
     assert_state_equal(fresh.state_dict(), expected)

@@ -86,8 +86,8 @@ def test_attach_mode_folder_keeps_loader_position_and_rng(tmp_path, installed_pl
     out = str(tmp_path / "converted")
     _convert(folder, out)
     manifest = statekit.verify(out)
-    assert {"dataloader_0", "model_0", "optimizer_0"} <= set(manifest["objects"])
-    assert any(rel.startswith("rng/") for rel in manifest["files"])  # statekit-rng's generators came along
+    assert {"dataloader_0", "model_0", "optimizer_0"} <= set(manifest.objects)
+    assert any(rel.startswith("rng/") for rel in manifest.files)  # statekit-rng's generators came along
 
     from_source = _run(7, attached=True)
     from_source[0].load_state(folder)  # the attached Accelerator.load_state
@@ -111,7 +111,7 @@ def test_attach_mode_folder_mid_accumulation_keeps_the_gradients(tmp_path, insta
     reference = train_micro_batches(run, 9, on_step=lambda done: done == 3 and run[0].save_state(folder))[3:]
     out = str(tmp_path / "converted")
     _convert(folder, out)
-    assert "gradients" in statekit.verify(out)["objects"]
+    assert "gradients" in statekit.verify(out).objects
 
     resumed = _run(8, attached=True, accum=2)
     statekit.load_state(resumed[0], out)

@@ -31,13 +31,13 @@ def test_two_process_ddp_resume_is_exact(tmp_path):
     _torchrun("first", str(root), str(tmp_path / "first"))
     checkpoint = root / "checkpoint-00000009"
     manifest = statekit.format.manifest.read_manifest(statekit.storage.Storage(str(checkpoint)))
-    files = manifest["files"]
-    assert manifest["world_size"] == 2
-    assert files["model_0.safetensors"]["rank"] == 0  # replicated: written once
+    files = manifest.files
+    assert manifest.world_size == 2
+    assert files["model_0.safetensors"].rank == 0  # replicated: written once
     assert not any(p.startswith("model_0") and p != "model_0.safetensors" for p in files)
     for rank in (0, 1):  # per rank: RNG and data loader position, from every rank
-        assert files[f"rng/rank-{rank:05d}.json"]["rank"] == rank
-        assert files[f"dataloader_0/rank-{rank:05d}.json"]["rank"] == rank
+        assert files[f"rng/rank-{rank:05d}.json"].rank == rank
+        assert files[f"dataloader_0/rank-{rank:05d}.json"].rank == rank
     statekit.verify(str(checkpoint))
 
     _torchrun("resume", str(root), str(tmp_path / "resumed"))
@@ -83,10 +83,10 @@ def test_two_ranks_with_separate_local_roots_replicate_into_one_remote_checkpoin
     assert (node0 / "statekit.json").exists() and not (node1 / "statekit.json").exists()
     assert (node1 / "rng" / "rank-00001.json").exists() and not (node0 / "rng" / "rank-00001.json").exists()
     manifest = statekit.verify(f"{remote}/{name}")  # every file of both ranks, sizes and checksums
-    assert manifest["world_size"] == 2 and (node0 / "statekit.json").read_bytes() == statekit.storage.Storage(
+    assert manifest.world_size == 2 and (node0 / "statekit.json").read_bytes() == statekit.storage.Storage(
         f"{remote}/{name}").read_bytes("statekit.json")
     remote_files = set(statekit.storage.Storage(f"{remote}/{name}").find())
-    assert remote_files == set(manifest["files"]) | {"statekit.json"}  # no rank markers left behind
+    assert remote_files == set(manifest.files) | {"statekit.json"}  # no rank markers left behind
 
     fresh = str(tmp_path / "fresh{rank}")
     _torchrun("resume", fresh, str(tmp_path / "resumed"), STATEKIT_TEST_REPLICATE_TO=remote)

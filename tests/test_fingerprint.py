@@ -280,7 +280,7 @@ def test_rng_kinds_saved_but_not_restored_here(tmp_path):
     url = str(tmp_path / "ckpt")
     with use_plugin_manager(build_plugin_manager(autoload=True)):  # statekit-rng saves the random states
         saved = statekit.save(url, state)
-    assert saved["fingerprint"]["rng"] == ["numpy", "python", "torch"]
+    assert saved.fingerprint.rng == ("numpy", "python", "torch")
     with use_plugin_manager(build_plugin_manager(autoload=False)):  # no plugin restores them
         with pytest.warns(statekit.ResumeFingerprintWarning, match=r"RNG state numpy, python, torch -> none: the saved "
                           r"numpy, python, torch random state is not restored here"):

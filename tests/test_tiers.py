@@ -289,7 +289,7 @@ def test_each_rank_copies_its_own_files_and_rank0_commits_after_every_marker(tmp
     rank1.join(60)
     rank0.join(60)
     assert rank0_done and dst.read_bytes(fmt.MANIFEST_NAME) == raw
-    assert set(dst.find()) == set(rank0_done[0]["files"]) | {fmt.MANIFEST_NAME}  # the markers are gone
+    assert set(dst.find()) == set(rank0_done[0].files) | {fmt.MANIFEST_NAME}  # the markers are gone
     statekit.verify(dst.url)
 
 
