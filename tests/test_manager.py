@@ -132,14 +132,16 @@ KILLED_SAVE = textwrap.dedent(
     writes = 0
     def hook(event, args):
         global writes
-        if event == "open" and isinstance(args[0], str) and args[0].startswith(root) and (
+        opened = event == "open" and isinstance(args[0], str) and args[0].startswith(root) and (
             (args[1] and "w" in str(args[1])) or (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR))
-        ):
+        )
+        reused = event == "os.link" and str(args[1]).endswith(".safetensors")  # an unchanged file, linked (incremental)
+        if opened or reused:
             writes += 1
             if writes == kill_on:
                 os.kill(os.getpid(), signal.SIGKILL)
-        if event in ("os.rename", "os.link") and kill_on == 0:  # the manifest commit (os.replace or os.link)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if event in ("os.rename", "os.link") and str(args[1]).endswith("statekit.json") and kill_on == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # the manifest commit (os.replace or os.link)
     with torch.no_grad():
         model.weight.add_(1)
     sys.addaudithook(hook)
@@ -149,7 +151,8 @@ KILLED_SAVE = textwrap.dedent(
 )
 
 
-# The k-th open for writing of the save of step 2 (the lock, the data files, the manifest's
+# The k-th write of the save of step 2 (the lock, the changed model's file, the hard link
+# of the unchanged tensor's file from step 1 (an incremental save), its JSON, the manifest's
 # temporary file, ``latest``); 0 kills at the manifest's os.link (the exclusive commit).
 @pytest.mark.parametrize("kill_on", [0, 1, 2, 3, 4, 5, 6])
 def test_resume_after_a_killed_save(tmp_path, kill_on):

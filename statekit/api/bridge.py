@@ -114,6 +114,8 @@ def save_state(
     staging: Any = None,
     exclusive: bool = False,
     after_commit: Any = None,
+    incremental: bool = False,
+    reuse_from: Any = None,
     **options: Any,
 ) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
@@ -132,6 +134,9 @@ def save_state(
         staging: a :class:`statekit.engine.staging.StagingPool` to reuse (async saves).
         exclusive: fail if another saver commits this checkpoint first.
         after_commit: ``callable(manifest)`` run right after the commit (used by the manager).
+        incremental, reuse_from: an incremental save's layout and the committed checkpoint
+            whose unchanged files it reuses (used by the manager; see
+            :func:`statekit.api.saveload.save_objects`).
         **options: plugin options (``checkpoint.options``); one that no registered plugin
             reads warns.
 
@@ -162,6 +167,8 @@ def save_state(
         staging=staging,
         exclusive=exclusive,
         after_commit=after_commit,
+        incremental=incremental,
+        reuse_from=reuse_from,
     )
     config = getattr(accelerator, "project_configuration", None)
     if config is not None:  # as Accelerator.save_state: one more save of this run

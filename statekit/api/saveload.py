@@ -25,6 +25,7 @@ from statekit.api.asyncsave import PendingSave
 from statekit.engine import commit as commits, space, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
+from statekit.engine.incremental import ReuseBase
 from statekit.engine.locking import prepare_target, release_lock
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError, warn_user
@@ -101,6 +102,8 @@ def save_objects(
     blocking: bool = True,
     staging: StagingPool | None = None,
     after_commit: Any = None,
+    incremental: bool = False,
+    reuse_from: tuple[str, Manifest] | None = None,
 ) -> Any:
     """Save classified entries (the engine behind :func:`save` and the Accelerate bridge).
 
@@ -114,6 +117,12 @@ def save_objects(
         after_commit: ``callable(manifest)`` run on every rank after the commit, on the
             writing thread (the manager updates ``latest``, applies retention and runs
             ``statekit_checkpoint_committed`` there).
+        incremental: record running checksums in every tensor file and split models with
+            frozen and trainable parameters into files of each (:mod:`statekit.engine.incremental`).
+        reuse_from: ``(url, manifest)`` of a committed checkpoint on the same storage
+            (the manager's last): a tensor file whose bytes would equal its file of the same
+            path is linked or copied from it instead of written. Ignored when it is ``url``
+            itself (an overwrite) or on another filesystem.
 
     Returns:
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
@@ -130,7 +139,10 @@ def save_objects(
     commits.agree(lambda: space.check_free_space(storage, entries, rank, overwrite), url)
     commits.agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
-    checkpoint = context_for(storage, "save", entries, accelerator, options, step=step, staging=staging)
+    checkpoint = context_for(
+        storage, "save", entries, accelerator, options, step=step, staging=staging,
+        incremental=incremental, reuse_base=_reuse_base(storage, reuse_from, storage_options) if incremental else None,
+    )
     fingerprint = fingerprints.compute(entries, accelerator, rng=[])  # now: an async save writes this moment's state
     models = [e.obj for e in entries if e.kind == "model"]
     owners: dict[str, str] = {}
@@ -196,6 +208,19 @@ def log_committed(manifest: Manifest, url: str, started: float, how: str = "") -
     step = manifest.step
     what = f"step {step}" if step is not None else "checkpoint"
     logger.info("saved %s to %s (%s, %.2f s%s)", what, url, human(manifest.size_bytes), time.perf_counter() - started, how)
+
+
+def _reuse_base(
+    storage: Storage, reuse_from: tuple[str, Manifest] | None, storage_options: dict[str, Any] | None
+) -> ReuseBase | None:
+    """The committed checkpoint an incremental save may reuse files of (see :func:`save_objects`)."""
+    if reuse_from is None:
+        return None
+    url, manifest = reuse_from
+    base = Storage(url, storage_options)
+    if base.url == storage.url or type(base.fs) is not type(storage.fs):
+        return None
+    return ReuseBase(base, base.url.rstrip("/").rsplit("/", 1)[-1], manifest)
 
 
 def _target(url: str, storage_options: dict[str, Any] | None, world_size: int) -> Storage:

@@ -19,6 +19,7 @@ from statekit._version import __version__
 from statekit.loaders import audit
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry
+from statekit.engine.incremental import is_frozen_file
 from statekit.engine.locking import LOCK_NAME
 from statekit.errors import StatekitError
 from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
@@ -123,7 +124,11 @@ def build_manifest(
     """
     url = checkpoint.storage.url_of(fmt.MANIFEST_NAME)
     resume_audit = audit.summary(checkpoint.objects, checkpoint.step)  # the verdict of the resume this run continues from
+    split = any(
+        entry.owner == CORE and any(is_frozen_file(key, rel) for rel in entry.files) for key, entry in objects.items()
+    )
     return Manifest(
+        format=fmt.FORMAT_SPLIT if split else fmt.FORMAT,
         statekit_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         step=checkpoint.step,
@@ -132,7 +137,11 @@ def build_manifest(
         objects=dict(objects),
         records=checkpoint.all_records() if records is None else records,
         files={
-            rel: FileEntry(size_bytes=e["size_bytes"], checksum=e["checksum"], rank=e["rank"], writer=e["writer"])
+            rel: FileEntry(
+                size_bytes=e["size_bytes"], checksum=e["checksum"], rank=e["rank"], writer=e["writer"],
+                prefixes=tuple(tuple(p) for p in e["prefixes"]) if e.get("prefixes") else None,
+                reused_from=e.get("reused_from"),
+            )
             for rel, e in files.items()
         },
         metadata=dict(metadata or {}),

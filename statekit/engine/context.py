@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any, BinaryIO
 import torch
 
 from statekit import format as fmt
+from statekit.engine.incremental import ReuseBase
 from statekit.engine.read_ahead import FreshAhead, worth_reading_ahead
 from statekit.engine.staging import StagingPool
 from statekit.errors import CorruptCheckpointError, StatekitError
@@ -33,7 +35,9 @@ from statekit.format import codec
 from statekit.format.manifest_types import FileEntry, Manifest
 from statekit.storage import Storage, storage_errors
 from statekit.storage.fs import fsync_path
-from statekit.storage.hashing import HashingWriter, VerifyingReader, check_against
+from statekit.storage.hashing import HashingWriter, PrefixHasher, VerifyingReader, check_against
+
+logger = logging.getLogger("statekit")
 
 CORE = "statekit"
 """Writer/owner name used for the core's own files and objects."""
@@ -92,6 +96,8 @@ class Checkpoint:
         manifest: Manifest | None = None,
         verify: bool = True,
         staging: StagingPool | None = None,
+        incremental: bool = False,
+        reuse_base: ReuseBase | None = None,
     ) -> None:
         self.storage = storage
         self.url = storage.url
@@ -123,6 +129,10 @@ class Checkpoint:
         self._ahead: FreshAhead | None = None
         self._held: dict[str, _OpenTensorFile] | None = None  # inside reading_each_file_once
         self._kept_json: dict[str, bytes] | None = None
+        # incremental saves (statekit.engine.incremental): record running checksums in
+        # every tensor file; reuse a committed file of reuse_base whose bytes are the same
+        self.incremental = incremental
+        self.reuse_base = reuse_base
 
     # ---------------------------------------------------------------- identity
 
@@ -184,8 +194,11 @@ class Checkpoint:
         self._planned.add(rel)
         return rel
 
-    def _record(self, rel: str, size_bytes: int, checksum: str, writer: str | None = None) -> dict[str, Any]:
+    def _record(self, rel: str, size_bytes: int, checksum: str, writer: str | None = None, **more: Any) -> dict[str, Any]:
+        """Keep a written file's manifest entry; ``more``: the optional fields of an
+        incremental save (``prefixes``, ``reused_from``)."""
         entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": writer or self.plugin or CORE}
+        entry.update({k: v for k, v in more.items() if v})
         self.files[rel] = entry
         return entry
 
@@ -312,6 +325,9 @@ class Checkpoint:
             StorageError: the write failed.
         """
         self._check_writable(rel)
+        reused = self._reuse_if_unchanged(rel, tensors, metadata)
+        if reused is not None:
+            return reused
         if self._staging is not None:
             fmt.build_header(tensors, metadata)  # fail now, on the caller's thread, for bad dtypes
             staged = self._staging.stage(rel, tensors)
@@ -323,10 +339,39 @@ class Checkpoint:
     def _write_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str | None
     ) -> dict[str, Any]:
-        hasher = fmt.new_hasher()
+        hasher = PrefixHasher() if self.incremental else fmt.new_hasher()
         with self.storage.open_write(rel) as f:
             size = fmt.write_tensors(f, tensors, metadata, hasher)
-        return self._record(rel, size, fmt.checksum_string(hasher), writer)
+        prefixes = [list(p) for p in hasher.prefixes] if self.incremental else None
+        return self._record(rel, size, fmt.checksum_string(hasher), writer, prefixes=prefixes)
+
+    def _reuse_if_unchanged(
+        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+    ) -> dict[str, Any] | None:
+        """Incremental save: reuse the base checkpoint's file ``rel`` when every byte this
+        save would write is the same (:func:`statekit.format.tensors.same_file_bytes`);
+        returns its entry, or None to write the file."""
+        base = self.reuse_base
+        writer = self.plugin or CORE
+        committed = base.entry_for(rel, writer) if base is not None else None
+        if committed is None or not fmt.same_file_bytes(
+            tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or ()
+        ):  # (a file of a full save has no prefixes: compared whole, by its checksum)
+            return None
+        entry = dict(
+            size_bytes=committed.size_bytes, checksum=committed.checksum, writer=writer,
+            prefixes=[list(p) for p in committed.prefixes or ()], reused_from=base.name,
+        )
+        if self._staging is not None:  # the save's files are written later, in order: so is this one
+            self._deferred.append(lambda: (self.storage.reuse(rel, base.storage), self._record(rel, **entry)))
+            return {"rank": self.rank, "writer": writer, "staged": True}
+        try:
+            how = self.storage.reuse(rel, base.storage)
+        except FileNotFoundError:  # the base lost the file meanwhile (a gc): write it
+            logger.info("%s/%s: %s/%s is gone, writing the file", self.url, rel, base.storage.url, rel)
+            return None
+        logger.debug("%s/%s: unchanged since %s (%s)", self.url, rel, base.name, how)
+        return self._record(rel, **entry)
 
     def _defer_bytes(self, rel: str, data: bytes) -> None:
         writer = self.plugin

@@ -18,6 +18,7 @@ from statekit.loaders import data
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, check_fit
 from statekit.engine.gradients import AccumulatedGradients
+from statekit.engine.incremental import is_frozen_file
 from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit
 from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.progress import progress
@@ -235,12 +236,23 @@ def _fit_model(
             state = checkpoint.load_state(key)
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
         return targets, set(state), _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state), strict)
-    rel = f"{key}.safetensors"
-    header = checkpoint.tensor_header(rel)  # kept open for load_model's read (Checkpoint.reading_each_file_once)
-    shapes = {e.name: (e.shape, e.dtype) for e in header.entries}
-    for alias, name in header.aliases.items():
-        shapes[alias] = shapes[name]
-    return targets, set(shapes), _check_model_state(checkpoint, key, rel, targets, shapes, set(shapes), strict)
+    rels = model_tensor_files(key, files)
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for rel in rels:
+        header = checkpoint.tensor_header(rel)  # kept open for load_model's read (Checkpoint.reading_each_file_once)
+        for e in header.entries:
+            if e.name in shapes:
+                raise CorruptCheckpointError(f"{checkpoint.url}/{rel}: tensor {e.name!r} is also in another file of model {key!r}", path=f"{checkpoint.url}/{rel}")
+            shapes[e.name] = (e.shape, e.dtype)
+        for alias, name in header.aliases.items():
+            shapes[alias] = shapes[name]
+    return targets, set(shapes), _check_model_state(checkpoint, key, rels[0], targets, shapes, set(shapes), strict)
+
+
+def model_tensor_files(key: str, files: tuple[str, ...] | list[str]) -> list[str]:
+    """A core model's tensor files: ``<key>.safetensors``, then its frozen-tensor files of
+    an incremental save (format ``statekit/2``, :func:`statekit.engine.incremental.split_model`)."""
+    return [f"{key}.safetensors"] + sorted(rel for rel in files if is_frozen_file(key, rel))
 
 
 def load_model(
@@ -252,11 +264,11 @@ def load_model(
     if f"{key}.json" in (saved.files or ()):
         model.load_state_dict(checkpoint.load_state(key), strict=strict)
         return report
-    rel = f"{key}.safetensors"
     shared = {k: t for k, t in targets.items() if k in saved_keys}
     try:
         with torch.no_grad():
-            checkpoint.load_tensors(rel, into=shared)
+            for rel in model_tensor_files(key, saved.files or ()):  # each fills the targets it holds
+                checkpoint.load_tensors(rel, into=shared)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(
             f"{exc} (model {key!r} is partly overwritten: load a good checkpoint into it before use)", path=exc.path

@@ -13,6 +13,7 @@ import torch
 
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, _rank_base, _state_of
+from statekit.engine.incremental import split_model
 
 
 def write_core_state(
@@ -34,18 +35,22 @@ def write_core_state(
     rank = checkpoint.rank
     if rank == 0:
         for model, core_model, weight in zip(models, core_models, weights):
-            save_model(checkpoint, checkpoint.key_of(model), weight if weight is not None else LazyStateDict(core_model))
+            key = checkpoint.key_of(model)
+            save_model(checkpoint, key, weight if weight is not None else LazyStateDict(core_model), core_model)
     for entry in entries:
         if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
             continue
         checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
 
 
-def save_model(checkpoint: Checkpoint, key: str, weights: Mapping[str, Any]) -> None:
+def save_model(checkpoint: Checkpoint, key: str, weights: Mapping[str, Any], model: torch.nn.Module | None = None) -> None:
     """Write one model's state dict: ``<key>.safetensors``, or through the codec when it
-    carries non-tensor extra state."""
+    carries non-tensor extra state. In an incremental save, the frozen tensors of a model
+    with trainable ones go to files of their own (:func:`statekit.engine.incremental.split_model`)."""
     if all(isinstance(v, torch.Tensor) for v in weights.values()):
-        checkpoint.save_tensors(f"{key}.safetensors", weights)
+        files = split_model(key, weights, model) if checkpoint.incremental else {f"{key}.safetensors": weights}
+        for rel, tensors in files.items():
+            checkpoint.save_tensors(rel, tensors)
     else:  # modules with extra (non-tensor) state: the codec keeps it, still no pickle
         checkpoint.save_state(key, dict(weights))
 

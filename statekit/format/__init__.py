@@ -58,7 +58,7 @@ from statekit.format.dtypes import (
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, encode_header, parse_header, read_header
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
-from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
+from statekit.format.manifest_types import FORMAT_SPLIT, READ_FORMATS, FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
     FORMAT,
@@ -70,7 +70,15 @@ from statekit.format.manifest import (
     read_manifest,
     validate_manifest,
 )
-from statekit.format.tensors import CHUNK_BYTES, fresh_buffers, read_exactly_into, read_tensors, tensor_bytes, write_tensors
+from statekit.format.tensors import (
+    CHUNK_BYTES,
+    fresh_buffers,
+    read_exactly_into,
+    read_tensors,
+    same_file_bytes,
+    tensor_bytes,
+    write_tensors,
+)
 
 # Former private names, kept as aliases because the tests use them (test_format, test_codec).
 _NATIVE = NATIVE_DTYPES
@@ -84,6 +92,8 @@ __all__ = [
     "CODE_ITEMSIZE",
     "DTYPE_FROM_CODE",
     "FORMAT",
+    "FORMAT_SPLIT",
+    "READ_FORMATS",
     "CHECKPOINT_DIR_NAME",
     "FileEntry",
     "Fingerprint",
@@ -115,6 +125,7 @@ __all__ = [
     "read_manifest",
     "read_exactly_into",
     "read_tensors",
+    "same_file_bytes",
     "tensor_bytes",
     "validate_manifest",
     "write_tensors",

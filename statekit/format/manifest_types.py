@@ -43,7 +43,16 @@ from statekit.errors import CorruptCheckpointError, FormatVersionError, warn_use
 from statekit.storage.hashing import checksum_bytes
 
 FORMAT = "statekit/1"
-"""The manifest's ``format`` value this version writes and reads."""
+"""The manifest's ``format`` value of a checkpoint whose every model is one tensor file."""
+
+FORMAT_SPLIT = "statekit/2"
+"""The ``format`` of a checkpoint in which a model's tensors span several files (an
+incremental save's frozen-tensor files, :mod:`statekit.engine.incremental`): a reader of
+format 1 only would read the first file and miss the rest, so it must refuse the
+checkpoint (``FormatVersionError``). Otherwise the same layout as :data:`FORMAT`."""
+
+READ_FORMATS = frozenset({FORMAT, FORMAT_SPLIT})
+"""The ``format`` values this version reads."""
 
 MANIFEST_CHECKSUM = "manifest_checksum"
 """The manifest's field holding the XXH3-64 checksum of the rest of the manifest
@@ -51,7 +60,9 @@ MANIFEST_CHECKSUM = "manifest_checksum"
 
 __all__ = [
     "FORMAT",
+    "FORMAT_SPLIT",
     "MANIFEST_CHECKSUM",
+    "READ_FORMATS",
     "FileEntry",
     "Fingerprint",
     "Manifest",
@@ -140,8 +151,8 @@ class _JsonRecord:
         value = getattr(self, name)
         if isinstance(value, _JsonRecord):
             return value.to_json()
-        if isinstance(value, tuple):
-            return list(value)
+        if isinstance(value, tuple):  # (a file's prefixes are pairs: JSON arrays too)
+            return [list(v) if isinstance(v, tuple) else v for v in value]
         if isinstance(value, dict) and value and isinstance(next(iter(value.values())), _JsonRecord):
             return {k: v.to_json() for k, v in value.items()}
         return value
@@ -233,6 +244,13 @@ class FileEntry(_JsonRecord):
         rank: the rank that wrote it.
         writer: ``"statekit"`` for the core, else the plugin's name; None in manifests
             written before it was recorded.
+        prefixes: incremental saves: ``(offset, 16 hex digits)`` running XXH3-64 checksums
+            of the file's first ``offset`` bytes (the end of the header, then every 64 MiB;
+            :class:`statekit.storage.hashing.PrefixHasher`), which the next save compares
+            with the bytes it would write; None elsewhere.
+        reused_from: the name of the checkpoint directory (same root) whose identical file
+            this one is (a hard link or server-side copy: not written again); None for a
+            file this save wrote.
         extra: keys this version does not know (a newer writer's), written back as read.
         key_order: the parsed object's key order (empty when built in code).
     """
@@ -241,10 +259,12 @@ class FileEntry(_JsonRecord):
     checksum: str
     rank: int
     writer: str | None = None
+    prefixes: tuple[tuple[int, str], ...] | None = None
+    reused_from: str | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"size_bytes", "checksum", "rank", "writer"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"size_bytes", "checksum", "rank", "writer", "prefixes", "reused_from"})
 
     @classmethod
     def from_json(cls, entry: Any, path: str, source: str) -> FileEntry:
@@ -270,11 +290,23 @@ class FileEntry(_JsonRecord):
             or not isinstance(entry.get("rank"), int)
         ):
             raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r} is malformed", path=source)
+        prefixes = entry.get("prefixes")
+        if prefixes is not None:
+            if not isinstance(prefixes, list) or not all(
+                isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and isinstance(p[1], str) for p in prefixes
+            ):
+                raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r}: malformed 'prefixes'", path=source)
+            prefixes = tuple((p[0], p[1]) for p in prefixes)
+        reused_from = entry.get("reused_from")
+        if reused_from is not None and not isinstance(reused_from, str):
+            raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r}: malformed 'reused_from'", path=source)
         return _built(cls, {
             "size_bytes": entry["size_bytes"],
             "checksum": entry["checksum"],
             "rank": entry["rank"],
             "writer": entry.get("writer"),
+            "prefixes": prefixes,
+            "reused_from": reused_from,
             "extra": {k: v for k, v in entry.items() if k not in cls._KEYS} if len(entry) > 4 else {},
             "key_order": tuple(entry),
         })
@@ -486,7 +518,7 @@ class Manifest(_JsonRecord):
             it did not resume.
         manifest_checksum: XXH3-64 of the rest (canonical JSON); None before the commit
             and in manifests written before it existed.
-        format: ``"statekit/1"``.
+        format: ``"statekit/1"``, or ``"statekit/2"`` when a model spans several tensor files (:data:`FORMAT_SPLIT`).
         extra: top-level keys this version does not know (a newer minor writer's), kept
             and written back as read.
         key_order: the parsed object's key order (empty when built in code).
@@ -564,10 +596,11 @@ class Manifest(_JsonRecord):
         if not isinstance(manifest, dict):
             raise CorruptCheckpointError(f"{source}: manifest is not a JSON object", path=source)
         fmt = manifest.get("format")
-        if fmt != FORMAT:
+        if fmt not in READ_FORMATS:
             if isinstance(fmt, str) and fmt.startswith("statekit/"):
                 raise FormatVersionError(
-                    f"{source}: checkpoint format {fmt!r} is not supported by this statekit (reads {FORMAT!r}); upgrade statekit"
+                    f"{source}: checkpoint format {fmt!r} is not supported by this statekit "
+                    f"(reads {' and '.join(sorted(READ_FORMATS))}); upgrade statekit"
                 )
             raise CorruptCheckpointError(f"{source}: not a statekit manifest (format={fmt!r})", path=source)
         for key, typ in _REQUIRED.items():

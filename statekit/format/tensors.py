@@ -16,6 +16,7 @@ import torch
 from statekit.errors import CorruptCheckpointError
 from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
 from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
+from statekit.storage.hashing import PrefixCheck, PrefixHasher
 from statekit.storage.prefault import Prefaulter
 from statekit.storage.streams import CACHE_STEP_BYTES, CHUNK_BYTES, bulk_writer, fill
 
@@ -65,7 +66,9 @@ def write_tensors(
         tensors: ``name -> tensor``. Identical views of one storage (tied weights) are
             stored once and listed in ``__metadata__["statekit.aliases"]``.
         metadata: extra ``__metadata__`` entries (str -> str).
-        hasher: an :func:`new_hasher` updated with every byte written, or None.
+        hasher: an :func:`new_hasher` updated with every byte written, or None; a
+            :class:`~statekit.storage.hashing.PrefixHasher` also records the checksum at
+            the end of the header and every ``PREFIX_STEP_BYTES`` after it.
 
     Returns:
         The file size in bytes.
@@ -80,6 +83,8 @@ def write_tensors(
     sink.write(header)
     if hasher is not None:
         hasher.update(header)
+        if isinstance(hasher, PrefixHasher):
+            hasher.mark()  # a later save with another header stops here (same_file_bytes)
     arena = _one_arena(tensors, planned)
     if arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
         chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), sink.write_stable
@@ -92,6 +97,50 @@ def write_tensors(
             hasher.update(chunk)
         size += len(chunk)
     return size
+
+
+def same_file_bytes(
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None,
+    size_bytes: int,
+    checksum: str,
+    prefixes: Iterable[tuple[int, str]],
+) -> bool:
+    """Whether :func:`write_tensors` would write exactly the committed file described by
+    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
+
+    The would-be file's bytes (the header, then every tensor's bytes, as
+    :func:`write_tensors` streams them) are hashed with XXH3-64 and compared with the
+    committed file's running checksums (:class:`~statekit.storage.hashing.PrefixHasher`)
+    at each recorded offset: the first difference stops the hash, so a file whose header
+    or first bytes changed costs almost nothing; an identical file costs one hash of its
+    bytes in memory. The last comparison is the file's own checksum.
+
+    Args:
+        tensors: ``name -> tensor``, as for :func:`write_tensors` (an accelerator tensor's
+            bytes pass through the host buffer).
+        metadata: extra ``__metadata__`` entries, as for :func:`write_tensors`.
+        size_bytes: the committed file's size, bytes.
+        checksum: its ``"xxh3_64:<hex>"``.
+        prefixes: its ``(offset, hex)`` records.
+
+    Returns:
+        True when every byte would be the same.
+
+    Raises:
+        UnsupportedDtypeError: a tensor cannot be stored (names the key), as the write would.
+    """
+    planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+    header, planned = build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
+    if len(header) + sum(p.nbytes for p in planned) != size_bytes:
+        return False
+    check = PrefixCheck(tuple(prefixes))
+    if not check.update(header):
+        return False
+    for chunk in _host_chunks(planned, CHUNK_BYTES):
+        if not check.update(chunk):
+            return False
+    return check.checksum() == checksum
 
 
 BOUNCE_BYTES = CHUNK_BYTES

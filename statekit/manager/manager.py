@@ -70,6 +70,13 @@ class CheckpointManager:
         keep_every_n_steps: keep checkpoints whose step is a multiple of M.
         async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
         storage_options: fsspec options.
+        incremental: write a tensor file only when its bytes changed since the run's last
+            committed checkpoint (or the one it resumed from, under this root); an unchanged
+            file is hard-linked (server-side copied on an object store) from it, so every
+            checkpoint stays complete on its own. A model with frozen and trainable
+            parameters is written as two kinds of files so that the frozen ones can be
+            reused (format ``statekit/2``). False: every save writes every byte, one file
+            per model (``docs/incremental.md``).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
             ``checkpoint_<n>`` folders under the root (a run migrating from
             ``automatic_checkpoint_naming``); without it such a resume raises
@@ -112,6 +119,7 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
+        incremental: bool = True,
         **options: Any,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
@@ -141,6 +149,8 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         self.storage_options = storage_options
         self.allow_pickle = allow_pickle
+        self.incremental = incremental
+        self._reuse_from: tuple[str, Manifest] | None = None  # the last committed checkpoint, for incremental saves
         self.options = options
         self.resumed_from: str | None = None
         self._resumed_in_use: Any = None
@@ -244,10 +254,14 @@ class CheckpointManager:
             overwrite = True
         self._skipped.discard(url)
         metadata = {"metrics": dict(metrics)} if metrics else {}
+        def committed(manifest: Manifest) -> None:
+            self._reuse_from = (url, manifest)  # the next save compares its files with this one's
+            after_commit(self, step, url, manifest)
+
         common = dict(
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
-            blocking=blocking, staging=self.staging, exclusive=not overwrite,
-            after_commit=lambda manifest: after_commit(self, step, url, manifest),
+            blocking=blocking, staging=self.staging, exclusive=not overwrite, after_commit=committed,
+            incremental=self.incremental, reuse_from=self._reuse_from if self.incremental else None,
         )
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
@@ -382,6 +396,8 @@ class CheckpointManager:
                 continue
             self.resumed_manifest = manifest
             self.resumed_from = info.url
+            if isinstance(manifest, Manifest) and info.url.startswith(self.root_url.rstrip("/") + "/"):
+                self._reuse_from = (info.url, manifest)  # unchanged files of the next save come from it
             if self._resumed_in_use is not None:
                 self._resumed_in_use()  # the previous resume's marker
             self._resumed_in_use = hold_in_use(self, info.url, by="statekit")  # no other process deletes it

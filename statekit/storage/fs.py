@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -272,6 +273,48 @@ class Storage:
             else:
                 with self.fs.open(path, "wb") as f:
                     yield f
+
+    def reuse(self, rel: str, source: Storage) -> str:
+        """Make ``rel`` here the same bytes as ``rel`` in ``source`` (a committed checkpoint
+        of the same root) without sending the bytes again: the incremental save's way of
+        keeping a file that did not change.
+
+        Local: a hard link (both directories list the file; deleting one leaves the other
+        whole), or a copy where the file system refuses the link (another device, no
+        links, the link count at its limit). Same fsspec filesystem: ``fs.copy``, which is
+        a server-side copy on S3 (``CopyObject``: no upload) and a copy in ``memory://``.
+
+        Args:
+            rel: relative path, the same in both checkpoints.
+            source: the committed checkpoint's storage.
+
+        Returns:
+            How: ``"link"``, ``"copy"`` (local, link refused) or ``"server-copy"``.
+
+        Raises:
+            FileNotFoundError: ``source`` has no such file (deleted meanwhile): the caller
+                writes the file instead.
+            StorageError: the link or copy failed otherwise (names both URLs).
+        """
+        src, dst = source.path_of(rel), self.path_of(rel)
+        with storage_errors(self.url_of(rel), f"reusing {source.url_of(rel)} for"):
+            self._makedirs(dst.rsplit("/", 1)[0])
+            if self.is_local and source.is_local:
+                try:
+                    os.link(src, dst)
+                    return "link"
+                except FileNotFoundError:
+                    raise
+                except OSError:  # EXDEV, EPERM, EMLINK: the bytes are copied instead, still durably
+                    shutil.copyfile(src, dst)
+                    fsync_path(dst)
+                    return "copy"
+            if type(self.fs) is not type(source.fs):
+                raise StorageError(f"cannot reuse {source.url_of(rel)} for {self.url_of(rel)}: another filesystem", url=self.url_of(rel))
+            if not source.fs.exists(src):
+                raise FileNotFoundError(source.url_of(rel))
+            self.fs.copy(src, dst)
+            return "server-copy"
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole (small) file, durably."""

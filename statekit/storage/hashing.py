@@ -257,3 +257,100 @@ class VerifyingReader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
+
+
+PREFIX_STEP_BYTES = 64 * 1024 * 1024
+"""A :class:`PrefixHasher` records the running checksum every this many bytes of a file
+(after its first ``head`` bytes): the points at which an incremental save can tell, while
+hashing a would-be file from memory, that it differs from a committed one, and stop."""
+
+
+class PrefixHasher:
+    """The XXH3-64 hasher of a file, which also records the checksum of the file's first
+    ``n`` bytes at chosen offsets, in the same pass (no byte is hashed twice).
+
+    The records are the evidence of content identity for incremental saves
+    (:func:`statekit.format.tensors.same_file_bytes`): a later save hashes the bytes it
+    would write and compares at each recorded offset, stopping at the first difference.
+    XXH3's streaming state gives the digest of the bytes so far at any point without
+    ending the stream (https://github.com/Cyan4973/xxHash, ``XXH3_64bits_digest``).
+
+    Args:
+        step: a record every ``step`` bytes (:data:`PREFIX_STEP_BYTES`), counted from the
+            last record; :meth:`mark` adds one where the caller knows a boundary (the end
+            of a safetensors header: a file whose header differs is then told apart
+            before any tensor byte is hashed).
+
+    Attributes:
+        prefixes (list[tuple[int, str]]): ``(offset, 16 hex digits)`` per record, in order;
+            the checksum of the whole file is not among them (it is the file's checksum).
+    """
+
+    def __init__(self, step: int = PREFIX_STEP_BYTES) -> None:
+        self._hasher = new_hasher()
+        self._step = step
+        self._next = step
+        self.size_bytes = 0
+        self.prefixes: list[tuple[int, str]] = []
+
+    def mark(self) -> None:
+        """Record the checksum of the bytes so far (and count the next step from here)."""
+        self.prefixes.append((self.size_bytes, self._hasher.hexdigest()))
+        self._next = self.size_bytes + self._step
+
+    def update(self, data: Any) -> None:
+        """Hash ``data`` (bytes-like), recording the checksum at every offset it passes."""
+        view = memoryview(data).cast("B")
+        while self.size_bytes + len(view) >= self._next:
+            cut = self._next - self.size_bytes
+            self._hasher.update(view[:cut])
+            self.size_bytes += cut
+            view = view[cut:]
+            self.prefixes.append((self.size_bytes, self._hasher.hexdigest()))
+            self._next += self._step
+        self._hasher.update(view)
+        self.size_bytes += len(view)
+
+    def hexdigest(self) -> str:
+        """The checksum of every byte so far (16 hex digits)."""
+        return self._hasher.hexdigest()
+
+
+class PrefixCheck:
+    """Hashes bytes and compares the running checksum with a committed file's records,
+    for :func:`statekit.format.tensors.same_file_bytes`.
+
+    Args:
+        prefixes: the committed file's ``(offset, hex)`` records (:class:`PrefixHasher`).
+
+    Attributes:
+        differs (bool): a record did not match (the caller stops hashing).
+    """
+
+    def __init__(self, prefixes: list[tuple[int, str]] | tuple[tuple[int, str], ...]) -> None:
+        self._hasher = new_hasher()
+        self._marks = list(prefixes)
+        self._i = 0
+        self.size_bytes = 0
+        self.differs = False
+
+    def update(self, data: Any) -> bool:
+        """Hash ``data``; returns False as soon as a record passed differs."""
+        view = memoryview(data).cast("B")
+        while self._i < len(self._marks) and self.size_bytes + len(view) >= self._marks[self._i][0]:
+            offset, expected = self._marks[self._i]
+            cut = offset - self.size_bytes
+            self._hasher.update(view[:cut])
+            self.size_bytes += cut
+            view = view[cut:]
+            self._i += 1
+            if self._hasher.hexdigest() != expected:
+                self.differs = True
+                return False
+        self._hasher.update(view)
+        self.size_bytes += len(view)
+        return True
+
+    def checksum(self) -> str:
+        """``"xxh3_64:<hex>"`` of every byte hashed, as the manifest stores a file's checksum."""
+        return checksum_string(self._hasher)
