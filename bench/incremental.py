@@ -19,11 +19,17 @@ Per save it prints the seconds ``save()`` blocked and two byte counts:
 
 Against them: the **changed bytes** (adapters, their AdamW moments and counters: what a
 save must write), the disk's write limit (fio, ``bench/_fio.py``; ``--no-fio`` skips it),
-the XXH3-128 hash rate of the base in memory on one core, and the resume time of the last
+the XXH3-64 hash rate of the base in memory on one core, and the resume time of the last
 checkpoint against a full checkpoint of the same state written by ``statekit.save``. With
 ``--remote`` it also replicates to a moto S3 server on 127.0.0.1 and prints the bytes
 uploaded per save (request bodies of ``PutObject``/``UploadPart``; a server-side copy
 uploads nothing).
+
+``--full-training`` measures the other end instead: the benchmark state of
+``bench/_workers.py`` (every tensor trainable, ``--base`` bytes with AdamW's moments), a
+training step before each save, saved through the manager alternately with
+``incremental=True`` and ``incremental=False`` (each save changes every file: the
+incremental save must not be slower than a full one).
 
 The targets of issue 29: new bytes per save after the first <= 1.05x the changed bytes plus
 metadata; time per save after the first <= 1.25x (changed bytes / write limit) + hash time;
@@ -93,14 +99,19 @@ def changed_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
 
 
 def hash_rate(model: nn.Module) -> tuple[float, int]:
-    """XXH3-128 over every frozen weight in memory, one core: (bytes per second, bytes)."""
-    frozen = [p.detach() for p in model.parameters() if not p.requires_grad]
-    total = sum(t.numel() * t.element_size() for t in frozen)
+    """XXH3-64 over every frozen weight in memory, streamed in 16 MiB pieces as an
+    incremental save compares a file (``format.tensors.same_file_bytes``), one core:
+    (bytes per second, bytes); best of three."""
+    frozen = [memoryview(p.detach().numpy()).cast("B") for p in model.parameters() if not p.requires_grad]
+    total = sum(len(v) for v in frozen)
+    step = 16 * 1024 * 1024
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
-        for t in frozen:
-            xxhash.xxh3_128_intdigest(memoryview(t.numpy()).cast("B"))
+        hasher = xxhash.xxh3_64()
+        for view in frozen:
+            for start in range(0, len(view), step):
+                hasher.update(view[start : start + step])
         best = min(best, time.perf_counter() - started)
     return total / best, total
 
@@ -150,6 +161,34 @@ class UploadCounter:
         s3fs.S3FileSystem._call_s3 = self._original
 
 
+def full_training(size: int, saves: int) -> None:
+    """Manager saves of a state whose every tensor changes, incremental and full, alternating."""
+    import _workers
+
+    torch.set_num_threads(1)
+    model, optim = _workers.build(size, torch.float32)
+    work = tempfile.mkdtemp(prefix="statekit-bench-incremental-", dir=os.path.join(os.path.dirname(__file__), ".."))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            managers = {flag: statekit.CheckpointManager({"model": model, "optim": optim}, os.path.join(work, str(flag)),
+                                                         keep_last=1, incremental=flag) for flag in (True, False)}
+            for n in range(1, saves + 1):
+                for flag in (True, False) if n % 2 else (False, True):
+                    _workers.one_step(model, optim)
+                    started = time.perf_counter()
+                    managers[flag].save(n)
+                    times[flag].append(time.perf_counter() - started)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    later = {flag: t[1:] for flag, t in times.items()}  # the first save of each warms up
+    for flag, label in ((True, "incremental"), (False, "full")):
+        t = later[flag]
+        print(f"{label:12s} save {min(t):.3f} / {statistics.median(t):.3f} / {max(t):.3f} s (min / median / max, {len(t)} saves)")
+    print(f"ratio incremental / full (medians) {statistics.median(later[True]) / statistics.median(later[False]):.3f}")
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:9.1f} MiB"
 
@@ -162,7 +201,11 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--remote", action="store_true", help="replicate to a moto S3 server and count uploads")
     ap.add_argument("--no-fio", action="store_true", help="skip the disk's write limit (fio)")
+    ap.add_argument("--full-training", action="store_true", help="every tensor changes: incremental against full saves")
     args = ap.parse_args()
+    if args.full_training:
+        full_training(parse_size(args.base), args.saves)
+        return
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model, optim = build(parse_size(args.base), args.rank)
@@ -230,7 +273,7 @@ def main() -> None:
     later = rows[1:]
     med = statistics.median
     print(f"\nbase {_mib(frozen)} frozen, changed per save {_mib(changed)} (adapters + AdamW moments)")
-    print(f"hash rate (XXH3-128, one core) {rate / 1e9:.2f} GB/s; hashing the base takes {frozen / rate:.3f} s")
+    print(f"hash rate (XXH3-64, one core) {rate / 1e9:.2f} GB/s; hashing the base takes {frozen / rate:.3f} s")
     if later:
         print(f"new bytes per save after the first: median {_mib(med(r[2] for r in later))}, "
               f"{med(r[2] for r in later) / changed:.2f}x the changed bytes (target <= 1.05x + metadata)")

@@ -245,7 +245,7 @@ class FileEntry(_JsonRecord):
         writer: ``"statekit"`` for the core, else the plugin's name; None in manifests
             written before it was recorded.
         prefixes: incremental saves: ``(offset, 16 hex digits)`` running XXH3-64 checksums
-            of the file's first ``offset`` bytes (the end of the header, then every 64 MiB;
+            of the file's first ``offset`` bytes (the end of the header, 1 MiB later, then every 64 MiB;
             :class:`statekit.storage.hashing.PrefixHasher`), which the next save compares
             with the bytes it would write; None elsewhere.
         reused_from: the name of the checkpoint directory (same root) whose identical file

@@ -265,6 +265,12 @@ PREFIX_STEP_BYTES = 64 * 1024 * 1024
 hashing a would-be file from memory, that it differs from a committed one, and stop."""
 
 
+PREFIX_FIRST_BYTES = 1024 * 1024
+"""After a :meth:`PrefixHasher.mark` (the end of a header), the next record comes after this
+many bytes: a file of a fully trained model differs in its first tensor, and a save that
+compares it stops after hashing this much instead of :data:`PREFIX_STEP_BYTES`."""
+
+
 class PrefixHasher:
     """The XXH3-64 hasher of a file, which also records the checksum of the file's first
     ``n`` bytes at chosen offsets, in the same pass (no byte is hashed twice).
@@ -294,9 +300,11 @@ class PrefixHasher:
         self.prefixes: list[tuple[int, str]] = []
 
     def mark(self) -> None:
-        """Record the checksum of the bytes so far (and count the next step from here)."""
+        """Record the checksum of the bytes so far; the next record follows after
+        :data:`PREFIX_FIRST_BYTES` (a file whose first tensor changed is told apart after
+        hashing that much), then every ``step`` bytes."""
         self.prefixes.append((self.size_bytes, self._hasher.hexdigest()))
-        self._next = self.size_bytes + self._step
+        self._next = self.size_bytes + min(PREFIX_FIRST_BYTES, self._step)
 
     def update(self, data: Any) -> None:
         """Hash ``data`` (bytes-like), recording the checksum at every offset it passes."""
