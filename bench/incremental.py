@@ -142,6 +142,7 @@ class UploadCounter:
 
     def __init__(self) -> None:
         import s3fs
+        from fsspec.asyn import sync_wrapper
 
         self.bytes = 0
         self._original = s3fs.S3FileSystem._call_s3
@@ -153,12 +154,15 @@ class UploadCounter:
                 counter.bytes += len(body) if body is not None and hasattr(body, "__len__") else 0
             return await counter._original(fs, method, *args, **kwargs)
 
+        self._original_sync = s3fs.S3FileSystem.call_s3
         s3fs.S3FileSystem._call_s3 = counting
+        s3fs.S3FileSystem.call_s3 = sync_wrapper(counting)  # what s3fs's files call
 
     def close(self) -> None:
         import s3fs
 
         s3fs.S3FileSystem._call_s3 = self._original
+        s3fs.S3FileSystem.call_s3 = self._original_sync
 
 
 def full_training(size: int, saves: int) -> None:

@@ -121,7 +121,7 @@ from statekit.format.codec import encode
 from statekit.format.header import view_identity
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
-from statekit.format.manifest_types import Manifest
+from statekit.format.manifest_types import FileEntry, Manifest
 from statekit.hooks.hookspecs import ManagerView
 from statekit.hooks.registry import hookimpl
 from statekit.manager.listing import CheckpointDir, delete_all_but, list_checkpoints
@@ -180,6 +180,7 @@ __all__ = [
     "read_exactly_into",
     "read_header",
     "read_manifest",
+    "FileEntry",
     "Manifest",
     "read_tensors",
     "tensor_bytes",

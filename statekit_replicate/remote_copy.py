@@ -20,6 +20,8 @@ import time
 
 from statekit.plugin_api import (
     MANIFEST_NAME,
+    CorruptCheckpointError,
+    FileEntry,
     Manifest,
     StatekitError,
     Storage,
@@ -90,8 +92,11 @@ def copy_checkpoint(
         raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
     mine = sorted(rel for rel, meta in manifest.files.items() if world_size == 1 or meta.rank == rank)
     mark_copy_in_progress(dst)  # statekit gc of the remote root keeps it until the commit
+    bases: dict[str, Manifest | None] = {}
     for rel in mine:
         meta = manifest.files[rel]
+        if meta.reused_from and _copy_from_remote_base(dst, rel, meta, bases):
+            continue  # an unchanged file of an incremental save: copied server-side, nothing uploaded
         if meta.size_bytes <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
             dst.write_bytes(rel, src.read_bytes(rel))
             VerifyingReader(io.BytesIO(dst.read_bytes(rel)), dst.url_of(rel), meta).read()  # checks size and checksum
@@ -112,6 +117,40 @@ def copy_checkpoint(
     dst.commit(MANIFEST_NAME, raw)
     end_copy_in_progress(dst)
     return manifest
+
+
+def _copy_from_remote_base(dst: Storage, rel: str, meta: FileEntry, bases: dict[str, Manifest | None]) -> bool:
+    """Copy ``rel`` from the destination root's committed copy of the checkpoint it was
+    reused from (``meta.reused_from``, an incremental save), server-side: True when done.
+
+    False (the caller uploads the file) when that checkpoint has no committed copy under
+    the destination root (remote retention deleted it, or it was never replicated) or its
+    file differs in size or checksum. The copy is not read back: the base's file was
+    verified when it was replicated, and a server-side copy moves no bytes through this
+    process; its size is checked.
+    """
+    name = meta.reused_from
+    base_url = f"{dst.url.rstrip('/').rsplit('/', 1)[0]}/{name}"
+    if name not in bases:
+        base = Storage(base_url, fs=dst.fs)
+        try:
+            bases[name] = read_manifest(base) if base.exists(MANIFEST_NAME) else None
+        except StatekitError:
+            bases[name] = None  # damaged or half-deleted: upload instead
+    committed = bases[name]
+    entry = committed.files.get(rel) if committed is not None else None
+    if entry is None or entry.size_bytes != meta.size_bytes or entry.checksum != meta.checksum:
+        return False
+    try:
+        dst.reuse(rel, Storage(base_url, fs=dst.fs))
+    except FileNotFoundError:
+        return False
+    if dst.size(rel) != meta.size_bytes:
+        raise CorruptCheckpointError(
+            f"{dst.url_of(rel)}: {dst.size(rel)} bytes after the copy from {base_url}, manifest says {meta.size_bytes}",
+            path=dst.url_of(rel),
+        )
+    return True
 
 
 def _marker_name(rank: int) -> str:

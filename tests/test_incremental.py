@@ -246,3 +246,40 @@ def test_a_run_resumed_from_a_full_checkpoint_compares_whole_files(tmp_path):
     assert manifest.files["model.frozen-00000.safetensors"].reused_from is None  # a new file (split layout)
     train_step(model, optim)
     assert manager.save(3).files["model.frozen-00000.safetensors"].reused_from == "checkpoint-00000002"
+
+
+def test_replication_copies_unchanged_files_server_side(tmp_path, s3_bucket, monkeypatch):
+    import s3fs
+
+    from fsspec.asyn import sync_wrapper
+
+    calls: list[tuple[str, int]] = []  # (S3 call, request body bytes)
+    original = s3fs.S3FileSystem._call_s3
+
+    async def counting(fs, method, *args, **kwargs):
+        body = kwargs.get("Body")
+        calls.append((method, len(body) if body is not None and hasattr(body, "__len__") else 0))
+        return await original(fs, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting)
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(counting))  # what s3fs's files call
+    model, optim = lora_run()
+    remote = f"{s3_bucket}/run"
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "run"), replicate_to=remote)
+    train_step(model, optim)
+    manager.save(1)
+    manager.wait()
+    first_upload = sum(n for method, n in calls if method in ("put_object", "upload_part"))
+    calls.clear()
+    train_step(model, optim)
+    manifest = manager.save(2)
+    manager.wait()
+    uploaded = sum(n for method, n in calls if method in ("put_object", "upload_part"))
+    frozen = manifest.files["model.frozen-00000.safetensors"]
+    assert frozen.reused_from == "checkpoint-00000001"
+    assert any(method in ("copy_object", "upload_part_copy") for method, _ in calls)
+    assert uploaded <= 1.05 * (first_upload - frozen.size_bytes)  # the frozen file was not uploaded again
+    statekit.verify(f"{remote}/checkpoint-00000002")  # every byte of the remote copy, the copied file included
+    fresh, fresh_optim = lora_run(seed=6)
+    statekit.load(f"{remote}/checkpoint-00000002", {"model": fresh, "optim": fresh_optim})
+    assert_same_state(model, fresh, optim, fresh_optim)
