@@ -283,3 +283,26 @@ def test_replication_copies_unchanged_files_server_side(tmp_path, s3_bucket, mon
     fresh, fresh_optim = lora_run(seed=6)
     statekit.load(f"{remote}/checkpoint-00000002", {"model": fresh, "optim": fresh_optim})
     assert_same_state(model, fresh, optim, fresh_optim)
+
+
+def test_ls_and_inspect_show_what_each_checkpoint_wrote_and_reused(tmp_path):
+    from click.testing import CliRunner
+
+    from statekit.cli import main
+
+    model, optim = lora_run()
+    root = str(tmp_path / "run")
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, root)
+    first = manager.save(1)
+    train_step(model, optim)
+    second = manager.save(2)
+    assert first.written_bytes == first.size_bytes and first.reused_bytes == 0
+    assert second.reused_bytes == second.files["model.frozen-00000.safetensors"].size_bytes
+    assert second.written_bytes == second.size_bytes - second.reused_bytes
+
+    listed = json.loads(CliRunner().invoke(main, ["ls", root, "--json"]).output)
+    assert [(c["step"], c["written_bytes"]) for c in listed] == [(1, first.size_bytes), (2, second.written_bytes)]
+    table = CliRunner().invoke(main, ["ls", root]).output
+    assert "written" in table
+    shown = CliRunner().invoke(main, ["inspect", f"{root}/checkpoint-00000002"]).output
+    assert "reused)" in shown and "checkpoint-00000001" in shown  # the summary line and the file's "reused from"

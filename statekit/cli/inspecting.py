@@ -84,7 +84,8 @@ def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[st
         f"checkpoint  {url}",
         f"format      {manifest.format} (statekit {manifest.statekit_version}), created {manifest.created}",
         f"step        {manifest.step}    world size {manifest.world_size}    "
-        f"{len(manifest.files)} files, {human(manifest.size_bytes)}",
+        f"{len(manifest.files)} files, {human(manifest.size_bytes)}"
+        + (f" ({human(manifest.written_bytes)} written, {human(manifest.reused_bytes)} reused)" if manifest.reused_bytes else ""),
         f"plugins     {', '.join(f'{k} {v}' for k, v in manifest.plugins.items()) or 'none'}",
     ]
     if manifest.metadata:
@@ -97,9 +98,9 @@ def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[st
     if manifest.objects:
         out.print(rich_table([[k, o.kind, o.owner, "per rank" if o.per_rank else "replicated"]
                               for k, o in manifest.objects.items()], ["object", "kind", "owner", "scope"]))
-    out.print(rich_table([[p, human(f.size_bytes), str(f.rank), f.writer or "-", f.checksum]
+    out.print(rich_table([[p, human(f.size_bytes), str(f.rank), f.writer or "-", f.reused_from or "-", f.checksum]
                           for p, f in sorted(manifest.files.items())],
-                         ["file", "size", "rank", "writer", "checksum"], right=(1, 2)))
+                         ["file", "size", "rank", "writer", "reused from", "checksum"], right=(1, 2)))
     for rel, entries in headers.items():
         out.print(rich_table([[e["name"], e["dtype"], shape(e["shape"]) if e["dtype"] != "alias" else f"-> {e['shape']}"]
                               for e in entries], ["tensor", "dtype", "shape"], title=f"{rel}:"))

@@ -24,8 +24,9 @@ from statekit.storage.inuse import in_use_markers, refuse_if_in_use
               help="fsspec storage option for --replica (as --storage-option); repeatable.")
 @storage_option
 def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...], raw_storage: tuple[str, ...]) -> None:
-    """List the checkpoints under a manager root URL: step, time, size, committed (and
-    with --replica, on which tiers each one is committed)."""
+    """List the checkpoints under a manager root URL: step, time, size, the bytes its save
+    wrote (less than its size when an incremental save reused unchanged files), committed
+    (and with --replica, on which tiers each one is committed)."""
     try:
         infos = list_checkpoints(url, storage_options_of(raw_storage))
         remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
@@ -43,11 +44,12 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
     if not payload:
         click.echo(f"no checkpoints under {url}" + (f" or {replica}" if replica else ""))
         return
-    rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), "yes" if p["committed"] else "NO (incomplete)",
+    rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), human(p.get("written_bytes")),
+             "yes" if p["committed"] else "NO (incomplete)",
              ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (p["metrics"] or {}).items()) or "-",
              *([_tier_text(p)] if remote is not None else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
-    columns = ["step", "created", "size", "committed", "metrics", *(["tiers"] if remote is not None else []), "resume", "url"]
-    console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2)))
+    columns = ["step", "created", "size", "written", "committed", "metrics", *(["tiers"] if remote is not None else []), "resume", "url"]
+    console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2, 3)))
 
 
 def _audit_text(resume_audit: dict[str, Any] | None) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -133,15 +132,4 @@ def is_frozen_file(key: str, rel: str) -> bool:
     return rel.startswith(f"{key}{FROZEN_INFIX}") and rel.endswith(".safetensors")
 
 
-def reuse_summary(files: Mapping[str, Any]) -> tuple[int, int]:
-    """``(bytes written, bytes reused)`` of a checkpoint's file entries (``reused_from`` set)."""
-    written = reused = 0
-    for entry in files.values():
-        if getattr(entry, "reused_from", None):
-            reused += entry.size_bytes
-        else:
-            written += entry.size_bytes
-    return written, reused
-
-
-__all__ = ["FROZEN_FILE_BYTES", "ReuseBase", "is_frozen_file", "reuse_summary", "split_model"]
+__all__ = ["FROZEN_FILE_BYTES", "ReuseBase", "is_frozen_file", "split_model"]

@@ -683,6 +683,18 @@ class Manifest(_JsonRecord):
         """The checkpoint's size: the sum of its files' sizes, in bytes."""
         return sum(entry.size_bytes for entry in self.files.values())
 
+    @property
+    def reused_bytes(self) -> int:
+        """Bytes of the files an incremental save reused from an earlier checkpoint
+        (``reused_from``: hard-linked or copied server-side, not written), in bytes."""
+        return sum(entry.size_bytes for entry in self.files.values() if entry.reused_from)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes the save that made this checkpoint wrote: :attr:`size_bytes` less
+        :attr:`reused_bytes`."""
+        return self.size_bytes - self.reused_bytes
+
     def layout(self, core: str) -> str:
         """How the checkpoint's files are laid out: ``records[core]["layout"]``
         (``"accelerate"`` when an attached accelerator wrote them), else ``"statekit"``.

@@ -38,6 +38,8 @@ class CheckpointDir:
         resume_audit: the verdict of the resume the saving run continued from (the
             manifest's ``resume_audit``: ``verdict``, ``detail``, ``resumed_from``,
             ``loaders``; :mod:`statekit.loaders.audit`), or None when it did not resume.
+        written_bytes: bytes its save wrote: ``size_bytes`` less the files an incremental
+            save reused from an earlier checkpoint (None if not committed).
     """
 
     step: int
@@ -48,6 +50,7 @@ class CheckpointDir:
     metrics: dict[str, Any] | None = None
     accelerate: bool = False
     resume_audit: dict[str, Any] | None = None
+    written_bytes: int | None = None
 
     @property
     def name(self) -> str:
@@ -141,6 +144,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
                 manifest.metadata.get("metrics"),  # the user's metadata: plain JSON
                 accelerate,
                 manifest.resume_audit.to_json() if manifest.resume_audit is not None else None,  # a flat, JSON-able record
+                manifest.written_bytes,
             )
         )
     return sorted(infos, key=lambda i: (not i.accelerate, i.step))
