@@ -184,6 +184,25 @@ def test_manager_resume_with_diffusers_models(pm, storage_url):
     assert extra2["ema"].optimization_step == 3
 
 
+def test_an_incremental_manager_save_reuses_the_frozen_vae(pm, tmp_path):
+    accelerator, unet, vae, head, opt, extra = build(0, ema=True)
+    vae.requires_grad_(False)  # a fine-tune of the UNet: the VAE stays as it is
+    root = str(tmp_path / "run")
+    manager = statekit.CheckpointManager(accelerator, root)
+    train_step(unet, opt, extra["ema"])
+    manager.save(1)
+    train_step(unet, opt, extra["ema"])
+    manifest = manager.save(2)
+    vae_file = "vae/diffusion_pytorch_model.safetensors"
+    assert manifest.files[vae_file].reused_from == "checkpoint-00000001"  # hard-linked, not written again
+    assert manifest.files["unet/diffusion_pytorch_model.safetensors"].reused_from is None
+    assert os.path.samefile(f"{root}/checkpoint-00000001/{vae_file}", f"{root}/checkpoint-00000002/{vae_file}")
+    accelerator2, unet2, vae2, head2, opt2, extra2 = build(1, ema=True)
+    assert statekit.CheckpointManager(accelerator2, root).resume() == 2
+    assert_same_weights(unet, unet2)
+    assert_same_weights(vae, vae2)
+
+
 def test_cli_convert_exports_a_pipeline(pm, tmp_path):
     accelerator, unet, vae, head, opt, extra = build(0, ema=True, scheduler=True)
     src = str(tmp_path / "ckpt")
