@@ -203,6 +203,8 @@ def test_disk_full_during_save(tmp_path, plugin_manager, monkeypatch):
         committed = []
         with pytest.raises(statekit.StorageError, match=r"No space left|ENOSPC|Errno 28") as info:
             for step in range(1, 100):
+                with torch.no_grad():
+                    model.weight.add_(1.0)  # a training step: every save writes the model again (no unchanged file to link)
                 manager.save(step)
                 committed.append(step)
         print(f"disk full via {how} after {len(committed)} checkpoints")

@@ -365,3 +365,18 @@ def test_retention_killed_at_any_point_keeps_what_the_kept_checkpoint_needs(tmp_
         assert statekit.CheckpointManager({"model": fresh, "optim": fresh_optim}, str(root)).resume() == 2
     expected = torch.load(tmp_path / "expected.pt")
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_a_damaged_shared_file_fails_every_checkpoint_that_lists_it_loudly(tmp_path):
+    model, optim = lora_run()
+    root = tmp_path / "run"
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(root))
+    for step in (1, 2):
+        train_step(model, optim)
+        manager.save(step)
+    shared = root / "checkpoint-00000002" / "model.frozen-00000.safetensors"
+    shared.write_bytes(shared.read_bytes()[:-8])  # one file on disk: checkpoint 1 lists it too
+    fresh, fresh_optim = lora_run(seed=9)
+    with pytest.warns(statekit.StatekitWarning, match="cannot resume from"):
+        with pytest.raises(statekit.CorruptCheckpointError, match="model.frozen-00000.safetensors"):
+            statekit.CheckpointManager({"model": fresh, "optim": fresh_optim}, str(root)).resume()

@@ -48,6 +48,8 @@ def test_manager_logs_resume_and_skipped_checkpoint(tmp_path, caplog):
     model = torch.nn.Linear(4, 3)
     manager = statekit.CheckpointManager({"model": model}, root)
     manager.save(10)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # trained between the saves: step 20 shares no file with step 10 (incremental saves)
     manager.save(20)
     newest = Path(manager.url_for(20))
     tensors = next(newest.glob("*.safetensors"))
