@@ -125,7 +125,7 @@ def accelerator_generators(initialised_only: bool = False) -> tuple[str, DeviceR
         ``initialised_only``, none is initialised).
 
     Raises:
-        Whatever torch raises while initialising the device runtime.
+        RuntimeError: what torch raises while initialising the device runtime (passed on).
     """
     device_type = current_accelerator_type()
     if device_type is None:

@@ -134,9 +134,10 @@ def save_state(
         staging: a :class:`statekit.engine.staging.StagingPool` to reuse (async saves).
         exclusive: fail if another saver commits this checkpoint first.
         after_commit: ``callable(manifest)`` run right after the commit (used by the manager).
-        incremental, reuse_from: an incremental save's layout and the committed checkpoint
-            whose unchanged files it reuses (used by the manager; see
-            :func:`statekit.api.saveload.save_objects`).
+        incremental: an incremental save's layout and running checksums (used by the
+            manager; see :func:`statekit.api.saveload.save_objects`).
+        reuse_from: ``(url, manifest)`` of the committed checkpoint whose unchanged files
+            an incremental save reuses (used by the manager).
         **options: plugin options (``checkpoint.options``); one that no registered plugin
             reads warns.
 
