@@ -92,7 +92,7 @@ def copy_checkpoint(
         raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
     mine = sorted(rel for rel, meta in manifest.files.items() if world_size == 1 or meta.rank == rank)
     mark_copy_in_progress(dst)  # statekit gc of the remote root keeps it until the commit
-    bases: dict[str, Manifest | None] = {}
+    bases: dict[str, tuple[Storage, Manifest | None]] = {}
     for rel in mine:
         meta = manifest.files[rel]
         if meta.reused_from and _copy_from_remote_base(dst, rel, meta, bases):
@@ -119,7 +119,9 @@ def copy_checkpoint(
     return manifest
 
 
-def _copy_from_remote_base(dst: Storage, rel: str, meta: FileEntry, bases: dict[str, Manifest | None]) -> bool:
+def _copy_from_remote_base(
+    dst: Storage, rel: str, meta: FileEntry, bases: dict[str, tuple[Storage, Manifest | None]]
+) -> bool:
     """Copy ``rel`` from the destination root's committed copy of the checkpoint it was
     reused from (``meta.reused_from``, an incremental save), server-side: True when done.
 
@@ -130,24 +132,24 @@ def _copy_from_remote_base(dst: Storage, rel: str, meta: FileEntry, bases: dict[
     process; its size is checked.
     """
     name = meta.reused_from
-    base_url = f"{dst.url.rstrip('/').rsplit('/', 1)[0]}/{name}"
-    if name not in bases:
-        base = Storage(base_url, fs=dst.fs)
+    if name not in bases:  # each base's manifest read once per copy
+        base = Storage(f"{dst.url.rstrip('/').rsplit('/', 1)[0]}/{name}", fs=dst.fs)
         try:
-            bases[name] = read_manifest(base) if base.exists(MANIFEST_NAME) else None
+            bases[name] = (base, read_manifest(base) if base.exists(MANIFEST_NAME) else None)
         except StatekitError:
-            bases[name] = None  # damaged or half-deleted: upload instead
-    committed = bases[name]
+            bases[name] = (base, None)  # damaged or half-deleted: upload instead
+    base, committed = bases[name]
     entry = committed.files.get(rel) if committed is not None else None
     if entry is None or entry.size_bytes != meta.size_bytes or entry.checksum != meta.checksum:
         return False
     try:
-        dst.reuse(rel, Storage(base_url, fs=dst.fs))
+        dst.reuse(rel, base)
     except FileNotFoundError:
         return False
-    if dst.size(rel) != meta.size_bytes:
+    copied = dst.size(rel)
+    if copied != meta.size_bytes:
         raise CorruptCheckpointError(
-            f"{dst.url_of(rel)}: {dst.size(rel)} bytes after the copy from {base_url}, manifest says {meta.size_bytes}",
+            f"{dst.url_of(rel)}: {copied} bytes after the copy from {base.url}, manifest says {meta.size_bytes}",
             path=dst.url_of(rel),
         )
     return True
