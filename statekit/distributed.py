@@ -78,3 +78,23 @@ def barrier() -> None:
     """Barrier on statekit's own group (no-op in one process)."""
     if rank_and_world_size()[1] > 1:
         dist.barrier(group=statekit_group())
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is True on any rank: one all-reduce (MAX) of a one-element int64
+    tensor on statekit's own gloo group (every rank calls it at the same point). In one
+    process: ``flag`` itself, no collective.
+
+    Args:
+        flag: this rank's value.
+
+    Returns:
+        True on every rank when at least one rank passed True.
+    """
+    if rank_and_world_size()[1] == 1:
+        return bool(flag)
+    import torch
+
+    box = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=statekit_group())
+    return bool(box.item())
