@@ -9,6 +9,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -18,6 +19,7 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
+from statekit.manager.preemption import SignalSave, make_signal_save
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
@@ -81,6 +83,21 @@ class CheckpointManager:
             ``checkpoint_<n>`` folders under the root (a run migrating from
             ``automatic_checkpoint_naming``); without it such a resume raises
             :class:`PickleNotAllowedError` naming the file.
+        save_on_signal: save on a preemption signal (``docs/clusters.md``): True handles
+            SIGTERM and SIGUSR1; or a tuple of signals (``signal.SIGUSR2``, ``"USR1"``).
+            The handlers only record the signal (and call a Python handler installed
+            before); the next safe point (:meth:`step_boundary`, :meth:`save`,
+            ``CheckpointHook.on_step_end``) saves that step blocking, every rank agreeing,
+            and then acts as ``on_signal`` says. Leaving the ``with`` block restores the
+            previous handlers. False (default): no handlers.
+        grace_s: seconds between the signal and the kill (default 30, Kubernetes' default
+            ``terminationGracePeriodSeconds``); a save estimated (from the last save's
+            measured write rate) or a safe point arriving past it warns.
+        on_signal: ``"exit"`` (default): after the commit raise ``SystemExit`` with status
+            ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1); ``"return"``:
+            :meth:`step_boundary` returns True and :attr:`should_stop` is True; the loop ends itself.
+        signal_check_every: with several ranks, agree on the signal flag (one all-reduce of
+            one int on statekit's gloo group) every N-th step boundary only (default 1).
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
             ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
             plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
@@ -120,6 +137,10 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         incremental: bool = True,
+        save_on_signal: Any = False,
+        grace_s: float | None = None,
+        on_signal: str = "exit",
+        signal_check_every: int = 1,
         **options: Any,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
@@ -160,6 +181,9 @@ class CheckpointManager:
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
         pm.check_options(options, CheckpointManager)
         self.attachment = attach(self.accelerator, self.objects)
+        self.signal_save: SignalSave | None = make_signal_save(self, save_on_signal, grace_s, on_signal, signal_check_every)
+        """The save on a signal (``save_on_signal``; None without): ``received``, ``result``,
+        ``restore()`` (:class:`statekit.manager.preemption.SignalSave`)."""
         call_each(pm, "statekit_manager_start", None, {"manager": self})
 
     @property
@@ -245,17 +269,22 @@ class CheckpointManager:
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
         """
         self._wait_save()
+        on_signal = self.signal_save is not None and self.signal_save.before_save()  # every rank agrees
         if step is None:
             step = self.next_step()
-        blocking = not self.async_save if blocking is None else blocking
+        blocking = True if on_signal else not self.async_save if blocking is None else blocking
         url = self.url_for(step)
         if not overwrite and url in self._skipped:  # the run fell back past it and reached its step again
             warn_user(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning)
             overwrite = True
         self._skipped.discard(url)
         metadata = {"metrics": dict(metrics)} if metrics else {}
+        save_started = time.monotonic()
+
         def committed(manifest: Manifest) -> None:
             self._reuse_from = (url, manifest)  # the next save compares its files with this one's
+            if self.signal_save is not None:
+                self.signal_save.observe_commit(step, save_started, manifest.size_bytes)
             after_commit(self, step, url, manifest)
 
         common = dict(
@@ -270,7 +299,50 @@ class CheckpointManager:
             result = saveload.save_objects(url, entries, options=self.options, **common)
         if not blocking:
             self.pending = result
+        if on_signal:
+            self.signal_save.after_save(step)  # logs; exits, or should_stop
         return result
+
+    def step_boundary(self, step: int) -> bool:
+        """A safe point for the save on a signal (``save_on_signal``); call it after every
+        training step (cheap: a flag check; with several ranks one all-reduce of one int,
+        see ``signal_check_every``). Every rank must call it at the same steps.
+
+        When any rank has received a signal, every rank commits an async save in flight,
+        saves ``step`` blocking (unless ``step`` is committed already) and then exits with
+        status ``128 + signal number`` (``on_signal="exit"``) or returns True. Between two
+        optimizer steps of ``accelerator.accumulate`` (``sync_gradients`` False) it does
+        nothing: the end of the accumulation window is the safe point.
+
+        Args:
+            step: the training step just finished (names the checkpoint).
+
+        Returns:
+            True once the run should stop (``on_signal="return"``); False otherwise, and
+            always without ``save_on_signal``.
+
+        Raises:
+            SystemExit: ``on_signal="exit"``, after the signal's checkpoint committed.
+            StatekitError: the signal's save failed (as :meth:`save`).
+        """
+        return self.signal_save is not None and self.signal_save.at_boundary(step)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the save on a signal committed (``on_signal="return"``): end the loop."""
+        return self.signal_save is not None and self.signal_save.should_stop
+
+    def wait_for_save(self) -> Manifest | None:
+        """Wait for the pending async save only (not for plugins' background work such as
+        replication, unlike :meth:`wait`) and run its post-hooks.
+
+        Returns:
+            Its committed manifest, or None if no save was pending.
+
+        Raises:
+            AsyncSaveError: it failed (``__cause__`` is the original error).
+        """
+        return self._wait_save()
 
     def next_step(self) -> int:
         """The step :meth:`save` uses without one: one more than the highest checkpoint
@@ -314,6 +386,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self.signal_save is not None:
+            self.signal_save.restore()  # the handlers installed before the manager
         if exc_info[0] is None:
             self.wait()
         elif self.pending is not None:  # already failing: don't mask that error
@@ -405,6 +479,8 @@ class CheckpointManager:
             # Accelerate's folders count saves, not steps (their "step" is the gradient
             # accumulation counter): the folder's number is what continues the naming
             step = info.step if step is None or info.accelerate else int(step)
+            if self.signal_save is not None:
+                self.signal_save.resumed(step)  # a signal during the resume saves no copy of this step
             logger.info("resumed from step %s (%s)", step, info.url)
             return step
         if last_error is not None:

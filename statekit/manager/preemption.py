@@ -1,0 +1,355 @@
+"""Save on a signal: a preempted run writes a committed checkpoint of the step it reached.
+
+Clusters and spot machines end a run with a signal and a grace period (SLURM's
+``--signal=USR1@90``, Kubernetes' ``terminationGracePeriodSeconds``, a spot notice).
+:class:`SignalSave`, created by ``CheckpointManager(..., save_on_signal=True)``, installs
+handlers that only *record* the signal (a handler interrupts arbitrary code: a save from it
+could catch the optimizer mid-update). The run acts at its next *safe point*:
+
+- :meth:`CheckpointManager.step_boundary(step) <statekit.CheckpointManager.step_boundary>`
+  (the training loop calls it after each step; inside ``accelerator.accumulate`` a call
+  between two optimizer steps is not a safe point, the next optimizer step's is);
+- :meth:`CheckpointManager.save <statekit.CheckpointManager.save>` (the save becomes the
+  signal's save, blocking);
+- ``CheckpointHook.on_step_end`` (hook-based trainers).
+
+There the ranks agree (:func:`statekit.distributed.any_rank`: the signal may have reached
+one rank only), an async save in flight is committed first, the step is saved blocking
+(unless it is committed already), the signal-to-commit time is logged, and the run exits
+with code ``128 + signal number`` (``on_signal="exit"``) or
+:attr:`CheckpointManager.should_stop` turns True (``on_signal="return"``). See
+``docs/clusters.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from statekit import distributed
+from statekit.engine.gradients import accumulating
+from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+"""The signals ``save_on_signal=True`` handles: SIGTERM (Kubernetes, spot instances,
+torchrun's launcher forwarding its own SIGTERM, SLURM's end of job) and SIGUSR1 (SLURM's
+``--signal=USR1@<seconds>``)."""
+
+DEFAULT_GRACE_S = 30.0
+"""The grace period assumed without ``grace_s``: Kubernetes' default
+``terminationGracePeriodSeconds`` and how long torchrun waits for its workers after
+forwarding a SIGTERM before it sends SIGKILL."""
+
+ON_SIGNAL = ("exit", "return")
+
+
+def exit_code(signum: int) -> int:
+    """The exit status of a run that saved on a signal and exited: ``128 + signum`` (143 for
+    SIGTERM, 138 for SIGUSR1), the shell's status of a process ended by that signal, so a
+    scheduler sees what it would have seen without statekit (a preempted run, not a success).
+
+    Args:
+        signum: the signal's number.
+
+    Returns:
+        The exit status.
+    """
+    return 128 + int(signum)
+
+
+def parse_signals(value: Any) -> tuple[signal.Signals, ...]:
+    """The signals of ``save_on_signal``.
+
+    Args:
+        value: True (:data:`DEFAULT_SIGNALS`), or an iterable of signals: ``signal.SIGUSR1``,
+            an int, or a name (``"SIGUSR1"``, ``"USR1"``).
+
+    Returns:
+        The signals, without repeats.
+
+    Raises:
+        InvalidOptionError: a name or number is not a signal, or it cannot be handled
+            (SIGKILL, SIGSTOP).
+    """
+    if value is True:
+        return DEFAULT_SIGNALS
+    if isinstance(value, (str, int)):
+        value = (value,)
+    try:
+        items = list(value)
+    except TypeError:
+        raise InvalidOptionError(
+            f"save_on_signal must be True, False or a tuple of signals, got {value!r}"
+        ) from None
+    out: list[signal.Signals] = []
+    for item in items:
+        try:
+            if isinstance(item, str):
+                name = item.upper()
+                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+            else:
+                sig = signal.Signals(item)
+        except (KeyError, ValueError):
+            raise InvalidOptionError(f"save_on_signal: {item!r} is not a signal") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise InvalidOptionError(f"save_on_signal: {sig.name} cannot be handled by any process")
+        if sig not in out:
+            out.append(sig)
+    if not out:
+        raise InvalidOptionError("save_on_signal: an empty tuple of signals; pass False to turn it off")
+    return tuple(out)
+
+
+class SignalSave:
+    """The save-on-signal state of one :class:`statekit.CheckpointManager`
+    (its ``signal_save`` attribute; None without ``save_on_signal``).
+
+    Handlers record the first signal's number and time and count the others; each then
+    calls the handler installed before it if that was a Python function (SIG_DFL and
+    SIG_IGN are not imitated: the default action of SIGTERM would end the process before
+    the save). A second signal during the save is counted and does nothing else.
+
+    Args:
+        manager: the manager (its ``save``, ``accelerator``, ``replicator`` and ``wait``).
+        signals: the signals to handle (:func:`parse_signals`).
+        grace_s: seconds from the signal to the kill (the deadline of the save).
+        on_signal: ``"exit"``: raise ``SystemExit(128 + signum)`` after the commit;
+            ``"return"``: set ``should_stop`` and return True from the safe point.
+        check_every: with several ranks, agree on the flag every N-th safe point only
+            (each check is one all-reduce on the gloo group); one process checks every time.
+
+    Raises:
+        InvalidOptionError: a bad ``grace_s``, ``on_signal`` or ``check_every``, or the
+            manager is created outside the main thread (Python runs signal handlers there only).
+    """
+
+    def __init__(
+        self, manager: Any, signals: tuple[signal.Signals, ...], grace_s: float, on_signal: str, check_every: int
+    ) -> None:
+        if on_signal not in ON_SIGNAL:
+            raise InvalidOptionError(f"on_signal must be 'exit' or 'return', got {on_signal!r}")
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not grace_s > 0:
+            raise InvalidOptionError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise InvalidOptionError(f"signal_check_every must be a positive integer, got {check_every!r}")
+        if threading.current_thread() is not threading.main_thread():
+            raise InvalidOptionError(
+                "save_on_signal: create the CheckpointManager in the main thread (Python runs signal handlers "
+                "only there)"
+            )
+        self.manager = manager
+        self.signals = signals
+        self.grace_s = float(grace_s)
+        self.on_signal = on_signal
+        self.check_every = check_every
+        self.received: signal.Signals | None = None
+        """The first signal received (this rank), or None."""
+        self.received_at: float | None = None
+        self.signal_count = 0
+        """Signals received by this rank (a second one during the save is counted, nothing else)."""
+        self.should_stop = False
+        self.result: dict[str, Any] | None = None
+        """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved"}``
+        (``seconds``: from the signal, or from the safe point on a rank the signal did not
+        reach, to the commit; ``saved`` False when the step was committed already)."""
+        self.step_seconds: float | None = None
+        """The longest time between two safe points seen (seconds)."""
+        self._boundaries = 0
+        self._last_boundary: float | None = None
+        self._warned_step = False
+        self._rate: float | None = None  # bytes per second of the last committed save
+        self._last_bytes: int | None = None
+        self._last_committed: int | None = None
+        self._acting = False
+        self._previous: dict[signal.Signals, Any] = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    # ------------------------------------------------------------- handlers
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.signal_count += 1
+        if self.received is None:
+            self.received, self.received_at = signal.Signals(signum), time.monotonic()
+        previous = self._previous.get(signal.Signals(signum))
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def restore(self) -> None:
+        """Put back the handlers installed before (where ours is still installed)."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handler:  # a bound method: compare, not identity
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    # ------------------------------------------------------------- measurements
+
+    def observe_commit(self, step: int, started: float, size_bytes: int) -> None:
+        """Record a committed save (its step, its write rate) for the deadline estimate.
+
+        Args:
+            step: the checkpoint's step.
+            started: ``time.monotonic()`` when its save began.
+            size_bytes: the checkpoint's bytes.
+        """
+        seconds = time.monotonic() - started
+        self._last_committed = step
+        self._last_bytes = size_bytes
+        if seconds > 0 and size_bytes > 0:
+            self._rate = size_bytes / seconds
+
+    def resumed(self, step: int) -> None:
+        """Record the step the run resumed from (committed: a signal at its boundary saves nothing new).
+
+        Args:
+            step: the step resumed from.
+        """
+        self._last_committed = step
+
+    # ------------------------------------------------------------- safe points
+
+    def at_boundary(self, step: int) -> bool:
+        """A step boundary (:meth:`CheckpointManager.step_boundary`): save and stop if any
+        rank has a signal.
+
+        Returns:
+            True once the run should stop (``on_signal="return"``).
+
+        Raises:
+            SystemExit: ``on_signal="exit"``, after the commit.
+        """
+        if self.should_stop:
+            return True
+        accelerator = self.manager.accelerator
+        if accelerator is not None and accumulating(accelerator):
+            return False  # between two optimizer steps: the window's end is the safe point
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._note_step_time(now - self._last_boundary)
+        self._last_boundary = now
+        self._boundaries += 1
+        world = distributed.rank_and_world_size()[1]
+        if world > 1 and self._boundaries % self.check_every:
+            return False
+        if not distributed.any_rank(self.received is not None):
+            return False
+        self._act(step, save=True)
+        return True
+
+    def before_save(self) -> bool:
+        """Whether the save about to run is the signal's (any rank has one); a collective.
+
+        Returns:
+            True: the manager saves blocking and then calls :meth:`after_save`.
+        """
+        if self._acting or self.should_stop:
+            return False
+        return distributed.any_rank(self.received is not None)
+
+    def after_save(self, step: int) -> None:
+        """Finish the signal's save done by :meth:`CheckpointManager.save` (log, stop).
+
+        Args:
+            step: the step saved.
+        """
+        self._act(step, save=False)
+
+    def _note_step_time(self, seconds: float) -> None:
+        self.step_seconds = max(self.step_seconds or 0.0, seconds)
+        if seconds > self.grace_s and not self._warned_step:
+            self._warned_step = True
+            warn_user(
+                f"save_on_signal: {seconds:.1f} s passed between two safe points (step_boundary calls), more than "
+                f"grace_s={self.grace_s:g} s: a signal arriving now would be acted on after the deadline and only "
+                "the newest committed checkpoint would remain; call step_boundary() more often (inside long "
+                "evaluations too) or ask the scheduler for a longer grace period",
+                StatekitWarning,
+            )
+
+    def _act(self, step: int, save: bool) -> None:
+        started = time.monotonic()
+        signum = self.received
+        since = self.received_at if self.received_at is not None else started
+        late = started - since
+        if self.received is None:
+            logger.info("save_on_signal: another rank received a signal; saving step %d", step)
+        if late > self.grace_s:
+            warn_user(
+                f"save_on_signal: the safe point at step {step} came {late:.1f} s after "
+                f"{signum.name if signum else 'the signal'}, past grace_s={self.grace_s:g} s (the longest time "
+                f"between safe points so far: {self.step_seconds or 0:.1f} s); saving anyway, the newest "
+                "committed checkpoint stays latest if the process is killed first",
+                StatekitWarning,
+            )
+        self._acting = True
+        try:
+            self.manager.wait_for_save()  # an async save in flight commits first
+            saved = save and self._last_committed != step
+            if saved:
+                self._warn_if_too_slow(step, self.grace_s - late)
+                self.manager.save(step, blocking=True)
+            replicator = self.manager.replicator
+            if replicator is not None:  # local copy committed; the remote copy until the deadline
+                self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
+        finally:
+            self._acting = False
+        seconds = time.monotonic() - since
+        url = self.manager.url_for(step)
+        self.result = {"signal": signum.name if signum else None, "step": step, "url": url, "seconds": seconds,
+                       "grace_s": self.grace_s, "saved": saved or not save}
+        logger.warning(
+            "save_on_signal: %s: step %d committed at %s, %.2f s after the signal (grace %g s)%s",
+            signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
+            "" if (saved or not save) else " (committed already)",
+        )
+        self.should_stop = True
+        if self.on_signal == "exit":
+            raise SystemExit(exit_code(signum if signum is not None else signal.SIGTERM))
+
+    def _warn_if_too_slow(self, step: int, remaining: float) -> None:
+        if self._rate is None or self._last_bytes is None:
+            return
+        estimate = self._last_bytes / self._rate
+        if estimate <= remaining:
+            return
+        tier = (
+            "writing to the local root first (replicate_to copies it to the remote tier until the deadline)"
+            if self.manager.replicator is not None
+            else "no faster local tier is configured (replicate_to: a local root_url, replicated to the remote one)"
+        )
+        warn_user(
+            f"save_on_signal: step {step} needs about {estimate:.1f} s ({self._last_bytes:,} bytes at the measured "
+            f"{self._rate / 2**20:.1f} MiB/s of the last save), {remaining:.1f} s of grace_s={self.grace_s:g} s "
+            f"remain; {tier}",
+            StatekitWarning,
+        )
+
+
+def make_signal_save(
+    manager: Any, save_on_signal: Any, grace_s: float | None, on_signal: str, check_every: int
+) -> SignalSave | None:
+    """The manager's :class:`SignalSave`, or None when ``save_on_signal`` is False.
+
+    Args:
+        manager: the manager.
+        save_on_signal: False, True or signals (:func:`parse_signals`).
+        grace_s: seconds of grace (None: :data:`DEFAULT_GRACE_S`).
+        on_signal: ``"exit"`` or ``"return"``.
+        check_every: agree across ranks every N-th safe point.
+
+    Returns:
+        The installed :class:`SignalSave`, or None.
+
+    Raises:
+        InvalidOptionError: a bad option (named).
+    """
+    if save_on_signal is False or save_on_signal is None:
+        return None
+    return SignalSave(manager, parse_signals(save_on_signal), DEFAULT_GRACE_S if grace_s is None else grace_s,
+                      on_signal, check_every)
+
