@@ -55,6 +55,19 @@ class PendingSave:
         """True once the background write finished (committed or failed)."""
         return not self._thread.is_alive()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the background write to end, at most ``timeout`` seconds, without
+        collecting it (no error raised, no post-hooks: :meth:`wait` does that).
+
+        Args:
+            timeout: seconds to wait at most; None waits until it ends.
+
+        Returns:
+            True when the write has ended (committed or failed).
+        """
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def wait(self) -> Manifest:
         """Join the write; run the post-hooks once; return the manifest.
 

@@ -19,6 +19,7 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
+from statekit.manager.backpressure import DEFAULT_MAX_WAIT_SECONDS, Backpressure, CheckpointStats, SaveStats
 from statekit.manager.preemption import SignalSave, make_signal_save
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
@@ -71,6 +72,12 @@ class CheckpointManager:
         mode: ``"min"`` (default) or ``"max"``: which direction is better.
         keep_every_n_steps: keep checkpoints whose step is a multiple of M.
         async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
+        backpressure: what :meth:`save` does while the previous async save is still
+            writing: ``"wait"`` (default) up to ``max_wait_s``, then skip this save;
+            ``"skip"`` it at once. A skipped save warns with its step and the one still
+            writing, and is counted in :meth:`stats` (``docs/backpressure.md``).
+        max_wait_s: the bound of ``backpressure="wait"``, seconds (default 300, half the
+            NCCL watchdog's 600; None: wait as long as it takes).
         storage_options: fsspec options.
         incremental: write a tensor file only when its bytes changed since the run's last
             committed checkpoint (or the one it resumed from, under this root); an unchanged
@@ -113,7 +120,7 @@ class CheckpointManager:
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, ``root_url`` is itself a checkpoint (statekit's or
+            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, ``root_url`` is itself a checkpoint (statekit's or
             Accelerate's), or a plugin refused its manager option (``remote_keep_last``
             not a positive integer, a ``remote_*`` option without ``replicate_to``).
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
@@ -141,8 +148,12 @@ class CheckpointManager:
         grace_s: float | None = None,
         on_signal: str = "exit",
         signal_check_every: int = 1,
+        backpressure: str = "wait",
+        max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS,
         **options: Any,
     ) -> None:
+        self.backpressure = Backpressure(backpressure, max_wait_s)
+        self.save_stats = SaveStats()
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidOptionError(f"{name} must be a positive integer or None, got {value!r}")
@@ -246,7 +257,10 @@ class CheckpointManager:
     ) -> Manifest | PendingSave:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
-        A previous async save is waited for first (and its error raised here).
+        A previous async save is waited for first (and its error raised here), within the
+        manager's ``backpressure`` policy: while it is still writing after ``max_wait_s``
+        (at once with ``"skip"``), this save is skipped with a :class:`StatekitWarning`
+        and None is returned (the newest committed checkpoint stays latest).
 
         Args:
             step: the training step (names the directory). None: automatic naming, one
@@ -260,7 +274,7 @@ class CheckpointManager:
 
         Returns:
             The committed manifest, or (non-blocking) a :class:`PendingSave` whose
-            ``wait()`` returns it.
+            ``wait()`` returns it, or None when back-pressure skipped the save.
 
         Raises:
             CheckpointExistsError: this step is committed already (or another process
@@ -268,7 +282,12 @@ class CheckpointManager:
             AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
         """
+        started = time.monotonic()
+        if not self.backpressure.admit(self.pending):
+            self.save_stats.skip(self.next_step() if step is None else step, self.pending, self.backpressure, started)
+            return None
         self._wait_save()
+        waited = time.monotonic() - started
         on_signal = self.signal_save is not None and self.signal_save.before_save()  # every rank agrees
         if step is None:
             step = self.next_step()
@@ -301,6 +320,7 @@ class CheckpointManager:
             self.pending = result
         if on_signal:
             self.signal_save.after_save(step)  # logs; exits, or should_stop
+        self.save_stats.record(step, started, waited, "writing" if not blocking else "committed")
         return result
 
     def step_boundary(self, step: int) -> bool:
@@ -355,6 +375,18 @@ class CheckpointManager:
         highest = max((i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)), default=-1)
         config = getattr(self.accelerator, "project_configuration", None)
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
+
+    def stats(self) -> CheckpointStats:
+        """The time this run lost to checkpoints so far: each :meth:`save` call's blocking
+        seconds, the saves back-pressure skipped, the remote tier's backlog, the steps the
+        last :meth:`resume` went back (``docs/backpressure.md``).
+
+        Returns:
+            A :class:`~statekit.manager.backpressure.CheckpointStats` (``.to_dict()``,
+            ``.to_json()``).
+        """
+        backlog = getattr(self.replicator, "backlog", None)
+        return self.save_stats.snapshot(backlog() if backlog is not None else None)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Wait for the pending async save (if any) and run its post-hooks; then for the
@@ -481,6 +513,7 @@ class CheckpointManager:
             step = info.step if step is None or info.accelerate else int(step)
             if self.signal_save is not None:
                 self.signal_save.resumed(step)  # a signal during the resume saves no copy of this step
+            self.save_stats.resumed(step, [i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)])
             logger.info("resumed from step %s (%s)", step, info.url)
             return step
         if last_error is not None:
