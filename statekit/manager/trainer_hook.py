@@ -249,7 +249,10 @@ class CheckpointHook(_TrainerChannels):
         return step
 
     def on_step_end(self, args: Any = None) -> Manifest | PendingSave | None:
-        """Save if ``progress.global_step`` is a multiple of ``every_n_steps``.
+        """Save if ``progress.global_step`` is a multiple of ``every_n_steps``; then the
+        manager's :meth:`~statekit.CheckpointManager.step_boundary` (with
+        ``save_on_signal``: a signal's save of this step, then exit or
+        ``manager.should_stop``, which the trainer checks to end its loop).
 
         Args:
             args: the trainer's hook arguments (ignored).
@@ -260,10 +263,14 @@ class CheckpointHook(_TrainerChannels):
         Raises:
             StatekitError: ``progress.micro_batch`` is not 0 (the trainer called
                 ``on_step_end`` before finishing the step), or the save failed.
+            SystemExit: ``save_on_signal`` with ``on_signal="exit"``, after the signal's save.
         """
-        if self.every_n_steps is None or int(self.progress.global_step) % self.every_n_steps:
-            return None
-        return self._save("on_step_end")
+        result = None
+        if self.every_n_steps is not None and not int(self.progress.global_step) % self.every_n_steps:
+            result = self._save("on_step_end")
+        # the safe point of CheckpointManager(save_on_signal=...): exits, or sets manager.should_stop
+        self.manager.step_boundary(int(self.progress.global_step))
+        return result
 
     def on_epoch_end(self, args: Any = None) -> Manifest | PendingSave | None:
         """Save if ``progress.epoch`` (epochs done) is a multiple of ``every_n_epochs``.
