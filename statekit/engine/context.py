@@ -79,6 +79,11 @@ class Checkpoint:
         manifest (Manifest | None): on load, the manifest read; after a save, the committed one.
         mode (str): ``"save"`` or ``"load"``.
         verify (bool): on load, check sizes and checksums while reading.
+        incremental (bool): on save, an incremental save (``CheckpointManager``'s
+            default, docs/incremental.md): :meth:`save_tensors` reuses a file whose bytes
+            equal the run's last committed checkpoint's file of the same path and writer.
+            A plugin may use it to put tensors that rarely change (frozen parameters) in
+            files of their own; it never needs it to decide reuse.
     """
 
     def __init__(

@@ -11,6 +11,11 @@ the gloo backend on CPU. Commands:
 * ``train``: train ``--steps`` steps with a ``CheckpointManager`` (``--url`` is its root,
   async saves), saving at ``--save-at``; with ``--resume`` start from the newest
   checkpoint instead; write the per-step global losses to ``--losses``.
+* ``incremental``: a model whose ``inp`` and ``hidden`` layers are frozen, saved three
+  times by a ``CheckpointManager`` (``--url``, incremental by default) with a training
+  step before each save; before the third, rank 1 edits its shard of the frozen
+  ``hidden.weight`` in place. Dumps the full state after saves 2 and 3 to
+  ``--full``-2.safetensors and ``--full``-3.safetensors.
 
 Flavors: ``fsdp2`` (``fully_shard`` per Linear and at the root), ``fsdp1``
 (``FullyShardedDataParallel(device_id=cpu, use_orig_params=True)``), ``fsdp1-flat`` (the same
@@ -56,10 +61,19 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def build(flavor: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model (same initial weights on every rank) and its AdamW optimizer."""
+FROZEN_LAYERS = ("inp", "hidden")
+"""The layers ``build(..., frozen=True)`` freezes (``requires_grad=False``)."""
+
+
+def build(flavor: str, seed: int, frozen: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (same initial weights on every rank) and its AdamW optimizer; with
+    ``frozen`` the :data:`FROZEN_LAYERS` do not require gradients (the optimizer still
+    lists them, as ``AdamW(model.parameters())`` does in a fine-tuning script)."""
     torch.manual_seed(seed)
     model = Net()
+    if frozen:
+        for name in FROZEN_LAYERS:
+            getattr(model, name).requires_grad_(False)
     if flavor == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -157,7 +171,7 @@ def main(argv: list[str]) -> None:
     warnings.simplefilter("ignore", FutureWarning)
     warnings.simplefilter("ignore", UserWarning)
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["save", "load", "train"])
+    parser.add_argument("command", choices=["save", "load", "train", "incremental"])
     parser.add_argument("--flavor", default="fsdp2")
     parser.add_argument("--url", required=True)
     parser.add_argument("--full")
@@ -199,6 +213,18 @@ def main(argv: list[str]) -> None:
             model, optim = build(args.flavor, seed=1)
             statekit.load(args.url, {"model": model, "optim": optim})
             dump(args.full, model, optim)
+        elif args.command == "incremental":
+            model, optim = build(args.flavor, seed=0, frozen=True)
+            sched = scheduler(optim)
+            manager = statekit.CheckpointManager({"model": model, "optim": optim, "sched": sched}, args.url)
+            for step in (1, 2, 3):
+                if step == 3 and rank_world()[0] == 1:
+                    with torch.no_grad():  # this rank's shard of a frozen weight, edited in place
+                        model.hidden.weight.to_local().view(-1)[0] += 1.0
+                train_step(model, optim, step, sched)
+                manager.save(step)
+                if step >= 2:
+                    dump(f"{args.full}-{step}.safetensors", model, optim)
         else:
             model, optim = build(args.flavor, seed=0 if not args.resume else 1)
             sched = scheduler(optim)

@@ -10,8 +10,13 @@ back). This module is the storage half, written against the interface documented
 * :class:`StatekitStorageWriter` writes every chunk a rank was assigned into one
   safetensors file, ``<prefix>/rank-<rank:05d>.safetensors``, through
   :meth:`statekit.Checkpoint.save_tensors` (streamed, checksummed in the same pass, and
-  recorded in statekit's manifest with the rank). The coordinator writes DCP's global
-  :class:`~torch.distributed.checkpoint.metadata.Metadata` as ``<prefix>/metadata.json``.
+  recorded in statekit's manifest with the rank). In an incremental save the chunks of
+  frozen parameters (``requires_grad=False``) go to a file of their own,
+  ``<prefix>/rank-<rank:05d>.frozen.safetensors``, so an unchanged one is reused from the
+  run's last checkpoint while the trainable chunks and the optimizer state change. The
+  coordinator writes DCP's global
+  :class:`~torch.distributed.checkpoint.metadata.Metadata` as ``<prefix>/metadata.json``
+  (which names each chunk's file: a reader needs no naming rule).
 * :class:`StatekitStorageReader` reads the chunks a rank needs, file by file, verified
   against the manifest.
 
@@ -39,9 +44,21 @@ from statekit.plugin_api import CorruptCheckpointError, StatekitError, rank_name
 from statekit_fsdp.dcp_metadata import METADATA_NAME, metadata_to_json, read_metadata
 
 
-def shard_file(rank: int) -> str:
-    """File name (relative to the model's directory) of one rank's shards."""
-    return f"{rank_name(rank)}.safetensors"
+FROZEN_SUFFIX = ".frozen"
+"""Between the rank name and ``.safetensors`` in the name of a rank's frozen-chunk file."""
+
+
+def shard_file(rank: int, frozen: bool = False) -> str:
+    """File name (relative to the model's directory) of one rank's shards.
+
+    Args:
+        rank: the writing rank.
+        frozen: the file of the rank's frozen-parameter chunks (incremental saves).
+
+    Returns:
+        ``"rank-00001.safetensors"``, or ``"rank-00001.frozen.safetensors"`` with ``frozen``.
+    """
+    return f"{rank_name(rank)}{FROZEN_SUFFIX if frozen else ''}.safetensors"
 
 
 def chunk_name(fqn: str, offsets: Any) -> str:
@@ -74,17 +91,24 @@ class StatekitStorageWriter(StorageWriter):
     Each rank writes the chunks DCP's planner assigned to it as one safetensors file
     (``<prefix>/rank-<rank:05d>.safetensors``, tensor names from :func:`chunk_name`)
     through ``checkpoint.save_tensors``; the coordinator writes ``<prefix>/metadata.json``.
-    A rank with nothing to write writes no file.
+    The chunks of the flat keys in ``frozen`` go to ``<prefix>/rank-<rank:05d>.frozen.safetensors``
+    instead (when the rank also has other chunks), so that file's bytes stay the same
+    from save to save and an incremental save reuses it. A rank with nothing to write
+    writes no file.
 
     Args:
         checkpoint: the :class:`statekit.Checkpoint` of the save (open for writing).
         prefix: directory inside the checkpoint (the model's stable key, ``model_0``).
+        frozen: flat keys (``model.<fqn>``) of frozen parameters; empty: one file per rank.
+            It decides only which file a chunk goes to, never whether a file is reused
+            (the core compares bytes): a wrong guess costs bytes, not exactness.
     """
 
-    def __init__(self, checkpoint: Any, prefix: str) -> None:
+    def __init__(self, checkpoint: Any, prefix: str, frozen: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.checkpoint = checkpoint
         self.prefix = prefix
+        self.frozen = frozenset(frozen)
         self.is_coordinator = False
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -116,8 +140,12 @@ class StatekitStorageWriter(StorageWriter):
         Raises:
             StatekitError: a non-tensor item reached the writer (it would be pickled).
         """
-        rel_file = shard_file(self.checkpoint.rank)
-        tensors: dict[str, torch.Tensor] = {}
+        rank = self.checkpoint.rank
+        split = any(item.index.fqn in self.frozen for item in plan.items) and any(
+            item.index.fqn not in self.frozen for item in plan.items
+        )
+        files: dict[str, dict[str, torch.Tensor]] = {shard_file(rank): {}, shard_file(rank, frozen=True): {}}
+        names: set[str] = set()
         results = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -129,17 +157,20 @@ class StatekitStorageWriter(StorageWriter):
             if not isinstance(data, torch.Tensor):
                 raise StatekitError(f"{self.checkpoint.url}/{self.prefix}: {item.index.fqn!r} resolved to {type(data).__name__}, not a tensor")
             name = chunk_name(item.index.fqn, item.index.offset)
-            if name in tensors:
-                raise StatekitError(f"{self.checkpoint.url}/{self.prefix}: chunk {name!r} planned twice on rank {self.checkpoint.rank}")
-            tensors[name] = data.detach()
+            if name in names:
+                raise StatekitError(f"{self.checkpoint.url}/{self.prefix}: chunk {name!r} planned twice on rank {rank}")
+            names.add(name)
+            rel_file = shard_file(rank, frozen=split and item.index.fqn in self.frozen)
+            files[rel_file][name] = data.detach()
             size_bytes = data.numel() * data.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size_bytes, storage_data={"file": rel_file, "name": name, "size_bytes": size_bytes}))
-        if tensors:
-            self.checkpoint.save_tensors(
-                f"{self.prefix}/{rel_file}",
-                tensors,
-                metadata={"statekit_fsdp.rank": str(self.checkpoint.rank), "statekit_fsdp.key": self.prefix},
-            )
+        for rel_file, tensors in files.items():
+            if tensors:
+                self.checkpoint.save_tensors(
+                    f"{self.prefix}/{rel_file}",
+                    tensors,
+                    metadata={"statekit_fsdp.rank": str(rank), "statekit_fsdp.key": self.prefix},
+                )
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

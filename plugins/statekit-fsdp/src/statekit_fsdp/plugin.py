@@ -12,6 +12,8 @@ fully qualified names, independent of the world size) and is written with
 under ``<key>/`` of the checkpoint::
 
     <key>/rank-00000.safetensors ...   tensor chunks of each rank (every rank writes its own)
+    <key>/rank-00000.frozen.safetensors ... an incremental save: each rank's frozen-parameter
+                                       chunks (reused while their bytes do not change)
     <key>/metadata.json                DCP's global metadata as JSON (rank 0)
     <key>/state.json                   everything that is not a tensor (rank 0, statekit codec)
 
@@ -137,7 +139,7 @@ def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     from statekit_fsdp.dcp_storage import StatekitStorageWriter
-    from statekit_fsdp.state import optimizers_of, split_state, unique
+    from statekit_fsdp.state import frozen_keys, optimizers_of, split_state, unique
 
     optimizers = optimizers_of(model, checkpoint.objects, key) if _objects_writable(checkpoint) else []
     for okey, _ in optimizers:
@@ -152,7 +154,7 @@ def _save_sharded(checkpoint: Any, key: str, model: Any, kind: str) -> None:
     _run_dcp(
         lambda: dcp.save(
             tensors,
-            storage_writer=StatekitStorageWriter(checkpoint, key),
+            storage_writer=StatekitStorageWriter(checkpoint, key, frozen_keys(model, "model") if checkpoint.incremental else frozenset()),
             planner=dcp.DefaultSavePlanner(),
             process_group=_group(),
         ),

@@ -116,6 +116,38 @@ def optimizers_of(model: torch.nn.Module, objects: Mapping[str, Any], where: str
     return found
 
 
+def frozen_keys(model: torch.nn.Module, prefix: str) -> frozenset[str]:
+    """The flat keys (``<prefix>.<fqn>``, as :func:`split_state` names them) of the model's
+    parameters that do not require gradients.
+
+    FQNs are those of DCP's ``get_state_dict`` (FSDP1, DDP and activation-checkpointing
+    wrapper names removed; an FSDP1 ``FlatParameter`` stands for every original parameter
+    inside it), through DCP's own ``_get_fqns``; where this torch lacks it, the known
+    wrapper prefixes are stripped by name. The result only decides which file a chunk is
+    written to (see :class:`statekit_fsdp.dcp_storage.StatekitStorageWriter`).
+
+    Args:
+        model: the sharded model (wrappers stripped by :func:`strip_wrappers`).
+        prefix: the flat-key prefix of the model's state (``"model"``).
+
+    Returns:
+        The flat keys of the frozen parameters (empty when every parameter is trainable).
+    """
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns as get_fqns
+    except ImportError:  # pragma: no cover - an older or newer torch without the helper
+
+        def get_fqns(model: torch.nn.Module, name: str) -> set[str]:
+            parts = [p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")]
+            return {".".join(parts)}
+
+    keys: set[str] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            keys.update(f"{prefix}.{fqn}" for fqn in get_fqns(model, name))
+    return frozenset(keys)
+
+
 def unique(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     """The optimizers without repeats (by identity), in order."""
     seen: set[int] = set()
