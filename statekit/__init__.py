@@ -21,6 +21,7 @@ from statekit.api.saveload import save
 from statekit.engine.read import verify
 from statekit.errors import (
     AsyncSaveError,
+    CollectiveTimeoutError,
     CheckpointExistsError,
     CheckpointInUseError,
     CheckpointNotFoundError,
@@ -50,6 +51,7 @@ from statekit.hooks.registry import get_plugin_manager, hookimpl
 __all__ = [
     "__version__",
     "AsyncSaveError",
+    "CollectiveTimeoutError",
     "Attachment",
     "Checkpoint",
     "Manifest",

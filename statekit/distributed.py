@@ -3,14 +3,31 @@
 statekit's collectives (gathering manifest entries, agreeing on success, the commit
 barrier) run on a gloo group created for statekit, so a training barrier on the default
 group can never interleave with them (KempnerForge#104).
+
+The group has its own timeout (:data:`COLLECTIVE_TIMEOUT_ENV`, default 300 s, half the
+NCCL watchdog's 600 s): a rank that never reaches a save makes the others fail with a
+:class:`~statekit.errors.CollectiveTimeoutError` naming the collective, instead of a
+watchdog killing the job with no word about the checkpoint.
 """
 
 from __future__ import annotations
 
 import atexit
-from typing import Any
+import math
+import os
+import re
+from datetime import timedelta
+from typing import Any, Callable
 
 import torch.distributed as dist
+
+from statekit.errors import CollectiveTimeoutError, InvalidOptionError
+
+COLLECTIVE_TIMEOUT_ENV = "STATEKIT_COLLECTIVE_TIMEOUT"
+"""Seconds each collective on statekit's gloo group waits for every rank (a number > 0;
+read when the group is created, at the first save or load with several ranks)."""
+
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
 
 _group: Any = None
 _group_key: Any = None
@@ -23,17 +40,71 @@ def rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
+def collective_timeout_seconds() -> float:
+    """The timeout of statekit's collectives: :data:`COLLECTIVE_TIMEOUT_ENV`, or 300 s when
+    it is unset or empty.
+
+    Returns:
+        Seconds, a finite number > 0.
+
+    Raises:
+        InvalidOptionError: the variable is not a finite number of seconds > 0 (naming it
+            and its value).
+    """
+    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidOptionError(
+            f"{COLLECTIVE_TIMEOUT_ENV}={value!r} is not a number of seconds > 0 (the timeout of statekit's "
+            f"collectives; unset it for the default {DEFAULT_COLLECTIVE_TIMEOUT_SECONDS:g} s)"
+        )
+    return seconds
+
+
 def statekit_group() -> Any:
     """The gloo group statekit's collectives use (created on first multi-rank call; every
-    rank must reach the first call, as they do at the start of every save and load)."""
+    rank must reach the first call, as they do at the start of every save and load), with
+    :func:`collective_timeout_seconds` as its timeout.
+
+    Raises:
+        InvalidOptionError: :data:`COLLECTIVE_TIMEOUT_ENV` is invalid.
+    """
     global _group, _group_key
     key = id(dist.distributed_c10d._get_default_group())
     if _group is None or _group_key != key:
+        timeout = timedelta(seconds=collective_timeout_seconds())
         if _group is None:
             atexit.register(_forget_group)
-        _group = dist.new_group(backend="gloo")
+        _group = dist.new_group(backend="gloo", timeout=timeout)
         _group_key = key
     return _group
+
+
+def _collective(name: str, call: Callable[[], Any]) -> Any:
+    """Run one collective on statekit's group (creating the group first if needed, itself
+    a rendezvous of every rank); a timeout (or a peer gone) is a
+    :class:`CollectiveTimeoutError` naming it."""
+    try:
+        return call()
+    except RuntimeError as exc:  # gloo: DistBackendError / RuntimeError "Timed out ...", "Connection closed by peer"
+        rank, world = rank_and_world_size()
+        timeout = collective_timeout_seconds()
+        ranks = sorted({int(r) for r in re.findall(r"\brank[ =:]*(\d+)", str(exc), flags=re.IGNORECASE)} - {rank})
+        if not ranks and world == 2:
+            ranks = [1 - rank]  # the only other rank
+        missing = f"rank(s) {ranks} did not answer" if ranks else "which rank(s) did not answer is not known"
+        raise CollectiveTimeoutError(
+            f"statekit collective {name} on rank {rank} of {world} did not complete within {timeout:g} s "
+            f"({COLLECTIVE_TIMEOUT_ENV}): {missing}; a rank never reached this save or load (crashed, or busy "
+            f"elsewhere). Nothing was committed by it; statekit's process group is unusable now: end the process "
+            f"(gloo: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+            name, timeout, ranks or None,
+        ) from exc
 
 
 def _forget_group() -> None:
@@ -50,9 +121,8 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     rank, world = rank_and_world_size()
     if world == 1:
         return [obj]
-    group = statekit_group()
     out: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0, group=group)
+    _collective("gather_to_rank0", lambda: dist.gather_object(obj, out, dst=0, group=statekit_group()))
     return out
 
 
@@ -70,14 +140,14 @@ def broadcast_from_rank0(obj: Any) -> Any:
     if world == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=statekit_group())
+    _collective("broadcast_from_rank0", lambda: dist.broadcast_object_list(box, src=0, group=statekit_group()))
     return box[0]
 
 
 def barrier() -> None:
     """Barrier on statekit's own group (no-op in one process)."""
     if rank_and_world_size()[1] > 1:
-        dist.barrier(group=statekit_group())
+        _collective("barrier", lambda: dist.barrier(group=statekit_group()))
 
 
 def any_rank(flag: bool) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointInUseError",
     "AsyncSaveError",
+    "CollectiveTimeoutError",
     "UnsupportedDtypeError",
     "UnsupportedValueError",
     "InvalidOptionError",
@@ -245,6 +246,28 @@ class AsyncSaveError(StatekitError):
     def __init__(self, message: str, url: str | None = None) -> None:
         super().__init__(message)
         self.url = url
+
+
+class CollectiveTimeoutError(StatekitError, TimeoutError):
+    """One of statekit's collectives (on its own gloo group, inside a save or a load) did
+    not complete within ``STATEKIT_COLLECTIVE_TIMEOUT`` seconds: a rank never reached it
+    (it crashed, or it is stuck elsewhere). The save or load it was part of did not commit
+    or finish on this rank; statekit's group is unusable afterwards, so end the process.
+
+    Attributes:
+        collective: the collective's name (``"gather_to_rank0"``, ``"broadcast_from_rank0"``,
+            ``"barrier"``).
+        timeout_s: the timeout, seconds.
+        ranks: the ranks that did not answer, when gloo said so; None when unknown.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, collective: str, timeout_s: float, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.timeout_s = timeout_s
+        self.ranks = ranks
 
 
 class UnsupportedValueError(StatekitError, TypeError):

@@ -39,7 +39,7 @@ from statekit.plugin_api import (
     hookimpl,
     rank_and_world_size,
 )
-from statekit_replicate.replication import Replicator, start_replication
+from statekit_replicate.replication import DEFAULT_MAX_BACKLOG, Replicator, start_replication
 
 REPLICATE_PLUGIN = "replicate"
 """The plugin's name (its entry point) and its key in ``manager.plugin_state``."""
@@ -49,6 +49,7 @@ MANAGER_OPTIONS: Mapping[str, Any] = {
     "replicate_options": None,
     "remote_keep_last": None,
     "delete_unreplicated": False,
+    "replicate_max_backlog": DEFAULT_MAX_BACKLOG,
 }
 """The ``CheckpointManager(...)`` options this plugin owns, with their defaults:
 
@@ -58,7 +59,11 @@ MANAGER_OPTIONS: Mapping[str, Any] = {
 * ``remote_keep_last``: keep the newest N committed checkpoints on the remote root (None:
   keep every one);
 * ``delete_unreplicated``: let local retention delete a checkpoint whose remote copy has
-  not committed yet (default False: it is kept until it has)."""
+  not committed yet (default False: it is kept until it has);
+* ``replicate_max_backlog``: checkpoints queued for the remote tier at most (default 16;
+  None: no bound); beyond it the oldest queued one is dropped with a warning, stays local
+  and is copied at the next start, so a frozen remote tier never grows the queue without
+  bound."""
 
 
 def replicator_of(manager: ManagerView) -> Replicator | None:
@@ -73,9 +78,13 @@ def check_options(options: Mapping[str, Any]) -> None:
         options: the manager options (every declared name, given or default).
 
     Raises:
-        InvalidOptionError: ``remote_keep_last`` is not a positive integer or None, or a
+        InvalidOptionError: ``remote_keep_last`` or ``replicate_max_backlog`` is not a
+            positive integer or None, or a
             remote-tier option is given without ``replicate_to`` (naming the option).
     """
+    backlog = options.get("replicate_max_backlog")
+    if backlog is not None and (not isinstance(backlog, int) or isinstance(backlog, bool) or backlog < 1):
+        raise InvalidOptionError(f"replicate_max_backlog must be a positive integer or None, got {backlog!r}")
     keep = options.get("remote_keep_last")
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise InvalidOptionError(f"remote_keep_last must be a positive integer or None, got {keep!r}")
@@ -119,6 +128,7 @@ class Replicate:
         manager.plugin_state[REPLICATE_PLUGIN] = start_replication(
             settings["replicate_to"], settings["replicate_options"], manager.list, manager.url_of,
             on_replicated=on_replicated if rank == 0 else None, keep_last=settings["remote_keep_last"],
+            max_backlog=settings["replicate_max_backlog"],
         )
 
     @hookimpl

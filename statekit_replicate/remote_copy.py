@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from typing import Callable
 
 from statekit.plugin_api import (
     MANIFEST_NAME,
@@ -51,6 +52,7 @@ def copy_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     peer_timeout_seconds: float = 600.0,
+    on_file_copied: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Copy one committed checkpoint: data files streamed and verified at the destination,
     then the manifest, byte for byte (the commit). A destination that already holds the
@@ -68,6 +70,8 @@ def copy_checkpoint(
         rank: this process's rank.
         world_size: ranks taking part.
         peer_timeout_seconds: rank 0's wait for the other ranks' markers, seconds.
+        on_file_copied: ``callable(size_bytes)`` after each data file is copied and
+            verified (the replicator's backlog).
 
     Returns:
         The manifest.
@@ -95,19 +99,9 @@ def copy_checkpoint(
     bases: dict[str, tuple[Storage, Manifest | None]] = {}
     for rel in mine:
         meta = manifest.files[rel]
-        if meta.reused_from and _copy_from_remote_base(dst, rel, meta, bases):
-            continue  # an unchanged file of an incremental save: copied server-side, nothing uploaded
-        if meta.size_bytes <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
-            dst.write_bytes(rel, src.read_bytes(rel))
-            VerifyingReader(io.BytesIO(dst.read_bytes(rel)), dst.url_of(rel), meta).read()  # checks size and checksum
-            continue
-        with src.open_read(rel) as f, dst.open_write(rel) as out:
-            while chunk := f.read(COPY_CHUNK_BYTES):
-                out.write(chunk)
-        with dst.open_read(rel) as f:
-            reader = VerifyingReader(f, dst.url_of(rel), meta)
-            while reader.read(COPY_CHUNK_BYTES):  # the empty read at the end checks size and checksum
-                pass
+        _copy_file(src, dst, rel, meta, bases)
+        if on_file_copied is not None:
+            on_file_copied(meta.size_bytes)
     if world_size > 1:
         marker = {"manifest": checksum_bytes(raw), "files": mine}
         if rank != 0:
@@ -117,6 +111,23 @@ def copy_checkpoint(
     dst.commit(MANIFEST_NAME, raw)
     end_copy_in_progress(dst)
     return manifest
+
+
+def _copy_file(src: Storage, dst: Storage, rel: str, meta: FileEntry, bases: dict[str, tuple[Storage, Manifest | None]]) -> None:
+    """Copy one data file and verify it at the destination (size and checksum)."""
+    if meta.reused_from and _copy_from_remote_base(dst, rel, meta, bases):
+        return  # an unchanged file of an incremental save: copied server-side, nothing uploaded
+    if meta.size_bytes <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
+        dst.write_bytes(rel, src.read_bytes(rel))
+        VerifyingReader(io.BytesIO(dst.read_bytes(rel)), dst.url_of(rel), meta).read()  # checks size and checksum
+        return
+    with src.open_read(rel) as f, dst.open_write(rel) as out:
+        while chunk := f.read(COPY_CHUNK_BYTES):
+            out.write(chunk)
+    with dst.open_read(rel) as f:
+        reader = VerifyingReader(f, dst.url_of(rel), meta)
+        while reader.read(COPY_CHUNK_BYTES):  # the empty read at the end checks size and checksum
+            pass
 
 
 def _copy_from_remote_base(

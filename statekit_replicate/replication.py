@@ -29,6 +29,7 @@ saves never wait. An interrupted copy is redone at the next start (:meth:`Replic
 from __future__ import annotations
 
 import atexit
+import errno
 import math
 import os
 import queue
@@ -43,6 +44,7 @@ from statekit.plugin_api import (
     MANIFEST_NAME,
     CheckpointDir,
     InvalidOptionError,
+    Manifest,
     StatekitError,
     StatekitWarning,
     Storage,
@@ -61,7 +63,49 @@ on stderr."""
 
 DEFAULT_EXIT_TIMEOUT_SECONDS = 600.0
 
+DEFAULT_MAX_BACKLOG = 16
+"""Checkpoints a replicator holds queued at most (``replicate_max_backlog``)."""
+
+NO_RETRY_ERRNOS = {errno.ENOSPC: "ENOSPC (no space left)", errno.EDQUOT: "EDQUOT (quota exceeded)",
+                   errno.EROFS: "EROFS (read-only file system)"}
+"""``OSError.errno`` values of a copy that is not retried: trying again cannot help."""
+
+NO_RETRY_S3_CODES = {
+    "XMinioStorageFull": "XMinioStorageFull (MinIO: storage full)",
+    "QuotaExceeded": "QuotaExceeded (object store quota exceeded)",
+    "InsufficientStorage": "InsufficientStorage (HTTP 507)",
+}
+"""botocore ``ClientError`` codes (``response["Error"]["Code"]``) of S3-compatible stores that
+say the same; s3fs turns them into a plain ``OSError(EIO)`` whose ``__cause__`` keeps the code."""
+
 _replicators: weakref.WeakSet[Replicator] = weakref.WeakSet()
+
+
+def no_retry_reason(exc: BaseException) -> str | None:
+    """Why a failed copy must not be retried: a full, over-quota or read-only destination.
+
+    Walks ``exc`` and its causes/contexts (statekit's :class:`StorageError` keeps the
+    original error as its cause).
+
+    Args:
+        exc: the copy's exception.
+
+    Returns:
+        The errno or S3 error code with a few words (``"ENOSPC (no space left)"``), or None
+        when retrying may help.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in NO_RETRY_ERRNOS:
+            return NO_RETRY_ERRNOS[error.errno]
+        response = getattr(error, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in NO_RETRY_S3_CODES:
+            return NO_RETRY_S3_CODES[code]
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class Replicator:
@@ -87,6 +131,10 @@ class Replicator:
             saves come faster than the remote tier takes them (once, until it drains).
         keep_last: the remote retention's ``remote_keep_last`` (None: keep every one);
             :meth:`catch_up_names` does not copy again what that policy deleted.
+        max_backlog: checkpoints queued at most (None: no bound). A submit beyond it drops
+            the oldest one not being copied, with a warning: it stays local (local
+            retention keeps it, ``wait()`` names it) and is copied at the next start
+            (:meth:`catch_up`). The newest checkpoints are the ones worth copying.
 
     Raises:
         StorageError: ``remote_url`` cannot be resolved (unknown scheme, backend missing).
@@ -106,8 +154,16 @@ class Replicator:
         peer_timeout_seconds: float = 600.0,
         backlog_warning: int = 4,
         keep_last: int | None = None,
+        max_backlog: int | None = DEFAULT_MAX_BACKLOG,
     ) -> None:
         self.remote = Storage(remote_url, storage_options)
+        self.max_backlog = max_backlog
+        self.dropped = 0
+        """Queued checkpoints dropped because the backlog was full (this process)."""
+        self._dropped_names: set[str] = set()  # dropped while still in the queue: the thread skips them
+        self._sizes: dict[str, tuple[int, int]] = {}  # pending name -> (files, bytes) this rank copies
+        self._copied: tuple[int, int] = (0, 0)  # (files, bytes) of the current copy done so far
+        self._current: str | None = None
         self.keep_last = keep_last
         self.backlog_warning = backlog_warning
         self._backlog_warned = False
@@ -147,15 +203,28 @@ class Replicator:
                 on its own disk).
         """
         name = local_url.rstrip("/").rsplit("/", 1)[-1]
+        size = self._size_of(local_url, manifest)
+        dropped: str | None = None
         with self._lock:
             if name in self._pending:
                 return
             self._pending[name] = local_url
+            self._sizes[name] = size
             self.failed.pop(name, None)
+            if self.max_backlog is not None and len(self._pending) > self.max_backlog:
+                dropped = next((n for n in self._pending if n not in (self._current, name)), None)
+                if dropped is not None:
+                    self._drop(dropped)
             behind = len(self._pending)
             warn = behind > self.backlog_warning and not self._backlog_warned
             self._backlog_warned = self._backlog_warned or warn
         self._queue.put((name, local_url, manifest))
+        if dropped is not None:
+            warn_user(
+                f"{self.remote_url}/{dropped}: not replicated: the backlog is full ({self.max_backlog} checkpoints "
+                f"queued; {self.dropped} dropped in this run); it stays local and is copied at the next start",
+                StatekitWarning,
+            )
         if warn:  # loud: local retention keeps every one of them until it is replicated
             warn_user(
                 f"{self.remote_url}: replication is {behind} checkpoints behind (saves come faster than the remote tier "
@@ -184,6 +253,44 @@ class Replicator:
         raw = broadcast_from_rank0(raw)
         if raw is not None:
             self.submit(local_url, raw)
+
+    def _drop(self, name: str) -> None:
+        """Drop a queued copy (the lock held)."""
+        self._pending.pop(name, None)
+        self._sizes.pop(name, None)
+        self._dropped_names.add(name)
+        self.dropped += 1
+        self.failed[name] = f"dropped from a full backlog (max_backlog={self.max_backlog}); copied at the next start"
+
+    @staticmethod
+    def _size_of(local_url: str, manifest: bytes | None) -> tuple[int, int]:
+        """(files, bytes) of a checkpoint this rank copies, from its manifest ((0, 0) if unreadable)."""
+        try:
+            raw = manifest if manifest is not None else Storage(local_url).read_bytes(MANIFEST_NAME)
+            files = Manifest.from_json(raw, local_url).files
+        except (StatekitError, OSError, ValueError):
+            return (0, 0)
+        return (len(files), sum(meta.size_bytes for meta in files.values()))
+
+    def backlog(self) -> dict[str, int]:
+        """What this rank has still to copy: checkpoints queued or being copied, their
+        files and bytes not copied yet, and the copies dropped from a full backlog.
+
+        Returns:
+            ``{"checkpoints": n, "files": n, "bytes": n, "dropped": n}``.
+        """
+        with self._lock:
+            files = sum(self._sizes.get(n, (0, 0))[0] for n in self._pending)
+            size = sum(self._sizes.get(n, (0, 0))[1] for n in self._pending)
+            if self._current in self._pending:
+                files -= self._copied[0]
+                size -= self._copied[1]
+            return {"checkpoints": len(self._pending), "files": max(files, 0), "bytes": max(size, 0),
+                    "dropped": self.dropped}
+
+    def _file_copied(self, size: int) -> None:
+        with self._lock:
+            self._copied = (self._copied[0] + 1, self._copied[1] + size)
 
     def replicated_names(self) -> set[str]:
         """Names known to have a committed remote copy (a snapshot of :attr:`replicated`)."""
@@ -301,6 +408,11 @@ class Replicator:
     def _run(self) -> None:
         while True:
             name, local_url, manifest = self._queue.get()
+            with self._lock:
+                if name in self._dropped_names:  # dropped from a full backlog while queued
+                    self._dropped_names.discard(name)
+                    continue
+                self._current, self._copied = name, (0, 0)
             error = self._copy_with_retries(name, local_url, manifest)
             if error is None:
                 with self._lock:
@@ -312,6 +424,8 @@ class Replicator:
                     warn_user(f"{self.remote_url}: after replicating {name}: {exc}", StatekitWarning)
             with self._idle:
                 self._pending.pop(name, None)
+                self._sizes.pop(name, None)
+                self._current = None
                 if error is not None:
                     self.failed[name] = error
                 if not self._pending:
@@ -323,17 +437,27 @@ class Replicator:
         for attempt in range(1, self.retries + 1):
             source = Storage(local_url)
             in_use = hold_in_use(source, local_url, by="statekit-replicate")  # no gc or retention deletes it meanwhile
+            permanent = None
             try:
+                with self._lock:
+                    self._copied = (0, 0)
                 copy_checkpoint(
                     source, self.remote.child(name), manifest,
                     rank=self.rank, world_size=self.world_size, peer_timeout_seconds=self.peer_timeout_seconds,
+                    on_file_copied=self._file_copied,
                 )
                 return None
             except Exception as exc:  # noqa: BLE001 - any failure is one failed try; the thread lives on
                 error = f"{type(exc).__name__}: {exc}"
+                permanent = no_retry_reason(exc)
             finally:
                 if in_use is not None:
                     in_use()
+            if permanent is not None:  # a full or read-only destination: another try cannot help
+                error = f"{permanent}: {error}"
+                warn_user(f"{self.remote_url}/{name}: replication failed with {permanent}; not retried ({error})",
+                          StatekitWarning)
+                return error
             last = attempt == self.retries
             warn_user(
                 f"{self.remote_url}/{name}: replication try {attempt} of {self.retries} failed ({error})"
@@ -410,6 +534,7 @@ def start_replication(
     *,
     on_replicated: Any,
     keep_last: int | None = None,
+    max_backlog: int | None = DEFAULT_MAX_BACKLOG,
 ) -> Replicator:
     """Start a manager's replicator and queue what a killed process left unreplicated
     (every rank calls it when ``world_size > 1``).
@@ -422,6 +547,7 @@ def start_replication(
         on_replicated: ``callable(name)`` after a remote commit (run on rank 0 only).
         keep_last: the remote retention's ``remote_keep_last`` (None: keep all); catch-up
             does not copy again what that policy deleted.
+        max_backlog: checkpoints queued at most (:class:`Replicator`).
 
     Returns:
         The running :class:`Replicator`.
@@ -434,7 +560,7 @@ def start_replication(
     exit_timeout_seconds()  # the same on every rank: raised before any collective
     rank, world = rank_and_world_size()
     replicator = Replicator(remote_url, remote_options, on_replicated=on_replicated if rank == 0 else None,
-                            rank=rank, world_size=world, keep_last=keep_last)
+                            rank=rank, world_size=world, keep_last=keep_last, max_backlog=max_backlog)
     if world == 1:
         replicator.catch_up(list_local())
     else:

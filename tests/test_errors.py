@@ -13,6 +13,7 @@ LEAVES = {
     # class: the builtin it refines (None: only StatekitError)
     "CheckpointNotFoundError": FileNotFoundError,
     "IncompleteCheckpointError": None,
+    "CollectiveTimeoutError": TimeoutError,
     "CorruptCheckpointError": ValueError,
     "FormatVersionError": ValueError,
     "StateMismatchError": ValueError,

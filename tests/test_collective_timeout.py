@@ -1,0 +1,39 @@
+"""statekit's collectives time out well under the NCCL watchdog and fail by name (issue 30
+item 3): two real torchrun ranks, one of which never reaches the save."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from accelerate_helpers import torchrun
+
+
+@pytest.mark.parametrize("mode", ["first", "later"])
+def test_a_rank_that_never_reaches_the_save_fails_the_others_by_name(tmp_path, mode):
+    torchrun("collective_timeout.py", str(tmp_path / "root"), str(tmp_path), mode,
+             env={"STATEKIT_COLLECTIVE_TIMEOUT": "3"}, timeout=120)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["error"] == "CollectiveTimeoutError"
+    assert result["collective"] == "gather_to_rank0" and result["timeout_s"] == 3.0 and result["ranks"] == [1]
+    assert result["message"].startswith(
+        "statekit collective gather_to_rank0 on rank 0 of 2 did not complete within 3 s (STATEKIT_COLLECTIVE_TIMEOUT): "
+        "rank(s) [1] did not answer; a rank never reached this save or load"
+    )
+    assert 3.0 <= result["seconds"] < 60
+    # the stuck save committed nothing; the one both ranks made stays
+    assert result["committed"] == ([] if mode == "first" else [[1, True]])
+
+
+def test_a_bad_collective_timeout_is_refused_by_name(monkeypatch):
+    import statekit
+    from statekit.distributed import collective_timeout_seconds
+
+    monkeypatch.setenv("STATEKIT_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(statekit.InvalidOptionError) as info:
+        collective_timeout_seconds()
+    assert str(info.value) == (
+        "STATEKIT_COLLECTIVE_TIMEOUT='soon' is not a number of seconds > 0 (the timeout of statekit's collectives; "
+        "unset it for the default 300 s)"
+    )
