@@ -15,12 +15,13 @@ manifest, and a hook sees one object.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -138,6 +139,7 @@ class Checkpoint:
         # every tensor file; reuse a committed file of reuse_base whose bytes are the same
         self.incremental = incremental
         self.reuse_base = reuse_base
+        self._compared: dict[str, tuple[Mapping[str, torch.Tensor], concurrent.futures.Future[bool]]] = {}
 
     # ---------------------------------------------------------------- identity
 
@@ -309,8 +311,61 @@ class Checkpoint:
             return
         with self.storage.open_write(rel) as f:
             writer = HashingWriter(f)
+            if self.incremental:  # running checksums: the next save's reuse_if_same stops at a difference
+                writer.hasher = PrefixHasher()
             yield writer
-        self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher))
+        prefixes = [list(p) for p in writer.hasher.prefixes] if self.incremental else None
+        self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher), prefixes=prefixes)
+
+    def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]]) -> dict[str, Any] | None:
+        """Incremental save of a file the caller streams itself: reuse the run's last
+        committed checkpoint's file ``rel`` when the bytes ``chunks`` yields are exactly its
+        bytes; otherwise leave ``rel`` to be written with :meth:`open` (``"wb"``).
+
+        :meth:`save_tensors` does this by itself; this is for a writer that streams a file
+        from elsewhere (statekit-offload copies offloaded weights from their files on
+        disk). Identity is decided as for :meth:`save_tensors`, from the bytes: they are
+        hashed (XXH3-64) and compared with the committed file's running checksums
+        (``prefixes``, recorded by :meth:`open` and :meth:`save_tensors` in an incremental
+        save) and its checksum, stopping at the first record that differs, so a changed
+        file costs reading up to about 64 MiB past its first difference. The committed
+        file must have been written by the same writer (plugin) at the same path. The
+        reuse is a hard link on local disk, a server-side copy on object stores
+        (docs/incremental.md), recorded with ``reused_from``.
+
+        Args:
+            rel: the file's relative path (as it would be given to :meth:`open`).
+            size_bytes: the size the file would have, bytes: a committed file of another
+                size is not compared, and ``chunks`` is not called.
+            chunks: returns the file's bytes, in order, as bytes-like pieces of any size;
+                called at most once, and only when there is a committed file to compare with.
+
+        Returns:
+            The file's manifest entry when it was reused (``reused_from`` set; an async
+            save returns ``{"staged": True, ...}`` and links it when its writes run), or
+            None: nothing was reused (not an incremental save, no committed file, other
+            bytes), and the caller writes ``rel`` with :meth:`open`.
+
+        Raises:
+            StatekitError: not a save, a bad path, or ``rel`` already written in this save.
+            StorageError: the reuse failed for another reason than a missing source.
+        """
+        if not self._writable:
+            raise StatekitError(f"{self.url}: checkpoint is not open for writing ({self.mode}); cannot reuse {rel!r}")
+        fmt.check_relpath(rel, source=self.url, error=StatekitError)
+        if rel in self._planned:
+            raise StatekitError(f"{self.url}/{rel}: written twice in one save (or reserved name)")
+        base = self.reuse_base
+        writer = self.plugin or CORE
+        committed = base.entry_for(rel, writer) if base is not None else None
+        if committed is None or committed.size_bytes != size_bytes:
+            return None
+        if not fmt.same_stream_bytes(chunks(), committed.size_bytes, committed.checksum, committed.prefixes or ()):
+            return None
+        entry = self._reuse(rel, base, committed, writer)
+        if entry is not None:
+            self._planned.add(rel)
+        return entry
 
     def save_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
@@ -350,6 +405,60 @@ class Checkpoint:
         prefixes = [list(p) for p in hasher.prefixes] if self.incremental else None
         return self._record(rel, size, fmt.checksum_string(hasher), writer, prefixes=prefixes)
 
+    @contextlib.contextmanager
+    def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[frozenset[str]]:
+        """Within the block, an incremental save compares those of ``files`` that the base
+        checkpoint holds with their committed files on worker threads, all at once, while
+        the caller writes other files.
+
+        The comparison (:func:`statekit.format.tensors.same_file_bytes`) is a hash of the
+        file's bytes in memory, which XXH3 computes without holding the GIL: one file per
+        core is hashed in parallel, while the caller writes. :meth:`save_tensors` of a path
+        compared here, with the same ``tensors`` mapping and no ``metadata``, waits for its
+        comparison instead of hashing; any other call compares as before. Nothing is
+        compared outside an incremental save with a base, or for a file the base does not
+        hold. Comparisons not waited for are cancelled (or finish unread) at the block's end.
+
+        Args:
+            files: ``relative path -> {name: tensor}`` that the block saves
+                (:func:`statekit.engine.write.model_files`).
+
+        Yields:
+            The paths compared ahead: save them last, so that their hashing overlaps the
+            other writes.
+        """
+        base = self.reuse_base
+        writer = self.plugin or CORE
+        committed = {rel: base.entry_for(rel, writer) for rel in files} if base is not None else {}
+        candidates = {rel: entry for rel, entry in committed.items() if entry is not None}
+        if not candidates:
+            yield frozenset()
+            return
+        workers = min(len(candidates), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="statekit-compare") as pool:
+            for rel, entry in candidates.items():
+                self._compared[rel] = (files[rel], pool.submit(
+                    fmt.same_file_bytes, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or ()
+                ))
+            try:
+                yield frozenset(candidates)
+            finally:
+                for _, future in self._compared.values():
+                    future.cancel()
+                self._compared.clear()
+
+    def _same_as_committed(
+        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, committed: FileEntry
+    ) -> bool:
+        """Whether ``rel`` would be written byte for byte as ``committed``: the comparison
+        started by :meth:`comparing_ahead`, or one made now."""
+        ahead = self._compared.pop(rel, None)
+        if ahead is not None and ahead[0] is tensors and not metadata:
+            return ahead[1].result()
+        return fmt.same_file_bytes(  # (a file of a full save has no prefixes: compared whole, by its checksum)
+            tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or ()
+        )
+
     def _reuse_if_unchanged(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
     ) -> dict[str, Any] | None:
@@ -359,10 +468,13 @@ class Checkpoint:
         base = self.reuse_base
         writer = self.plugin or CORE
         committed = base.entry_for(rel, writer) if base is not None else None
-        if committed is None or not fmt.same_file_bytes(
-            tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or ()
-        ):  # (a file of a full save has no prefixes: compared whole, by its checksum)
+        if committed is None or not self._same_as_committed(rel, tensors, metadata, committed):
             return None
+        return self._reuse(rel, base, committed, writer)
+
+    def _reuse(self, rel: str, base: ReuseBase, committed: FileEntry, writer: str) -> dict[str, Any] | None:
+        """Take ``base``'s file ``rel`` (known to hold the bytes this save would write) into
+        this checkpoint and record it; None when the base lost the file (write it instead)."""
         entry = dict(
             size_bytes=committed.size_bytes, checksum=committed.checksum, writer=writer,
             prefixes=[list(p) for p in committed.prefixes or ()], reused_from=base.name,

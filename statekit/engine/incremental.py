@@ -33,9 +33,12 @@ import torch
 from statekit.format.manifest_types import FileEntry, Manifest
 from statekit.storage import Storage
 
-FROZEN_FILE_BYTES = 2 * 1024**3
+FROZEN_FILE_BYTES = 512 * 1024**2
 """Largest frozen-tensor file of a split model, bytes (a tensor larger than this is a file
-of its own): a frozen weight edited in place rewrites one such file, not the whole base."""
+of its own): a frozen weight edited in place rewrites one such file, not the whole base,
+and the files of a base are compared with the committed ones in parallel, one per core
+(:meth:`statekit.engine.context.Checkpoint.comparing_ahead`): a 1 GiB base is two files,
+hashed on two cores. 2 GiB files (issue 29's first version) hashed a 1 GiB base on one."""
 
 SPLIT_MIN_BYTES = 1024 * 1024
 """A model is split only when its frozen tensors hold at least this many bytes: below it,

@@ -25,6 +25,10 @@ def write_core_state(
 ) -> None:
     """Write (or, during an async save, stage) the core's share of a save.
 
+    In an incremental save, the tensor files that the base checkpoint also holds are
+    compared with it on worker threads from the start (:meth:`Checkpoint.comparing_ahead`)
+    and saved last, so that hashing them overlaps the writes of everything else.
+
     Args:
         checkpoint: the save's context; ``checkpoint.objects`` holds the objects no plugin took.
         entries: every entry of the save.
@@ -33,25 +37,31 @@ def write_core_state(
         weights: per model, the state dict the hooks left (None: compute it).
     """
     rank = checkpoint.rank
+    tensor_files: dict[str, Mapping[str, torch.Tensor]] = {}
     if rank == 0:
         for model, core_model, weight in zip(models, core_models, weights):
             key = checkpoint.key_of(model)
-            save_model(checkpoint, key, weight if weight is not None else LazyStateDict(core_model), core_model)
-    for entry in entries:
-        if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
-            continue
-        checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
+            state = weight if weight is not None else LazyStateDict(core_model)
+            if all(isinstance(v, torch.Tensor) for v in state.values()):
+                tensor_files.update(model_files(checkpoint, key, state, core_model))
+            else:  # modules with extra (non-tensor) state: the codec keeps it, still no pickle
+                checkpoint.save_state(key, dict(state))
+    with checkpoint.comparing_ahead(tensor_files) as compared:
+        for rel, tensors in tensor_files.items():
+            if rel not in compared:
+                checkpoint.save_tensors(rel, tensors)
+        for entry in entries:
+            if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
+                continue
+            checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
+        for rel in compared:
+            checkpoint.save_tensors(rel, tensor_files[rel])
 
 
-def save_model(checkpoint: Checkpoint, key: str, weights: Mapping[str, Any], model: torch.nn.Module | None = None) -> None:
-    """Write one model's state dict: ``<key>.safetensors``, or through the codec when it
-    carries non-tensor extra state. In an incremental save, the frozen tensors of a model
-    with trainable ones go to files of their own (:func:`statekit.engine.incremental.split_model`)."""
-    if all(isinstance(v, torch.Tensor) for v in weights.values()):
-        files = split_model(key, weights, model) if checkpoint.incremental else {f"{key}.safetensors": weights}
-        for rel, tensors in files.items():
-            checkpoint.save_tensors(rel, tensors)
-    else:  # modules with extra (non-tensor) state: the codec keeps it, still no pickle
-        checkpoint.save_state(key, dict(weights))
-
-
+def model_files(
+    checkpoint: Checkpoint, key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None = None
+) -> dict[str, Mapping[str, torch.Tensor]]:
+    """The tensor files of one model's state dict (all tensors): ``<key>.safetensors``, or in
+    an incremental save, with the frozen tensors of a model with trainable ones in files of
+    their own (:func:`statekit.engine.incremental.split_model`)."""
+    return split_model(key, weights, model) if checkpoint.incremental else {f"{key}.safetensors": weights}
