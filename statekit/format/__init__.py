@@ -76,6 +76,7 @@ from statekit.format.tensors import (
     read_exactly_into,
     read_tensors,
     same_file_bytes,
+    same_stream_bytes,
     tensor_bytes,
     write_tensors,
 )
@@ -126,6 +127,7 @@ __all__ = [
     "read_exactly_into",
     "read_tensors",
     "same_file_bytes",
+    "same_stream_bytes",
     "tensor_bytes",
     "validate_manifest",
     "write_tensors",

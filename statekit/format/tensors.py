@@ -8,6 +8,7 @@ where it can. Headers are built and parsed by :mod:`statekit.format.header`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
 
@@ -134,13 +135,33 @@ def same_file_bytes(
     header, planned = build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
     if len(header) + sum(p.nbytes for p in planned) != size_bytes:
         return False
-    check = PrefixCheck(tuple(prefixes))
-    if not check.update(header):
-        return False
-    for chunk in _host_chunks(planned, CHUNK_BYTES):
-        if not check.update(chunk):
+    return same_stream_bytes(itertools.chain([header], _host_chunks(planned, CHUNK_BYTES)), size_bytes, checksum, prefixes)
+
+
+def same_stream_bytes(chunks: Iterable[Any], size_bytes: int, checksum: str, prefixes: Iterable[tuple[int, str]]) -> bool:
+    """Whether the bytes ``chunks`` yields are exactly the committed file described by
+    ``size_bytes``, ``checksum`` and ``prefixes``: the comparison of :func:`same_file_bytes`
+    for bytes that come from elsewhere (a file streamed by a plugin,
+    :meth:`statekit.engine.context.Checkpoint.reuse_if_same`).
+
+    The running XXH3-64 checksum is compared at each recorded offset
+    (:class:`~statekit.storage.hashing.PrefixCheck`); the first difference, or more bytes
+    than ``size_bytes``, stops the iteration (the rest of ``chunks`` is never asked for).
+
+    Args:
+        chunks: the bytes in order, as bytes-like pieces of any size.
+        size_bytes: the committed file's size, bytes.
+        checksum: its ``"xxh3_64:<hex>"``.
+        prefixes: its ``(offset, hex)`` records (none: compared by the checksum alone).
+
+    Returns:
+        True when every byte is the same and there are exactly ``size_bytes`` of them.
+    """
+    check = PrefixCheck(tuple(tuple(p) for p in prefixes))
+    for chunk in chunks:
+        if not check.update(chunk) or check.size_bytes > size_bytes:
             return False
-    return check.checksum() == checksum
+    return check.size_bytes == size_bytes and check.checksum() == checksum
 
 
 BOUNCE_BYTES = CHUNK_BYTES

@@ -65,9 +65,16 @@ def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None
 
 
 def _export_model(checkpoint: Any, key: str, folder: str) -> None:
-    rel = f"{key}.safetensors"
-    url = f"{checkpoint.url}/{rel}"
+    from statekit_offload.loading import model_files
+
     index: dict[str, Any] = {}
+    for rel in model_files(checkpoint, key):  # <key>.safetensors, then an incremental save's other files
+        _export_file(checkpoint, rel, folder, index)
+    offload_format.write_index(folder, index)
+
+
+def _export_file(checkpoint: Any, rel: str, folder: str, index: dict[str, Any]) -> None:
+    url = f"{checkpoint.url}/{rel}"
     with checkpoint.open(rel, "rb") as f:  # statekit's verifying reader: every byte is checked
         header = read_header(f, url, checkpoint.manifest.files[rel].size_bytes)
         sinks = {e.name: _stream.Sink() for e in header.entries}
@@ -83,4 +90,3 @@ def _export_model(checkpoint: Any, key: str, folder: str) -> None:
             sinks[e.name].paths.append(offload_format.dat_path(folder, name))
         _stream.stream(f, header, url, sinks, read_all=True)
         _stream.verify_to_end(f, f"nothing of {folder} is usable")
-    offload_format.write_index(folder, index)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -124,13 +125,50 @@ def saved_shapes(header: TensorHeader) -> dict[str, tuple[tuple[int, ...], torch
     return saved
 
 
-def check_shapes(header: TensorHeader, targets: Mapping[str, torch.Tensor], what: str) -> None:
-    """statekit's fit check (:func:`statekit.plugin_api.check_fit`) of a model's tensors against a file's header.
+def check_shapes(header: TensorHeader | list[TensorHeader], targets: Mapping[str, torch.Tensor], what: str) -> None:
+    """statekit's fit check (:func:`statekit.plugin_api.check_fit`) of a model's tensors
+    against a file's header, or the headers of all of a model's files.
 
     Raises:
         StateMismatchError: keys, shapes or dtypes differ (listed); says the model is untouched.
     """
-    check_fit(f"{what}; the model is untouched", targets, saved_shapes(header))
+    saved: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for h in header if isinstance(header, list) else [header]:
+        saved.update(saved_shapes(h))
+    check_fit(f"{what}; the model is untouched", targets, saved)
+
+
+def model_files(checkpoint: Any, key: str) -> list[str]:
+    """The relative paths of model ``key``'s tensor files: :func:`model_file`, then the
+    other files of an incremental save (this plugin's ``<key>.offloaded-<nnnnn>.safetensors``,
+    the core's ``<key>.frozen-<nnnnn>.safetensors``), in name order.
+
+    Raises:
+        StatekitError, CorruptCheckpointError: as :func:`model_file`.
+    """
+    first = model_file(checkpoint, key)
+    files = checkpoint.manifest.files if checkpoint.manifest is not None else {}
+    more = re.compile(rf"^{re.escape(key)}\.(offloaded|frozen)-\d{{5}}\.safetensors$")
+    return [first, *sorted(rel for rel in files if more.match(rel))]
+
+
+def read_headers(checkpoint: Any, rels: list[str]) -> dict[str, TensorHeader]:
+    """The safetensors header of each file (only the header is read).
+
+    Raises:
+        CorruptCheckpointError: a header is malformed, or a tensor name is in two files.
+    """
+    headers: dict[str, TensorHeader] = {}
+    seen: dict[str, str] = {}
+    for rel in rels:
+        url = f"{checkpoint.url}/{rel}"
+        with checkpoint.open(rel, "rb") as f:
+            headers[rel] = header = read_header(f, url, checkpoint.manifest.files[rel].size_bytes if checkpoint.verify else None)
+        for name in [e.name for e in header.entries] + list(header.aliases):
+            if name in seen:
+                raise CorruptCheckpointError(f"{url}: tensor {name!r} is also in {seen[name]}", path=url)
+            seen[name] = rel
+    return headers
 
 
 def model_file(checkpoint: Any, key: str) -> str:
@@ -177,24 +215,32 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
     """
     from accelerate.utils import find_tied_parameters, retie_parameters
 
-    rel = model_file(checkpoint, key)
-    url = f"{checkpoint.url}/{rel}"
+    rels = model_files(checkpoint, key)
+    url = f"{checkpoint.url}/{rels[0]}"
     targets = model.state_dict(keep_vars=True)
     device_map = resolve_device_map(model, opts) if opts.places else {"": "cpu"}
     load = _ModelLoad(model, key, url, targets, _placement(model, targets, device_map, opts, key), OffloadInfo(checkpoint.url, key, device_map))
-    load.prepare_folder(checkpoint, rel, opts)
+    headers = read_headers(checkpoint, rels)
+    check_shapes(list(headers.values()), targets, f"model {key!r} ({url})")
+    load.prepare_folder(checkpoint, rels[0], opts)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    with checkpoint.open(rel, "rb") as f:
-        header = read_header(f, url, checkpoint.manifest.files[rel].size_bytes if checkpoint.verify else None)
-        check_shapes(header, targets, f"model {key!r} ({url})")
-        names_of: dict[str, list[str]] = {e.name: [e.name] for e in header.entries}
+    names_of: dict[str, list[str]] = {}
+    for header in headers.values():
+        names_of.update({e.name: [e.name] for e in header.entries})
         for alias, stored in header.aliases.items():
             names_of[stored].append(alias)
-        # Ties: the model's own, and the checkpoint's aliases (names saved as one storage).
-        # A model built under init_empty_weights() has lost its ties (register_parameter
-        # makes a new meta Parameter per name) until tie_weights() is called.
-        load.info.tied_parameters = merge_groups([*find_tied_parameters(model), *names_of.values()], params)
-        load.read(f, header, names_of, verify=checkpoint.verify)
+    # Ties: the model's own, and the checkpoint's aliases (names saved as one storage).
+    # A model built under init_empty_weights() has lost its ties (register_parameter
+    # makes a new meta Parameter per name) until tie_weights() is called.
+    load.info.tied_parameters = merge_groups([*find_tied_parameters(model), *names_of.values()], params)
+    for rel in rels:  # each file once, in file order
+        load.url = f"{checkpoint.url}/{rel}"
+        if load.in_place_path is not None:
+            load.in_place_path = os.path.abspath(checkpoint.storage.path_of(rel))
+        with checkpoint.open(rel, "rb") as f:
+            header = read_header(f, load.url, checkpoint.manifest.files[rel].size_bytes if checkpoint.verify else None)
+            load.read(f, header, names_of, verify=checkpoint.verify)
+    load.url = url
     with torch.no_grad():
         retie_parameters(model, load.info.tied_parameters)
     load.finish(opts, device_map)

@@ -18,6 +18,16 @@ and listed as aliases) but streams each tensor's bytes from where they live:
 
 Peak memory is one chunk, or one tensor for the second case.
 
+Incremental saves (``CheckpointManager``'s default, docs/incremental.md): the offloaded
+tensors (those the model holds on the meta device) go to files of their own,
+``<key>.offloaded-<nnnnn>.safetensors`` of at most :data:`OFFLOADED_FILE_BYTES` each, and
+the tensors in memory stay in ``<key>.safetensors``; a model with only one of the two
+kinds is one file. Before a file is written, its bytes (streamed from the same sources)
+are compared with the run's last checkpoint's file of the same path by
+:meth:`statekit.plugin_api.Checkpoint.reuse_if_same`, which hard-links (or server-side
+copies) an unchanged file instead of writing it. Whether a file is reused is decided from
+the bytes alone: an offloaded weight edited in place (in its ``.dat`` file) is written again.
+
 Tied parameters: ``dispatch_model`` replaces offloaded parameters by per-module meta
 tensors, so ``find_tied_parameters`` no longer sees ties among them. The tie groups used
 are the union of ``find_tied_parameters(model)``, the groups recorded when this plugin
@@ -159,7 +169,20 @@ def _file_source(loader: Any, key: str, target: torch.Tensor, headers: _Headers)
     return _FileSource(path, 0, nbytes), None
 
 
-def _copy_file(source: _FileSource, out: BinaryIO, name: str) -> None:
+OFFLOADED_FILE_BYTES = 2 * 1024**3
+"""Largest ``<key>.offloaded-<nnnnn>.safetensors`` file of an incremental save, bytes (a
+tensor larger than this is a file of its own): an offloaded weight edited in place
+rewrites one such file. (The core's frozen-tensor files are smaller, to hash them on
+several cores at once; an offloaded file is compared while it is read from disk, one
+file at a time, so fewer, larger files cost nothing here.)"""
+
+OFFLOADED_INFIX = ".offloaded-"
+"""Between a model's key and the file number in the name of an offloaded-tensor file."""
+
+
+def _file_pieces(source: _FileSource, name: str) -> Any:
+    """The bytes of a tensor stored in a local file, in pieces of at most
+    :data:`CHUNK_BYTES` (one buffer, reused: a piece is valid until the next is asked for)."""
     buffer = memoryview(bytearray(min(CHUNK_BYTES, max(source.nbytes, 1))))
     with open(source.path, "rb") as f:
         f.seek(source.offset)
@@ -171,7 +194,7 @@ def _copy_file(source: _FileSource, out: BinaryIO, name: str) -> None:
                 raise CorruptCheckpointError(
                     f"{source.path}: truncated while copying offloaded tensor {name!r}", path=source.path
                 )
-            out.write(piece[:got])
+            yield piece[:got]
             done += got
 
 
@@ -182,7 +205,9 @@ def save_model(
     *,
     tied_parameters: Iterable[Iterable[str]] = (),
 ) -> dict[str, Any]:
-    """Write ``<key>.safetensors`` for an offloaded ``model``, tensor by tensor.
+    """Write ``<key>.safetensors`` for an offloaded ``model``, tensor by tensor (in an
+    incremental save, the offloaded tensors go to ``<key>.offloaded-<nnnnn>.safetensors``
+    and each unchanged file is reused: see the module docstring).
 
     Args:
         checkpoint: the :class:`statekit.Checkpoint` of the save (rank 0 writes).
@@ -191,7 +216,10 @@ def save_model(
         tied_parameters: extra tie groups (lists of parameter names).
 
     Returns:
-        The record stored for the model: ``{"file", "tensors", "from_files", "tied"}``.
+        The record stored for the model: ``{"file", "files", "tensors", "from_files",
+        "reused", "tied"}`` (``files``: every file of the model; ``from_files``: tensors
+        copied from offload files into files written; ``reused``: files reused from the
+        run's last checkpoint).
 
     Raises:
         UnsupportedDtypeError: a tensor's dtype cannot be stored (names it).
@@ -235,15 +263,68 @@ def save_model(
     tied = merge_groups(groups, set(state))
 
     placeholders = _placeholders(state, tied, key)
-    header, plan = build_header(placeholders)
-    from_files = 0
+    files = _files(key, placeholders, sources, tied) if checkpoint.incremental else {rel: placeholders}
+    from_files, reused = 0, []
     if checkpoint.rank == 0:
-        with checkpoint.open(rel, "wb") as out:
-            out.write(header)
-            for p in plan:
-                from_files += _write_one(out, p, sources[p.name], state[p.name], key)
-    del placeholders, plan
-    return {"file": rel, "tensors": len(state), "from_files": from_files, "tied": tied}
+        for file_rel, members in files.items():
+            header, plan = build_header(members)
+            size_bytes = len(header) + sum(p.nbytes for p in plan)
+            if checkpoint.reuse_if_same(
+                file_rel, size_bytes, lambda: _file_bytes(header, plan, sources, state, key)
+            ) is not None:
+                reused.append(file_rel)
+                continue
+            with checkpoint.open(file_rel, "wb") as out:
+                out.write(header)
+                for p in plan:
+                    from_files += _write_one(out, p, sources[p.name], state[p.name], key)
+            del plan
+    del placeholders
+    return {"file": rel, "files": list(files), "tensors": len(state), "from_files": from_files, "reused": reused, "tied": tied}
+
+
+def _files(
+    key: str, placeholders: dict[str, torch.Tensor], sources: dict[str, Any], tied: list[list[str]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The files of an offloaded model in an incremental save: ``relative path -> tensors``.
+
+    Tensors held in memory (their source is the tensor itself) go to ``<key>.safetensors``;
+    offloaded ones to ``<key>.offloaded-<nnnnn>.safetensors`` of at most
+    :data:`OFFLOADED_FILE_BYTES`, in state-dict order. A tie group stays in one file (in
+    memory when any of its names is). A model with only one kind is one file,
+    ``<key>.safetensors``.
+    """
+    group_of = {n: tuple(g) for g in tied for n in g}
+    in_memory = {n for n, src in sources.items() if isinstance(src, torch.Tensor)}
+    in_memory |= {n for n in placeholders if any(m in in_memory for m in group_of.get(n, ()))}
+    whole = {f"{key}.safetensors": placeholders}
+    if not in_memory or len(in_memory) == len(placeholders):
+        return whole
+    files: dict[str, dict[str, torch.Tensor]] = {f"{key}.safetensors": {}}
+    file_of_group: dict[tuple[str, ...], str] = {}
+    number, filled = 0, 0
+    for name, t in placeholders.items():
+        if name in in_memory:
+            files[f"{key}.safetensors"][name] = t
+            continue
+        group = group_of.get(name, (name,))
+        rel = file_of_group.get(group)
+        if rel is None:
+            nbytes = t.numel() * t.element_size()
+            if filled and filled + nbytes > OFFLOADED_FILE_BYTES:
+                number, filled = number + 1, 0
+            rel = file_of_group[group] = f"{key}{OFFLOADED_INFIX}{number:05d}.safetensors"
+            filled += nbytes
+        files.setdefault(rel, {})[name] = t
+    return files
+
+
+def _file_bytes(header: bytes, plan: list[Any], sources: dict[str, Any], state: dict[str, torch.Tensor], key: str) -> Any:
+    """The bytes :func:`_write_one` would write after ``header``, in order, from the same
+    sources (offloaded files are read, nothing is written): what ``reuse_if_same`` compares."""
+    yield header
+    for p in plan:
+        yield from _pieces(p, sources[p.name], state[p.name], key)
 
 
 def _placeholders(state: dict[str, torch.Tensor], tied: list[list[str]], key: str) -> dict[str, torch.Tensor]:
@@ -275,9 +356,17 @@ def _placeholders(state: dict[str, torch.Tensor], tied: list[list[str]], key: st
 
 
 def _write_one(out: BinaryIO, p: Any, source: Any, target: torch.Tensor, key: str) -> int:
+    """Write one planned tensor's bytes; 1 when they were copied from an offload file, else 0."""
+    for piece in _pieces(p, source, target, key):
+        out.write(piece)
+    return 1 if isinstance(source, _FileSource) else 0
+
+
+def _pieces(p: Any, source: Any, target: torch.Tensor, key: str) -> Any:
+    """One planned tensor's bytes from its source, in pieces of at most :data:`CHUNK_BYTES`."""
     if isinstance(source, _FileSource):
-        _copy_file(source, out, p.name)
-        return 1
+        yield from _file_pieces(source, p.name)
+        return
     if isinstance(source, tuple):
         weights_map, local = source
         try:
@@ -297,12 +386,13 @@ def _write_one(out: BinaryIO, p: Any, source: Any, target: torch.Tensor, key: st
     if len(view) != p.nbytes:
         raise StatekitError(f"model {key!r}: tensor {p.name!r} has {len(view)} bytes, expected {p.nbytes}")
     for start in range(0, len(view), CHUNK_BYTES):
-        out.write(view[start : start + CHUNK_BYTES])
-    return 0
+        yield view[start : start + CHUNK_BYTES]
 
 
 def load_plain(checkpoint: Any, key: str, model: torch.nn.Module, rel: str) -> None:
-    """Load ``rel`` into a model with real tensors, in place, as the core does.
+    """Load ``rel`` (and the model's other files of an incremental save,
+    :func:`statekit_offload.loading.model_files`) into a model with real tensors, in
+    place, as the core does.
 
     Used when a model this plugin saved is loaded without a device map.
 
@@ -310,12 +400,12 @@ def load_plain(checkpoint: Any, key: str, model: torch.nn.Module, rel: str) -> N
         StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.
         CorruptCheckpointError: the file is malformed or fails verification.
     """
-    from statekit_offload.loading import check_shapes
+    from statekit_offload.loading import check_shapes, model_files, read_headers
 
     url = f"{checkpoint.url}/{rel}"
     targets = model.state_dict()
-    with checkpoint.open(rel, "rb") as f:
-        header = read_header(f, url, None)
-    check_shapes(header, targets, f"model {key!r} ({url})")
+    rels = model_files(checkpoint, key)
+    check_shapes(list(read_headers(checkpoint, rels).values()), targets, f"model {key!r} ({url})")
     with torch.no_grad():
-        checkpoint.load_tensors(rel, into=targets)
+        for each in rels:  # each fills the targets it holds
+            checkpoint.load_tensors(each, into=targets)
