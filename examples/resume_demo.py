@@ -132,6 +132,8 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
     with torch.no_grad():
         x, y = test.tensors
         accuracy = (model(x).argmax(1) == y).float().mean().item()
+    manager.wait()
+    log({"event": "checkpoint_stats", **manager.stats().to_dict()})  # the time this run lost to checkpoints
     plugins = sorted(name for name, _ in statekit.get_plugin_manager().list_name_plugin() if name)
     log({"event": "done", "step": step, "accuracy": accuracy, "plugins": plugins})
     final = {"model": accelerator.unwrap_model(model), "optimizer": optimizer.optimizer}
@@ -175,6 +177,7 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
         ("save seconds", analysis.save_seconds),
         ("load seconds", f"{analysis.load_seconds:.4f}"),
         ("resume audit", _audit_text(audit)),
+        ("checkpoint cost", _stats_text(runs)),
         ("plugins active", f"{', '.join(f'{k} {v}' for k, v in active.items()) or 'none'} (installed: {installed})"),
         ("test accuracy", f"{analysis.done['accuracy']:.4f}"),
     ]
@@ -189,6 +192,18 @@ def _audit_text(audit: dict) -> str:
     if audit.get("verdict") == "verified":
         return "verified: the first batch after the resume is the one recorded at save time (indices and content)"
     return f"{audit.get('verdict')}: {audit.get('detail')}"
+
+
+def _stats_text(runs: harness.Runs) -> str:
+    """The resumed run's ``manager.stats()`` (docs/backpressure.md), as the report shows it."""
+    stats = [r for r in runs.run_events() if r["event"] == "checkpoint_stats"]
+    if not stats:
+        return "-"
+    s = stats[-1]
+    backlog = s["replication"]
+    remote = f", replication backlog {backlog['checkpoints']} checkpoint(s)" if backlog else ""
+    return (f"{s['blocking_s_total']:.3f} s blocking in {s['save_count']} saves (longest {s['blocking_s_max']:.3f} s), "
+            f"{s['skipped_saves']} skipped, {s['steps_lost_on_resume']} step(s) lost by the resume as far as the root shows{remote}")
 
 
 def _tier(args: argparse.Namespace, runs: harness.Runs) -> str:
