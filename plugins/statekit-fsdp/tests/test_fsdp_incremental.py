@@ -130,3 +130,20 @@ def test_manager_resume_restores_the_newest_checkpoint(run: dict[str, Path]) -> 
     manager = statekit.CheckpointManager({"model": model, "optim": optim, "sched": scheduler(optim)}, str(run["root"]))
     assert manager.resume() == 3
     assert_full_equal(run["full3"], full_state(model, optim)[0])
+
+
+def test_consolidate_writes_the_frozen_files_of_a_core_model_too(tmp_path: Path) -> None:
+    """A replicated (core) model of an incremental save spans <key>.safetensors and
+    <key>.frozen-*.safetensors: ``statekit convert --to safetensors`` writes all of it."""
+    from safetensors.torch import load_file
+    from statekit_fsdp import consolidate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))  # 1 MiB frozen base + a head
+    model[0].requires_grad_(False)
+    manifest = statekit.CheckpointManager({"model": model}, str(tmp_path / "run")).save(1)
+    assert any(rel.startswith("model.frozen-") for rel in manifest.files)  # the split layout
+    consolidate(str(tmp_path / "run" / "checkpoint-00000001"), str(tmp_path / "out"))
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(out) == sorted(model.state_dict())
+    assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())

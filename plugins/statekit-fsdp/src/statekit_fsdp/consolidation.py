@@ -213,6 +213,13 @@ def _copy_replicated(storage: Storage, manifest: Manifest, key: str, out: Storag
         raise StatekitError(f"{storage.url}: model {key!r} is not stored as plain tensors ({rel}); cannot consolidate it")
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=verify)
     tensors = checkpoint.load_tensors(rel)  # the core's replicated file: one copy, aliases expanded
+    # an incremental save puts the frozen parameters in <key>.frozen-<nnnnn>.safetensors files
+    for frozen in sorted(f for f in files if f.startswith(f"{key}.frozen-") and f.endswith(".safetensors")):
+        more = checkpoint.load_tensors(frozen)
+        twice = sorted(set(more) & set(tensors))
+        if twice:
+            raise CorruptCheckpointError(f"{storage.url}/{frozen}: {twice} also in another file of model {key!r}", path=f"{storage.url}/{frozen}")
+        tensors.update(more)
     header = _header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()], f"{storage.url}/{rel}")
     with out.open_write(out_name) as f:
         f.write(header)
