@@ -127,3 +127,28 @@ def test_a_load_that_offloads_again_reads_every_file(run, tmp_path):
     with torch.no_grad():
         assert torch.equal(fresh(IDS), reference(IDS))
         assert torch.equal(net(IDS), reference(IDS))  # the saved (dispatched) model computes the same
+
+
+def test_a_core_model_of_an_incremental_save_loads_under_a_device_map(pm, tmp_path):
+    """The core writes a model with a frozen base as <key>.safetensors + <key>.frozen-*:
+    a load that offloads it reads both."""
+    from accelerate import init_empty_weights
+
+    def build() -> torch.nn.Sequential:
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))  # 1 MiB frozen base + a head
+        model[0].requires_grad_(False)
+        return model
+
+    torch.manual_seed(0)
+    model = build()
+    manifest = statekit.CheckpointManager({"model": model}, str(tmp_path / "run")).save(1)
+    assert "model.frozen-00000.safetensors" in manifest.files
+    with init_empty_weights():
+        fresh = build()
+    statekit.load(
+        str(tmp_path / "run" / "checkpoint-00000001"), {"model": fresh},
+        device_map={"0": "disk", "1": "cpu"}, offload_folder=str(tmp_path / "off"),
+    )  # fmt: skip
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
