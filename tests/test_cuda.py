@@ -141,3 +141,37 @@ def test_accelerate_on_cuda_resumes_bit_for_bit(tmp_path, installed_plugin_manag
     second = run(1)
     statekit.load_state(second[0], str(tmp_path / "ckpt"))
     assert steps(second, 5, iter(second[3])) == expected  # the loader resumes at batch 3 by itself
+
+
+def test_an_incremental_save_on_the_gpu_compares_unchanged_weights_on_the_device(tmp_path, monkeypatch):
+    """A frozen base on the GPU is recognised unchanged by its device digest: nothing of it
+    is hashed on the host (no PrefixCheck), and every checkpoint resumes exactly."""
+    from statekit.format import tensors as tensor_files
+
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 1024).cuda().requires_grad_(False)
+    adapter = nn.Linear(1024, 8, bias=False).cuda()
+    model = nn.ModuleDict({"base": base, "adapter": adapter})
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-2)
+
+    def step():
+        x = torch.randn(4, 1024, device="cuda")
+        (model["base"](x).sum() + model["adapter"](x).square().sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    manager = statekit.CheckpointManager({"model": model, "optim": optimizer}, str(tmp_path / "run"))
+    step()
+    first = manager.save(1)
+    frozen = "model.frozen-00000.safetensors"
+    assert first.files[frozen].digest.startswith("mix64:")
+    host_compares = []
+    monkeypatch.setattr(tensor_files, "PrefixCheck", lambda *a, **k: host_compares.append(a))
+    step()
+    second = manager.save(2)
+    assert second.files[frozen].reused_from == "checkpoint-00000001"
+    assert host_compares == []
+    fresh = nn.ModuleDict({"base": nn.Linear(1024, 1024), "adapter": nn.Linear(1024, 8, bias=False)}).cuda()
+    statekit.load(str(tmp_path / "run" / "checkpoint-00000002"), {"model": fresh})
+    for (name, x), y in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(x, y), name

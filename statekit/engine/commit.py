@@ -141,6 +141,7 @@ def build_manifest(
                 size_bytes=e["size_bytes"], checksum=e["checksum"], rank=e["rank"], writer=e["writer"],
                 prefixes=tuple(tuple(p) for p in e["prefixes"]) if e.get("prefixes") else None,
                 reused_from=e.get("reused_from"),
+                digest=e.get("digest"),
             )
             for rel, e in files.items()
         },

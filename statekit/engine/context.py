@@ -203,7 +203,7 @@ class Checkpoint:
 
     def _record(self, rel: str, size_bytes: int, checksum: str, writer: str | None = None, **more: Any) -> dict[str, Any]:
         """Keep a written file's manifest entry; ``more``: the optional fields of an
-        incremental save (``prefixes``, ``reused_from``)."""
+        incremental save (``prefixes``, ``reused_from``, ``digest``)."""
         entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": writer or self.plugin or CORE}
         entry.update({k: v for k, v in more.items() if v})
         self.files[rel] = entry
@@ -388,22 +388,30 @@ class Checkpoint:
         reused = self._reuse_if_unchanged(rel, tensors, metadata)
         if reused is not None:
             return reused
+        # an incremental save of accelerator tensors records their device digest, computed
+        # before the bytes leave the device (the next save compares it there)
+        digest = fmt.digest_on_device(tensors, metadata) if self.incremental else None
         if self._staging is not None:
             fmt.build_header(tensors, metadata)  # fail now, on the caller's thread, for bad dtypes
             staged = self._staging.stage(rel, tensors)
             writer = self.plugin
-            self._deferred.append(lambda: self._write_tensors(rel, staged, metadata, writer))
+            self._deferred.append(lambda: self._write_tensors(rel, staged, metadata, writer, digest))
             return {"rank": self.rank, "writer": writer or CORE, "staged": True}
-        return self._write_tensors(rel, tensors, metadata, self.plugin)
+        return self._write_tensors(rel, tensors, metadata, self.plugin, digest)
 
     def _write_tensors(
-        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str | None
+        self,
+        rel: str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str] | None,
+        writer: str | None,
+        digest: str | None = None,
     ) -> dict[str, Any]:
         hasher = PrefixHasher() if self.incremental else fmt.new_hasher()
         with self.storage.open_write(rel) as f:
             size = fmt.write_tensors(f, tensors, metadata, hasher)
         prefixes = [list(p) for p in hasher.prefixes] if self.incremental else None
-        return self._record(rel, size, fmt.checksum_string(hasher), writer, prefixes=prefixes)
+        return self._record(rel, size, fmt.checksum_string(hasher), writer, prefixes=prefixes, digest=digest)
 
     @contextlib.contextmanager
     def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[frozenset[str]]:
@@ -438,7 +446,7 @@ class Checkpoint:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="statekit-compare") as pool:
             for rel, entry in candidates.items():
                 self._compared[rel] = (files[rel], pool.submit(
-                    fmt.same_file_bytes, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or ()
+                    fmt.same_file_bytes, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or (), entry.digest
                 ))
             try:
                 yield frozenset(candidates)
@@ -456,7 +464,7 @@ class Checkpoint:
         if ahead is not None and ahead[0] is tensors and not metadata:
             return ahead[1].result()
         return fmt.same_file_bytes(  # (a file of a full save has no prefixes: compared whole, by its checksum)
-            tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or ()
+            tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or (), committed.digest
         )
 
     def _reuse_if_unchanged(
@@ -477,7 +485,7 @@ class Checkpoint:
         this checkpoint and record it; None when the base lost the file (write it instead)."""
         entry = dict(
             size_bytes=committed.size_bytes, checksum=committed.checksum, writer=writer,
-            prefixes=[list(p) for p in committed.prefixes or ()], reused_from=base.name,
+            prefixes=[list(p) for p in committed.prefixes or ()], reused_from=base.name, digest=committed.digest,
         )
         if self._staging is not None:  # the save's files are written later, in order: so is this one
             self._deferred.append(lambda: (self.storage.reuse(rel, base.storage), self._record(rel, **entry)))

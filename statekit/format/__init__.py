@@ -73,6 +73,7 @@ from statekit.format.manifest import (
 from statekit.format.tensors import (
     CHUNK_BYTES,
     fresh_buffers,
+    digest_on_device,
     read_exactly_into,
     read_tensors,
     same_file_bytes,
@@ -124,6 +125,7 @@ __all__ = [
     "rank_path",
     "read_header",
     "read_manifest",
+    "digest_on_device",
     "read_exactly_into",
     "read_tensors",
     "same_file_bytes",

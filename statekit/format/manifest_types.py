@@ -251,6 +251,10 @@ class FileEntry(_JsonRecord):
         reused_from: the name of the checkpoint directory (same root) whose identical file
             this one is (a hard link or server-side copy: not written again); None for a
             file this save wrote.
+        digest: incremental saves of tensors on an accelerator: ``"mix64:<16 hex digits>"``
+            (:mod:`statekit.format.device_digest`), which the next save computes on the
+            device to recognise the file unchanged without copying it to the host; None
+            elsewhere.
         extra: keys this version does not know (a newer writer's), written back as read.
         key_order: the parsed object's key order (empty when built in code).
     """
@@ -261,10 +265,13 @@ class FileEntry(_JsonRecord):
     writer: str | None = None
     prefixes: tuple[tuple[int, str], ...] | None = None
     reused_from: str | None = None
+    digest: str | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"size_bytes", "checksum", "rank", "writer", "prefixes", "reused_from"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset(
+        {"size_bytes", "checksum", "rank", "writer", "prefixes", "reused_from", "digest"}
+    )
 
     @classmethod
     def from_json(cls, entry: Any, path: str, source: str) -> FileEntry:
@@ -300,6 +307,9 @@ class FileEntry(_JsonRecord):
         reused_from = entry.get("reused_from")
         if reused_from is not None and not isinstance(reused_from, str):
             raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r}: malformed 'reused_from'", path=source)
+        digest = entry.get("digest")
+        if digest is not None and not isinstance(digest, str):
+            raise CorruptCheckpointError(f"{source}: manifest entry for file {path!r}: malformed 'digest'", path=source)
         return _built(cls, {
             "size_bytes": entry["size_bytes"],
             "checksum": entry["checksum"],
@@ -307,6 +317,7 @@ class FileEntry(_JsonRecord):
             "writer": entry.get("writer"),
             "prefixes": prefixes,
             "reused_from": reused_from,
+            "digest": digest,
             "extra": {k: v for k, v in entry.items() if k not in cls._KEYS} if len(entry) > 4 else {},
             "key_order": tuple(entry),
         })

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO
 import torch
 
 from statekit.errors import CorruptCheckpointError
+from statekit.format import device_digest
 from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
 from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
 from statekit.storage.hashing import PrefixCheck, PrefixHasher
@@ -48,6 +49,32 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, list[Any]]:
+    """The header bytes and the stored tensors (in file order, tied views once) of the file
+    :func:`write_tensors` writes for ``tensors`` (the format version 1 layout: the data
+    section page-aligned from :data:`ALIGN_MIN_BYTES` of tensor data).
+
+    Raises:
+        UnsupportedDtypeError: a tensor cannot be stored (names the key).
+    """
+    planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+    return build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
+
+
+def digest_on_device(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> str | None:
+    """The :mod:`~statekit.format.device_digest` of the file :func:`write_tensors` writes for
+    ``tensors``, computed on the tensors' device, when one of them is on an accelerator;
+    None for a file of host tensors (XXH3 of the bytes decides for those).
+
+    Raises:
+        UnsupportedDtypeError: a tensor cannot be stored (names the key).
+    """
+    if not device_digest.on_accelerator(tensors):
+        return None
+    header, planned = plan_file(tensors, metadata)
+    return device_digest.file_digest(header, [p.tensor for p in planned])
+
+
 def write_tensors(
     f: BinaryIO,
     tensors: Mapping[str, torch.Tensor],
@@ -77,8 +104,7 @@ def write_tensors(
     Raises:
         UnsupportedDtypeError: a tensor cannot be stored (names the key).
     """
-    planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
-    header, planned = build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
+    header, planned = plan_file(tensors, metadata)
     sink = bulk_writer(f)  # the storage's interface: how the bytes reach the disk is its business
     sink.preallocate(len(header) + sum(p.nbytes for p in planned))
     sink.write(header)
@@ -106,9 +132,14 @@ def same_file_bytes(
     size_bytes: int,
     checksum: str,
     prefixes: Iterable[tuple[int, str]],
+    digest: str | None = None,
 ) -> bool:
     """Whether :func:`write_tensors` would write exactly the committed file described by
     ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
+
+    When the committed file has a ``digest`` (it was written from an accelerator) and a
+    tensor of ``tensors`` is on an accelerator, the decision is the digest's, computed on
+    the device (:mod:`statekit.format.device_digest`): no byte crosses to the host.
 
     The would-be file's bytes (the header, then every tensor's bytes, as
     :func:`write_tensors` streams them) are hashed with XXH3-64 and compared with the
@@ -124,6 +155,7 @@ def same_file_bytes(
         size_bytes: the committed file's size, bytes.
         checksum: its ``"xxh3_64:<hex>"``.
         prefixes: its ``(offset, hex)`` records.
+        digest: its ``"mix64:<hex>"`` device digest, or None.
 
     Returns:
         True when every byte would be the same.
@@ -131,10 +163,11 @@ def same_file_bytes(
     Raises:
         UnsupportedDtypeError: a tensor cannot be stored (names the key), as the write would.
     """
-    planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
-    header, planned = build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
+    header, planned = plan_file(tensors, metadata)
     if len(header) + sum(p.nbytes for p in planned) != size_bytes:
         return False
+    if digest is not None and device_digest.on_accelerator(tensors):
+        return device_digest.file_digest(header, [p.tensor for p in planned]) == digest
     return same_stream_bytes(itertools.chain([header], _host_chunks(planned, CHUNK_BYTES)), size_bytes, checksum, prefixes)
 
 
