@@ -7,7 +7,8 @@ imports statekit only through :mod:`statekit.plugin_api`, and uses only the cont
 plugin has (``docs/hooks.md``, Manager hooks):
 
 * ``STATEKIT_MANAGER_OPTIONS``: the manager keyword options it owns (``replicate_to``,
-  ``replicate_options``, ``remote_keep_last``, ``delete_unreplicated``), validated in
+  ``replicate_options``, ``remote_keep_last``, ``delete_unreplicated``,
+  ``replicate_max_backlog``, ``replicate_hedge_after_s``), validated in
   ``statekit_manager_options`` and read back from ``manager.manager_options``;
 * ``statekit_manager_start``: start a :class:`~statekit_replicate.replication.Replicator`
   for the manager (kept in ``manager.plugin_state["replicate"]``) and queue what a killed
@@ -27,6 +28,7 @@ copying itself is :mod:`statekit_replicate.replication` and
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -39,7 +41,7 @@ from statekit.plugin_api import (
     hookimpl,
     rank_and_world_size,
 )
-from statekit_replicate.replication import DEFAULT_MAX_BACKLOG, Replicator, start_replication
+from statekit_replicate.replication import DEFAULT_HEDGE_AFTER_S, DEFAULT_MAX_BACKLOG, Replicator, start_replication
 
 REPLICATE_PLUGIN = "replicate"
 """The plugin's name (its entry point) and its key in ``manager.plugin_state``."""
@@ -50,6 +52,7 @@ MANAGER_OPTIONS: Mapping[str, Any] = {
     "remote_keep_last": None,
     "delete_unreplicated": False,
     "replicate_max_backlog": DEFAULT_MAX_BACKLOG,
+    "replicate_hedge_after_s": DEFAULT_HEDGE_AFTER_S,
 }
 """The ``CheckpointManager(...)`` options this plugin owns, with their defaults:
 
@@ -63,7 +66,10 @@ MANAGER_OPTIONS: Mapping[str, Any] = {
 * ``replicate_max_backlog``: checkpoints queued for the remote tier at most (default 16;
   None: no bound); beyond it the oldest queued one is dropped with a warning, stays local
   and is copied at the next start, so a frozen remote tier never grows the queue without
-  bound."""
+  bound;
+* ``replicate_hedge_after_s``: seconds a file's upload may make no progress before a
+  second attempt races it (a hedged copy; the first to finish is committed, the other
+  abandoned and its temporary file removed); default 30; None or 0: never."""
 
 
 def replicator_of(manager: ManagerView) -> Replicator | None:
@@ -79,12 +85,20 @@ def check_options(options: Mapping[str, Any]) -> None:
 
     Raises:
         InvalidOptionError: ``remote_keep_last`` or ``replicate_max_backlog`` is not a
-            positive integer or None, or a
+            positive integer or None, ``replicate_hedge_after_s`` is not a finite number of
+            seconds >= 0 or None, or a
             remote-tier option is given without ``replicate_to`` (naming the option).
     """
     backlog = options.get("replicate_max_backlog")
     if backlog is not None and (not isinstance(backlog, int) or isinstance(backlog, bool) or backlog < 1):
         raise InvalidOptionError(f"replicate_max_backlog must be a positive integer or None, got {backlog!r}")
+    hedge = options.get("replicate_hedge_after_s")
+    if hedge is not None and (not isinstance(hedge, (int, float)) or isinstance(hedge, bool) or not math.isfinite(hedge)
+                              or hedge < 0):
+        raise InvalidOptionError(
+            f"replicate_hedge_after_s must be a finite number of seconds >= 0 or None (0 or None: no hedged copies), "
+            f"got {hedge!r}"
+        )
     keep = options.get("remote_keep_last")
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise InvalidOptionError(f"remote_keep_last must be a positive integer or None, got {keep!r}")
@@ -128,7 +142,7 @@ class Replicate:
         manager.plugin_state[REPLICATE_PLUGIN] = start_replication(
             settings["replicate_to"], settings["replicate_options"], manager.list, manager.url_of,
             on_replicated=on_replicated if rank == 0 else None, keep_last=settings["remote_keep_last"],
-            max_backlog=settings["replicate_max_backlog"],
+            max_backlog=settings["replicate_max_backlog"], hedge_after_s=settings["replicate_hedge_after_s"],
         )
 
     @hookimpl

@@ -10,13 +10,25 @@ Several ranks assemble one copy: each copies the files its rank wrote (the manif
 ``rank`` field) from its own, possibly node-local, directory and then leaves a marker
 (:data:`MARKER_PREFIX`); rank 0 commits once every rank's marker names the same manifest
 and its files, and removes the markers first.
+
+Each uploaded file is written under a temporary name of its own and renamed to its final
+name once it verified there (:meth:`statekit.plugin_api.Storage.rename`: ``os.replace``
+locally, a server-side copy on object stores), so no partial file ever carries a final
+name. With ``hedge_after_s`` an upload that made no progress for that long is raced by a
+second attempt (a hedged copy, :func:`_copy_file_hedged`): each attempt writes its own
+temporary file, the first to finish verified is renamed, and the other is abandoned and
+removes its temporary file when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
+import threading
 import time
+import uuid
 from typing import Callable
 
 from statekit.plugin_api import (
@@ -25,13 +37,17 @@ from statekit.plugin_api import (
     FileEntry,
     Manifest,
     StatekitError,
+    StatekitWarning,
     Storage,
     VerifyingReader,
     checksum_bytes,
     end_copy_in_progress,
     mark_copy_in_progress,
     read_manifest,
+    warn_user,
 )
+
+logger = logging.getLogger("statekit.replicate")
 
 COPY_CHUNK_BYTES = 16 * 1024 * 1024
 """Bytes per read/write while streaming a file to the remote tier."""
@@ -53,6 +69,8 @@ def copy_checkpoint(
     world_size: int = 1,
     peer_timeout_seconds: float = 600.0,
     on_file_copied: Callable[[int], None] | None = None,
+    hedge_after_s: float | None = None,
+    on_hedge: Callable[[str, int | None], None] | None = None,
 ) -> Manifest:
     """Copy one committed checkpoint: data files streamed and verified at the destination,
     then the manifest, byte for byte (the commit). A destination that already holds the
@@ -72,6 +90,11 @@ def copy_checkpoint(
         peer_timeout_seconds: rank 0's wait for the other ranks' markers, seconds.
         on_file_copied: ``callable(size_bytes)`` after each data file is copied and
             verified (the replicator's backlog).
+        hedge_after_s: seconds without progress (a chunk read or written, a request
+            answered) after which an upload is raced by a second attempt; None or 0: never
+            (the upload still goes through a temporary name).
+        on_hedge: ``callable(rel, winner)`` once a hedged upload's race ended: ``winner``
+            is the attempt that was committed (1 or 2), None when both failed.
 
     Returns:
         The manifest.
@@ -96,10 +119,22 @@ def copy_checkpoint(
         raise StatekitError(f"{dst.url} is committed with another manifest than {src.url}; left untouched")
     mine = sorted(rel for rel, meta in manifest.files.items() if world_size == 1 or meta.rank == rank)
     mark_copy_in_progress(dst)  # statekit gc of the remote root keeps it until the commit
+    _remove_stale_temps(dst, mine)
     bases: dict[str, tuple[Storage, Manifest | None]] = {}
     for rel in mine:
         meta = manifest.files[rel]
-        _copy_file(src, dst, rel, meta, bases)
+        if not (meta.reused_from and _copy_from_remote_base(dst, rel, meta, bases)):
+            # not an unchanged file of an incremental save held by the remote base: upload it
+            if hedge_after_s:
+                _copy_file_hedged(src, dst, rel, meta, hedge_after_s, on_hedge)
+            else:
+                temp = _temp_name(rel, 1)
+                try:
+                    _copy_file(src, dst, rel, meta, to=temp)
+                except BaseException:
+                    _remove_quietly(dst, temp)
+                    raise
+                _publish(dst, rel, meta, temp)
         if on_file_copied is not None:
             on_file_copied(meta.size_bytes)
     if world_size > 1:
@@ -113,21 +148,176 @@ def copy_checkpoint(
     return manifest
 
 
-def _copy_file(src: Storage, dst: Storage, rel: str, meta: FileEntry, bases: dict[str, tuple[Storage, Manifest | None]]) -> None:
-    """Copy one data file and verify it at the destination (size and checksum)."""
-    if meta.reused_from and _copy_from_remote_base(dst, rel, meta, bases):
-        return  # an unchanged file of an incremental save: copied server-side, nothing uploaded
+def _copy_file(
+    src: Storage, dst: Storage, rel: str, meta: FileEntry, *, to: str | None = None,
+    progress: Callable[[], None] | None = None,
+) -> str:
+    """Upload one data file to ``to`` (default ``rel``) and verify it there (size and
+    checksum); ``progress()`` after each chunk read or written and each request answered.
+
+    Returns:
+        ``to``: the relative path written.
+
+    Raises:
+        CorruptCheckpointError: the written file differs from ``meta``.
+        StorageError: reading or writing failed.
+    """
+    to = rel if to is None else to
+    tick = progress or (lambda: None)
     if meta.size_bytes <= COPY_CHUNK_BYTES:  # one PUT and one GET (a busy training thread makes each call slow)
-        dst.write_bytes(rel, src.read_bytes(rel))
-        VerifyingReader(io.BytesIO(dst.read_bytes(rel)), dst.url_of(rel), meta).read()  # checks size and checksum
-        return
-    with src.open_read(rel) as f, dst.open_write(rel) as out:
+        data = src.read_bytes(rel)
+        tick()
+        dst.write_bytes(to, data)
+        tick()
+        VerifyingReader(io.BytesIO(dst.read_bytes(to)), dst.url_of(to), meta).read()  # checks size and checksum
+        return to
+    with src.open_read(rel) as f, dst.open_write(to) as out:
         while chunk := f.read(COPY_CHUNK_BYTES):
             out.write(chunk)
-    with dst.open_read(rel) as f:
-        reader = VerifyingReader(f, dst.url_of(rel), meta)
+            tick()
+    with dst.open_read(to) as f:
+        reader = VerifyingReader(f, dst.url_of(to), meta)
         while reader.read(COPY_CHUNK_BYTES):  # the empty read at the end checks size and checksum
-            pass
+            tick()
+    return to
+
+
+def _temp_name(rel: str, attempt: int) -> str:
+    """A temporary name of one upload attempt of ``rel``, in the same directory:
+    ``.<name>.<random>.attempt<n>.tmp``."""
+    folder, _, name = rel.rpartition("/")
+    temp = f".{name}.{uuid.uuid4().hex[:12]}.attempt{attempt}.tmp"
+    return f"{folder}/{temp}" if folder else temp
+
+
+def _remove_stale_temps(dst: Storage, mine: list[str]) -> None:
+    """Remove the temporary files an earlier, killed or failed, copy of these files left
+    (:func:`_temp_name`); another rank's are left alone."""
+    prefixes = {}
+    for rel in mine:
+        folder, _, name = rel.rpartition("/")
+        prefixes[f"{folder}/.{name}." if folder else f".{name}."] = rel
+    for found in dst.find():
+        if found.endswith(".tmp") and ".attempt" in found and any(found.startswith(p) for p in prefixes):
+            _remove_quietly(dst, found)
+
+
+def _remove_quietly(dst: Storage, rel: str) -> None:
+    """Remove an abandoned attempt's temporary file (whatever state it is in)."""
+    with contextlib.suppress(Exception):
+        dst.remove(rel)
+
+
+def _publish(dst: Storage, rel: str, meta: FileEntry, temp: str) -> None:
+    """Rename a verified temporary file to ``rel`` and check its size there; the temporary
+    file is removed if that fails.
+
+    Raises:
+        CorruptCheckpointError: the final file's size differs from ``meta``.
+        StorageError: the rename failed.
+    """
+    try:
+        dst.rename(temp, rel)
+    except BaseException:
+        _remove_quietly(dst, temp)
+        raise
+    copied = dst.size(rel)
+    if copied != meta.size_bytes:
+        raise CorruptCheckpointError(
+            f"{dst.url_of(rel)}: {copied} bytes after the rename from {dst.url_of(temp)}, manifest says {meta.size_bytes}",
+            path=dst.url_of(rel),
+        )
+
+
+class _Race:
+    """The state of one hedged upload: attempts running, their errors, the winner."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.progress_at = time.monotonic()
+        self.running: set[int] = set()
+        self.errors: list[BaseException] = []
+        self.winner: tuple[int, str] | None = None
+
+    def touch(self) -> None:
+        with self.changed:
+            self.progress_at = time.monotonic()
+
+
+def _copy_file_hedged(
+    src: Storage, dst: Storage, rel: str, meta: FileEntry, hedge_after_s: float,
+    on_hedge: Callable[[str, int | None], None] | None,
+) -> None:
+    """Upload ``rel`` on a worker thread; when it made no progress for ``hedge_after_s``
+    seconds, race it by a second attempt (once). Each attempt writes and verifies its own
+    temporary file; the first to finish is renamed to ``rel`` (the commit of this file),
+    and the other, abandoned, removes its temporary file when it ends (a stalled request
+    ends at the client's timeout, or when the storage answers again).
+
+    Raises:
+        CorruptCheckpointError, StorageError: every attempt started failed (the last
+            error); or the rename of the winner failed.
+    """
+    race = _Race()
+    url = dst.url_of(rel)
+
+    def attempt(n: int, temp: str) -> None:
+        try:
+            _copy_file(src, dst, rel, meta, to=temp, progress=race.touch if n == 1 else None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting copy
+            _remove_quietly(dst, temp)
+            with race.changed:
+                race.errors.append(exc)
+                race.running.discard(n)
+                race.changed.notify_all()
+            return
+        with race.changed:
+            race.running.discard(n)
+            won = race.winner is None
+            if won:
+                race.winner = (n, temp)
+            race.changed.notify_all()
+        if not won:  # abandoned: the other attempt's file is (being) committed
+            _remove_quietly(dst, temp)
+            logger.info("%s: hedged copy: attempt %d finished after the other one; its temporary file %s removed",
+                        url, n, dst.url_of(temp))
+
+    def start(n: int) -> None:
+        race.running.add(n)
+        threading.Thread(target=attempt, args=(n, _temp_name(rel, n)), daemon=True,
+                         name=f"statekit-replicate {url} attempt {n}").start()
+
+    hedged = False
+    with race.changed:
+        start(1)
+        while race.winner is None and race.running:
+            if hedged:
+                race.changed.wait()
+                continue
+            stalled = time.monotonic() - race.progress_at
+            if stalled < hedge_after_s:
+                race.changed.wait(hedge_after_s - stalled)
+                continue
+            hedged = True
+            logger.warning("%s: no progress for %.3g s (replicate_hedge_after_s=%g); racing a second attempt",
+                           url, stalled, hedge_after_s)
+            start(2)
+        winner, errors = race.winner, list(race.errors)
+    if winner is None:
+        if hedged and on_hedge is not None:
+            on_hedge(rel, None)
+        raise errors[-1]
+    n, temp = winner
+    _publish(dst, rel, meta, temp)
+    if hedged:
+        if on_hedge is not None:
+            on_hedge(rel, n)
+        warn_user(
+            f"{url}: hedged copy: no progress for {hedge_after_s:g} s, so a second attempt raced the first; "
+            f"attempt {n} finished first and was committed"
+            + ("; the stalled one is abandoned and removes its temporary file when it ends" if n == 2 else ""),
+            StatekitWarning,
+        )
 
 
 def _copy_from_remote_base(

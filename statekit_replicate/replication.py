@@ -21,6 +21,11 @@ marker ``.statekit-replica-rank-<r>.json`` there; rank 0 commits the remote mani
 when every rank's marker names this manifest and its files, and removes the markers
 before the commit (a committed remote copy holds exactly the manifest's files).
 
+Each file is uploaded under a temporary name and renamed once it verified; an upload that
+made no progress for ``hedge_after_s`` seconds (``replicate_hedge_after_s``, default 30)
+is raced by a second attempt, and the first to finish is committed (a hedged copy,
+:mod:`statekit_replicate.remote_copy`).
+
 Failures (endpoint down, frozen, a mismatch at the destination) are retried with
 exponential backoff; every failed try warns with the remote URL; training and local
 saves never wait. An interrupted copy is redone at the next start (:meth:`Replicator.catch_up`).
@@ -65,6 +70,10 @@ DEFAULT_EXIT_TIMEOUT_SECONDS = 600.0
 
 DEFAULT_MAX_BACKLOG = 16
 """Checkpoints a replicator holds queued at most (``replicate_max_backlog``)."""
+
+DEFAULT_HEDGE_AFTER_S = 30.0
+"""Seconds without progress after which a file's upload is raced by a second attempt
+(``replicate_hedge_after_s``)."""
 
 NO_RETRY_ERRNOS = {errno.ENOSPC: "ENOSPC (no space left)", errno.EDQUOT: "EDQUOT (quota exceeded)",
                    errno.EROFS: "EROFS (read-only file system)"}
@@ -135,6 +144,8 @@ class Replicator:
             the oldest one not being copied, with a warning: it stays local (local
             retention keeps it, ``wait()`` names it) and is copied at the next start
             (:meth:`catch_up`). The newest checkpoints are the ones worth copying.
+        hedge_after_s: seconds a file's upload may make no progress before a second
+            attempt races it (the first to finish is committed); None or 0: never.
 
     Raises:
         StorageError: ``remote_url`` cannot be resolved (unknown scheme, backend missing).
@@ -155,8 +166,14 @@ class Replicator:
         backlog_warning: int = 4,
         keep_last: int | None = None,
         max_backlog: int | None = DEFAULT_MAX_BACKLOG,
+        hedge_after_s: float | None = DEFAULT_HEDGE_AFTER_S,
     ) -> None:
         self.remote = Storage(remote_url, storage_options)
+        self.hedge_after_s = hedge_after_s
+        self.hedged = 0
+        """File uploads raced by a second attempt (this process)."""
+        self.hedges_won = 0
+        """Of those, the ones the second attempt won."""
         self.max_backlog = max_backlog
         self.dropped = 0
         """Queued checkpoints dropped because the backlog was full (this process)."""
@@ -274,10 +291,12 @@ class Replicator:
 
     def backlog(self) -> dict[str, int]:
         """What this rank has still to copy: checkpoints queued or being copied, their
-        files and bytes not copied yet, and the copies dropped from a full backlog.
+        files and bytes not copied yet, the copies dropped from a full backlog, and the
+        file uploads hedged so far (raced by a second attempt) and won by that attempt.
 
         Returns:
-            ``{"checkpoints": n, "files": n, "bytes": n, "dropped": n}``.
+            ``{"checkpoints": n, "files": n, "bytes": n, "dropped": n, "hedged": n,
+            "hedges_won": n}``.
         """
         with self._lock:
             files = sum(self._sizes.get(n, (0, 0))[0] for n in self._pending)
@@ -286,11 +305,16 @@ class Replicator:
                 files -= self._copied[0]
                 size -= self._copied[1]
             return {"checkpoints": len(self._pending), "files": max(files, 0), "bytes": max(size, 0),
-                    "dropped": self.dropped}
+                    "dropped": self.dropped, "hedged": self.hedged, "hedges_won": self.hedges_won}
 
     def _file_copied(self, size: int) -> None:
         with self._lock:
             self._copied = (self._copied[0] + 1, self._copied[1] + size)
+
+    def _hedge_ended(self, rel: str, winner: int | None) -> None:
+        with self._lock:
+            self.hedged += 1
+            self.hedges_won += winner == 2
 
     def replicated_names(self) -> set[str]:
         """Names known to have a committed remote copy (a snapshot of :attr:`replicated`)."""
@@ -444,7 +468,7 @@ class Replicator:
                 copy_checkpoint(
                     source, self.remote.child(name), manifest,
                     rank=self.rank, world_size=self.world_size, peer_timeout_seconds=self.peer_timeout_seconds,
-                    on_file_copied=self._file_copied,
+                    on_file_copied=self._file_copied, hedge_after_s=self.hedge_after_s, on_hedge=self._hedge_ended,
                 )
                 return None
             except Exception as exc:  # noqa: BLE001 - any failure is one failed try; the thread lives on
@@ -535,6 +559,7 @@ def start_replication(
     on_replicated: Any,
     keep_last: int | None = None,
     max_backlog: int | None = DEFAULT_MAX_BACKLOG,
+    hedge_after_s: float | None = DEFAULT_HEDGE_AFTER_S,
 ) -> Replicator:
     """Start a manager's replicator and queue what a killed process left unreplicated
     (every rank calls it when ``world_size > 1``).
@@ -548,6 +573,7 @@ def start_replication(
         keep_last: the remote retention's ``remote_keep_last`` (None: keep all); catch-up
             does not copy again what that policy deleted.
         max_backlog: checkpoints queued at most (:class:`Replicator`).
+        hedge_after_s: seconds without progress before an upload is hedged (:class:`Replicator`).
 
     Returns:
         The running :class:`Replicator`.
@@ -560,7 +586,8 @@ def start_replication(
     exit_timeout_seconds()  # the same on every rank: raised before any collective
     rank, world = rank_and_world_size()
     replicator = Replicator(remote_url, remote_options, on_replicated=on_replicated if rank == 0 else None,
-                            rank=rank, world_size=world, keep_last=keep_last, max_backlog=max_backlog)
+                            rank=rank, world_size=world, keep_last=keep_last, max_backlog=max_backlog,
+                            hedge_after_s=hedge_after_s)
     if world == 1:
         replicator.catch_up(list_local())
     else:

@@ -69,7 +69,7 @@ def test_a_plugin_owns_manager_options_through_the_plugin_api(plugin_manager, tm
     assert isinstance(manager, ManagerView)
     assert dict(manager.manager_options) == {"mirror_to": "elsewhere", "mirror_every": 2, "replicate_to": None,
                                              "replicate_options": None, "remote_keep_last": None, "delete_unreplicated": False,
-                                             "replicate_max_backlog": 16}
+                                             "replicate_max_backlog": 16, "replicate_hedge_after_s": 30.0}
     assert manager.options == {}  # manager options are not passed to saves and loads
     manager.save(1)
     assert mirror.seen == [("elsewhere", 2, True, ["checkpoint-00000001"])]

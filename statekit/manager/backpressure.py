@@ -123,7 +123,9 @@ class CheckpointStats:
         blocking_s_max: the longest one, seconds.
         replication: the remote tier's backlog on this rank (``replicate_to``), or None
             without one: ``checkpoints``, ``files`` and ``bytes`` queued or being copied,
-            and ``dropped``, queued copies given up because the backlog was full.
+            ``dropped``, queued copies given up because the backlog was full, ``hedged``,
+            file uploads raced by a second attempt after a stall, and ``hedges_won``, those
+            the second attempt won.
         resumed_step: the step the last ``resume()`` loaded (None: no resume, or a fresh start).
         reached_step: the highest step of any checkpoint directory under the root when that
             resume ran (committed or not, loadable or not: a save the previous run started),

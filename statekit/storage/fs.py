@@ -314,6 +314,31 @@ class Storage:
             self.fs.copy(src, dst)  # a missing source raises FileNotFoundError (s3fs, memory: their info() first)
             return "server-copy"
 
+    def rename(self, rel: str, to: str) -> None:
+        """Give a finished file its final name in one step, replacing a file of that name:
+        the way a file written under a temporary name is published.
+
+        Local: ``os.replace`` (atomic), then the directory is fsynced. Other filesystems:
+        ``fs.mv``, which on object stores is a server-side copy (``CopyObject``: no upload)
+        followed by a delete of ``rel``, so the final key appears whole or not at all.
+
+        Args:
+            rel: the finished file, relative to this directory.
+            to: its final relative path (same directory tree).
+
+        Raises:
+            FileNotFoundError: ``rel`` does not exist.
+            StorageError: the rename failed otherwise (names both URLs).
+        """
+        src, dst = self.path_of(rel), self.path_of(to)
+        with storage_errors(self.url_of(to), f"renaming {self.url_of(rel)} to"):
+            self._makedirs(dst.rsplit("/", 1)[0])
+            if self.is_local:
+                os.replace(src, dst)
+                fsync_path(os.path.dirname(dst))
+            else:
+                self.fs.mv(src, dst)
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole (small) file, durably."""
         with self.open_write(rel) as f:
