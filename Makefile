@@ -9,10 +9,15 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-all test test-fast install clean docs package template-test lint bench-setup
+.PHONY: demo demo-preempt demo-all test test-fast install clean docs package template-test lint bench-setup
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
+
+# The demo preempted: SIGTERM (not SIGKILL) at a random step; the run saves that step
+# (CheckpointManager(save_on_signal=True)), exits 143, and the next start resumes from it.
+demo-preempt: $(STAMP)
+	$(PY) examples/resume_demo.py --preempt
 
 # The demo on all three storages: local disk, memory:// and a local moto S3 server; then
 # with gradient accumulation (saves fall between optimizer steps); then two-tier: local disk
@@ -23,6 +28,7 @@ demo-all: $(STAMP)
 	$(PY) examples/resume_demo.py --moto
 	$(PY) examples/resume_demo.py --grad-accum 4
 	$(PY) examples/resume_demo.py --replicate-to moto
+	$(PY) examples/resume_demo.py --preempt --grad-accum 4
 
 # The core's tests, then each plugin's tests from its own directory (each is its own
 # distribution with its own conftest); every suite runs, and any failure fails the target.

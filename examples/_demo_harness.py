@@ -72,6 +72,9 @@ def demo_parser(
     parser.add_argument("--keep-last", type=int, default=keep_last)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-at", type=int, default=None, help="step to kill at (default: random, mid-epoch)")
+    parser.add_argument("--preempt", action="store_true",
+                        help="send SIGTERM instead of SIGKILL: the run saves the step it reached "
+                             "(CheckpointManager(save_on_signal=True)) and exits 143; the next start resumes from that step")
     parser.add_argument("--replicate-to", default=None, metavar="URL|moto",
                         help="also replicate every checkpoint to this remote root (moto: a local moto S3 server); "
                              "the resumed run then starts on a fresh node (empty local root) and resumes from it")
@@ -132,8 +135,12 @@ def train_steps(
     epoch after epoch; log every step; save every ``args.save_every`` steps (logging the
     time, the size and ``describe_save(manifest)``). Returns the last step.
 
+    After each step ``manager.step_boundary(step)``: with ``save_on_signal`` a signal's
+    save of that step (logged as a ``signal_save`` event), then ``SystemExit(143)``.
+
     Raises:
         Abandon: at step ``abandon_at``, right after logging it.
+        SystemExit: the save on a signal committed (``--preempt``).
     """
     while step < args.steps:
         for batch in loader:
@@ -148,6 +155,11 @@ def train_steps(
                 size = manifest.size_bytes
                 log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size,
                      **describe_save(manifest)})
+            try:
+                manager.step_boundary(step)  # the safe point of save_on_signal (--preempt)
+            except SystemExit:
+                log({"event": "signal_save", **manager.signal_save.result})
+                raise
             if step >= args.steps:
                 break
     return step
@@ -232,6 +244,10 @@ def kill_and_resume(
     """
     runs = Runs(Path(tempfile.mkdtemp(prefix=work_prefix)))
     kill_at = choose_kill_step(args.kill_at, args.save_every, args.steps, batches_per_epoch)
+    # preempted: between two periodic saves, and early enough for the window's end (--grad-accum) to come
+    while getattr(args, "preempt", False) and args.kill_at is None and (
+            kill_at % args.save_every == 0 or kill_at > args.steps - 10):
+        kill_at = choose_kill_step(None, args.save_every, args.steps, batches_per_epoch)
     print(f"{title}: {args.steps} steps, checkpoint every {args.save_every} to {args.url}")
     ref_args = argparse.Namespace(**{**vars(args), "url": f"{args.url.rstrip('/')}-reference", "replicate_to": None,
                                      "log": str(runs.ref_log), "final": runs.ref_final})
@@ -239,13 +255,18 @@ def kill_and_resume(
     # with a remote tier the resumed run starts on a "fresh node": an empty local root
     resume_args = argparse.Namespace(**{**vars(run_args), "url": f"{args.url.rstrip('/')}-fresh-node"}) \
         if getattr(args, "replicate_to", None) else run_args
-    runner = _Runner(train, script, worker_flags, in_process=args.url.startswith("memory://"))
+    preempt = getattr(args, "preempt", False)
+    if preempt and args.url.startswith("memory://"):
+        raise SystemExit("--preempt needs a URL other processes can read (memory:// is private to each process)")
+    runner = _Runner(train, script, worker_flags + (["--preempt"] if preempt else []),
+                     in_process=args.url.startswith("memory://"), sig=signal.SIGTERM if preempt else signal.SIGKILL)
     print("1. reference run ...", flush=True)
     runner.run(ref_args, resume=False)
     batch = kill_at % batches_per_epoch
-    print(f"2. run killed at step {kill_at} (mid-epoch: batch {batch} of {batches_per_epoch}) ...", flush=True)
+    how = "sent SIGTERM (preempted)" if preempt else "killed"
+    print(f"2. run {how} at step {kill_at} (mid-epoch: batch {batch} of {batches_per_epoch}) ...", flush=True)
     killed_at = runner.run(run_args, resume=False, kill_at=kill_at)
-    print(f"   killed after step {killed_at}")
+    print(f"   {'saved the step it reached and exited after step' if preempt else 'killed after step'} {killed_at}")
     print("3. resumed run" + (f" on a fresh node ({resume_args.url}, empty)" if resume_args is not run_args else "") + " ...",
           flush=True)
     runner.run(resume_args, resume=True)
@@ -260,6 +281,7 @@ class _Runner:
     script: str
     worker_flags: list[str]
     in_process: bool
+    sig: int = signal.SIGKILL
 
     def run(self, args: argparse.Namespace, resume: bool, kill_at: int | None = None) -> int | None:
         """Train to the end, or until killed at ``kill_at``; returns the last step seen when killed."""
@@ -271,7 +293,7 @@ class _Runner:
         if kill_at is None:
             run_to_end(command)
             return None
-        return run_and_kill(command, Path(args.log), kill_at, ready=_remote_committed(args))
+        return run_and_kill(command, Path(args.log), kill_at, ready=_remote_committed(args), sig=self.sig)
 
     def command(self, args: argparse.Namespace, resume: bool) -> list[str]:
         cmd = [sys.executable, self.script, "--worker", "--url", args.url, "--steps", str(args.steps),
@@ -303,13 +325,16 @@ def run_to_end(cmd: list[str]) -> None:
         raise SystemExit(f"worker failed with exit code {result.returncode}: {' '.join(cmd)}")
 
 
-def run_and_kill(cmd: list[str], log: Path, kill_at: int, ready: Callable[[], bool] | None = None) -> int:
-    """Start the worker and SIGKILL it once it reports step >= kill_at (and, if given,
-    ``ready()`` holds: with a remote tier, a checkpoint has committed there, so the
-    fresh node has something to resume from); returns the last step seen.
+def run_and_kill(cmd: list[str], log: Path, kill_at: int, ready: Callable[[], bool] | None = None,
+                 sig: int = signal.SIGKILL) -> int:
+    """Start the worker and send it ``sig`` (SIGKILL) once it reports step >= kill_at (and, if
+    given, ``ready()`` holds: with a remote tier, a checkpoint has committed there, so the
+    fresh node has something to resume from); returns the last step seen (for a SIGTERM,
+    once the worker has saved on the signal and exited 143: the last step it logged).
 
     Raises:
-        SystemExit: the worker finished before it could be killed.
+        SystemExit: the worker finished before it could be killed, or did not exit with
+            ``128 + sig`` after a signal other than SIGKILL.
     """
     child = subprocess.Popen(cmd)
     checked = 0.0
@@ -320,9 +345,11 @@ def run_and_kill(cmd: list[str], log: Path, kill_at: int, ready: Callable[[], bo
                 checked = time.monotonic()
                 ready = None if ready() else ready
             if steps and steps[-1] >= kill_at and ready is None:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait()
-                return steps[-1]
+                os.kill(child.pid, sig)
+                code = child.wait()
+                if sig != signal.SIGKILL and code != 128 + sig:
+                    raise SystemExit(f"the worker exited with {code} after signal {sig}, not {128 + sig}")
+                return [r["step"] for r in read_log(log) if r["event"] == "step"][-1]
             time.sleep(0.002)
     finally:
         if child.poll() is None:

@@ -96,7 +96,8 @@ def build(args: argparse.Namespace):
     # register both: the EMA is an object with state_dict(); the noise scheduler gets a Stateful wrapper
     accelerator.register_for_checkpointing(ema)
     accelerator.register_for_checkpointing(statekit_diffusers.NoiseScheduler(noise_scheduler))
-    manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, replicate_to=args.replicate_to)
+    manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, replicate_to=args.replicate_to,
+                                         save_on_signal=args.preempt)
     return accelerator, unet, optimizer, loader, lr_schedule, noise_scheduler, ema, manager
 
 

@@ -23,11 +23,17 @@ Usage::
     python examples/resume_demo.py --moto                # starts a local moto S3 server
     python examples/resume_demo.py --url s3://bucket/run # any fsspec URL
     python examples/resume_demo.py --grad-accum 4        # gradient accumulation
+    python examples/resume_demo.py --preempt             # SIGTERM instead of SIGKILL (make demo-preempt)
 
 With ``--grad-accum N`` each step is a micro-batch inside ``accelerator.accumulate``
 and the optimizer steps every N micro-batches (Accelerate's gradient accumulation);
 saves every ``--save-every`` micro-batches fall between optimizer steps too, so the
 resume must carry the accumulated gradients.
+
+With ``--preempt`` step 2 sends SIGTERM instead of SIGKILL, as a cluster does before
+the kill: the manager (``save_on_signal=True``) saves the step the run reached at the next
+step boundary and exits 143, and step 3 must resume from exactly that step (not from the
+last periodic checkpoint); the report says so, or fails.
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ def build(args: argparse.Namespace):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, storage_options=args.storage_options,
-                                         replicate_to=args.replicate_to)
+                                         replicate_to=args.replicate_to, save_on_signal=args.preempt)
     return accelerator, model, optimizer, loader, scheduler, manager, test
 
 
@@ -181,6 +187,17 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
         ("plugins active", f"{', '.join(f'{k} {v}' for k, v in active.items()) or 'none'} (installed: {installed})"),
         ("test accuracy", f"{analysis.done['accuracy']:.4f}"),
     ]
+    if args.preempt:
+        signal_save = [r for r in runs.run_events() if r["event"] == "signal_save"]
+        if not signal_save:
+            problems.append("the preempted run logged no save on its SIGTERM")
+        elif analysis.resumed_step != analysis.killed_after or signal_save[-1]["step"] != analysis.resumed_step:
+            problems.append(f"resumed from step {analysis.resumed_step}, not from step {analysis.killed_after} where "
+                            "the SIGTERM stopped the run")
+        else:
+            rows.insert(4, ("preempted", f"SIGTERM; saved step {signal_save[-1]['step']} "
+                                         f"{signal_save[-1]['seconds']:.3f} s after the signal, exit code 143; "
+                                         f"resumed exactly from step {analysis.resumed_step}"))
     exact = ["weights, optimizer state and all per-step losses equal the reference bit for bit"]
     return checks.print_report("statekit resume demo report", rows, problems, exact)
 

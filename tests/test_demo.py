@@ -53,3 +53,15 @@ def test_demo_with_replication_resumes_a_fresh_node_from_the_remote_tier(tmp_pat
     assert "on a fresh node" in proc.stdout
     assert "(remote tier: replicated to s3://statekit-demo/" in proc.stdout
     assert "resume exact         yes" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", ["1", "4"])
+def test_demo_preempted_by_sigterm_resumes_from_the_step_the_signal_stopped(tmp_path, accum):
+    # the demo picks a random step between two periodic saves, sends SIGTERM, and fails
+    # unless the resumed run starts from the step the signalled run saved and exited at
+    proc = _demo("--url", str(tmp_path / "run"), "--preempt", "--grad-accum", accum, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "saved the step it reached and exited after step" in proc.stdout
+    assert "exit code 143; resumed exactly from step" in proc.stdout
+    assert "resume exact         yes" in proc.stdout

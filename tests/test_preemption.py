@@ -1,0 +1,310 @@
+"""Save on a signal (``CheckpointManager(save_on_signal=True)``), with real signals and real
+processes: one process, and two torchrun ranks (gloo). Each signalled run leaves a committed
+checkpoint of the step it reached, exits 143, and the next start resumes exactly from it
+(losses and weights equal a run that was never interrupted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import statekit
+from statekit.errors import InvalidOptionError
+
+from accelerate_helpers import SCRIPTS
+
+pytest.importorskip("accelerate")
+
+SCRIPT = SCRIPTS / "signal_train.py"
+TOTAL = 24  # signal_train.TOTAL
+
+
+# --------------------------------------------------------------------------- running the worker
+
+
+class Worker:
+    """``signal_train.py`` in one process or under torchrun, its stdout read line by line."""
+
+    def __init__(self, mode: str, root: Path, out: Path, nproc: int = 1, env: dict[str, str] | None = None) -> None:
+        self.out, self.nproc = out, nproc
+        for rank in range(nproc):
+            fifo = Path(f"{out}.rank{rank}.fifo")
+            if not fifo.exists():
+                os.mkfifo(fifo)
+        if nproc == 1:
+            cmd = [sys.executable, str(SCRIPT), mode, str(root), str(out)]
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+                   "--master_addr=127.0.0.1", str(SCRIPT), mode, str(root), str(out)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.pids: dict[int, int] = {}
+        self.lines: list[str] = []
+
+    def until(self, *words: str) -> list[str]:
+        """Read stdout up to the first line starting with ``words`` (fails if the process ends first)."""
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            parts = line.split()
+            if parts[:1] == ["ready"]:
+                self.pids[int(parts[1])] = int(parts[2])
+            if parts[: len(words)] == list(words):
+                return parts
+        self.proc.wait()
+        raise AssertionError(f"worker ended before {words}: {''.join(self.lines)[-2000:]}{self.proc.stderr.read()[-3000:]}")
+
+    def release(self, rank: int = 0) -> None:
+        """Let a paused rank go on (it blocks on its FIFO until a line is written)."""
+        with open(f"{self.out}.rank{rank}.fifo", "w") as fifo:
+            fifo.write("go\n")
+
+    def finish(self, timeout: float = 240) -> int:
+        rest, err = self.proc.communicate(timeout=timeout)
+        self.lines.append(rest)
+        self.stderr = err
+        return self.proc.returncode
+
+    def results(self) -> list[dict]:
+        return [json.loads(Path(f"{self.out}.rank{r}.json").read_text()) for r in range(self.nproc)]
+
+
+def run_worker(mode: str, root: Path, out: Path, nproc: int = 1, **env: str) -> list[dict]:
+    worker = Worker(mode, root, out, nproc, env)
+    code = worker.finish()
+    assert code == 0, "".join(worker.lines)[-2000:] + worker.stderr[-3000:]
+    return worker.results()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[tuple[int, int], list[dict]]:
+    """Uninterrupted runs, per (nproc, accum), computed on first use."""
+    cache: dict[tuple[int, int], list[dict]] = {}
+    work = tmp_path_factory.mktemp("reference")
+
+    def get(nproc: int = 1, accum: int = 1) -> list[dict]:
+        if (nproc, accum) not in cache:
+            cache[nproc, accum] = run_worker("reference", work / f"root{nproc}-{accum}", work / f"ref{nproc}-{accum}",
+                                             nproc, STATEKIT_TEST_ACCUM=str(accum))
+        return cache[nproc, accum]
+
+    return get
+
+
+def assert_resumes_exactly(reference: list[dict], first: list[dict], resumed: list[dict], step: int) -> None:
+    """The first run stopped at ``step`` with a signal; the resumed run started from it and
+    its losses and final weights equal the uninterrupted reference's, on every rank."""
+    for rank, (ref, a, b) in enumerate(zip(reference, first, resumed)):
+        assert a["code"] == 143 and a["stopped"] == step, (rank, a["code"], a["stopped"])
+        assert a["result"]["step"] == step and a["result"]["seconds"] < a["result"]["grace_s"], a["result"]
+        assert b["start"] == step and b["code"] == 0, (rank, b["start"])
+        assert a["losses"][:step] + b["losses"] == ref["losses"], f"rank {rank}"
+        for key, value in ref["weights"].items():
+            assert torch.equal(torch.tensor(b["weights"][key]), torch.tensor(value)), f"rank {rank} {key}"
+
+
+def signalled_run(tmp_path: Path, pause: str, *, nproc: int = 1, target: int | None = 0, sig=signal.SIGTERM,
+                  **env: str) -> tuple[Worker, list[dict]]:
+    """A run paused at ``pause`` (``where:step``) on every rank, signalled there (to rank
+    ``target``'s process, or None: to torchrun's launcher), released; returns it finished."""
+    worker = Worker("run", tmp_path / "root", tmp_path / "first", nproc, {"STATEKIT_TEST_PAUSE": pause, **env})
+    for _ in range(nproc):
+        worker.until("paused")
+    os.kill(worker.proc.pid if target is None else worker.pids[target], sig)
+    for rank in range(nproc):
+        worker.release(rank)
+    code = worker.finish()
+    assert code != 0 or nproc > 1, "".join(worker.lines)[-2000:]
+    return worker, worker.results()
+
+
+# --------------------------------------------------------------------------- one process
+
+
+@pytest.mark.slow
+def test_a_signal_mid_step_saves_that_step_exits_143_and_the_next_start_resumes_exactly(tmp_path, reference):
+    worker, first = signalled_run(tmp_path, "mid-step:7")
+    assert worker.proc.returncode == 143
+    assert statekit.CheckpointManager({}, str(tmp_path / "root")).latest().endswith("checkpoint-00000007")
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed")
+    assert_resumes_exactly(reference(), first, resumed, 7)
+
+
+@pytest.mark.slow
+def test_a_signal_mid_accumulation_saves_at_the_end_of_the_window(tmp_path, reference):
+    # accumulation over 3 micro-batches: the signal during micro-batch 7 is acted on at 9
+    _, first = signalled_run(tmp_path, "mid-step:7", STATEKIT_TEST_ACCUM="3")
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", STATEKIT_TEST_ACCUM="3")
+    assert_resumes_exactly(reference(1, 3), first, resumed, 9)
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_async_save_commits_it_and_the_step_is_not_written_twice(tmp_path, reference):
+    _, first = signalled_run(tmp_path, "after-async-save:8", sig=signal.SIGUSR1, STATEKIT_TEST_ASYNC="1")
+    # the async save of step 8 committed first and is the signal's checkpoint: not written again
+    assert first[0]["result"]["saved"] is False and first[0]["result"]["signal"] == "SIGUSR1"
+    assert [c.step for c in statekit.CheckpointManager({}, str(tmp_path / "root")).list()] == [4, 8]
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", STATEKIT_TEST_ASYNC="1")
+    first[0]["code"] = 143 if first[0]["code"] == 138 else first[0]["code"]  # SIGUSR1: 128 + 10
+    assert_resumes_exactly(reference(), first, resumed, 8)
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_resume_is_acted_on_at_the_first_step_boundary(tmp_path, reference):
+    # a first run stopped by a signal at step 5; the second is signalled while it loads
+    _, first = signalled_run(tmp_path, "mid-step:5")
+    worker = Worker("run", tmp_path / "root", tmp_path / "second", env={"STATEKIT_TEST_PAUSE": "load:0"})
+    worker.until("paused")
+    os.kill(worker.pids[0], signal.SIGTERM)
+    worker.release()
+    assert worker.finish() == 143
+    second = worker.results()
+    assert second[0]["start"] == 5 and second[0]["stopped"] == 6 and second[0]["result"]["step"] == 6
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed")
+    assert_resumes_exactly(reference(), [{**second[0], "losses": first[0]["losses"] + second[0]["losses"]}],
+                           resumed, 6)
+
+
+# --------------------------------------------------------------------------- two torchrun ranks
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_only_stops_both_ranks_at_the_same_step(tmp_path, reference):
+    _, first = signalled_run(tmp_path, "mid-step:6", nproc=2, target=1)
+    assert [r["result"]["signal"] for r in first] == [None, "SIGTERM"]  # rank 0 learnt it from the all-reduce
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", nproc=2)
+    assert_resumes_exactly(reference(2), first, resumed, 6)
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_torchrun_launcher_reaches_the_workers_and_is_saved(tmp_path, reference):
+    # torchrun forwards its SIGTERM to each worker a moment later, so the step they agree on is
+    # the first optimizer step end (accumulation 2) both reach after it: the same on both ranks
+    _, first = signalled_run(tmp_path, "mid-step:9", nproc=2, target=None, STATEKIT_TEST_ACCUM="2")
+    assert all(r["result"]["signal"] == "SIGTERM" for r in first)  # forwarded by torchrun to every worker
+    step = first[0]["stopped"]
+    assert step >= 9 and first[1]["stopped"] == step
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", nproc=2, STATEKIT_TEST_ACCUM="2")
+    assert_resumes_exactly(reference(2, 2), first, resumed, step)
+
+
+# --------------------------------------------------------------------------- stress
+
+
+@pytest.mark.slow
+def test_signals_at_random_moments_each_leave_a_checkpoint_the_next_start_resumes_exactly(tmp_path, reference):
+    """STATEKIT_TEST_SIGNALS runs (default 6 here: each is a process start), each signalled
+    after a random number of steps (so at a random point of a step, or of an async save);
+    the chain of runs reaches TOTAL with the reference's losses and weights."""
+    count = int(os.environ.get("STATEKIT_TEST_SIGNALS", "6"))
+    rng = random.Random(int(os.environ.get("STATEKIT_TEST_SEED", "0")) or None)
+    losses: list[float] = []
+    step, runs = 0, 0
+    while step < TOTAL:
+        runs += 1
+        worker = Worker("run", tmp_path / "root", tmp_path / f"run{runs}", env={"STATEKIT_TEST_ASYNC": "1"})
+        signalled = runs <= count and step < TOTAL - 2
+        if signalled:
+            worker.until("step", "0", str(rng.randrange(step + 1, TOTAL - 1)))
+            os.kill(worker.pids[0], rng.choice([signal.SIGTERM, signal.SIGUSR1]))
+        code = worker.finish()
+        (result,) = worker.results()
+        assert result["start"] == step, (runs, result["start"], step)  # resumed from the step the signal stopped
+        if result["code"] == 0:
+            assert result["stopped"] == TOTAL
+        else:
+            assert code in (143, 138) and result["result"]["step"] == result["stopped"], (code, result["result"])
+        losses += result["losses"]
+        step = result["stopped"]
+        if runs > count + 2:
+            break
+    ref = reference()[0]
+    assert losses == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(torch.tensor(result["weights"][key]), torch.tensor(value)), key
+
+
+# --------------------------------------------------------------------------- in this process
+
+
+def _objects():
+    model = torch.nn.Linear(3, 2)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def test_handlers_chain_to_the_previous_python_handler_and_are_restored_on_exit(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        installed = signal.getsignal(signal.SIGUSR1)
+        with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=("USR1",),
+                                        on_signal="return") as manager:
+            assert signal.getsignal(signal.SIGTERM) is not manager  # only the signals asked for
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)  # a second signal: counted, nothing else
+            assert seen == [signal.SIGUSR1, signal.SIGUSR1]
+            assert manager.signal_save.signal_count == 2
+            assert manager.step_boundary(3) is True and manager.should_stop
+            assert manager.signal_save.result["step"] == 3 and manager.signal_save.result["signal"] == "SIGUSR1"
+            assert manager.latest().endswith("checkpoint-00000003")
+            assert manager.step_boundary(4) is True  # stopped: nothing more is saved
+        assert signal.getsignal(signal.SIGUSR1) is installed
+        assert [c.step for c in manager.list()] == [3]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_save_call_is_a_safe_point_and_becomes_the_signals_save(tmp_path):
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
+                                    async_save=True) as manager:
+        assert manager.step_boundary(1) is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        manifest = manager.save(2)  # blocking despite async_save: committed on return
+        assert manifest.step == 2 and manager.should_stop and manager.pending is None
+
+
+def test_save_on_signal_exit_raises_systemexit_with_128_plus_the_signal(tmp_path):
+    with pytest.raises(SystemExit) as info:
+        with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True) as manager:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            manager.step_boundary(5)
+    assert info.value.code == 138
+    assert statekit.CheckpointManager({}, str(tmp_path / "root")).latest().endswith("checkpoint-00000005")
+
+
+def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_path):
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
+                                    grace_s=1e-9) as manager:
+        manager.step_boundary(1)
+        with pytest.warns(statekit.StatekitWarning, match=r"passed between two safe points .* more than grace_s=1e-09"):
+            manager.step_boundary(2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.warns(statekit.StatekitWarning, match=r"the safe point at step 3 came .* after SIGTERM, past grace_s"):
+            manager.step_boundary(3)
+    assert manager.latest().endswith("checkpoint-00000003")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"save_on_signal": ("SIGKILL",)}, "save_on_signal: SIGKILL cannot be handled by any process"),
+    ({"save_on_signal": ("SIGNOPE",)}, "save_on_signal: 'SIGNOPE' is not a signal"),
+    ({"save_on_signal": 3.5}, "save_on_signal must be True, False or a tuple of signals, got 3.5"),
+    ({"save_on_signal": True, "on_signal": "quit"}, "on_signal must be 'exit' or 'return', got 'quit'"),
+    ({"save_on_signal": True, "grace_s": 0}, "grace_s must be a positive number of seconds, got 0"),
+    ({"save_on_signal": True, "signal_check_every": 0}, "signal_check_every must be a positive integer, got 0"),
+])
+def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, options, message):
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(InvalidOptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        statekit.CheckpointManager(_objects(), str(tmp_path / "root"), **options)
+    assert signal.getsignal(signal.SIGTERM) == before
