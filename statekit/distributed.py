@@ -151,9 +151,8 @@ def barrier() -> None:
 
 
 def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is True on any rank: one all-reduce (MAX) of a one-element int64
-    tensor on statekit's own gloo group (every rank calls it at the same point). In one
-    process: ``flag`` itself, no collective.
+    """Whether ``flag`` is True on any rank (:func:`max_over_ranks` of one int; every rank
+    calls it at the same point). In one process: ``flag`` itself, no collective.
 
     Args:
         flag: this rank's value.
@@ -161,10 +160,24 @@ def any_rank(flag: bool) -> bool:
     Returns:
         True on every rank when at least one rank passed True.
     """
+    return bool(max_over_ranks([1 if flag else 0])[0])
+
+
+def max_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks: one all-reduce (MAX) of an
+    int64 tensor on statekit's own gloo group (every rank calls it at the same point, with
+    as many values). In one process: ``values``, no collective.
+
+    Args:
+        values: this rank's integers.
+
+    Returns:
+        The maxima, the same list on every rank.
+    """
     if rank_and_world_size()[1] == 1:
-        return bool(flag)
+        return list(values)
     import torch
 
-    box = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    box = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(box, op=dist.ReduceOp.MAX, group=statekit_group())
-    return bool(box.item())
+    return [int(v) for v in box.tolist()]
