@@ -104,7 +104,9 @@ class CheckpointManager:
             ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1); ``"return"``:
             :meth:`step_boundary` returns True and :attr:`should_stop` is True; the loop ends itself.
         signal_check_every: with several ranks, agree on the signal flag (one all-reduce of
-            one int on statekit's gloo group) every N-th step boundary only (default 1).
+            two ints on statekit's gloo group) every N-th step boundary only; None
+            (default): N adapts so that the checks cost under 1 % of the measured step time
+            and a signal waits at most ``grace_s / 10`` for its check (``docs/clusters.md``).
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
             ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
             plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
@@ -147,7 +149,7 @@ class CheckpointManager:
         save_on_signal: Any = False,
         grace_s: float | None = None,
         on_signal: str = "exit",
-        signal_check_every: int = 1,
+        signal_check_every: int | None = None,
         backpressure: str = "wait",
         max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS,
         **options: Any,

@@ -24,6 +24,7 @@ with code ``128 + signal number`` (``on_signal="exit"``) or
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -46,6 +47,11 @@ DEFAULT_GRACE_S = 30.0
 forwarding a SIGTERM before it sends SIGKILL."""
 
 ON_SIGNAL = ("exit", "return")
+
+CHECK_COST = 0.01
+"""With several ranks and ``signal_check_every=None``: the share of the step time the
+ranks' agreement on the signal flag may cost (one all-reduce of two ints on the gloo group,
+about 0.1 to 0.5 ms on one host; ``docs/clusters.md``)."""
 
 
 def exit_code(signum: int) -> int:
@@ -121,7 +127,9 @@ class SignalSave:
         on_signal: ``"exit"``: raise ``SystemExit(128 + signum)`` after the commit;
             ``"return"``: set ``should_stop`` and return True from the safe point.
         check_every: with several ranks, agree on the flag every N-th safe point only
-            (each check is one all-reduce on the gloo group); one process checks every time.
+            (each check is one all-reduce on the gloo group); None: adapt N so that the
+            checks cost under 1 % of the step time (:data:`CHECK_COST`) while a signal
+            waits at most a tenth of ``grace_s`` for its check. One process checks every time.
 
     Raises:
         InvalidOptionError: a bad ``grace_s``, ``on_signal`` or ``check_every``, or the
@@ -129,14 +137,15 @@ class SignalSave:
     """
 
     def __init__(
-        self, manager: Any, signals: tuple[signal.Signals, ...], grace_s: float, on_signal: str, check_every: int
+        self, manager: Any, signals: tuple[signal.Signals, ...], grace_s: float, on_signal: str,
+        check_every: int | None,
     ) -> None:
         if on_signal not in ON_SIGNAL:
             raise InvalidOptionError(f"on_signal must be 'exit' or 'return', got {on_signal!r}")
         if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not grace_s > 0:
             raise InvalidOptionError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-            raise InvalidOptionError(f"signal_check_every must be a positive integer, got {check_every!r}")
+        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1):
+            raise InvalidOptionError(f"signal_check_every must be a positive integer or None, got {check_every!r}")
         if threading.current_thread() is not threading.main_thread():
             raise InvalidOptionError(
                 "save_on_signal: create the CheckpointManager in the main thread (Python runs signal handlers "
@@ -159,7 +168,13 @@ class SignalSave:
         reach, to the commit; ``saved`` False when the step was committed already)."""
         self.step_seconds: float | None = None
         """The longest time between two safe points seen (seconds)."""
+        self.check_interval = 1
+        """Safe points between two agreements of the ranks (the last one agreed)."""
+        self.check_seconds: float | None = None
+        """How long the last agreement (one all-reduce) took on this rank, seconds."""
         self._boundaries = 0
+        self._next_check = 1
+        self._last_step: float | None = None
         self._last_boundary: float | None = None
         self._warned_step = False
         self._rate: float | None = None  # bytes per second of the last committed save
@@ -230,16 +245,32 @@ class SignalSave:
             return False  # between two optimizer steps: the window's end is the safe point
         now = time.monotonic()
         if self._last_boundary is not None:
-            self._note_step_time(now - self._last_boundary)
+            self._last_step = now - self._last_boundary
+            self._note_step_time(self._last_step)
         self._last_boundary = now
         self._boundaries += 1
-        world = distributed.rank_and_world_size()[1]
-        if world > 1 and self._boundaries % self.check_every:
-            return False
-        if not distributed.any_rank(self.received is not None):
+        if distributed.rank_and_world_size()[1] > 1:
+            if self._boundaries < self._next_check:
+                return False
+            flag, self.check_interval = distributed.max_over_ranks([self.received is not None, self._interval()])
+            self.check_seconds = time.monotonic() - now
+            self._next_check = self._boundaries + self.check_interval  # the same on every rank: agreed maxima
+            if not flag:
+                return False
+        elif self.received is None:
             return False
         self._act(step, save=True)
         return True
+
+    def _interval(self) -> int:
+        """The check interval this rank asks for (the ranks take the largest)."""
+        if self.check_every is not None:
+            return self.check_every
+        if self.check_seconds is None or not self._last_step:
+            return 1
+        by_cost = math.ceil(self.check_seconds / (CHECK_COST * self._last_step))
+        by_deadline = math.floor(0.1 * self.grace_s / self._last_step)
+        return max(1, min(by_cost, by_deadline, 1000))
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.
@@ -331,7 +362,7 @@ class SignalSave:
 
 
 def make_signal_save(
-    manager: Any, save_on_signal: Any, grace_s: float | None, on_signal: str, check_every: int
+    manager: Any, save_on_signal: Any, grace_s: float | None, on_signal: str, check_every: int | None
 ) -> SignalSave | None:
     """The manager's :class:`SignalSave`, or None when ``save_on_signal`` is False.
 
@@ -340,7 +371,7 @@ def make_signal_save(
         save_on_signal: False, True or signals (:func:`parse_signals`).
         grace_s: seconds of grace (None: :data:`DEFAULT_GRACE_S`).
         on_signal: ``"exit"`` or ``"return"``.
-        check_every: agree across ranks every N-th safe point.
+        check_every: agree across ranks every N-th safe point (None: adaptive).
 
     Returns:
         The installed :class:`SignalSave`, or None.
