@@ -171,9 +171,10 @@ class SignalSave:
         self.check_interval = 1
         """Safe points between two agreements of the ranks (the last one agreed)."""
         self.check_seconds: float | None = None
-        """How long the last agreement (one all-reduce) took on this rank, seconds."""
+        """The fastest agreement (one all-reduce) seen on this rank, seconds."""
         self._boundaries = 0
         self._next_check = 1
+        self._checks = 0
         self._last_step: float | None = None
         self._last_boundary: float | None = None
         self._warned_step = False
@@ -253,7 +254,10 @@ class SignalSave:
             if self._boundaries < self._next_check:
                 return False
             flag, self.check_interval = distributed.max_over_ranks([self.received is not None, self._interval()])
-            self.check_seconds = time.monotonic() - now
+            took = time.monotonic() - now
+            self._checks += 1
+            # the fastest check seen: the first one also creates statekit's gloo group
+            self.check_seconds = took if self.check_seconds is None else min(self.check_seconds, took)
             self._next_check = self._boundaries + self.check_interval  # the same on every rank: agreed maxima
             if not flag:
                 return False
@@ -266,11 +270,11 @@ class SignalSave:
         """The check interval this rank asks for (the ranks take the largest)."""
         if self.check_every is not None:
             return self.check_every
-        if self.check_seconds is None or not self._last_step:
-            return 1
+        if self.check_seconds is None or not self._last_step or self._checks < 3:
+            return 1  # measure a few checks first
         by_cost = math.ceil(self.check_seconds / (CHECK_COST * self._last_step))
         by_deadline = math.floor(0.1 * self.grace_s / self._last_step)
-        return max(1, min(by_cost, by_deadline, 1000))
+        return max(1, min(by_cost, by_deadline, 2 * self.check_interval, 1000))  # grows at most 2x per check
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.
