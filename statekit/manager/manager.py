@@ -283,6 +283,8 @@ class CheckpointManager:
                 committed it first) and not ``overwrite``.
             AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
+            SystemExit: ``save_on_signal`` with ``on_signal="exit"`` and a signal received
+                (on any rank): this save was the signal's, committed (status ``128 + signum``).
         """
         started = time.monotonic()
         if not self.backpressure.admit(self.pending):
