@@ -136,7 +136,8 @@ def train_steps(
     time, the size and ``describe_save(manifest)``). Returns the last step.
 
     After each step ``manager.step_boundary(step)``: with ``save_on_signal`` a signal's
-    save of that step (logged as a ``signal_save`` event), then ``SystemExit(143)``.
+    save of that step (in it, or in the periodic ``save``; logged as a ``signal_save``
+    event), then ``SystemExit(143)``.
 
     Raises:
         Abandon: at step ``abandon_at``, right after logging it.
@@ -149,14 +150,14 @@ def train_steps(
             log({"event": "step", "step": step, "loss": loss})
             if abandon_at is not None and step == abandon_at:
                 raise Abandon(step)
-            if step % args.save_every == 0:
-                started = time.perf_counter()
-                manifest = manager.save(step, metrics={"loss": loss})
-                size = manifest.size_bytes
-                log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size,
-                     **describe_save(manifest)})
-            try:
-                manager.step_boundary(step)  # the safe point of save_on_signal (--preempt)
+            try:  # save() and step_boundary() are the safe points of save_on_signal (--preempt)
+                if step % args.save_every == 0:
+                    started = time.perf_counter()
+                    manifest = manager.save(step, metrics={"loss": loss})
+                    size = manifest.size_bytes
+                    log({"event": "save", "step": step, "seconds": time.perf_counter() - started, "bytes": size,
+                         **describe_save(manifest)})
+                manager.step_boundary(step)
             except SystemExit:
                 log({"event": "signal_save", **manager.signal_save.result})
                 raise
