@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -317,3 +318,16 @@ def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, options, messa
     with pytest.raises(InvalidOptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         statekit.CheckpointManager(_objects(), str(tmp_path / "root"), **options)
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(tmp_path):
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
+                                    grace_s=1e-9) as manager:
+        manager.save(1)  # measures the write rate
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.warns(statekit.StatekitWarning) as record:
+            assert manager.step_boundary(2)
+    messages = [str(w.message) for w in record]
+    assert any(re.search(r"step 2 needs about .* s \(\d[\d,]* bytes at the measured .* MiB/s of the last save\), "
+                         r".* of grace_s=1e-09 s remain; no faster local tier is configured", m) for m in messages), messages
+    assert manager.latest().endswith("checkpoint-00000002")  # written anyway
