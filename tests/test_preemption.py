@@ -331,3 +331,28 @@ def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(t
     assert any(re.search(r"step 2 needs about .* s \(\d[\d,]* bytes at the measured .* MiB/s of the last save\), "
                          r".* of grace_s=1e-09 s remain; no faster local tier is configured", m) for m in messages), messages
     assert manager.latest().endswith("checkpoint-00000002")  # written anyway
+
+
+def test_a_hook_based_trainer_saves_on_a_signal_at_its_step_end_and_resumes_there(tmp_path):
+    objects = _objects()
+    progress = statekit.TrainerProgress()
+    with statekit.CheckpointManager({**objects, "trainer": progress}, str(tmp_path / "root"), save_on_signal=True,
+                                    on_signal="return") as manager:
+        hook = statekit.CheckpointHook(manager, progress, every_n_steps=5)
+        hook.on_loop_begin()
+        while not manager.should_stop:  # the trainer's loop checks should_stop after each step end
+            objects["model"](torch.randn(2, 3)).sum().backward()
+            objects["optimizer"].step()
+            objects["optimizer"].zero_grad()
+            progress.finish_step()
+            if progress.global_step == 7:
+                os.kill(os.getpid(), signal.SIGTERM)
+            hook.on_step_end()
+    saved = {k: v.clone() for k, v in objects["model"].state_dict().items()}
+    fresh = _objects()
+    progress2 = statekit.TrainerProgress()
+    with statekit.CheckpointManager({**fresh, "trainer": progress2}, str(tmp_path / "root")) as manager2:
+        assert statekit.CheckpointHook(manager2, progress2, every_n_steps=5).on_loop_begin() == 7
+    assert progress2.global_step == 7
+    for key, value in saved.items():
+        assert torch.equal(fresh["model"].state_dict()[key], value)
