@@ -11,13 +11,14 @@ Several ranks assemble one copy: each copies the files its rank wrote (the manif
 (:data:`MARKER_PREFIX`); rank 0 commits once every rank's marker names the same manifest
 and its files, and removes the markers first.
 
-Each uploaded file is written under a temporary name of its own and renamed to its final
-name once it verified there (:meth:`statekit.plugin_api.Storage.rename`: ``os.replace``
-locally, a server-side copy on object stores), so no partial file ever carries a final
-name. With ``hedge_after_s`` an upload that made no progress for that long is raced by a
-second attempt (a hedged copy, :func:`_copy_file_hedged`): each attempt writes its own
-temporary file, the first to finish verified is renamed, and the other is abandoned and
-removes its temporary file when it ends.
+With ``hedge_after_s`` (hedged copies) each uploaded file is written under a temporary
+name of its own and renamed to its final name once it verified there
+(:meth:`statekit.plugin_api.Storage.rename`: ``os.replace`` locally, a server-side copy
+on object stores), so no partial file carries a final name; an upload that made no
+progress for that long is raced by a second attempt (:func:`_copy_file_hedged`): the
+first to finish verified is renamed, and the other is abandoned and removes its
+temporary file when it ends. Without it, each file is written under its final name, as
+one attempt at a time never races another.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def copy_checkpoint(
         on_file_copied: ``callable(size_bytes)`` after each data file is copied and
             verified (the replicator's backlog).
         hedge_after_s: seconds without progress (a chunk read or written, a request
-            answered) after which an upload is raced by a second attempt; None or 0: never
-            (the upload still goes through a temporary name).
+            answered) after which an upload is raced by a second attempt; each attempt then
+            writes a temporary name, renamed once verified. None or 0: never; each file is
+            written under its final name (one attempt at a time).
         on_hedge: ``callable(rel, winner)`` once a hedged upload's race ended: ``winner``
             is the attempt that was committed (1 or 2), None when both failed.
 
@@ -127,14 +129,8 @@ def copy_checkpoint(
             # not an unchanged file of an incremental save held by the remote base: upload it
             if hedge_after_s:
                 _copy_file_hedged(src, dst, rel, meta, hedge_after_s, on_hedge)
-            else:
-                temp = _temp_name(rel, 1)
-                try:
-                    _copy_file(src, dst, rel, meta, to=temp)
-                except BaseException:
-                    _remove_quietly(dst, temp)
-                    raise
-                _publish(dst, rel, meta, temp)
+            else:  # one attempt: the final name directly (the manifest, written last, commits)
+                _copy_file(src, dst, rel, meta)
         if on_file_copied is not None:
             on_file_copied(meta.size_bytes)
     if world_size > 1:

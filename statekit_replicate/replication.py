@@ -21,10 +21,10 @@ marker ``.statekit-replica-rank-<r>.json`` there; rank 0 commits the remote mani
 when every rank's marker names this manifest and its files, and removes the markers
 before the commit (a committed remote copy holds exactly the manifest's files).
 
-Each file is uploaded under a temporary name and renamed once it verified; an upload that
-made no progress for ``hedge_after_s`` seconds (``replicate_hedge_after_s``, default 30)
-is raced by a second attempt, and the first to finish is committed (a hedged copy,
-:mod:`statekit_replicate.remote_copy`).
+With ``hedge_after_s`` (``replicate_hedge_after_s``, default 30) each file is uploaded
+under a temporary name and renamed once it verified, and an upload that made no progress
+for that many seconds is raced by a second attempt; the first to finish is committed (a
+hedged copy, :mod:`statekit_replicate.remote_copy`).
 
 Failures (endpoint down, frozen, a mismatch at the destination) are retried with
 exponential backoff; every failed try warns with the remote URL; training and local

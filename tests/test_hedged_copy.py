@@ -181,10 +181,10 @@ def test_hedging_disabled_waits_for_the_stalled_upload(stallfs, plugin_manager, 
         assert manager.replicator.wait(timeout=60) == []
     assert not any("hedged copy" in str(w.message) for w in caught)
     assert manager.stats().replication["hedged"] == 0
-    # one attempt per file, under its temporary name, renamed once whole
-    stalled_final = stallfs.stalled_path.rsplit(".attempt1.tmp", 1)[0]
-    assert sum(1 for p in stallfs.opened_for_write if p.startswith(stalled_final)) == 1
-    assert not [p for p in stallfs.store if p.endswith(".tmp")]
+    # one attempt per file, written under its final name (no temporary file, no rename)
+    assert stallfs.stalled_path.endswith(DATA)
+    assert stallfs.opened_for_write.count(stallfs.stalled_path) == 1
+    assert not [p for p in stallfs.store if p.endswith(".tmp")] and not stallfs.renamed
     _resume_from_remote(tmp_path, remote, model)
 
 
