@@ -10,6 +10,7 @@ sleeps: the test waits for events and for ``manager.wait()``.
 
 from __future__ import annotations
 
+import errno
 import threading
 import warnings
 
@@ -62,6 +63,8 @@ class StallFS(MemoryFileSystem):
     stalled_removed = threading.Event()
     opened_for_write: list[str] = []
     renamed: list[tuple[str, str, bytes]] = []
+    fail_hedge = False
+    hedge_failed = threading.Event()
 
     @classmethod
     def reset(cls) -> None:
@@ -71,8 +74,13 @@ class StallFS(MemoryFileSystem):
         cls.stalled_path = None
         cls.opened_for_write = []
         cls.renamed = []
+        cls.fail_hedge = False
+        cls.hedge_failed = threading.Event()
 
     def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode and StallFS.fail_hedge and ".attempt2.tmp" in path:
+            StallFS.hedge_failed.set()
+            raise OSError(errno.EIO, "Input/output error", path)
         f = super()._open(path, mode, **kwargs)
         if "w" in mode:
             path = self._strip_protocol(path)
@@ -162,6 +170,30 @@ def test_a_stalled_upload_is_raced_and_the_hedge_is_committed(stallfs, plugin_ma
     assert not [p for p in stallfs.store if p.endswith(".tmp")]
     statekit.verify(f"{remote}/checkpoint-00000001")
     assert manager.replicator.replicated_names() == {"checkpoint-00000001"}
+
+
+def test_the_stalled_attempt_wins_when_the_hedge_fails(stallfs, plugin_manager, tmp_path):
+    """The second attempt fails (EIO); the copy waits for the first, which is committed."""
+    stallfs.fail_hedge = True
+    model = _model()
+    remote = "stallmem://bucket/run"
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "local"), replicate_to=remote,
+                                         replicate_hedge_after_s=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.save(1)
+        assert stallfs.stalled.wait(60)
+        assert stallfs.hedge_failed.wait(60)
+        assert manager.replicator.pending() == ["checkpoint-00000001"]  # not failed: the first attempt still runs
+        stallfs.release.set()
+        assert manager.replicator.wait(timeout=60) == []
+    messages = [str(w.message) for w in caught]
+    assert any("hedged copy" in m and "attempt 1 finished first and was committed" in m for m in messages), messages
+    assert not any("replication try" in m for m in messages)  # the try did not fail
+    replication = manager.stats().replication
+    assert replication["hedged"] >= 1 and replication["hedges_won"] == 0
+    assert not [p for p in stallfs.store if p.endswith(".tmp")]
+    _resume_from_remote(tmp_path, remote, model)
 
 
 @pytest.mark.parametrize("disabled", [None, 0])
