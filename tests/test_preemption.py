@@ -66,6 +66,20 @@ class Worker:
         self.proc.wait()
         raise AssertionError(f"worker ended before {words}: {''.join(self.lines)[-2000:]}{self.proc.stderr.read()[-3000:]}")
 
+    def until_each(self, *lines: tuple[str, ...]) -> None:
+        """Read stdout until a line starting with each of ``lines`` was seen, in any order."""
+        wanted = [list(words) for words in lines]
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            parts = line.split()
+            if parts[:1] == ["ready"]:
+                self.pids[int(parts[1])] = int(parts[2])
+            wanted = [words for words in wanted if parts[: len(words)] != words]
+            if not wanted:
+                return
+        self.proc.wait()
+        raise AssertionError(f"worker ended before {wanted}: {''.join(self.lines)[-2000:]}{self.proc.stderr.read()[-3000:]}")
+
     def release(self, rank: int = 0) -> None:
         """Let a paused rank go on (it blocks on its FIFO until a line is written)."""
         with open(f"{self.out}.rank{rank}.fifo", "w") as fifo:
@@ -159,6 +173,42 @@ def test_a_signal_during_an_async_save_commits_it_and_the_step_is_not_written_tw
     resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", STATEKIT_TEST_ASYNC="1")
     first[0]["code"] = 143 if first[0]["code"] == 138 else first[0]["code"]  # SIGUSR1: 128 + 10
     assert_resumes_exactly(reference(), first, resumed, 8)
+
+
+@pytest.mark.slow
+def test_an_async_save_still_writing_at_the_deadline_is_left_and_the_last_committed_one_stays_latest(
+        tmp_path, reference):
+    # the async save of step 8 stalls on its storage (held until the test writes to a FIFO,
+    # which it never does); the signal's safe point at step 10 waits for it only for the grace
+    # left (grace_s=2), then warns and exits without saving: step 4 stays latest, step 8
+    # stays uncommitted (the process dies with it in flight), the next start resumes from 4
+    worker = Worker("run", tmp_path / "root", tmp_path / "first", env={
+        "STATEKIT_TEST_ASYNC": "1", "STATEKIT_TEST_HOLD": "8", "STATEKIT_TEST_PAUSE": "mid-step:10",
+        "STATEKIT_TEST_GRACE": "2"})
+    worker.until_each(("holding", "0", "8"), ("paused", "0", "mid-step", "10"))
+    os.kill(worker.pids[0], signal.SIGTERM)
+    worker.release()
+    assert worker.finish() == 143
+    (first,) = worker.results()
+    root = tmp_path / "root"
+    assert first["stopped"] == 10
+    assert first["result"] == {**first["result"], "signal": "SIGTERM", "step": 4, "saved": False, "in_flight": 8,
+                               "url": f"holdfile://{root}/checkpoint-00000004"}
+    assert re.search(r"save_on_signal: the async save of step 8 is still writing after [\d.]+ s of waiting, the grace "
+                     r"left by grace_s=2 s less the signal's own save's estimated [\d.]+ s; step 10 is not saved and "
+                     rf"the newest committed checkpoint, holdfile://{root}/checkpoint-00000004, stays latest",
+                     worker.stderr), worker.stderr[-3000:]
+    waited = float(re.search(r"still writing after ([\d.]+) s", worker.stderr).group(1))
+    assert 1.0 < waited <= 2.0
+    manager = statekit.CheckpointManager({}, str(root))
+    assert [(c.step, c.committed) for c in manager.list()] == [(4, True), (8, False)]
+    assert manager.latest().endswith("checkpoint-00000004")
+    resumed = run_worker("run", root, tmp_path / "resumed", STATEKIT_TEST_ASYNC="1")
+    assert resumed[0]["start"] == 4 and resumed[0]["stopped"] == TOTAL
+    ref = reference()[0]
+    assert first["losses"][:4] + resumed[0]["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(torch.tensor(resumed[0]["weights"][key]), torch.tensor(value)), key
 
 
 @pytest.mark.slow

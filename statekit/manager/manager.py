@@ -181,6 +181,8 @@ class CheckpointManager:
         self.async_save = async_save
         self.staging = StagingPool()
         self.pending: PendingSave | None = None
+        self.pending_step: int | None = None
+        """The step of :attr:`pending` (the async save in flight, if any)."""
         self.storage_options = storage_options
         self.allow_pickle = allow_pickle
         self.incremental = incremental
@@ -321,7 +323,7 @@ class CheckpointManager:
             entries = [classify(k, v) for k, v in self.objects.items()]
             result = saveload.save_objects(url, entries, options=self.options, **common)
         if not blocking:
-            self.pending = result
+            self.pending, self.pending_step = result, step
         if on_signal:
             self.signal_save.after_save(step)  # logs; exits, or should_stop
         self.save_stats.record(step, started, waited, "writing" if not blocking else "committed")

@@ -163,9 +163,12 @@ class SignalSave:
         """Signals received by this rank (a second one during the save is counted, nothing else)."""
         self.should_stop = False
         self.result: dict[str, Any] | None = None
-        """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved"}``
-        (``seconds``: from the signal, or from the safe point on a rank the signal did not
-        reach, to the commit; ``saved`` False when the step was committed already)."""
+        """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved",
+        "in_flight"}`` (``seconds``: from the signal, or from the safe point on a rank the
+        signal did not reach, to the commit; ``saved`` False when the step was committed
+        already; ``in_flight``: None, or the step of an async save that was still writing
+        when the grace ran out: then nothing was saved and ``step``/``url`` name the newest
+        committed checkpoint, None if there is none)."""
         self.step_seconds: float | None = None
         """The longest time between two safe points seen (seconds)."""
         self.check_interval = 1
@@ -182,6 +185,7 @@ class SignalSave:
         self._last_bytes: int | None = None
         self._last_committed: int | None = None
         self._acting = False
+        self._in_flight_wait = 0.0
         self._previous: dict[signal.Signals, Any] = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handler)
@@ -323,7 +327,8 @@ class SignalSave:
             )
         self._acting = True
         try:
-            self.manager.wait_for_save()  # an async save in flight commits first
+            if not self._commit_in_flight(step, since):
+                return self._give_up(step, signum, since)
             saved = save and self._last_committed != step
             if saved:
                 self._warn_if_too_slow(step, self.grace_s - late)
@@ -342,15 +347,76 @@ class SignalSave:
             signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
             "" if (saved or not save) else " (committed already)",
         )
+        self._stop(signum)
+
+    def _stop(self, signum: signal.Signals | None) -> None:
         self.should_stop = True
         if self.on_signal == "exit":
             raise SystemExit(exit_code(signum if signum is not None else signal.SIGTERM))
 
-    def _warn_if_too_slow(self, step: int, remaining: float) -> None:
+    def _estimate(self) -> float | None:
+        """Seconds the signal's save is estimated to take (last save's bytes at its measured
+        rate), or None before the first measured save."""
         if self._rate is None or self._last_bytes is None:
-            return
-        estimate = self._last_bytes / self._rate
-        if estimate <= remaining:
+            return None
+        return self._last_bytes / self._rate
+
+    def _commit_in_flight(self, step: int, since: float) -> bool:
+        """Wait for an async save still writing, bounded by the grace left (``grace_s``
+        minus the time since the signal, minus the signal's own save's estimate); every
+        rank agrees. True: none in flight, or it finished (collected, its error raised);
+        False: still writing on some rank at the bound (left alone: it commits or not,
+        never half: its manifest is written last)."""
+        pending = self.manager.pending
+        self._in_flight_wait = 0.0
+        done = True
+        if pending is not None:
+            bound = self.grace_s - (time.monotonic() - since) - (self._estimate() or 0.0)
+            started = time.monotonic()
+            done = pending.join(max(0.0, bound))
+            self._in_flight_wait = time.monotonic() - started
+        if distributed.rank_and_world_size()[1] > 1:
+            done = not distributed.any_rank(not done)
+        if done:
+            self.manager.wait_for_save()  # collect it: post-hooks, its error raised here
+        return done
+
+    def _give_up(self, step: int, signum: signal.Signals | None, since: float) -> bool:
+        """The async save in flight did not finish within the grace: no signal's save."""
+        writing = self.manager.pending_step if self.manager.pending is not None else None
+        newest = self._last_committed
+        kept = (
+            f"the newest committed checkpoint, {self.manager.url_for(newest)}, stays latest"
+            if newest is not None else "no checkpoint of this run is committed: the next start begins from scratch"
+        )
+        warn_user(
+            f"save_on_signal: the async save of step {writing if writing is not None else '(another rank)'} is still "
+            f"writing after {self._in_flight_wait:.1f} s of waiting, the grace left by grace_s={self.grace_s:g} s "
+            f"{self._estimate_text()}; step {step} is not saved and {kept} (the save in flight commits if it "
+            "finishes before the kill, or stays uncommitted: never loaded)",
+            StatekitWarning,
+        )
+        seconds = time.monotonic() - since
+        self.result = {"signal": signum.name if signum else None, "step": newest,
+                       "url": None if newest is None else self.manager.url_for(newest), "seconds": seconds,
+                       "grace_s": self.grace_s, "saved": False, "in_flight": writing}
+        logger.warning(
+            "save_on_signal: %s: step %d not saved (the async save of step %s still writing); %.2f s after the "
+            "signal (grace %g s)", signum.name if signum else "signal on another rank", step, writing, seconds,
+            self.grace_s,
+        )
+        self._stop(signum)
+        return True
+
+    def _estimate_text(self) -> str:
+        estimate = self._estimate()
+        if estimate is None:
+            return "(no save measured yet)"
+        return f"less the signal's own save's estimated {estimate:.1f} s"
+
+    def _warn_if_too_slow(self, step: int, remaining: float) -> None:
+        estimate = self._estimate()
+        if estimate is None or estimate <= remaining:
             return
         tier = (
             "writing to the local root first (replicate_to copies it to the remote tier until the deadline)"

@@ -7,6 +7,11 @@ exists, train to TOTAL; a signal saves the step reached and exits 143).
 Environment:
   STATEKIT_TEST_ACCUM      gradient_accumulation_steps (steps are then micro-batches)
   STATEKIT_TEST_ASYNC      "1": async_save=True, and an async save every 4 steps
+  STATEKIT_TEST_GRACE      grace_s (default: statekit's)
+  STATEKIT_TEST_HOLD       "<step>": the async save of that step blocks on its writer thread
+                           (slow storage: the root is opened through a local filesystem whose
+                           first write into checkpoint-<step> waits) until the test writes a
+                           line to the FIFO OUT.rank<r>.hold.fifo; prints "holding <rank> <step>"
   STATEKIT_TEST_PAUSE      "<where>:<step>": block at that point until the test writes a
                            line to the FIFO OUT.rank<r>.fifo (it sends its signal first);
                            where: mid-step (after backward, before optimizer.step),
@@ -20,7 +25,9 @@ this run, the step it started from, the step it stopped at, and the final weight
 import json
 import os
 import sys
+import threading
 
+import fsspec
 import torch
 import torch.nn.functional as F
 
@@ -64,13 +71,44 @@ class LoadProbe:
 
 
 accelerator.register_for_checkpointing(LoadProbe())
+
+hold_step = os.environ.get("STATEKIT_TEST_HOLD")
+if hold_step:
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    class HoldFileSystem(DirFileSystem):
+        """The local disk, except that the first write of the async save of step
+        ``hold_step`` waits for the test (storage that stalls while a save is in flight)."""
+
+        protocol = "holdfile"
+        held = False
+
+        def __init__(self, **kwargs):
+            super().__init__(path="/", fs=LocalFileSystem(), **kwargs)
+
+        def open(self, path, mode="rb", *args, **kwargs):
+            writer = threading.current_thread().name.startswith("statekit-save")
+            if writer and "w" in mode and f"checkpoint-{int(hold_step):08d}/" in path and not HoldFileSystem.held:
+                HoldFileSystem.held = True
+                say("holding", rank, hold_step)
+                with open(f"{out}.rank{rank}.hold.fifo") as fifo:
+                    fifo.read()
+            return super().open(path, mode, *args, **kwargs)
+
+    if not os.path.exists(f"{out}.rank{rank}.hold.fifo"):
+        os.mkfifo(f"{out}.rank{rank}.hold.fifo")
+    fsspec.register_implementation("holdfile", HoldFileSystem, clobber=True)
+    root = f"holdfile://{os.path.abspath(root)}"
 say("ready", rank, os.getpid())
 losses: list[float] = []
 start = step = 0
 manager = None
 try:
     if mode == "run":
-        manager = statekit.CheckpointManager(accelerator, root, save_on_signal=True, async_save=use_async)
+        grace = os.environ.get("STATEKIT_TEST_GRACE")
+        manager = statekit.CheckpointManager(accelerator, root, save_on_signal=True, async_save=use_async,
+                                             grace_s=float(grace) if grace else None)
         start = step = manager.resume() or 0
     source = batches(loader)
     while step < TOTAL:
