@@ -334,7 +334,9 @@ class CheckpointManager:
         training step (cheap: a flag check; with several ranks one all-reduce of one int,
         see ``signal_check_every``). Every rank must call it at the same steps.
 
-        When any rank has received a signal, every rank commits an async save in flight,
+        When any rank has received a signal, every rank commits an async save in flight
+        (waited for at most the grace left; still writing then: a warning, nothing saved,
+        the newest committed checkpoint stays latest, the run stops),
         saves ``step`` blocking (unless ``step`` is committed already) and then exits with
         status ``128 + signal number`` (``on_signal="exit"``) or returns True. Between two
         optimizer steps of ``accelerator.accumulate`` (``sync_gradients`` False) it does

@@ -14,7 +14,9 @@ could catch the optimizer mid-update). The run acts at its next *safe point*:
 - ``CheckpointHook.on_step_end`` (hook-based trainers).
 
 There the ranks agree (:func:`statekit.distributed.any_rank`: the signal may have reached
-one rank only), an async save in flight is committed first, the step is saved blocking
+one rank only), an async save in flight is committed first (waited for at most the grace
+left; still writing then: nothing is saved, the newest committed checkpoint stays latest),
+the step is saved blocking
 (unless it is committed already), the signal-to-commit time is logged, and the run exits
 with code ``128 + signal number`` (``on_signal="exit"``) or
 :attr:`CheckpointManager.should_stop` turns True (``on_signal="return"``). See
