@@ -272,3 +272,49 @@ def test_bad_hedge_option_is_refused(plugin_manager, tmp_path, value):
                                    replicate_hedge_after_s=value)
     assert str(info.value) == ("replicate_hedge_after_s must be a finite number of seconds >= 0 or None (0 or None: "
                                f"no hedged copies), got {value!r}")
+
+
+def test_a_hedged_copy_to_an_object_store_writes_the_final_name_without_a_rename(plugin_manager, tmp_path, monkeypatch, s3_bucket):
+    """s3:// (moto): an object appears only once written whole and both attempts hold the
+    same bytes, so the hedge writes the final key itself: no temporary object, no rename
+    (a server-side copy of every file); the stalled attempt, released, writes the same bytes."""
+    from statekit.plugin_api import Storage
+
+    release, stalled, ended = threading.Event(), threading.Event(), threading.Event()
+    held: dict[str, str] = {}
+    real_copy = remote_copy._copy_file
+    renames = []
+    monkeypatch.setattr(Storage, "rename", lambda self, rel, to: renames.append((rel, to)))
+
+    def stalling_copy(src, dst, rel, meta, *, to=None, progress=None):
+        if rel.endswith(DATA) and not held:
+            held["to"] = to
+            stalled.set()
+            assert release.wait(60)
+            try:
+                return real_copy(src, dst, rel, meta, to=to, progress=progress)
+            finally:
+                ended.set()
+        return real_copy(src, dst, rel, meta, to=to, progress=progress)
+
+    monkeypatch.setattr(remote_copy, "_copy_file", stalling_copy)
+    model = _model()
+    remote = f"{s3_bucket}/run"
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "local"), replicate_to=remote,
+                                         replicate_hedge_after_s=0.2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            manager.save(1)
+            assert stalled.wait(60)
+            assert manager.replicator.wait(timeout=60) == []
+        assert held["to"].endswith(DATA) and ".tmp" not in held["to"]  # the stalled attempt targets the final key
+        assert renames == []
+        assert manager.stats().replication["hedges_won"] >= 1
+        _resume_from_remote(tmp_path, remote, model)
+    finally:
+        release.set()
+    assert ended.wait(60)
+    statekit.verify(f"{remote}/checkpoint-00000001")  # the late attempt wrote the same bytes
+    listed = Storage(f"{remote}/checkpoint-00000001").find()
+    assert not [p for p in listed if p.endswith(".tmp")]

@@ -314,6 +314,14 @@ class Storage:
             self.fs.copy(src, dst)  # a missing source raises FileNotFoundError (s3fs, memory: their info() first)
             return "server-copy"
 
+    @property
+    def writes_whole_files(self) -> bool:
+        """True on object stores (:data:`BUCKET_PROTOCOLS`), where a file appears under its
+        name only once written whole (a PUT, or a multipart upload once completed), so two
+        writers of the same bytes cannot leave a mix of both; False on file systems
+        (local, NFS, fsspec's memory filesystem...), where a reader sees a file grow."""
+        return self.protocol in BUCKET_PROTOCOLS
+
     def rename(self, rel: str, to: str) -> None:
         """Give a finished file its final name in one step, replacing a file of that name:
         the way a file written under a temporary name is published.
