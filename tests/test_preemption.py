@@ -212,6 +212,49 @@ def test_an_async_save_still_writing_at_the_deadline_is_left_and_the_last_commit
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("copy_finishes", [True, False], ids=["copy-finishes", "copy-stalls"])
+def test_a_signal_during_replication_commits_locally_and_resumes_from_either_tier(tmp_path, reference, copy_finishes):
+    # replicate_to a remote tier; the copy of step 8 is held (FIFO) when the signal arrives
+    # (the run paused mid-step 10). The signal's checkpoint (10) commits locally, the remote
+    # copy is waited for until the deadline, the run exits 143. copy-finishes: the test lets the
+    # held copy go on, 8 and 10 reach the remote tier within the grace, and a fresh local root
+    # resumes from the remote 10. copy-stalls: it never does, grace_s=2 runs out, a warning names
+    # the remote copy not made, the remote tier's newest stays 4, and the local root resumes from 10.
+    remote = tmp_path / "remote"
+    env = {"STATEKIT_TEST_ASYNC": "1", "STATEKIT_TEST_REMOTE": str(remote), "STATEKIT_TEST_HOLD_COPY": "8"}
+    worker = Worker("run", tmp_path / "root", tmp_path / "first", env={
+        **env, "STATEKIT_TEST_PAUSE": "mid-step:10", "STATEKIT_TEST_GRACE": "30" if copy_finishes else "2"})
+    worker.until_each(("holding", "0", "8"), ("paused", "0", "mid-step", "10"))
+    os.kill(worker.pids[0], signal.SIGTERM)
+    worker.release()
+    if copy_finishes:
+        with open(tmp_path / "first.rank0.hold.fifo", "w") as fifo:
+            fifo.write("go\n")
+    assert worker.finish() == 143, worker.stderr[-3000:]
+    (first,) = worker.results()
+    assert first["stopped"] == 10 and first["result"]["step"] == 10 and first["result"]["saved"] is True
+    assert first["result"]["seconds"] < first["result"]["grace_s"]  # to the local commit
+    assert first["result"]["replicated"] is copy_finishes
+    assert statekit.CheckpointManager({}, str(tmp_path / "root")).latest().endswith("checkpoint-00000010")
+    remote_latest = statekit.CheckpointManager({}, str(remote)).latest()
+    ref = reference()[0]
+    if copy_finishes:
+        assert remote_latest.endswith("checkpoint-00000010")
+        resume_root = tmp_path / "fresh"  # a new machine: only the remote tier holds the run
+    else:
+        assert remote_latest.endswith("checkpoint-00000004")
+        assert f"holdfile://{remote}/checkpoint-00000010" in worker.stderr, worker.stderr[-3000:]
+        resume_root = tmp_path / "root"
+    env.pop("STATEKIT_TEST_HOLD_COPY")
+    resumed = run_worker("run", resume_root, tmp_path / "resumed", **env)
+    assert resumed[0]["start"] == 10 and resumed[0]["stopped"] == TOTAL
+    assert first["losses"][:10] + resumed[0]["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(torch.tensor(resumed[0]["weights"][key]), torch.tensor(value)), key
+    assert statekit.CheckpointManager({}, str(remote)).latest().endswith(f"checkpoint-{TOTAL:08d}")
+
+
+@pytest.mark.slow
 def test_a_signal_during_the_resume_is_acted_on_at_the_first_step_boundary(tmp_path, reference):
     # a first run stopped by a signal at step 5; the second is signalled while it loads
     _, first = signalled_run(tmp_path, "mid-step:5")
@@ -261,7 +304,8 @@ def test_a_sigterm_to_the_torchrun_launcher_reaches_the_workers_and_is_saved(tmp
 def test_signals_at_random_moments_each_leave_a_checkpoint_the_next_start_resumes_exactly(tmp_path, reference):
     """STATEKIT_TEST_SIGNALS signals (default 8; each is a process start, about 4 s here),
     each sent after a random number of steps (so at a random point of a step, of a
-    boundary's flag check or of an async save every 4 steps), SIGTERM or SIGUSR1. Every
+    boundary's flag check, of an async save every 4 steps or of its copy to the remote tier
+    (replicate_to, a local directory)), SIGTERM or SIGUSR1. Every
     signalled run exits 128 + signum with a committed checkpoint of the step it stopped
     at, the next start resumes from exactly that step, and each chain of runs reaches
     TOTAL with the reference's losses and weights; then a new chain starts.
@@ -276,7 +320,8 @@ def test_signals_at_random_moments_each_leave_a_checkpoint_the_next_start_resume
         root.mkdir()
         while step < TOTAL:
             runs += 1
-            worker = Worker("run", root / "root", root / f"run{runs}", env={"STATEKIT_TEST_ASYNC": "1"})
+            worker = Worker("run", root / "root", root / f"run{runs}",
+                            env={"STATEKIT_TEST_ASYNC": "1", "STATEKIT_TEST_REMOTE": str(root / "remote")})
             if sent < count and step < TOTAL - 2:
                 sig = rng.choice([signal.SIGTERM, signal.SIGUSR1])
                 worker.until("step", "0", str(rng.randrange(step + 1, TOTAL - 1)))
@@ -292,6 +337,8 @@ def test_signals_at_random_moments_each_leave_a_checkpoint_the_next_start_resume
             losses += result["losses"]
             step = result["stopped"]
         assert losses == ref["losses"], f"chain {chains}"
+        remote = statekit.CheckpointManager({}, str(root / "remote")).latest()  # the last run's wait() replicated all
+        assert remote.endswith(f"checkpoint-{TOTAL:08d}"), (chains, remote)
         for key, value in ref["weights"].items():
             assert torch.equal(torch.tensor(result["weights"][key]), torch.tensor(value)), (chains, key)
 

@@ -166,9 +166,11 @@ class SignalSave:
         self.should_stop = False
         self.result: dict[str, Any] | None = None
         """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved",
-        "in_flight"}`` (``seconds``: from the signal, or from the safe point on a rank the
-        signal did not reach, to the commit; ``saved`` False when the step was committed
-        already; ``in_flight``: None, or the step of an async save that was still writing
+        "in_flight", "replicated", "total_seconds"}`` (``seconds``: from the signal, or from
+        the safe point on a rank the signal did not reach, to the (local) commit; ``saved``
+        False when the step was committed already; ``replicated``: with ``replicate_to``,
+        whether its remote copy committed within the grace (None without);
+        ``total_seconds``: to the end of the remote wait; ``in_flight``: None, or the step of an async save that was still writing
         when the grace ran out: then nothing was saved and ``step``/``url`` name the newest
         committed checkpoint, None if there is none)."""
         self.step_seconds: float | None = None
@@ -335,20 +337,26 @@ class SignalSave:
             if saved:
                 self._warn_if_too_slow(step, self.grace_s - late)
                 self.manager.save(step, blocking=True)
+            seconds = time.monotonic() - since  # to the (local) commit
+            url = self.manager.url_for(step)
+            logger.warning(
+                "save_on_signal: %s: step %d committed at %s, %.2f s after the signal (grace %g s)%s",
+                signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
+                "" if (saved or not save) else " (committed already)",
+            )
+            replicated = None
             replicator = self.manager.replicator
             if replicator is not None:  # local copy committed; the remote copy until the deadline
                 self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
+                replicated = url.rstrip("/").rsplit("/", 1)[-1] in replicator.replicated_names()
+                logger.warning("save_on_signal: the remote copy of step %d %s, %.2f s after the signal", step,
+                               "committed" if replicated else "did not commit within the grace",
+                               time.monotonic() - since)
         finally:
             self._acting = False
-        seconds = time.monotonic() - since
-        url = self.manager.url_for(step)
         self.result = {"signal": signum.name if signum else None, "step": step, "url": url, "seconds": seconds,
-                       "grace_s": self.grace_s, "saved": saved or not save}
-        logger.warning(
-            "save_on_signal: %s: step %d committed at %s, %.2f s after the signal (grace %g s)%s",
-            signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
-            "" if (saved or not save) else " (committed already)",
-        )
+                       "grace_s": self.grace_s, "saved": saved or not save, "in_flight": None,
+                       "replicated": replicated, "total_seconds": time.monotonic() - since}
         self._stop(signum)
 
     def _stop(self, signum: signal.Signals | None) -> None:
@@ -401,7 +409,8 @@ class SignalSave:
         seconds = time.monotonic() - since
         self.result = {"signal": signum.name if signum else None, "step": newest,
                        "url": None if newest is None else self.manager.url_for(newest), "seconds": seconds,
-                       "grace_s": self.grace_s, "saved": False, "in_flight": writing}
+                       "grace_s": self.grace_s, "saved": False, "in_flight": writing, "replicated": None,
+                       "total_seconds": seconds}
         logger.warning(
             "save_on_signal: %s: step %d not saved (the async save of step %s still writing); %.2f s after the "
             "signal (grace %g s)", signum.name if signum else "signal on another rank", step, writing, seconds,

@@ -12,6 +12,9 @@ Environment:
                            (slow storage: the root is opened through a local filesystem whose
                            first write into checkpoint-<step> waits) until the test writes a
                            line to the FIFO OUT.rank<r>.hold.fifo; prints "holding <rank> <step>"
+  STATEKIT_TEST_REMOTE     a directory: replicate_to it (through the same local filesystem)
+  STATEKIT_TEST_HOLD_COPY  "<step>": the remote copy of that step blocks on the replication
+                           thread like STATEKIT_TEST_HOLD
   STATEKIT_TEST_PAUSE      "<where>:<step>": block at that point until the test writes a
                            line to the FIFO OUT.rank<r>.fifo (it sends its signal first);
                            where: mid-step (after backward, before optimizer.step),
@@ -73,33 +76,43 @@ class LoadProbe:
 accelerator.register_for_checkpointing(LoadProbe())
 
 hold_step = os.environ.get("STATEKIT_TEST_HOLD")
-if hold_step:
+hold_copy = os.environ.get("STATEKIT_TEST_HOLD_COPY")
+remote = os.environ.get("STATEKIT_TEST_REMOTE")
+if hold_step or remote:
     from fsspec.implementations.dirfs import DirFileSystem
     from fsspec.implementations.local import LocalFileSystem
 
+    holds = []  # (path fragment, thread name prefix): the first write matching one waits
+    if hold_step:
+        holds.append((f"{os.path.abspath(root)}/checkpoint-{int(hold_step):08d}/", "statekit-save"))
+    if remote and hold_copy:
+        holds.append((f"{os.path.abspath(remote)}/checkpoint-{int(hold_copy):08d}/", "statekit-replicate"))
+
     class HoldFileSystem(DirFileSystem):
         """The local disk, except that the first write of the async save of step
-        ``hold_step`` waits for the test (storage that stalls while a save is in flight)."""
+        ``hold_step`` (or of the remote copy of step ``hold_copy``) waits for the test
+        (storage that stalls while a save or a copy is in flight)."""
 
         protocol = "holdfile"
-        held = False
 
         def __init__(self, **kwargs):
             super().__init__(path="/", fs=LocalFileSystem(), **kwargs)
 
         def open(self, path, mode="rb", *args, **kwargs):
-            writer = threading.current_thread().name.startswith("statekit-save")
-            if writer and "w" in mode and f"checkpoint-{int(hold_step):08d}/" in path and not HoldFileSystem.held:
-                HoldFileSystem.held = True
-                say("holding", rank, hold_step)
-                with open(f"{out}.rank{rank}.hold.fifo") as fifo:
-                    fifo.read()
+            thread = threading.current_thread().name
+            for held in list(holds):
+                if "w" in mode and held[0] in "/" + path.lstrip("/") and thread.startswith(held[1]):
+                    holds.remove(held)
+                    say("holding", rank, int(held[0].rstrip("/").rsplit("-", 1)[1]))
+                    with open(f"{out}.rank{rank}.hold.fifo") as fifo:
+                        fifo.read()
             return super().open(path, mode, *args, **kwargs)
 
     if not os.path.exists(f"{out}.rank{rank}.hold.fifo"):
         os.mkfifo(f"{out}.rank{rank}.hold.fifo")
     fsspec.register_implementation("holdfile", HoldFileSystem, clobber=True)
-    root = f"holdfile://{os.path.abspath(root)}"
+    if hold_step:
+        root = f"holdfile://{os.path.abspath(root)}"
 say("ready", rank, os.getpid())
 losses: list[float] = []
 start = step = 0
@@ -107,8 +120,9 @@ manager = None
 try:
     if mode == "run":
         grace = os.environ.get("STATEKIT_TEST_GRACE")
+        tiers = {"replicate_to": f"holdfile://{os.path.abspath(remote)}"} if remote else {}
         manager = statekit.CheckpointManager(accelerator, root, save_on_signal=True, async_save=use_async,
-                                             grace_s=float(grace) if grace else None)
+                                             grace_s=float(grace) if grace else None, **tiers)
         start = step = manager.resume() or 0
     source = batches(loader)
     while step < TOTAL:
