@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -211,3 +211,30 @@ def rng_guard() -> Iterator[None]:
         yield
     finally:
         restore_random_states(states)
+
+
+def wait_for_current_streams(devices: Iterable[torch.device]) -> None:
+    """Block until the work queued so far on each device's current stream (this thread's)
+    has finished.
+
+    Another thread's kernels run on that thread's default stream, which is not ordered
+    after this thread's current stream: a worker thread that reads tensors this thread
+    (or a training step under ``torch.cuda.stream(s)``) just wrote could read the values
+    from before. :meth:`statekit.engine.context.Checkpoint.comparing_ahead` calls this
+    before its workers digest tensors on the device.
+
+    Args:
+        devices: the devices whose tensors other threads will read; CPU and ``meta``
+            devices are skipped.
+    """
+    for device in set(devices):
+        if device.type in ("cpu", "meta"):
+            continue
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+            continue
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "synchronize"):
+            accelerator.synchronize(device)
+        else:  # torch < 2.6: the backend's own module
+            torch.get_device_module(device.type).synchronize()

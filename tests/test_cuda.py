@@ -175,3 +175,21 @@ def test_an_incremental_save_on_the_gpu_compares_unchanged_weights_on_the_device
     statekit.load(str(tmp_path / "run" / "checkpoint-00000002"), {"model": fresh})
     for (name, x), y in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(x, y), name
+
+
+def test_a_frozen_weight_edited_on_a_side_stream_is_written_again(tmp_path):
+    """The comparison's worker threads read on their own streams: the save waits for the
+    caller's current stream first, so an in-place edit still queued there is seen."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"base": nn.Linear(1024, 1024).requires_grad_(False), "adapter": nn.Linear(1024, 8)}).cuda()
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "run"))
+    manager.save(1)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the edit below runs only after this, long after save() began
+        model["base"].weight.mul_(2)
+        second = manager.save(2)
+    assert second.files["model.frozen-00000.safetensors"].reused_from is None
+    fresh = nn.ModuleDict({"base": nn.Linear(1024, 1024), "adapter": nn.Linear(1024, 8)}).cuda()
+    statekit.load(str(tmp_path / "run" / "checkpoint-00000002"), {"model": fresh})
+    assert torch.equal(fresh["base"].weight, model["base"].weight)

@@ -94,7 +94,7 @@ def as_if_on_an_accelerator(monkeypatch):
     return host_compares
 
 
-def test_an_accelerator_state_is_compared_by_its_device_digest(tmp_path, as_if_on_an_accelerator):
+def test_an_accelerator_state_is_compared_by_its_device_digest(tmp_path, as_if_on_an_accelerator, monkeypatch):
     model, optim = lora_run()
     root = tmp_path / "run"
     manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(root))
@@ -111,7 +111,12 @@ def test_an_accelerator_state_is_compared_by_its_device_digest(tmp_path, as_if_o
 
     with torch.no_grad():
         model[0].base.weight[5, 5] = -model[0].base.weight[5, 5]  # a frozen weight edited in place
+    digests = []
+    real_digest = device_digest.file_digest
+    monkeypatch.setattr(device_digest, "file_digest", lambda *a: digests.append(a) or real_digest(*a))
     third = manager.save(3)
+    tensor_files_saved = [rel for rel in third.files if rel.endswith(".safetensors")]
+    assert len(digests) == len(tensor_files_saved)  # one pass per file: a changed file's write reuses its comparison's
     assert third.files[frozen].reused_from is None and third.files[frozen].digest != first.files[frozen].digest
     fresh, fresh_optim = lora_run(seed=9)
     statekit.load(str(root / "checkpoint-00000003"), {"model": fresh, "optim": fresh_optim})

@@ -43,7 +43,7 @@ def write_core_state(
             key = checkpoint.key_of(model)
             state = weight if weight is not None else LazyStateDict(core_model)
             if all(isinstance(v, torch.Tensor) for v in state.values()):
-                tensor_files.update(model_files(checkpoint, key, state, core_model))
+                tensor_files.update(tensor_files_of_model(checkpoint, key, state, core_model))
             else:  # modules with extra (non-tensor) state: the codec keeps it, still no pickle
                 checkpoint.save_state(key, dict(state))
     with checkpoint.comparing_ahead(tensor_files) as compared:
@@ -58,10 +58,20 @@ def write_core_state(
             checkpoint.save_tensors(rel, tensor_files[rel])
 
 
-def model_files(
+def tensor_files_of_model(
     checkpoint: Checkpoint, key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None = None
 ) -> dict[str, Mapping[str, torch.Tensor]]:
     """The tensor files of one model's state dict (all tensors): ``<key>.safetensors``, or in
     an incremental save, with the frozen tensors of a model with trainable ones in files of
-    their own (:func:`statekit.engine.incremental.split_model`)."""
+    their own (:func:`statekit.engine.incremental.split_model`).
+
+    Args:
+        checkpoint: the save's context (``checkpoint.incremental`` decides the split).
+        key: the model's stable key.
+        weights: its state dict, tensors only.
+        model: the unwrapped model (what requires gradients); None: one file.
+
+    Returns:
+        ``{relative path: {name: tensor}}``, ``<key>.safetensors`` first.
+    """
     return split_model(key, weights, model) if checkpoint.incremental else {f"{key}.safetensors": weights}

@@ -73,6 +73,7 @@ from statekit.format.manifest import (
 from statekit.format.tensors import (
     CHUNK_BYTES,
     fresh_buffers,
+    compare_file,
     digest_on_device,
     read_exactly_into,
     read_tensors,
@@ -125,6 +126,7 @@ __all__ = [
     "rank_path",
     "read_header",
     "read_manifest",
+    "compare_file",
     "digest_on_device",
     "read_exactly_into",
     "read_tensors",

@@ -54,6 +54,14 @@ def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     :func:`write_tensors` writes for ``tensors`` (the format version 1 layout: the data
     section page-aligned from :data:`ALIGN_MIN_BYTES` of tensor data).
 
+    Args:
+        tensors: ``name -> tensor``, as for :func:`write_tensors`.
+        metadata: extra ``__metadata__`` entries (str -> str), or None.
+
+    Returns:
+        ``(header, planned)``: the header bytes (length prefix and JSON, padding included)
+        and the stored tensors' plans (``.tensor``, ``.nbytes``), in file order.
+
     Raises:
         UnsupportedDtypeError: a tensor cannot be stored (names the key).
     """
@@ -65,6 +73,13 @@ def digest_on_device(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str,
     """The :mod:`~statekit.format.device_digest` of the file :func:`write_tensors` writes for
     ``tensors``, computed on the tensors' device, when one of them is on an accelerator;
     None for a file of host tensors (XXH3 of the bytes decides for those).
+
+    Args:
+        tensors: ``name -> tensor``, as for :func:`write_tensors`.
+        metadata: extra ``__metadata__`` entries (str -> str), or None.
+
+    Returns:
+        ``"mix64:<16 hex digits>"``, or None.
 
     Raises:
         UnsupportedDtypeError: a tensor cannot be stored (names the key).
@@ -135,11 +150,24 @@ def same_file_bytes(
     digest: str | None = None,
 ) -> bool:
     """Whether :func:`write_tensors` would write exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
+    ``size_bytes``, ``checksum``, ``prefixes`` and ``digest``: :func:`compare_file`'s answer.
 
-    When the committed file has a ``digest`` (it was written from an accelerator) and a
-    tensor of ``tensors`` is on an accelerator, the decision is the digest's, computed on
-    the device (:mod:`statekit.format.device_digest`): no byte crosses to the host.
+    Raises:
+        UnsupportedDtypeError: a tensor cannot be stored (names the key), as the write would.
+    """
+    return compare_file(tensors, metadata, size_bytes, checksum, prefixes, digest)[0]
+
+
+def compare_file(
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None,
+    size_bytes: int,
+    checksum: str,
+    prefixes: Iterable[tuple[int, str]],
+    digest: str | None = None,
+) -> tuple[bool, str | None]:
+    """Whether :func:`write_tensors` would write exactly the committed file described by
+    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
 
     The would-be file's bytes (the header, then every tensor's bytes, as
     :func:`write_tensors` streams them) are hashed with XXH3-64 and compared with the
@@ -148,9 +176,15 @@ def same_file_bytes(
     or first bytes changed costs almost nothing; an identical file costs one hash of its
     bytes in memory. The last comparison is the file's own checksum.
 
+    When the committed file has a ``digest`` (it was written from an accelerator) and a
+    tensor of ``tensors`` is on an accelerator, the decision is the digest's, computed on
+    the device (:mod:`statekit.format.device_digest`): no byte crosses to the host. That
+    digest is returned too, so that a changed file's write records it without a second
+    pass over the device's memory.
+
     Args:
         tensors: ``name -> tensor``, as for :func:`write_tensors` (an accelerator tensor's
-            bytes pass through the host buffer).
+            bytes pass through the host buffer on the XXH3 path).
         metadata: extra ``__metadata__`` entries, as for :func:`write_tensors`.
         size_bytes: the committed file's size, bytes.
         checksum: its ``"xxh3_64:<hex>"``.
@@ -158,17 +192,20 @@ def same_file_bytes(
         digest: its ``"mix64:<hex>"`` device digest, or None.
 
     Returns:
-        True when every byte would be the same.
+        ``(same, digest)``: True when every byte would be the same; the device digest of
+        the would-be file when one was computed, else None.
 
     Raises:
         UnsupportedDtypeError: a tensor cannot be stored (names the key), as the write would.
     """
     header, planned = plan_file(tensors, metadata)
     if len(header) + sum(p.nbytes for p in planned) != size_bytes:
-        return False
+        return False, None
     if digest is not None and device_digest.on_accelerator(tensors):
-        return device_digest.file_digest(header, [p.tensor for p in planned]) == digest
-    return same_stream_bytes(itertools.chain([header], _host_chunks(planned, CHUNK_BYTES)), size_bytes, checksum, prefixes)
+        mine = device_digest.file_digest(header, [p.tensor for p in planned])
+        return mine == digest, mine
+    chunks = itertools.chain([header], _host_chunks(planned, CHUNK_BYTES))
+    return same_stream_bytes(chunks, size_bytes, checksum, prefixes), None
 
 
 def same_stream_bytes(chunks: Iterable[Any], size_bytes: int, checksum: str, prefixes: Iterable[tuple[int, str]]) -> bool:
