@@ -99,10 +99,10 @@ def _collective(name: str, call: Callable[[], Any]) -> Any:
             ranks = [1 - rank]  # the only other rank
         missing = f"rank(s) {ranks} did not answer" if ranks else "which rank(s) did not answer is not known"
         raise CollectiveTimeoutError(
-            f"statekit collective {name} on rank {rank} of {world} did not complete within {timeout:g} s "
-            f"({COLLECTIVE_TIMEOUT_ENV}): {missing}; a rank never reached this save or load (crashed, or busy "
-            f"elsewhere). Nothing was committed by it; statekit's process group is unusable now: end the process "
-            f"(gloo: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+            f"statekit collective {name} on rank {rank} of {world} failed or did not complete within {timeout:g} s "
+            f"({COLLECTIVE_TIMEOUT_ENV}) (gloo: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): "
+            f"{missing}; a rank never reached this save or load (crashed, or busy elsewhere). Nothing was "
+            f"committed by it; statekit's process group is unusable now: end the process",
             name, timeout, ranks or None,
         ) from exc
 
@@ -173,11 +173,14 @@ def max_over_ranks(values: list[int]) -> list[int]:
 
     Returns:
         The maxima, the same list on every rank.
+
+    Raises:
+        CollectiveTimeoutError: a rank did not answer within the collective timeout.
     """
     if rank_and_world_size()[1] == 1:
         return list(values)
     import torch
 
     box = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=statekit_group())
+    _collective("max_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX, group=statekit_group()))
     return [int(v) for v in box.tolist()]
