@@ -80,6 +80,7 @@ from statekit.devices import (
 )
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.read import model_tensor_files
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
 from statekit.loaders.samplers import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
@@ -175,6 +176,7 @@ __all__ = [
     "encode_header",
     "encode",
     "parse_rank_path",
+    "model_tensor_files",
     "rank_name",
     "rank_path",
     "read_exactly_into",

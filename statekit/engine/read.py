@@ -251,7 +251,15 @@ def _fit_model(
 
 def model_tensor_files(key: str, files: tuple[str, ...] | list[str]) -> list[str]:
     """A core model's tensor files: ``<key>.safetensors``, then its frozen-tensor files of
-    an incremental save (format ``statekit/2``, :func:`statekit.engine.incremental.split_model`)."""
+    an incremental save (format ``statekit/2``, :func:`statekit.engine.incremental.split_model`).
+
+    Args:
+        key: the model's stable key.
+        files: the checkpoint's file names (``manifest.files``, or the object's ``files``).
+
+    Returns:
+        The relative paths, ``<key>.safetensors`` first, then the frozen files in name order.
+    """
     return [f"{key}.safetensors"] + sorted(rel for rel in files if is_frozen_file(key, rel))
 
 

@@ -37,6 +37,7 @@ from statekit.plugin_api import (
     Storage,
     UnsupportedDtypeError,
     encode_header,
+    model_tensor_files,
     read_manifest,
     read_tensors,
     tensor_bytes,
@@ -213,8 +214,8 @@ def _copy_replicated(storage: Storage, manifest: Manifest, key: str, out: Storag
         raise StatekitError(f"{storage.url}: model {key!r} is not stored as plain tensors ({rel}); cannot consolidate it")
     checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=verify)
     tensors = checkpoint.load_tensors(rel)  # the core's replicated file: one copy, aliases expanded
-    # an incremental save puts the frozen parameters in <key>.frozen-<nnnnn>.safetensors files
-    for frozen in sorted(f for f in files if f.startswith(f"{key}.frozen-") and f.endswith(".safetensors")):
+    # an incremental save puts the frozen parameters in files of their own
+    for frozen in model_tensor_files(key, files)[1:]:
         more = checkpoint.load_tensors(frozen)
         twice = sorted(set(more) & set(tensors))
         if twice:

@@ -47,6 +47,7 @@ from statekit.plugin_api import (
     TensorHeader,
     check_fit,
     mark_in_use,
+    model_tensor_files,
     rank_name,
     read_header,
     release_in_use,
@@ -147,9 +148,10 @@ def model_files(checkpoint: Any, key: str) -> list[str]:
         StatekitError, CorruptCheckpointError: as :func:`model_file`.
     """
     first = model_file(checkpoint, key)
-    files = checkpoint.manifest.files if checkpoint.manifest is not None else {}
-    more = re.compile(rf"^{re.escape(key)}\.(offloaded|frozen)-\d{{5}}\.safetensors$")
-    return [first, *sorted(rel for rel in files if more.match(rel))]
+    files = list(checkpoint.manifest.files) if checkpoint.manifest is not None else []
+    offloaded = re.compile(rf"^{re.escape(key)}\.offloaded-\d{{5}}\.safetensors$")
+    frozen = model_tensor_files(key, files)[1:]  # the core's (plugin_api: one owner of those names)
+    return [first, *sorted([rel for rel in files if offloaded.match(rel)] + frozen)]
 
 
 def read_headers(checkpoint: Any, rels: list[str]) -> dict[str, TensorHeader]:
