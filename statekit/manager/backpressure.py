@@ -80,9 +80,8 @@ class Backpressure:
         """
         bound = self.bound_s
         done = True if pending is None else pending.join(bound)
-        if bound is not None and distributed.rank_and_world_size()[1] > 1:
-            votes = distributed.gather_to_rank0(done)
-            done = bool(distributed.broadcast_from_rank0(None if votes is None else all(votes)))
+        if bound is not None:  # every rank's previous save finished: one all-reduce (one process: none)
+            done = not distributed.any_rank(not done)
         return done
 
     def describe(self) -> str:
