@@ -13,15 +13,13 @@ watchdog killing the job with no word about the checkpoint.
 from __future__ import annotations
 
 import atexit
-import math
-import os
 import re
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from statekit.errors import CollectiveTimeoutError, InvalidOptionError
+from statekit.errors import CollectiveTimeoutError, InvalidOptionError, seconds_from_env
 
 COLLECTIVE_TIMEOUT_ENV = "STATEKIT_COLLECTIVE_TIMEOUT"
 """Seconds each collective on statekit's gloo group waits for every rank (a number > 0;
@@ -51,19 +49,8 @@ def collective_timeout_seconds() -> float:
         InvalidOptionError: the variable is not a finite number of seconds > 0 (naming it
             and its value).
     """
-    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
-    if not value:
-        return DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidOptionError(
-            f"{COLLECTIVE_TIMEOUT_ENV}={value!r} is not a number of seconds > 0 (the timeout of statekit's "
-            f"collectives; unset it for the default {DEFAULT_COLLECTIVE_TIMEOUT_SECONDS:g} s)"
-        )
-    return seconds
+    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
+                            what="the timeout of statekit's collectives", zero_allowed=False)
 
 
 def statekit_group() -> Any:

@@ -291,6 +291,41 @@ class InvalidOptionError(StatekitError, ValueError):
     __module__ = "statekit"
 
 
+def seconds_from_env(name: str, default: float, *, what: str, zero_allowed: bool) -> float:
+    """A duration set by an environment variable, checked: the one parser of statekit's
+    ``STATEKIT_*`` seconds (``STATEKIT_COLLECTIVE_TIMEOUT``, ``STATEKIT_REPLICATION_EXIT_TIMEOUT``).
+
+    Args:
+        name: the variable's name.
+        default: seconds when it is unset or empty.
+        what: what the duration is, for the message (``"the timeout of statekit's collectives"``).
+        zero_allowed: whether 0 is valid (>= 0) or not (> 0).
+
+    Returns:
+        Seconds, a finite number.
+
+    Raises:
+        InvalidOptionError: the value is not a finite number of seconds in range (naming
+            the variable, its value and the default).
+    """
+    import math
+    import os
+
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_allowed):
+        raise InvalidOptionError(
+            f"{name}={value!r} is not a number of seconds {'>=' if zero_allowed else '>'} 0 ({what}; "
+            f"unset it for the default {default:g} s)"
+        )
+    return seconds
+
+
 class StorageError(StatekitError, OSError):
     """An fsspec/OS error during I/O, with the URL it concerned.
 

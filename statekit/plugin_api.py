@@ -102,6 +102,7 @@ from statekit.errors import (
     StorageError,
     UnsupportedDtypeError,
     UnsupportedValueError,
+    seconds_from_env,
     warn_user,
 )
 from statekit.format import (
@@ -177,6 +178,7 @@ __all__ = [
     "encode",
     "parse_rank_path",
     "model_tensor_files",
+    "seconds_from_env",
     "rank_name",
     "rank_path",
     "read_exactly_into",

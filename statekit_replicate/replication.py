@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import math
-import os
 import queue
 import sys
 import threading
@@ -57,6 +55,7 @@ from statekit.plugin_api import (
     hold_in_use,
     list_checkpoints,
     rank_and_world_size,
+    seconds_from_env,
     warn_user,
 )
 from statekit_replicate.remote_copy import copy_checkpoint
@@ -506,19 +505,8 @@ def exit_timeout_seconds() -> float:
         InvalidOptionError: the variable is not a finite number of seconds >= 0 (naming
             the variable and its value).
     """
-    value = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
-    if not value:
-        return DEFAULT_EXIT_TIMEOUT_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidOptionError(
-            f"{EXIT_TIMEOUT_ENV}={value!r} is not a number of seconds >= 0 (the wait at exit for checkpoints "
-            f"still being replicated; unset it for the default {DEFAULT_EXIT_TIMEOUT_SECONDS:g} s)"
-        )
-    return seconds
+    return seconds_from_env(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_SECONDS,
+                            what="the wait at exit for checkpoints still being replicated", zero_allowed=True)
 
 
 @atexit.register

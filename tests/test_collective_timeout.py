@@ -16,9 +16,10 @@ def test_a_rank_that_never_reaches_the_save_fails_the_others_by_name(tmp_path, m
              env={"STATEKIT_COLLECTIVE_TIMEOUT": "3"}, timeout=120)
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["error"] == "CollectiveTimeoutError"
-    assert result["collective"] == "gather_to_rank0" and result["timeout_s"] == 3.0 and result["ranks"] == [1]
+    # the save's first collective: the ranks' agreement that the previous save finished (back-pressure)
+    assert result["collective"] == "max_over_ranks" and result["timeout_s"] == 3.0 and result["ranks"] == [1]
     assert result["message"].startswith(
-        "statekit collective gather_to_rank0 on rank 0 of 2 failed or did not complete within 3 s "
+        "statekit collective max_over_ranks on rank 0 of 2 failed or did not complete within 3 s "
         "(STATEKIT_COLLECTIVE_TIMEOUT) (gloo: "
     )
     assert "rank(s) [1] did not answer; a rank never reached this save or load" in result["message"]
