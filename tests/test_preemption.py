@@ -92,6 +92,9 @@ class Worker:
         return self.proc.returncode
 
     def results(self) -> list[dict]:
+        missing = [r for r in range(self.nproc) if not Path(f"{self.out}.rank{r}.json").exists()]
+        assert not missing, (f"ranks {missing} wrote no result (exit status {self.proc.returncode}): "
+                             f"{''.join(self.lines)[-2000:]}{getattr(self, 'stderr', '')[-4000:]}")
         return [json.loads(Path(f"{self.out}.rank{r}.json").read_text()) for r in range(self.nproc)]
 
 
@@ -130,10 +133,10 @@ def assert_resumes_exactly(reference: list[dict], first: list[dict], resumed: li
 
 
 def signalled_run(tmp_path: Path, pause: str, *, nproc: int = 1, target: int | None = 0, sig=signal.SIGTERM,
-                  **env: str) -> tuple[Worker, list[dict]]:
+                  name: str = "first", **env: str) -> tuple[Worker, list[dict]]:
     """A run paused at ``pause`` (``where:step``) on every rank, signalled there (to rank
     ``target``'s process, or None: to torchrun's launcher), released; returns it finished."""
-    worker = Worker("run", tmp_path / "root", tmp_path / "first", nproc, {"STATEKIT_TEST_PAUSE": pause, **env})
+    worker = Worker("run", tmp_path / "root", tmp_path / name, nproc, {"STATEKIT_TEST_PAUSE": pause, **env})
     for _ in range(nproc):
         worker.until("paused")
     os.kill(worker.proc.pid if target is None else worker.pids[target], sig)
@@ -148,40 +151,30 @@ def signalled_run(tmp_path: Path, pause: str, *, nproc: int = 1, target: int | N
 
 
 @pytest.mark.slow
-def test_a_signal_mid_step_saves_that_step_exits_143_and_the_next_start_resumes_exactly(tmp_path, reference):
-    worker, first = signalled_run(tmp_path, "mid-step:7")
-    assert worker.proc.returncode == 143
-    assert statekit.CheckpointManager({}, str(tmp_path / "root")).latest().endswith("checkpoint-00000007")
-    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed")
-    assert_resumes_exactly(reference(), first, resumed, 7)
-
-
-@pytest.mark.slow
-def test_a_signal_mid_accumulation_saves_at_the_end_of_the_window(tmp_path, reference):
-    # accumulation over 3 micro-batches: the signal during micro-batch 7 is acted on at 9
+def test_a_signal_mid_accumulation_then_one_during_the_resume_each_save_the_next_safe_point(tmp_path, reference):
+    # one chain of runs (accumulation over 3 micro-batches): the first is signalled during
+    # micro-batch 7 and saves 9, the end of its window; the second is signalled while it loads
+    # checkpoint 9 and saves 12 (the first window end after the resume: a signal during the load
+    # is recorded and acted on at the first safe point); the third resumes from 12 exactly
     _, first = signalled_run(tmp_path, "mid-step:7", STATEKIT_TEST_ACCUM="3")
+    assert first[0]["code"] == 143 and first[0]["stopped"] == 9 and first[0]["result"]["step"] == 9
+    assert statekit.CheckpointManager({}, str(tmp_path / "root")).latest().endswith("checkpoint-00000009")
+    _, second = signalled_run(tmp_path, "load:0", name="second", STATEKIT_TEST_ACCUM="3")
+    assert second[0]["start"] == 9 and second[0]["stopped"] == 12 and second[0]["result"]["step"] == 12
     resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", STATEKIT_TEST_ACCUM="3")
-    assert_resumes_exactly(reference(1, 3), first, resumed, 9)
+    assert_resumes_exactly(reference(1, 3), [{**second[0], "losses": first[0]["losses"][:9] + second[0]["losses"]}],
+                           resumed, 12)
 
 
 @pytest.mark.slow
-def test_a_signal_during_an_async_save_commits_it_and_the_step_is_not_written_twice(tmp_path, reference):
-    _, first = signalled_run(tmp_path, "after-async-save:8", sig=signal.SIGUSR1, STATEKIT_TEST_ASYNC="1")
-    # the async save of step 8 committed first and is the signal's checkpoint: not written again
-    assert first[0]["result"]["saved"] is False and first[0]["result"]["signal"] == "SIGUSR1"
-    assert [c.step for c in statekit.CheckpointManager({}, str(tmp_path / "root")).list()] == [4, 8]
-    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", STATEKIT_TEST_ASYNC="1")
-    first[0]["code"] = 143 if first[0]["code"] == 138 else first[0]["code"]  # SIGUSR1: 128 + 10
-    assert_resumes_exactly(reference(), first, resumed, 8)
-
-
-@pytest.mark.slow
-def test_an_async_save_still_writing_at_the_deadline_is_left_and_the_last_committed_one_stays_latest(
-        tmp_path, reference):
-    # the async save of step 8 stalls on its storage (held until the test writes to a FIFO,
-    # which it never does); the signal's safe point at step 10 waits for it only for the grace
-    # left (grace_s=2), then warns and exits without saving: step 4 stays latest, step 8
-    # stays uncommitted (the process dies with it in flight), the next start resumes from 4
+def test_an_async_save_in_flight_at_a_signal_commits_first_or_is_left_at_the_deadline(tmp_path, reference):
+    # one chain of runs with async saves every 4 steps. First: the async save of step 8 stalls
+    # on its storage (held until the test writes to a FIFO, which it never does); the signal's
+    # safe point at step 10 waits for it only for the grace left (grace_s=2), then warns and
+    # exits without saving: step 4 stays latest, step 8 stays uncommitted (the process dies
+    # with it in flight). Second: resumes from 4; a SIGUSR1 right after the async save of 8
+    # started: that save commits first and is the signal's checkpoint, not written twice.
+    # Third: resumes from 8 exactly.
     worker = Worker("run", tmp_path / "root", tmp_path / "first", env={
         "STATEKIT_TEST_ASYNC": "1", "STATEKIT_TEST_HOLD": "8", "STATEKIT_TEST_PAUSE": "mid-step:10",
         "STATEKIT_TEST_GRACE": "2"})
@@ -203,12 +196,15 @@ def test_an_async_save_still_writing_at_the_deadline_is_left_and_the_last_commit
     manager = statekit.CheckpointManager({}, str(root))
     assert [(c.step, c.committed) for c in manager.list()] == [(4, True), (8, False)]
     assert manager.latest().endswith("checkpoint-00000004")
+
+    _, second = signalled_run(tmp_path, "after-async-save:8", sig=signal.SIGUSR1, name="second",
+                              STATEKIT_TEST_ASYNC="1")
+    assert second[0]["code"] == 138 and second[0]["start"] == 4 and second[0]["stopped"] == 8
+    assert second[0]["result"]["saved"] is False and second[0]["result"]["signal"] == "SIGUSR1"
+    assert [(c.step, c.committed) for c in manager.list()] == [(4, True), (8, True)]
     resumed = run_worker("run", root, tmp_path / "resumed", STATEKIT_TEST_ASYNC="1")
-    assert resumed[0]["start"] == 4 and resumed[0]["stopped"] == TOTAL
-    ref = reference()[0]
-    assert first["losses"][:4] + resumed[0]["losses"] == ref["losses"]
-    for key, value in ref["weights"].items():
-        assert torch.equal(torch.tensor(resumed[0]["weights"][key]), torch.tensor(value)), key
+    assert_resumes_exactly(reference(), [{**second[0], "code": 143, "losses": first["losses"][:4] + second[0]["losses"]}],
+                           resumed, 8)
 
 
 @pytest.mark.slow
@@ -254,47 +250,30 @@ def test_a_signal_during_replication_commits_locally_and_resumes_from_either_tie
     assert statekit.CheckpointManager({}, str(remote)).latest().endswith(f"checkpoint-{TOTAL:08d}")
 
 
-@pytest.mark.slow
-def test_a_signal_during_the_resume_is_acted_on_at_the_first_step_boundary(tmp_path, reference):
-    # a first run stopped by a signal at step 5; the second is signalled while it loads
-    _, first = signalled_run(tmp_path, "mid-step:5")
-    worker = Worker("run", tmp_path / "root", tmp_path / "second", env={"STATEKIT_TEST_PAUSE": "load:0"})
-    worker.until("paused")
-    os.kill(worker.pids[0], signal.SIGTERM)
-    worker.release()
-    assert worker.finish() == 143
-    second = worker.results()
-    assert second[0]["start"] == 5 and second[0]["stopped"] == 6 and second[0]["result"]["step"] == 6
-    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed")
-    assert_resumes_exactly(reference(), [{**second[0], "losses": first[0]["losses"] + second[0]["losses"]}],
-                           resumed, 6)
-
-
 # --------------------------------------------------------------------------- two torchrun ranks
 
 
 @pytest.mark.slow
-def test_a_signal_to_one_rank_only_stops_both_ranks_at_the_same_step(tmp_path, reference):
-    # the ranks agree at their next check (signal_check_every=None: every N steps, N chosen so
-    # that the checks cost under 1 % of the step time): the same step on both ranks
-    _, first = signalled_run(tmp_path, "mid-step:6", nproc=2, target=1)
+def test_a_signal_to_one_rank_then_one_to_the_torchrun_launcher_each_stop_both_ranks_at_one_step(tmp_path, reference):
+    # one chain of 2-rank runs (accumulation 2). First: SIGTERM to rank 1 only; the ranks agree at
+    # their next check (signal_check_every=None: every N steps, N chosen so that the checks cost
+    # under 1 % of the step time) and save the same step. Second: SIGTERM to torchrun's launcher,
+    # which forwards it to each worker a moment later, so the step they agree on is the first
+    # optimizer step end both reach after it. Third: resumes exactly.
+    accum = {"STATEKIT_TEST_ACCUM": "2"}
+    _, first = signalled_run(tmp_path, "mid-step:5", nproc=2, target=1, **accum)
     assert [r["result"]["signal"] for r in first] == [None, "SIGTERM"]  # rank 0 learnt it from the all-reduce
-    step = first[0]["stopped"]
-    assert step >= 6 and first[1]["stopped"] == step
-    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", nproc=2)
-    assert_resumes_exactly(reference(2), first, resumed, step)
-
-
-@pytest.mark.slow
-def test_a_sigterm_to_the_torchrun_launcher_reaches_the_workers_and_is_saved(tmp_path, reference):
-    # torchrun forwards its SIGTERM to each worker a moment later, so the step they agree on is
-    # the first optimizer step end (accumulation 2) both reach after it: the same on both ranks
-    _, first = signalled_run(tmp_path, "mid-step:9", nproc=2, target=None, STATEKIT_TEST_ACCUM="2")
-    assert all(r["result"]["signal"] == "SIGTERM" for r in first)  # forwarded by torchrun to every worker
-    step = first[0]["stopped"]
-    assert step >= 9 and first[1]["stopped"] == step
-    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", nproc=2, STATEKIT_TEST_ACCUM="2")
-    assert_resumes_exactly(reference(2, 2), first, resumed, step)
+    step1 = first[0]["stopped"]
+    assert step1 >= 6 and step1 % 2 == 0 and first[1]["stopped"] == step1
+    assert all(r["code"] == 143 and r["result"]["step"] == step1 for r in first)
+    _, second = signalled_run(tmp_path, f"mid-step:{step1 + 3}", nproc=2, target=None, name="second", **accum)
+    assert all(r["result"]["signal"] == "SIGTERM" for r in second)  # forwarded by torchrun to every worker
+    assert all(r["start"] == step1 for r in second)
+    step2 = second[0]["stopped"]
+    assert step2 >= step1 + 3 and second[1]["stopped"] == step2
+    resumed = run_worker("run", tmp_path / "root", tmp_path / "resumed", nproc=2, **accum)
+    both = [{**b, "losses": a["losses"][:step1] + b["losses"]} for a, b in zip(first, second)]
+    assert_resumes_exactly(reference(2, 2), both, resumed, step2)
 
 
 # --------------------------------------------------------------------------- stress
