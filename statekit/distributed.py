@@ -28,6 +28,7 @@ read when the group is created, at the first save or load with several ranks).""
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
 
 _group: Any = None
+_control_group: Any = None
 _group_key: Any = None
 
 
@@ -58,18 +59,38 @@ def statekit_group() -> Any:
     rank must reach the first call, as they do at the start of every save and load), with
     :func:`collective_timeout_seconds` as its timeout.
 
+    Created together with :func:`control_group`, in one order on every rank (``new_group``
+    is itself a collective of the default group).
+
     Raises:
         InvalidOptionError: :data:`COLLECTIVE_TIMEOUT_ENV` is invalid.
     """
-    global _group, _group_key
+    global _group, _control_group, _group_key
     key = id(dist.distributed_c10d._get_default_group())
     if _group is None or _group_key != key:
         timeout = timedelta(seconds=collective_timeout_seconds())
         if _group is None:
             atexit.register(_forget_group)
         _group = dist.new_group(backend="gloo", timeout=timeout)
+        _control_group = dist.new_group(backend="gloo", timeout=timeout)
         _group_key = key
     return _group
+
+
+def control_group() -> Any:
+    """A second gloo group, for the agreements the training thread makes while an async
+    save may still be running its own collectives on :func:`statekit_group` on its writer
+    thread (the signal flag at a step boundary, back-pressure's "has every rank's previous
+    save finished"). Collectives of one group must be issued in the same order on every
+    rank; two threads sharing one group would interleave differently on each rank (rank 0's
+    all-reduce matched with rank 1's gather: a hang, or wrong values). Each thread keeping
+    to its own group keeps each group's order.
+
+    Raises:
+        InvalidOptionError: :data:`COLLECTIVE_TIMEOUT_ENV` is invalid.
+    """
+    statekit_group()
+    return _control_group
 
 
 def _collective(name: str, call: Callable[[], Any]) -> Any:
@@ -98,8 +119,8 @@ def _forget_group() -> None:
     """Drop statekit's reference to its group at exit, while the interpreter is whole: a
     gloo group first freed during interpreter finalization can abort the process
     ("terminate called without an active exception", pytorch/pytorch PR 179291)."""
-    global _group, _group_key
-    _group = _group_key = None
+    global _group, _control_group, _group_key
+    _group = _control_group = _group_key = None
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
@@ -152,8 +173,9 @@ def any_rank(flag: bool) -> bool:
 
 def max_over_ranks(values: list[int]) -> list[int]:
     """The element-wise maximum of ``values`` over the ranks: one all-reduce (MAX) of an
-    int64 tensor on statekit's own gloo group (every rank calls it at the same point, with
-    as many values). In one process: ``values``, no collective.
+    int64 tensor on statekit's :func:`control_group` (every rank calls it at the same
+    point, with as many values, from the training thread: it may run while an async save's
+    writer thread uses :func:`statekit_group`). In one process: ``values``, no collective.
 
     Args:
         values: this rank's integers.
@@ -169,5 +191,5 @@ def max_over_ranks(values: list[int]) -> list[int]:
     import torch
 
     box = torch.tensor(values, dtype=torch.int64)
-    _collective("max_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX, group=statekit_group()))
+    _collective("max_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX, group=control_group()))
     return [int(v) for v in box.tolist()]

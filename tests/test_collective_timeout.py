@@ -39,3 +39,17 @@ def test_a_bad_collective_timeout_is_refused_by_name(monkeypatch):
         "STATEKIT_COLLECTIVE_TIMEOUT='soon' is not a number of seconds > 0 (the timeout of statekit's collectives; "
         "unset it for the default 300 s)"
     )
+
+
+def test_training_thread_agreements_do_not_cross_an_async_saves_collectives(tmp_path):
+    """save_on_signal's flag and back-pressure agree on statekit's control group while the
+    async saves' writer threads run the saves' collectives on its main group: with one
+    group the two threads interleave differently on each rank (a hang, or a gather's bytes
+    read as the flag)."""
+    torchrun("async_control.py", str(tmp_path / "root"), str(tmp_path), env={"STATEKIT_COLLECTIVE_TIMEOUT": "60"},
+             timeout=240)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["outcomes"] == results[1]["outcomes"]  # the ranks agreed on every skip
+    assert results[0]["committed"] == results[1]["committed"] and results[0]["committed"][-1] >= 2
+    saved = [s for s, ok in enumerate(results[0]["outcomes"], 1) if ok]
+    assert set(results[0]["committed"]) <= set(saved)
