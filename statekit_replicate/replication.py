@@ -172,6 +172,7 @@ class Replicator:
         self.hedged = 0
         """File uploads raced by a second attempt (this process)."""
         self.hedges_won = 0
+        self._exit_deadline: float | None = None
         """Of those, the ones the second attempt won."""
         self.max_backlog = max_backlog
         self.dropped = 0
@@ -314,6 +315,17 @@ class Replicator:
         with self._lock:
             self.hedged += 1
             self.hedges_won += winner == 2
+
+    def exit_by(self, deadline: float) -> None:
+        """Bound the wait at interpreter exit for this replicator's queued copies by
+        ``deadline`` (``time.monotonic()``): the save on a signal calls it with the end of
+        the grace period, so the process exits with its status before the scheduler's kill
+        instead of waiting up to ``STATEKIT_REPLICATION_EXIT_TIMEOUT``.
+
+        Args:
+            deadline: the monotonic time after which the exit wait gives up.
+        """
+        self._exit_deadline = deadline
 
     def replicated_names(self) -> set[str]:
         """Names known to have a committed remote copy (a snapshot of :attr:`replicated`)."""
@@ -530,9 +542,10 @@ def _wait_at_exit() -> None:
         queued = len(replicator.pending())
         print(f"statekit: waiting up to {timeout:g} s for replication to {replicator.remote_url} ({queued} "
               f"checkpoint(s) queued; {EXIT_TIMEOUT_ENV} sets the limit)", file=sys.stderr)
+        until = deadline if replicator._exit_deadline is None else min(deadline, replicator._exit_deadline)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            replicator.wait(max(0.0, deadline - time.monotonic()))
+            replicator.wait(max(0.0, until - time.monotonic()))
         for w in caught:
             print(f"statekit: {w.message}", file=sys.stderr)
     sys.stderr.flush()

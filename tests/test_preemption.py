@@ -218,8 +218,11 @@ def test_a_signal_during_replication_commits_locally_and_resumes_from_either_tie
     # the remote copy not made, the remote tier's newest stays 4, and the local root resumes from 10.
     remote = tmp_path / "remote"
     env = {"STATEKIT_TEST_ASYNC": "1", "STATEKIT_TEST_REMOTE": str(remote), "STATEKIT_TEST_HOLD_COPY": "8"}
+    # copy-stalls exits through the interpreter's own exit (atexit's wait for queued copies
+    # included): it must end with the grace period, not STATEKIT_REPLICATION_EXIT_TIMEOUT
     worker = Worker("run", tmp_path / "root", tmp_path / "first", env={
-        **env, "STATEKIT_TEST_PAUSE": "mid-step:10", "STATEKIT_TEST_GRACE": "30" if copy_finishes else "2"})
+        **env, "STATEKIT_TEST_PAUSE": "mid-step:10", "STATEKIT_TEST_GRACE": "30" if copy_finishes else "2",
+        **({} if copy_finishes else {"STATEKIT_TEST_NORMAL_EXIT": "1", "STATEKIT_REPLICATION_EXIT_TIMEOUT": "600"})})
     worker.until_each(("holding", "0", "8"), ("paused", "0", "mid-step", "10"))
     os.kill(worker.pids[0], signal.SIGTERM)
     worker.release()

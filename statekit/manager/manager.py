@@ -200,6 +200,8 @@ class CheckpointManager:
         """The save on a signal (``save_on_signal``; None without): ``received``, ``result``,
         ``restore()`` (:class:`statekit.manager.preemption.SignalSave`)."""
         call_each(pm, "statekit_manager_start", None, {"manager": self})
+        if self.signal_save is not None:  # handlers last: a manager whose start failed leaves none behind
+            self.signal_save.install()
 
     @property
     def replicator(self) -> Any:
@@ -426,13 +428,15 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        timeout = None
         if self.signal_save is not None:
             self.signal_save.restore()  # the handlers installed before the manager
+            timeout = self.signal_save.remaining()  # after a signal: no longer than its grace period
         if exc_info[0] is None:
-            self.wait()
+            self.wait(timeout)
         elif self.pending is not None:  # already failing: don't mask that error
             try:
-                self.wait()
+                self.wait(timeout)
             except StatekitError as exc:
                 warn_user(f"{exc}", StatekitWarning)
 

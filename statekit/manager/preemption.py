@@ -164,6 +164,9 @@ class SignalSave:
         self.signal_count = 0
         """Signals received by this rank (a second one during the save is counted, nothing else)."""
         self.should_stop = False
+        self.deadline: float | None = None
+        """Once the signal was acted on: ``time.monotonic()`` of the end of the grace period
+        (the manager's ``__exit__`` and the replication's wait at exit wait no longer)."""
         self.result: dict[str, Any] | None = None
         """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved",
         "in_flight", "replicated", "total_seconds"}`` (``seconds``: from the signal, or from
@@ -191,7 +194,12 @@ class SignalSave:
         self._acting = False
         self._in_flight_wait = 0.0
         self._previous: dict[signal.Signals, Any] = {}
-        for sig in signals:
+        self._signals = signals
+
+    def install(self) -> None:
+        """Install the handlers (the manager does, once it has started: a manager whose
+        start failed leaves no handler behind); :meth:`restore` puts the previous back."""
+        for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
 
     # ------------------------------------------------------------- handlers
@@ -330,6 +338,7 @@ class SignalSave:
                 StatekitWarning,
             )
         self._acting = True
+        self.deadline = since + self.grace_s
         try:
             if not self._commit_in_flight(step, since):
                 return self._give_up(step, signum, since)
@@ -359,8 +368,15 @@ class SignalSave:
                        "replicated": replicated, "total_seconds": time.monotonic() - since}
         self._stop(signum)
 
+    def remaining(self) -> float | None:
+        """Seconds left of the grace period once the signal was acted on (>= 0), else None."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
     def _stop(self, signum: signal.Signals | None) -> None:
         self.should_stop = True
+        exit_by = getattr(self.manager.replicator, "exit_by", None)
+        if exit_by is not None and self.deadline is not None:  # the wait at interpreter exit ends with the grace
+            exit_by(self.deadline)
         if self.on_signal == "exit":
             raise SystemExit(exit_code(signum if signum is not None else signal.SIGTERM))
 
@@ -455,7 +471,8 @@ def make_signal_save(
         check_every: agree across ranks every N-th safe point (None: adaptive).
 
     Returns:
-        The installed :class:`SignalSave`, or None.
+        The :class:`SignalSave` (its handlers not installed yet: :meth:`SignalSave.install`),
+        or None.
 
     Raises:
         InvalidOptionError: a bad option (named).
