@@ -333,8 +333,9 @@ class CheckpointManager:
 
     def step_boundary(self, step: int) -> bool:
         """A safe point for the save on a signal (``save_on_signal``); call it after every
-        training step (cheap: a flag check; with several ranks one all-reduce of one int,
-        see ``signal_check_every``). Every rank must call it at the same steps.
+        training step (cheap: a flag check; with several ranks one all-reduce of two ints,
+        the flag and the check interval, every ``signal_check_every``-th call, adaptive by
+        default: ``docs/clusters.md``). Every rank must call it at the same steps.
 
         When any rank has received a signal, every rank commits an async save in flight
         (waited for at most the grace left; still writing then: a warning, nothing saved,
