@@ -291,38 +291,51 @@ def test_signals_at_random_moments_each_leave_a_checkpoint_the_next_start_resume
     signalled run exits 128 + signum with a committed checkpoint of the step it stopped
     at, the next start resumes from exactly that step, and each chain of runs reaches
     TOTAL with the reference's losses and weights; then a new chain starts.
-    STATEKIT_TEST_SIGNALS=100 passed locally (28 chains, 775 s on a shared 2-core machine)."""
+    STATEKIT_TEST_SIGNALS=100 passed locally (28 chains, 775 s on a shared 2-core machine).
+    STATEKIT_TEST_NPROC=2 runs the chains under torchrun with 2 ranks, each signal sent to a
+    random rank or to the launcher (which forwards SIGTERM to both)."""
     count = int(os.environ.get("STATEKIT_TEST_SIGNALS", "8"))
+    nproc = int(os.environ.get("STATEKIT_TEST_NPROC", "1"))  # 2: torchrun, the signal to a random rank or the launcher
     rng = random.Random(int(os.environ.get("STATEKIT_TEST_SEED", "0")) or None)
-    ref = reference()[0]
+    ref = reference(nproc)
     sent = chains = 0
     while sent < count:
         chains += 1
-        root, losses, step, runs = tmp_path / f"chain{chains}", [], 0, 0
+        root, losses, step, runs = tmp_path / f"chain{chains}", [[] for _ in range(nproc)], 0, 0
         root.mkdir()
         while step < TOTAL:
             runs += 1
-            worker = Worker("run", root / "root", root / f"run{runs}",
+            worker = Worker("run", root / "root", root / f"run{runs}", nproc=nproc,
                             env={"STATEKIT_TEST_ASYNC": "1", "STATEKIT_TEST_REMOTE": str(root / "remote")})
+            sig = None
             if sent < count and step < TOTAL - 2:
-                sig = rng.choice([signal.SIGTERM, signal.SIGUSR1])
+                target = rng.choice([*range(nproc), None] if nproc > 1 else [0])  # None: torchrun's launcher
+                sig = signal.SIGTERM if target is None else rng.choice([signal.SIGTERM, signal.SIGUSR1])
                 worker.until("step", "0", str(rng.randrange(step + 1, TOTAL - 1)))
-                os.kill(worker.pids[0], sig)
+                if target is not None and target not in worker.pids:
+                    worker.until("ready", str(target))
+                os.kill(worker.proc.pid if target is None else worker.pids[target], sig)
                 sent += 1
-            code = worker.finish()
-            (result,) = worker.results()
-            assert result["start"] == step, (chains, runs, result["start"], step)  # from the step the signal stopped
-            if code == 0:
-                assert result["stopped"] == TOTAL
-            else:
-                assert code == 128 + sig and result["result"]["step"] == result["stopped"], (code, result["result"])
-            losses += result["losses"]
-            step = result["stopped"]
-        assert losses == ref["losses"], f"chain {chains}"
+            worker.finish()
+            results = worker.results()
+            stopped = {r["stopped"] for r in results}
+            assert len(stopped) == 1, (chains, runs, stopped)  # every rank stopped at one step
+            for r in results:
+                assert r["start"] == step, (chains, runs, r["start"], step)  # from the step the signal stopped
+                if r["code"] == 0:
+                    assert r["stopped"] == TOTAL
+                else:
+                    assert sig is not None and r["code"] == 128 + sig and r["result"]["step"] == r["stopped"], (
+                        r["code"], r["result"])
+            for rank, r in enumerate(results):
+                losses[rank] += r["losses"]
+            step = stopped.pop()
+        for rank in range(nproc):
+            assert losses[rank] == ref[rank]["losses"], f"chain {chains} rank {rank}"
+            for key, value in ref[rank]["weights"].items():
+                assert torch.equal(torch.tensor(results[rank]["weights"][key]), torch.tensor(value)), (chains, rank, key)
         remote = statekit.CheckpointManager({}, str(root / "remote")).latest()  # the last run's wait() replicated all
         assert remote.endswith(f"checkpoint-{TOTAL:08d}"), (chains, remote)
-        for key, value in ref["weights"].items():
-            assert torch.equal(torch.tensor(result["weights"][key]), torch.tensor(value)), (chains, key)
 
 
 # --------------------------------------------------------------------------- in this process

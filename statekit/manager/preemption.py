@@ -13,7 +13,7 @@ could catch the optimizer mid-update). The run acts at its next *safe point*:
   signal's save, blocking);
 - ``CheckpointHook.on_step_end`` (hook-based trainers).
 
-There the ranks agree (:func:`statekit.distributed.any_rank`: the signal may have reached
+There the ranks agree (:func:`statekit.distributed.max_over_ranks` of the signal's number: the signal may have reached
 one rank only), an async save in flight is committed first (waited for at most the grace
 left; still writing then: nothing is saved, the newest committed checkpoint stays latest),
 the step is saved blocking
@@ -192,6 +192,7 @@ class SignalSave:
         self._last_bytes: int | None = None
         self._last_committed: int | None = None
         self._acting = False
+        self._agreed = 0  # the signal number the ranks agreed on at the last check (0: none)
         self._in_flight_wait = 0.0
         self._previous: dict[signal.Signals, Any] = {}
         self._signals = signals
@@ -269,7 +270,8 @@ class SignalSave:
         if distributed.rank_and_world_size()[1] > 1:
             if self._boundaries < self._next_check:
                 return False
-            flag, self.check_interval = distributed.max_over_ranks([self.received is not None, self._interval()])
+            flag, self.check_interval = distributed.max_over_ranks([int(self.received or 0), self._interval()])
+            self._agreed = flag  # the signal's number (the highest if ranks got different ones): the exit status
             took = time.monotonic() - now
             self._checks += 1
             # the fastest check seen: the first one also creates statekit's gloo group
@@ -300,7 +302,8 @@ class SignalSave:
         """
         if self._acting or self.should_stop:
             return False
-        return distributed.any_rank(self.received is not None)
+        self._agreed = distributed.max_over_ranks([int(self.received or 0)])[0]  # 0: no rank got one
+        return self._agreed > 0
 
     def after_save(self, step: int) -> None:
         """Finish the signal's save done by :meth:`CheckpointManager.save` (log, stop).
@@ -377,8 +380,9 @@ class SignalSave:
         exit_by = getattr(self.manager.replicator, "exit_by", None)
         if exit_by is not None and self.deadline is not None:  # the wait at interpreter exit ends with the grace
             exit_by(self.deadline)
-        if self.on_signal == "exit":
-            raise SystemExit(exit_code(signum if signum is not None else signal.SIGTERM))
+        if self.on_signal == "exit":  # a rank the signal did not reach exits as the ranks that got it
+            agreed = signal.Signals(self._agreed) if self._agreed else signal.SIGTERM
+            raise SystemExit(exit_code(signum if signum is not None else agreed))
 
     def _estimate(self) -> float | None:
         """Seconds the signal's save is estimated to take (last save's bytes at its measured
