@@ -100,7 +100,7 @@ def changed_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
 
 def hash_rate(model: nn.Module) -> tuple[float, int]:
     """XXH3-64 over every frozen weight in memory, streamed in 16 MiB pieces as an
-    incremental save compares a file (``format.tensors.same_file_bytes``), one core:
+    incremental save compares a file (``format.tensors.compare_file``), one core:
     (bytes per second, bytes); best of three."""
     frozen = [memoryview(p.detach().numpy()).cast("B") for p in model.parameters() if not p.requires_grad]
     total = sum(len(v) for v in frozen)

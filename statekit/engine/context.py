@@ -502,7 +502,7 @@ class Checkpoint:
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
     ) -> dict[str, Any] | None:
         """Incremental save: reuse the base checkpoint's file ``rel`` when every byte this
-        save would write is the same (:func:`statekit.format.tensors.same_file_bytes`);
+        save would write is the same (:func:`statekit.format.tensors.compare_file`);
         returns its entry, or None to write the file."""
         base = self.reuse_base
         writer = self.plugin or CORE

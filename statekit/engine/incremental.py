@@ -2,7 +2,7 @@
 checkpoint is reused from it (hard link, server-side copy) instead of written again.
 
 The decision is made from the bytes, never from ``requires_grad`` or a flag: a file is
-reused only when :func:`statekit.format.tensors.same_file_bytes` finds that every byte the
+reused only when :func:`statekit.format.tensors.compare_file` finds that every byte the
 save would write equals the committed file's (its running checksums, recorded by the
 writer at the end of the header, 1 MiB later and then every 64 MiB, and its checksum), so a frozen weight
 edited in place is written again. Every checkpoint directory stays complete on its own:

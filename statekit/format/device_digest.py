@@ -2,7 +2,7 @@
 of a state on an accelerator.
 
 An incremental save decides whether a file changed from its bytes
-(:func:`statekit.format.tensors.same_file_bytes`). For tensors on the host that is XXH3-64
+(:func:`statekit.format.tensors.compare_file`). For tensors on the host that is XXH3-64
 of the bytes; for tensors on a GPU, XXH3 would need every byte copied to the host first
 (a 7 GB frozen base: seconds of PCIe traffic at every save, for bytes that did not
 change). This digest runs as a few element-wise tensor operations on the tensors' own

@@ -126,7 +126,7 @@ def write_tensors(
     if hasher is not None:
         hasher.update(header)
         if isinstance(hasher, PrefixHasher):
-            hasher.mark()  # a later save with another header stops here (same_file_bytes)
+            hasher.mark()  # a later save with another header stops here (compare_file)
     arena = _one_arena(tensors, planned)
     if arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
         chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), sink.write_stable
@@ -139,23 +139,6 @@ def write_tensors(
             hasher.update(chunk)
         size += len(chunk)
     return size
-
-
-def same_file_bytes(
-    tensors: Mapping[str, torch.Tensor],
-    metadata: Mapping[str, str] | None,
-    size_bytes: int,
-    checksum: str,
-    prefixes: Iterable[tuple[int, str]],
-    digest: str | None = None,
-) -> bool:
-    """Whether :func:`write_tensors` would write exactly the committed file described by
-    ``size_bytes``, ``checksum``, ``prefixes`` and ``digest``: :func:`compare_file`'s answer.
-
-    Raises:
-        UnsupportedDtypeError: a tensor cannot be stored (names the key), as the write would.
-    """
-    return compare_file(tensors, metadata, size_bytes, checksum, prefixes, digest)[0]
 
 
 def compare_file(
@@ -210,7 +193,7 @@ def compare_file(
 
 def same_stream_bytes(chunks: Iterable[Any], size_bytes: int, checksum: str, prefixes: Iterable[tuple[int, str]]) -> bool:
     """Whether the bytes ``chunks`` yields are exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``: the comparison of :func:`same_file_bytes`
+    ``size_bytes``, ``checksum`` and ``prefixes``: the comparison of :func:`compare_file`
     for bytes that come from elsewhere (a file streamed by a plugin,
     :meth:`statekit.engine.context.Checkpoint.reuse_if_same`).
 

@@ -276,7 +276,7 @@ class PrefixHasher:
     ``n`` bytes at chosen offsets, in the same pass (no byte is hashed twice).
 
     The records are the evidence of content identity for incremental saves
-    (:func:`statekit.format.tensors.same_file_bytes`): a later save hashes the bytes it
+    (:func:`statekit.format.tensors.compare_file`): a later save hashes the bytes it
     would write and compares at each recorded offset, stopping at the first difference.
     XXH3's streaming state gives the digest of the bytes so far at any point without
     ending the stream (https://github.com/Cyan4973/xxHash, ``XXH3_64bits_digest``).
@@ -326,7 +326,7 @@ class PrefixHasher:
 
 class PrefixCheck:
     """Hashes bytes and compares the running checksum with a committed file's records,
-    for :func:`statekit.format.tensors.same_file_bytes`.
+    for :func:`statekit.format.tensors.compare_file`.
 
     Args:
         prefixes: the committed file's ``(offset, hex)`` records (:class:`PrefixHasher`).
