@@ -7,3 +7,30 @@ not installed with its entry points).
 """
 
 pytest_plugins = ["statekit.testing"]
+
+
+import contextlib
+import signal
+
+import pytest
+
+from statekit.testing import start_moto_server
+
+
+@pytest.fixture
+def frozen_s3():
+    """A dedicated moto server this test may freeze with SIGSTOP (the environment is left
+    alone: the test reaches it through ``storage_options``, with short timeouts), with a
+    bucket ``frozen``; yields ``(server process, storage_options)``."""
+    pytest.importorskip("moto")
+    s3fs = pytest.importorskip("s3fs")
+    with start_moto_server(environment=False) as server:
+        options = {**server.storage_options,
+                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
+                   "skip_instance_cache": True}
+        s3fs.S3FileSystem(**options).mkdir("frozen")
+        try:
+            yield server.process, options
+        finally:  # a stopped server ignores SIGTERM until continued
+            with contextlib.suppress(ProcessLookupError):
+                server.process.send_signal(signal.SIGCONT)

@@ -8,7 +8,6 @@ the test controls, not a race it sleeps through.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import signal
@@ -23,7 +22,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import statekit
 from statekit import hookimpl
-from statekit.testing import assert_state_equal, start_moto_server
+from statekit.testing import assert_state_equal
 
 
 class HoldCommit:
@@ -152,29 +151,12 @@ def test_stats_count_the_steps_a_resume_goes_back(plugin_manager, tmp_path):
 # --------------------------------------------------------------------------- the remote tier
 
 
-@pytest.fixture
-def freezable_s3():
-    """A moto server of this test's own, to SIGSTOP (reached through storage_options)."""
-    pytest.importorskip("moto")
-    s3fs = pytest.importorskip("s3fs")
-    with start_moto_server(environment=False) as server:
-        options = {**server.storage_options,
-                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
-                   "skip_instance_cache": True}
-        s3fs.S3FileSystem(**options).mkdir("stall")
-        try:
-            yield server.process, options
-        finally:  # a stopped server ignores SIGTERM until continued
-            with contextlib.suppress(ProcessLookupError):
-                server.process.send_signal(signal.SIGCONT)
-
-
-def test_a_frozen_remote_tier_never_blocks_a_save(freezable_s3, plugin_manager, tmp_path):
+def test_a_frozen_remote_tier_never_blocks_a_save(frozen_s3, plugin_manager, tmp_path):
     """The remote tier frozen (SIGSTOP) for 5 s while training saves: no save() call
     blocks a second (measured by manager.stats()), the backlog is bounded and reported,
     and everything is replicated once the server runs again."""
-    server, options = freezable_s3
-    remote = f"s3://stall/run-{uuid.uuid4().hex[:6]}"
+    server, options = frozen_s3
+    remote = f"s3://frozen/run-{uuid.uuid4().hex[:6]}"
     model = torch.nn.Linear(64, 64)
     manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "local"), async_save=True,
                                          replicate_to=remote, replicate_options=options, replicate_max_backlog=3)

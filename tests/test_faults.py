@@ -21,7 +21,7 @@ import torch
 
 import statekit
 from statekit.manager.manager import checkpoint_name
-from statekit.testing import assert_state_equal, start_moto_server
+from statekit.testing import assert_state_equal
 
 from fault_helpers import make_state
 
@@ -96,24 +96,6 @@ def test_sigkill_at_every_point_of_the_write_sequence(tmp_path, plugin_manager):
 
 
 # --------------------------------------------------------------------------- S3 outages
-
-
-@pytest.fixture
-def frozen_s3():
-    """A dedicated moto server this test may freeze with SIGSTOP (the environment is left
-    alone: the test reaches it through ``storage_options``, with short timeouts)."""
-    pytest.importorskip("moto")
-    s3fs = pytest.importorskip("s3fs")
-    with start_moto_server(environment=False) as server:
-        options = {**server.storage_options,
-                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
-                   "skip_instance_cache": True}
-        s3fs.S3FileSystem(**options).mkdir("frozen")
-        try:
-            yield server.process, options
-        finally:  # a stopped server ignores SIGTERM until continued
-            with contextlib.suppress(ProcessLookupError):
-                server.process.send_signal(signal.SIGCONT)
 
 
 def test_s3_outage_during_save_is_a_storage_error(frozen_s3, plugin_manager):
