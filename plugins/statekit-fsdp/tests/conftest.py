@@ -58,3 +58,16 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def fsdp_only() -> object:
+    """In this process statekit runs with this plugin alone (the torchrun workers load
+    every installed plugin, as a user's run does)."""
+    import statekit_fsdp.plugin
+    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(statekit_fsdp.plugin, name="fsdp")
+    with use_plugin_manager(pm):
+        yield pm

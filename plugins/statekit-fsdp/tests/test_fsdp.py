@@ -30,6 +30,8 @@ from fsdp_worker import build, full_state, scheduler, train_step
 import statekit
 from statekit import CorruptCheckpointError, PluginError, StatekitError, StateMismatchError
 
+pytestmark = pytest.mark.usefixtures("fsdp_only")  # conftest: this plugin alone in this process
+
 RESHARD_RTOL = 1e-5
 """Relative tolerance of losses after resuming at a different world size."""
 
@@ -44,19 +46,6 @@ def manifest_of(url: str) -> dict:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(autouse=True)
-def fsdp_only() -> object:
-    """In this process statekit runs with this plugin alone (the torchrun workers load
-    every installed plugin, as a user's run does)."""
-    import statekit_fsdp.plugin
-    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
-
-    pm = build_plugin_manager(autoload=False)
-    pm.register(statekit_fsdp.plugin, name="fsdp")
-    with use_plugin_manager(pm):
-        yield pm
 
 
 @pytest.fixture(scope="module")

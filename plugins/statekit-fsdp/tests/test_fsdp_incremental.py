@@ -26,7 +26,8 @@ RANKS = (0, 1)
 
 # loading the 2-rank checkpoints into one process warns (world size 2 -> 1, no rng plugin
 # here): expected, and not what these tests are about
-pytestmark = pytest.mark.filterwarnings("ignore::statekit.ResumeFingerprintWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::statekit.ResumeFingerprintWarning"),
+              pytest.mark.usefixtures("fsdp_only")]
 
 
 def manifest_of(url: Path) -> statekit.Manifest:
@@ -42,19 +43,6 @@ def frozen_file(rank: int) -> str:
 
 def trainable_file(rank: int) -> str:
     return f"model/rank-{rank:05d}.safetensors"
-
-
-@pytest.fixture(autouse=True)
-def fsdp_only() -> object:
-    """In this process statekit runs with this plugin alone (the torchrun workers load
-    every installed plugin, as a user's run does)."""
-    import statekit_fsdp.plugin
-    from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
-
-    pm = build_plugin_manager(autoload=False)
-    pm.register(statekit_fsdp.plugin, name="fsdp")
-    with use_plugin_manager(pm):
-        yield pm
 
 
 @pytest.fixture(scope="module")
