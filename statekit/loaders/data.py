@@ -57,7 +57,8 @@ class Position:
         dataset_start: a Stateful dataset's ``state_dict()`` at the epoch start.
         dataset_log: a Stateful iterable dataset's state after ``n`` batches of the epoch,
             by ``n`` (:func:`statekit.loaders.iterable.recorder`); ``dataset_fetched``: the
-            batches of the epoch its iterator asked for so far.
+            batches of the epoch its iterator asked for so far; ``dataset_loaded``: the state
+            statekit loaded into the dataset for this epoch, until the epoch's iterator started.
         workers_epoch: the epoch in which the loader's persistent workers started.
         fetch_states: the global random states before each fetch of the epoch not consumed
             yet, by fetch number (:mod:`statekit.loaders.fetch_rng`); ``replay_after``: the
@@ -83,6 +84,7 @@ class Position:
     dataset_start: Any = None
     dataset_log: dict[int, Any] = field(default_factory=dict)
     dataset_fetched: int = 0
+    dataset_loaded: Any = None
     workers_epoch: int | None = None
     fetch_states: dict[int, Any] = field(default_factory=dict)
     replay_after: Any = None
@@ -162,6 +164,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         if how == iterable.CONSUME:
             iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng)
         for batch in run_sampler_out(parent, position, length):
+            iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
             if restore is not None:
                 restore()
                 restore = None
@@ -181,6 +184,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     finally:
         if restore is not None:
             restore()
+        iterable.started(inner, position)
         epoch_rng.settle(position)
         position.parent = None
         if not finished:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from statekit.devices import restore_random_states, rng_guard
+from statekit.loaders import hf_iterable
 from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.errors import StatekitWarning
 
@@ -105,11 +106,12 @@ def _dispatches(loader: Any) -> bool:
 
 def records_dataset(loader: Any, inner: Any) -> bool:
     """True if the dataset's state after each batch is recorded (the ``"dataset"`` resume):
-    a Stateful iterable dataset read in the main process through a batch sampler, not
-    dispatched from rank 0 to other ranks."""
+    a Stateful iterable dataset whose state is exact (:func:`statekit.loaders.hf_iterable.inexact_state`),
+    read in the main process through a batch sampler, not dispatched from rank 0 to other ranks."""
     return (
         is_iterable(inner)
         and is_stateful(inner.dataset)
+        and hf_iterable.inexact_state(inner.dataset) is None
         and num_workers(inner) == 0
         and getattr(inner, "batch_sampler", None) is not None
         and not _dispatches(loader)
@@ -140,17 +142,19 @@ def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None,
     """
     dataset = stateful_dataset(inner)
     how = None
+    position.dataset_loaded = None
     if pending is not None:
         _warn_workers(inner, pending, name)
         if skip:
             how = _method(loader, inner, pending)
         saved = pending.get("dataset_after" if how == DATASET else "dataset_start")
         if saved is not None and dataset is not None:
-            dataset.load_state_dict(copy.deepcopy(saved))
+            position.dataset_loaded = copy.deepcopy(saved)
+            dataset.load_state_dict(position.dataset_loaded)
     if how == DATASET:
         position.dataset_start = pending.get("dataset_start")
     else:
-        position.dataset_start = copy.deepcopy(dataset.state_dict()) if dataset is not None else None
+        position.dataset_start = hf_iterable.epoch_start_state(dataset) if dataset is not None else None
     position.dataset_log = {}
     if num_workers(inner) > 0 and getattr(inner, "persistent_workers", False) and getattr(inner, "_iterator", None) is None:
         position.workers_epoch = position.epoch
@@ -279,6 +283,9 @@ def _reason(inner: Any) -> str:
     if is_iterable(inner) and _is_shard(inner.dataset):
         return "Accelerate's IterableDatasetShard reads the whole stream on every rank: the dataset restarts the epoch and the slices are re-read"
     if is_iterable(inner):
+        inexact = hf_iterable.inexact_state(inner.dataset)
+        if inexact is not None:
+            return f"the dataset's own state cannot restore its position exactly: {inexact}"
         return "the IterableDataset has no state_dict()/load_state_dict() (torchdata's Stateful protocol) to restore its position"
     return "the loader has no batch sampler whose indices could be skipped"
 
@@ -308,5 +315,15 @@ def saved_fields(inner: Any, position: Any, batches: int, in_epoch: bool) -> dic
                 after = copy.deepcopy(dataset.state_dict())
             fields["dataset_after"] = after
     else:
-        fields["dataset_start"] = copy.deepcopy(dataset.state_dict())
+        fields["dataset_start"] = hf_iterable.epoch_start_state(dataset)
     return fields
+
+
+def started(inner: Any, position: Any) -> None:
+    """The epoch's iterator has started reading the dataset (its first batch arrived, or it
+    ended): a state loaded for this epoch only must not position the next ones
+    (:func:`statekit.loaders.hf_iterable.forget_loaded`)."""
+    if position.dataset_loaded is not None:
+        dataset = stateful_dataset(inner)
+        hf_iterable.forget_loaded(dataset, position.dataset_loaded)
+        position.dataset_loaded = None
