@@ -102,6 +102,20 @@ def make_dataset(kind: str) -> Any:
     raise ValueError(kind)
 
 
+class EpochCounter:
+    """The loop's epoch number, checkpointed with the run (what ``set_epoch`` is called with:
+    an epoch of a filtered stream has no fixed number of steps)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = state["epoch"]
+
+
 @dataclasses.dataclass
 class Result:
     """What one run did: per step ``(step, sample indices, loss)``; the final weights; the
@@ -143,8 +157,11 @@ def run(stack: Stack, root: str, total: int, save_at: int | None = None, die_at:
         accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stack.stateful_accelerate))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     checkpoints = None
+    counter = EpochCounter()
     if manager:
-        objects = accelerator if accelerator is not None else {"model": model, "optimizer": optimizer, "loader": loader}
+        objects = accelerator if accelerator is not None else {"model": model, "optimizer": optimizer, "loader": loader, "epoch": counter}
+        if accelerator is not None:
+            accelerator.register_for_checkpointing(counter)
         checkpoints = statekit.CheckpointManager(objects, root)
     steps: list[tuple[int, list[int], float]] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -152,7 +169,7 @@ def run(stack: Stack, root: str, total: int, save_at: int | None = None, die_at:
         step = (checkpoints.resume() or 0) if resume else 0
         while step < total:
             if stack.set_epoch:
-                dataset.set_epoch(step // STEPS_PER_EPOCH)
+                dataset.set_epoch(counter.epoch)
             for batch in loader:
                 loss = F.cross_entropy(model(batch["x"]), batch["y"])
                 if accelerator is not None:
@@ -167,6 +184,9 @@ def run(stack: Stack, root: str, total: int, save_at: int | None = None, die_at:
                     checkpoints.save(step)
                 if step == die_at or step >= total:
                     break
+            else:
+                counter.epoch += 1
+                continue
             if step == die_at:
                 break
         if checkpoints is not None:

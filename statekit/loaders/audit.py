@@ -205,11 +205,10 @@ class IndexLog(BatchSamplerWrapper):
         self.first = first
         self.read_ahead = read_ahead
 
-    def __iter__(self) -> Iterator[Any]:
+    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
         drawn: dict[int, Any] = {}
         self.position.drawn = drawn
         self.position.drawn_all = False
-        items = iter(self.batch_sampler)
         fetched = self.first
         ahead: list[Any] = []
         while True:

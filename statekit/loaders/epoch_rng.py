@@ -70,8 +70,7 @@ class SettleAfterFirst(BatchSamplerWrapper):
         super().__init__(wrapped)
         self.position = position
 
-    def __iter__(self) -> Iterator[Any]:
-        items = iter(self.batch_sampler)
+    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
         try:
             first = next(items)
         except StopIteration:
@@ -119,8 +118,7 @@ class SeedProbe(BatchSamplerWrapper):
         super().__init__(wrapped)
         self.position = position
 
-    def __iter__(self) -> Iterator[Any]:
-        items = iter(self.batch_sampler)
+    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
         probe = torch.Generator()
         probe.set_state(torch.get_rng_state())
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=probe).item())

@@ -58,9 +58,9 @@ class FetchLog(BatchSamplerWrapper):
         self.replay = dict(replay)
         self.settle_after = settle_after
 
-    def __iter__(self) -> Iterator[Any]:
+    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
         replay, self.replay = self.replay, {}
-        for fetched, indices in enumerate(self.batch_sampler, start=self.first):
+        for fetched, indices in enumerate(items, start=self.first):
             states = replay.pop(fetched, None)
             if states is not None:
                 if self.settle_after and self.position.replay_after is None:

@@ -218,8 +218,8 @@ class _RecordDatasetState(BatchSamplerWrapper):
         self.position = position
         self.first = first
 
-    def __iter__(self) -> Iterator[Any]:
-        for fetched, indices in enumerate(self.batch_sampler, start=self.first):
+    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
+        for fetched, indices in enumerate(items, start=self.first):
             self.position.dataset_log[fetched] = copy.deepcopy(self.dataset.state_dict())
             self.position.dataset_fetched = fetched + 1
             yield indices

@@ -142,12 +142,27 @@ class BatchSamplerWrapper:
     while an iterator takes it (skip, replay, records): the wrapped one's length and
     attributes (``sampler``, ``batch_size``, ``set_epoch``...) show through.
 
+    ``iter(wrapper)`` calls ``iter()`` of the wrapped batch sampler at once and hands the
+    result to :meth:`iterate`: a sampler whose ``__iter__`` draws eagerly (torchdata's
+    stateful ``RandomSampler`` draws its permutation there) draws exactly when and as often
+    as it would unwrapped (torch's multi-process iterator calls ``iter()`` twice while it is
+    built). A wrapper whose ``__iter__`` were a generator function would defer that call to
+    the first batch, and a tracked run would draw other orders than the same run without
+    statekit.
+
     Args:
         batch_sampler: the wrapped batch sampler (or sampler).
     """
 
     def __init__(self, batch_sampler: Any) -> None:
         self.batch_sampler = batch_sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterate(iter(self.batch_sampler))
+
+    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
+        """The batches of the wrapper, from ``items`` (the wrapped sampler's iterator)."""
+        return items
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
