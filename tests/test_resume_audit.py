@@ -456,3 +456,53 @@ def test_audit_names_a_saved_position_shifted_by_one_batch(tmp_path, installed_p
     with pytest.warns(statekit.ResumeAuditWarning, match=r"expected indices \[(\d+, ){3}\d+\] as batch 3 of epoch 0, got \[") as record:
         next(iter(resumed))
     assert str(expected)[1:-1] in str(record[0].message)
+
+
+class _OwnEpochSampler(Sampler):
+    """A correct sampler that counts its own epochs: a new permutation each pass, its epoch
+    raised when a pass runs out, saved and restored with the run."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def __iter__(self):
+        yield from torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        self.epoch += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+def test_a_sampler_counting_its_own_epoch_saved_before_the_last_batch_is_verified(tmp_path, installed_plugin_manager):
+    """Issue 35's false alarm: saved with only the epoch's last batch left, the resume is
+    exact; the audit's read-ahead runs the sampler out (its epoch counts one more) before the
+    check, which must not be taken as a divergence."""
+
+    def build():
+        sampler = _OwnEpochSampler(16)
+        loader = DataLoader(list(range(16)), batch_size=4, sampler=sampler)
+        return loader, statekit.CheckpointManager({"loader": loader, "sampler": sampler}, str(tmp_path / "run"))
+
+    reference, _ = build()
+    expected = [b.tolist() for _ in range(3) for b in reference]
+    loader, manager = build()
+    seen = [b.tolist() for b in loader]  # epoch 0
+    it = iter(loader)
+    seen += [next(it).tolist() for _ in range(3)]  # epoch 1, the last batch left
+    manager.save(7)
+    loader, manager = build()
+    assert manager.resume() == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.ResumeAuditWarning)
+        seen += [b.tolist() for b in loader]
+        seen += [b.tolist() for b in loader]
+    assert seen == expected
+    assert manager.save(12) is not None
+    listed = json.loads(CliRunner().invoke(cli, ["ls", str(tmp_path / "run"), "--json"]).output)
+    assert [c for c in listed if c["step"] == 12][0]["resume_audit"]["verdict"] == "verified"

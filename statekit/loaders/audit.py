@@ -75,7 +75,7 @@ class NextBatch:
         content_digest: XXH3-64 over the batch's tensors and values, or None when the loader
             did not hold the batch yet.
         sampler_epoch: ``sampler.epoch`` (``DistributedSampler.set_epoch``) or Accelerate's
-            ``iteration`` of the loader, or None.
+            ``iteration`` of the loader when the epoch's iterator started, or None.
         missing: why indices or content are not recorded (for the verdict), or None.
     """
 
@@ -197,13 +197,23 @@ class IndexLog(BatchSamplerWrapper):
         first: fetch number of the first batch this iterator asks for.
         read_ahead: also ask the wrapped sampler for the next batch's indices, so a save
             after batch ``k`` knows batch ``k + 1``'s (for loaders that do not ask ahead).
+        epoch_of: returns the sampler's epoch (:func:`sampler_epoch`); it is read when the
+            iterator takes the batch sampler (``position.sampler_epoch_start``), before any
+            draw: a sampler that counts its own epochs counts one more as soon as a
+            read-ahead runs it out, which says nothing about where the run stands.
     """
 
-    def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool) -> None:
+    def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool, epoch_of: Any = None) -> None:
         super().__init__(batch_sampler)
         self.position = position
         self.first = first
         self.read_ahead = read_ahead
+        self.epoch_of = epoch_of
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.epoch_of is not None:
+            self.position.sampler_epoch_start = self.epoch_of()
+        return super().__iter__()
 
     def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
         drawn: dict[int, Any] = {}

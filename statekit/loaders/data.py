@@ -68,7 +68,8 @@ class Position:
             (:mod:`statekit.loaders.epoch_rng`); ``resume_rng``: the states a resumed epoch's
             replay puts back once the sampler made its first draws.
         drawn: the sample indices the batch sampler handed out, by fetch number, not
-            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.audit.IndexLog`).
+            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.audit.IndexLog`);
+            ``sampler_epoch_start``: the sampler's epoch when the epoch's iterator took it.
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
             holds ahead is read from it for the resume audit).
         resume_verdict: the verdict of the resume that restored this loader
@@ -93,6 +94,7 @@ class Position:
     resume_rng: dict[str, Any] | None = None
     drawn: dict[int, Any] = field(default_factory=dict)
     drawn_all: bool = False
+    sampler_epoch_start: int | None = None
     parent: Any = None
     resume_verdict: Any = None
 
@@ -165,6 +167,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
             iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng)
         for batch in run_sampler_out(parent, position, length):
             iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
+            if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
+                position.sampler_epoch_start = audit.sampler_epoch(self, sampler_of(self))
             if restore is not None:
                 restore()
                 restore = None
@@ -235,10 +239,12 @@ def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
     one batch ahead only where nothing else does: a plain loader without worker processes."""
     position.drawn = {}
     position.drawn_all = False
+    position.sampler_epoch_start = None
     if iterable.is_iterable(inner):
         return None
     read_ahead = inner is loader and iterable.num_workers(inner) == 0
-    return lambda batch_sampler: audit.IndexLog(batch_sampler, position, first, read_ahead)
+    epoch_of = lambda: audit.sampler_epoch(loader, sampler_of(loader))  # noqa: E731
+    return lambda batch_sampler: audit.IndexLog(batch_sampler, position, first, read_ahead, epoch_of)
 
 
 def _first_batch_check(pending: dict[str, Any] | None, label: str) -> Any:
@@ -253,7 +259,7 @@ def _first_batch_check(pending: dict[str, Any] | None, label: str) -> Any:
             audit.nothing_yielded(position.resume_verdict, name, label, record)
             return
         has = fetched in position.drawn
-        now = audit.sampler_epoch(loader, sampler_of(loader)) if record.sampler_epoch is not None else None
+        now = position.sampler_epoch_start if record.sampler_epoch is not None else None
         audit.check_first_batch(position.resume_verdict, name, label, record, position.drawn.get(fetched), has, batch, now)
 
     return check
@@ -363,7 +369,7 @@ def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_ep
     if not in_epoch:
         record.missing = "saved at an epoch boundary: the next epoch's order is drawn when it starts"
         return record
-    record.sampler_epoch = audit.sampler_epoch(loader, sampler_of(loader))
+    record.sampler_epoch = position.sampler_epoch_start
     inner = inner_loader(loader)
     if batches in position.drawn:
         record.indices_digest, record.indices_head = audit.indices_digest(position.drawn[batches])
