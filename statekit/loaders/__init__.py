@@ -4,7 +4,8 @@ Owns: tracking a loader's position while it is iterated, its saved state and its
 (:mod:`~statekit.loaders.data`), the sampler and generator lookup and the batch-sampler
 wrappers that replay an epoch (:mod:`~statekit.loaders.samplers`), iterable datasets and
 workers (:mod:`~statekit.loaders.iterable`: a Stateful dataset's state, or re-read and
-discard), the random states of batches fetched ahead (:mod:`~statekit.loaders.fetch_rng`)
+discard; :mod:`~statekit.loaders.hf_iterable`: what a Hugging Face ``IterableDataset``'s
+own state can restore), the random states of batches fetched ahead (:mod:`~statekit.loaders.fetch_rng`)
 and of the epoch's start (:mod:`~statekit.loaders.epoch_rng`), elastic resume on another
 world size (:mod:`~statekit.loaders.elastic`, :mod:`~statekit.loaders.elastic_layouts`),
 the resume audit (:mod:`~statekit.loaders.audit`: the next-batch record a save writes and

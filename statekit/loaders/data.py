@@ -15,8 +15,9 @@ epoch-start states and skips the consumed batches at the index level (the batch 
 is wrapped while the iterator is built, so skipped samples are never loaded and random
 transforms draw nothing).
 
-statekit-rng gives samplers and loaders generators of their own at attach time, so
-building an iterator never draws from the global RNG (which would shift dropout masks).
+Loaders keep the generators they have (none are given at attach: that would change the
+run's order against a run without statekit); a loader or sampler drawing from the global
+RNG is replayed from the global states at the epoch start (:mod:`statekit.loaders.epoch_rng`).
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     finally:
         if restore is not None:
             restore()
-        iterable.started(inner, position)
+        if position.dataset_loaded is not None:  # the epoch ended before its first batch
+            iterable.started(inner, position)
         epoch_rng.settle(position)
         position.parent = None
         if not finished:
