@@ -28,11 +28,12 @@ def _quiet_datasets():
     logging.getLogger("datasets").setLevel(logging.ERROR)
 
 
-def _assert_exact(stack: Stack, tmp_path) -> list[str]:
+def _assert_exact(stack: Stack, tmp_path, save_at: int = SAVE_AT) -> list[str]:
     """Asserts the resumed run equals the reference at every step; returns the resumed run's statekit warnings."""
-    reference, first, resumed = interrupted(stack, tmp_path, total=TOTAL, save_at=SAVE_AT, die_at=DIE_AT)
-    assert [s[1] for s in first.steps] == [s[1] for s in reference.steps[:DIE_AT]]
-    got = first.steps[:SAVE_AT] + resumed.steps
+    die_at = save_at + DIE_AT - SAVE_AT
+    reference, first, resumed = interrupted(stack, tmp_path, total=TOTAL, save_at=save_at, die_at=die_at)
+    assert [s[1] for s in first.steps] == [s[1] for s in reference.steps[:die_at]]
+    got = first.steps[:save_at] + resumed.steps
     assert [s[:2] for s in got] == [s[:2] for s in reference.steps], "batches"
     assert [s[2] for s in got] == [s[2] for s in reference.steps], "losses"
     for key, value in reference.weights.items():
@@ -88,7 +89,9 @@ def test_a_shuffle_buffer_is_re_read_and_said(tmp_path):
 
 
 # Attaching changes nothing: the run with a manager that never saves yields the same batches
-# and losses as the same run without statekit.
+# and losses as the same run without statekit. Accelerate's use_stateful_dataloader=True builds
+# the first epoch's iterator inside prepare() (DataLoaderAdapter calls
+# StatefulDataLoader.state_dict()); the epoch runs on that iterator, with or without statekit.
 ATTACHED = [
     Stack("map", loader="stateful"),
     Stack("map", loader="stateful", workers=2),
@@ -97,13 +100,10 @@ ATTACHED = [
     Stack("map", workers=2),
     Stack("map", accelerate=True),
     Stack("shuffled", accelerate=True),
-]
-# Accelerate's use_stateful_dataloader=True builds the first epoch's iterator inside
-# prepare() (DataLoaderAdapter calls StatefulDataLoader.state_dict()); statekit rebuilds it
-# so that it can replay that epoch on a resume, which draws its order again (docs/concepts.md).
-ACCELERATE_STATEFUL = [
     Stack("map", accelerate=True, stateful_accelerate=True),
     Stack("map", accelerate=True, stateful_accelerate=True, workers=2),
+    Stack("augment", accelerate=True, stateful_accelerate=True),
+    Stack("iterable", accelerate=True, stateful_accelerate=True, workers=2),
 ]
 
 
@@ -116,9 +116,13 @@ def test_attaching_changes_nothing(tmp_path, stack):
         assert torch.equal(attached.weights[key], value), key
 
 
-@pytest.mark.xfail(strict=True, reason="Accelerate's stateful loader builds epoch 0's iterator in prepare(); statekit rebuilds it (docs/concepts.md)")
-@pytest.mark.parametrize("stack", ACCELERATE_STATEFUL, ids=[s.id for s in ACCELERATE_STATEFUL])
-def test_attaching_changes_accelerates_stateful_loader(tmp_path, stack):
-    plain = run(stack, str(tmp_path / "plain"), 30, manager=False)
-    attached = run(stack, str(tmp_path / "attached"), 30)
-    assert attached.steps == plain.steps
+# A save in the first epoch of Accelerate's stateful loader: that epoch ran on the iterator
+# prepare() built, and the resumed process's prepare() builds it again with the same draws.
+PREBUILT = [Stack(kind, accelerate=True, stateful_accelerate=True, workers=workers)
+            for kind in ("map", "augment", "iterable") for workers in (0, 2)]
+
+
+@pytest.mark.parametrize("stack", PREBUILT, ids=[s.id for s in PREBUILT])
+@pytest.mark.parametrize("save_at", [5, SAVE_AT], ids=["epoch0", "epoch1"])
+def test_accelerates_stateful_loader_resumes_exactly_from_its_first_epoch(tmp_path, stack, save_at):
+    _assert_exact(stack, tmp_path, save_at=save_at)

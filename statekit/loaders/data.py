@@ -32,6 +32,7 @@ import torch
 from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable
 from statekit.devices import snapshot_random_states
 from statekit.loaders.samplers import (
+    SkipBatches,
     dataset_length,
     generators,
     inner_loader,
@@ -71,6 +72,8 @@ class Position:
         drawn: the sample indices the batch sampler handed out, by fetch number, not
             consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.audit.IndexLog`);
             ``sampler_epoch_start``: the sampler's epoch when the epoch's iterator took it.
+        prebuilt: the epoch runs on the iterator a ``StatefulDataLoader`` built before it
+            (:func:`_prebuilt`), as it does without statekit.
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
             holds ahead is read from it for the resume audit).
         resume_verdict: the verdict of the resume that restored this loader
@@ -96,6 +99,7 @@ class Position:
     drawn: dict[int, Any] = field(default_factory=dict)
     drawn_all: bool = False
     sampler_epoch_start: int | None = None
+    prebuilt: bool = False
     parent: Any = None
     resume_verdict: Any = None
 
@@ -132,13 +136,17 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position: Position = self.__dict__["_statekit_position"]
     inner = inner_loader(self)
     pending, position.pending = position.pending, None
+    position.prebuilt = False
     skip = _apply_pending(self, position, pending) if pending is not None else _start_fresh(inner, position)
     name = describe(self)
-    how = iterable.plan(self, inner, position, pending, skip, name)
+    how = iterable.plan(self, inner, position, pending, skip, name, prebuilt=position.prebuilt)
     position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
     position.batches = skip
     position.in_epoch = True
+    prebuilt = _prebuilt(inner) if position.prebuilt else None
     first = skip if how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
+    if prebuilt is not None:  # batches it fetched ahead when it was built (workers) came before any wrapper
+        first += int(getattr(prebuilt, "_send_idx", 0) or 0)
     replay_start = (pending or {}).get("epoch_rng")
     # the batch-sampler wrappers, innermost first (wrap_batch_sampler puts them on before the
     # iterator is built and takes them off after the first batch):
@@ -158,7 +166,10 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
     # global random states back once the sampler made its epoch-start draws
     innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
-    restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
+    if prebuilt is not None:
+        restore = _wrap_prebuilt(prebuilt, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
+    else:
+        restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
     position.epoch_rng = replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
     parent = super(type(self), self).__iter__()
     position.parent = parent
@@ -215,6 +226,42 @@ def _compose(wrappers: list[Any]) -> Any:
         return batch_sampler
 
     return wrap
+
+
+def _prebuilt(inner: Any) -> Any:
+    """The iterator a torchdata ``StatefulDataLoader`` built before its epoch started and has
+    not handed out yet, or None.
+
+    ``StatefulDataLoader.state_dict()`` builds the next iterator when none exists, and the
+    next ``iter()`` returns that one (``_initial_iter_for_state_dict``); Accelerate's
+    ``DataLoaderAdapter`` calls ``state_dict()`` in ``prepare()``
+    (https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/stateful_dataloader.py).
+    Building it drew the epoch's order (the stateful ``RandomSampler`` draws its permutation
+    in ``iter()``) and the workers' base seed, so the epoch must run on it for the run to be
+    the one without statekit.
+    """
+    if getattr(inner, "_initial_iter_for_state_dict", False):
+        return getattr(inner, "_iterator", None)
+    return None
+
+
+def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> None:
+    """Put the batch-sampler wrappers around the sampler iterator of a prebuilt iterator
+    (:func:`_prebuilt`), which took its batch sampler before any wrapper was on, as
+    :func:`statekit.loaders.samplers.wrap_batch_sampler` puts them around a batch sampler:
+    ``innermost``, a skip of ``skip`` batches, then ``record``. A batch sampler's iterator
+    draws when its first batch is asked for (torch's ``BatchSampler.__iter__`` is a
+    generator), so the wrappers still see the epoch's first draws. Returns None: nothing
+    to put back."""
+    base = iterator._sampler_iter
+    if innermost is not None:
+        base = innermost(base)
+    if skip:
+        base = SkipBatches(base, skip)
+    if record is not None:
+        base = record(base)
+    iterator._sampler_iter = iter(base)
+    return None
 
 
 def _abandoned(loader: Any, position: Position) -> None:
@@ -278,7 +325,18 @@ def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> 
     if hasattr(loader, "iteration"):
         loader.iteration = pending["epoch"]
     inner = inner_loader(loader)
-    if callable(getattr(inner, "load_state_dict", None)):
+    if pending.get("prebuilt") and _prebuilt(inner) is not None:
+        # The saved epoch ran on the iterator Accelerate's prepare() built; this process's
+        # prepare() built it with the same draws: resume on it (the audit checks the batch)
+        position.prebuilt = True
+    elif callable(getattr(inner, "load_state_dict", None)):
+        if pending.get("prebuilt"):
+            warn_user(
+                f"{describe(loader)}: the saved epoch {pending['epoch']} ran on the iterator a StatefulDataLoader built "
+                "before it (Accelerate's prepare() builds one), and this process has none: the epoch's order cannot be "
+                "drawn again; prepare the loader with Accelerate as the saved run did, before the resume",
+                StatekitWarning,
+            )
         # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
         # Accelerate calls it in prepare()); that iterator ignores the skip.
         inner.load_state_dict({})
@@ -296,10 +354,10 @@ def _start_fresh(inner: Any, position: Position) -> int:
         # Accelerate checkpoint): it continues from its own state, so until this epoch
         # ends its position is its own state_dict(), not statekit's counters.
         position.foreign = True
-    elif getattr(inner, "_initial_iter_for_state_dict", False):
-        # An iterator a StatefulDataLoader built in advance drew its workers' base seed
-        # before the epoch-start snapshot below; a resume builds it after. Build it here too.
-        inner.load_state_dict({})
+    elif _prebuilt(inner) is not None:
+        # A StatefulDataLoader built this epoch's iterator in advance (Accelerate's prepare()
+        # calls its state_dict()): the epoch runs on it, as it does without statekit
+        position.prebuilt = True
     return 0
 
 
@@ -358,6 +416,8 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         state["fetch_states"] = ahead
     if in_epoch:  # the global states the epoch's order was drawn from (statekit.loaders.epoch_rng)
         state["epoch_rng"] = position.epoch_rng
+        if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
+            state["prebuilt"] = True
     state["next"] = _next_batch(loader, position, epoch, batches, in_epoch).to_json()  # the resume audit's record
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
@@ -452,7 +512,7 @@ def restore_loader(
             "epoch": int(state["epoch"]),
             "batches": batches,
             "start_states": dict(state.get("start_states") or {}),
-            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next")},
+            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt")},
             "name": name,
         }
         why_not = None

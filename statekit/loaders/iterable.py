@@ -118,7 +118,9 @@ def records_dataset(loader: Any, inner: Any) -> bool:
     )
 
 
-def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None, skip: int, name: str) -> str | None:
+def plan(
+    loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None, skip: int, name: str, prebuilt: bool = False
+) -> str | None:
     """Prepare the dataset for the epoch the next iterator starts; say how to skip.
 
     Called by :mod:`statekit.loaders.data` before the iterator is built, with the
@@ -136,6 +138,10 @@ def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None,
             ``dataset_after``, ``workers_epoch``), or None for an epoch that is not a resume.
         skip: batches of this epoch consumed before the checkpoint.
         name: the loader's name in messages.
+        prebuilt: the epoch runs on an iterator built before it (a ``StatefulDataLoader``'s,
+            built by ``state_dict()`` in Accelerate's ``prepare()``): its dataset iterator
+            exists already, so a dataset state cannot position it (``"dataset"`` becomes
+            ``"consume"``).
 
     Returns:
         ``"dataset"``, ``"indices"`` or ``"consume"`` when ``skip > 0``, else None.
@@ -147,6 +153,8 @@ def plan(loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None,
         _warn_workers(inner, pending, name)
         if skip:
             how = _method(loader, inner, pending)
+            if prebuilt and how == DATASET:
+                how = CONSUME
         saved = pending.get("dataset_after" if how == DATASET else "dataset_start")
         if saved is not None and dataset is not None:
             position.dataset_loaded = copy.deepcopy(saved)
