@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from statekit import distributed
+from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
 from statekit.engine import commit as commits, space, write
@@ -32,6 +32,7 @@ from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
+from statekit.loaders import audit
 from statekit.progress import human
 from statekit.storage import Storage
 
@@ -149,8 +150,11 @@ def save_objects(
     stage_error: Exception | None = None
     if staging is not None:
         staging.hold()  # its buffers are reused: wait until the save that used them last has written them
+    audit.claim_witnesses()  # left by a save that failed before it claimed them
+    witnesses: list[audit.Witness] = []
     try:
         _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
+        witnesses = audit.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
     except BaseException as exc:
@@ -178,6 +182,9 @@ def save_objects(
                 staging.release()  # every staged byte is written (or the save failed)
         checkpoint.manifest = manifest
         checkpoint._writable = False
+        for witness in witnesses:
+            rel = fmt.next_batch_path(witness.key or "dataloader", rank)
+            witness.committed(lambda data, rel=rel: storage.write_bytes(rel, data), manifest.manifest_checksum)
         if rank == 0:
             log_committed(manifest, storage.url, started, "" if blocking else ", async")
         if after_commit is not None:

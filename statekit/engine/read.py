@@ -8,23 +8,26 @@ module what no plugin took.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from statekit import format as fmt
-from statekit.loaders import data
+from statekit.loaders import audit, data
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, check_fit
 from statekit.engine.gradients import AccumulatedGradients
 from statekit.engine.incremental import is_frozen_file
 from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit
-from statekit.errors import CorruptCheckpointError, StateMismatchError
+from statekit.errors import CorruptCheckpointError, StateMismatchError, StorageError
 from statekit.progress import progress
 from statekit.format.manifest import read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.storage import Storage
+
+logger = logging.getLogger("statekit")
 
 
 def load_models(
@@ -369,6 +372,8 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
     bases = [fmt.rank_path(key, r) for r in range(checkpoint.manifest.world_size)]
     base = fmt.rank_path(key, checkpoint.rank)
     own = checkpoint.load_state(base) if f"{base}.json" in files else None
+    if isinstance(own, dict):
+        _merge_next_batch(checkpoint, key, own)
     ranks = None
     mine = own if isinstance(own, dict) else {}
     # every rank's position is needed with another world size, an earlier one in this epoch
@@ -377,6 +382,23 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
         if all(f"{b}.json" in files for b in bases):
             ranks = [own if b == base else checkpoint.load_state(b) for b in bases]
     return own, ranks
+
+
+def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> None:
+    """Add the content of the first batch the saved run yielded after the save (written
+    beside the checkpoint after its commit: :class:`statekit.loaders.audit.Witness`) to the
+    position's record, so the resume audit checks it; nothing when none was written."""
+    if not isinstance(own.get("next"), dict) or own["next"].get("content_digest"):
+        return
+    rel = fmt.next_batch_path(key, checkpoint.rank)
+    try:
+        raw = checkpoint.storage.read_bytes(rel)
+    except FileNotFoundError:
+        return
+    except StorageError as exc:  # the record only adds a check: the resume goes on without it
+        logger.warning("resume audit: could not read %s (%s); the first batch is checked by what the save recorded", exc.url if hasattr(exc, "url") else rel, exc)
+        return
+    audit.merge_next_batch(own, raw, checkpoint.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
 
 
 def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:

@@ -25,7 +25,8 @@ Submodules, one responsibility each (this package re-exports their public names,
   :class:`FileEntry`, :class:`ObjectEntry`, :class:`Fingerprint`, :class:`ResumeAudit`),
   parsed and validated in one place (``Manifest.from_json``), written back by ``to_json``.
 - :mod:`statekit.format.manifest`: the manifest file's name, bytes and reading.
-- :mod:`statekit.format.layout`: the per-rank path ``<key>/rank-<r:05d>`` (:func:`rank_path`).
+- :mod:`statekit.format.layout`: the per-rank path ``<key>/rank-<r:05d>`` (:func:`rank_path`), the
+  next-batch record's path (:func:`next_batch_path`).
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
 - :mod:`statekit.format.codec_types`: the codec's type rules.
 
@@ -57,7 +58,7 @@ from statekit.format.dtypes import (
     dtype_name,
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, encode_header, parse_header, read_header
-from statekit.format.layout import parse_rank_path, rank_name, rank_path
+from statekit.format.layout import next_batch_path, parse_rank_path, rank_name, rank_path
 from statekit.format.manifest_types import FORMAT_SPLIT, READ_FORMATS, FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
@@ -120,6 +121,7 @@ __all__ = [
     "checkpoint_dirs",
     "manifest_bytes",
     "parse_header",
+    "next_batch_path",
     "parse_rank_path",
     "rank_name",
     "rank_path",

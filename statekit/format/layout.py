@@ -42,6 +42,16 @@ def rank_path(key: str, rank: int) -> str:
     return f"{key}/{rank_name(rank)}"
 
 
+def next_batch_path(key: str, rank: int) -> str:
+    """Where the record of the first batch a loader yielded after the save lives
+    (``statekit.loaders.audit.Witness``): written after the commit, not in the manifest.
+
+    Returns:
+        ``"next-batch/<key>/rank-<rank:05d>.json"``.
+    """
+    return f"next-batch/{rank_path(key, rank)}.json"
+
+
 def parse_rank_path(rel: str) -> tuple[str, int] | None:
     """The inverse of :func:`rank_path`, for a path with or without a file suffix.
 

@@ -38,8 +38,10 @@ checkpoint written after the resume carries it in its manifest (``resume_audit``
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +49,7 @@ from typing import Any
 
 import torch
 
-from statekit.errors import ResumeAuditError, ResumeAuditWarning, warn_user
+from statekit.errors import ResumeAuditError, ResumeAuditWarning, StatekitWarning, warn_user
 from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.storage.hashing import new_hasher
 
@@ -77,6 +79,8 @@ class NextBatch:
         sampler_epoch: ``sampler.epoch`` (``DistributedSampler.set_epoch``) or Accelerate's
             ``iteration`` of the loader when the epoch's iterator started, or None.
         missing: why indices or content are not recorded (for the verdict), or None.
+        content_after_save: the content digest is that of the batch the saved run yielded
+            right after the save (:class:`Witness`), not of a batch held at save time.
     """
 
     epoch: int
@@ -86,6 +90,7 @@ class NextBatch:
     content_digest: str | None = None
     sampler_epoch: int | None = None
     missing: str | None = None
+    content_after_save: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object (stored in the loader's per-rank position file)."""
@@ -182,6 +187,132 @@ def _feed(hasher: Any, value: Any) -> None:
         _feed(hasher, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
         return
     raise _NotHashable
+
+
+# --------------------------------------------------------------------------- after the save
+
+NEXT_BATCH_FORMAT = "statekit-next-batch/1"
+"""``format`` of a next-batch record written beside a committed checkpoint (:class:`Witness`)."""
+
+
+class Witness:
+    """The content of the first batch a tracked loader yields after a save, recorded beside
+    the committed checkpoint.
+
+    At save time a loader behind which no batch is held (a plain ``DataLoader``, a
+    ``StatefulDataLoader``, Accelerate's ``DataLoaderDispatcher``, any iterable dataset)
+    cannot say what it yields next. The run itself shows it a moment later: the next batch
+    it yields. That is known only after the save returned, so it cannot be in the manifest
+    (a checkpoint commits atomically, manifest last); it is written as a small file of its
+    own, ``next-batch/<key>/rank-<r>.json`` (:func:`statekit.format.layout.next_batch_path`),
+    once both the checkpoint has committed and the batch was seen, whichever comes last
+    (an async save commits on its writer thread). It names the committed manifest's
+    checksum, so it never describes another checkpoint saved at the same path. A resume
+    reads it and checks the first batch by content (:func:`merge_next_batch`). A run that
+    dies before its next batch, or leaves the epoch (``break``), writes none: that resume is
+    checked by what the save recorded, or reported unverifiable.
+
+    Args:
+        key: the loader's checkpoint key.
+        epoch: the epoch of the batch the saved position continues with.
+        batch: its number in that epoch.
+    """
+
+    def __init__(self, key: str | None, epoch: int, batch: int) -> None:
+        self.key, self.epoch, self.batch = key, epoch, batch
+        self.digest: str | None = None
+        self._write: Any = None
+        self._manifest_checksum: str | None = None
+        self._lock = threading.Lock()
+
+    def observe(self, epoch: int, batch: int, value: Any) -> None:
+        """The loader yields ``value`` as batch ``batch`` of ``epoch`` (the first batch after
+        the save): digest it when it is the saved position's next batch."""
+        if (epoch, batch) != (self.epoch, self.batch):
+            return  # the run left the saved position (a loop left with break): nothing to record
+        digest = content_digest(value)
+        with self._lock:
+            self.digest = digest
+            ready = self._write is not None and digest is not None
+        if ready:
+            self._flush()
+
+    def committed(self, write: Any, manifest_checksum: str | None) -> None:
+        """The checkpoint committed: ``write(data: bytes)`` stores the record beside it."""
+        with self._lock:
+            self._write, self._manifest_checksum = write, manifest_checksum
+            ready = self.digest is not None
+        if ready:
+            self._flush()
+
+    def to_bytes(self) -> bytes:
+        """The record's JSON, with an XXH3-64 ``checksum`` over the other fields."""
+        body = {"format": NEXT_BATCH_FORMAT, "loader": self.key, "epoch": self.epoch, "batch": self.batch,
+                "content_digest": self.digest, "manifest_checksum": self._manifest_checksum}
+        return json.dumps({**body, "checksum": _record_checksum(body)}, sort_keys=True).encode()
+
+    def _flush(self) -> None:
+        with self._lock:
+            write, self._write = self._write, None
+        if write is None:
+            return
+        try:
+            write(self.to_bytes())
+        except Exception as exc:  # the record only makes a later resume checkable: never fail training for it
+            logger.warning("resume audit: could not write the next-batch record of %s (%s: %s); a resume from this "
+                           "checkpoint is checked by what the save recorded", self.key, type(exc).__name__, exc)
+
+
+def _record_checksum(body: Mapping[str, Any]) -> str:
+    hasher = new_hasher()
+    hasher.update(json.dumps(dict(body), sort_keys=True).encode())
+    return f"xxh3_64:{hasher.hexdigest()}"
+
+
+_new_witnesses: list[Witness] = []  # made by the save running on this thread, claimed by it
+
+
+def new_witness(key: str | None, epoch: int, batch: int) -> Witness:
+    """A :class:`Witness` for a loader state saved now; the save claims it (:func:`claim_witnesses`)."""
+    witness = Witness(key, epoch, batch)
+    _new_witnesses.append(witness)
+    return witness
+
+
+def claim_witnesses() -> list[Witness]:
+    """The witnesses made since the last call (by the save that just wrote its loader states)."""
+    claimed = list(_new_witnesses)
+    _new_witnesses.clear()
+    return claimed
+
+
+def merge_next_batch(state: Any, data: bytes, manifest_checksum: str | None, where: str) -> None:
+    """Add the content digest of a next-batch record (:class:`Witness`) to a loader's saved
+    position (``state["next"]``) when it describes that position of that checkpoint.
+
+    Args:
+        state: the loader's saved position (what ``loader_state`` returned), changed in place.
+        data: the record's bytes.
+        manifest_checksum: the loaded checkpoint's manifest checksum.
+        where: the record's URL, for the log.
+    """
+    nxt = state.get("next") if isinstance(state, dict) else None
+    if not isinstance(nxt, dict) or nxt.get("content_digest"):
+        return
+    try:
+        record = json.loads(data)
+        body = {k: v for k, v in record.items() if k != "checksum"}
+        valid = record.get("format") == NEXT_BATCH_FORMAT and record.get("checksum") == _record_checksum(body)
+    except (ValueError, AttributeError):
+        valid = False
+    if not valid:
+        logger.warning("resume audit: %s is not a valid next-batch record; ignored", where)
+        return
+    if record["manifest_checksum"] != manifest_checksum or (record["epoch"], record["batch"]) != (nxt.get("epoch"), nxt.get("batch")):
+        return  # another checkpoint's, or another position's
+    nxt["content_digest"] = record["content_digest"]
+    nxt["content_after_save"] = True
+    nxt["missing"] = None if nxt.get("indices_digest") else "indices not recorded (an iterable dataset, or none drawn at save time)"
 
 
 # --------------------------------------------------------------------------- index log
@@ -363,14 +494,23 @@ def begin(url: str, step: int | None, strict: bool = False) -> ResumeVerdict:
     return _loading
 
 
-def restored(name: str, position: Any, record: NextBatch | None, why_not: str | None) -> None:
+def restored(name: str, position: Any, record: NextBatch | None, why_not: str | None, checked_later: bool = False) -> None:
     """Note that a loader was restored by the running load: its verdict is pending, or
-    unverifiable (``why_not``)."""
+    unverifiable (``why_not``).
+
+    Args:
+        checked_later: the first batch is still compared with the record (what it holds);
+            False: nothing will be checked, and a :class:`statekit.StatekitWarning` says so now.
+    """
     verdict = _loading
     if verdict is None:
         return
     if record is None or why_not:
-        verdict.loaders[name] = LoaderVerdict(name, UNVERIFIABLE, why_not or "the checkpoint holds no record of the next batch")
+        detail = why_not or "the checkpoint holds no record of the next batch"
+        verdict.loaders[name] = LoaderVerdict(name, UNVERIFIABLE, detail)
+        if not checked_later:
+            at = f"step {verdict.step}" if verdict.step is not None else "the resume"
+            _warn_unverifiable(name, at, detail)
     else:
         verdict.loaders[name] = LoaderVerdict(name, PENDING)
     verdict.positions[name] = weakref.ref(position)
@@ -411,12 +551,21 @@ def check_first_batch(
     if difference is None and record.content_digest is not None:
         actual = content_digest(batch)
         if actual is not None and actual != record.content_digest:
-            difference = (
-                f"batch {record.batch} of epoch {record.epoch} has the recorded indices"
-                f"{' ' + _show(record.indices_head) if record.indices_head else ''} but other content: the dataset or "
-                "sampler draws from random state no plugin restores (register it with accelerator.register_for_checkpointing, "
-                "or seed it from the loader's generators)"
-            )
+            if record.indices_digest is not None and has_indices:
+                difference = (
+                    f"batch {record.batch} of epoch {record.epoch} has the recorded indices"
+                    f"{' ' + _show(record.indices_head) if record.indices_head else ''} but other content: the dataset or "
+                    "sampler draws from random state no plugin restores (register it with accelerator.register_for_checkpointing, "
+                    "or seed it from the loader's generators)"
+                )
+            else:
+                seen = ("the batch the saved run yielded right after the save" if record.content_after_save
+                        else "the batch the loader held at save time")
+                difference = (
+                    f"batch {record.batch} of epoch {record.epoch} differs in content from {seen} (no sample indices "
+                    "were compared): the dataset's position, order or random state was not restored as saved (a "
+                    "dataset's load_state_dict, its set_epoch, or random draws no plugin restores)"
+                )
     if verdict is not None:
         if difference is None:
             checked = "indices" if record.indices_digest is not None and has_indices else ""
@@ -428,6 +577,8 @@ def check_first_batch(
                 if checked
                 else LoaderVerdict(name, UNVERIFIABLE, record.missing or "neither the indices nor the content of the next batch were recorded")
             )
+            if not checked:
+                _warn_unverifiable(label, at, verdict.loaders[name].detail)
         else:
             verdict.loaders[name] = LoaderVerdict(name, DIVERGED, difference)
     if difference is None:
@@ -437,6 +588,10 @@ def check_first_batch(
     if verdict is not None and verdict.strict:
         raise ResumeAuditError(message)
     warn_user(message, ResumeAuditWarning)
+
+
+def _warn_unverifiable(label: str, at: str, reason: str) -> None:
+    warn_user(f"resume audit: {label} after the resume from {at} cannot be verified: {reason}", StatekitWarning)
 
 
 def nothing_yielded(verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch) -> None:

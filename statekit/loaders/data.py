@@ -74,6 +74,8 @@ class Position:
             ``sampler_epoch_start``: the sampler's epoch when the epoch's iterator took it.
         prebuilt: the epoch runs on the iterator a ``StatefulDataLoader`` built before it
             (:func:`_prebuilt`), as it does without statekit.
+        witness: the :class:`statekit.loaders.audit.Witness` of the last save, waiting for
+            the next batch.
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
             holds ahead is read from it for the resume audit).
         resume_verdict: the verdict of the resume that restored this loader
@@ -100,6 +102,7 @@ class Position:
     drawn_all: bool = False
     sampler_epoch_start: int | None = None
     prebuilt: bool = False
+    witness: Any = None
     parent: Any = None
     resume_verdict: Any = None
 
@@ -187,6 +190,9 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
             if check is not None:
                 check(self, position, skip, batch)
                 check = None
+            if position.witness is not None:  # the first batch after a save
+                witness, position.witness = position.witness, None
+                witness.observe(position.epoch, position.batches, batch)
             position.batches += 1
             iterable.forget_before(position, position.batches)
             fetch_rng.forget_before(position, position.batches)
@@ -418,7 +424,10 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         state["epoch_rng"] = position.epoch_rng
         if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
             state["prebuilt"] = True
-    state["next"] = _next_batch(loader, position, epoch, batches, in_epoch).to_json()  # the resume audit's record
+    record = _next_batch(loader, position, epoch, batches, in_epoch)  # the resume audit's record
+    state["next"] = record.to_json()
+    # what the loader yields next is seen after the save returns: recorded beside the checkpoint
+    position.witness = audit.new_witness(name, record.epoch, record.batch) if record.content_digest is None else None
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), epoch, in_epoch))
@@ -522,10 +531,11 @@ def restore_loader(
             why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
         elif planned is not None:
             why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
-        position.pending["audit_skip"] = why_not is not None  # the record does not describe what comes next
+        skipped = why_not is not None
+        position.pending["audit_skip"] = skipped  # the record does not describe what comes next
         if why_not is None and not state["next"].get("indices_digest") and not state["next"].get("content_digest"):
             why_not = state["next"].get("missing")  # checked only for a batch at all (audit.nothing_yielded)
-        audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not)
+        audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not, checked_later=not skipped)
         if batches != int(state["batches"]) or planned is not None:
             position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
         if batches != int(state["batches"]):
