@@ -221,3 +221,43 @@ def test_a_damaged_record_is_ignored_with_a_log_line(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="statekit"), pytest.warns(statekit.StatekitWarning, match="cannot be verified"):
         assert _ids(next(iter(loader))) == seen[SAVE_AT]
     assert "is not a valid next-batch record; ignored" in caplog.text
+
+
+def _at_epoch_end(loader_kind: str, fault: str | None, root: str, die_after_save: bool = False) -> list[list[int]]:
+    loader, manager = _build(loader_kind, UserStream(fault), root)
+    seen = []
+    for epoch in range(2):
+        for batch in loader:
+            seen.append(_ids(batch))
+            if len(seen) == N // BATCH:
+                manager.save(len(seen))  # the last batch of epoch 0
+    manager.wait()
+    return seen
+
+
+def test_a_stream_saved_at_its_epochs_end_is_verified_by_the_next_epochs_first_batch(tmp_path):
+    """A plain loader over a stream learns that its epoch ended only when it asks for one more
+    batch: the resumed epoch yields nothing, as the saved run's did, and the next epoch's first
+    batch is checked by content (no false "ended without yielding")."""
+    root = str(tmp_path / "run")
+    seen = _at_epoch_end("plain", None, root)
+    record = json.loads((tmp_path / "run" / "checkpoint-00000010" / "next-batch" / "loader" / "rank-00000.json").read_text())
+    assert record["ends_epoch"] is True and (record["epoch"], record["batch"]) == (0, 10)
+    loader, manager = _build("plain", UserStream(), root)
+    assert manager.resume() == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StatekitWarning)
+        assert [_ids(b) for b in loader] == []  # the rest of epoch 0
+        assert [_ids(b) for b in loader] == seen[10:]
+    manager.save(20)
+    listed = json.loads(CliRunner().invoke(cli, ["ls", root, "--json"]).output)
+    assert [c for c in listed if c["step"] == 20][0]["resume_audit"]["verdict"] == "verified"
+
+
+def test_a_stream_restored_wrongly_at_its_epochs_end_is_named(tmp_path):
+    root = str(tmp_path / "run")
+    _at_epoch_end("plain", "ignore", root)
+    loader, manager = _build("plain", UserStream("ignore"), root)
+    assert manager.resume() == 10
+    with pytest.warns(statekit.ResumeAuditWarning, match=r"the saved run's epoch 0 ended after batch 9, but the resumed epoch yields another batch there"):
+        next(iter(loader))

@@ -81,6 +81,8 @@ class NextBatch:
         missing: why indices or content are not recorded (for the verdict), or None.
         content_after_save: the content digest is that of the batch the saved run yielded
             right after the save (:class:`Witness`), not of a batch held at save time.
+        ends_epoch: the saved run's epoch ended at this position (the batch it yielded after
+            the save was the next epoch's first: ``content_digest`` is that one's).
     """
 
     epoch: int
@@ -91,6 +93,13 @@ class NextBatch:
     sampler_epoch: int | None = None
     missing: str | None = None
     content_after_save: bool = False
+    ends_epoch: bool = False
+
+    def next_epoch(self) -> NextBatch:
+        """The record of the next epoch's first batch, for a position that ends its epoch
+        (``ends_epoch``: the content digest is that batch's)."""
+        return NextBatch(epoch=self.epoch + 1, batch=0, content_digest=self.content_digest, content_after_save=True,
+                         missing="indices not recorded (the batch after an epoch's end)")
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object (stored in the loader's per-rank position file)."""
@@ -220,6 +229,8 @@ class Witness:
 
     def __init__(self, key: str | None, epoch: int, batch: int) -> None:
         self.key, self.epoch, self.batch = key, epoch, batch
+        self.target = (epoch, batch)  # the position of the batch to digest
+        self.ends_epoch = False
         self.digest: str | None = None
         self._write: Any = None
         self._manifest_checksum: str | None = None
@@ -228,7 +239,7 @@ class Witness:
     def observe(self, epoch: int, batch: int, value: Any) -> None:
         """The loader yields ``value`` as batch ``batch`` of ``epoch`` (the first batch after
         the save): digest it when it is the saved position's next batch."""
-        if (epoch, batch) != (self.epoch, self.batch):
+        if (epoch, batch) != self.target:
             return  # the run left the saved position (a loop left with break): nothing to record
         digest = content_digest(value)
         with self._lock:
@@ -236,6 +247,13 @@ class Witness:
             ready = self._write is not None and digest is not None
         if ready:
             self._flush()
+
+    def epoch_ended(self, epoch: int, batches: int) -> None:
+        """The loader's epoch ``epoch`` ended after ``batches`` batches: when that is the
+        saved position, the batch to digest is the next epoch's first (an iterable dataset's
+        loader learns that its epoch ended only when it asks for one more batch)."""
+        if (epoch, batches) == self.target and not self.ends_epoch:
+            self.ends_epoch, self.target = True, (epoch + 1, 0)
 
     def committed(self, write: Any, manifest_checksum: str | None) -> None:
         """The checkpoint committed: ``write(data: bytes)`` stores the record beside it."""
@@ -248,7 +266,7 @@ class Witness:
     def to_bytes(self) -> bytes:
         """The record's JSON, with an XXH3-64 ``checksum`` over the other fields."""
         body = {"format": NEXT_BATCH_FORMAT, "loader": self.key, "epoch": self.epoch, "batch": self.batch,
-                "content_digest": self.digest, "manifest_checksum": self._manifest_checksum}
+                "ends_epoch": self.ends_epoch, "content_digest": self.digest, "manifest_checksum": self._manifest_checksum}
         return json.dumps({**body, "checksum": _record_checksum(body)}, sort_keys=True).encode()
 
     def _flush(self) -> None:
@@ -312,6 +330,7 @@ def merge_next_batch(state: Any, data: bytes, manifest_checksum: str | None, whe
         return  # another checkpoint's, or another position's
     nxt["content_digest"] = record["content_digest"]
     nxt["content_after_save"] = True
+    nxt["ends_epoch"] = bool(record.get("ends_epoch"))
     nxt["missing"] = None if nxt.get("indices_digest") else "indices not recorded (an iterable dataset, or none drawn at save time)"
 
 
@@ -594,6 +613,31 @@ def _warn_unverifiable(label: str, at: str, reason: str) -> None:
     warn_user(f"resume audit: {label} after the resume from {at} cannot be verified: {reason}", StatekitWarning)
 
 
+def ended_in_saved_run(verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch) -> None:
+    """The saved run's epoch ended at the saved position (``record.ends_epoch``), but the
+    resumed epoch yields another batch there.
+
+    Warns:
+        ResumeAuditWarning: always (the verdict becomes ``"diverged"``).
+
+    Raises:
+        ResumeAuditError: under ``strict_resume=True``.
+    """
+    detail = (f"the saved run's epoch {record.epoch} ended after batch {record.batch - 1}, but the resumed epoch yields "
+              f"another batch there (the dataset's position was not restored as saved)")
+    _diverged(verdict, name, label, detail)
+
+
+def _diverged(verdict: ResumeVerdict | None, name: str, label: str, detail: str) -> None:
+    if verdict is not None:
+        verdict.loaders[name] = LoaderVerdict(name, DIVERGED, detail)
+    at = f"step {verdict.step}" if verdict is not None and verdict.step is not None else "the resume"
+    message = f"resume audit: {label} after the resume from {at}: {detail}"
+    if verdict is not None and verdict.strict:
+        raise ResumeAuditError(message)
+    warn_user(message, ResumeAuditWarning)
+
+
 def nothing_yielded(verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch) -> None:
     """A restored loader's resumed epoch ended without yielding a batch, though the saved run
     was about to yield batch ``record.batch`` of it (a re-created iterator that ends sooner:
@@ -606,13 +650,7 @@ def nothing_yielded(verdict: ResumeVerdict | None, name: str, label: str, record
         ResumeAuditError: under ``strict_resume=True``.
     """
     detail = f"the resumed epoch {record.epoch} ended without yielding batch {record.batch}, which the saved run was about to yield"
-    if verdict is not None:
-        verdict.loaders[name] = LoaderVerdict(name, DIVERGED, detail)
-    at = f"step {verdict.step}" if verdict is not None and verdict.step is not None else "the resume"
-    message = f"resume audit: {label} after the resume from {at}: {detail}"
-    if verdict is not None and verdict.strict:
-        raise ResumeAuditError(message)
-    warn_user(message, ResumeAuditWarning)
+    _diverged(verdict, name, label, detail)
 
 
 def never_consumed(verdict: ResumeVerdict, step: int | None) -> None:

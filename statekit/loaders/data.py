@@ -75,7 +75,8 @@ class Position:
         prebuilt: the epoch runs on the iterator a ``StatefulDataLoader`` built before it
             (:func:`_prebuilt`), as it does without statekit.
         witness: the :class:`statekit.loaders.audit.Witness` of the last save, waiting for
-            the next batch.
+            the next batch; ``follow_up``: ``(record, key)`` of the resume audit's check
+            of the next epoch's first batch, when the resumed position was its epoch's end.
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
             holds ahead is read from it for the resume audit).
         resume_verdict: the verdict of the resume that restored this loader
@@ -103,6 +104,7 @@ class Position:
     sampler_epoch_start: int | None = None
     prebuilt: bool = False
     witness: Any = None
+    follow_up: Any = None
     parent: Any = None
     resume_verdict: Any = None
 
@@ -165,7 +167,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     # the whole epoch's length, before the skip wrapper shortens the batch sampler:
     # position.batches counts from the start of the epoch (it starts at ``skip``)
     length = sampled_epoch_length(self)
-    check = _first_batch_check(pending, name)
+    check = _first_batch_check(pending, name, position)
     # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
     # global random states back once the sampler made its epoch-start draws
     innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
@@ -203,6 +205,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
             epoch_rng.settle(position)
             yield batch
         finished = True
+        if position.witness is not None:  # the save's next batch may be the next epoch's first
+            position.witness.epoch_ended(position.epoch, position.batches)
     finally:
         if restore is not None:
             restore()
@@ -302,15 +306,28 @@ def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
     return lambda batch_sampler: audit.IndexLog(batch_sampler, position, first, read_ahead, epoch_of)
 
 
-def _first_batch_check(pending: dict[str, Any] | None, label: str) -> Any:
-    """The resume audit's check of the first batch a restored loader yields, or None."""
-    record = audit.NextBatch.from_json((pending or {}).get("next"))
-    if record is None or (pending or {}).get("audit_skip"):
-        return None
-    name = (pending or {}).get("name") or label
+def _first_batch_check(pending: dict[str, Any] | None, label: str, position: Position) -> Any:
+    """The resume audit's check of the first batch a restored loader yields (or, when the
+    saved position was its epoch's end, of the next epoch's first batch: ``position.follow_up``),
+    or None."""
+    if pending is None and position.follow_up is not None:
+        record, name = position.follow_up
+        position.follow_up = None
+    else:
+        record = audit.NextBatch.from_json((pending or {}).get("next"))
+        if record is None or (pending or {}).get("audit_skip"):
+            return None
+        name = (pending or {}).get("name") or label
 
     def check(loader: Any, position: Position, fetched: int, batch: Any) -> None:
-        if batch is None and fetched not in position.drawn:  # the epoch ended before its first batch
+        if record.ends_epoch:  # the saved run's epoch ended at the saved position (recorded after the save)
+            if batch is None:  # so does the resumed one: check the next epoch's first batch
+                position.follow_up = (record.next_epoch(), name)
+            else:
+                audit.ended_in_saved_run(position.resume_verdict, name, label, record)
+            return
+        if batch is None and fetched not in position.drawn and (record.indices_digest or record.content_digest):
+            # the epoch ended before its first batch, which the record shows the saved run had
             audit.nothing_yielded(position.resume_verdict, name, label, record)
             return
         has = fetched in position.drawn
@@ -410,7 +427,10 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
             length = len(loader)
         except TypeError:
             length = None
-        if length is not None and batches >= length:
+        # Accelerate's adapters read one batch ahead and know when the one they yielded was
+        # the epoch's last (end_of_dataloader), also for an iterable dataset without a length
+        ended = batches > 0 and getattr(loader, "end_of_dataloader", False) is True and iterable.is_iterable(inner_loader(loader))
+        if (length is not None and batches >= length) or ended:
             # every batch was delivered: the generators already hold the next epoch's start state
             epoch, batches, in_epoch = epoch + 1, 0, False
             states = {role: gen.get_state() for role, gen in generators(loader).items()}
