@@ -17,6 +17,7 @@ import re
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from statekit.errors import CollectiveTimeoutError, InvalidOptionError, seconds_from_env
@@ -193,3 +194,30 @@ def max_over_ranks(values: list[int]) -> list[int]:
     box = torch.tensor(values, dtype=torch.int64)
     _collective("max_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX, group=control_group()))
     return [int(v) for v in box.tolist()]
+
+
+def ddp_buckets_unbuilt(model: Any) -> bool:
+    """True for a ``DistributedDataParallel`` model over more than two ranks whose gradient
+    buckets are still in their first layout: it has run no backward pass, does not look for
+    unused parameters, and has not rebuilt its buckets.
+
+    DDP rebuilds its buckets once, after its first iteration, in the order the gradients
+    became ready (``Reducer::rebuild_buckets``,
+    https://github.com/pytorch/pytorch/blob/main/torch/csrc/distributed/c10d/reducer.cpp).
+    With more than two ranks gloo sums a bucket in an order that depends on where each
+    gradient sits in it, so a resumed run whose first step uses the first layout, where the
+    uninterrupted run used the rebuilt one, differs in the last bits from then on (measured
+    in docs/concepts.md). One forward and backward before the resume makes it rebuild first.
+
+    Args:
+        model: any object (only a ``torch.nn.parallel.DistributedDataParallel`` can be True).
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or rank_and_world_size()[1] <= 2:
+        return False
+    if getattr(model, "find_unused_parameters", False) or getattr(model, "_has_rebuilt_buckets", False):
+        return False
+    try:
+        stats = model.reducer.get_backward_stats()  # per parameter, the time its last backward took; 0 before any
+    except (AttributeError, RuntimeError):
+        return False
+    return not any(stats)

@@ -165,7 +165,9 @@ def load_objects(
         live = fingerprints.compute(entries, accelerator)
         fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume)
     if manifest.layout(CORE) == "accelerate":  # written by an attached accelerator
-        return _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
+        loaded = _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
+        warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
+        return loaded
     pm = get_plugin_manager()
     saved_objects = manifest.objects
     left = {e.key for e in loaders_left_as_they_are(manifest, entries, storage.url)}  # converted: as its source loads
@@ -191,6 +193,7 @@ def load_objects(
             incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
             not_restored += _load_after_models(checkpoint, late, saved_objects)
     _restore_accelerate_rng(checkpoint, saved_objects)
+    warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
     not_restored += _ranks_not_restored(manifest, checkpoint)
     if not_restored:
         warn_user(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning)
@@ -198,6 +201,33 @@ def load_objects(
     if not strict:
         manifest = dataclasses.replace(manifest, incompatible_keys=incompatible, missing_objects=tuple(missing_objects))
     return manifest
+
+
+def warn_unbuilt_ddp_buckets(models: list[tuple[str, Any]]) -> None:
+    """Warn about each model whose DDP gradient buckets are still in their first layout
+    (:func:`statekit.distributed.ddp_buckets_unbuilt`): the resumed run's next step sums
+    its gradients in another order than the uninterrupted run did.
+
+    Args:
+        models: ``(key, model as passed)`` of the load. Only a model passed as its DDP
+            wrapper can be checked: Accelerate keeps the unwrapped module in
+            ``accelerator._models`` and hands the wrapper to the caller only, so an
+            Accelerate resume is not checked (docs/concepts.md gives the recipe).
+
+    Warns:
+        StatekitWarning: one per such model, with the remedy.
+    """
+    for key, model in models:
+        if distributed.ddp_buckets_unbuilt(model):
+            world = distributed.rank_and_world_size()[1]
+            warn_user(
+                f"model {key!r} is a DistributedDataParallel over {world} ranks that has not run a backward pass yet: "
+                "its first step after this resume sums the gradients in the first bucket layout, where the uninterrupted "
+                "run used the rebuilt one, so with more than 2 ranks the weights differ in the last bits from then on "
+                "(docs/concepts.md, 'More than two ranks'). For a bit-exact resume run one forward and backward of the "
+                "prepared model on every rank before resuming, then optimizer.zero_grad(set_to_none=True)",
+                StatekitWarning,
+            )
 
 
 def _refuse_save_in_progress(storage: Storage) -> None:
