@@ -13,7 +13,8 @@ shuffled, one thread), alternating in one process:
 for an Accelerate-prepared loader and a plain torch ``DataLoader`` (the one that asks ahead),
 at batch sizes 32 (the demo's) and 512. The difference per batch is set against the demo's
 training step (its CNN, AdamW) timed in the same run: the audit's share of a step. The
-per-save record is timed too.
+per-save record is timed too, and the next-batch record a save leaves beside the checkpoint
+(the first batch after the save, digested and written to local disk).
 
 Usage::
 
@@ -151,6 +152,30 @@ def _record_time(batch_size: int) -> tuple[float, float]:
     return statistics.median(record), statistics.median(state)
 
 
+def _next_batch_record_time(batch_size: int) -> float:
+    """Seconds of one save's next-batch record (issue 35: the content of the first batch a
+    loader yields after the save, digested and written beside the checkpoint on local disk;
+    ``statekit.loaders.audit.Witness``), median of 200: one content digest of a batch of the
+    demo's and one small durable file write."""
+    import tempfile
+
+    from statekit.loaders import audit
+    from statekit.storage import Storage
+
+    train, _ = digits()
+    batch = next(iter(torch.utils.data.DataLoader(train, batch_size=batch_size)))
+    times = []
+    with tempfile.TemporaryDirectory() as root:
+        storage = Storage(root)
+        for i in range(200):
+            started = time.perf_counter()
+            witness = audit.Witness("dataloader_0", 0, 1)
+            witness.committed(lambda data, rel=f"next-batch/{i}.json": storage.write_bytes(rel, data), "xxh3_64:0")
+            witness.observe(0, 1, batch)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=3, help="epochs of loader iteration per measurement")
@@ -185,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             f"(audit {overhead * 1e6:+.0f} us); training step {step * 1e3:.2f} ms; audit / step {overhead / step:+.4f}; "
             f"index record alone {index_log * 1e6:.2f} us per batch ({index_log / step:.5f} of a step)"
         )
+        witness_s = _next_batch_record_time(batch_size)
+        row["next_batch_record_per_save_s"] = witness_s
+        row["next_batch_record_vs_step"] = witness_s / step
+        line += f"; next-batch record per save {witness_s * 1e6:.0f} us ({witness_s / step:.3f} steps)"
         if prepared:
             record_s, state_s = _record_time(batch_size)
             row["record_per_save_s"] = record_s
