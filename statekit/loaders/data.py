@@ -171,8 +171,9 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
     # global random states back once the sampler made its epoch-start draws
     innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
-    if prebuilt is not None:
-        restore = _wrap_prebuilt(prebuilt, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
+    if prebuilt is not None:  # its sampler iterator exists: wrapped in place, nothing to put back
+        _wrap_prebuilt(prebuilt, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
+        restore = None
     else:
         restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
     position.epoch_rng = replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
@@ -246,9 +247,9 @@ def _prebuilt(inner: Any) -> Any:
     next ``iter()`` returns that one (``_initial_iter_for_state_dict``); Accelerate's
     ``DataLoaderAdapter`` calls ``state_dict()`` in ``prepare()``
     (https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/stateful_dataloader.py).
-    Building it drew the epoch's order (the stateful ``RandomSampler`` draws its permutation
-    in ``iter()``) and the workers' base seed, so the epoch must run on it for the run to be
-    the one without statekit.
+    Building it drew the workers' base seed from the global generator (and the order, for a
+    batch sampler that draws in ``iter()``); building another would draw again, so the
+    epoch runs on it, as it does without statekit.
     """
     if getattr(inner, "_initial_iter_for_state_dict", False):
         return getattr(inner, "_iterator", None)
@@ -261,8 +262,7 @@ def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> Non
     :func:`statekit.loaders.samplers.wrap_batch_sampler` puts them around a batch sampler:
     ``innermost``, a skip of ``skip`` batches, then ``record``. A batch sampler's iterator
     draws when its first batch is asked for (torch's ``BatchSampler.__iter__`` is a
-    generator), so the wrappers still see the epoch's first draws. Returns None: nothing
-    to put back."""
+    generator), so the wrappers still see the epoch's first draws."""
     base = iterator._sampler_iter
     if innermost is not None:
         base = innermost(base)
@@ -271,7 +271,6 @@ def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> Non
     if record is not None:
         base = record(base)
     iterator._sampler_iter = iter(base)
-    return None
 
 
 def _abandoned(loader: Any, position: Position) -> None:
