@@ -73,7 +73,8 @@ class Position:
             consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.audit.IndexLog`);
             ``sampler_epoch_start``: the sampler's epoch when the epoch's iterator took it.
         prebuilt: the epoch runs on the iterator a ``StatefulDataLoader`` built before it
-            (:func:`_prebuilt`), as it does without statekit.
+            (:func:`_prebuilt`), as it does without statekit; ``prebuilt_seed``: that
+            iterator's workers' base seed.
         witness: the :class:`statekit.loaders.audit.Witness` of the last save, waiting for
             the next batch; ``follow_up``: ``(record, key)`` of the resume audit's check
             of the next epoch's first batch, when the resumed position was its epoch's end.
@@ -103,6 +104,7 @@ class Position:
     drawn_all: bool = False
     sampler_epoch_start: int | None = None
     prebuilt: bool = False
+    prebuilt_seed: int | None = None
     witness: Any = None
     follow_up: Any = None
     parent: Any = None
@@ -149,6 +151,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.batches = skip
     position.in_epoch = True
     prebuilt = _prebuilt(inner) if position.prebuilt else None
+    if prebuilt is not None and pending is None:
+        _record_prebuilt(prebuilt, position)
     first = skip if how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
     if prebuilt is not None:  # batches it fetched ahead when it was built (workers) came before any wrapper
         first += int(getattr(prebuilt, "_send_idx", 0) or 0)
@@ -162,7 +166,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
         fetch_rng.recorder(inner, position, first, skip, (pending or {}).get("fetch_states"), settle_after=how != iterable.CONSUME),
         # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
-        epoch_rng.wrapper(position, replay_start),
+        epoch_rng.wrapper(position, replay_start, at_first_batch=bool((pending or {}).get("prebuilt")) and prebuilt is None),
     ]
     # the whole epoch's length, before the skip wrapper shortens the batch sampler:
     # position.batches counts from the start of the epoch (it starts at ``skip``)
@@ -179,10 +183,10 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     position.epoch_rng = replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
     parent = super(type(self), self).__iter__()
     position.parent = parent
-    finished = False
+    finished = short = False
     try:
         if how == iterable.CONSUME:
-            iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng)
+            short = iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng) < skip
         for batch in run_sampler_out(parent, position, length):
             iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
             if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
@@ -218,7 +222,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         if not finished:
             _abandoned(self, position)
     if check is not None:  # a resumed epoch that yielded nothing
-        check(self, position, skip, None)
+        check(self, position, skip, None, short)
     position.in_epoch = False
     position.foreign = False
     position.epoch += 1
@@ -254,6 +258,23 @@ def _prebuilt(inner: Any) -> Any:
     if getattr(inner, "_initial_iter_for_state_dict", False):
         return getattr(inner, "_iterator", None)
     return None
+
+
+def _record_prebuilt(iterator: Any, position: Position) -> None:
+    """What a resume needs of an epoch that runs on a prebuilt iterator (:func:`_prebuilt`):
+    its workers' base seed (``position.prebuilt_seed``, to recognise the same iterator built
+    by the resumed process's ``prepare()``), and, when its sampler drew the order while it was
+    built (torchdata's stateful ``RandomSampler`` draws in ``iter()``), the sampler
+    generator's state before that draw as the epoch's ``"sampler"`` start state, read from
+    the sampler iterator's own ``state_dict()`` (torchdata's Stateful protocol: the state it
+    would restore from), so that an iterator built again draws the same order."""
+    position.prebuilt_seed = getattr(iterator, "_base_seed", None)
+    sampler_iterator = getattr(iterator, "_sampler_iter", None)
+    if "sampler" not in position.start_states or not callable(getattr(sampler_iterator, "state_dict", None)):
+        return
+    before = (sampler_iterator.state_dict().get("sampler_iter_state") or {}).get("generator")
+    if isinstance(before, torch.Tensor):
+        position.start_states["sampler"] = before.clone()
 
 
 def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> None:
@@ -318,15 +339,17 @@ def _first_batch_check(pending: dict[str, Any] | None, label: str, position: Pos
             return None
         name = (pending or {}).get("name") or label
 
-    def check(loader: Any, position: Position, fetched: int, batch: Any) -> None:
+    def check(loader: Any, position: Position, fetched: int, batch: Any, short: bool = False) -> None:
+        """``batch`` None: the epoch ended; ``short``: before the saved position (re-read)."""
         if record.ends_epoch:  # the saved run's epoch ended at the saved position (recorded after the save)
             if batch is None:  # so does the resumed one: check the next epoch's first batch
                 position.follow_up = (record.next_epoch(), name)
             else:
                 audit.ended_in_saved_run(position.resume_verdict, name, label, record)
             return
-        if batch is None and fetched not in position.drawn and (record.indices_digest or record.content_digest):
-            # the epoch ended before its first batch, which the record shows the saved run had
+        if batch is None and fetched not in position.drawn and (short or record.indices_digest or record.content_digest):
+            # the epoch ended before its first batch, which the saved run had (the record shows
+            # one, or the re-read ended before the saved position)
             audit.nothing_yielded(position.resume_verdict, name, label, record)
             return
         has = fetched in position.drawn
@@ -339,24 +362,28 @@ def _first_batch_check(pending: dict[str, Any] | None, label: str, position: Pos
 def _apply_pending(loader: Any, position: Position, pending: dict[str, Any]) -> int:
     """Set the generators and the epoch counters to a restored position; returns the
     batches of that epoch to skip."""
-    for role, gen in generators(loader).items():
-        state = pending.get("start_states", {}).get(role)
-        if state is not None:
-            gen.set_state(state)
     position.epoch = pending["epoch"]
     if hasattr(loader, "iteration"):
         loader.iteration = pending["epoch"]
     inner = inner_loader(loader)
-    if pending.get("prebuilt") and _prebuilt(inner) is not None:
-        # The saved epoch ran on the iterator Accelerate's prepare() built; this process's
-        # prepare() built it with the same draws: resume on it (the audit checks the batch)
-        position.prebuilt = True
-    elif callable(getattr(inner, "load_state_dict", None)):
-        if pending.get("prebuilt"):
+    prebuilt = _prebuilt(inner)
+    if pending.get("prebuilt") and prebuilt is not None and getattr(prebuilt, "_base_seed", None) == pending.get("prebuilt_seed"):
+        # The saved epoch ran on the iterator Accelerate's prepare() built, and this process's
+        # prepare() built the same one (the same base seed): resume on it. It made the
+        # epoch-start draws already, so the generators keep the states the load restored.
+        position.prebuilt, position.prebuilt_seed = True, pending.get("prebuilt_seed")
+        return pending["batches"]
+    for role, gen in generators(loader).items():
+        state = pending.get("start_states", {}).get(role)
+        if state is not None:
+            gen.set_state(state)
+    if callable(getattr(inner, "load_state_dict", None)):
+        if pending.get("prebuilt") and iterable.num_workers(inner):
             warn_user(
-                f"{describe(loader)}: the saved epoch {pending['epoch']} ran on the iterator a StatefulDataLoader built "
-                "before it (Accelerate's prepare() builds one), and this process has none: the epoch's order cannot be "
-                "drawn again; prepare the loader with Accelerate as the saved run did, before the resume",
+                f"{describe(loader)}: the saved epoch {pending['epoch']} ran on the iterator its StatefulDataLoader built "
+                "in Accelerate's prepare(), and this process's prepare() drew another base seed for the worker processes: "
+                "the batches' order is replayed, but random draws inside the workers (augmentations) differ for the rest "
+                "of that epoch; seed the process before prepare() as the saved run did",
                 StatekitWarning,
             )
         # A StatefulDataLoader builds an iterator in advance (its state_dict() does, and
@@ -442,7 +469,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     if in_epoch:  # the global states the epoch's order was drawn from (statekit.loaders.epoch_rng)
         state["epoch_rng"] = position.epoch_rng
         if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
-            state["prebuilt"] = True
+            state["prebuilt"], state["prebuilt_seed"] = True, position.prebuilt_seed
     record = _next_batch(loader, position, epoch, batches, in_epoch)  # the resume audit's record
     state["next"] = record.to_json()
     # what the loader yields next is seen after the save returns: recorded beside the checkpoint
@@ -540,7 +567,7 @@ def restore_loader(
             "epoch": int(state["epoch"]),
             "batches": batches,
             "start_states": dict(state.get("start_states") or {}),
-            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt")},
+            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt", "prebuilt_seed")},
             "name": name,
         }
         why_not = None

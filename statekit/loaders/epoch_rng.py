@@ -42,23 +42,38 @@ class ReplayEpochStart(BatchSamplerWrapper):
         wrapped: the wrapped batch sampler.
         start: the global states at the saved epoch's start (:func:`~statekit.devices.snapshot_random_states`).
         position: the loader's ``Position``.
+        at_first_batch: set the states when the first batch is asked for, not at ``iter()``:
+            the saved epoch ran on an iterator built before it (``statekit.loaders.data._prebuilt``),
+            whose base-seed draw came before the recorded start; the iterator built now draws
+            its base seed between ``iter()`` and the first batch.
     """
 
-    def __init__(self, wrapped: Any, start: dict[str, Any], position: Any) -> None:
+    def __init__(self, wrapped: Any, start: dict[str, Any], position: Any, at_first_batch: bool = False) -> None:
         super().__init__(wrapped)
         self.start = start
         self.position = position
         self.used = False
+        self.at_first_batch = at_first_batch
 
     def __iter__(self) -> Iterator[Any]:
         # once: torch's multi-process iterator calls iter() twice while it is built (its
         # __init__ and _reset), and an iterator with persistent workers keeps this object as
         # its index sampler for every later epoch, which must not go back to this epoch's start
-        if not self.used:
-            self.used = True
-            self.position.resume_rng = snapshot_random_states()
-            restore_random_states(self.start)
+        if self.used:
+            return iter(self.batch_sampler)
+        self.used = True
+        if self.at_first_batch:
+            return self._start_at_first_batch(iter(self.batch_sampler))
+        self._start()
         return iter(self.batch_sampler)
+
+    def _start(self) -> None:
+        self.position.resume_rng = snapshot_random_states()
+        restore_random_states(self.start)
+
+    def _start_at_first_batch(self, items: Iterator[Any]) -> Iterator[Any]:
+        self._start()
+        yield from items
 
 
 class SettleAfterFirst(BatchSamplerWrapper):
@@ -89,15 +104,16 @@ def settle(position: Any) -> None:
         restore_random_states(states)
 
 
-def wrapper(position: Any, start: dict[str, Any] | None) -> Any:
+def wrapper(position: Any, start: dict[str, Any] | None, at_first_batch: bool = False) -> Any:
     """The outermost wrapper (:class:`ReplayEpochStart`) for
     :func:`statekit.loaders.samplers.wrap_batch_sampler`, or None when the saved position has
     no epoch-start states (saved by an older statekit, or at an epoch boundary, where the
-    checkpoint's global states are the next epoch's start)."""
+    checkpoint's global states are the next epoch's start). ``at_first_batch``: see
+    :class:`ReplayEpochStart`."""
     position.resume_rng = None
     if not start:
         return None
-    return lambda batch_sampler: ReplayEpochStart(batch_sampler, start, position)
+    return lambda batch_sampler: ReplayEpochStart(batch_sampler, start, position, at_first_batch)
 
 
 class SeedProbe(BatchSamplerWrapper):
