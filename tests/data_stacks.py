@@ -195,7 +195,22 @@ def run(stack: Stack, root: str, total: int, save_at: int | None = None, die_at:
     weights = {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
     messages = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, Warning)
                 and issubclass(w.category, statekit.StatekitWarning)]
+    if stack.workers:
+        _shut_down_workers(loader)
     return Result(steps, weights, messages)
+
+
+def _shut_down_workers(loader: Any) -> None:
+    """Stop the loader's worker processes now (a run that left its epoch with ``break``
+    leaves an iterator in a reference cycle: the garbage collector would join its workers,
+    5 s each, in whichever later test it happens to run)."""
+    import gc
+
+    inner = loader.__dict__.get("base_dataloader", loader)
+    iterator = getattr(inner, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    gc.collect()
 
 
 def interrupted(stack: Stack, tmp_path: Any, total: int = 40, save_at: int = 17, die_at: int = 20) -> tuple[Result, Result, Result]:

@@ -4,6 +4,7 @@ and checksum as the copying path; large files start their data on a 4 KiB bounda
 
 from __future__ import annotations
 
+import gc
 import os
 import struct
 import threading
@@ -306,6 +307,10 @@ def test_o_direct_refused_for_two_writes_in_flight_falls_back_for_both(tmp_path,
 
 
 def _ends_within(target, seconds: float = 20) -> bool:
+    # Earlier tests' cyclic garbage first: a leaked DataLoader iterator with workers, when
+    # the collector ran on target's thread, joined its workers there (5 s each) and took
+    # the 20 s (tests/test_write_paths.py in a full run, faulthandler dump).
+    gc.collect()
     done = threading.Event()
 
     def run():
@@ -335,15 +340,30 @@ def test_an_interrupt_mid_write_leaves_no_hang_and_no_thread(tmp_path, monkeypat
 
         monkeypatch.setattr(DirectWriter, "_take_done", taken_then_interrupted)
     else:
+        # The first write waits for the interrupt, so writes overlap and a second writer
+        # thread is started even when the caller is slow (under load, each write could
+        # end before the next one is handed over: one thread, no interrupt, a plain
+        # close()). Only writer threads count, and only their start() raises: the patch
+        # replaces threading.Thread for every thread (the test's own _ends_within too).
         started = []
+        interrupted_start = threading.Event()
+        real_pwrite = os.pwrite
+
+        def first_write_waits(fd, data, offset):
+            if offset == 0 and threading.current_thread() in started:
+                interrupted_start.wait(10)
+            return real_pwrite(fd, data, offset)
 
         class InterruptedStart(threading.Thread):
             def start(self):
                 super().start()
-                started.append(self.name)
-                if started.count("statekit-write") == 2:
-                    raise KeyboardInterrupt
+                if self.name == "statekit-write":
+                    started.append(self)
+                    if len(started) == 2:
+                        interrupted_start.set()
+                        raise KeyboardInterrupt
 
+        monkeypatch.setattr(direct_write.os, "pwrite", first_write_waits)
         monkeypatch.setattr(direct_write.threading, "Thread", InterruptedStart)
     interrupted = []
 
