@@ -129,3 +129,41 @@ def test_persistent_workers_started_in_an_earlier_epoch_are_named(tmp_path, inst
         m.startswith("loader (DataLoader over AugmentedMap): persistent_workers=True with num_workers=2: the saved run "
                      "started its workers in epoch 0, this run starts them in epoch 1") for m in messages
     ), messages
+
+
+def test_persistent_workers_started_in_an_earlier_epoch_resume_the_same_order(tmp_path, installed_plugin_manager):
+    """Issue 35 (found by a docs-only tester): persistent workers started in epoch 0 and a
+    save in epoch 1. The saved epoch drew no workers' base seed at its start; the resumed
+    process's new iterator does, and that draw once shifted the replayed order (another
+    permutation from the first resumed batch) and every epoch after it. The order is exact
+    now; the warning about random draws inside the workers stays (their generators differ)."""
+
+    def run(root, total, save_at=None, die_at=None, resume=False):
+        torch.manual_seed(0)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(48)), batch_size=4, shuffle=True,
+                                             num_workers=2, persistent_workers=True)
+        manager = statekit.CheckpointManager({"loader": loader}, root)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = (manager.resume() or 0) if resume else 0
+            seen = []
+            while step < total:
+                for batch in loader:
+                    step += 1
+                    seen.append(batch[0].tolist())
+                    if step == save_at:
+                        manager.save(step)
+                    if step in (die_at, total):
+                        break
+                if step == die_at:
+                    break
+        iterator = loader._iterator
+        if iterator is not None:
+            iterator._shutdown_workers()
+        return seen, [str(w.message) for w in caught if issubclass(w.category, statekit.StatekitWarning)]
+
+    reference, _ = run(str(tmp_path / "ref"), 40)
+    first, _ = run(str(tmp_path / "run"), 40, save_at=17, die_at=20)
+    resumed, messages = run(str(tmp_path / "run"), 40, resume=True)
+    assert first[:17] + resumed == reference
+    assert any("persistent_workers=True with num_workers=2: the saved run started its workers in epoch 0" in m for m in messages), messages

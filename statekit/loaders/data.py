@@ -166,7 +166,7 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
         fetch_rng.recorder(inner, position, first, skip, (pending or {}).get("fetch_states"), settle_after=how != iterable.CONSUME),
         # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
-        epoch_rng.wrapper(position, replay_start, at_first_batch=bool((pending or {}).get("prebuilt")) and prebuilt is None),
+        epoch_rng.wrapper(position, replay_start, at_first_batch=_built_before_epoch(pending) and prebuilt is None),
     ]
     # the whole epoch's length, before the skip wrapper shortens the batch sampler:
     # position.batches counts from the start of the epoch (it starts at ``skip``)
@@ -258,6 +258,17 @@ def _prebuilt(inner: Any) -> Any:
     if getattr(inner, "_initial_iter_for_state_dict", False):
         return getattr(inner, "_iterator", None)
     return None
+
+
+def _built_before_epoch(pending: dict[str, Any] | None) -> bool:
+    """True when the saved epoch ran on an iterator built before it started: a prebuilt one
+    (:func:`_prebuilt`), or persistent workers started in an earlier epoch. Its workers' base
+    seed was drawn before the recorded epoch start, where an iterator built for the resume
+    draws it after: the replay sets the epoch start's states at the first batch instead."""
+    if not pending:
+        return False
+    persistent = pending.get("workers_epoch") is not None and pending["workers_epoch"] != pending["epoch"]
+    return bool(pending.get("prebuilt")) or persistent
 
 
 def _record_prebuilt(iterator: Any, position: Position) -> None:

@@ -42,10 +42,12 @@ class ReplayEpochStart(BatchSamplerWrapper):
         wrapped: the wrapped batch sampler.
         start: the global states at the saved epoch's start (:func:`~statekit.devices.snapshot_random_states`).
         position: the loader's ``Position``.
-        at_first_batch: set the states when the first batch is asked for, not at ``iter()``:
-            the saved epoch ran on an iterator built before it (``statekit.loaders.data._prebuilt``),
-            whose base-seed draw came before the recorded start; the iterator built now draws
-            its base seed between ``iter()`` and the first batch.
+        at_first_batch: set the states when the first batch is asked for, not at ``iter()``,
+            and put back those found at ``iter()``: the saved epoch ran on an iterator built
+            before it (``statekit.loaders.data._prebuilt``, or persistent workers started in
+            an earlier epoch), which drew no base seed at the recorded start; the iterator
+            built now draws one between ``iter()`` and the first batch, and that draw must
+            not shift the replay or the run after it.
     """
 
     def __init__(self, wrapped: Any, start: dict[str, Any], position: Any, at_first_batch: bool = False) -> None:
@@ -54,6 +56,7 @@ class ReplayEpochStart(BatchSamplerWrapper):
         self.position = position
         self.used = False
         self.at_first_batch = at_first_batch
+        self.kept: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         # once: torch's multi-process iterator calls iter() twice while it is built (its
@@ -61,18 +64,24 @@ class ReplayEpochStart(BatchSamplerWrapper):
         # its index sampler for every later epoch, which must not go back to this epoch's start
         if self.used:
             return iter(self.batch_sampler)
-        self.used = True
         if self.at_first_batch:
+            # the states to put back are those found now, before the iterator draws its base
+            # seed (a draw the saved epoch did not make); the epoch start's are set when the
+            # first batch is asked for, by whichever iterator asks (the first built may be dropped)
+            if self.kept is None:
+                self.kept = snapshot_random_states()
             return self._start_at_first_batch(iter(self.batch_sampler))
-        self._start()
+        self._start(snapshot_random_states())
         return iter(self.batch_sampler)
 
-    def _start(self) -> None:
-        self.position.resume_rng = snapshot_random_states()
+    def _start(self, kept: dict[str, Any]) -> None:
+        self.used = True
+        self.position.resume_rng = kept
         restore_random_states(self.start)
 
     def _start_at_first_batch(self, items: Iterator[Any]) -> Iterator[Any]:
-        self._start()
+        if not self.used:
+            self._start(self.kept)
         yield from items
 
 
