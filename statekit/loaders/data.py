@@ -467,12 +467,15 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         # Accelerate's adapters read one batch ahead and know when the one they yielded was
         # the epoch's last (end_of_dataloader), also for an iterable dataset without a length
         ended = batches > 0 and getattr(loader, "end_of_dataloader", False) is True and iterable.is_iterable(inner_loader(loader))
-        if (length is not None and batches >= length) or ended:
+        after_last = (length is not None and batches >= length) or ended
+        if after_last:
             # every batch was delivered: the generators already hold the next epoch's start state
             epoch, batches, in_epoch = epoch + 1, 0, False
             states = {role: gen.get_state() for role, gen in generators(loader).items()}
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
+    if position.in_epoch and not in_epoch:  # saved inside the for loop, after its epoch's last batch
+        state["after_last_batch"] = True
     state.update(iterable.saved_fields(inner_loader(loader), position, batches, in_epoch))  # dataset states, workers
     ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
     if ahead:
@@ -602,6 +605,15 @@ def restore_loader(
         position.name = name or position.name
         position.epoch = int(state["epoch"])
         position.batches = batches
+        if state.get("after_last_batch") and planned is None:
+            warn_user(
+                f"{name or describe(loader)}: the checkpoint was saved inside the for loop right after the last batch of "
+                f"epoch {int(state['epoch']) - 1}, before that loop ended; the next `for batch in loader` starts epoch "
+                f"{state['epoch']}. A loop that counts epochs, or steps an epoch scheduler, after its `for` ends must not "
+                "do that for the finished epoch again: derive the epoch from the step (step // len(loader)) or save "
+                "after the `for` (docs/concepts.md, 'A save right after an epoch's last batch')",
+                StatekitWarning,
+            )
         if hasattr(loader, "iteration"):
             loader.iteration = int(state["epoch"])
         return True
