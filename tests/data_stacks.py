@@ -21,6 +21,7 @@ import statekit
 
 N, BATCH = 48, 4
 STEPS_PER_EPOCH = N // BATCH  # 12
+TOTAL = 40  # steps of a run: 3 epochs and 4 batches
 _g = torch.Generator().manual_seed(7)
 X, Y = torch.randn(N, 6, generator=_g), torch.randint(0, 3, (N,), generator=_g)
 

@@ -126,3 +126,34 @@ PREBUILT = [Stack(kind, accelerate=True, stateful_accelerate=True, workers=worke
 @pytest.mark.parametrize("save_at", [5, SAVE_AT], ids=["epoch0", "epoch1"])
 def test_accelerates_stateful_loader_resumes_exactly_from_its_first_epoch(tmp_path, stack, save_at):
     _assert_exact(stack, tmp_path, save_at=save_at)
+
+
+# The same, each run in its own process (a restarted training script: nothing carries over
+# in memory; the process that saved ends without clean-up).
+IN_PROCESSES = [Stack("iterable"), Stack("shuffled", accelerate=True), Stack("map", accelerate=True, stateful_accelerate=True, workers=2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", IN_PROCESSES, ids=[s.id for s in IN_PROCESSES])
+def test_resumes_exactly_in_a_fresh_process(tmp_path, stack):
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "data_stack_run.py"
+    spec = json.dumps(dataclasses.asdict(stack))
+
+    def process(root: str, name: str, *rest: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, str(script), spec, root, str(out), *rest], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    reference = process(str(tmp_path / "reference"), "reference")
+    first = process(str(tmp_path / "root"), "first", str(SAVE_AT), str(DIE_AT))
+    resumed = process(str(tmp_path / "root"), "resumed", "resume")
+    assert first["steps"][:SAVE_AT] + resumed["steps"] == reference["steps"]
+    assert resumed["weights"] == reference["weights"]
+    assert not [w for w in resumed["warnings"] if "ResumeAuditWarning" in w], resumed["warnings"]
