@@ -19,7 +19,12 @@ records a :class:`NextBatch` (saved with the loader's position, per rank):
   processes already does);
 - a digest of the next batch's content where the loader holds it already: Accelerate's
   ``DataLoaderShard`` fetches batch ``k + 1`` before it yields batch ``k`` (its ``next_batch``);
-- the sampler's epoch (``set_epoch``) or Accelerate's ``iteration``.
+- the sampler's epoch (``set_epoch``) or Accelerate's ``iteration`` when the epoch's
+  iterator took the sampler.
+
+**After every save**, where the loader held no batch, the first batch it yields is digested
+and written beside the committed checkpoint (:class:`Witness`); a resume adds it to the
+record (:func:`merge_next_batch`), so behind any loader the first batch is checked by content.
 
 **On resume**, the first batch each restored loader yields is compared with that record
 (:func:`check_first_batch`): a difference is a :class:`statekit.ResumeAuditWarning` naming
@@ -287,20 +292,21 @@ def _record_checksum(body: Mapping[str, Any]) -> str:
     return f"xxh3_64:{hasher.hexdigest()}"
 
 
-_new_witnesses: list[Witness] = []  # made by the save running on this thread, claimed by it
+_made_here = threading.local()  # the witnesses made by the save running on this thread, until it claims them
 
 
 def new_witness(key: str | None, epoch: int, batch: int) -> Witness:
     """A :class:`Witness` for a loader state saved now; the save claims it (:func:`claim_witnesses`)."""
     witness = Witness(key, epoch, batch)
-    _new_witnesses.append(witness)
+    _made_here.__dict__.setdefault("witnesses", []).append(witness)
     return witness
 
 
 def claim_witnesses() -> list[Witness]:
-    """The witnesses made since the last call (by the save that just wrote its loader states)."""
-    claimed = list(_new_witnesses)
-    _new_witnesses.clear()
+    """The witnesses made on this thread since the last call (by the save that just wrote
+    its loader states)."""
+    claimed = _made_here.__dict__.get("witnesses", [])
+    _made_here.witnesses = []
     return claimed
 
 
