@@ -261,3 +261,30 @@ def test_a_stream_restored_wrongly_at_its_epochs_end_is_named(tmp_path):
     assert manager.resume() == 10
     with pytest.warns(statekit.ResumeAuditWarning, match=r"the saved run's epoch 0 ended after batch 9, but the resumed epoch yields another batch there"):
         next(iter(loader))
+
+
+def test_attach_mode_save_state_records_the_next_batch_too(tmp_path):
+    """accelerator.save_state with statekit attached: the record is written after
+    Accelerate's folder committed, and attach mode's load_state names a stream restored late."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    def attached(fault):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=None))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(UserStream(fault), batch_size=BATCH))
+        statekit.attach(accelerator)
+        return accelerator, loader
+
+    accelerator, loader = attached("late")
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    accelerator.save_state(str(tmp_path / "c"))
+    expected = _ids(next(it))
+    assert (tmp_path / "c" / "next-batch" / "dataloader_0" / "rank-00000.json").exists()
+    accelerator, loader = attached("late")
+    accelerator.load_state(str(tmp_path / "c"))
+    with pytest.warns(statekit.ResumeAuditWarning, match=r"dataloader_0 \(DataLoaderDispatcher over UserStream\).*batch 3 of epoch 0 differs in content"):
+        assert _ids(next(iter(loader))) != expected

@@ -32,7 +32,7 @@ from statekit.api.bridge import collect
 from statekit.api.loading import (
     apply_own_states, check_accelerate_load, check_owners_installed, check_statekit_files, read_own_states,
 )
-from statekit.api.saveload import log_committed, plugin_versions
+from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.engine import commit as commits
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
@@ -204,6 +204,7 @@ class _AttachedCalls:
         """Accelerate's save pre-hook: the statekit pre-hooks, then what Accelerate does not
         keep (loader positions, accumulated gradients)."""
         check_can_save(self.accelerator)
+        audit.claim_witnesses()  # left by a save that failed before it claimed them
         checkpoint = self.context("save", output_dir)
         _lock_save(self.accelerator, checkpoint)  # before Accelerate writes: nothing loadable until committed
         hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
@@ -224,6 +225,7 @@ class _AttachedCalls:
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), data.loader_state(obj, key))
             elif isinstance(obj, AccumulatedGradients):
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), obj.state_dict())
+        checkpoint.__dict__["next_batch_witnesses"] = audit.claim_witnesses()  # recorded once committed
 
     def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
         """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""
@@ -248,6 +250,7 @@ class _AttachedCalls:
         """After Accelerate's save: commit the manifest, then the post-hooks."""
         self.accelerator.wait_for_everyone()
         checkpoint.manifest = _commit_attached(self.accelerator, checkpoint)
+        record_next_batches(checkpoint.__dict__.pop("next_batch_witnesses", []), checkpoint.storage, checkpoint.rank, checkpoint.manifest)
         if checkpoint.rank == 0:
             log_committed(checkpoint.manifest, checkpoint.url, self.attachment._started, ", attached")
         distributed.barrier()

@@ -182,9 +182,7 @@ def save_objects(
                 staging.release()  # every staged byte is written (or the save failed)
         checkpoint.manifest = manifest
         checkpoint._writable = False
-        for witness in witnesses:
-            rel = fmt.next_batch_path(witness.key or "dataloader", rank)
-            witness.committed(lambda data, rel=rel: storage.write_bytes(rel, data), manifest.manifest_checksum)
+        record_next_batches(witnesses, storage, rank, manifest)
         if rank == 0:
             log_committed(manifest, storage.url, started, "" if blocking else ", async")
         if after_commit is not None:
@@ -201,6 +199,19 @@ def save_objects(
     manifest = finish()
     post(manifest)
     return manifest
+
+
+def record_next_batches(witnesses: list[audit.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
+    """The checkpoint committed: each loader's next-batch record (``statekit.loaders.audit.Witness``)
+    may be written beside it, to ``next-batch/<key>/rank-<r>.json``, once its batch is seen.
+
+    Args:
+        witnesses: what this save's loader states made (``audit.claim_witnesses()``).
+        storage: the checkpoint's storage; rank: this rank; manifest: the committed manifest.
+    """
+    for witness in witnesses:
+        rel = fmt.next_batch_path(witness.key or "dataloader", rank)
+        witness.committed(lambda data, rel=rel: storage.write_bytes(rel, data), manifest.manifest_checksum)
 
 
 def log_committed(manifest: Manifest, url: str, started: float, how: str = "") -> None:

@@ -213,6 +213,8 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
         if position.witness is not None:  # the save's next batch may be the next epoch's first
             position.witness.epoch_ended(position.epoch, position.batches)
     finally:
+        if epoch_rng is None:  # an iterator still open at interpreter exit, its module already torn down
+            return
         if restore is not None:
             restore()
         if position.dataset_loaded is not None:  # the epoch ended before its first batch
