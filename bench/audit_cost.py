@@ -155,11 +155,11 @@ def _record_time(batch_size: int) -> tuple[float, float]:
 def _next_batch_record_time(batch_size: int) -> float:
     """Seconds of one save's next-batch record (issue 35: the content of the first batch a
     loader yields after the save, digested and written beside the checkpoint on local disk;
-    ``statekit.loaders.audit.Witness``), median of 200: one content digest of a batch of the
+    ``statekit.loaders.next_batch.Witness``), median of 200: one content digest of a batch of the
     demo's and one small durable file write."""
     import tempfile
 
-    from statekit.loaders import audit
+    from statekit.loaders import next_batch
     from statekit.storage import Storage
 
     train, _ = digits()
@@ -169,7 +169,7 @@ def _next_batch_record_time(batch_size: int) -> float:
         storage = Storage(root)
         for i in range(200):
             started = time.perf_counter()
-            witness = audit.Witness("dataloader_0", 0, 1)
+            witness = next_batch.Witness("dataloader_0", 0, 1)
             witness.committed(lambda data, rel=f"next-batch/{i}.json": storage.write_bytes(rel, data), "xxh3_64:0")
             witness.observe(0, 1, batch)
             times.append(time.perf_counter() - started)

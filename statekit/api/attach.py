@@ -34,7 +34,7 @@ from statekit.api.loading import (
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.engine import commit as commits
-from statekit.loaders import audit, data
+from statekit.loaders import audit, data, next_batch
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -204,7 +204,7 @@ class _AttachedCalls:
         """Accelerate's save pre-hook: the statekit pre-hooks, then what Accelerate does not
         keep (loader positions, accumulated gradients)."""
         check_can_save(self.accelerator)
-        audit.claim_witnesses()  # left by a save that failed before it claimed them
+        next_batch.claim_witnesses()  # left by a save that failed before it claimed them
         checkpoint = self.context("save", output_dir)
         _lock_save(self.accelerator, checkpoint)  # before Accelerate writes: nothing loadable until committed
         hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
@@ -225,7 +225,7 @@ class _AttachedCalls:
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), data.loader_state(obj, key))
             elif isinstance(obj, AccumulatedGradients):
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), obj.state_dict())
-        checkpoint.__dict__["next_batch_witnesses"] = audit.claim_witnesses()  # recorded once committed
+        checkpoint.__dict__["next_batch_witnesses"] = next_batch.claim_witnesses()  # recorded once committed
 
     def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
         """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""

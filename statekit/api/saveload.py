@@ -32,7 +32,7 @@ from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
-from statekit.loaders import audit
+from statekit.loaders import next_batch
 from statekit.progress import human
 from statekit.storage import Storage
 
@@ -150,11 +150,11 @@ def save_objects(
     stage_error: Exception | None = None
     if staging is not None:
         staging.hold()  # its buffers are reused: wait until the save that used them last has written them
-    audit.claim_witnesses()  # left by a save that failed before it claimed them
-    witnesses: list[audit.Witness] = []
+    next_batch.claim_witnesses()  # left by a save that failed before it claimed them
+    witnesses: list[next_batch.Witness] = []
     try:
         _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
-        witnesses = audit.claim_witnesses()  # the loaders' next batches, recorded once this save committed
+        witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
     except BaseException as exc:
@@ -201,12 +201,12 @@ def save_objects(
     return manifest
 
 
-def record_next_batches(witnesses: list[audit.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
-    """The checkpoint committed: each loader's next-batch record (``statekit.loaders.audit.Witness``)
+def record_next_batches(witnesses: list[next_batch.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
+    """The checkpoint committed: each loader's next-batch record (``statekit.loaders.next_batch.Witness``)
     may be written beside it, to ``next-batch/<key>/rank-<r>.json``, once its batch is seen.
 
     Args:
-        witnesses: what this save's loader states made (``audit.claim_witnesses()``).
+        witnesses: what this save's loader states made (``next_batch.claim_witnesses()``).
         storage: the checkpoint's storage; rank: this rank; manifest: the committed manifest.
     """
     for witness in witnesses:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.loaders import audit, data
+from statekit.loaders import data, next_batch
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, check_fit
 from statekit.engine.gradients import AccumulatedGradients
@@ -386,7 +386,7 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
 
 def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> None:
     """Add the content of the first batch the saved run yielded after the save (written
-    beside the checkpoint after its commit: :class:`statekit.loaders.audit.Witness`) to the
+    beside the checkpoint after its commit: :class:`statekit.loaders.next_batch.Witness`) to the
     position's record, so the resume audit checks it; nothing when none was written."""
     if not isinstance(own.get("next"), dict) or own["next"].get("content_digest"):
         return
@@ -396,9 +396,10 @@ def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> 
     except FileNotFoundError:
         return
     except StorageError as exc:  # the record only adds a check: the resume goes on without it
-        logger.warning("resume audit: could not read %s (%s); the first batch is checked by what the save recorded", exc.url if hasattr(exc, "url") else rel, exc)
+        logger.warning("resume audit: could not read %s (%s); the first batch is checked by what the save recorded",
+                       checkpoint.storage.url_of(rel), exc)
         return
-    audit.merge_next_batch(own, raw, checkpoint.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
+    next_batch.merge_next_batch(own, raw, checkpoint.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
 
 
 def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:

@@ -9,7 +9,8 @@ own state can restore), the random states of batches fetched ahead (:mod:`~state
 and of the epoch's start (:mod:`~statekit.loaders.epoch_rng`), elastic resume on another
 world size (:mod:`~statekit.loaders.elastic`, :mod:`~statekit.loaders.elastic_layouts`),
 the resume audit (:mod:`~statekit.loaders.audit`: the next-batch record a save writes and
-the check of the first batch after a resume). The global random states these modules
+the check of the first batch after a resume; :mod:`~statekit.loaders.next_batch`: the record of
+the batch yielded right after a save). The global random states these modules
 keep are snapshot and restored by :mod:`statekit.devices` (``snapshot_random_states``,
 ``restore_random_states``, ``rng_guard``), their one owner.
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable
+from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable, next_batch
 from statekit.devices import snapshot_random_states
 from statekit.loaders.samplers import (
     SkipBatches,
@@ -75,7 +75,7 @@ class Position:
         prebuilt: the epoch runs on the iterator a ``StatefulDataLoader`` built before it
             (:func:`_prebuilt`), as it does without statekit; ``prebuilt_seed``: that
             iterator's workers' base seed.
-        witness: the :class:`statekit.loaders.audit.Witness` of the last save, waiting for
+        witness: the :class:`statekit.loaders.next_batch.Witness` of the last save, waiting for
             the next batch; ``follow_up``: ``(record, key)`` of the resume audit's check
             of the next epoch's first batch, when the resumed position was its epoch's end.
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
@@ -489,7 +489,7 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     record = _next_batch(loader, position, epoch, batches, in_epoch)  # the resume audit's record
     state["next"] = record.to_json()
     # what the loader yields next is seen after the save returns: recorded beside the checkpoint
-    position.witness = audit.new_witness(name, record.epoch, record.batch) if record.content_digest is None else None
+    position.witness = next_batch.new_witness(name, record.epoch, record.batch) if record.content_digest is None else None
     # how the epoch is split over ranks, and (after a resume with another world size) what
     # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), epoch, in_epoch))
