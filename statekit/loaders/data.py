@@ -184,13 +184,16 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     parent = super(type(self), self).__iter__()
     position.parent = parent
     finished = short = False
+    first_batch = True
     try:
         if how == iterable.CONSUME:
             short = iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng) < skip
         for batch in run_sampler_out(parent, position, length):
-            iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
-            if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
-                position.sampler_epoch_start = audit.sampler_epoch(self, sampler_of(self))
+            if first_batch:
+                first_batch = False
+                iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
+                if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
+                    position.sampler_epoch_start = audit.sampler_epoch(self, sampler_of(self))
             if restore is not None:
                 restore()
                 restore = None
