@@ -99,11 +99,13 @@ def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) ->
     if accelerator is not None and "_statekit_attachment" in accelerator.__dict__:
         return accelerator.__dict__["_statekit_attachment"]
     attachment = Attachment(accelerator, {})
+    # accelerate.skip_first_batches (the function) after a resume: a mapping's loader may be
+    # one Accelerate prepared (transformers' Trainer skips with it)
+    skip_batches.install()
     if accelerator is None:
         _adopt(attachment, {k: v for k, v in (objects or {}).items() if not hasattr(v, "parameters")})
         return attachment
     _adopt(attachment, _non_models(accelerator))
-    skip_batches.install()  # accelerate.skip_first_batches (the function) after a resume
     _AttachedCalls(accelerator, attachment).install()
     accelerator.__dict__["_statekit_attachment"] = attachment
     return attachment

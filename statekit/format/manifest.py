@@ -33,7 +33,7 @@ from statekit.storage.hashing import checksum_bytes
 MANIFEST_NAME = "statekit.json"
 """File name of the manifest; its presence marks a committed checkpoint."""
 
-CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d{8,})$")
+CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d+)$")
 """A manager's checkpoint directory name, ``checkpoint-<step:08d>`` (group 1: the step); the
 one pattern listing, format detection and the checkpoint-root message use."""
 

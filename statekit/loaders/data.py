@@ -144,6 +144,12 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     inner = inner_loader(self)
     pending, position.pending = position.pending, None
     position.prebuilt = False
+    iteration = self.__dict__.get("iteration")
+    if pending is None and isinstance(iteration, int):
+        # Accelerate's epoch counter is the epoch: set_epoch() sets it, and a pass left
+        # before its end (transformers' Trainer takes exactly an epoch's batches and drops
+        # the iterator) does not raise it, so counting passes here would lag behind it
+        position.epoch = iteration
     skip = _apply_pending(self, position, pending) if pending is not None else _start_fresh(inner, position)
     name = describe(self)
     how = iterable.plan(self, inner, position, pending, skip, name, prebuilt=position.prebuilt)

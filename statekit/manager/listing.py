@@ -62,9 +62,13 @@ CheckpointInfo = CheckpointDir
 """Former name of :class:`CheckpointDir`, kept importable from ``statekit``."""
 
 
-def checkpoint_name(step: int) -> str:
-    """Directory name of a step: ``checkpoint-00000500``."""
-    return f"checkpoint-{int(step):08d}"
+DEFAULT_STEP_DIGITS = 8
+
+
+def checkpoint_name(step: int, digits: int = DEFAULT_STEP_DIGITS) -> str:
+    """Directory name of a step: ``checkpoint-00000500`` (``digits=0``: ``checkpoint-500``,
+    transformers Trainer's name)."""
+    return f"checkpoint-{str(int(step)).zfill(digits)}"
 
 
 def refuse_checkpoint_as_root(root: Storage) -> None:

@@ -24,7 +24,7 @@ from statekit.manager.preemption import SignalSave, make_signal_save
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
-from statekit.manager.listing import CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
+from statekit.manager.listing import DEFAULT_STEP_DIGITS, CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -107,6 +107,10 @@ class CheckpointManager:
             two ints on statekit's gloo group) every N-th step boundary only; None
             (default): N adapts so that the checks cost under 1 % of the measured step time
             and a signal waits at most ``grace_s / 10`` for its check (``docs/clusters.md``).
+        step_digits: digits of the step in directory names, zero-padded: 8 (default)
+            names ``checkpoint-00000500``, whose names sort by step; 0 names
+            ``checkpoint-500``, as transformers' ``Trainer`` does (statekit-transformers).
+            Both are listed and resumed whatever the setting.
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
             ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
             plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
@@ -152,6 +156,7 @@ class CheckpointManager:
         signal_check_every: int | None = None,
         backpressure: str = "wait",
         max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS,
+        step_digits: int = DEFAULT_STEP_DIGITS,
         **options: Any,
     ) -> None:
         self.backpressure = Backpressure(backpressure, max_wait_s)
@@ -161,6 +166,9 @@ class CheckpointManager:
                 raise InvalidOptionError(f"{name} must be a positive integer or None, got {value!r}")
         if mode not in ("min", "max"):
             raise InvalidOptionError(f"mode must be 'min' or 'max', got {mode!r}")
+        if not isinstance(step_digits, int) or isinstance(step_digits, bool) or not 0 <= step_digits <= 20:
+            raise InvalidOptionError(f"step_digits must be an integer from 0 to 20, got {step_digits!r}")
+        self.step_digits = step_digits
         pm = get_plugin_manager()
         self.manager_options: Mapping[str, Any] = MappingProxyType(pm.take_manager_options(options))
         """The manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``): every declared
@@ -238,9 +246,9 @@ class CheckpointManager:
             step: the training step.
 
         Returns:
-            ``<root>/checkpoint-<step:08d>``.
+            ``<root>/checkpoint-<step>``, the step zero-padded to ``step_digits``.
         """
-        return self.url_of(checkpoint_name(step))
+        return self.url_of(checkpoint_name(step, self.step_digits))
 
     def url_of(self, name: str) -> str:
         """URL of the directory ``name`` under the root (this rank's root).
@@ -513,20 +521,7 @@ class CheckpointManager:
                     self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
                 last_error = exc
                 continue
-            self.resumed_manifest = manifest
-            self.resumed_from = info.url
-            if isinstance(manifest, Manifest) and info.url.startswith(self.root_url.rstrip("/") + "/"):
-                self._reuse_from = (info.url, manifest)  # unchanged files of the next save come from it
-            if self._resumed_in_use is not None:
-                self._resumed_in_use()  # the previous resume's marker
-            self._resumed_in_use = hold_in_use(self, info.url, by="statekit")  # no other process deletes it
-            step = manifest.step if isinstance(manifest, Manifest) else manifest.get("step")  # (a summary of Accelerate's files)
-            # Accelerate's folders count saves, not steps (their "step" is the gradient
-            # accumulation counter): the folder's number is what continues the naming
-            step = info.step if step is None or info.accelerate else int(step)
-            if self.signal_save is not None:
-                self.signal_save.resumed(step)  # a signal during the resume saves no copy of this step
-            self.save_stats.resumed(step, [i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)])
+            step = self._resumed(info.url, manifest, info.step, info.accelerate)
             logger.info("resumed from step %s (%s)", step, info.url)
             return step
         if last_error is not None:
@@ -534,6 +529,42 @@ class CheckpointManager:
         self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
         logger.info("no committed checkpoint under %s: starting from the beginning", self.root_url)
         return None
+
+    def record_resume(self, url: str, manifest: Manifest) -> int:
+        """Record a resume from ``url`` that was loaded outside :meth:`resume`.
+
+        For an integration that restores a checkpoint in stages, as the trainer it drives
+        asks (statekit-transformers: the model before ``accelerator.prepare``, the
+        optimizer after it, the random states at the first batch). The manager then treats
+        the run as :meth:`resume` would have: retention never deletes ``url``, an in-use
+        marker keeps other processes from deleting it, the next incremental save reuses its
+        unchanged files, a signal during the resume saves no copy of its step.
+
+        Args:
+            url: the committed checkpoint the run resumed from.
+            manifest: its manifest (as :func:`statekit.load` returned it).
+
+        Returns:
+            The step resumed from.
+        """
+        return self._resumed(url, manifest, int(manifest.step or 0), False)
+
+    def _resumed(self, url: str, manifest: Manifest | dict[str, Any], folder_step: int, accelerate: bool) -> int:
+        self.resumed_manifest = manifest
+        self.resumed_from = url
+        if isinstance(manifest, Manifest) and url.startswith(self.root_url.rstrip("/") + "/"):
+            self._reuse_from = (url, manifest)  # unchanged files of the next save come from it
+        if self._resumed_in_use is not None:
+            self._resumed_in_use()  # the previous resume's marker
+        self._resumed_in_use = hold_in_use(self, url, by="statekit")  # no other process deletes it
+        step = manifest.step if isinstance(manifest, Manifest) else manifest.get("step")  # (a summary of Accelerate's files)
+        # Accelerate's folders count saves, not steps (their "step" is the gradient
+        # accumulation counter): the folder's number is what continues the naming
+        step = folder_step if step is None or accelerate else int(step)
+        if self.signal_save is not None:
+            self.signal_save.resumed(step)  # a signal during the resume saves no copy of this step
+        self.save_stats.resumed(step, [i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)])
+        return step
 
     def _load(
         self, url: str, storage_options: dict[str, Any] | None, verify: bool, strict: bool, strict_resume: bool

@@ -36,7 +36,7 @@ def after_commit(manager: Any, step: int, url: str, manifest: dict[str, Any]) ->
     deleted: list[str] = []
     if rank == 0:
         try:
-            manager.root.write_bytes(LATEST_NAME, checkpoint_name(step).encode("ascii") + b"\n")
+            manager.root.write_bytes(LATEST_NAME, checkpoint_name(step, manager.step_digits).encode("ascii") + b"\n")
             deleted = apply_retention(manager, url)
         except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are released
             error = exc

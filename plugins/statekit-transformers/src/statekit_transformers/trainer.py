@@ -1,0 +1,336 @@
+"""``StatekitTrainerMixin``: transformers' ``Trainer`` writes and resumes statekit checkpoints.
+
+A user changes one line (``Trainer`` -> :class:`StatekitTrainer`, or mixes
+:class:`StatekitTrainerMixin` into a ``Trainer`` subclass such as trl's ``SFTTrainer``).
+Trainer keeps driving: when it would write ``checkpoint-<step>/`` the mixin saves that
+step through a :class:`statekit.CheckpointManager` on ``args.output_dir`` instead, and when
+it would read one back it reads through statekit, verified. The checkpoint keeps Trainer's
+name and layout (``from_pretrained``, the Hub, ``trainer_state.json``); what was pickle
+(optimizer, scheduler, scaler, RNG, training arguments) is safetensors and JSON.
+
+How the Trainer's private checkpoint methods map (design-notes, "statekit-transformers"):
+
+==============================  ==========================================================
+Trainer method                  with the mixin
+==============================  ==========================================================
+``train(resume_from_checkpoint``  ``True`` resolves to the newest *committed* checkpoint
+=True)``                        (Trainer's own ``get_last_checkpoint`` takes the highest
+                                number, committed or not)
+``_save_checkpoint``            best-model and callback bookkeeping as Trainer does, then
+                                ``manager.save(step)``: atomic commit, checksums, async,
+                                retention (``save_total_limit``), two-tier, incremental
+``_load_from_checkpoint``       the model, verified (a Trainer folder without a statekit
+                                manifest: Trainer's own code, unchanged)
+``_load_optimizer_and_scheduler`` optimizer, scheduler (and scaler), verified
+``_load_rng_state``             the random states, restored right before the first batch
+                                after the resume is collated (Trainer restores them after
+                                collating it: a collator that draws random masks would
+                                differ from the uninterrupted run)
+``_load_best_model``            the best checkpoint's model, verified
+==============================  ==========================================================
+
+Every one of these names is checked on the Trainer class when the mixin is built: a
+transformers release that renames one makes the construction fail, naming it, instead of
+silently writing Trainer's own pickles.
+
+This module is an integration, a client of statekit's public API (``import statekit``),
+as user code is; the plugin hooks of :mod:`statekit_transformers.plugin` use only the
+plugin API.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import statekit
+from statekit_transformers.plugin import MANIFEST_NAME, MODEL_KEY, OPTION, STATE_KEY, TRAINER_STATE_NAME, TrainerStateFile
+
+logger = logging.getLogger("statekit.transformers")
+
+__all__ = ["StatekitTrainerMixin", "SUPPORTED_TRANSFORMERS", "checkpoints_under", "statekit_trainer_class"]
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<5.25"
+"""The transformers versions the mixin is tested with (the distribution's requirement)."""
+
+# The Trainer methods the mixin overrides, with the parameters it calls them with.
+_OVERRIDDEN: dict[str, tuple[str, ...]] = {
+    "train": ("resume_from_checkpoint", "trial"),
+    "_save_checkpoint": ("model", "trial"),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_scaler": ("checkpoint",),
+    "_load_rng_state": ("checkpoint",),
+    "_load_best_model": (),
+    "get_train_dataloader": (),
+    "_get_output_dir": ("trial",),
+    "store_flos": (),
+}
+LOADER_KEY = "train_dataloader"
+_SKIP_ABSORBED = r".*statekit's resume already continues epoch .* returns the loader itself"
+_LOCK_NAME = ".statekit-lock"  # statekit's save lock: present from a save's first file to its commit
+
+
+def check_trainer_api(trainer_cls: type) -> None:
+    """Fail if the Trainer class lacks a method the mixin overrides, or its parameters changed.
+
+    Raises:
+        TypeError: names the method and the transformers version.
+    """
+    import transformers
+
+    for name, params in _OVERRIDDEN.items():
+        base = next((c.__dict__[name] for c in trainer_cls.__mro__ if c.__name__ == "Trainer" and name in c.__dict__), None)
+        if base is None:
+            raise TypeError(
+                f"transformers {transformers.__version__}: Trainer.{name} does not exist; statekit-transformers "
+                f"overrides it and supports transformers{SUPPORTED_TRANSFORMERS}"
+            )
+        have = list(inspect.signature(base).parameters)[1:]
+        if list(params) != have[: len(params)]:
+            raise TypeError(
+                f"transformers {transformers.__version__}: Trainer.{name}{tuple(have)} changed (expected {params}); "
+                f"statekit-transformers supports transformers{SUPPORTED_TRANSFORMERS}"
+            )
+
+
+def checkpoints_under(output_dir: str) -> list[tuple[int, str, bool]]:
+    """The checkpoints a Trainer resume may continue from under ``output_dir``, oldest first.
+
+    Returns:
+        ``(step, path, is_statekit)`` for each committed statekit checkpoint and each
+        Trainer folder written without statekit (it has ``trainer_state.json`` and no
+        statekit save lock); an interrupted statekit save is not among them.
+    """
+    found = []
+    if not os.path.isdir(output_dir):
+        return found
+    for name in os.listdir(output_dir):
+        head, _, number = name.partition("-")
+        path = os.path.join(output_dir, name)
+        if head != "checkpoint" or not number.isdigit() or not os.path.isdir(path):
+            continue
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            found.append((int(number), path, True))
+        elif os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)) and not os.path.exists(os.path.join(path, _LOCK_NAME)):
+            found.append((int(number), path, False))
+    return sorted(found)
+
+
+def _is_statekit(path: str | None) -> bool:
+    return path is not None and os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+class StatekitTrainerMixin:
+    """Mix into a ``transformers.Trainer`` (sub)class: its checkpoints become statekit checkpoints.
+
+    ``class MyTrainer(StatekitTrainerMixin, SFTTrainer): pass``, or use
+    :class:`StatekitTrainer` (the mixin over ``Trainer``). Everything Trainer takes is taken
+    unchanged; one keyword is added.
+
+    Args:
+        statekit_options: keyword arguments of :class:`statekit.CheckpointManager` beyond
+            what ``TrainingArguments`` already says: ``async_save``, ``replicate_to`` (and
+            the other two-tier options), ``save_on_signal``, ``grace_s``, ``incremental``,
+            ``keep_every_n_steps``, ``storage_options``... Retention comes from
+            ``save_total_limit`` (``keep_last``) and, with ``load_best_model_at_end``, the
+            best checkpoint by ``metric_for_best_model`` is kept too (``keep_best=1``).
+        *args, **kwargs: ``Trainer``'s.
+
+    Raises:
+        TypeError: the installed transformers lacks a Trainer method the mixin overrides
+            (a version outside :data:`SUPPORTED_TRANSFORMERS`), naming it.
+        InvalidOptionError: a ``statekit_options`` entry the manager refuses.
+    """
+
+    def __init__(self, *args: Any, statekit_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        check_trainer_api(type(self))
+        self.statekit_options = dict(statekit_options or {})
+        self._statekit_manager: statekit.CheckpointManager | None = None
+        self._statekit_objects: dict[str, Any] = {}
+        self._statekit_resume: str | None = None  # the statekit checkpoint this train() resumes from
+        self._statekit_loader: Any = None
+        super().__init__(*args, **kwargs)
+        if self.statekit_options.get("save_on_signal"):
+            from statekit_transformers.preemption import SaveOnSignal
+
+            self.add_callback(SaveOnSignal(self))
+
+    # ------------------------------------------------------------ the manager
+
+    def _statekit_objects_now(self) -> dict[str, Any]:
+        objects: dict[str, Any] = {MODEL_KEY: self.model, STATE_KEY: TrainerStateFile(self)}
+        if self._statekit_loader is not None:
+            objects[LOADER_KEY] = self._statekit_loader
+        if not self.args.save_only_model:
+            if self.optimizer is not None:
+                objects["optimizer"] = self.optimizer
+            if self.lr_scheduler is not None:
+                objects["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                objects["scaler"] = scaler
+        return objects
+
+    def statekit_manager(self, run_dir: str | None = None) -> statekit.CheckpointManager:
+        """The :class:`statekit.CheckpointManager` of this run's checkpoints (``args.output_dir``).
+
+        Built on first use, and again when Trainer created new objects (a new ``train()``
+        call builds a new optimizer), after the previous one's async save committed.
+        """
+        run_dir = run_dir or self.args.output_dir
+        objects = self._statekit_objects_now()
+        same = self._statekit_manager is not None and self._statekit_manager.root_url.rstrip("/") == os.path.abspath(run_dir)
+        if same and {k: id(v) for k, v in objects.items() if k != STATE_KEY} == {
+            k: id(v) for k, v in self._statekit_objects.items() if k != STATE_KEY
+        }:
+            return self._statekit_manager
+        if self._statekit_manager is not None:
+            self._statekit_manager.__exit__(None, None, None)  # its async save commits, its signal handlers go
+        options: dict[str, Any] = {"step_digits": 0, "incremental": True}
+        if self.args.save_total_limit is not None and self.args.save_total_limit > 0:
+            options["keep_last"] = self.args.save_total_limit
+        if self.args.load_best_model_at_end and self.args.metric_for_best_model:
+            options.update(keep_best=1, monitor=_metric_key(self.args.metric_for_best_model),
+                           mode="max" if self.args.greater_is_better else "min")
+        options.update(self.statekit_options)
+        options[OPTION] = self
+        os.makedirs(run_dir, exist_ok=True)
+        self._statekit_objects = objects
+        self._statekit_manager = statekit.CheckpointManager(objects, os.path.abspath(run_dir), **options)
+        return self._statekit_manager
+
+    # ------------------------------------------------------------ save
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        manager = self.statekit_manager(run_dir)
+        step = self.state.global_step
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
+            best = manager.url_for(self.state.best_global_step)
+            if self.state.best_global_step == step or _is_statekit(best) or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+        if self.args.should_save:  # as Trainer: the callbacks' states, to where they are now
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name = type(cb).__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+        manager.save(step=step, metrics=self._statekit_metrics(step))
+        if self.args.push_to_hub:
+            manager.wait()  # the Hub gets a committed checkpoint
+            self._push_from_checkpoint(manager.url_for(step))
+
+    def _statekit_metrics(self, step: int) -> dict[str, float] | None:
+        """The evaluation metric for best-model retention, from this step's evaluation log."""
+        if not self.args.metric_for_best_model:
+            return None
+        key = _metric_key(self.args.metric_for_best_model)
+        for entry in reversed(self.state.log_history):
+            if entry.get("step") == step and key in entry:
+                return {key: float(entry[key])}
+        return None
+
+    # ------------------------------------------------------------ resume
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed
+        checkpoint (or a Trainer folder written before statekit) under ``args.output_dir``.
+
+        Raises:
+            ValueError: ``True`` and no checkpoint to resume from (as Trainer).
+            statekit.IncompleteCheckpointError: the path given is an interrupted statekit save.
+        """
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            found = checkpoints_under(self.args.output_dir)
+            if not found:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            resume_from_checkpoint = found[-1][1]
+            logger.info("resuming from %s", resume_from_checkpoint)
+        if isinstance(resume_from_checkpoint, str):
+            resume_from_checkpoint = os.path.abspath(resume_from_checkpoint)
+            if os.path.exists(os.path.join(resume_from_checkpoint, _LOCK_NAME)) and not _is_statekit(resume_from_checkpoint):
+                raise statekit.IncompleteCheckpointError(
+                    f"{resume_from_checkpoint}: an interrupted statekit save (never committed); resume from a committed one"
+                )
+        self._statekit_resume = resume_from_checkpoint if _is_statekit(resume_from_checkpoint) else None
+        with warnings.catch_warnings():
+            # Trainer skips the resumed epoch's consumed batches with accelerate's
+            # skip_first_batches; statekit's restored loader continues there already and
+            # comes back itself: expected here, not news for the user
+            warnings.filterwarnings("ignore", message=_SKIP_ABSORBED, category=statekit.StatekitWarning)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _statekit_load(self, path: str, objects: Mapping[str, Any]) -> Any:
+        return statekit.load(path, objects, **{OPTION: self})
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not _is_statekit(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if resume_from_checkpoint == self._statekit_resume:
+            return None  # train()'s resume: the whole state loads at once, once the optimizer exists
+        self._statekit_load(resume_from_checkpoint, {MODEL_KEY: model if model is not None else self.model})
+        logger.info("loaded the model of %s (verified)", resume_from_checkpoint)
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not _is_statekit(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # model, optimizer, scheduler, scaler, trainer state: one verified load, fingerprint
+        # compared (Trainer calls this after accelerator.prepare; values are copied in place)
+        manifest = self._statekit_load(checkpoint, self._statekit_objects_now())
+        self.statekit_manager().record_resume(checkpoint, manifest)
+        logger.info("resumed the training state of %s (verified)", checkpoint)
+        return None
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if not _is_statekit(checkpoint):
+            return super()._load_scaler(checkpoint)
+        return None  # loaded with the optimizer
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not _is_statekit(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        # restored with the training state; the tracked loader replays the draws of the
+        # batches Accelerate fetched ahead before the save (statekit.loaders.fetch_rng)
+        return None
+
+    def get_train_dataloader(self) -> Any:
+        """``Trainer.get_train_dataloader``, tracked by statekit from its first batch: the
+        checkpoint holds its exact position and the random draws of the batches it read ahead."""
+        loader = super().get_train_dataloader()
+        statekit.attach(None, {LOADER_KEY: loader})
+        self._statekit_loader = loader
+        return loader
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if not _is_statekit(best):
+            return super()._load_best_model()
+        logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
+        self._statekit_load(best, {MODEL_KEY: self.model})
+        return None
+
+
+def _metric_key(name: str) -> str:
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def statekit_trainer_class(trainer_cls: type) -> type:
+    """``trainer_cls`` with :class:`StatekitTrainerMixin` mixed in (``statekit_trainer_class(SFTTrainer)``).
+
+    Raises:
+        TypeError: as :class:`StatekitTrainerMixin`, at the first construction.
+    """
+    return type(f"Statekit{trainer_cls.__name__}", (StatekitTrainerMixin, trainer_cls), {"__module__": __name__})
+
