@@ -169,6 +169,50 @@ def test_a_fully_trained_model_stays_one_file_of_format_1(tmp_path):
     assert entry["prefixes"][0][0] < entry["size_bytes"]  # the end of the header: the first comparison
 
 
+class TiedLM(nn.Module):
+    """A frozen embedding tied to the output head (GPT-2's ``lm_head.weight is wte.weight``),
+    1 MiB, around a trainable layer."""
+
+    def __init__(self, vocab: int = 2048, width: int = 128) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.wte.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.wte(ids)))
+
+
+def test_a_frozen_tied_embedding_is_one_frozen_file_reused_and_stays_tied(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    root = tmp_path / "run"
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(root))
+    manifests = []
+    for step in (1, 2):
+        model(torch.randint(0, 2048, (2, 8))).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+        manifests.append(manager.save(step))
+
+    frozen = "model.frozen-00000.safetensors"
+    assert set(manifests[1].objects["model"].files) == {"model.safetensors", frozen}  # the tie stays in one file
+    assert manifests[1].files[frozen].reused_from == "checkpoint-00000001"
+    assert manifests[1].reused_bytes >= model.wte.weight.numel() * 4  # stored once, not once per name
+    with safe_open(str(root / "checkpoint-00000002" / "model.safetensors"), "pt") as f:
+        assert "head.weight" not in f.keys() and "wte.weight" not in f.keys()
+
+    torch.manual_seed(1)
+    fresh = TiedLM()
+    statekit.load(str(root / "checkpoint-00000002"), {"model": fresh})
+    assert fresh.head.weight is fresh.wte.weight
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
 def test_incremental_false_writes_every_byte_as_before(tmp_path):
     model, optim = lora_run()
     manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "run"), incremental=False)

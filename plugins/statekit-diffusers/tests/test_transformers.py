@@ -1,14 +1,20 @@
-"""transformers models (a text encoder, as in DreamBooth-style training) in the transformers layout."""
+"""transformers models: a pipeline component (a text encoder beside a UNet, as in
+DreamBooth-style training) in the transformers layout; a transformers model alone (a GPT-2
+under key "model") left to the core, which names its files by its key and reuses its
+frozen tensors across incremental saves."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from conftest import assert_same_weights, tiny_unet
 
 import statekit
+import statekit.engine.incremental
+from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
 
 import statekit_diffusers
 
@@ -54,3 +60,113 @@ def test_text_encoder_in_an_export(pm, tmp_path):
     index = statekit_diffusers.convert(src, str(tmp_path / "out"))
     assert index["text_encoder"] == ["transformers", "CLIPTextModel"] and index["unet"] == ["diffusers", "UNet2DModel"]
     assert (tmp_path / "out" / "text_encoder" / "model.safetensors").exists()
+
+
+def tiny_gpt2(seed: int = 0):
+    """A ``GPT2LMHeadModel`` whose ``lm_head.weight`` is tied to ``transformer.wte.weight``,
+    the tied embedding frozen (12.8 kB)."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    model.transformer.wte.weight.requires_grad_(False)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def gpt2_step(model, opt) -> None:
+    ids = torch.randint(0, 100, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.fixture(params=["plugin", "core"])
+def plugins(request, monkeypatch):
+    """The installed plugins, with statekit-diffusers (``plugin``) or with it blocked (``core``)."""
+    if request.param == "core":
+        monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "diffusers")
+    pm = build_plugin_manager(autoload=True)
+    assert (pm.get_plugin("diffusers") is None) == (request.param == "core")
+    with use_plugin_manager(pm):
+        yield request.param
+
+
+def test_a_transformers_model_alone_keeps_its_key(plugins, tmp_path):
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
+    gpt2_step(model, opt)
+    url = str(tmp_path / "ckpt")
+    manifest = statekit.save(url, {"model": model, "optimizer": opt})
+    assert manifest.objects["model"].owner == "statekit"
+    assert "model.safetensors" in manifest.files
+    assert not any(rel.startswith("text_encoder") for rel in manifest.files)
+    assert "diffusers" not in manifest.records
+
+    fresh = tiny_gpt2(seed=1)
+    statekit.load(url, {"model": fresh, "optimizer": torch.optim.AdamW(trainable(fresh))})
+    assert_same_weights(model, fresh)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_a_frozen_tied_embedding_is_reused_and_resumed_exactly(plugins, tmp_path, monkeypatch):
+    # The tiny embedding is under the core's 1 MiB threshold for a frozen file of its own.
+    monkeypatch.setattr(statekit.engine.incremental, "SPLIT_MIN_BYTES", 0)
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
+    root = str(tmp_path / "run")
+    manager = statekit.CheckpointManager({"model": model, "optimizer": opt}, root)
+    gpt2_step(model, opt)
+    first = manager.save(1)
+    gpt2_step(model, opt)
+    second = manager.save(2)
+
+    frozen = "model.frozen-00000.safetensors"
+    assert set(second.objects["model"].files) == {"model.safetensors", frozen}
+    assert first.files[frozen].reused_from is None
+    assert second.files[frozen].reused_from == "checkpoint-00000001"
+    assert second.files["model.safetensors"].reused_from is None  # the trained layers changed
+    embedding = model.transformer.wte.weight
+    assert second.reused_bytes >= embedding.numel() * embedding.element_size()
+    assert second.written_bytes == first.written_bytes - second.reused_bytes  # same files, same sizes
+
+    fresh = tiny_gpt2(seed=1)
+    fresh_opt = torch.optim.AdamW(trainable(fresh), lr=1e-2)
+    statekit.load(os.path.join(root, "checkpoint-00000002"), {"model": fresh, "optimizer": fresh_opt})
+    assert_same_weights(model, fresh)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+    gpt2_step(fresh, fresh_opt)  # the tie holds through a step: the head is the embedding
+    assert torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)
+
+
+def test_a_transformers_model_named_in_code_is_a_pipeline_component(pm, tmp_path):
+    encoder = tiny_text_encoder()
+    manifest = statekit.save(str(tmp_path / "a"), {"model": encoder}, diffusers_names={"model": "text_encoder"})
+    assert manifest.records["diffusers"]["model"]["folder"] == "text_encoder"
+    assert "text_encoder/model.safetensors" in manifest.files and "model.safetensors" not in manifest.files
+
+    statekit_diffusers.configure(names={encoder: "text_encoder_2"})
+    manifest = statekit.save(str(tmp_path / "b"), {"model": encoder})
+    assert manifest.records["diffusers"]["model"]["folder"] == "text_encoder_2"
+
+
+def test_a_transformers_model_beside_a_noise_scheduler_is_a_pipeline_component(pm, tmp_path):
+    from diffusers import DDPMScheduler
+
+    scheduler = statekit_diffusers.NoiseScheduler(DDPMScheduler())
+    manifest = statekit.save(str(tmp_path / "ckpt"), {"model": tiny_text_encoder(), "noise_scheduler": scheduler})
+    assert manifest.records["diffusers"]["model"]["folder"] == "text_encoder"
+
+
+def test_an_ema_of_a_transformers_model_alone_stays_with_the_core(pm, tmp_path):
+    from diffusers.training_utils import EMAModel
+
+    model = tiny_gpt2()
+    ema = EMAModel(trainable(model), model_cls=transformers.GPT2LMHeadModel, model_config=model.config)
+    manifest = statekit.save(str(tmp_path / "ckpt"), {"model": model, "ema": ema})
+    assert "diffusers" not in manifest.records
+    assert manifest.objects["ema"].owner == "statekit"

@@ -1,4 +1,5 @@
-"""statekit-diffusers: diffusers and transformers models, their EMA and noise schedulers,
+"""statekit-diffusers: diffusers models (and transformers models that are pipeline
+components, such as a text encoder beside a UNet), their EMA and noise schedulers,
 checkpointed by statekit in the diffusers folder layout, on any fsspec storage.
 
 Install it and statekit finds it (entry point ``diffusers`` in group ``statekit``); no code

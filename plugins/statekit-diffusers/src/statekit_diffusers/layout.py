@@ -83,11 +83,18 @@ def library_of(model: Any) -> str | None:
         ``transformers.PreTrainedModel``, else None. Both answers are None while the
         library's modeling module is not imported (no such model can exist then).
     """
+    return library_of_class(type(model))
+
+
+def library_of_class(cls: Any) -> str | None:
+    """:func:`library_of` for a class (an ``EMAModel``'s ``model_cls``); None for a non-class."""
+    if not isinstance(cls, type):
+        return None
     mixin = _class_in("diffusers.models.modeling_utils", "ModelMixin")
-    if mixin is not None and isinstance(model, mixin):
+    if mixin is not None and issubclass(cls, mixin):
         return DIFFUSERS
     pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
-    if pretrained is not None and isinstance(model, pretrained):
+    if pretrained is not None and issubclass(cls, pretrained):
         return TRANSFORMERS
     return None
 

@@ -8,11 +8,16 @@ Save (``statekit_save_state_pre``), on every rank; files are written by rank 0 o
 models are replicated):
 
 * every model in ``models`` that is, once Accelerate/DDP/``torch.compile`` wrappers are
-  stripped, a ``diffusers.ModelMixin`` or a ``transformers.PreTrainedModel`` whose
-  parameters are not sharded (DTensor/FSDP2 or DeepSpeed ZeRO-3 models are left to the
-  sharding plugins) is taken and written as ``<folder>/config.json`` plus
-  ``<folder>/diffusion_pytorch_model.safetensors`` (transformers: ``model.safetensors``),
-  sharded with an index above ``max_shard_size``;
+  stripped, a ``diffusers.ModelMixin`` whose parameters are not sharded (DTensor/FSDP2 or
+  DeepSpeed ZeRO-3 models are left to the sharding plugins) is taken and written as
+  ``<folder>/config.json`` plus ``<folder>/diffusion_pytorch_model.safetensors``, sharded
+  with an index above ``max_shard_size``;
+* so is a ``transformers.PreTrainedModel`` that is a pipeline component (a text encoder
+  beside a UNet): the save holds a diffusers model or a noise scheduler, or a pipeline
+  class is given, or a folder name is given for it in code (``diffusers_names``,
+  :func:`statekit_diffusers.configure`); written with ``model.safetensors``. A
+  transformers model alone (a GPT-2 under key ``model``) is left to the core, which names
+  its files by its key and puts its frozen tensors in files that incremental saves reuse;
 * every ``diffusers.training_utils.EMAModel`` in ``checkpoint.objects`` that can be paired
   with a model is taken and written as ``<folder>_ema/`` in the same layout (its shadow
   parameters under the model's parameter names, its counters in ``config.json`` as
@@ -56,7 +61,8 @@ STATEKIT_OPTIONS = frozenset(settings.OPTIONS)
 
 @hookimpl
 def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: str, checkpoint: Any) -> None:
-    """Take diffusers/transformers models, EMAs and noise schedulers; write their folders.
+    """Take diffusers models (and transformers pipeline components), EMAs and noise
+    schedulers; write their folders.
 
     See the module docstring. Folder names: given in code (``diffusers_names`` option or
     :func:`statekit_diffusers.configure`), else from the class (``unet``, ``vae``...),
@@ -67,7 +73,7 @@ def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: s
             malformed option. (The host reports it as a PluginError; nothing is committed.)
     """
     opts = settings.resolve(checkpoint.options)
-    taken, emas, schedulers = saving.collect(models, checkpoint)
+    taken, emas, schedulers = saving.collect(models, checkpoint, opts)
     if not (taken or emas or schedulers):
         return
     explicit, used = saving.reserve_folders(checkpoint, models, taken, emas + schedulers, opts)

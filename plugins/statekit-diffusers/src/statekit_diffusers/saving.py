@@ -119,7 +119,8 @@ def _pair_ema(key: str, ema: Any, taken: list[_Model], opts: settings.Settings) 
         if found is None:
             raise StatekitError(
                 f"statekit-diffusers: {settings.OPTION_EMA} pairs EMA {key!r} with {explicit!r}, "
-                "which is not a diffusers/transformers model of this save"
+                "which is not a model this plugin takes in this save (a diffusers model, or a transformers "
+                f"model beside one or named in {settings.OPTION_NAMES})"
             )
         if found.param_shapes() != shapes:
             raise StatekitError(
@@ -143,44 +144,64 @@ def _pair_ema(key: str, ema: Any, taken: list[_Model], opts: settings.Settings) 
         names = [n for n, _ in m.core.named_parameters()]
         return _Ema(key, ema, names, _config_of(m), m.library, m.class_name, m.folder, model_key=m.key)
     model_config = getattr(ema, "model_config", None)
-    if not isinstance(model_cls, type) or model_config is None:
+    # Only a diffusers class builds from its config (transformers classes have no
+    # from_config): an EMA of a transformers model that was not taken stays with the core.
+    if layout.library_of_class(model_cls) != layout.DIFFUSERS or model_config is None:
         return None
     # No live model of this save: build one on the meta device for its parameter names.
     with torch.device("meta"):
         shell = model_cls.from_config(model_config)
-    library = layout.library_of(shell)
-    if library is None:
-        return None
     names = [n for n, _ in shell.named_parameters()]
     if [tuple(p.shape) for p in shell.parameters()] != shapes:
         raise StatekitError(
             f"statekit-diffusers: EMA {key!r}: its model_cls/model_config ({model_cls.__name__}) has parameter "
             "shapes that differ from its shadow parameters"
         )
-    config = layout.diffusers_config(model_config, model_cls.__name__) if library == layout.DIFFUSERS else layout.transformers_config(shell)
-    return _Ema(key, ema, names, config, library, model_cls.__name__, layout.default_folder(model_cls.__name__, library))
+    name = model_cls.__name__
+    config = layout.diffusers_config(model_config, name)
+    return _Ema(key, ema, names, config, layout.DIFFUSERS, name, layout.default_folder(name, layout.DIFFUSERS))
 
 
-def collect(models: list[Any], checkpoint: Any) -> tuple[list[_Model], list[tuple[str, Any]], list[tuple[str, Any]]]:
+def collect(
+    models: list[Any], checkpoint: Any, opts: settings.Settings
+) -> tuple[list[_Model], list[tuple[str, Any]], list[tuple[str, Any]]]:
     """The diffusers/transformers models, EMAs and noise schedulers of a save.
 
+    A model is taken when it is not sharded, its state is all tensors, and it is a
+    diffusers ``ModelMixin``, or a transformers ``PreTrainedModel`` that is a pipeline
+    component: the save is a diffusion save (it holds a diffusers model, sharded or not, or
+    a noise scheduler, or a pipeline class is given) or a folder name is given for the
+    model in code (``diffusers_names``, ``configure(names=...)``).
+
+    Args:
+        models: the save's models (as prepared).
+        checkpoint: the save's checkpoint.
+        opts: the save's settings.
+
     Returns:
-        ``(models taken, [(key, EMAModel)], [(key, NoiseScheduler)])``: models that are not
-        sharded and whose state is all tensors; EMAs and schedulers among ``checkpoint.objects``.
+        ``(models taken, [(key, EMAModel)], [(key, NoiseScheduler)])``, the EMAs and
+        schedulers among ``checkpoint.objects``.
     """
     ema_cls = layout.ema_class()
-    taken: list[_Model] = []
+    emas = [(k, o) for k, o in checkpoint.objects.items() if ema_cls is not None and isinstance(o, ema_cls)]
+    schedulers = [(k, o) for k, o in checkpoint.objects.items() if isinstance(o, NoiseScheduler)]
+    diffusion = bool(schedulers) or opts.pipeline is not None
+    found: list[_Model] = []
     for wrapped in list(models):
         core = unwrap_model(wrapped, checkpoint.accelerator)
         library = layout.library_of(core)
-        if library is None or layout.is_sharded_model(core):
+        if library is None:
+            continue
+        diffusion = diffusion or library == layout.DIFFUSERS  # a sharded UNet counts too
+        if layout.is_sharded_model(core):
             continue
         state = core.state_dict()
         if not all(isinstance(v, torch.Tensor) for v in state.values()):
             continue  # extra (non-tensor) state: the core's codec path keeps it
-        taken.append(_Model(checkpoint.key_of(wrapped), wrapped, core, library, state))
-    emas = [(k, o) for k, o in checkpoint.objects.items() if ema_cls is not None and isinstance(o, ema_cls)]
-    schedulers = [(k, o) for k, o in checkpoint.objects.items() if isinstance(o, NoiseScheduler)]
+        found.append(_Model(checkpoint.key_of(wrapped), wrapped, core, library, state))
+    # A transformers model alone (a GPT-2 under "model") is not a pipeline component: the
+    # core keeps it under its key, with its frozen tensors in files that incremental saves reuse.
+    taken = [m for m in found if m.library == layout.DIFFUSERS or diffusion or opts.name_for(m.key, m.wrapped, m.core)]
     return taken, emas, schedulers
 
 

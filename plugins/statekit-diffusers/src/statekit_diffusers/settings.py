@@ -94,6 +94,8 @@ def configure(
         names: folder name per model, EMA or noise scheduler, keyed by stable key
             (``"model_1"``, ``"custom_0"``, or the mapping key) or by the object itself
             (the model as prepared or unwrapped). Example: ``{text_encoder_2: "text_encoder_2"}``.
+            Naming a transformers model makes it a pipeline component even in a save that
+            holds no diffusers model (a text encoder trained alone).
         ema: the model each ``EMAModel`` averages, when the plugin cannot tell (several
             models with the same parameter shapes): ``{ema_key_or_object: model_key_or_object}``.
         pipeline: diffusers pipeline class name written to ``model_index.json`` by
