@@ -16,12 +16,19 @@ import statekit.plugin_api as plugin_api
 ROOT = Path(__file__).resolve().parent.parent
 API = "statekit.plugin_api"
 
+# Integrations: modules of a plugin distribution that drive statekit as user code does (the
+# Trainer mixin of statekit-transformers saves through statekit.CheckpointManager). They are
+# clients, not plugins: they import only statekit's public names (statekit.__all__).
+CLIENTS = sorted(ROOT.glob("plugins/statekit-transformers/src/statekit_transformers/trainer.py"))
+
 SOURCES = sorted(
-    [
+    p
+    for p in [
         *ROOT.glob("plugins/*/src/**/*.py"),
         *ROOT.glob("examples/plugin-template/src/**/*.py"),
         *ROOT.glob("statekit_replicate/**/*.py"),  # shipped inside the statekit distribution, a plugin all the same
-    ],
+    ]
+    if p not in CLIENTS
 )
 
 
@@ -91,7 +98,26 @@ def violations(source: str, where: str) -> list[str]:
 def test_sources_found():
     packages = {p.relative_to(ROOT).parts[:3] if p.relative_to(ROOT).parts[0] != "statekit_replicate" else ("statekit_replicate",)
                 for p in SOURCES}
-    assert len(packages) == 6, packages  # four plugins, the template and statekit_replicate
+    assert len(packages) == 7, packages  # five plugins, the template and statekit_replicate
+    assert [p.name for p in CLIENTS] == ["trainer.py"]
+
+
+@pytest.mark.parametrize("path", CLIENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_integrations_import_only_public_names(path):
+    """A client module imports ``statekit`` itself and uses only names of ``statekit.__all__``."""
+    import statekit
+
+    tree = ast.parse(path.read_text())
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _is_statekit(node.module):
+            problems.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            problems += [f"line {node.lineno}: import {a.name}" for a in node.names if _is_statekit(a.name) and a.name != "statekit"]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "statekit":
+            if node.attr not in statekit.__all__:
+                problems.append(f"line {node.lineno}: statekit.{node.attr} is not public")
+    assert not problems, problems
     assert not any(p.name == "in_use.py" for p in SOURCES)  # the offload shim of core privates is gone
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -226,7 +227,12 @@ class StatekitTrainerMixin:
                     self.state.stateful_callbacks[name].append(cb.state())
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
-        manager.save(step=step, metrics=self._statekit_metrics(step))
+        url = manager.url_for(step)
+        replace = _is_statekit(url)
+        if replace:  # as Trainer does: a run resumed from an older checkpoint writes this step again
+            warnings.warn(f"statekit-transformers: replacing {url}, saved before this run resumed from an older checkpoint",
+                          statekit.StatekitWarning, stacklevel=2)
+        manager.save(step=step, metrics=self._statekit_metrics(step), overwrite=replace)
         if self.args.push_to_hub:
             manager.wait()  # the Hub gets a committed checkpoint
             self._push_from_checkpoint(manager.url_for(step))
@@ -269,7 +275,22 @@ class StatekitTrainerMixin:
             # skip_first_batches; statekit's restored loader continues there already and
             # comes back itself: expected here, not news for the user
             warnings.filterwarnings("ignore", message=_SKIP_ABSORBED, category=statekit.StatekitWarning)
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            try:
+                return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            finally:
+                self._statekit_wait(failing=sys.exc_info()[0] is not None)
+
+    def _statekit_wait(self, failing: bool) -> None:
+        """Let an async save in flight commit before ``train()`` returns or raises (a
+        failing run keeps its own error: the save's is then a warning)."""
+        if self._statekit_manager is None:
+            return
+        try:
+            self._statekit_manager.wait()
+        except statekit.StatekitError as exc:
+            if not failing:
+                raise
+            warnings.warn(f"statekit-transformers: {exc}", statekit.StatekitWarning, stacklevel=3)
 
     def _statekit_load(self, path: str, objects: Mapping[str, Any]) -> Any:
         return statekit.load(path, objects, **{OPTION: self})

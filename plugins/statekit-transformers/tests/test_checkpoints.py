@@ -1,0 +1,182 @@
+"""What a Trainer user relies on in ``checkpoint-<step>/`` keeps working, and the folder is a
+statekit checkpoint: manifest, checksums, no pickle (the behaviours of transformers'
+tests/trainer checkpoint tests, which its published sdist does not ship: written here as
+Trainer users write them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import statekit
+import trainer_runs as tr
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+
+
+def files_of(path):
+    return sorted(os.listdir(path))
+
+
+def test_a_checkpoint_is_a_statekit_checkpoint_in_trainers_layout(tmp_path):
+    tr.run(str(tmp_path), max_steps=3)
+    path = tmp_path / "checkpoint-3"
+    names = files_of(path)
+    assert "statekit.json" in names
+    assert not [n for n in names if n.endswith(PICKLE_SUFFIXES)], names
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "trainer_state.json",
+                 "training_args.json"):
+        assert name in names, name
+    manifest = statekit.verify(str(path))  # every file: size and checksum
+    assert manifest.step == 3
+    listed = set(manifest.files)
+    for name in ("config.json", "model.safetensors", "trainer_state.json", "training_args.json", "tokenizer.json"):
+        assert name in listed, name
+    assert json.loads((path / "training_args.json").read_text())["save_steps"] == 3
+
+
+def test_the_model_folder_loads_with_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = tr.run(str(tmp_path), max_steps=3)
+    path = str(tmp_path / "checkpoint-3")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    live = result.trainer.model.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, live[name]), name
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert AutoTokenizer.from_pretrained(path).mask_token == "[MASK]"
+
+
+def test_trainer_state_json_is_trainers_own(tmp_path):
+    """trainer_state.json: the content transformers' Trainer writes at the same step."""
+    tr.run(str(tmp_path / "sk"), max_steps=3)
+    tr.run(str(tmp_path / "plain"), max_steps=3, plain=True)
+    ours = tr.trainer_state(str(tmp_path / "sk" / "checkpoint-3"))
+    theirs = tr.trainer_state(str(tmp_path / "plain" / "checkpoint-3"))
+    ours.pop("best_model_checkpoint"), theirs.pop("best_model_checkpoint")
+    assert ours == theirs
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    tr.run(str(tmp_path), save_total_limit=2)
+    kept = sorted(n for n in files_of(tmp_path) if n.startswith("checkpoint-"))
+    assert kept == ["checkpoint-12", "checkpoint-15"]
+
+
+def test_load_best_model_at_end(tmp_path):
+    """The best checkpoint by eval loss is kept past save_total_limit and loaded at the end
+    (with save_total_limit=1 Trainer itself deletes all but the best at the end, as without statekit)."""
+    result = tr.run(
+        str(tmp_path), eval_dataset=tr.Sentences(n=8, seed=5), eval_strategy="steps", eval_steps=3,
+        load_best_model_at_end=True, metric_for_best_model="loss", save_total_limit=2,
+    )
+    state = result.trainer.state
+    best = state.best_model_checkpoint
+    assert best is not None and os.path.isdir(best)
+    evals = {e["step"]: e["eval_loss"] for e in state.log_history if "eval_loss" in e}
+    assert os.path.basename(best) == f"checkpoint-{min(evals, key=evals.get)}"
+    saved = statekit.load(best, {"model": tr.gpt2()}, transformers_trainer=result.trainer)
+    assert saved.step == int(best.rsplit("-", 1)[1])
+    from transformers import AutoModelForCausalLM
+
+    best_weights = AutoModelForCausalLM.from_pretrained(best).state_dict()
+    for name, value in result.trainer.model.state_dict().items():
+        assert torch.equal(value, best_weights[name]), name
+    kept = sorted(n for n in files_of(tmp_path) if n.startswith("checkpoint-"))
+    assert kept == sorted({os.path.basename(best), "checkpoint-12", "checkpoint-15"})
+
+
+def test_save_only_model(tmp_path):
+    tr.run(str(tmp_path), max_steps=3, save_only_model=True)
+    names = files_of(tmp_path / "checkpoint-3")
+    assert "model.safetensors" in names and "trainer_state.json" in names
+    assert not [n for n in names if n.startswith(("optimizer", "scheduler"))], names
+    statekit.verify(str(tmp_path / "checkpoint-3"))
+
+
+def test_a_trainer_checkpoint_from_before_the_plugin_resumes_and_is_not_rewritten(tmp_path):
+    """Trainer's own pickled checkpoint-6 resumes through Trainer's code; it is read, never
+    rewritten, and the checkpoints after it are statekit's."""
+    tr.run(str(tmp_path), stop_at=8, plain=True)
+    legacy = tmp_path / "checkpoint-6"
+    before = {n: (legacy / n).read_bytes() for n in files_of(legacy)}
+    assert "optimizer.pt" in before and "statekit.json" not in before
+    resumed = tr.run(str(tmp_path), resume=True)
+    assert resumed.losses[0][0] == 6
+    assert {n: (legacy / n).read_bytes() for n in files_of(legacy)} == before
+    assert "statekit.json" in files_of(tmp_path / "checkpoint-9")
+
+
+def test_an_interrupted_save_is_not_resumed(tmp_path):
+    """A checkpoint-<n> statekit never committed (its save lock, no manifest) is passed over by
+    resume_from_checkpoint=True and refused when named."""
+    tr.run(str(tmp_path), stop_at=8)
+    broken = tmp_path / "checkpoint-8"
+    shutil.copytree(tmp_path / "checkpoint-6", broken)
+    (broken / "statekit.json").unlink()
+    (broken / ".statekit-lock").write_text("{}")
+    resumed = tr.run(str(tmp_path), resume=True, max_steps=7)
+    assert resumed.losses[0][0] == 6
+    with pytest.raises(statekit.IncompleteCheckpointError, match="checkpoint-8"):
+        tr.run(str(tmp_path), resume=str(broken))
+
+
+def test_a_corrupt_file_fails_the_resume_naming_it(tmp_path):
+    tr.run(str(tmp_path), stop_at=8)
+    weights = tmp_path / "checkpoint-6" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(statekit.CorruptCheckpointError, match="model.safetensors"):
+        tr.run(str(tmp_path), resume=True)
+
+
+def test_frozen_weights_are_reused_by_the_next_checkpoint(tmp_path):
+    """A frozen embedding is its own shard (model-00001-of-00002), reused by every later
+    checkpoint; the sharded folder loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    result = tr.run(str(tmp_path), model=tr.gpt2(frozen_embedding=True), max_steps=6)
+    first, second = tmp_path / "checkpoint-3", tmp_path / "checkpoint-6"
+    names = files_of(second)
+    assert "model.safetensors.index.json" in names and "model-00001-of-00002.safetensors" in names
+    index = json.loads((second / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["transformer.wte.weight"] == "model-00001-of-00002.safetensors"
+    entry = statekit.verify(str(second)).files["model-00001-of-00002.safetensors"]
+    assert entry.reused_from is not None
+    assert os.path.samefile(first / "model-00001-of-00002.safetensors", second / "model-00001-of-00002.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(str(second))
+    for name, value in result.trainer.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_trainer_subclass_with_the_mixin(tmp_path):
+    """A user's Trainer subclass (as trl's SFTTrainer is) gets the mixin with statekit_trainer_class."""
+    from transformers import Trainer
+
+    from statekit_transformers import statekit_trainer_class
+
+    class MyTrainer(Trainer):
+        pass
+
+    cls = statekit_trainer_class(MyTrainer)
+    assert issubclass(cls, MyTrainer)
+    tr.run(str(tmp_path), trainer_cls=cls, max_steps=3)
+    assert "statekit.json" in files_of(tmp_path / "checkpoint-3")
+
+
+def test_a_trainer_without_an_overridden_method_is_refused():
+    """A transformers release that renamed a method the mixin overrides fails at construction."""
+    from statekit_transformers.trainer import StatekitTrainerMixin, check_trainer_api
+
+    class Trainer:  # a Trainer lacking _load_rng_state
+        def train(self, resume_from_checkpoint=None, trial=None):
+            pass
+
+    with pytest.raises(TypeError, match="Trainer._save_checkpoint does not exist"):
+        check_trainer_api(type("T", (StatekitTrainerMixin, Trainer), {}))
