@@ -39,6 +39,7 @@ from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.engine.locking import lock_accelerate_save, mark_save_failed
+from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.format.manifest import read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.hooks.claims import track_save_claims
@@ -93,11 +94,20 @@ def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) ->
     Returns:
         An :class:`Attachment`; ``.remove()`` detaches.
 
+    Warns:
+        StatekitWarning: the accelerator belongs to a transformers ``Trainer``, which never
+            calls ``accelerator.save_state``: attaching changes nothing there (the warning
+            names statekit-transformers, ``docs/plugins/transformers.md``).
+
     Raises:
+        InvalidOptionError: ``accelerator`` is a transformers ``Trainer`` (names what to use).
         PluginError: a ``statekit_attach`` implementation failed.
     """
     if accelerator is not None and "_statekit_attachment" in accelerator.__dict__:
         return accelerator.__dict__["_statekit_attachment"]
+    if accelerator is not None:
+        _refuse_a_trainer(accelerator)
+        _warn_if_owner_never_saves(accelerator)
     attachment = Attachment(accelerator, {})
     # accelerate.skip_first_batches (the function) after a resume: a mapping's loader may be
     # one Accelerate prepared (transformers' Trainer skips with it)
@@ -109,6 +119,41 @@ def attach(accelerator: Any = None, objects: Mapping[str, Any] | None = None) ->
     _AttachedCalls(accelerator, attachment).install()
     accelerator.__dict__["_statekit_attachment"] = attachment
     return attachment
+
+
+_TRAINER_HELP = (
+    "transformers' Trainer never calls accelerator.save_state/load_state, so statekit attached to its "
+    "accelerator changes nothing: Trainer's checkpoints are statekit checkpoints with "
+    "statekit_transformers.StatekitTrainer in place of Trainer, which needs no attach "
+    "(pip install statekit-transformers; docs/plugins/transformers.md)"
+)
+
+
+def _is_trainer(obj: Any) -> bool:
+    """A transformers ``Trainer`` (or subclass), told by class name and module, not imported."""
+    return any(c.__name__ == "Trainer" and c.__module__.startswith("transformers.") for c in type(obj).__mro__)
+
+
+def _refuse_a_trainer(obj: Any) -> None:
+    if _is_trainer(obj):
+        raise InvalidOptionError(f"statekit.attach() takes an accelerate.Accelerator, not a {type(obj).__name__}: {_TRAINER_HELP}")
+
+
+def _warn_if_owner_never_saves(accelerator: Any) -> None:
+    """Warn when a transformers ``Trainer`` holds ``accelerator`` (``trainer.accelerator``).
+
+    The owner is found among the objects referring to the accelerator (one scan of the
+    garbage collector's objects, once per attach).
+    """
+    import gc
+
+    for holder in gc.get_referrers(accelerator):
+        if not isinstance(holder, dict):
+            continue
+        for owner in gc.get_referrers(holder):
+            if getattr(owner, "__dict__", None) is holder and _is_trainer(owner):
+                warn_user(f"statekit.attach({type(accelerator).__name__}) of a {type(owner).__name__}: {_TRAINER_HELP}", StatekitWarning)
+                return
 
 
 def _non_models(accelerator: Any) -> dict[str, Any]:

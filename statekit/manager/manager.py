@@ -237,6 +237,21 @@ class CheckpointManager:
         committed = [i for i in list_checkpoints(self.root_url, self.storage_options, details=False) if i.committed]
         return committed[-1].url if committed else None
 
+    def candidates(self) -> list[tuple[CheckpointDir, dict[str, Any] | None]]:
+        """The committed checkpoints :meth:`resume` would try, in its order (newest step
+        first; this root's copy of a step before a plugin's root, e.g. the remote tier of
+        ``replicate_to``). With several ranks every rank calls it (a collective).
+
+        Returns:
+            ``(CheckpointDir, storage_options)`` pairs: the checkpoint and the fsspec
+            options to read it with.
+
+        Raises:
+            PluginError: a ``statekit_resume_roots`` implementation failed.
+            StorageError: the root cannot be listed.
+        """
+        return resume_candidates(self)
+
     # ---------------------------------------------------------------- save
 
     def url_for(self, step: int) -> str:

@@ -199,9 +199,12 @@ class SignalSave:
 
     def install(self) -> None:
         """Install the handlers (the manager does, once it has started: a manager whose
-        start failed leaves no handler behind); :meth:`restore` puts the previous back."""
+        start failed leaves no handler behind); :meth:`restore` puts the previous back.
+        Idempotent: a signal whose handler is this one already is left as it is (an
+        integration that restores at the end of each training call installs again at the next)."""
         for sig in self._signals:
-            self._previous[sig] = signal.signal(sig, self._handler)
+            if signal.getsignal(sig) != self._handler:  # a bound method: compare, not identity
+                self._previous[sig] = signal.signal(sig, self._handler)
 
     # ------------------------------------------------------------- handlers
 

@@ -99,3 +99,39 @@ def test_lora_via_peft(tmp_path):
     names = sorted(os.listdir(tmp_path / "run" / "checkpoint-6"))
     assert "adapter_model.safetensors" in names and "adapter_config.json" in names
     assert "model.safetensors" not in names
+
+
+def test_save_on_a_preemption_signal(tmp_path, reference):
+    """SIGTERM during step 8: that step is saved (every rank agreeing), the run exits 143,
+    and the next start resumes from it exactly."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    class Preempt(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 7:  # the 8th step is running when the signal comes
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        tr.run(str(tmp_path), statekit_options={"save_on_signal": True}, callbacks=[Preempt()])
+    assert exited.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert os.path.isfile(tmp_path / "checkpoint-8" / "statekit.json")
+    resumed = tr.run(str(tmp_path), resume=True)
+    assert_continues(reference, resumed, 8)
+
+
+def test_two_tier_a_fresh_node_resumes_from_the_remote_tier(tmp_path, reference):
+    """``replicate_to``: every checkpoint is copied to the remote root; a run on a fresh node
+    (empty output_dir) resumes from the remote's newest, exactly."""
+    import fsspec
+
+    remote = f"memory://statekit-trainer-{os.getpid()}-{tmp_path.name}"
+    options = {"replicate_to": remote}
+    tr.run(str(tmp_path / "node-a"), stop_at=8, statekit_options=options)
+    assert fsspec.filesystem("memory").exists(f"{remote}/checkpoint-6/statekit.json")
+    resumed = tr.run(str(tmp_path / "node-b"), resume=True, statekit_options=options)
+    assert_continues(reference, resumed, 6)
+    assert os.path.isfile(tmp_path / "node-b" / "checkpoint-6" / "statekit.json")

@@ -91,7 +91,7 @@ def arguments(output_dir: str, **overrides: Any):
 
 def run(output_dir: str, *, resume: Any = None, stop_at: int | None = None, plain: bool = False,
         model: Any = None, trainer_cls: Any = None, statekit_options: dict | None = None, dataset: Any = None,
-        eval_dataset: Any = None, **overrides: Any) -> Result:
+        eval_dataset: Any = None, callbacks: list | None = None, **overrides: Any) -> Result:
     """Train (or resume) a fresh trainer; see the module docstring."""
     from transformers import DataCollatorForLanguageModeling, Trainer
 
@@ -111,7 +111,7 @@ def run(output_dir: str, *, resume: Any = None, stop_at: int | None = None, plai
         model=model if model is not None else gpt2(), args=arguments(output_dir, **overrides),
         train_dataset=dataset if dataset is not None else Sentences(), eval_dataset=eval_dataset,
         data_collator=DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.3), processing_class=tok,
-        callbacks=[stopper(stop_at)] if stop_at is not None else None,
+        callbacks=(callbacks or []) + ([stopper(stop_at)] if stop_at is not None else []),
     )
     if not plain:
         kwargs["statekit_options"] = statekit_options

@@ -156,7 +156,7 @@ class StatekitTrainerMixin:
         self._statekit_resume: str | None = None  # the statekit checkpoint this train() resumes from
         self._statekit_loader: Any = None
         super().__init__(*args, **kwargs)
-        if self.statekit_options.get("save_on_signal"):
+        if self.statekit_options.get("save_on_signal"):  # the manager's safe point after every step
             from statekit_transformers.preemption import SaveOnSignal
 
             self.add_callback(SaveOnSignal(self))
@@ -258,10 +258,7 @@ class StatekitTrainerMixin:
             statekit.IncompleteCheckpointError: the path given is an interrupted statekit save.
         """
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            found = checkpoints_under(self.args.output_dir)
-            if not found:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-            resume_from_checkpoint = found[-1][1]
+            resume_from_checkpoint = self._statekit_newest()
             logger.info("resuming from %s", resume_from_checkpoint)
         if isinstance(resume_from_checkpoint, str):
             resume_from_checkpoint = os.path.abspath(resume_from_checkpoint)
@@ -285,12 +282,51 @@ class StatekitTrainerMixin:
         failing run keeps its own error: the save's is then a warning)."""
         if self._statekit_manager is None:
             return
+        if self._statekit_manager.signal_save is not None:  # save_on_signal: the handlers from before train()
+            self._statekit_manager.signal_save.restore()
         try:
             self._statekit_manager.wait()
         except statekit.StatekitError as exc:
             if not failing:
                 raise
             warnings.warn(f"statekit-transformers: {exc}", statekit.StatekitWarning, stacklevel=3)
+
+    def _statekit_newest(self) -> str:
+        """The checkpoint ``resume_from_checkpoint=True`` continues from: the newest committed
+        one under ``args.output_dir`` or on a plugin's root (``replicate_to``: the remote
+        tier), or a Trainer folder from before statekit. One that is only remote is first
+        copied into ``args.output_dir`` (Trainer reads its checkpoint's folder itself).
+
+        Raises:
+            ValueError: none (as Trainer).
+        """
+        local = checkpoints_under(self.args.output_dir)
+        newest = local[-1] if local else None
+        if self.statekit_options.get("replicate_to"):
+            for info, options in self.statekit_manager().candidates():
+                if newest is None or info.step > newest[0]:
+                    return self._statekit_fetch(info.url, options, info.step)
+                break
+        if newest is None:
+            raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        return newest[1]
+
+    def _statekit_fetch(self, url: str, storage_options: dict[str, Any] | None, step: int) -> str:
+        """Copy a committed checkpoint from another root into ``args.output_dir`` (through a
+        temporary name, renamed when complete and verified: never half a checkpoint)."""
+        import shutil
+
+        import fsspec
+
+        local = os.path.join(os.path.abspath(self.args.output_dir), f"checkpoint-{step}")
+        temporary = local + ".statekit-fetch"
+        shutil.rmtree(temporary, ignore_errors=True)
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs.get(path.rstrip("/") + "/", temporary + "/", recursive=True)
+        statekit.verify(temporary)
+        os.replace(temporary, local)
+        logger.info("copied %s to %s (verified) to resume from it", url, local)
+        return local
 
     def _statekit_load(self, path: str, objects: Mapping[str, Any]) -> Any:
         return statekit.load(path, objects, **{OPTION: self})
