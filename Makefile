@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-preempt demo-all test test-fast install clean docs package template-test lint bench-setup
+.PHONY: demo demo-preempt demo-all demo-trainer test test-fast install clean docs package template-test lint bench-setup
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -18,6 +18,11 @@ demo: $(STAMP)
 # (CheckpointManager(save_on_signal=True)), exits 143, and the next start resumes from it.
 demo-preempt: $(STAMP)
 	$(PY) examples/resume_demo.py --preempt
+
+# The same kill-and-resume proof through transformers' Trainer (statekit-transformers): a
+# small GPT-2 on the digits as token sequences, SIGKILL mid-epoch, train(resume_from_checkpoint=True).
+demo-trainer: $(STAMP)
+	$(PY) examples/trainer_demo.py
 
 # The demo on all three storages: local disk, memory:// and a local moto S3 server; then
 # with gradient accumulation (saves fall between optimizer steps); then two-tier: local disk

@@ -156,10 +156,22 @@ class StatekitTrainerMixin:
         self._statekit_resume: str | None = None  # the statekit checkpoint this train() resumes from
         self._statekit_loader: Any = None
         super().__init__(*args, **kwargs)
-        if self.statekit_options.get("save_on_signal"):  # the manager's safe point after every step
+        if self._statekit_off:
+            warnings.warn(
+                "statekit-transformers: DeepSpeed/FSDP through Trainer are saved by their own engines; this "
+                "Trainer's checkpoints stay Trainer's (no statekit manifest, pickles included)",
+                statekit.StatekitWarning, stacklevel=2,
+            )
+        if self.statekit_options.get("save_on_signal") and not self._statekit_off:  # the manager's safe point after every step
             from statekit_transformers.preemption import SaveOnSignal
 
             self.add_callback(SaveOnSignal(self))
+
+    @property
+    def _statekit_off(self) -> bool:
+        """DeepSpeed or FSDP through Trainer: their engines write and read the checkpoint
+        (said once at construction); the mixin then leaves every checkpoint method to Trainer."""
+        return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
 
     # ------------------------------------------------------------ the manager
 
@@ -208,6 +220,8 @@ class StatekitTrainerMixin:
     # ------------------------------------------------------------ save
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self._statekit_off:
+            return super()._save_checkpoint(model, trial)
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import SaveStrategy
 
@@ -332,7 +346,7 @@ class StatekitTrainerMixin:
         return statekit.load(path, objects, **{OPTION: self})
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if not _is_statekit(resume_from_checkpoint):
+        if self._statekit_off or not _is_statekit(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         if resume_from_checkpoint == self._statekit_resume:
             return None  # train()'s resume: the whole state loads at once, once the optimizer exists
@@ -341,7 +355,7 @@ class StatekitTrainerMixin:
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not _is_statekit(checkpoint):
+        if self._statekit_off or not _is_statekit(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         # model, optimizer, scheduler, scaler, trainer state: one verified load, fingerprint
         # compared (Trainer calls this after accelerator.prepare; values are copied in place)
@@ -366,6 +380,8 @@ class StatekitTrainerMixin:
         """``Trainer.get_train_dataloader``, tracked by statekit from its first batch: the
         checkpoint holds its exact position and the random draws of the batches it read ahead."""
         loader = super().get_train_dataloader()
+        if self._statekit_off:
+            return loader
         statekit.attach(None, {LOADER_KEY: loader})
         self._statekit_loader = loader
         return loader
