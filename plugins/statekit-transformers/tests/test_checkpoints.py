@@ -180,3 +180,35 @@ def test_a_trainer_without_an_overridden_method_is_refused():
 
     with pytest.raises(TypeError, match="Trainer._save_checkpoint does not exist"):
         check_trainer_api(type("T", (StatekitTrainerMixin, Trainer), {}))
+
+
+def test_resume_from_checkpoint_false_and_a_pathlib_path(tmp_path, reference):
+    """``False`` trains from scratch (as Trainer); a ``pathlib.Path`` resumes like a ``str``."""
+    fresh = tr.run(str(tmp_path / "a"), resume=False, max_steps=3)
+    assert fresh.losses == [entry for entry in reference.losses if entry[0] < 3]
+    tr.run(str(tmp_path / "b"), stop_at=5)
+    resumed = tr.run(str(tmp_path / "b"), resume=tmp_path / "b" / "checkpoint-3")
+    assert resumed.losses == [entry for entry in reference.losses if entry[0] >= 3]
+
+
+def test_attach_warns_for_a_trainers_accelerator_and_refuses_a_trainer(tmp_path):
+    """statekit.attach(trainer.accelerator) would be a silent no-op: it warns at the user's line,
+    naming StatekitTrainer; statekit.attach(trainer) is refused with the same pointer."""
+    from transformers import Trainer
+
+    trainer = Trainer(model=tr.gpt2(), args=tr.arguments(str(tmp_path)), train_dataset=tr.Sentences())
+    with pytest.warns(statekit.StatekitWarning, match="never calls accelerator.save_state.*StatekitTrainer") as caught:
+        statekit.attach(trainer.accelerator)
+    assert caught[0].filename == __file__
+    with pytest.raises(statekit.InvalidOptionError, match="not a Trainer.*StatekitTrainer"):
+        statekit.attach(trainer)
+
+
+def test_attach_of_a_plain_accelerator_does_not_warn():
+    from accelerate import Accelerator
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StatekitWarning)
+        statekit.attach(Accelerator(cpu=True))

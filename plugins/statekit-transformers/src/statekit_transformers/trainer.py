@@ -122,8 +122,8 @@ def checkpoints_under(output_dir: str) -> list[tuple[int, str, bool]]:
     return sorted(found)
 
 
-def _is_statekit(path: str | None) -> bool:
-    return path is not None and os.path.isfile(os.path.join(path, MANIFEST_NAME))
+def _is_statekit(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, MANIFEST_NAME))
 
 
 class StatekitTrainerMixin:
@@ -271,10 +271,12 @@ class StatekitTrainerMixin:
             ValueError: ``True`` and no checkpoint to resume from (as Trainer).
             statekit.IncompleteCheckpointError: the path given is an interrupted statekit save.
         """
-        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+        if resume_from_checkpoint is False:  # as Trainer: no resume
+            resume_from_checkpoint = None
+        if resume_from_checkpoint is True:
             resume_from_checkpoint = self._statekit_newest()
             logger.info("resuming from %s", resume_from_checkpoint)
-        if isinstance(resume_from_checkpoint, str):
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = os.path.abspath(resume_from_checkpoint)
             if os.path.exists(os.path.join(resume_from_checkpoint, _LOCK_NAME)) and not _is_statekit(resume_from_checkpoint):
                 raise statekit.IncompleteCheckpointError(
