@@ -26,9 +26,10 @@ from statekit.engine import commit as commits, space, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
 from statekit.engine.incremental import ReuseBase
-from statekit.engine.locking import prepare_target, release_lock
+from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError, warn_user
+from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
@@ -138,7 +139,7 @@ def save_objects(
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
     commits.agree(lambda: space.check_free_space(storage, entries, rank, overwrite), url)
-    commits.agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
+    commits.agree(lambda: prepare_target(storage, overwrite, describe_folder) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
     checkpoint = context_for(
         storage, "save", entries, accelerator, options, step=step, staging=staging,
@@ -161,7 +162,7 @@ def save_objects(
         if world_size == 1 or not isinstance(exc, Exception):  # (an interrupt too: the pool must not stay held)
             if staging is not None:
                 staging.release()
-            release_lock(storage, rank)
+            abandon_save(storage, rank)
             raise
         stage_error = exc  # every rank must still take part in the agreement below
 
@@ -175,7 +176,7 @@ def save_objects(
             commits.agree(flush, url)
             manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint)
         except BaseException:
-            release_lock(storage, rank)  # nothing committed; a retry may take the directory
+            abandon_save(storage, rank)  # nothing committed; the lock, marked failed, lets a retry (or gc) take it
             raise
         finally:
             if staging is not None:
