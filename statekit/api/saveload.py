@@ -68,7 +68,8 @@ def save(
             ``load_state_dict()``. Keys name the files (file-name-safe strings).
         step: training step recorded in the manifest.
         metadata: JSON-able user metadata recorded in the manifest (``{"loss": 0.1}``).
-        overwrite: replace a committed checkpoint at ``url`` (its manifest is removed first).
+        overwrite: replace a committed statekit checkpoint at ``url`` (its manifest is
+            removed first); never a directory statekit did not write.
         per_rank: keys whose state differs per rank (data loaders are per rank by default).
         storage_options: fsspec options for the URL's filesystem.
         **options: options for plugins (``checkpoint.options``); one that no registered
@@ -78,7 +79,10 @@ def save(
         The committed manifest (a :class:`statekit.format.Manifest`, see ``docs/format.md``).
 
     Raises:
-        CheckpointExistsError: a committed checkpoint exists at ``url`` and not ``overwrite``.
+        CheckpointExistsError: a committed checkpoint exists at ``url`` and not
+            ``overwrite``; or ``url`` holds files statekit did not write (no manifest, no
+            statekit lock: a Trainer or DCP checkpoint), with or without ``overwrite``
+            (names the directory and what it holds; nothing is deleted).
         PluginError: a pre-hook failed (nothing committed) or a post-hook failed (committed).
         UnsupportedValueError: a value cannot be stored without pickle (names its key).
         StorageError: the storage failed (names the URL); nothing is committed.
