@@ -367,3 +367,10 @@ def test_an_interrupted_deletion_is_left_recognisably_statekits(tmp_path, plugin
     (info,) = list_checkpoints(str(tmp_path / "run"))
     assert (info.kind, info.committed) == ("incomplete", False)
     assert json.loads(_run("gc", str(tmp_path / "run"), "--json").output)["removed"] == [url]
+
+
+def test_loading_a_dcp_directory_says_what_it_is(root):
+    with pytest.raises(statekit.IncompleteCheckpointError) as info:
+        statekit.load(str(root / DCP), {"model": torch.nn.Linear(4, 2)})
+    assert "is a torch.distributed.checkpoint (DCP) directory, not a statekit checkpoint" in str(info.value)
+    assert "never committed" not in str(info.value)
