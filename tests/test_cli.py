@@ -22,7 +22,10 @@ def _root(tmp_path):
     manager = CheckpointManager({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}, str(tmp_path / "run"))
     manager.save(1, metrics={"loss": 1.5})
     manager.save(2)
-    (tmp_path / "run" / "checkpoint-00000003").mkdir()
+    crashed = tmp_path / "run" / "checkpoint-00000003"  # what a save killed mid-write leaves: its stale lock, a partial file
+    crashed.mkdir()
+    (crashed / ".statekit-lock").write_text(json.dumps({"host": "a-host-long-gone", "pid": 1, "created": 0}))
+    (crashed / "model.safetensors").write_bytes(b"partial")
     return tmp_path / "run"
 
 
@@ -358,4 +361,6 @@ def test_verify_of_a_root_or_another_format_says_what_it_is(tmp_path):
     assert result.exit_code == 1 and "checkpoint root" in result.output and "never committed" not in result.output
     torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "m.pt")])
-    assert result.exit_code == 1 and "not a statekit checkpoint" in result.output and "'torch'" in result.output
+    assert result.exit_code == 3  # not verified: a torch file has no checksums (exit 1 is kept for a problem found)
+    assert "is not a statekit checkpoint but a torch.save file" in result.output and "no checksums" in result.output
+    assert "torch zip archive readable" in result.output

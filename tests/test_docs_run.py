@@ -62,21 +62,32 @@ def python_blocks(text: str) -> list[str]:
     return mktestdocs.grab_code_blocks(text, lang="python")
 
 
-def commands(text: str) -> list[tuple[list[str], bool]]:
-    """``(argv, expect_error)`` of every statekit command the page shows."""
-    found = []
+def commands(text: str) -> list[tuple[list[str], bool, int | None]]:
+    """``(argv, expect_error, exit_code)`` of every statekit command the page shows;
+    ``exit_code`` is the number a transcript prints after it with ``$ echo $?`` (else None)."""
+    found: list[tuple[list[str], bool, int | None]] = []
     for block in mktestdocs.grab_code_blocks(text, lang="bash"):
         for line in block.replace("\\\n", " ").splitlines():
             if line.startswith("statekit "):
-                found.append((shlex.split(line, comments=True)[1:], False))
+                found.append((shlex.split(line, comments=True)[1:], False, None))
     for lang in ("text", "console"):
         for block in mktestdocs.grab_code_blocks(text, lang=lang):
             lines = block.splitlines()
             for i, line in enumerate(lines):
                 if line.startswith("$ statekit"):
                     after = lines[i + 1] if i + 1 < len(lines) else ""
-                    found.append((shlex.split(line[2:], comments=True)[1:], after.startswith("error:")))
+                    found.append((shlex.split(line[2:], comments=True)[1:], after.startswith("error:"), _echoed_code(lines, i)))
     return found
+
+
+def _echoed_code(lines: list[str], i: int) -> int | None:
+    """The exit code a transcript shows for its command on line ``i``: the line after the
+    next ``$ echo $?``, when that is the next command."""
+    following = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("$ ")), None)
+    if following is None or lines[following].strip() != "$ echo $?" or following + 1 >= len(lines):
+        return None
+    code = lines[following + 1].strip()
+    return int(code) if code.isdigit() else None
 
 
 # --------------------------------------------------------------------------- the checkpoints the CLI pages read
@@ -113,6 +124,27 @@ def accelerate_folder(path: str) -> None:
     accelerator.save_state(path)
 
 
+def trainer_checkpoint(path: str) -> None:
+    """What ``transformers.Trainer`` writes into ``checkpoint-<step>/``, by hand."""
+    import json
+
+    import safetensors.torch
+
+    os.makedirs(path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    safetensors.torch.save_file(model.state_dict(), f"{path}/model.safetensors", metadata={"format": "pt"})
+    Path(f"{path}/config.json").write_text(json.dumps({"model_type": "tiny"}))
+    Path(f"{path}/trainer_state.json").write_text(json.dumps({"global_step": 500, "epoch": 2.0, "max_steps": 1000}))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), f"{path}/optimizer.pt")
+    torch.save({"last_epoch": 500}, f"{path}/scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, f"{path}/rng_state.pth")
+    torch.save({"output_dir": "trainer-out"}, f"{path}/training_args.bin")
+
+
 def cli_workspace() -> None:
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
@@ -128,8 +160,11 @@ def cli_workspace() -> None:
             model(torch.randn(2, 8)).sum().backward()
             optimizer.step()
             manager.save(step)
-    os.makedirs("runs/demo/checkpoint-00000040")  # a save that never committed: gc removes it
-    Path("runs/demo/checkpoint-00000040/model.safetensors").write_bytes(b"partial")
+    os.makedirs("runs/demo/checkpoint-00000040")  # a save killed before it committed (its stale lock): gc removes it
+    Path("runs/demo/checkpoint-00000040/.statekit-lock").write_text('{"host": "gone", "pid": 1, "created": 0}')
+    Path("runs/demo/checkpoint-00000040/model_0.safetensors").write_bytes(b"partial")
+    trainer_checkpoint("trainer-out/checkpoint-500")
+    dcp.save({"model": model.state_dict()}, checkpoint_id="trainer-out/checkpoint-1000")
     accelerate_folder("acc-step3")
     dcp.save({"model": model.state_dict()}, checkpoint_id="dcp-step100")
     tensors = {"weight": torch.ones(4, 8), "bias": torch.zeros(4)}
@@ -215,11 +250,14 @@ def test_page_runs(page, tmp_path, monkeypatch, request):
     run_python(name, text)
     from statekit.cli import main
 
-    for argv, expect_error in commands(text):
+    for argv, expect_error, code in commands(text):
         result = CliRunner().invoke(main, argv)
         shown = f"{name}: `statekit {shlex.join(argv)}` exited {result.exit_code}:\n{result.output}"
         if result.exception is not None and not isinstance(result.exception, SystemExit):
             shown += "".join(traceback.format_exception(result.exception))
+        if code is not None:  # the page shows the exit code: exactly that one
+            assert result.exit_code == code, shown
+            continue
         assert (result.exit_code != 0) == expect_error, shown
         if expect_error:
             assert "error:" in result.output, shown

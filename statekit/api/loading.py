@@ -30,6 +30,7 @@ from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, P
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
 from statekit.foreign.accelerate_rng import restore_rng
+from statekit.foreign.detect import describe_kind, folder_kind
 from statekit.format.layout import rank_path
 from statekit.format.layout import rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
@@ -158,6 +159,12 @@ def load_objects(
                 audit.begin(storage.url, None, strict_resume)
             return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
         _refuse_save_in_progress(storage)
+        kind = folder_kind(storage)
+        if kind in ("trainer", "dcp"):  # not a save that never committed: another tool's checkpoint
+            raise IncompleteCheckpointError(
+                f"{storage.url} is {describe_kind(kind)}, not a statekit checkpoint (no {MANIFEST_NAME}): statekit "
+                "does not load it; show it with `statekit inspect`"
+            ) from None
         raise
     if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
         audit.begin(storage.url, manifest.step, strict_resume)

@@ -26,9 +26,10 @@ from statekit.engine import commit as commits, space, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
 from statekit.engine.incremental import ReuseBase
-from statekit.engine.locking import prepare_target, release_lock
+from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError, warn_user
+from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
@@ -67,7 +68,8 @@ def save(
             ``load_state_dict()``. Keys name the files (file-name-safe strings).
         step: training step recorded in the manifest.
         metadata: JSON-able user metadata recorded in the manifest (``{"loss": 0.1}``).
-        overwrite: replace a committed checkpoint at ``url`` (its manifest is removed first).
+        overwrite: replace a committed statekit checkpoint at ``url`` (its manifest is
+            removed first); never a directory statekit did not write.
         per_rank: keys whose state differs per rank (data loaders are per rank by default).
         storage_options: fsspec options for the URL's filesystem.
         **options: options for plugins (``checkpoint.options``); one that no registered
@@ -77,7 +79,10 @@ def save(
         The committed manifest (a :class:`statekit.format.Manifest`, see ``docs/format.md``).
 
     Raises:
-        CheckpointExistsError: a committed checkpoint exists at ``url`` and not ``overwrite``.
+        CheckpointExistsError: a committed checkpoint exists at ``url`` and not
+            ``overwrite``; or ``url`` holds files statekit did not write (no manifest, no
+            statekit lock: a Trainer or DCP checkpoint), with or without ``overwrite``
+            (names the directory and what it holds; nothing is deleted).
         PluginError: a pre-hook failed (nothing committed) or a post-hook failed (committed).
         UnsupportedValueError: a value cannot be stored without pickle (names its key).
         StorageError: the storage failed (names the URL); nothing is committed.
@@ -138,7 +143,7 @@ def save_objects(
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
     commits.agree(lambda: space.check_free_space(storage, entries, rank, overwrite), url)
-    commits.agree(lambda: prepare_target(storage, overwrite) if rank == 0 else None, url)
+    commits.agree(lambda: prepare_target(storage, overwrite, describe_folder) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
     checkpoint = context_for(
         storage, "save", entries, accelerator, options, step=step, staging=staging,
@@ -161,7 +166,7 @@ def save_objects(
         if world_size == 1 or not isinstance(exc, Exception):  # (an interrupt too: the pool must not stay held)
             if staging is not None:
                 staging.release()
-            release_lock(storage, rank)
+            abandon_save(storage, rank)
             raise
         stage_error = exc  # every rank must still take part in the agreement below
 
@@ -175,7 +180,7 @@ def save_objects(
             commits.agree(flush, url)
             manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint)
         except BaseException:
-            release_lock(storage, rank)  # nothing committed; a retry may take the directory
+            abandon_save(storage, rank)  # nothing committed; the lock, marked failed, lets a retry (or gc) take it
             raise
         finally:
             if staging is not None:

@@ -3,7 +3,8 @@
 Human-readable tables by default (rich, imported only when a table is drawn), ``--json``
 for scripts; long operations draw a progress bar on a terminal (:mod:`statekit.progress`).
 Exit codes: 0 success, 1 a checkpoint problem (verification failure, not found,
-incomplete), 2 usage errors (click).
+incomplete), 2 usage errors (click), 3 ``verify`` of a checkpoint of another format (no
+checksums: not verified; what could be checked without unpickling passed).
 
 The group is :func:`main` (:mod:`statekit.cli.group`, the console script
 ``statekit = statekit.cli:main``); each command lives in its own module:

@@ -52,8 +52,8 @@ def _summary(report: dict[str, Any], differing: list[dict[str, Any]]) -> list[st
     sa, sb = report["a"], report["b"]
     delta = report["size_delta_bytes"]
     lines = [
-        f"a  {sa['url']}  ({sa['format']}, {sa['tensor_count']} tensors, {human(sa['size_bytes'])})",
-        f"b  {sb['url']}  ({sb['format']}, {sb['tensor_count']} tensors, {human(sb['size_bytes'])})",
+        f"a  {sa['url']}  ({_what(sa)}, {sa['tensor_count']} tensors, {human(sa['size_bytes'])})",
+        f"b  {sb['url']}  ({_what(sb)}, {sb['tensor_count']} tensors, {human(sb['size_bytes'])})",
         f"size delta {'+' if delta >= 0 else '-'}{human(abs(delta))} ({delta:+d} bytes)",
     ]
     for side, info in (("a", sa), ("b", sb)):
@@ -69,6 +69,11 @@ def _summary(report: dict[str, Any], differing: list[dict[str, Any]]) -> list[st
         lines.append(f"{len(differing)} tensors differ, {len(report['tensors']) - len(differing)} equal, "
                      f"{len(report['added'])} added, {len(report['removed'])} removed, {len(report['changed'])} changed shape/dtype")
     return lines
+
+
+def _what(side: dict[str, Any]) -> str:
+    """One side's format, in words where it is not statekit's (``trainer: a transformers Trainer checkpoint``)."""
+    return side["format"] if side["format"] == "statekit" else f"{side['format']}: {side['description']}"
 
 
 def _show(report: dict[str, Any], show_all: bool) -> None:

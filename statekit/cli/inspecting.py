@@ -26,11 +26,12 @@ from statekit.format.manifest_types import Manifest, ResumeAudit
               help="Allow reading pickle files (DCP .metadata, torch files, Accelerate .bin/.pkl): runs code from them.")
 @storage_option
 def inspect(url: str, as_json: bool, tensors: bool, allow_pickle: bool, raw_storage: tuple[str, ...]) -> None:
-    """Show a checkpoint: statekit, Accelerate directory, DCP directory, safetensors or torch file.
+    """Show a checkpoint: statekit, Accelerate, Trainer or DCP directory, safetensors or torch file.
 
     For a statekit checkpoint: step, world size, plugins, the resume fingerprint, objects
     and files from the manifest.
-    For the other formats: the format, files and tensor totals. Only metadata is read.
+    For the other formats (a Trainer checkpoint folder too): what it is, files and tensor
+    totals. Only metadata is read.
     """
     try:
         reader = open_checkpoint(url, allow_pickle=allow_pickle, storage_options=storage_options_of(raw_storage))
@@ -58,7 +59,7 @@ def _show_foreign(reader: CheckpointReader, summary: dict[str, Any], infos: list
     out = console()
     lines = [
         f"checkpoint  {reader.url}",
-        f"format      {reader.format}",
+        f"format      {reader.format}: {summary['description']}, not a statekit checkpoint (no manifest, no checksums)",
         f"files       {len(summary['files'])} files, {human(summary['size_bytes'])}",
         f"tensors     {summary['tensor_count']} tensors, {human(summary['tensor_bytes'])}",
     ]

@@ -10,6 +10,7 @@ from statekit.manager.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.engine.locking import live_save_lock
 from statekit.errors import CheckpointInUseError, CheckpointNotFoundError, StatekitError
+from statekit.foreign.detect import describe_folder
 from statekit.format import MANIFEST_NAME
 from statekit.storage import Storage
 from statekit.storage.inuse import in_use_markers, refuse_if_in_use
@@ -26,7 +27,8 @@ from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...], raw_storage: tuple[str, ...]) -> None:
     """List the checkpoints under a manager root URL: step, time, size, the bytes its save
     wrote (less than its size when an incremental save reused unchanged files), committed
-    (and with --replica, on which tiers each one is committed)."""
+    (and with --replica, on which tiers each one is committed). A folder statekit did not
+    write (a Trainer, Accelerate or DCP checkpoint) is listed as what it is."""
     try:
         infos = list_checkpoints(url, storage_options_of(raw_storage))
         remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
@@ -35,7 +37,7 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
     except StatekitError as exc:
         fail(exc)
     if remote is None:
-        payload = [i.__dict__ for i in infos]
+        payload = [_entry(i) for i in infos]
     else:
         payload = _with_tiers(infos, remote)
     if as_json:
@@ -45,11 +47,26 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
         click.echo(f"no checkpoints under {url}" + (f" or {replica}" if replica else ""))
         return
     rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), human(p.get("written_bytes")),
-             "yes" if p["committed"] else "NO (incomplete)",
+             _committed_text(p),
              ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (p["metrics"] or {}).items()) or "-",
              *([_tier_text(p)] if remote is not None else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
     columns = ["step", "created", "size", "written", "committed", "metrics", *(["tiers"] if remote is not None else []), "resume", "url"]
     console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2, 3)))
+
+
+def _entry(info: Any) -> dict[str, Any]:
+    """A listed :class:`~statekit.CheckpointDir` as JSON: its fields and ``description`` (its kind in words)."""
+    return {**info.__dict__, "description": info.description}
+
+
+def _committed_text(entry: dict[str, Any]) -> str:
+    """The ``committed`` column: ``yes``, ``NO (incomplete)`` for statekit's uncommitted save,
+    or what a folder statekit did not write is (``no: a transformers Trainer checkpoint ...``)."""
+    if entry["committed"]:
+        return "yes"
+    if entry["kind"] == "incomplete":
+        return "NO (incomplete)"
+    return f"no: {entry['description']} (not written by statekit)"
 
 
 def _audit_text(resume_audit: dict[str, Any] | None) -> str:
@@ -82,7 +99,7 @@ def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
     for tier, infos in (("local", local), ("remote", remote)):
         for info in infos:
             name = info.name
-            entry = by_name.setdefault(name, {**info.__dict__, "tiers": [], "urls": {}})
+            entry = by_name.setdefault(name, {**_entry(info), "tiers": [], "urls": {}})
             entry["urls"][tier] = info.url
             if info.committed:
                 entry["tiers"].append(tier)
@@ -113,8 +130,10 @@ def _tier_text(entry: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @storage_option
 def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> None:
-    """Remove incomplete checkpoints (directories without a manifest) under a manager root
-    (a root that does not exist, or a checkpoint given instead of its root, is an error, exit 1)."""
+    """Remove incomplete statekit saves (statekit's save lock, no manifest) under a manager
+    root; folders statekit did not write (a Trainer, Accelerate or DCP checkpoint, other
+    contents) are kept and named (a root that does not exist, or a checkpoint given instead
+    of its root, is an error, exit 1)."""
     removed, kept = [], []
     try:
         storage_options = storage_options_of(raw_storage)
@@ -124,9 +143,14 @@ def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> 
         for info in infos:
             if info.committed:
                 continue
+            if info.kind != "incomplete":  # nothing proves statekit wrote it: never deleted
+                what = describe_folder(Storage(info.url, storage_options), info.kind)
+                kept.append({"url": info.url, "reason": f"{what}, not written by statekit", "kind": info.kind})
+                continue
             holder = live_save_lock(Storage(info.url, storage_options))
             if holder is not None:  # a save in progress, not an abandoned one: deleting it would break it
-                kept.append({"url": info.url, "reason": f"being saved by {holder.get('host')} pid {holder.get('pid')}"})
+                kept.append({"url": info.url, "reason": f"being saved by {holder.get('host')} pid {holder.get('pid')}",
+                             "kind": info.kind})
                 continue
             try:
                 if not dry_run:
@@ -135,7 +159,7 @@ def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> 
                     refuse_if_in_use(info.url, "delete")
                 removed.append(info.url)
             except CheckpointInUseError as exc:
-                kept.append({"url": info.url, "reason": str(exc)})
+                kept.append({"url": info.url, "reason": str(exc), "kind": info.kind})
     except StatekitError as exc:
         fail(exc)
     verb = "would remove" if dry_run else "removed"

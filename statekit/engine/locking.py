@@ -4,7 +4,13 @@
 disk; a conditional PUT on object stores) before any file is written, and removed after
 the commit. A second saver of the same directory gets :class:`CheckpointExistsError`
 instead of clearing the first one's files as "leftovers". A lock is stale when its
-process is gone (same host) or older than :data:`LOCK_TIMEOUT_S` (another host).
+process is gone (same host) or older than :data:`LOCK_TIMEOUT_S` (another host), or when
+it is marked failed (a save that failed, :func:`abandon_save`) or deleting (an interrupted
+:func:`remove_owned`).
+
+The lock is also statekit's proof of ownership: a directory without a manifest is
+statekit's to clear only while it holds the lock; one that holds other files and no lock
+(a Trainer or DCP checkpoint of the same name) is never cleared (:func:`prepare_target`).
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from statekit import format as fmt
 from statekit.errors import CheckpointExistsError, StatekitError
 from statekit.storage import Storage
-from statekit.storage.inuse import refuse_if_in_use
+from statekit.storage.inuse import MARKER_PREFIX, refuse_if_in_use
 
 LOCK_NAME = ".statekit-lock"
 """Created exclusively by the saver that owns a checkpoint directory until it commits."""
@@ -33,26 +39,56 @@ was left by an earlier process that had the same pid (a restarted container: a n
 namespace gives the same pids again), which is gone."""
 
 
-def prepare_target(storage: Storage, overwrite: bool) -> None:
+def is_statekit_bookkeeping(name: str) -> bool:
+    """True for the names statekit keeps in a directory for itself, not as checkpoint content:
+    the save lock (and the temporary file that creates it), in-use markers.
+
+    Args:
+        name: a name directly in a checkpoint directory.
+
+    Returns:
+        Whether it is statekit's bookkeeping.
+    """
+    return name.startswith((LOCK_NAME, MARKER_PREFIX))
+
+
+def prepare_target(storage: Storage, overwrite: bool, describe: Callable[[Storage], str] | None = None) -> None:
     """Own the directory for this save: refuse a committed checkpoint (unless
-    ``overwrite``), take the lock, clear leftovers of a crashed save.
+    ``overwrite``), take the lock, clear leftovers of a crashed statekit save.
+
+    Only what statekit wrote is ever removed: a committed checkpoint (its manifest) being
+    overwritten, or a directory holding statekit's lock (a save that failed or was killed,
+    a deletion that was interrupted; :func:`abandon_save`, :func:`remove_owned`). A
+    directory with neither that holds anything else (a Trainer or DCP checkpoint of the same
+    name, files of the user) is refused, with or without ``overwrite``: nothing is deleted.
+
+    Args:
+        storage: the checkpoint directory.
+        overwrite: replace a committed statekit checkpoint, or take over a live lock.
+        describe: names what a refused directory holds (``statekit.foreign.detect.describe_folder``,
+            from a layer above); None lists its entries.
 
     Raises:
-        CheckpointExistsError: committed and not ``overwrite``, or another live save holds
-            the lock (two processes saving the same step: exactly one commits).
+        CheckpointExistsError: committed and not ``overwrite``; another live save holds
+            the lock (two processes saving the same step: exactly one commits); or the
+            directory holds files statekit did not write (names the directory and what it holds).
+        CheckpointInUseError: ``overwrite`` and a live process reads the checkpoint in place.
     """
     storage.invalidate()
     if overwrite:
         refuse_if_in_use(storage.url, "overwrite")
-    if storage.exists(fmt.MANIFEST_NAME):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
-            )
-        storage.remove(fmt.MANIFEST_NAME)  # uncommit first, so a crash below leaves no half checkpoint
+    committed = storage.exists(fmt.MANIFEST_NAME)
+    if committed and not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
+        )
     lock = _lock_record()
     if storage.create_exclusive(LOCK_NAME, lock):
-        for name in storage.listdir():  # leftovers of an interrupted save that had no lock
+        if committed:  # uncommit first, under our lock: a crash below leaves statekit's lock, no half checkpoint
+            storage.remove(fmt.MANIFEST_NAME)
+        else:
+            _refuse_foreign(storage, describe)
+        for name in storage.listdir():  # a crashed save's leftovers (or the overwritten checkpoint)
             if not name.startswith(LOCK_NAME):  # (another saver's lock attempt is not ours to remove)
                 _remove_entry(storage, name)
         return
@@ -67,9 +103,72 @@ def prepare_target(storage: Storage, overwrite: bool) -> None:
         raise CheckpointExistsError(
             f"{storage.url} is being saved by {who}, started {age:.0f} s ago; pass overwrite=True to take over"
         )
-    storage.remove_tree()  # a crashed save's leftovers (or overwrite): start clean
+    _clear_owned(storage)  # a crashed save's leftovers (or overwrite): start clean
+    storage.remove(LOCK_NAME)
     if not storage.create_exclusive(LOCK_NAME, lock):
         raise CheckpointExistsError(f"{storage.url} is being saved by another process that started just now")
+
+
+def _refuse_foreign(storage: Storage, describe: Callable[[Storage], str] | None) -> None:
+    """Under the lock just taken in a directory without manifest or lock: refuse it if it
+    holds anything but statekit's bookkeeping (statekit did not write it), releasing the lock."""
+    content = [n for n in storage.listdir() if not is_statekit_bookkeeping(n)]
+    if not content:
+        return
+    storage.remove(LOCK_NAME)
+    if describe is not None:
+        what = describe(storage)
+    else:
+        what = "files " + ", ".join(repr(n) for n in content[:5]) + (", ..." if len(content) > 5 else "")
+    raise CheckpointExistsError(
+        f"{storage.url} holds {what}, not written by statekit (no {fmt.MANIFEST_NAME}, no {LOCK_NAME}); statekit "
+        "never deletes what it did not write, even with overwrite=True: save to another directory, or move it away"
+    )
+
+
+def remove_owned(storage: Storage) -> None:
+    """Delete a directory statekit wrote (a committed checkpoint, or an incomplete save) so
+    that an interruption leaves it recognisably statekit's: a stale lock first (marked
+    ``deleting``), then the manifest (it stops counting as committed), then every other
+    entry, the lock last. A later ``statekit gc`` finds the lock and finishes the job.
+
+    Args:
+        storage: the directory.
+
+    Raises:
+        StorageError: the storage failed (what was not removed yet stays, under the lock).
+    """
+    storage.write_bytes(LOCK_NAME, json.dumps({**json.loads(_lock_record()), "failed": True, "deleting": True}).encode())
+    _clear_owned(storage)
+    storage.remove_tree()
+
+
+def _clear_owned(storage: Storage) -> None:
+    """Remove the manifest, then every entry but the lock (removed by the caller, last)."""
+    storage.remove(fmt.MANIFEST_NAME)
+    for name in storage.listdir():
+        if not name.startswith(LOCK_NAME):
+            _remove_entry(storage, name)
+
+
+def abandon_save(storage: Storage, rank: int) -> None:
+    """A save that failed before its commit: rank 0 leaves the lock in place, marked failed
+    (:func:`mark_save_failed`), so what the save wrote stays recognisably statekit's: ``statekit
+    gc`` removes it and the next save into the directory takes it over. A directory another
+    saver committed meanwhile (an exclusive commit this save lost) is left as it is.
+
+    Args:
+        storage: the checkpoint directory.
+        rank: this process's rank (only rank 0 owns the lock).
+    """
+    if rank != 0:
+        return
+    try:
+        if storage.exists(fmt.MANIFEST_NAME):
+            return
+    except StatekitError:
+        pass  # the storage is failing: try to mark it anyway
+    mark_save_failed(storage)
 
 
 def mark_copy_in_progress(storage: Storage) -> None:

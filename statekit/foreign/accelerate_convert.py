@@ -30,8 +30,9 @@ from statekit import format as fmt
 from statekit.engine.commit import build_manifest, commit
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import strip_wrapper_prefixes
-from statekit.engine.locking import prepare_target, release_lock
+from statekit.engine.locking import abandon_save, prepare_target
 from statekit.errors import CorruptCheckpointError, StatekitError, StatekitWarning
+from statekit.foreign.detect import describe_folder
 from statekit.foreign.accelerate import (
     ACCELERATE_RNG,
     accelerate_files,
@@ -106,7 +107,7 @@ def convert(
         read_pickle(src, pickled[0], allow_pickle)  # raises, naming the file
     own = _own_files(src, attached)  # checked before anything is written
     out = Storage(out_url, storage_options)
-    prepare_target(out, overwrite=overwrite)
+    prepare_target(out, overwrite=overwrite, describe=describe_folder)
     try:
         world_size = attached.world_size if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
         checkpoint = Checkpoint(out, mode="save", world_size=world_size)
@@ -140,7 +141,7 @@ def convert(
                                   records=records, fingerprint=fingerprint)
         return commit(out, manifest, exclusive=not overwrite)
     except BaseException:
-        release_lock(out, 0)
+        abandon_save(out, 0)
         raise
 
 

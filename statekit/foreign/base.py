@@ -59,6 +59,31 @@ def tensor_infos(tensors: Mapping[str, torch.Tensor], file: str) -> list[TensorI
             for n, t in tensors.items()]
 
 
+_DESCRIPTIONS = {
+    "statekit": "a statekit checkpoint",
+    "incomplete": "an incomplete statekit save (never committed)",
+    "trainer": "a transformers Trainer checkpoint",
+    "accelerate": "an Accelerate save_state folder",
+    "dcp": "a torch.distributed.checkpoint (DCP) directory",
+    "safetensors": "a safetensors file",
+    "torch": "a torch.save file",
+    "unknown": "a folder statekit cannot name",
+}
+
+
+def describe_kind(kind: str) -> str:
+    """A format (:data:`statekit.foreign.FORMATS`) or folder kind
+    (:data:`statekit.foreign.detect.FOLDER_KINDS`) in words (``"a transformers Trainer checkpoint"``).
+
+    Args:
+        kind: the format or kind name.
+
+    Returns:
+        The words; the name itself when unknown.
+    """
+    return _DESCRIPTIONS.get(kind, kind)
+
+
 def basename(url: str) -> str:
     """The last component of a URL or path (``"m.safetensors"``)."""
     return url.rstrip("/").rsplit("/", 1)[-1]
@@ -175,12 +200,14 @@ class CheckpointReader:
         raise NotImplementedError
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-able description: url, format, layout, files, tensor count and bytes, skipped and superseded files."""
+        """A JSON-able description: url, format, description (the format in words), layout, files,
+        tensor count and bytes, skipped and superseded files."""
         tensors = self.tensors()
         files = self.files()
         return {
             "url": self.url,
             "format": self.format,
+            "description": describe_kind(self.format),
             "files": files,
             "size_bytes": sum(files.values()),
             "tensor_count": len(tensors),

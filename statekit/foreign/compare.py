@@ -67,7 +67,7 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         if advance is not None:
             advance(ia.size_bytes + ib.size_bytes)
     sa, sb = a.summary(), b.summary()
-    side = ("url", "format", "layout", "size_bytes", "tensor_count", "tensor_bytes", "skipped", "superseded")
+    side = ("url", "format", "description", "layout", "size_bytes", "tensor_count", "tensor_bytes", "skipped", "superseded")
     files = _file_changes(a, b, sa["files"], sb["files"])
     return {
         "a": {k: sa[k] for k in side},

@@ -1,4 +1,6 @@
-"""Format detection and opening: :func:`detect_format` names a checkpoint's format, :func:`open_checkpoint` reads it.
+"""Format detection and opening: :func:`detect_format` names a checkpoint's format,
+:func:`open_checkpoint` reads it, :func:`folder_kind` says what a folder under a root is
+(statekit's or not), :func:`survey` what can be checked of a checkpoint of another format.
 
 Nothing is unpickled to detect a format: files are sniffed by content then extension,
 directories by the files they hold.
@@ -6,27 +8,41 @@ directories by the files they hold.
 
 from __future__ import annotations
 
+import json
+import zipfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from statekit import format as fmt
+from statekit.engine.locking import LOCK_NAME, is_statekit_bookkeeping
 from statekit.errors import CheckpointNotFoundError, IncompleteCheckpointError, StatekitError
-from statekit.foreign import accelerate
-from statekit.foreign.base import CheckpointReader, basename
+from statekit.foreign import accelerate, trainer
+from statekit.foreign.base import CheckpointReader, basename, describe_kind
 from statekit.foreign.dcp import DCP_METADATA, DCPReader
-from statekit.foreign.readers import AccelerateReader, SafetensorsReader, StatekitReader, TorchReader
+from statekit.foreign.readers import AccelerateReader, SafetensorsReader, StatekitReader, TorchReader, TrainerReader
 from statekit.storage import Storage
 
-FORMATS = ("statekit", "accelerate", "dcp", "safetensors", "torch")
+FORMATS = ("statekit", "accelerate", "dcp", "trainer", "safetensors", "torch")
 """Names returned by :func:`detect_format`."""
 
 _READERS: dict[str, type[CheckpointReader]] = {
     "statekit": StatekitReader,
     "accelerate": AccelerateReader,
     "dcp": DCPReader,
+    "trainer": TrainerReader,
     "safetensors": SafetensorsReader,
     "torch": TorchReader,
 }
 
+FOLDER_KINDS = ("statekit", "incomplete", "trainer", "accelerate", "dcp", "unknown")
+"""What :func:`folder_kind` calls a folder: ``statekit`` (a committed statekit checkpoint:
+``statekit.json``), ``incomplete`` (statekit's save lock, no manifest: a statekit save that
+never committed, or a deletion statekit began), and folders statekit did not write:
+``trainer`` (a transformers Trainer checkpoint), ``accelerate`` (``Accelerator.save_state``),
+``dcp`` (``torch.distributed.checkpoint``), ``unknown`` (anything else, an empty folder too)."""
+
+FOREIGN_KINDS = ("trainer", "accelerate", "dcp", "unknown")
+"""The :data:`FOLDER_KINDS` of folders statekit did not write: never deleted, overwritten or resumed."""
 
 def _is_file(storage: Storage) -> bool:
     try:
@@ -55,8 +71,10 @@ def detect_format(url: str, storage_options: dict[str, Any] | None = None) -> st
 
     A file is sniffed by content (zip or pickle magic: ``torch``; an 8-byte length then
     ``{``: ``safetensors``), then by extension. A directory is ``statekit`` if it has
-    ``statekit.json``, ``dcp`` if it has ``.metadata``, ``accelerate`` if it has files
-    named as ``Accelerator.save_state`` names them. Nothing is unpickled.
+    ``statekit.json``, ``dcp`` if it has ``.metadata``, ``trainer`` if it has
+    ``trainer_state.json`` beside model or training-state files (a transformers Trainer
+    ``checkpoint-<step>``), ``accelerate`` if it has files named as
+    ``Accelerator.save_state`` names them. Nothing is unpickled.
 
     Args:
         url: file or directory URL.
@@ -67,7 +85,8 @@ def detect_format(url: str, storage_options: dict[str, Any] | None = None) -> st
 
     Raises:
         CheckpointNotFoundError: nothing exists at ``url``.
-        IncompleteCheckpointError: a directory of statekit files without a manifest.
+        IncompleteCheckpointError: a directory of statekit files without a manifest
+            (statekit's save lock, or files statekit wrote).
         StatekitError: the location is not a checkpoint of a known format.
     """
     return _detect(Storage(url, storage_options))
@@ -77,7 +96,11 @@ def _detect(storage: Storage) -> str:
     storage.invalidate()
     if _is_file(storage):
         return _sniff_file(storage)
-    names = storage.listdir()
+    return _detect_names(storage, storage.listdir())
+
+
+def _detect_names(storage: Storage, names: list[str]) -> str:
+    """:func:`_detect` of a directory, given its listing."""
     if not names:
         if storage.exists():
             raise IncompleteCheckpointError(
@@ -86,8 +109,15 @@ def _detect(storage: Storage) -> str:
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}")
     if fmt.MANIFEST_NAME in names:
         return "statekit"
+    if LOCK_NAME in names:  # statekit takes its lock before it writes anything, whatever the layout
+        raise IncompleteCheckpointError(
+            f"{storage.url} has statekit's save lock ({LOCK_NAME}) and no {fmt.MANIFEST_NAME}: an incomplete statekit "
+            "save (never committed)"
+        )
     if DCP_METADATA in names:
         return "dcp"
+    if trainer.is_trainer_checkpoint(names):  # before Accelerate's: both write model.safetensors
+        return "trainer"
     found = accelerate.accelerate_files(names)
     # save_state always writes random_states_<rank>.pkl; a lone model.safetensors next to
     # statekit's .json files is an uncommitted statekit save, not an Accelerate directory
@@ -108,7 +138,7 @@ def _detect(storage: Storage) -> str:
         raise StatekitError(f"{storage.url} is a checkpoint root, not a checkpoint: list it with `statekit ls`")
     raise StatekitError(
         f"{storage.url} is not a checkpoint statekit can read (no statekit.json, DCP .metadata, "
-        "Accelerate files; not a safetensors or torch file)"
+        "Accelerate or Trainer files; not a safetensors or torch file)"
     )
 
 
@@ -139,3 +169,188 @@ def open_checkpoint(
     if name not in _READERS:
         raise StatekitError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
     return _READERS[name](storage, allow_pickle)
+
+
+def folder_kind(storage: Storage, names: list[str] | None = None) -> str:
+    """What a directory under a root is, by its contents: one of :data:`FOLDER_KINDS`.
+
+    ``statekit`` has ``statekit.json``; ``incomplete`` has statekit's save lock (or the
+    temporary file that creates it) and no manifest: statekit takes that lock before it
+    writes anything, and a failed save or an interrupted deletion leaves it, so it proves
+    statekit wrote what is there. Otherwise the layout is detected as :func:`detect_format`
+    detects it (statekit's own bookkeeping, in-use markers, left out): ``trainer``,
+    ``accelerate``, ``dcp``, or ``unknown`` (files in no known layout, an empty folder, or
+    statekit files without a lock, such as the rank parts of a node-local root). Nothing is
+    unpickled.
+
+    Args:
+        storage: the directory.
+        names: its listing, when the caller has it.
+
+    Returns:
+        The kind.
+
+    Raises:
+        StorageError: the directory cannot be listed.
+    """
+    names = storage.listdir() if names is None else names
+    if fmt.MANIFEST_NAME in names:
+        return "statekit"
+    if any(n.startswith(LOCK_NAME) for n in names):
+        return "incomplete"
+    content = [n for n in names if not is_statekit_bookkeeping(n)]
+    if not content:
+        return "unknown"
+    try:
+        found = _detect_names(storage, content)
+    except StatekitError:  # not a layout statekit knows (an uncommitted part, a folder of other things)
+        return "unknown"
+    return found if found in FOREIGN_KINDS else "unknown"
+
+
+def describe_folder(storage: Storage, kind: str | None = None) -> str:
+    """A directory in words, for messages: ``"a transformers Trainer checkpoint"``; for a folder
+    of unknown contents, what it holds (``"a folder statekit cannot name (it holds 'notes.txt')"``,
+    ``"an empty folder"``).
+
+    Args:
+        storage: the directory.
+        kind: its :func:`folder_kind`, when known.
+
+    Returns:
+        The words.
+    """
+    names = storage.listdir()
+    kind = kind or folder_kind(storage, names)
+    if kind != "unknown":
+        return describe_kind(kind)
+    content = [n for n in names if not is_statekit_bookkeeping(n)]
+    if not content:
+        return "an empty folder"
+    shown = ", ".join(repr(n) for n in content[:5]) + (f", ... ({len(content)} entries)" if len(content) > 5 else "")
+    return f"{describe_kind(kind)} (it holds {shown})"
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """What was checked of one file of a checkpoint without unpickling anything.
+
+    Attributes:
+        file: the file, relative to the checkpoint (its name for a single-file checkpoint).
+        ok: True when the check passed, False when it failed, None when the file cannot be
+            checked without unpickling it (a pickle; not read).
+        detail: what was checked, or what is wrong.
+    """
+
+    file: str
+    ok: bool | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class Survey:
+    """A checkpoint of another format than statekit's, as far as it can be checked:
+    there is no manifest, so no checksum to verify. :func:`survey` builds it.
+
+    Attributes:
+        url: the checkpoint.
+        format: its format (:data:`FORMATS`).
+        description: the format in words (``"a transformers Trainer checkpoint"``).
+        files: ``relative path -> size in bytes``.
+        checks: one :class:`FileCheck` per model file (and for DCP, the metadata not read).
+    """
+
+    url: str
+    format: str
+    description: str
+    files: dict[str, int]
+    checks: tuple[FileCheck, ...] = field(default=())
+
+    @property
+    def size_bytes(self) -> int:
+        """Total bytes of :attr:`files`."""
+        return sum(self.files.values())
+
+    @property
+    def ok(self) -> bool:
+        """False when a check failed (a damaged model file); checks not made count as passed."""
+        return all(c.ok is not False for c in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict: ``url, format, description, files, size_bytes, checks [{file, ok, detail}]``."""
+        return {"url": self.url, "format": self.format, "description": self.description, "files": dict(self.files),
+                "size_bytes": self.size_bytes, "checks": [c.__dict__.copy() for c in self.checks]}
+
+
+def survey(url: str, storage_options: dict[str, Any] | None = None) -> Survey:
+    """What can be checked of a checkpoint of another format, reading no pickle: its files
+    with sizes, and whether its model loads as far as that shows without unpickling (each
+    safetensors model file's header parses and fits the file; a ``pytorch_model.bin`` is a
+    readable torch zip archive; a sharded model's index names only shards that exist).
+
+    Args:
+        url: file or directory URL.
+        storage_options: fsspec options.
+
+    Returns:
+        The :class:`Survey`.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as
+            :func:`detect_format`; also a statekit checkpoint, which is verified against
+            its manifest instead (:func:`statekit.verify`).
+    """
+    storage = Storage(url, storage_options)
+    found = _detect(storage)
+    if found == "statekit":
+        raise StatekitError(f"{url} is a statekit checkpoint: verify it against its manifest (statekit.verify)")
+    if found in ("safetensors", "torch"):
+        return Survey(storage.url, found, describe_kind(found), {basename(storage.url): storage.size("")},
+                      (_check_file(storage, ""),))
+    names = storage.listdir()
+    checks: list[FileCheck] = []
+    if found == "dcp":
+        checks.append(FileCheck(DCP_METADATA, None, "a pickle: not read (statekit inspect --allow-pickle reads it)"))
+    elif found == "trainer":
+        checks += [_check_file(storage, n) for n in names if trainer.is_model_file(n)]
+        checks += [_check_shard_index(storage, n, names) for n in names if n.endswith(".index.json")]
+    else:
+        checks += [_check_file(storage, n) for n in accelerate.accelerate_files(names) if accelerate.is_model_file(n)]
+    files = {rel: storage.size(rel) for rel in storage.find()}
+    return Survey(storage.url, found, describe_kind(found), files, tuple(checks))
+
+
+def _check_file(storage: Storage, rel: str) -> FileCheck:
+    """One model file, checked without unpickling: a safetensors header, or a torch zip archive's directory."""
+    name = rel or basename(storage.url)
+    try:
+        size = storage.size(rel)
+        with storage.open_read(rel) as f:
+            head = f.read(16)
+            f.seek(0)
+            if len(head) >= 9 and head[8:9] == b"{":
+                header = fmt.read_header(f, storage.url_of(rel), size)
+                return FileCheck(name, True, f"safetensors header readable: {len(header.entries) + len(header.aliases)} tensors")
+            if head[:4] == b"PK\x03\x04":
+                records = zipfile.ZipFile(f).namelist()
+                if not any(r.endswith("data.pkl") for r in records):
+                    return FileCheck(name, False, "a zip archive without a torch data.pkl: not a torch file")
+                return FileCheck(name, True, f"torch zip archive readable: {len(records)} records (not unpickled)")
+    except (StatekitError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        return FileCheck(name, False, f"unreadable: {exc}")
+    if head[:1] == b"\x80":
+        return FileCheck(name, None, "a legacy torch pickle: readable only by unpickling (not read)")
+    return FileCheck(name, False, "neither a safetensors header nor a torch file (damaged?)")
+
+
+def _check_shard_index(storage: Storage, rel: str, names: list[str]) -> FileCheck:
+    """A sharded model's index (``model.safetensors.index.json``): every shard it names exists."""
+    try:
+        weight_map = json.loads(storage.read_bytes(rel))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, StatekitError) as exc:
+        return FileCheck(rel, False, f"not a readable shard index: {exc}")
+    missing = [s for s in shards if s not in names]
+    if missing:
+        return FileCheck(rel, False, f"names shards that are missing: {', '.join(missing)}")
+    return FileCheck(rel, True, f"all {len(shards)} shards it names are present")

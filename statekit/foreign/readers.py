@@ -1,4 +1,4 @@
-"""The readers of statekit checkpoints, Accelerate directories, safetensors files and torch files.
+"""The readers of statekit checkpoints, Accelerate directories, Trainer checkpoint folders, safetensors files and torch files.
 
 The DCP reader is :mod:`statekit.foreign.dcp`. Accelerate file names and the pickle gate
 come from :mod:`statekit.foreign.accelerate`, so inspection and ``load``/``convert`` read
@@ -7,13 +7,15 @@ the same files the same way.
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
 
 from statekit import format as fmt
 from statekit.engine.context import ACCELERATE_WRITER, CORE
-from statekit.foreign import accelerate
+from statekit.errors import StatekitError
+from statekit.foreign import accelerate, trainer
 from statekit.foreign.base import CheckpointReader, TensorInfo, basename, tensor_infos
 from statekit.foreign.pickles import PickleFiles, load_pickle
 from statekit.storage import Storage
@@ -150,6 +152,54 @@ class AccelerateReader(CheckpointReader):
             if rel.endswith(".safetensors"):
                 out += self._safetensors_infos(rel, model=accelerate.is_model_file(rel))
             elif self.allow_pickle:
+                out += tensor_infos(self._pickles.tensors(rel), rel)
+        return out
+
+    def _load(self, info: TensorInfo) -> torch.Tensor:
+        if info.file.endswith(".safetensors"):
+            return self._safetensors_load(info.file, info.name)
+        return self._pickles.tensors(info.file)[info.name]
+
+
+class TrainerReader(CheckpointReader):
+    """A checkpoint folder of the transformers ``Trainer`` (:mod:`statekit.foreign.trainer`).
+
+    Tensors of the safetensors files are listed from their headers; the pickles that hold
+    tensors (``pytorch_model.bin``, ``optimizer.pt``, ``scaler.pt``) only with
+    ``allow_pickle`` (else in :attr:`skipped`); ``training_args.bin``, ``scheduler.pt`` and
+    ``rng_state*.pth`` are never unpickled here. Metadata is ``trainer_state.json``'s
+    ``global_step``, ``epoch`` and ``max_steps`` (plain JSON).
+    """
+
+    format = "trainer"
+    keyed_by_file = True
+
+    def __init__(self, storage: Storage, allow_pickle: bool) -> None:
+        super().__init__(storage, allow_pickle)
+        names = storage.listdir()
+        self._safetensors = sorted(n for n in names if n.endswith(".safetensors"))
+        self._pickled = trainer.tensor_pickles(names)
+        self._pickles = PickleFiles(lambda rel: load_pickle(storage, rel, allow_pickle, mmap=True), trainer.is_model_file)
+        if not allow_pickle:
+            self.skipped = list(self._pickled)
+        try:
+            state = json.loads(storage.read_bytes(trainer.TRAINER_STATE))
+        except (ValueError, OSError, StatekitError):
+            state = None  # a damaged trainer_state.json: the files are still listed
+        if isinstance(state, dict):
+            self.metadata = {k: state[k] for k in ("global_step", "epoch", "max_steps") if k in state}
+
+    def match_key(self, key: str) -> str:
+        """``model.safetensors:w`` (or ``pytorch_model.bin:w``) -> ``model_0.safetensors:w``: the
+        model of a statekit checkpoint of the same run (:func:`accelerate_match_key`)."""
+        return accelerate_match_key(key)
+
+    def _list(self) -> list[TensorInfo]:
+        out: list[TensorInfo] = []
+        for rel in self._safetensors:
+            out += self._safetensors_infos(rel, model=trainer.is_model_file(rel))
+        if self.allow_pickle:
+            for rel in self._pickled:
                 out += tensor_infos(self._pickles.tensors(rel), rel)
         return out
 

@@ -34,8 +34,12 @@ MANIFEST_NAME = "statekit.json"
 """File name of the manifest; its presence marks a committed checkpoint."""
 
 CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d+)$")
-"""A manager's checkpoint directory name, ``checkpoint-<step:08d>`` (group 1: the step); the
-one pattern listing, format detection and the checkpoint-root message use."""
+"""A checkpoint directory name under a root, ``checkpoint-<step>`` with any number of digits
+(group 1: the step): the manager's ``checkpoint-<step:08d>``, and Trainer's unpadded
+``checkpoint-500`` (a Trainer output folder, or statekit checkpoints named as Trainer names
+them). The name says nothing of who wrote it: the listing decides by content
+(:mod:`statekit.manager.listing`). The one pattern listing, format detection and the
+checkpoint-root message use."""
 
 
 def manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
@@ -154,5 +158,7 @@ def _why_no_manifest(storage: Storage) -> str:
 
 def checkpoint_dirs(names: Iterable[str]) -> list[str]:
     """The names among ``names`` (a directory listing) that are a manager's checkpoint
-    directories (:data:`CHECKPOINT_DIR_NAME`), sorted: a listing with any is a checkpoint root."""
-    return sorted(name for name in names if CHECKPOINT_DIR_NAME.match(name))
+    directories (:data:`CHECKPOINT_DIR_NAME`), sorted by step (``checkpoint-500`` before
+    ``checkpoint-1000``): a listing with any is a checkpoint root."""
+    found = [(m, name) for name in names if (m := CHECKPOINT_DIR_NAME.match(name))]
+    return [name for m, name in sorted(found, key=lambda f: (int(f[0].group(1)), f[1]))]

@@ -216,7 +216,8 @@ class ManagerView(Protocol):
     def list(self) -> list[Any]:
         """Every checkpoint directory under the root (committed or not), oldest first, as
         ``statekit.plugin_api.CheckpointDir`` (``url``, ``name``, ``step``, ``committed``,
-        ``metrics``...)."""
+        ``kind``, ``metrics``...); folders statekit did not write (a Trainer ``checkpoint-500``)
+        are listed with their ``kind`` and never committed."""
 
     def url_for(self, step: int) -> str:
         """URL of the checkpoint directory of ``step`` under the root (``checkpoint-<step:08d>``)."""

@@ -1,5 +1,12 @@
 """Checkpoints under a manager root: naming (``checkpoint-<step:08d>``, and Accelerate's
-``checkpoint_<n>`` of a migrating run), listing, and deletion (manifest first)."""
+``checkpoint_<n>`` of a migrating run), listing, and deletion (manifest first).
+
+A ``checkpoint-<step>`` name (any number of digits: Trainer names its folders
+``checkpoint-500``) says nothing of who wrote the folder: the listing decides by content
+(:func:`statekit.foreign.detect.folder_kind`, :attr:`CheckpointDir.kind`). Folders statekit
+did not write (a Trainer, Accelerate or DCP checkpoint, unknown contents) are listed but
+never counted as committed, never resumed and never deleted.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,9 @@ from typing import Any
 
 from statekit import format as fmt
 from statekit.errors import CheckpointInUseError, InvalidOptionError, StatekitError, StatekitWarning, warn_user
+from statekit.engine.locking import remove_owned
 from statekit.foreign import accelerate as accelerate_format
+from statekit.foreign.detect import FOREIGN_KINDS, describe_folder, describe_kind, folder_kind
 from statekit.format.manifest import read_manifest
 from statekit.storage import Storage
 from statekit.storage.inuse import refuse_if_in_use
@@ -40,6 +49,14 @@ class CheckpointDir:
             ``loaders``; :mod:`statekit.loaders.audit`), or None when it did not resume.
         written_bytes: bytes its save wrote: ``size_bytes`` less the files an incremental
             save reused from an earlier checkpoint (None if not committed).
+        kind: what the folder is, by its contents (:data:`statekit.foreign.detect.FOLDER_KINDS`):
+            ``"statekit"`` (committed: ``statekit.json``), ``"incomplete"`` (statekit's save
+            lock and no manifest: a save that failed or was killed, or an interrupted
+            deletion; ``statekit gc`` removes it), or a folder statekit did not write:
+            ``"trainer"`` (a transformers Trainer checkpoint), ``"accelerate"``
+            (``Accelerator.save_state``; committed for Accelerate's own ``checkpoint_<n>``
+            naming, which a migrating run resumes), ``"dcp"``, ``"unknown"`` (other contents,
+            or empty). Left out, it follows from ``committed`` and ``accelerate``.
     """
 
     step: int
@@ -51,11 +68,27 @@ class CheckpointDir:
     accelerate: bool = False
     resume_audit: dict[str, Any] | None = None
     written_bytes: int | None = None
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind:  # built by hand (a plugin, a test): what committed and accelerate say
+            kind = "accelerate" if self.accelerate else "statekit" if self.committed else "incomplete"
+            object.__setattr__(self, "kind", kind)
 
     @property
     def name(self) -> str:
-        """The directory's name (``checkpoint-<step:08d>``, or Accelerate's ``checkpoint_<n>``)."""
+        """The directory's name (``checkpoint-<step>``, or Accelerate's ``checkpoint_<n>``)."""
         return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def foreign(self) -> bool:
+        """True for a folder statekit did not write (:data:`statekit.foreign.detect.FOREIGN_KINDS`)."""
+        return self.kind in FOREIGN_KINDS
+
+    @property
+    def description(self) -> str:
+        """:attr:`kind` in words (``"a transformers Trainer checkpoint"``)."""
+        return describe_kind(self.kind)
 
 
 CheckpointInfo = CheckpointDir
@@ -101,9 +134,12 @@ def refuse_checkpoint_as_root(root: Storage) -> None:
 def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointDir]:
     """Every checkpoint directory under a root, oldest first.
 
-    ``checkpoint-<step>`` directories are the manager's; ``checkpoint_<n>`` folders are
-    Accelerate's automatic naming (a run migrating to statekit), listed before the
-    manager's (a migrated run writes its statekit checkpoints after them), by ``n``.
+    ``checkpoint-<step>`` directories (any number of digits) are the manager's, or a
+    Trainer's; ``checkpoint_<n>`` folders are Accelerate's automatic naming (a run
+    migrating to statekit), listed before the others (a migrated run writes its statekit
+    checkpoints after them), by ``n``. Each is classified by content
+    (:attr:`CheckpointDir.kind`): only a statekit manifest (or, for ``checkpoint_<n>``,
+    Accelerate's files) makes one committed.
 
     Args:
         root_url: the manager root.
@@ -111,7 +147,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
         details: read each manifest (created, size, metrics); otherwise only check it exists.
 
     Returns:
-        :class:`CheckpointDir` per directory, committed or not.
+        :class:`CheckpointDir` per directory, committed or not, foreign ones included.
 
     Raises:
         StorageError: the root cannot be listed.
@@ -127,16 +163,18 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
         step = int(match.group(1))
         accelerate = match.re is _ACCELERATE_NAME
         if not child.exists(fmt.MANIFEST_NAME):
-            committed = accelerate and accelerate_format.is_accelerate_checkpoint(child)
-            infos.append(CheckpointDir(step, child.url, committed, accelerate=accelerate))
+            kind = folder_kind(child)
+            committed = accelerate and kind != "incomplete" and accelerate_format.is_accelerate_checkpoint(child)
+            infos.append(CheckpointDir(step, child.url, committed, accelerate=accelerate,
+                                       kind="accelerate" if committed else kind))
             continue
         if not details:
-            infos.append(CheckpointDir(step, child.url, True, accelerate=accelerate))
+            infos.append(CheckpointDir(step, child.url, True, accelerate=accelerate, kind="statekit"))
             continue
         try:
             manifest = read_manifest(child)
         except StatekitError:
-            infos.append(CheckpointDir(step, child.url, True, accelerate=accelerate))
+            infos.append(CheckpointDir(step, child.url, True, accelerate=accelerate, kind="statekit"))
             continue
         infos.append(
             CheckpointDir(
@@ -149,14 +187,17 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
                 accelerate,
                 manifest.resume_audit.to_json() if manifest.resume_audit is not None else None,  # a flat, JSON-able record
                 manifest.written_bytes,
+                kind="statekit",
             )
         )
-    return sorted(infos, key=lambda i: (not i.accelerate, i.step))
+    return sorted(infos, key=lambda i: (not i.accelerate, i.step, i.name))
 
 
 def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *, force: bool = False) -> None:
-    """Delete one checkpoint directory: its manifest first (so it stops counting as
-    committed even if the rest of the deletion is interrupted), then everything under it.
+    """Delete one checkpoint directory statekit wrote: its manifest first (so it stops
+    counting as committed even if the rest of the deletion is interrupted), then everything
+    under it, under a stale lock that marks what an interruption leaves as statekit's
+    (:func:`statekit.engine.locking.remove_owned`).
 
     Args:
         url: the checkpoint directory.
@@ -165,19 +206,26 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
 
     Raises:
         CheckpointInUseError: a live in-use marker is present (see :mod:`statekit.storage.inuse`).
+        StatekitError: the directory is not statekit's (no manifest, no statekit lock: a
+            Trainer, Accelerate or DCP checkpoint, or other contents); nothing is deleted.
     """
     if not force:
         refuse_if_in_use(url, "delete")
     storage = Storage(url, storage_options)
-    storage.remove(fmt.MANIFEST_NAME)
-    storage.remove_tree()
+    storage.invalidate()
+    kind = folder_kind(storage)
+    if kind in FOREIGN_KINDS:
+        raise StatekitError(f"{url} is {describe_folder(storage, kind)}, not written by statekit: not deleted")
+    remove_owned(storage)
 
 
 def delete_all_but(
     committed: list[CheckpointDir], keep: set[str | None], storage_options: dict[str, Any] | None, what: str = "retention"
 ) -> list[str]:
     """Delete every checkpoint of ``committed`` whose URL is not in ``keep`` (retention's
-    one deletion loop, both tiers); one a live process uses is kept with a warning.
+    one deletion loop, both tiers); one a live process uses is kept with a warning. Only
+    statekit checkpoints (``kind == "statekit"``) are deleted: a folder statekit did not
+    write is never a candidate, whatever the caller passes.
 
     Args:
         committed: the candidates.
@@ -190,6 +238,8 @@ def delete_all_but(
     """
     deleted = []
     for info in committed:
+        if info.kind != "statekit":  # only statekit's committed checkpoints: never a folder it did not write
+            continue
         if info.url not in keep:
             try:
                 delete_checkpoint(info.url, storage_options)

@@ -307,7 +307,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointExistsError: this step is committed already (or another process
-                committed it first) and not ``overwrite``.
+                committed it first) and not ``overwrite``; or its directory holds a folder
+                statekit did not write (a Trainer or DCP checkpoint of that name), which is
+                never replaced, even with ``overwrite``.
             AsyncSaveError: the previous async save failed (its error is the cause).
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
             SystemExit: ``save_on_signal`` with ``on_signal="exit"`` and a signal received

@@ -1,0 +1,65 @@
+"""Checkpoint folders of the transformers ``Trainer`` (``checkpoint-<step>/``): their file names.
+
+Recognised by layout only, never by importing transformers: ``Trainer._save_checkpoint``
+(transformers 4.x/5.x) writes ``trainer_state.json`` beside the model
+(``model.safetensors``, sharded ``model-00001-of-00002.safetensors`` with
+``model.safetensors.index.json``, ``pytorch_model.bin``, a PEFT ``adapter_model.*``) and
+the training state (``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` or
+``rng_state_<rank>.pth``, ``scaler.pt``, ``training_args.bin``), plus ``config.json`` and
+tokenizer files. Everything but the safetensors files and the JSON is pickle: read only with
+``allow_pickle`` (:mod:`statekit.foreign.pickles`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+TRAINER_STATE = "trainer_state.json"
+"""The file every Trainer checkpoint holds (``transformers.trainer.TRAINER_STATE_NAME``)."""
+
+_MODEL_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)$")
+_STATE_FILE = re.compile(r"^(optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin)$")
+_TENSOR_PICKLES = re.compile(r"^(pytorch_model(-\d+-of-\d+)?\.bin|adapter_model\.bin|optimizer\.(pt|bin)|scaler\.pt)$")
+
+
+def is_model_file(name: str) -> bool:
+    """True for a file holding model weights (``model.safetensors``, a shard
+    ``model-00001-of-00002.safetensors``, ``pytorch_model.bin``, ``adapter_model.safetensors``).
+
+    Args:
+        name: a file name of the folder.
+
+    Returns:
+        Whether it holds model weights.
+    """
+    return bool(_MODEL_FILE.match(name))
+
+
+def is_trainer_checkpoint(names: Iterable[str]) -> bool:
+    """True if a folder's file names are a Trainer checkpoint's: ``trainer_state.json`` and
+    model weights or training state (an optimizer, scheduler, RNG state) beside it.
+
+    Args:
+        names: the names directly in the folder.
+
+    Returns:
+        Whether the layout is a Trainer checkpoint's (by name only; nothing is read).
+    """
+    names = list(names)
+    return TRAINER_STATE in names and any(is_model_file(n) or _STATE_FILE.match(n) for n in names)
+
+
+def tensor_pickles(names: Iterable[str]) -> list[str]:
+    """The pickle files among ``names`` that hold tensors (``pytorch_model.bin``,
+    ``optimizer.pt``, ``scaler.pt``): what a reader lists with ``allow_pickle``. The others
+    (``training_args.bin``, ``scheduler.pt``, ``rng_state.pth``) hold no weights and are never
+    unpickled for inspection.
+
+    Args:
+        names: file names of the folder.
+
+    Returns:
+        Those files, sorted.
+    """
+    return sorted(n for n in names if _TENSOR_PICKLES.match(n))
