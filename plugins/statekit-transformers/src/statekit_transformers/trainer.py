@@ -73,7 +73,6 @@ _OVERRIDDEN: dict[str, tuple[str, ...]] = {
 }
 LOADER_KEY = "train_dataloader"
 _SKIP_ABSORBED = r".*statekit's resume already continues epoch .* returns the loader itself"
-_LOCK_NAME = ".statekit-lock"  # statekit's save lock: present from a save's first file to its commit
 
 
 def check_trainer_api(trainer_cls: type) -> None:
@@ -104,21 +103,17 @@ def checkpoints_under(output_dir: str) -> list[tuple[int, str, bool]]:
 
     Returns:
         ``(step, path, is_statekit)`` for each committed statekit checkpoint and each
-        Trainer folder written without statekit (it has ``trainer_state.json`` and no
-        statekit save lock); an interrupted statekit save is not among them.
+        Trainer folder written without statekit (:func:`statekit.list_checkpoints` tells them
+        apart by content); an interrupted statekit save, an Accelerate or DCP folder are not
+        among them.
     """
-    found = []
     if not os.path.isdir(output_dir):
-        return found
-    for name in os.listdir(output_dir):
-        head, _, number = name.partition("-")
-        path = os.path.join(output_dir, name)
-        if head != "checkpoint" or not number.isdigit() or not os.path.isdir(path):
-            continue
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            found.append((int(number), path, True))
-        elif os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)) and not os.path.exists(os.path.join(path, _LOCK_NAME)):
-            found.append((int(number), path, False))
+        return []
+    found = [
+        (info.step, info.url, info.kind == "statekit")
+        for info in statekit.list_checkpoints(os.path.abspath(output_dir), details=False)
+        if info.kind in ("statekit", "trainer") and not info.accelerate
+    ]
     return sorted(found)
 
 
@@ -278,7 +273,9 @@ class StatekitTrainerMixin:
             logger.info("resuming from %s", resume_from_checkpoint)
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = os.path.abspath(resume_from_checkpoint)
-            if os.path.exists(os.path.join(resume_from_checkpoint, _LOCK_NAME)) and not _is_statekit(resume_from_checkpoint):
+            parent, name = os.path.split(resume_from_checkpoint.rstrip(os.sep))
+            kinds = {os.path.basename(i.url): i.kind for i in statekit.list_checkpoints(parent, details=False)} if os.path.isdir(parent) else {}
+            if kinds.get(name) == "incomplete":
                 raise statekit.IncompleteCheckpointError(
                     f"{resume_from_checkpoint}: an interrupted statekit save (never committed); resume from a committed one"
                 )
