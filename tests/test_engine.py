@@ -480,15 +480,31 @@ def test_overwrite_replaces_old_files(tmp_path):
     assert sorted(Storage(str(tmp_path)).find()) == ["a.json", "a.safetensors", "statekit.json"]
 
 
-def test_leftovers_are_cleared(storage_url):
+def test_leftovers_of_a_crashed_save_are_cleared(storage_url):
+    """A save that died before its commit left its lock (taken before its first file): the
+    next save into that directory takes it over and clears what the dead one wrote."""
+    statekit.save(storage_url, {"model": Net()})
     store = Storage(storage_url)
-    store.write_bytes("model.safetensors", b"half written")
+    store.remove(fmt.MANIFEST_NAME)  # as if the save had died just before its commit
+    store.write_bytes(".statekit-lock", json.dumps({"host": "gone", "pid": 1, "token": "x", "time": 0}).encode())
     store.write_bytes("junk/rank-00003.json", b"{")
     statekit.save(storage_url, {"model": Net()})
     files = Storage(storage_url).find()
     assert "junk/rank-00003.json" not in files
     assert sorted(files) == ["model.safetensors", "statekit.json"]
     statekit.load(storage_url, {"model": Net()})
+
+
+def test_files_statekit_did_not_write_are_never_cleared(storage_url):
+    """Files without statekit's lock beside them (another tool's checkpoint, a half copy):
+    the save refuses, naming the directory, and deletes nothing."""
+    store = Storage(storage_url)
+    store.write_bytes("model.safetensors", b"half written")
+    store.write_bytes("junk/rank-00003.json", b"{")
+    with pytest.raises(CheckpointExistsError, match="not written by statekit") as info:
+        statekit.save(storage_url, {"model": Net()})
+    assert storage_url.rstrip("/") in str(info.value)
+    assert sorted(Storage(storage_url).find()) == ["junk/rank-00003.json", "model.safetensors"]
 
 
 # --------------------------------------------------------------------------- missing / incomplete / corrupt

@@ -20,6 +20,9 @@ TRAINER_STATE = "trainer_state.json"
 
 _MODEL_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)$")
 _STATE_FILE = re.compile(r"^(optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin)$")
+_STATEKIT_NAMES = frozenset({"training_args.json", "optimizer.json", "optimizer.safetensors", "scheduler.json", "rng"})
+"""Names statekit (and statekit-transformers) write in a Trainer-layout checkpoint and Trainer
+never does: Trainer pickles the same state (``training_args.bin``, ``optimizer.pt``...)."""
 _TENSOR_PICKLES = re.compile(r"^(pytorch_model(-\d+-of-\d+)?\.bin|adapter_model\.bin|optimizer\.(pt|bin)|scaler\.pt)$")
 
 
@@ -38,7 +41,10 @@ def is_model_file(name: str) -> bool:
 
 def is_trainer_checkpoint(names: Iterable[str]) -> bool:
     """True if a folder's file names are a Trainer checkpoint's: ``trainer_state.json`` and
-    model weights or training state (an optimizer, scheduler, RNG state) beside it.
+    model weights or training state (an optimizer, scheduler, RNG state) beside it, and none
+    of the names statekit writes instead of Trainer's pickles (``training_args.json``,
+    ``optimizer.safetensors``, ``rng/``...): a statekit checkpoint in Trainer's layout whose
+    manifest is gone is not a Trainer checkpoint (nothing resumes it as one).
 
     Args:
         names: the names directly in the folder.
@@ -47,6 +53,8 @@ def is_trainer_checkpoint(names: Iterable[str]) -> bool:
         Whether the layout is a Trainer checkpoint's (by name only; nothing is read).
     """
     names = list(names)
+    if any(n in _STATEKIT_NAMES for n in names):  # a statekit checkpoint that lost its manifest is not Trainer's
+        return False
     return TRAINER_STATE in names and any(is_model_file(n) or _STATE_FILE.match(n) for n in names)
 
 

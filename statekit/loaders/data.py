@@ -611,6 +611,7 @@ def restore_loader(
             position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
         if batches != int(state["batches"]):
             position.pending["dataset_after"] = None  # the epoch restarts: from its start state
+            position.pending["restarted"] = True
         elif planned is None:  # a save before the next iter() saves this same position
             position.pending["saved"] = dict(state)
         position.name = name or position.name
@@ -653,7 +654,9 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
     Returns:
         True when ``loader`` is tracked and holds a restored position that skips exactly
         ``num_batches`` batches: the caller should iterate the loader itself (a
-        :class:`statekit.StatekitWarning` says so); False when nothing is restored.
+        :class:`statekit.StatekitWarning` says so); False when nothing is restored, or when
+        the restored epoch restarts because the dataset's length changed (the skip then
+        runs as Accelerate's, with a warning that the resume is not exact).
 
     Raises:
         StateMismatchError: a restored position skips another number of batches: skipping
@@ -665,6 +668,16 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
     if position.pending is None:
         return False
     restored = int(position.pending.get("batches", 0))
+    if position.pending.get("restarted"):
+        # statekit could not continue the interrupted epoch (its dataset's length changed,
+        # warned at the load): the caller's skip is all that is left of the position
+        warn_user(
+            f"{describe(loader)}: the interrupted epoch {position.pending.get('epoch')} restarts (the dataset's length "
+            f"changed since the save); skip_first_batches({num_batches}) skips {num_batches} batches of its new order, "
+            "as Accelerate does: the resume is not exact"
+        )
+        position.pending = None
+        return False
     if restored != num_batches:
         raise StateMismatchError(
             f"{describe(loader)}: skip_first_batches({num_batches}) after a statekit resume that already "

@@ -212,3 +212,37 @@ def test_attach_of_a_plain_accelerator_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", statekit.StatekitWarning)
         statekit.attach(Accelerator(cpu=True))
+
+
+def test_a_checkpoint_that_lost_its_manifest_is_not_resumed(tmp_path):
+    """checkpoint-8 without statekit.json (a copy tool skipped it) is neither statekit's nor
+    Trainer's: resume_from_checkpoint=True takes the committed checkpoint-6."""
+    tr.run(str(tmp_path), stop_at=10, save_steps=2)
+    (tmp_path / "checkpoint-8" / "statekit.json").unlink()
+    infos = {os.path.basename(i.url): i.kind for i in statekit.list_checkpoints(str(tmp_path))}
+    assert infos["checkpoint-8"] == "unknown" and infos["checkpoint-6"] == "statekit"
+    resumed = tr.run(str(tmp_path), resume=True, max_steps=7, save_steps=2)
+    assert resumed.losses[0][0] == 6
+
+
+def test_a_save_only_model_checkpoint_is_refused_for_a_resume(tmp_path):
+    tr.run(str(tmp_path), stop_at=5, save_only_model=True)
+    with pytest.raises(statekit.ResumeMismatchError, match="save_only_model"):
+        tr.run(str(tmp_path), resume=True)
+
+
+@pytest.mark.parametrize("change", [{"per_device_train_batch_size": 3}, {"gradient_accumulation_steps": 1}])
+def test_changed_batch_settings_warn_and_resume(tmp_path, change):
+    """A changed batch size or accumulation: the warning names it; Trainer's own skip then runs."""
+    tr.run(str(tmp_path), stop_at=8)
+    (name, value), = change.items()
+    with pytest.warns(statekit.StatekitWarning, match=f"{name} .* -> {value}.*not exact"):
+        resumed = tr.run(str(tmp_path), resume=True, **change)
+    assert resumed.losses and resumed.losses[0][0] == 6
+
+
+def test_a_changed_dataset_length_restarts_the_epoch_and_warns(tmp_path):
+    tr.run(str(tmp_path), stop_at=8)
+    with pytest.warns(statekit.StatekitWarning, match="restarts .*dataset's length changed.*not exact"):
+        resumed = tr.run(str(tmp_path), resume=True, dataset=tr.Sentences(n=36))
+    assert resumed.losses[0][0] == 6

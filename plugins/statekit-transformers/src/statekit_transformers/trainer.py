@@ -49,7 +49,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import statekit
-from statekit_transformers.plugin import MANIFEST_NAME, MODEL_KEY, OPTION, STATE_KEY, TRAINER_STATE_NAME, TrainerStateFile
+from statekit_transformers.plugin import (
+    MANIFEST_NAME, MODEL_KEY, OPTION, STATE_KEY, TRAINER_STATE_NAME, TRAINING_ARGS_NAME, TrainerStateFile,
+)
 
 logger = logging.getLogger("statekit.transformers")
 
@@ -73,6 +75,12 @@ _OVERRIDDEN: dict[str, tuple[str, ...]] = {
 }
 LOADER_KEY = "train_dataloader"
 _SKIP_ABSORBED = r".*statekit's resume already continues epoch .* returns the loader itself"
+_AFTER_LAST_BATCH = r".*the checkpoint was saved inside the for loop right after the last batch of epoch"
+# TrainingArguments that decide which batches Trainer skips on a resume (global_step times
+# gradient_accumulation_steps batches of per_device_train_batch_size): statekit's saved position
+# stands for the saved values
+_DATA_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dataloader_drop_last",
+                  "train_sampling_strategy", "group_by_length")
 
 
 def check_trainer_api(trainer_cls: type) -> None:
@@ -170,11 +178,14 @@ class StatekitTrainerMixin:
 
     # ------------------------------------------------------------ the manager
 
-    def _statekit_objects_now(self) -> dict[str, Any]:
+    def _statekit_objects_now(self, resuming: bool = False) -> dict[str, Any]:
+        """The objects of a checkpoint: the model, Trainer's state, the train loader, and the
+        optimizer, scheduler and scaler (a resume asks for them even with ``save_only_model``:
+        a checkpoint without them cannot continue a run)."""
         objects: dict[str, Any] = {MODEL_KEY: self.model, STATE_KEY: TrainerStateFile(self)}
         if self._statekit_loader is not None:
             objects[LOADER_KEY] = self._statekit_loader
-        if not self.args.save_only_model:
+        if resuming or not self.args.save_only_model:
             if self.optimizer is not None:
                 objects["optimizer"] = self.optimizer
             if self.lr_scheduler is not None:
@@ -238,8 +249,8 @@ class StatekitTrainerMixin:
                     self.state.stateful_callbacks[name] = cb.state()
         url = manager.url_for(step)
         replace = _is_statekit(url)
-        if replace:  # as Trainer does: a run resumed from an older checkpoint writes this step again
-            warnings.warn(f"statekit-transformers: replacing {url}, saved before this run resumed from an older checkpoint",
+        if replace:  # as Trainer does: this step is written again (a resume from an older checkpoint, a new run)
+            warnings.warn(f"statekit-transformers: replacing {url}, written earlier in this output_dir (as Trainer does)",
                           statekit.StatekitWarning, stacklevel=2)
         manager.save(step=step, metrics=self._statekit_metrics(step), overwrite=replace)
         if self.args.push_to_hub:
@@ -285,6 +296,8 @@ class StatekitTrainerMixin:
             # skip_first_batches; statekit's restored loader continues there already and
             # comes back itself: expected here, not news for the user
             warnings.filterwarnings("ignore", message=_SKIP_ABSORBED, category=statekit.StatekitWarning)
+            # Trainer derives the epoch from the step: a save at an epoch's last step is exact
+            warnings.filterwarnings("ignore", message=_AFTER_LAST_BATCH, category=statekit.StatekitWarning)
             try:
                 return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
             finally:
@@ -358,7 +371,24 @@ class StatekitTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         # model, optimizer, scheduler, scaler, trainer state: one verified load, fingerprint
         # compared (Trainer calls this after accelerator.prepare; values are copied in place)
-        manifest = self._statekit_load(checkpoint, self._statekit_objects_now())
+        saved_args = _saved_arguments(checkpoint)
+        if saved_args.get("save_only_model"):
+            raise statekit.ResumeMismatchError(checkpoint, [
+                "save_only_model True: the checkpoint holds no optimizer or scheduler state, so training cannot "
+                "continue exactly from it (as transformers documents); resume from a checkpoint saved without it, "
+                "or load the model with from_pretrained and start a new run"
+            ])
+        objects = self._statekit_objects_now(resuming=True)
+        changed = _changed_data_settings(saved_args, self.args)
+        if changed:
+            warnings.warn(
+                f"statekit-transformers: {checkpoint}: {'; '.join(changed)} since the save: the data position "
+                "cannot be restored, Trainer skips the resumed epoch's first batches by the new settings: "
+                "the resume is not exact",
+                statekit.StatekitWarning, stacklevel=2,
+            )
+            objects.pop(LOADER_KEY, None)
+        manifest = self._statekit_load(checkpoint, objects)
         self.statekit_manager().record_resume(checkpoint, manifest)
         logger.info("resumed the training state of %s (verified)", checkpoint)
         return None
@@ -392,6 +422,26 @@ class StatekitTrainerMixin:
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         self._statekit_load(best, {MODEL_KEY: self.model})
         return None
+
+
+def _saved_arguments(checkpoint: str) -> dict[str, Any]:
+    """``training_args.json`` of a checkpoint (empty when absent: a checkpoint of another writer)."""
+    import json
+
+    path = os.path.join(checkpoint, TRAINING_ARGS_NAME)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _changed_data_settings(saved: Mapping[str, Any], args: Any) -> list[str]:
+    """``name saved -> now`` for each of :data:`_DATA_SETTINGS` that differs."""
+    return [
+        f"{name} {saved[name]!r} -> {getattr(args, name)!r}"
+        for name in _DATA_SETTINGS
+        if name in saved and hasattr(args, name) and saved[name] != getattr(args, name)
+    ]
 
 
 def _metric_key(name: str) -> str:
