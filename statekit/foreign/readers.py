@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import torch
 
@@ -55,7 +56,19 @@ def accelerate_match_key(key: str) -> str:
     return f"{kind}_{index}.safetensors:{name}"
 
 
-class StatekitReader(CheckpointReader):
+class _FolderOfFilesReader(CheckpointReader):
+    """A folder of safetensors files and pickles: a tensor comes from its safetensors file,
+    or from its pickle (listed only with ``allow_pickle``)."""
+
+    _pickles: Any
+
+    def _load(self, info: TensorInfo) -> torch.Tensor:
+        if info.file.endswith(".safetensors"):
+            return self._safetensors_load(info.file, info.name)
+        return self._pickles.tensors(info.file)[info.name]
+
+
+class StatekitReader(_FolderOfFilesReader):
     """A committed statekit checkpoint (``statekit.json``); metadata is the manifest.
 
     One written by an attached accelerator (``layout`` ``"accelerate"``) holds Accelerate's
@@ -102,11 +115,6 @@ class StatekitReader(CheckpointReader):
                 out += self._safetensors_infos(rel, model=rel in self._accelerate and accelerate.is_model_file(rel))
         return out
 
-    def _load(self, info: TensorInfo) -> torch.Tensor:
-        if info.file.endswith(".safetensors"):
-            return self._safetensors_load(info.file, info.name)
-        return self._pickles.tensors(info.file)[info.name]
-
 
 def _superseded(rel: str, files: dict) -> bool:
     """Whether an attach-mode load replaces Accelerate's file ``rel`` with statekit's own state."""
@@ -120,7 +128,7 @@ def _superseded(rel: str, files: dict) -> bool:
     return False
 
 
-class AccelerateReader(CheckpointReader):
+class AccelerateReader(_FolderOfFilesReader):
     """A directory written by ``Accelerator.save_state``.
 
     Model files are listed without the ``_orig_mod.``/``module.`` prefixes Accelerate
@@ -155,13 +163,8 @@ class AccelerateReader(CheckpointReader):
                 out += tensor_infos(self._pickles.tensors(rel), rel)
         return out
 
-    def _load(self, info: TensorInfo) -> torch.Tensor:
-        if info.file.endswith(".safetensors"):
-            return self._safetensors_load(info.file, info.name)
-        return self._pickles.tensors(info.file)[info.name]
 
-
-class TrainerReader(CheckpointReader):
+class TrainerReader(_FolderOfFilesReader):
     """A checkpoint folder of the transformers ``Trainer`` (:mod:`statekit.foreign.trainer`).
 
     Tensors of the safetensors files are listed from their headers; the pickles that hold
@@ -202,11 +205,6 @@ class TrainerReader(CheckpointReader):
             for rel in self._pickled:
                 out += tensor_infos(self._pickles.tensors(rel), rel)
         return out
-
-    def _load(self, info: TensorInfo) -> torch.Tensor:
-        if info.file.endswith(".safetensors"):
-            return self._safetensors_load(info.file, info.name)
-        return self._pickles.tensors(info.file)[info.name]
 
 
 class SafetensorsReader(CheckpointReader):
