@@ -99,6 +99,10 @@ def test_lora_via_peft(tmp_path):
     names = sorted(os.listdir(tmp_path / "run" / "checkpoint-6"))
     assert "adapter_model.safetensors" in names and "adapter_config.json" in names
     assert "model.safetensors" not in names
+    loaded = peft.PeftModel.from_pretrained(tr.gpt2(), str(tmp_path / "run" / "checkpoint-15"))
+    live = peft.get_peft_model_state_dict(resumed.trainer.model)
+    for name, value in peft.get_peft_model_state_dict(loaded).items():
+        assert torch.equal(value, live[name]), name
 
 
 def test_save_on_a_preemption_signal(tmp_path, reference):

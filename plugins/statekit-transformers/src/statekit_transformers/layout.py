@@ -145,7 +145,11 @@ def write_model(checkpoint: Checkpoint, model: torch.nn.Module, processing_class
             from peft import get_peft_model_state_dict
 
             name = getattr(model, "active_adapter", "default")
-            model.peft_config[name].save_pretrained(tmp)
+            config = copy.copy(model.peft_config[name])
+            config.inference_mode = True  # as PeftModel.save_pretrained writes it
+            if config.base_model_name_or_path is None:
+                config.base_model_name_or_path = getattr(model.get_base_model(), "name_or_path", None)
+            config.save_pretrained(tmp)
             tensors = get_peft_model_state_dict(model, adapter_name=name)
             record.shards[ADAPTER_WEIGHTS] = list(tensors)
             checkpoint.save_tensors(ADAPTER_WEIGHTS, tensors, {"format": "pt"})

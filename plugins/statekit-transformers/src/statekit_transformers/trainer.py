@@ -8,26 +8,28 @@ it would read one back it reads through statekit, verified. The checkpoint keeps
 name and layout (``from_pretrained``, the Hub, ``trainer_state.json``); what was pickle
 (optimizer, scheduler, scaler, RNG, training arguments) is safetensors and JSON.
 
-How the Trainer's private checkpoint methods map (design-notes, "statekit-transformers"):
+What the mixin overrides (design-notes, "statekit-transformers"):
 
-==============================  ==========================================================
-Trainer method                  with the mixin
-==============================  ==========================================================
-``train(resume_from_checkpoint``  ``True`` resolves to the newest *committed* checkpoint
-=True)``                        (Trainer's own ``get_last_checkpoint`` takes the highest
-                                number, committed or not)
-``_save_checkpoint``            best-model and callback bookkeeping as Trainer does, then
-                                ``manager.save(step)``: atomic commit, checksums, async,
-                                retention (``save_total_limit``), two-tier, incremental
-``_load_from_checkpoint``       the model, verified (a Trainer folder without a statekit
-                                manifest: Trainer's own code, unchanged)
-``_load_optimizer_and_scheduler`` optimizer, scheduler (and scaler), verified
-``_load_rng_state``             the random states, restored right before the first batch
-                                after the resume is collated (Trainer restores them after
-                                collating it: a collator that draws random masks would
-                                differ from the uninterrupted run)
-``_load_best_model``            the best checkpoint's model, verified
-==============================  ==========================================================
+=================================  =======================================================
+Trainer method                     with the mixin
+=================================  =======================================================
+``train``                          ``resume_from_checkpoint=True`` is the newest committed
+                                   checkpoint, on either tier (Trainer's
+                                   ``get_last_checkpoint`` takes the highest number,
+                                   committed or not); an interrupted save is refused
+``get_train_dataloader``           the loader is tracked by statekit from its first batch
+``_save_checkpoint``               Trainer's best-model and callback bookkeeping, then
+                                   ``manager.save(step)``
+``_load_from_checkpoint``          deferred to the next one inside ``train()``; outside it,
+                                   the model alone, verified
+``_load_optimizer_and_scheduler``  the whole state in one verified load (model, optimizer,
+                                   scheduler, scaler, loader position, random states)
+``_load_scaler``, ``_load_rng_state``  nothing left to do
+``_load_best_model``               the best checkpoint's model, verified
+=================================  =======================================================
+
+A checkpoint without a statekit manifest (Trainer's own, from before the plugin) goes
+through Trainer's code in every one of them.
 
 Every one of these names is checked on the Trainer class when the mixin is built: a
 transformers release that renames one makes the construction fail, naming it, instead of
