@@ -550,9 +550,9 @@ class CheckpointManager:
     def record_resume(self, url: str, manifest: Manifest) -> int:
         """Record a resume from ``url`` that was loaded outside :meth:`resume`.
 
-        For an integration that restores a checkpoint in stages, as the trainer it drives
-        asks (statekit-transformers: the model before ``accelerator.prepare``, the
-        optimizer after it, the random states at the first batch). The manager then treats
+        For an integration whose trainer decides when a checkpoint is read
+        (statekit-transformers loads with :func:`statekit.load` where transformers' Trainer
+        loads its optimizer, after ``accelerator.prepare``). The manager then treats
         the run as :meth:`resume` would have: retention never deletes ``url``, an in-use
         marker keeps other processes from deleting it, the next incremental save reuses its
         unchanged files, a signal during the resume saves no copy of its step.
