@@ -24,7 +24,7 @@ from statekit.engine.entries import LazyStateDict
 from statekit.hooks import hookspecs
 from statekit.hooks import registry as plugins
 from statekit.engine.context import Checkpoint
-from statekit.errors import PluginError, PluginMissingError, StatekitError
+from statekit.errors import PluginError, PluginMissingError, StatekitError, UnsupportedValueError
 from statekit.storage import Storage
 from statekit.testing import assert_state_equal
 
@@ -388,6 +388,65 @@ def test_owner_blocked_at_load(plugin_manager, tmp_path, monkeypatch):
         assert pm.register(Owner(), name="shardy") is None  # blocked
         with pytest.raises(PluginMissingError, match="STATEKIT_DISABLE_PLUGINS"):
             statekit.load(url, {"model": new_model()})
+
+
+class Box:
+    """A user object statekit does not know (no state_dict/load_state_dict)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class BoxPlugin:
+    """A third-party plugin that takes every ``Box`` by removing it from ``checkpoint.objects``."""
+
+    STATEKIT_OPTIONS = frozenset()
+
+    @hookimpl
+    def statekit_save_state_pre(self, models, weights, output_dir, checkpoint):
+        for key in [k for k, v in checkpoint.objects.items() if isinstance(v, Box)]:
+            checkpoint.save_json(f"{key}.json", {"value": checkpoint.objects.pop(key).value})
+
+    @hookimpl
+    def statekit_load_state_pre(self, models, input_dir, checkpoint):
+        for key in [k for k, v in checkpoint.objects.items() if isinstance(v, Box)]:
+            checkpoint.objects.pop(key).value = checkpoint.load_json(f"{key}.json")["value"]
+
+
+def test_a_plugin_takes_an_object_type_the_core_does_not_know(plugin_manager, tmp_path):
+    """As the docs say plugins claim objects: one without state_dict() is the plugin's to take,
+    with statekit.save/load and with CheckpointManager.save/resume."""
+    plugin_manager.register(BoxPlugin(), name="box")
+    url = url_for(tmp_path)
+    manifest = statekit.save(url, {"box": Box(7), "t": torch.ones(2)})
+    assert manifest.objects["box"].owner == "box"
+    box = Box(0)
+    statekit.load(url, {"box": box, "t": torch.zeros(2)})
+    assert box.value == 7
+    manager = statekit.CheckpointManager({"box": Box(9)}, str(tmp_path / "root"))
+    manager.save(step=3)
+    resumed = Box(0)
+    assert statekit.CheckpointManager({"box": resumed}, str(tmp_path / "root")).resume() == 3
+    assert resumed.value == 9
+
+
+def test_an_object_no_plugin_takes_is_refused_before_anything_is_written(plugin_manager, tmp_path):
+    url = url_for(tmp_path)
+    with pytest.raises(UnsupportedValueError, match=r"state\['box'\] \(Box\) has no state_dict.*no installed plugin took it"):
+        statekit.save(url, {"box": Box(1), "t": torch.ones(2)})
+    assert not Storage(url).exists(fmt.MANIFEST_NAME)
+
+
+def test_a_blocked_plugins_object_is_plugin_missing_at_resume(plugin_manager, tmp_path, monkeypatch):
+    """Its plugin blocked, resume() says PluginMissingError naming the plugin, not "no state_dict"."""
+    plugin_manager.register(BoxPlugin(), name="box")
+    statekit.CheckpointManager({"box": Box(9)}, str(tmp_path / "root")).save(step=3)
+    monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "box")
+    with plugins.use_plugin_manager(plugins.build_plugin_manager(autoload=False)) as pm:
+        assert pm.register(BoxPlugin(), name="box") is None  # blocked
+        manager = statekit.CheckpointManager({"box": Box(0)}, str(tmp_path / "root"))
+        with pytest.warns(statekit.StatekitWarning, match="cannot resume"), pytest.raises(PluginMissingError, match="'box'.*STATEKIT_DISABLE_PLUGINS"):
+            manager.resume()
 
 
 def test_models_and_weights_out_of_step(plugin_manager, tmp_path):

@@ -22,7 +22,7 @@ from statekit.api.saveload import context_for
 from statekit.engine import read
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
-from statekit.engine.entries import Entry, classify, unwrap_model
+from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.gradients import AccumulatedGradients
 from statekit.engine.locking import LOCK_NAME, live_save_lock
 from statekit.engine.optimizer_fit import parameter_names
@@ -183,6 +183,8 @@ def load_objects(
     if not strict:  # load what the checkpoint holds
         entries = [e for e in entries if e.key in saved_objects]
     _check_loadable(pm, storage, entries, saved_objects)
+    # an object only a plugin can load, saved by the core: nothing could load into it
+    refuse_unclaimed([e for e in entries if saved_objects[e.key].owner == CORE], {e.key for e in entries}, "load")
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.step, manifest=manifest, verify=verify)
     names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
     with checkpoint.reading_each_file_once():  # each file opened once, its header parsed once; closed on any exit

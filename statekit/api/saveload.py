@@ -24,7 +24,7 @@ from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
 from statekit.engine import commit as commits, space, write
 from statekit.engine.context import CORE, Checkpoint
-from statekit.engine.entries import Entry, LazyStateDict, classify, unwrap_model
+from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
@@ -296,6 +296,7 @@ def _pre_hooks_then_write(
         after_each=track_save_claims(checkpoint, hook_models, weights, checkpoint._model_keys, owners),
     )
     checkpoint.plugin = None
+    refuse_unclaimed(entries, checkpoint.objects, "save")
     left = {id(m): w for m, w in zip(hook_models, weights)}
     kept = [(m, c) for m, c in zip(models, core_models) if id(m) in left]
     write.write_core_state(checkpoint, entries, [m for m, _ in kept], [c for _, c in kept], [left[id(m)] for m, _ in kept])

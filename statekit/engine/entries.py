@@ -33,6 +33,10 @@ class Entry:
         optional: a load leaves the object alone when the checkpoint does not hold it
             (state that exists only in some runs, such as gradients saved between
             optimizer steps); a missing non-optional object is an error.
+        plugin_only: an object of a type the core cannot save (no ``state_dict`` /
+            ``load_state_dict``; kind ``custom``): a plugin takes it out of
+            ``checkpoint.objects`` in its pre-hook, or the save or load raises
+            :class:`statekit.UnsupportedValueError` naming it (:func:`refuse_unclaimed`).
     """
 
     key: str
@@ -40,14 +44,18 @@ class Entry:
     obj: Any
     per_rank: bool = False
     optional: bool = False
+    plugin_only: bool = False
 
 
 def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
     """Decide how an object is stored.
 
+    An object with no ``state_dict``/``load_state_dict`` that is not a tensor or dict is
+    :attr:`Entry.plugin_only`: a plugin may take it; :func:`refuse_unclaimed` raises after
+    the pre-hooks when none did.
+
     Raises:
-        UnsupportedValueError: the key is not a safe file name, or the object has no
-            ``state_dict``/``load_state_dict`` and is not a tensor or dict.
+        UnsupportedValueError: the key is not a safe file name.
     """
     if not isinstance(key, str) or not _SAFE_KEY.match(key) or key == fmt.MANIFEST_NAME.split(".")[0]:
         raise UnsupportedValueError(
@@ -69,12 +77,31 @@ def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
         kind = "dict"
     elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         kind = "custom"
-    else:
-        raise UnsupportedValueError(
-            f"state[{key!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
-            "pass modules, optimizers, schedulers, data loaders, tensors, dicts or Stateful objects"
-        )
+    else:  # only a plugin can take it (docs/hooks.md): decided after the pre-hooks
+        return Entry(key, "custom", obj, bool(per_rank), plugin_only=True)
     return Entry(key, kind, obj, kind == "dataloader" if per_rank is None else per_rank)
+
+
+def refuse_unclaimed(entries: list[Entry], objects: Any, verb: str) -> None:
+    """Raise for a :attr:`Entry.plugin_only` object no plugin took in its pre-hook.
+
+    Args:
+        entries: the save's or load's entries.
+        objects: ``checkpoint.objects`` after the pre-hooks (what no plugin took).
+        verb: ``"save"`` or ``"load"``, for the message.
+
+    Raises:
+        UnsupportedValueError: naming the key and the type; nothing was written (a save
+            fails before the core's files) or loaded.
+    """
+    left = [e for e in entries if e.plugin_only and e.key in objects]
+    if left:
+        e = left[0]
+        raise UnsupportedValueError(
+            f"state[{e.key!r}] ({type(e.obj).__name__}) has no state_dict()/load_state_dict() and no installed plugin "
+            f"took it in statekit_{verb}_state_pre; pass modules, optimizers, schedulers, data loaders, tensors, "
+            "dicts or Stateful objects, or install the plugin that handles it (statekit plugins lists them)"
+        )
 
 
 def unwrap_model(model: torch.nn.Module, accelerator: Any = None) -> torch.nn.Module:
