@@ -73,8 +73,12 @@ class ResumeMismatchError(StatekitError, ValueError):
     with ``strict_resume=True`` (or, always, a gradient accumulation change while the
     checkpoint holds gradients saved mid-accumulation). Raised before anything is loaded.
 
-    Attributes:
+    Args:
+        url: the checkpoint (named first in the message).
         differences: one message per difference: ``"<setting> <saved> -> <live>: <effect>"``.
+
+    Attributes:
+        differences: those messages, as a list.
     """
 
     __module__ = "statekit"
@@ -102,6 +106,9 @@ class ResumeAuditError(ResumeMismatchError):
     restored position never consumed). The model and optimizer are loaded already; the
     batch in question was not handed to the training loop.
 
+    Args:
+        message: the finding (names the loader, the step resumed from, what differs).
+
     Attributes:
         differences: the finding, as one message.
     """
@@ -128,6 +135,10 @@ class IncompleteCheckpointError(StatekitError):
 class CorruptCheckpointError(StatekitError, ValueError):
     """A file of a committed checkpoint does not match its manifest entry or cannot be parsed.
 
+    Args:
+        message: names the file and what is wrong with it.
+        path: the URL or relative path of the file at fault, when there is one.
+
     Attributes:
         path: the URL or relative path of the file at fault.
     """
@@ -147,6 +158,13 @@ class FormatVersionError(StatekitError, ValueError):
 
 class StateMismatchError(StatekitError, ValueError):
     """Saved state does not fit the object it is loaded into.
+
+    Args:
+        what: the object or checkpoint, as the message names it (``"'model' (URL)"``).
+        missing: as the attribute (the message lists it).
+        unexpected: as the attribute.
+        mismatched: as the attribute.
+        reason: as the attribute.
 
     Attributes:
         missing: keys the object expects and the checkpoint lacks.
@@ -188,6 +206,11 @@ class StateMismatchError(StatekitError, ValueError):
 class PluginError(StatekitError):
     """A plugin failed, or broke the hook contract.
 
+    Args:
+        message: what happened, naming the plugin and the hook.
+        plugin_name: as the attribute.
+        hook_name: as the attribute.
+
     Attributes:
         plugin_name: the name the plugin is registered under (its entry point name).
         hook_name: the hook being called, or None when the plugin failed to load.
@@ -203,6 +226,11 @@ class PluginError(StatekitError):
 
 class PluginMissingError(PluginError):
     """A checkpoint needs a plugin that is not installed (or is blocked).
+
+    Args:
+        message: names the object, the plugin and what to install or unblock.
+        plugin_name: the plugin's name.
+        distribution: as the attribute.
 
     Attributes:
         distribution: the distribution to ``pip install``.
@@ -237,6 +265,10 @@ class CheckpointInUseError(StatekitError, PermissionError):
 class AsyncSaveError(StatekitError):
     """A background (async) save failed; ``__cause__`` is the original error, its traceback kept.
 
+    Args:
+        message: names the save (its step and URL) and the failure.
+        url: as the attribute.
+
     Attributes:
         url: the checkpoint URL.
     """
@@ -253,6 +285,12 @@ class CollectiveTimeoutError(StatekitError, TimeoutError):
     not complete within ``STATEKIT_COLLECTIVE_TIMEOUT`` seconds: a rank never reached it
     (it crashed, or it is stuck elsewhere). The save or load it was part of did not commit
     or finish on this rank; statekit's group is unusable afterwards, so end the process.
+
+    Args:
+        message: names the collective, the save or load, and the ranks when known.
+        collective: as the attribute.
+        timeout_s: as the attribute.
+        ranks: as the attribute.
 
     Attributes:
         collective: the collective's name (``"gather_to_rank0"``, ``"broadcast_from_rank0"``,
@@ -328,6 +366,10 @@ def seconds_from_env(name: str, default: float, *, what: str, zero_allowed: bool
 
 class StorageError(StatekitError, OSError):
     """An fsspec/OS error during I/O, with the URL it concerned.
+
+    Args:
+        message: names the URL and the operation (reading, writing, listing...).
+        url: as the attribute.
 
     Attributes:
         url: the URL of the file or directory.

@@ -86,6 +86,7 @@ from statekit.loaders.samplers import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
 from statekit.errors import (
     AsyncSaveError,
+    CollectiveTimeoutError,
     CheckpointExistsError,
     CheckpointInUseError,
     CheckpointNotFoundError,
@@ -96,6 +97,10 @@ from statekit.errors import (
     PickleNotAllowedError,
     PluginError,
     PluginMissingError,
+    ResumeAuditError,
+    ResumeAuditWarning,
+    ResumeFingerprintWarning,
+    ResumeMismatchError,
     StatekitError,
     StatekitWarning,
     StateMismatchError,
@@ -146,6 +151,7 @@ __all__ = [
     "hookimpl",
     # errors
     "AsyncSaveError",
+    "CollectiveTimeoutError",
     "CheckpointExistsError",
     "CheckpointInUseError",
     "CheckpointNotFoundError",
@@ -156,6 +162,10 @@ __all__ = [
     "PickleNotAllowedError",
     "PluginError",
     "PluginMissingError",
+    "ResumeAuditError",
+    "ResumeAuditWarning",
+    "ResumeFingerprintWarning",
+    "ResumeMismatchError",
     "StateMismatchError",
     "StatekitError",
     "StatekitWarning",
