@@ -115,6 +115,16 @@ def test_hook_statekit_checkpoint_committed(plugin_manager, tmp_path):
     assert info.value.plugin_name == "broken" and info.value.hook_name == "statekit_checkpoint_committed"
     assert [i.step for i in manager.list() if i.committed] == [3, 4, 5]
     assert manager.latest() == manager.url_for(5)
+    assert "is committed" in str(info.value)
+
+    # async: wait() raises the hook's PluginError saying the checkpoint committed, not
+    # "background save failed"
+    pending = manager.save(6, blocking=False)
+    with pytest.raises(PluginError, match=r"plugin broke.*the checkpoint .*checkpoint-00000006 is committed") as info:
+        pending.wait()
+    assert not isinstance(info.value, statekit.AsyncSaveError)
+    assert info.value.hook_name == "statekit_checkpoint_committed"
+    assert manager.latest() == manager.url_for(6)
 
 
 def test_hook_statekit_retention_keep(plugin_manager, tmp_path):

@@ -28,7 +28,7 @@ from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_uncla
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
-from statekit.errors import StatekitWarning, StorageError, UnsupportedValueError, warn_user
+from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.claims import track_save_claims
@@ -191,19 +191,41 @@ def save_objects(
         if rank == 0:
             log_committed(manifest, storage.url, started, "" if blocking else ", async")
         if after_commit is not None:
-            commits.agree(lambda: after_commit(manifest), url)
+            try:
+                commits.agree(lambda: after_commit(manifest), url)
+            except Exception as exc:  # the checkpoint is committed: reported as what failed after it, by post()
+                after_commit_failed.append(exc)
         distributed.barrier()
         return manifest
+
+    after_commit_failed: list[Exception] = []
 
     def post(manifest: Manifest) -> None:
         _warn_if_no_rng(pm, checkpoint)
         call_each(pm, "statekit_save_state_post", checkpoint, {"models": models, "output_dir": storage.url, "checkpoint": checkpoint})
+        if after_commit_failed:
+            raise _after_commit_error(after_commit_failed[0], storage.url)
 
     if not blocking:
         return PendingSave(storage.url, finish, post)
     manifest = finish()
     post(manifest)
     return manifest
+
+
+def _after_commit_error(exc: Exception, url: str) -> Exception:
+    """What failed after a commit (retention, a ``statekit_checkpoint_committed`` hook),
+    raised as itself, its message saying that the checkpoint is committed: an async save's
+    ``wait()`` raises it instead of "background save failed"."""
+    note = f" (the checkpoint {url} is committed; this failed after its commit)"
+    if isinstance(exc, PluginError):
+        error: Exception = PluginError(f"{exc}{note}", plugin_name=exc.plugin_name, hook_name=exc.hook_name)
+    elif isinstance(exc, StatekitError):
+        error = StatekitError(f"{exc}{note}")
+    else:
+        return exc
+    error.__cause__ = exc
+    return error
 
 
 def record_next_batches(witnesses: list[next_batch.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
