@@ -238,10 +238,28 @@ def test_replicate_to_with_the_builtin_plugin_blocked(tmp_path, monkeypatch):
     from statekit.hooks.registry import build_plugin_manager, use_plugin_manager
 
     with use_plugin_manager(build_plugin_manager(autoload=False)):
-        with pytest.raises(PluginMissingError, match="replicate_to=.*needs the built-in plugin 'replicate'"):
+        with pytest.raises(PluginMissingError, match="replicate_to=.*needs the plugin 'replicate'.*STATEKIT_DISABLE_PLUGINS blocks"):
             statekit.CheckpointManager(run_state(), str(tmp_path / "run"), replicate_to=str(tmp_path / "remote"))
         statekit.CheckpointManager(run_state(), str(tmp_path / "run")).save(1)  # without replicate_to: fine
     assert not (tmp_path / "remote").exists()
+
+
+def test_a_blocked_third_party_plugins_manager_option_is_plugin_missing(tmp_path, monkeypatch):
+    """A third-party tier plugin's manager option, given while the plugin is blocked, is a
+    PluginMissingError as the built-in replicate plugin's is (not a warning)."""
+    from types import SimpleNamespace
+
+    from statekit.hooks import registry
+
+    plugin_module = SimpleNamespace(STATEKIT_MANAGER_OPTIONS={"tier_to": None})
+    entry_point = SimpleNamespace(name="tier", load=lambda: plugin_module, dist=SimpleNamespace(name="statekit-tier"))
+    monkeypatch.setattr(registry, "_installed_entry_points", lambda: [entry_point])
+    monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "tier")
+    with registry.use_plugin_manager(registry.build_plugin_manager(autoload=False)):
+        with pytest.raises(PluginMissingError, match=r"tier_to='s3://b/run' needs the plugin 'tier' \(statekit-tier\)") as info:
+            statekit.CheckpointManager(run_state(), str(tmp_path / "run"), tier_to="s3://b/run")
+        assert info.value.distribution == "statekit-tier"
+        statekit.CheckpointManager(run_state(), str(tmp_path / "run"), tier_to=None)  # the default: nothing lost
 
 
 @pytest.mark.parametrize(

@@ -205,26 +205,29 @@ class PluginManager(pluggy.PluginManager):
             the value given, or the declared default.
 
         Raises:
-            PluginMissingError: an option of a plugin that ships inside statekit is given
-                (a value other than its default) while ``STATEKIT_DISABLE_PLUGINS`` blocks
-                that plugin: the feature would silently not exist.
+            PluginMissingError: an option of an installed plugin (built-in or third-party) is
+                given (a value other than its default) while ``STATEKIT_DISABLE_PLUGINS``
+                blocks that plugin: the feature would silently not exist.
             PluginError: as :meth:`manager_option_owners`.
         """
         owners = self.manager_option_owners()
         taken = {option: options.pop(option, default) for option, (_, default) in owners.items()}
+        blocked = [ep for ep in _installed_entry_points() if self.is_blocked(ep.name)] if options else []
         for option, value in list(options.items()):
-            for ep in _builtin_entry_points():
-                if not self.is_blocked(ep.name):
-                    continue
+            for ep in blocked:
+                # a plugin module is cheap to import (the plugin contract): read its declaration
                 declared = dict(getattr(ep.load(), "STATEKIT_MANAGER_OPTIONS", None) or {})
                 if option not in declared:
                     continue
                 if value is declared[option] or value == declared[option]:
                     del options[option]  # the default: the plugin would do nothing
                     break
+                dist = getattr(getattr(ep, "dist", None), "name", None)
                 raise PluginMissingError(
-                    f"{option}={value!r} needs the built-in plugin {ep.name!r}, which STATEKIT_DISABLE_PLUGINS blocks",
+                    f"{option}={value!r} needs the plugin {ep.name!r}{f' ({dist})' if dist else ''}, which "
+                    "STATEKIT_DISABLE_PLUGINS blocks: the feature would silently not exist",
                     plugin_name=ep.name,
+                    distribution=dist,
                 )
         return taken
 
@@ -393,11 +396,9 @@ def _statekit_distribution() -> Any:
         return None
 
 
-def _builtin_entry_points() -> list[Any]:
-    """The entry points of group ``statekit`` that the statekit distribution itself
-    declares: the plugins shipped inside it (``replicate``)."""
-    dist = _statekit_distribution()
-    return [ep for ep in (dist.entry_points if dist is not None else []) if ep.group == ENTRY_POINT_GROUP]
+def _installed_entry_points() -> list[Any]:
+    """Every installed entry point of group ``statekit`` (the built-in ones included)."""
+    return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
 def _load_entry_points(pm: PluginManager, *, builtin_only: bool = False) -> None:

@@ -131,8 +131,9 @@ class CheckpointManager:
             not a positive integer, a ``remote_*`` option without ``replicate_to``).
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
             ``statekit_manager_start`` hook failed.
-        PluginMissingError: a manager option of a plugin shipped with statekit is given
-            while ``STATEKIT_DISABLE_PLUGINS`` blocks it (``replicate_to`` and ``replicate``).
+        PluginMissingError: a manager option of an installed plugin (the built-in
+            ``replicate``'s ``replicate_to``, or a third party's) is given while
+            ``STATEKIT_DISABLE_PLUGINS`` blocks that plugin (naming plugin and distribution).
         StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
     """
 
