@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         local_only = statekit.CheckpointManager(objects, os.path.join(work, "local-only"), async_save=True, keep_last=2)
         replicated = statekit.CheckpointManager(objects, os.path.join(work, "replicated"), async_save=True,
                                                 keep_last=2, replicate_to=remote, replicate_options=options)
-        replicated.replicator.backoff_seconds = 0.5
+        replicated.plugin_state["replicate"].backoff_seconds = 0.5
         print(f"{layers} x Linear({width}, {width}) + AdamW, save every {args.save_every} steps, baseline phases of "
               f"{args.phase:g} s, freeze {args.freeze:g} s, "
               + (f"training on CPU {cpus[0]} (1 torch thread), moto on CPU {cpus[1]}" if pin else "not pinned"),

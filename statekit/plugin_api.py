@@ -49,6 +49,11 @@ The names, by topic:
   :class:`InUseMarker`;
 * warnings: :func:`warn_user` (a warning that points at the user's line, not the plugin's:
   every warning on a save/load path goes through it);
+* tier plugins (a copy of every committed checkpoint on another root): :class:`Tier`, what
+  the core asks of the object such a plugin keeps in ``manager.plugin_state`` (backlog,
+  what is copied, the exit deadline), and ``STATEKIT_COPY_MARKERS`` (a plugin attribute:
+  the ``by`` of the in-use markers it holds on a checkpoint it is copying, which
+  ``statekit ls --replica`` shows as "copying");
 * the manager hooks (``docs/hooks.md``, Manager hooks): :class:`ManagerView`, what a hook
   may rely on of the ``CheckpointManager`` it is handed (root URL, storage options,
   ``manager_options``, ``list()``, ``url_of(name)``, ``resumed_from``, ``plugin_state``),
@@ -129,7 +134,7 @@ from statekit.format.header import view_identity
 from statekit.format.layout import parse_rank_path, rank_name, rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import FileEntry, Manifest
-from statekit.hooks.hookspecs import ManagerView
+from statekit.hooks.hookspecs import ManagerView, Tier
 from statekit.hooks.registry import hookimpl
 from statekit.manager.listing import CheckpointDir, delete_all_but, list_checkpoints
 from statekit.storage import Storage, storage_errors
@@ -202,6 +207,7 @@ __all__ = [
     # the manager hooks and the checkpoints under a root
     "CheckpointDir",
     "ManagerView",
+    "Tier",
     "delete_all_but",
     "list_checkpoints",
     # copying a committed checkpoint to another root

@@ -41,7 +41,7 @@ from statekit.plugin_api import (
     hookimpl,
     rank_and_world_size,
 )
-from statekit_replicate.replication import DEFAULT_HEDGE_AFTER_S, DEFAULT_MAX_BACKLOG, Replicator, start_replication
+from statekit_replicate.replication import COPY_MARKER, DEFAULT_HEDGE_AFTER_S, DEFAULT_MAX_BACKLOG, Replicator, start_replication
 
 REPLICATE_PLUGIN = "replicate"
 """The plugin's name (its entry point) and its key in ``manager.plugin_state``."""
@@ -118,6 +118,7 @@ class Replicate:
 
     STATEKIT_OPTIONS: frozenset[str] = frozenset()  # reads no checkpoint.options
     STATEKIT_MANAGER_OPTIONS: Mapping[str, Any] = MANAGER_OPTIONS
+    STATEKIT_COPY_MARKERS: frozenset[str] = frozenset({COPY_MARKER})  # statekit ls --replica: "copying"
 
     @hookimpl
     def statekit_manager_options(self, options: Mapping[str, Any]) -> None:

@@ -51,6 +51,7 @@ from statekit.plugin_api import (
     StatekitError,
     StatekitWarning,
     Storage,
+    Tier,
     broadcast_from_rank0,
     hold_in_use,
     list_checkpoints,
@@ -116,7 +117,12 @@ def no_retry_reason(exc: BaseException) -> str | None:
     return None
 
 
-class Replicator:
+COPY_MARKER = "statekit-replicate"
+"""The ``by`` of the in-use marker held on a local checkpoint while it is copied (declared to
+the core as the plugin's ``STATEKIT_COPY_MARKERS``)."""
+
+
+class Replicator(Tier):
     """Copies committed checkpoints from a local root to a remote root, in order, on one
     background (daemon) thread.
 
@@ -471,7 +477,7 @@ class Replicator:
         wait = self.backoff_seconds
         for attempt in range(1, self.retries + 1):
             source = Storage(local_url)
-            in_use = hold_in_use(source, local_url, by="statekit-replicate")  # no gc or retention deletes it meanwhile
+            in_use = hold_in_use(source, local_url, by=COPY_MARKER)  # no gc or retention deletes it meanwhile
             permanent = None
             try:
                 with self._lock:

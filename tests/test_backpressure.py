@@ -160,7 +160,7 @@ def test_a_frozen_remote_tier_never_blocks_a_save(frozen_s3, plugin_manager, tmp
     model = torch.nn.Linear(64, 64)
     manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "local"), async_save=True,
                                          replicate_to=remote, replicate_options=options, replicate_max_backlog=3)
-    manager.replicator.backoff_seconds = 0.2
+    manager.plugin_state["replicate"].backoff_seconds = 0.2
     thawed = threading.Event()
     server.send_signal(signal.SIGSTOP)
     timer = threading.Timer(5.0, lambda: (server.send_signal(signal.SIGCONT), thawed.set()))
@@ -219,10 +219,10 @@ def test_a_full_remote_tier_is_not_retried(plugin_manager, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         manager.save(1)
-        assert manager.replicator.wait(timeout=60) == ["checkpoint-00000001"]
+        assert manager.plugin_state["replicate"].wait(timeout=60) == ["checkpoint-00000001"]
     messages = [str(w.message) for w in caught]
     assert any("fulldisk://bucket/run/checkpoint-00000001: replication failed with ENOSPC (no space left); not retried"
                in m for m in messages), messages
     assert not any("retrying in" in m for m in messages)
     assert FullFileSystem.tries == 1
-    assert "ENOSPC" in manager.replicator.failed["checkpoint-00000001"]
+    assert "ENOSPC" in manager.plugin_state["replicate"].failed["checkpoint-00000001"]

@@ -285,21 +285,21 @@ def test_frozen_remote_tier_never_stops_training_and_replication_catches_up(froz
     model = torch.nn.Linear(256, 256)
     manager = statekit.CheckpointManager({"model": model}, str(tmp_path / "local"), replicate_to=remote,
                                          replicate_options=options)
-    manager.replicator.backoff_seconds = 0.2
+    manager.plugin_state["replicate"].backoff_seconds = 0.2
     server.send_signal(signal.SIGSTOP)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             manager.save(1)
             manager.save(2)
-            assert set(manager.replicator.wait(timeout=2)) >= {checkpoint_name(2)}
+            assert set(manager.plugin_state["replicate"].wait(timeout=2)) >= {checkpoint_name(2)}
         statekit.verify(str(tmp_path / "local" / checkpoint_name(2)))  # local saves went on
         assert any(f"{remote}/{checkpoint_name(2)}: not replicated yet" in str(w.message) for w in caught)
     finally:
         server.send_signal(signal.SIGCONT)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the retry warnings of the frozen period
-        missing = manager.replicator.wait(timeout=120)
+        missing = manager.plugin_state["replicate"].wait(timeout=120)
     assert missing == []
     for step in (1, 2):
         statekit.verify(f"{remote}/{checkpoint_name(step)}", storage_options=options)

@@ -140,7 +140,7 @@ def test_a_stalled_upload_is_raced_and_the_hedge_is_committed(stallfs, plugin_ma
         manager.save(1)
         assert stallfs.stalled.wait(60)
         # the first upload of a data file is stuck half way; the hedge finishes the copy
-        assert manager.replicator.wait(timeout=60) == []
+        assert manager.plugin_state["replicate"].wait(timeout=60) == []
     stalled = stallfs.stalled_path
     name = stalled.rsplit("/", 1)[-1]
     assert ".attempt1.tmp" in name
@@ -169,7 +169,7 @@ def test_a_stalled_upload_is_raced_and_the_hedge_is_committed(stallfs, plugin_ma
     assert stallfs.stalled_removed.wait(60)
     assert not [p for p in stallfs.store if p.endswith(".tmp")]
     statekit.verify(f"{remote}/checkpoint-00000001")
-    assert manager.replicator.replicated_names() == {"checkpoint-00000001"}
+    assert manager.plugin_state["replicate"].replicated_names() == {"checkpoint-00000001"}
 
 
 def test_the_stalled_attempt_wins_when_the_hedge_fails(stallfs, plugin_manager, tmp_path):
@@ -184,9 +184,9 @@ def test_the_stalled_attempt_wins_when_the_hedge_fails(stallfs, plugin_manager, 
         manager.save(1)
         assert stallfs.stalled.wait(60)
         assert stallfs.hedge_failed.wait(60)
-        assert manager.replicator.pending() == ["checkpoint-00000001"]  # not failed: the first attempt still runs
+        assert manager.plugin_state["replicate"].pending() == ["checkpoint-00000001"]  # not failed: the first attempt still runs
         stallfs.release.set()
-        assert manager.replicator.wait(timeout=60) == []
+        assert manager.plugin_state["replicate"].wait(timeout=60) == []
     messages = [str(w.message) for w in caught]
     assert any("hedged copy" in m and "attempt 1 finished first and was committed" in m for m in messages), messages
     assert not any("replication try" in m for m in messages)  # the try did not fail
@@ -207,10 +207,10 @@ def test_hedging_disabled_waits_for_the_stalled_upload(stallfs, plugin_manager, 
         manager.save(1)
         assert stallfs.stalled.wait(60)
         # nothing races the stalled upload: the copy stays pending with no remote commit
-        assert manager.replicator.wait(timeout=1.0) == ["checkpoint-00000001"]
+        assert manager.plugin_state["replicate"].wait(timeout=1.0) == ["checkpoint-00000001"]
         assert "bucket/run/checkpoint-00000001/manifest.json" not in str(list(stallfs.store))
         stallfs.release.set()
-        assert manager.replicator.wait(timeout=60) == []
+        assert manager.plugin_state["replicate"].wait(timeout=60) == []
     assert not any("hedged copy" in str(w.message) for w in caught)
     assert manager.stats().replication["hedged"] == 0
     # one attempt per file, written under its final name (no temporary file, no rename)
@@ -252,7 +252,7 @@ def test_a_hedged_copy_to_a_local_remote_root_renames_the_winner(plugin_manager,
             warnings.simplefilter("ignore")
             manager.save(1)
             assert stalled.wait(60)
-            assert manager.replicator.wait(timeout=60) == []
+            assert manager.plugin_state["replicate"].wait(timeout=60) == []
         copy = remote / "checkpoint-00000001"
         temps = [p.name for p in copy.iterdir() if p.name.endswith(".tmp")]
         assert temps == [held["temp"].rsplit("/", 1)[-1]]  # only the stalled attempt's, still open
@@ -307,7 +307,7 @@ def test_a_hedged_copy_to_an_object_store_writes_the_final_name_without_a_rename
             warnings.simplefilter("ignore")
             manager.save(1)
             assert stalled.wait(60)
-            assert manager.replicator.wait(timeout=60) == []
+            assert manager.plugin_state["replicate"].wait(timeout=60) == []
         assert held["to"].endswith(DATA) and ".tmp" not in held["to"]  # the stalled attempt targets the final key
         assert renames == []
         assert manager.stats().replication["hedges_won"] >= 1

@@ -59,7 +59,7 @@ def test_replicated_checkpoints_verify_on_both_tiers_and_manifests_match(tmp_pat
         statekit.verify(f"{remote}/{name}")
         local_manifest = (tmp_path / "local" / name / fmt.MANIFEST_NAME).read_bytes()
         assert Storage(f"{remote}/{name}").read_bytes(fmt.MANIFEST_NAME) == local_manifest
-    assert [i.step for i in manager.replicator.list() if i.committed] == [1, 2, 3]
+    assert [i.step for i in manager.plugin_state["replicate"].list() if i.committed] == [1, 2, 3]
 
 
 def test_fresh_node_resumes_bit_exactly_from_the_remote_tier(tmp_path, s3_bucket, plugin_manager):
@@ -118,12 +118,12 @@ def test_endpoint_down_training_goes_on_and_wait_names_what_is_not_replicated(tm
     with pytest.warns(statekit.StatekitWarning):
         manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to="s3://down/run",
                                              replicate_options=dead, keep_last=1)
-    manager.replicator.retries, manager.replicator.backoff_seconds = 2, 0.05
+    manager.plugin_state["replicate"].retries, manager.plugin_state["replicate"].backoff_seconds = 2, 0.05
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         manager.save(1)
         manager.save(2)  # local saves go on
-        missing = manager.replicator.wait(timeout=60)
+        missing = manager.plugin_state["replicate"].wait(timeout=60)
     messages = [str(w.message) for w in caught]
     assert any("s3://down/run/checkpoint-00000001: replication try 1 of 2 failed" in m for m in messages), messages
     assert any("s3://down/run/checkpoint-00000001: not replicated" in m for m in messages), messages
@@ -151,7 +151,7 @@ def test_a_killed_upload_leaves_no_committed_remote_copy_and_the_next_start_fini
     with pytest.raises(statekit.IncompleteCheckpointError):
         statekit.verify(dst.url)
     manager = statekit.CheckpointManager(_objects(1), str(tmp_path / "local"), replicate_to=remote)
-    assert manager.replicator.pending() in ([checkpoint_name(3)], [])  # queued at start
+    assert manager.plugin_state["replicate"].pending() in ([checkpoint_name(3)], [])  # queued at start
     manager.wait(timeout=60)
     statekit.verify(dst.url)
 
@@ -163,7 +163,7 @@ def test_remote_retention_and_local_retention_after_replication(tmp_path, s3_buc
     for step in range(1, 5):
         manager.save(step)
         manager.wait(timeout=60)
-    assert [i.step for i in manager.replicator.list() if i.committed] == [3, 4]
+    assert [i.step for i in manager.plugin_state["replicate"].list() if i.committed] == [3, 4]
     assert [i.step for i in manager.list() if i.committed] == [4]
 
 
@@ -175,7 +175,7 @@ def test_restarts_do_not_copy_again_what_remote_retention_deleted(tmp_path, s3_b
     for step in (1, 2, 3):
         manager.save(step)
         manager.wait(timeout=60)
-    assert [i.step for i in manager.replicator.list() if i.committed] == [3]  # the copy just made counts too
+    assert [i.step for i in manager.plugin_state["replicate"].list() if i.committed] == [3]  # the copy just made counts too
     copies: list[str] = []
     real = replication.copy_checkpoint
     monkeypatch.setattr(replication, "copy_checkpoint", lambda src, dst, *a, **k: (copies.append(dst.url), real(src, dst, *a, **k))[1])
@@ -184,11 +184,11 @@ def test_restarts_do_not_copy_again_what_remote_retention_deleted(tmp_path, s3_b
         assert manager.resume() == 3
         manager.wait(timeout=60)
         assert copies == []  # steps 1 and 2 were replicated once and retired by policy: not uploaded again
-        assert [i.step for i in manager.replicator.list() if i.committed] == [3]
+        assert [i.step for i in manager.plugin_state["replicate"].list() if i.committed] == [3]
     manager.save(4)  # local retention may now delete 1 (its copy was retired, not lost)
     manager.wait(timeout=60)
     assert [i.step for i in manager.list() if i.committed] == [2, 3, 4]
-    assert [i.step for i in manager.replicator.list() if i.committed] == [4]
+    assert [i.step for i in manager.plugin_state["replicate"].list() if i.committed] == [4]
 
 
 def test_a_start_after_a_killed_copy_still_copies_what_remote_retention_keeps(tmp_path, s3_bucket, plugin_manager):
@@ -201,7 +201,7 @@ def test_a_start_after_a_killed_copy_still_copies_what_remote_retention_keeps(tm
         statekit.save(str(local / checkpoint_name(step)), objects, step=step)
     manager = statekit.CheckpointManager(_objects(1), str(local), replicate_to=remote, remote_keep_last=2)
     manager.wait(timeout=60)
-    assert [i.step for i in manager.replicator.list() if i.committed] == [2, 3]
+    assert [i.step for i in manager.plugin_state["replicate"].list() if i.committed] == [2, 3]
 
 
 def test_gc_of_the_remote_root_keeps_a_copy_in_progress(tmp_path, plugin_manager, monkeypatch):
@@ -363,7 +363,7 @@ def test_checkpoints_being_replicated_and_resumed_from_are_marked_in_use(tmp_pat
     objects = _objects(0)
     manager = statekit.CheckpointManager(objects, str(tmp_path / "local"), replicate_to=f"{s3_bucket}/run")
     manager.save(1)
-    assert manager.replicator.wait(timeout=60) == []
+    assert manager.plugin_state["replicate"].wait(timeout=60) == []
     assert seen == [["statekit-replicate"]]
     local = manager.url_for(1)
     assert not inuse.is_in_use(local)  # released after the copy
@@ -434,7 +434,7 @@ def test_a_process_killed_mid_replication_leaves_no_committed_remote_copy(tmp_pa
     assert dst.find() and not dst.exists(fmt.MANIFEST_NAME), dst.find()  # killed between files and manifest
     assert not [i for i in statekit.manager.listing.list_checkpoints(remote) if i.committed]
     manager = statekit.CheckpointManager({"t": torch.zeros(1)}, local, replicate_to=remote)  # the next start
-    assert manager.replicator.wait(timeout=120) == []
+    assert manager.plugin_state["replicate"].wait(timeout=120) == []
     statekit.verify(dst.url)
     statekit.verify(f"{local}/{checkpoint_name(1)}")
 

@@ -13,6 +13,7 @@ from statekit.errors import CheckpointInUseError, CheckpointNotFoundError, State
 from statekit.foreign.detect import describe_folder
 from statekit.format import MANIFEST_NAME
 from statekit.storage import Storage
+from statekit.hooks.registry import get_plugin_manager
 from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 
 
@@ -104,16 +105,26 @@ def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
             if info.committed:
                 entry["tiers"].append(tier)
                 entry["committed"] = True
+    copy_markers = _copy_markers()
     for entry in by_name.values():
         entry["replicated"] = "remote" in entry["tiers"]
         local_url = entry["urls"].get("local")
         if entry["replicated"]:
             entry["replication"] = "replicated"
-        elif local_url and any(m.by == "statekit-replicate" for m in in_use_markers(local_url)):
+        elif local_url and any(m.by in copy_markers for m in in_use_markers(local_url)):
             entry["replication"] = "copying"
         else:
             entry["replication"] = "incomplete" if "remote" in entry["urls"] else "not replicated"
     return sorted(by_name.values(), key=lambda e: e["step"])
+
+
+def _copy_markers() -> set[str]:
+    """The in-use marker names tier plugins hold while copying a checkpoint (each registered
+    plugin's ``STATEKIT_COPY_MARKERS``; the replicate plugin's ``statekit-replicate``)."""
+    markers: set[str] = set()
+    for _, plugin in get_plugin_manager().list_name_plugin():
+        markers |= set(getattr(plugin, "STATEKIT_COPY_MARKERS", None) or ())
+    return markers
 
 
 def _tier_text(entry: dict[str, Any]) -> str:

@@ -184,6 +184,33 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
 
 
 @runtime_checkable
+class Tier(Protocol):
+    """What the core asks of a tier plugin: one that copies every committed checkpoint to
+    another root (the built-in ``replicate`` plugin's ``replicate_to``; a third party's the
+    same way). The plugin keeps an object with these three methods in
+    ``manager.plugin_state[<its name>]`` (from ``statekit_manager_start``); the core finds it
+    there by this protocol, never by the plugin's name (``statekit.plugin_api.Tier``).
+
+    What the core does with it: :meth:`statekit.CheckpointManager.stats` reports the summed
+    :meth:`backlog`; the save on a signal waits (up to the grace period) for the signal's
+    checkpoint to be in :meth:`replicated_names` of every tier, then bounds the tiers' exit
+    wait with :meth:`exit_by`. A class may inherit from it (``class MyTier(Tier)``) or just
+    have the methods.
+    """
+
+    def backlog(self) -> dict[str, int]:
+        """What this rank has still to copy: ``{"checkpoints": n, "files": n, "bytes": n, ...}``
+        (counts, bytes; more keys allowed). Called from any thread; cheap."""
+
+    def replicated_names(self) -> set[str]:
+        """Names (``CheckpointDir.name``) of the checkpoints whose copy on the tier committed."""
+
+    def exit_by(self, deadline: float) -> None:
+        """Give up waiting for queued copies at interpreter exit after ``deadline``
+        (``time.monotonic()`` seconds): the process must exit before the scheduler's kill."""
+
+
+@runtime_checkable
 class ManagerView(Protocol):
     """What a manager hook may rely on of the :class:`statekit.CheckpointManager` it is
     handed (``manager``): the promised part of the manager for plugins

@@ -39,6 +39,7 @@ from statekit.errors import (
 )
 from statekit.engine.staging import StagingPool
 from statekit.format.manifest_types import Manifest
+from statekit.hooks.hookspecs import Tier
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 from statekit.storage.inuse import hold_in_use
@@ -212,11 +213,14 @@ class CheckpointManager:
         if self.signal_save is not None:  # handlers last: a manager whose start failed leaves none behind
             self.signal_save.install()
 
-    @property
-    def replicator(self) -> Any:
-        """The remote tier's :class:`statekit_replicate.replication.Replicator`, kept by the
-        ``replicate`` plugin in ``plugin_state["replicate"]`` (None without ``replicate_to``)."""
-        return self.plugin_state.get("replicate")
+    def tiers(self) -> list[Tier]:
+        """The tier plugins' objects of this manager (found in :attr:`plugin_state` by protocol).
+
+        Returns:
+            Each :class:`statekit.plugin_api.Tier` a plugin keeps there: with
+            ``replicate_to``, the remote tier's; empty without a tier plugin.
+        """
+        return [state for state in self.plugin_state.values() if isinstance(state, Tier)]
 
     # ---------------------------------------------------------------- queries
 
@@ -422,8 +426,11 @@ class CheckpointManager:
             A :class:`~statekit.manager.backpressure.CheckpointStats` (``.to_dict()``,
             ``.to_json()``).
         """
-        backlog = getattr(self.replicator, "backlog", None)
-        return self.save_stats.snapshot(backlog() if backlog is not None else None)
+        tiers = self.tiers()
+        backlog: dict[str, int] | None = None
+        for tier in tiers:  # summed over the tiers (one with replicate_to)
+            backlog = {k: (backlog or {}).get(k, 0) + v for k, v in tier.backlog().items()}
+        return self.save_stats.snapshot(backlog)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Wait for the pending async save (if any) and run its post-hooks; then for the

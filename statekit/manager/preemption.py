@@ -123,7 +123,7 @@ class SignalSave:
     the save). A second signal during the save is counted and does nothing else.
 
     Args:
-        manager: the manager (its ``save``, ``accelerator``, ``replicator`` and ``wait``).
+        manager: the manager (its ``save``, ``accelerator``, ``tiers()`` and ``wait``).
         signals: the signals to handle (:func:`parse_signals`).
         grace_s: seconds from the signal to the kill (the deadline of the save).
         on_signal: ``"exit"``: raise ``SystemExit(128 + signum)`` after the commit;
@@ -360,10 +360,11 @@ class SignalSave:
                 "" if (saved or not save) else " (committed already)",
             )
             replicated = None
-            replicator = self.manager.replicator
-            if replicator is not None:  # local copy committed; the remote copy until the deadline
+            tiers = self.manager.tiers()
+            if tiers:  # local copy committed; the tiers' copies until the deadline
                 self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
-                replicated = url.rstrip("/").rsplit("/", 1)[-1] in replicator.replicated_names()
+                name = url.rstrip("/").rsplit("/", 1)[-1]
+                replicated = all(name in tier.replicated_names() for tier in tiers)
                 logger.warning("save_on_signal: the remote copy of step %d %s, %.2f s after the signal", step,
                                "committed" if replicated else "did not commit within the grace",
                                time.monotonic() - since)
@@ -380,9 +381,9 @@ class SignalSave:
 
     def _stop(self, signum: signal.Signals | None) -> None:
         self.should_stop = True
-        exit_by = getattr(self.manager.replicator, "exit_by", None)
-        if exit_by is not None and self.deadline is not None:  # the wait at interpreter exit ends with the grace
-            exit_by(self.deadline)
+        if self.deadline is not None:  # the tiers' wait at interpreter exit ends with the grace
+            for tier in self.manager.tiers():
+                tier.exit_by(self.deadline)
         if self.on_signal == "exit":  # a rank the signal did not reach exits as the ranks that got it
             agreed = signal.Signals(self._agreed) if self._agreed else signal.SIGTERM
             raise SystemExit(exit_code(signum if signum is not None else agreed))
@@ -454,7 +455,7 @@ class SignalSave:
             return
         tier = (
             "writing to the local root first (replicate_to copies it to the remote tier until the deadline)"
-            if self.manager.replicator is not None
+            if self.manager.tiers()
             else "no faster local tier is configured (replicate_to: a local root_url, replicated to the remote one)"
         )
         warn_user(

@@ -41,7 +41,7 @@ elif mode == "first":
     losses = train_steps(run, SAVE_AT, on_step=lambda s: manager.save(s) if s == SAVE_AT else None)
     losses += train_steps(run, 3, start=SAVE_AT)
     manager.wait()  # an async save's commit
-    assert not manager.replicator or manager.replicator.wait(timeout=120) == []
+    assert not manager.plugin_state["replicate"] or manager.plugin_state["replicate"].wait(timeout=120) == []
 else:
     step = manager.resume()
     assert step == SAVE_AT, step
