@@ -43,7 +43,7 @@ from statekit.errors import (
     UnsupportedDtypeError,
     UnsupportedValueError,
 )
-from statekit.manager.listing import CheckpointDir, CheckpointInfo, list_checkpoints
+from statekit.manager.listing import CheckpointDir, list_checkpoints
 from statekit.manager.manager import CheckpointManager
 from statekit.manager.trainer_hook import CheckpointHook, TrainerProgress
 from statekit.hooks.registry import get_plugin_manager, hookimpl
@@ -57,7 +57,6 @@ __all__ = [
     "Manifest",
     "CheckpointDir",
     "list_checkpoints",
-    "CheckpointInfo",
     "CheckpointManager",
     "CheckpointHook",
     "CheckpointExistsError",

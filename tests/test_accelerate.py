@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import statekit
+import statekit.foreign.accelerate_convert
 from statekit.testing import assert_state_equal
 
 from accelerate_helpers import build, train_steps
@@ -24,9 +25,9 @@ def test_save_state_load_state_round_trip(storage_url, installed_plugin_manager)
     train_steps(run, 5)
     accelerator.step = 7
     manifest = statekit.save_state(accelerator, storage_url, step=5)
-    assert set(manifest["objects"]) == {
+    assert set(manifest.objects) == {
         "model_0", "optimizer_0", "scheduler_0", "dataloader_0", "custom_0", "scaler", "accelerator"}
-    assert "model_0.safetensors" in manifest["files"] and manifest["plugins"]["rng"]
+    assert "model_0.safetensors" in manifest.files and manifest.plugins["rng"]
 
     other = build(seed=2)
     acc2, model2, opt2, loader2, sched2, counter2 = other
@@ -58,14 +59,14 @@ def test_plugin_taking_a_model_keeps_other_file_names(tmp_path, plugin_manager):
     accelerator = run[0]
     second = accelerator.prepare(torch.nn.Linear(2, 2))
     manifest = statekit.save_state(accelerator, str(tmp_path / "c"))
-    assert "model_0.safetensors" not in manifest["files"]
-    assert "model_1.safetensors" in manifest["files"]
-    assert manifest["objects"]["model_0"]["owner"] == "takefirst"
-    assert manifest["files"]["mine/weights.safetensors"]["writer"] == "takefirst"
+    assert "model_0.safetensors" not in manifest.files
+    assert "model_1.safetensors" in manifest.files
+    assert manifest.objects["model_0"].owner == "takefirst"
+    assert manifest.files["mine/weights.safetensors"].writer == "takefirst"
     with torch.no_grad():
         second.weight.add_(1)
     saved = statekit.load_state(accelerator, str(tmp_path / "c"))
-    assert saved["step"] is None
+    assert saved.step is None
     assert len(accelerator._models) == 2  # the bridge never removes models from the Accelerator
 
 
@@ -111,8 +112,8 @@ def test_attach_runs_plugins_around_accelerator_save_state(tmp_path, plugin_mana
     assert "model.safetensors" not in names  # the plugin took the only model
     assert {"statekit.json", "recorder.json", "optimizer.bin"} <= names
     manifest = statekit.format.manifest.read_manifest(statekit.storage.Storage(target))
-    assert manifest["files"]["recorder.json"]["writer"] == "recorder"
-    assert manifest["files"]["optimizer.bin"]["writer"] == "accelerate"
+    assert manifest.files["recorder.json"].writer == "recorder"
+    assert manifest.files["optimizer.bin"].writer == "accelerate"
     statekit.verify(target)
     accelerator.load_state(target)
     assert [c[0] for c in calls] == ["attach", "save_pre", "save_post", "load_pre", "load_post"]
@@ -162,15 +163,15 @@ def test_malicious_pickle_never_runs(tmp_path, installed_plugin_manager):
     with pytest.raises(statekit.PickleNotAllowedError):
         statekit.load_state(other[0], target)
     with pytest.raises(statekit.PickleNotAllowedError):
-        statekit.foreign.accelerate.convert(target, str(tmp_path / "converted"))
+        statekit.foreign.accelerate_convert.convert(target, str(tmp_path / "converted"))
     assert not marker.exists()
 
 
 def test_convert_accelerate_directory(tmp_path, installed_plugin_manager):
     run, target = _accelerate_dir(tmp_path)
     out = str(tmp_path / "converted")
-    manifest = statekit.foreign.accelerate.convert(target, out, allow_pickle=True)
-    assert {"model_0", "optimizer_0", "scheduler_0", "custom_0"} <= set(manifest["objects"])
+    manifest = statekit.foreign.accelerate_convert.convert(target, out, allow_pickle=True)
+    assert {"model_0", "optimizer_0", "scheduler_0", "custom_0"} <= set(manifest.objects)
     statekit.verify(out)
     model = build(seed=5)[1]
     statekit.load(out, {"model_0": model})

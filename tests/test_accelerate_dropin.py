@@ -52,8 +52,8 @@ def test_automatic_naming_in_attach_mode_writes_inside_the_checkpoint(tmp_path, 
     for n in (0, 1):
         folder = tmp_path / "project" / "checkpoints" / f"checkpoint_{n}"
         manifest = statekit.verify(str(folder))
-        assert "dataloader_0/rank-00000.json" in manifest["files"]
-        assert any(rel.startswith("rng/") for rel in manifest["files"])
+        assert "dataloader_0/rank-00000.json" in manifest.files
+        assert any(rel.startswith("rng/") for rel in manifest.files)
     assert accelerator.project_configuration.iteration == 2
 
 
@@ -132,10 +132,10 @@ def test_compiled_model_in_attach_mode_loads_into_a_plain_model_and_back(tmp_pat
     statekit.load_state(back_acc, str(tmp_path / "plain"))
     assert_state_equal(back._orig_mod.state_dict(), compiled._orig_mod.state_dict())
 
-    from statekit.foreign.accelerate import convert
+    from statekit.foreign.accelerate_convert import convert
 
     manifest = convert(str(tmp_path / "c"), str(tmp_path / "converted"), allow_pickle=True)
-    assert "model_0.safetensors" in manifest["files"]
+    assert "model_0.safetensors" in manifest.files
     assert not any(k.startswith("_orig_mod.") for k in load_file(str(tmp_path / "converted" / "model_0.safetensors")))
 
 
@@ -193,9 +193,9 @@ def test_registered_accelerate_hooks_run_under_save_state_and_load_state(tmp_pat
     url = str(tmp_path / "c")
     manifest = statekit.save_state(accelerator, url)
     assert calls == [("save", 1, 1, url)]
-    assert "model_0.safetensors" not in manifest["files"]  # the hook took the model
-    assert manifest["objects"]["model_0"]["owner"] == "accelerate-hooks"
-    assert manifest["files"]["net/weights.pt"]["writer"] == "accelerate-hooks"
+    assert "model_0.safetensors" not in manifest.files  # the hook took the model
+    assert manifest.objects["model_0"].owner == "accelerate-hooks"
+    assert manifest.files["net/weights.pt"].writer == "accelerate-hooks"
     statekit.verify(url)
 
     other = fresh_accelerator()
@@ -272,7 +272,7 @@ def test_manager_skips_an_incomplete_accelerate_folder(tmp_path, installed_plugi
 
 
 def test_convert_then_load_restores_what_accelerate_restores(tmp_path, installed_plugin_manager):
-    from statekit.foreign.accelerate import convert
+    from statekit.foreign.accelerate_convert import convert
 
     source = build(seed=4, stateful=True)
     source[0].scaler = None
@@ -286,8 +286,8 @@ def test_convert_then_load_restores_what_accelerate_restores(tmp_path, installed
     source[0].save_state(str(tmp_path / "acc"))
     manifest = convert(str(tmp_path / "acc"), str(tmp_path / "sk"), allow_pickle=True)
     assert not (tmp_path / "sk" / ".statekit-lock").exists()
-    assert statekit.verify(str(tmp_path / "sk"))["files"] == manifest["files"]
-    assert manifest["world_size"] == 1
+    assert statekit.verify(str(tmp_path / "sk")).files == manifest.files
+    assert manifest.world_size == 1
 
     # each load restores the global RNG, from which the loaders draw: read each run right after its load
     by_accelerate = build(seed=6, stateful=True)
@@ -414,7 +414,7 @@ def test_hooks_registered_before_attach_after_prepare(tmp_path, installed_plugin
     model, optimizer, loader = _prepared(accelerator)
     statekit.attach(accelerator)
     accelerator.save_state(str(tmp_path / "c"))
-    assert "net/weights.pt" in statekit.verify(str(tmp_path / "c"))["files"]
+    assert "net/weights.pt" in statekit.verify(str(tmp_path / "c")).files
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.weight.zero_()
@@ -436,7 +436,7 @@ def test_registered_hook_editing_a_weights_entry_is_saved_as_edited(tmp_path, ed
     accelerator.register_save_state_pre_hook(hook)
     model, optimizer, loader = _prepared(accelerator)
     manifest = statekit.save_state(accelerator, str(tmp_path / "c"))
-    assert manifest["objects"]["model_0"]["owner"] == "statekit"
+    assert manifest.objects["model_0"].owner == "statekit"
     from safetensors.torch import load_file
 
     assert set(load_file(str(tmp_path / "c" / "model_0.safetensors"))) == {"weight"}

@@ -41,12 +41,12 @@ class Notes:
 
 
 def _check_manifest(url: str) -> None:
-    files = statekit.verify(url)["files"]
+    files = statekit.verify(url).files
     data = NOTES.encode("utf-8")
-    assert files["notes.txt"]["size_bytes"] == len(data)
-    assert files["notes.txt"]["checksum"] == checksum_bytes(data)
-    assert files["notes.txt"]["writer"] == "notes"
-    assert files["more/closed.txt"]["size_bytes"] == len(b"closed early")
+    assert files["notes.txt"].size_bytes == len(data)
+    assert files["notes.txt"].checksum == checksum_bytes(data)
+    assert files["notes.txt"].writer == "notes"
+    assert files["more/closed.txt"].size_bytes == len(b"closed early")
 
 
 def test_text_write_and_read_sync(tmp_path, plugin_manager):

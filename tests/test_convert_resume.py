@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import statekit
+import statekit.foreign.accelerate_convert
 from statekit.cli import main as cli
 from statekit.testing import assert_state_equal
 
@@ -126,5 +127,5 @@ def test_damaged_attach_mode_file_is_named_and_nothing_committed(tmp_path, insta
     position.write_bytes(bytes(data))
     out = tmp_path / "converted"
     with pytest.raises(statekit.CorruptCheckpointError, match=r"dataloader_0/rank-00000\.json: checksum .* nothing was converted"):
-        statekit.foreign.accelerate.convert(folder, str(out), allow_pickle=True)
+        statekit.foreign.accelerate_convert.convert(folder, str(out), allow_pickle=True)
     assert not (out / "statekit.json").exists()

@@ -49,7 +49,7 @@ def _saved_state(url: str, key: str):
 
 
 def _gradient_files(manifest) -> list[str]:
-    return sorted(p for p in manifest["files"] if p.startswith("gradients/"))
+    return sorted(p for p in manifest.files if p.startswith("gradients/"))
 
 
 @pytest.mark.parametrize("way", ["save_state", "manager", "attach"])
@@ -139,7 +139,7 @@ def test_no_accumulation_writes_no_gradient_entry(tmp_path, installed_plugin_man
     run = _attached()
     train_micro_batches(run, 3)
     manifest = statekit.save_state(run[0], str(tmp_path / "c"))
-    assert "gradients" not in manifest["objects"] and not _gradient_files(manifest)
+    assert "gradients" not in manifest.objects and not _gradient_files(manifest)
 
 
 def test_gradients_that_do_not_fit_leave_the_model_untouched(tmp_path, installed_plugin_manager):

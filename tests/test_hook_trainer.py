@@ -132,10 +132,10 @@ def test_hook_saves_every_n_steps_and_at_epoch_end_once_per_step(tmp_path: Path)
         saved.append(hook.on_step_end(None))
     progress.finish_epoch()
     saved.append(hook.on_epoch_end(None))
-    assert [m is not None and m["step"] for m in saved] == [False, 2, False, 3]
+    assert [m is not None and m.step for m in saved] == [False, 2, False, 3]
     for _ in range(1):  # an epoch of one step, step 4: saved at its step end, not again at its epoch end
         _train_step(model, optimizer, progress)
-        assert hook.on_step_end(None)["step"] == 4
+        assert hook.on_step_end(None).step == 4
     progress.finish_epoch()
     assert hook.on_epoch_end(None) is None
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
@@ -160,7 +160,7 @@ def test_hook_waits_for_an_async_save_at_loop_end(tmp_path: Path):
     hook.on_step_end(None)
     assert manager.pending is not None
     manifest = hook.on_loop_end(None)
-    assert manifest["step"] == 1 and manager.pending is None
+    assert manifest.step == 1 and manager.pending is None
     assert (tmp_path / "checkpoint-00000001" / "statekit.json").is_file()
     assert hook.on_loop_end(None) is None
 

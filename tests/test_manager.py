@@ -202,12 +202,11 @@ def test_a_checkpoint_skipped_for_a_missing_plugin_is_not_replaced(tmp_path, plu
         again.save(2)
 
 
-def test_listing_returns_checkpoint_dirs_and_the_former_name_still_imports(tmp_path, installed_plugin_manager):
-    """A listing's entries are CheckpointDir (Checkpoint is the save/load context); the
-    former name CheckpointInfo is the same class."""
+def test_listing_returns_checkpoint_dirs(tmp_path, installed_plugin_manager):
+    """A listing's entries are CheckpointDir (Checkpoint is the save/load context)."""
     manager = statekit.CheckpointManager(build(seed=0, stateful=False)[0], str(tmp_path))
     manager.save(1)
     listed = manager.list()
     assert len(listed) == 1 and type(listed[0]) is statekit.CheckpointDir
     assert listed[0].step == 1 and listed[0].committed
-    assert statekit.CheckpointInfo is statekit.CheckpointDir
+    assert not hasattr(statekit, "CheckpointInfo")  # the pre-release name is gone

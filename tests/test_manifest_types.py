@@ -166,16 +166,14 @@ def test_an_edited_manifest_fails_its_own_checksum():
         Manifest.from_json(b"{", "c/statekit.json")
 
 
-def test_reading_the_manifest_by_key_still_works_and_warns_at_the_callers_line(tmp_path):
+def test_the_manifest_is_read_by_attribute_only(tmp_path):
+    """The pre-release dict reads are gone: a key read is a TypeError, the JSON form is to_json()."""
     manifest = statekit.save(str(tmp_path / "ckpt"), {"t": torch.ones(2)}, step=3)
-
-    with pytest.warns(DeprecationWarning, match=r"Manifest\['step'\] is deprecated.*read the attribute") as caught:
-        step = manifest["step"]
-    assert step == 3 and caught[0].filename == __file__
-    with pytest.warns(DeprecationWarning):
-        assert manifest["files"]["t.safetensors"]["size_bytes"] == manifest.files["t.safetensors"].size_bytes
-    with pytest.warns(DeprecationWarning):
-        assert manifest.get("fingerprint")["world_size"] == 1 and "records" in manifest
+    with pytest.raises(TypeError):
+        manifest["step"]  # noqa: B018
+    assert not hasattr(manifest, "get") and not hasattr(manifest, "keys")
+    assert manifest.step == 3 and manifest.to_json()["step"] == 3
+    assert manifest.to_json()["files"]["t.safetensors"]["size_bytes"] == manifest.files["t.safetensors"].size_bytes
 
 
 def test_a_non_strict_load_reports_on_the_manifest_it_returns(tmp_path):
@@ -234,3 +232,14 @@ def test_statekit_itself_never_reads_the_manifest_by_key(tmp_path, tiny_accelera
             assert runner.invoke(main, args, catch_exceptions=False).exit_code == 0, args
     key_reads = [str(w.message) for w in caught if "is deprecated: the manifest is a typed object" in str(w.message)]
     assert not key_reads
+
+
+def test_no_manifest_field_can_be_dropped_silently():
+    """Every field of every manifest record is written: the Manifest's fields are exactly its
+    key order plus the load-only report fields, so a field added to the dataclass and left
+    out of _ORDER fails here instead of silently never reaching the file."""
+    import dataclasses
+
+    written = set(Manifest._ORDER)
+    fields = {f.name for f in dataclasses.fields(Manifest)} - set(Manifest._JSON_ONLY)
+    assert fields == written, f"written but not fields: {written - fields}; fields never written: {fields - written}"

@@ -16,7 +16,7 @@ The group is :func:`main` (:mod:`statekit.cli.group`, the console script
 Call sequence: :func:`main` (click) -> the command's module -> the API below it
 (``ls``/``gc``: :mod:`statekit.manager.listing`; ``inspect``/``diff``: :mod:`statekit.foreign`;
 ``verify``: :func:`statekit.engine.read.verify`; ``convert``:
-:func:`statekit.foreign.accelerate.convert`) -> :mod:`~statekit.cli.output` prints a table
+:func:`statekit.foreign.accelerate_convert.convert`) -> :mod:`~statekit.cli.output` prints a table
 or JSON, and a :class:`statekit.errors.StatekitError` becomes exit code 1 with its message.
 """
 

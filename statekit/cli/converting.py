@@ -8,7 +8,7 @@ import click
 
 from statekit.cli.output import fail, parse_key_values, storage_option, storage_options_of
 from statekit.errors import StatekitError
-from statekit.foreign.accelerate import convert as convert_accelerate
+from statekit.foreign.accelerate_convert import convert as convert_accelerate
 from statekit.format.manifest import read_manifest
 from statekit.hooks.registry import get_plugin_manager
 from statekit.progress import progress

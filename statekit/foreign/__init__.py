@@ -33,7 +33,7 @@ Call sequence: :func:`open_checkpoint` -> :func:`detect_format` -> the format's
 reads one) -> :func:`diff` compares two readers tensor by tensor. Loading an Accelerate
 folder (:func:`statekit.api.loading.load_objects` falls back to it) goes through
 :func:`statekit.foreign.accelerate.load`; ``statekit convert`` through
-:func:`statekit.foreign.accelerate.convert`, which commits through :mod:`statekit.engine.commit`.
+:func:`statekit.foreign.accelerate_convert.convert`, which commits through :mod:`statekit.engine.commit`.
 """
 
 from __future__ import annotations

@@ -415,12 +415,3 @@ def _apply_all_or_nothing(storage: Storage, staged: list[tuple[Any, str, Any]], 
 ACCELERATE_RNG = "accelerate_rng"
 """Key of the random states a converted Accelerate checkpoint carries (per rank); the
 core restores them on load as Accelerate's ``load_state`` would."""
-
-
-def convert(src_url: str, out_url: str, **kwargs: Any) -> dict[str, Any]:
-    """Rewrite an Accelerate directory in the statekit format: see
-    :func:`statekit.foreign.accelerate_convert.convert` (the converter; kept here for
-    existing callers)."""
-    from statekit.foreign.accelerate_convert import convert as convert_directory  # it imports this module
-
-    return convert_directory(src_url, out_url, **kwargs)

@@ -26,9 +26,8 @@ Compatibility rules, the same for every type:
   the parsed object again, key for key and in order, so its bytes round-trip exactly.
   A manifest built in code (the save path) writes its keys in the order the format
   documents.
-- ``manifest["step"]``, ``manifest.get(...)`` and ``"step" in manifest`` (the manifest was a
-  dict before) still work, with a :class:`DeprecationWarning` pointing at the caller's
-  line; they read the JSON form (``to_json()``), so nested values are plain JSON.
+- Fields are read as attributes (``manifest.step``, ``manifest.files[rel].checksum``); the
+  JSON form is ``to_json()``.
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from statekit.errors import CorruptCheckpointError, FormatVersionError, warn_user
+from statekit.errors import CorruptCheckpointError, FormatVersionError
 from statekit.storage.hashing import checksum_bytes
 
 FORMAT = "statekit/1"
@@ -179,44 +178,6 @@ class _JsonRecord:
             if key not in out:
                 out[key] = value
         return out
-
-    # The manifest was a dict up to statekit 0.x: reads by key keep working, warned.
-    def _legacy(self, key: str) -> dict[str, Any]:
-        warn_user(
-            f"{type(self).__name__}[{key!r}] is deprecated: the manifest is a typed object now; "
-            f"read the attribute instead (see docs/migrating.md)",
-            DeprecationWarning,
-        )
-        return self.to_json()
-
-    def __getitem__(self, key: str) -> Any:
-        return self._legacy(key)[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Deprecated dict-style read of the JSON form: ``to_json().get(key, default)``.
-
-        Args:
-            key: a JSON key.
-            default: returned when the key is absent.
-
-        Returns:
-            The JSON value, or ``default``.
-        """
-        return self._legacy(key).get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._legacy(str(key))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._legacy("__iter__"))
-
-    def keys(self) -> Any:
-        """Deprecated: the JSON form's keys."""
-        return self._legacy("keys").keys()
-
-    def items(self) -> Any:
-        """Deprecated: the JSON form's items."""
-        return self._legacy("items").items()
 
 
 def _built(cls: type, values: dict[str, Any]) -> Any:
@@ -568,15 +529,6 @@ class Manifest(_JsonRecord):
 
     def _field_names(self) -> list[str]:
         return list(self._ORDER)
-
-    def __getitem__(self, key: str) -> Any:  # a load's two extra keys, as the dict had them
-        if key == "incompatible_keys" and self.incompatible_keys is not None:
-            self._legacy(key)
-            return self.incompatible_keys
-        if key == "missing_objects" and self.missing_objects is not None:
-            self._legacy(key)
-            return list(self.missing_objects)
-        return super().__getitem__(key)
 
     @classmethod
     def from_json(cls, manifest: Any, source: str, *, check_checksum: bool = True) -> Manifest:

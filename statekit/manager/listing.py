@@ -31,8 +31,7 @@ LATEST_NAME = "latest"
 class CheckpointDir:
     """One checkpoint directory under a manager root, as a listing reports it (committed or
     not). Not to be confused with :class:`statekit.Checkpoint`, the context one save or load
-    works through (what hooks receive as ``checkpoint``). Called ``CheckpointInfo`` before
-    issue 28; that name stays importable from ``statekit``.
+    works through (what hooks receive as ``checkpoint``).
 
     Attributes:
         step: the step in its name.
@@ -91,7 +90,6 @@ class CheckpointDir:
         return describe_kind(self.kind)
 
 
-CheckpointInfo = CheckpointDir
 """Former name of :class:`CheckpointDir`, kept importable from ``statekit``."""
 
 

@@ -46,14 +46,14 @@ def test_two_diffusers_models_and_a_plain_module_each_restored(pm, storage_url):
     train_step(unet, opt, extra["ema"])
     train_step(vae, opt)
     manifest = statekit.save_state(accelerator, storage_url)
-    objects = manifest["objects"]
-    assert [objects[k]["owner"] for k in ("model_0", "model_1", "model_2")] == ["diffusers", "diffusers", "statekit"]
-    assert objects["custom_0"]["owner"] == objects["custom_1"]["owner"] == "diffusers"
-    records = manifest["records"]["diffusers"]
+    objects = manifest.objects
+    assert [objects[k].owner for k in ("model_0", "model_1", "model_2")] == ["diffusers", "diffusers", "statekit"]
+    assert objects["custom_0"].owner == objects["custom_1"].owner == "diffusers"
+    records = manifest.records["diffusers"]
     assert {k: records[k]["folder"] for k in ("model_0", "model_1", "custom_0", "custom_1")} == {
         "model_0": "unet", "model_1": "vae", "custom_0": "unet_ema", "custom_1": "scheduler",
     }
-    assert "model_2.safetensors" in manifest["files"]  # the plain module keeps its own stable name
+    assert "model_2.safetensors" in manifest.files  # the plain module keeps its own stable name
 
     accelerator2, unet2, vae2, head2, opt2, extra2 = build(1, ema=True, scheduler=True)
     statekit.load_state(accelerator2, storage_url)
@@ -150,7 +150,7 @@ def test_attach_replaces_the_train_text_to_image_hooks(pm, tmp_path):
     for d in ("hooks", "plugin"):  # neither wrote the UNet a second time
         assert not any(n.startswith(("model.", "pytorch_model")) for n in os.listdir(tmp_path / d))
     manifest = json.loads((tmp_path / "plugin" / "statekit.json").read_text())
-    assert manifest["records"]["diffusers"]["model_0"]["folder"] == "unet"
+    assert manifest["records"]["diffusers"]["model_0"]["folder"] == "unet"  # the file's JSON
 
     # 3. resume with the plugin: weights and EMA restored into the live objects
     accelerator2, unet2, opt2, ema2 = text_to_image_run(1)

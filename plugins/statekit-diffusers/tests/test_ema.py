@@ -41,11 +41,11 @@ def assert_same_ema(a, b):
 def test_ema_round_trip_in_place(pm, storage_url):
     model, opt, ema = trained()
     manifest = statekit.save(storage_url, {"unet": model, "optim": opt, "ema": ema})
-    rec = manifest["records"]["diffusers"]["ema"]
-    assert manifest["objects"]["ema"]["owner"] == "diffusers"
+    rec = manifest.records["diffusers"]["ema"]
+    assert manifest.objects["ema"].owner == "diffusers"
     assert rec["folder"] == "unet_ema" and rec["model_key"] == "unet" and rec["kind"] == "ema"
     assert rec["counters"]["optimization_step"] == 3
-    assert {"unet_ema/config.json", "unet_ema/diffusion_pytorch_model.safetensors"} <= set(manifest["files"])
+    assert {"unet_ema/config.json", "unet_ema/diffusion_pytorch_model.safetensors"} <= set(manifest.files)
 
     fresh = tiny_unet(seed=1)
     fresh_ema = make_ema(fresh)  # default counters, other weights
@@ -85,7 +85,7 @@ def test_ema_paired_through_model_cls_without_the_model(pm, tmp_path):
     model, _, ema = trained(model_cls=UNet2DModel, model_config=tiny_unet().config)
     url = str(tmp_path / "ckpt")
     manifest = statekit.save(url, {"ema": ema, "vae": tiny_vae()})  # the EMA's model is not part of this save
-    rec = manifest["records"]["diffusers"]["ema"]
+    rec = manifest.records["diffusers"]["ema"]
     assert rec["folder"] == "unet_ema" and rec["model_key"] is None and rec["model_class"] == "UNet2DModel"
     fresh = make_ema(tiny_unet(seed=3))
     statekit.load(url, {"ema": fresh, "vae": tiny_vae(seed=3)})
@@ -98,18 +98,18 @@ def test_ema_that_matches_several_models_needs_a_pairing(pm, tmp_path):
     with pytest.raises(PluginError, match="matches several models"):
         statekit.save(str(tmp_path / "a"), {"a": first, "b": second, "ema": ema})
     manifest = statekit.save(str(tmp_path / "b"), {"a": first, "b": second, "ema": ema}, diffusers_ema={"ema": "b"})
-    rec = manifest["records"]["diffusers"]["ema"]
+    rec = manifest.records["diffusers"]["ema"]
     assert rec["model_key"] == "b" and rec["folder"] == "unet_1_ema"
     statekit_diffusers.configure(ema={ema: second}, names={ema: "student_ema"})
     manifest = statekit.save(str(tmp_path / "c"), {"a": first, "b": second, "ema": ema})
-    assert manifest["records"]["diffusers"]["ema"]["folder"] == "student_ema"
+    assert manifest.records["diffusers"]["ema"]["folder"] == "student_ema"
 
 
 def test_ema_of_a_plain_module_stays_with_the_core(pm, tmp_path):
     net = torch.nn.Linear(4, 4)
     ema = make_ema(net)
     manifest = statekit.save(str(tmp_path / "ckpt"), {"net": net, "ema": ema})
-    assert manifest["objects"]["ema"]["owner"] == "statekit"
+    assert manifest.objects["ema"].owner == "statekit"
     fresh = make_ema(torch.nn.Linear(4, 4))
     statekit.load(str(tmp_path / "ckpt"), {"net": torch.nn.Linear(4, 4), "ema": fresh})
     for a, b in zip(ema.shadow_params, fresh.shadow_params):
@@ -135,11 +135,11 @@ def test_noise_scheduler_saved_in_diffusers_layout(pm, storage_url):
 
     sched = statekit_diffusers.NoiseScheduler(DDPMScheduler(num_train_timesteps=40, beta_schedule="squaredcos_cap_v2"))
     manifest = statekit.save(storage_url, {"unet": tiny_unet(), "noise": sched})
-    assert manifest["objects"]["noise"]["owner"] == "diffusers"
-    assert manifest["records"]["diffusers"]["noise"] == {
+    assert manifest.objects["noise"].owner == "diffusers"
+    assert manifest.records["diffusers"]["noise"] == {
         "kind": "scheduler", "folder": "scheduler", "class": "DDPMScheduler", "library": "diffusers",
     }
-    assert "scheduler/scheduler_config.json" in manifest["files"]
+    assert "scheduler/scheduler_config.json" in manifest.files
     with warnings.catch_warnings():
         warnings.simplefilter("error", StatekitWarning)
         statekit.load(storage_url, {"unet": tiny_unet(), "noise": statekit_diffusers.NoiseScheduler(DDPMScheduler(
@@ -153,7 +153,7 @@ def test_noise_scheduler_without_the_plugin_goes_through_the_core(plugin_manager
 
     sched = statekit_diffusers.NoiseScheduler(DDPMScheduler(num_train_timesteps=40))
     manifest = statekit.save(str(tmp_path / "ckpt"), {"noise": sched})
-    assert manifest["objects"]["noise"]["owner"] == "statekit"
+    assert manifest.objects["noise"].owner == "statekit"
     with pytest.warns(StatekitWarning, match="num_train_timesteps"):
         statekit.load(str(tmp_path / "ckpt"), {"noise": statekit_diffusers.NoiseScheduler(DDPMScheduler())})
     with pytest.raises(statekit.StatekitError, match="config mapping"):

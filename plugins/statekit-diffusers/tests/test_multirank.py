@@ -27,8 +27,8 @@ WORKER = textwrap.dedent(
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     train_step(ddp.module, opt, ema)
     manifest = statekit.save({url!r}, {{"unet": ddp, "ema": ema}})
-    assert manifest["objects"]["unet"]["owner"] == "diffusers", manifest["objects"]
-    writers = {{f: e["rank"] for f, e in manifest["files"].items() if f.startswith("unet")}}
+    assert manifest.objects["unet"].owner == "diffusers", manifest.objects
+    writers = {{f: e.rank for f, e in manifest.files.items() if f.startswith("unet")}}
     assert writers and set(writers.values()) == {{0}}, writers
     fresh = tiny_unet(1 + rank)
     fresh_ema = EMAModel(fresh.parameters())

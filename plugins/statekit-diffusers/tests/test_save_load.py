@@ -50,17 +50,17 @@ def test_round_trip_is_bit_exact_and_in_place(pm, storage_url, tmp_path, make):
     train_step(model, opt)
     manifest = statekit.save(storage_url, {"unet": model, "optim": opt}, step=7)
 
-    assert manifest["objects"]["unet"]["owner"] == "diffusers"
-    assert manifest["objects"]["unet"]["owner_distribution"] == "statekit-diffusers"
-    assert manifest["records"]["diffusers"]["unet"] == {
+    assert manifest.objects["unet"].owner == "diffusers"
+    assert manifest.objects["unet"].owner_distribution == "statekit-diffusers"
+    assert manifest.records["diffusers"]["unet"] == {
         "kind": "model",
         "folder": "unet",
         "class": type(model).__name__,
         "library": "diffusers",
         "weights": ["unet/diffusion_pytorch_model.safetensors"],
     }
-    assert {"unet/config.json", "unet/diffusion_pytorch_model.safetensors"} <= set(manifest["files"])
-    assert "unet.safetensors" not in manifest["files"]
+    assert {"unet/config.json", "unet/diffusion_pytorch_model.safetensors"} <= set(manifest.files)
+    assert "unet.safetensors" not in manifest.files
 
     fresh = make(seed=1)
     params_before = [id(p) for p in fresh.parameters()]
@@ -143,7 +143,7 @@ def test_sharded_save_writes_index_and_loads(pm, tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in model.state_dict().values())
     for shard in shards:
         assert (folder / shard).stat().st_size <= 40_000 + 4_096  # data <= limit, plus the header
-    assert manifest["records"]["diffusers"]["unet"]["weights"] == [f"unet/{s}" for s in shards]
+    assert manifest.records["diffusers"]["unet"]["weights"] == [f"unet/{s}" for s in shards]
 
     fresh = tiny_unet(seed=5)
     statekit.load(url, {"unet": fresh})
@@ -156,7 +156,7 @@ def test_sharded_save_writes_index_and_loads(pm, tmp_path):
 def test_folder_names_from_class_and_deduplicated(pm, tmp_path):
     state = {"a": tiny_unet(), "b": tiny_unet(seed=1), "c": tiny_vae(), "d": tiny_cond_unet()}
     manifest = statekit.save(str(tmp_path / "ckpt"), state)
-    folders = {k: r["folder"] for k, r in manifest["records"]["diffusers"].items()}
+    folders = {k: r["folder"] for k, r in manifest.records["diffusers"].items()}
     assert folders == {"a": "unet", "b": "unet_1", "c": "vae", "d": "unet_2"}
     loaded = {"a": tiny_unet(seed=9), "b": tiny_unet(seed=9), "c": tiny_vae(seed=9), "d": tiny_cond_unet(seed=9)}
     statekit.load(str(tmp_path / "ckpt"), loaded)
@@ -167,11 +167,11 @@ def test_folder_names_from_class_and_deduplicated(pm, tmp_path):
 def test_folder_names_given_in_code(pm, tmp_path):
     first, second = tiny_unet(), tiny_unet(seed=1)
     manifest = statekit.save(str(tmp_path / "a"), {"m0": first, "m1": second}, diffusers_names={"m1": "unet", second: "x"})
-    assert {k: r["folder"] for k, r in manifest["records"]["diffusers"].items()} == {"m0": "unet_1", "m1": "unet"}
+    assert {k: r["folder"] for k, r in manifest.records["diffusers"].items()} == {"m0": "unet_1", "m1": "unet"}
 
     statekit_diffusers.configure(names={first: "student", "m1": "teacher"})
     manifest = statekit.save(str(tmp_path / "b"), {"m0": first, "m1": second})
-    assert {k: r["folder"] for k, r in manifest["records"]["diffusers"].items()} == {"m0": "student", "m1": "teacher"}
+    assert {k: r["folder"] for k, r in manifest.records["diffusers"].items()} == {"m0": "student", "m1": "teacher"}
 
     with pytest.raises(PluginError, match="used twice"):
         statekit.save(str(tmp_path / "c"), {"m0": first, "m1": second}, diffusers_names={"m0": "unet", "m1": "unet"})
@@ -184,7 +184,7 @@ def test_wrapped_model_is_unwrapped(pm, tmp_path):
     compiled = torch.compile(model)  # an OptimizedModule wrapper; nothing is compiled until called
     url = str(tmp_path / "ckpt")
     manifest = statekit.save(url, {"unet": compiled})
-    assert manifest["objects"]["unet"]["owner"] == "diffusers"
+    assert manifest.objects["unet"].owner == "diffusers"
     fresh = tiny_unet(seed=2)
     statekit.load(url, {"unet": torch.compile(fresh)})
     assert_same_weights(model, fresh)
@@ -192,8 +192,8 @@ def test_wrapped_model_is_unwrapped(pm, tmp_path):
 
 def test_plain_modules_stay_on_the_core_path(pm, tmp_path):
     manifest = statekit.save(str(tmp_path / "ckpt"), {"unet": tiny_unet(), "head": torch.nn.Linear(3, 2)})
-    assert manifest["objects"]["head"]["owner"] == "statekit"
-    assert "head.safetensors" in manifest["files"]
+    assert manifest.objects["head"].owner == "statekit"
+    assert "head.safetensors" in manifest.files
 
 
 def test_discovered_from_entry_point(pm):
@@ -212,8 +212,8 @@ def test_blocking_the_plugin_falls_back_to_the_core(monkeypatch, tmp_path):
     url = str(tmp_path / "ckpt")
     with use_plugin_manager(pm):
         manifest = statekit.save(url, {"unet": model})
-        assert manifest["objects"]["unet"]["owner"] == "statekit"
-        assert "unet.safetensors" in manifest["files"] and "unet/config.json" not in manifest["files"]
+        assert manifest.objects["unet"].owner == "statekit"
+        assert "unet.safetensors" in manifest.files and "unet/config.json" not in manifest.files
         fresh = tiny_unet(seed=4)
         statekit.load(url, {"unet": fresh})
     assert_same_weights(model, fresh)
@@ -244,8 +244,8 @@ def test_s3_save_stages_nothing_locally(pm, s3_bucket, tmp_path, monkeypatch):
     url = f"{s3_bucket}/run/checkpoint-1"
     manifest = statekit.save(url, {"unet": model}, max_shard_size="100KB")
     assert os.listdir(empty) == []
-    assert "unet/diffusion_pytorch_model.safetensors.index.json" in manifest["files"]
-    assert len(manifest["records"]["diffusers"]["unet"]["weights"]) >= 2
+    assert "unet/diffusion_pytorch_model.safetensors.index.json" in manifest.files
+    assert len(manifest.records["diffusers"]["unet"]["weights"]) >= 2
     fresh = tiny_cond_unet(seed=1)
     statekit.load(url, {"unet": fresh})
     assert_same_weights(model, fresh)
@@ -280,8 +280,8 @@ def test_dtensor_model_is_left_to_the_fsdp_plugin(tmp_path, plugin_manager):
     finally:
         dist.destroy_process_group()
     assert seen["left"] == ["sharded"]
-    assert manifest["objects"]["sharded"]["owner"] == "fsdp"
-    assert manifest["objects"]["plain"]["owner"] == "diffusers"
+    assert manifest.objects["sharded"].owner == "fsdp"
+    assert manifest.objects["plain"].owner == "diffusers"
 
 
 def test_fsdp2_model_goes_to_statekit_fsdp_and_folder_names_avoid_its_key(pm, tmp_path):
@@ -299,9 +299,9 @@ def test_fsdp2_model_goes_to_statekit_fsdp_and_folder_names_avoid_its_key(pm, tm
         fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
         url = str(tmp_path / "ckpt")
         manifest = statekit.save(url, {"unet": sharded, "plain": plain})
-        assert manifest["objects"]["unet"]["owner"] == "fsdp"
-        assert manifest["objects"]["plain"]["owner"] == "diffusers"
-        assert manifest["records"]["diffusers"]["plain"]["folder"] == "unet_1"
+        assert manifest.objects["unet"].owner == "fsdp"
+        assert manifest.objects["plain"].owner == "diffusers"
+        assert manifest.records["diffusers"]["plain"]["folder"] == "unet_1"
         fresh_sharded, fresh_plain = tiny_unet(seed=2), tiny_unet(seed=2)
         fully_shard(fresh_sharded, mesh=init_device_mesh("cpu", (1,)))
         statekit.load(url, {"unet": fresh_sharded, "plain": fresh_plain})

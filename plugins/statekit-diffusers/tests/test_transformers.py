@@ -38,10 +38,10 @@ def test_text_encoder_round_trip_and_from_pretrained(pm, storage_url, tmp_path):
     encoder(torch.tensor([[0, 5, 7, 1]])).last_hidden_state.square().mean().backward()
     opt.step()
     manifest = statekit.save(storage_url, {"text_encoder": encoder, "unet": unet, "optim": opt})
-    rec = manifest["records"]["diffusers"]["text_encoder"]
+    rec = manifest.records["diffusers"]["text_encoder"]
     assert rec == {"kind": "model", "folder": "text_encoder", "class": "CLIPTextModel", "library": "transformers",
                    "weights": ["text_encoder/model.safetensors"]}
-    assert "text_encoder/config.json" in manifest["files"]
+    assert "text_encoder/config.json" in manifest.files
 
     fresh = tiny_text_encoder(seed=1)
     statekit.load(storage_url, {"text_encoder": fresh, "unet": tiny_unet(seed=1), "optim": torch.optim.AdamW(fresh.parameters())})

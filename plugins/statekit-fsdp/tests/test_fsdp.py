@@ -38,7 +38,7 @@ RESHARD_RTOL = 1e-5
 TRAIN_STEPS, SAVE_AT = 8, 4
 
 
-def manifest_of(url: str) -> dict:
+def manifest_of(url: str) -> statekit.Manifest:
     from statekit.format.manifest import read_manifest
     from statekit.storage import Storage
 
@@ -114,19 +114,19 @@ def test_fsdp2_round_trip_at_same_world_size(fsdp2_ckpt: dict[str, Path]) -> Non
 
 def test_fsdp2_layout_in_manifest(fsdp2_ckpt: dict[str, Path]) -> None:
     manifest = manifest_of(str(fsdp2_ckpt["url"]))
-    assert manifest["objects"]["model"]["owner"] == "fsdp"
-    assert manifest["objects"]["optim"]["owner"] == "fsdp"  # unwrapped from AcceleratedOptimizer
-    assert manifest["objects"]["sched"]["owner"] == "statekit"  # schedulers stay with the core
-    assert "sched.json" in manifest["files"]
-    files = manifest["files"]
-    assert files["model/rank-00000.safetensors"]["rank"] == 0
-    assert files["model/rank-00001.safetensors"]["rank"] == 1
+    assert manifest.objects["model"].owner == "fsdp"
+    assert manifest.objects["optim"].owner == "fsdp"  # unwrapped from AcceleratedOptimizer
+    assert manifest.objects["sched"].owner == "statekit"  # schedulers stay with the core
+    assert "sched.json" in manifest.files
+    files = manifest.files
+    assert files["model/rank-00000.safetensors"].rank == 0
+    assert files["model/rank-00001.safetensors"].rank == 1
     for rel in ("model/rank-00000.safetensors", "model/rank-00001.safetensors", "model/metadata.json", "model/state.json"):
-        assert files[rel]["writer"] == "fsdp"
-        assert files[rel]["size_bytes"] == (fsdp2_ckpt["url"] / rel).stat().st_size
+        assert files[rel].writer == "fsdp"
+        assert files[rel].size_bytes == (fsdp2_ckpt["url"] / rel).stat().st_size
     assert not any(p.startswith(("model.", "optim")) for p in files), "the core must not write the taken objects"
     assert all(p.endswith((".json", ".safetensors")) for p in files), "no pickle files"
-    record = manifest["records"]["fsdp"]["model"]
+    record = manifest.records["fsdp"]["model"]
     assert record["world_size"] == 2 and record["optimizers"] == ["optim"] and record["sharding"] == "fsdp2"
     meta = json.loads((fsdp2_ckpt["url"] / "model/metadata.json").read_text())
     assert meta["format"] == "statekit-fsdp/1"
@@ -239,7 +239,7 @@ def test_reshard_2_to_n(fsdp2_ckpt: dict[str, Path], tmp_path: Path, nproc: int)
 def test_reshard_4_to_2(tmp_path: Path) -> None:
     url, full, loaded = tmp_path / "ckpt", tmp_path / "full.safetensors", tmp_path / "loaded.safetensors"
     torchrun(4, "save", "--flavor", "fsdp2", "--url", str(url), "--full", str(full))
-    assert manifest_of(str(url))["files"]["model/rank-00003.safetensors"]["rank"] == 3
+    assert manifest_of(str(url)).files["model/rank-00003.safetensors"].rank == 3
     torchrun(2, "load", "--flavor", "fsdp2", "--url", str(url), "--full", str(loaded))
     assert_full_equal(full, loaded)
 
@@ -275,7 +275,7 @@ def test_s3_round_trip_reshard_to_1_and_consolidate(s3_ckpt: dict[str, object], 
 
     assert_full_equal(s3_ckpt["full"], s3_ckpt["reloaded"])
     manifest = manifest_of(s3_ckpt["url"])
-    assert {manifest["files"][f"model/rank-0000{r}.safetensors"]["rank"] for r in (0, 1)} == {0, 1}
+    assert {manifest.files[f"model/rank-0000{r}.safetensors"].rank for r in (0, 1)} == {0, 1}
     model, optim = build("plain", seed=1)
     statekit.load(s3_ckpt["url"], {"model": model, "optim": optim})
     assert_full_equal(s3_ckpt["full"], full_state(model, optim)[0])
@@ -313,8 +313,8 @@ def test_fsdp1_round_trip_and_load_into_plain_model(tmp_path: Path, flavor: str)
     torchrun(2, "save", "--flavor", flavor, "--url", str(url), "--full", str(full), "--then-load", str(reloaded))
     assert_full_equal(full, reloaded)
     manifest = manifest_of(str(url))
-    assert manifest["records"]["fsdp"]["model"]["sharding"] == "fsdp1"
-    assert {"model/rank-00000.safetensors", "model/rank-00001.safetensors"} <= set(manifest["files"])
+    assert manifest.records["fsdp"]["model"]["sharding"] == "fsdp1"
+    assert {"model/rank-00000.safetensors", "model/rank-00001.safetensors"} <= set(manifest.files)
     model, optim = build("plain", seed=1)  # FQNs of an FSDP1 (use_orig_params) model are the plain ones
     statekit.load(str(url), {"model": model, "optim": optim})
     assert_full_equal(full, full_state(model, optim)[0])
@@ -325,11 +325,11 @@ def test_ddp_model_is_left_to_the_core(tmp_path: Path) -> None:
     torchrun(2, "save", "--flavor", "ddp", "--url", str(url), "--full", str(full), "--then-load", str(reloaded))
     assert_full_equal(full, reloaded)
     manifest = manifest_of(str(url))
-    assert manifest["objects"]["model"]["owner"] == "statekit"
-    assert manifest["objects"]["optim"]["owner"] == "statekit"
-    assert manifest["files"]["model.safetensors"]["rank"] == 0  # written once, by rank 0
-    assert not any(p.startswith("model/") for p in manifest["files"])
-    assert "fsdp" not in manifest["records"]
+    assert manifest.objects["model"].owner == "statekit"
+    assert manifest.objects["optim"].owner == "statekit"
+    assert manifest.files["model.safetensors"].rank == 0  # written once, by rank 0
+    assert not any(p.startswith("model/") for p in manifest.files)
+    assert "fsdp" not in manifest.records
 
 
 # --------------------------------------------------------------------------- resumed training

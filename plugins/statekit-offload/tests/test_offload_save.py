@@ -42,7 +42,7 @@ def test_model_dispatched_by_accelerate_saves_and_loads_back_equal(pm, tmp_path)
     assert is_offloaded(net) and net.out.weight.device.type == "meta"
     url = str(tmp_path / "ckpt")
     manifest = statekit.save(url, {"model": net})
-    assert manifest["objects"]["model"]["owner"] == "offload"
+    assert manifest.objects["model"].owner == "offload"
     record = _record(url)
     assert record["file"] == "model.safetensors"
     assert record["from_files"] == 4  # block.lin.weight/bias, out.weight/bias: copied from Accelerate's .dat files
@@ -133,8 +133,8 @@ def test_unreachable_offloaded_tensor_is_an_error(pm, tmp_path):
 def test_models_without_offload_hooks_are_left_to_the_core(pm, tmp_path):
     net = build_net()
     manifest = statekit.save(str(tmp_path / "ckpt"), {"model": net})
-    assert manifest["objects"]["model"]["owner"] == "statekit"
-    assert "offload" not in manifest["records"]
+    assert manifest.objects["model"].owner == "statekit"
+    assert "offload" not in manifest.records
 
 
 def test_tie_group_stored_under_the_first_name_in_state_order(pm, tmp_path):

@@ -46,7 +46,7 @@ def main() -> None:
         raise SystemExit(f"rank {rank}: restored {got}, expected {expected}")
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"expected": expected, "world_size": manifest["world_size"]}, f)
+            json.dump({"expected": expected, "world_size": manifest.world_size}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -34,7 +34,7 @@ def test_cuda_generators_round_trip(pm, url: str) -> None:
         statekit.load(url, {"w": torch.zeros(4, device="cuda")})
     got = _draw()
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    record = manifest["records"]["rng"]
+    record = manifest.records["rng"]
     assert record["device_type"] == "cuda" and record["device_count"] == torch.cuda.device_count()
 
 

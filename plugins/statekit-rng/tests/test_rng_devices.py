@@ -39,8 +39,8 @@ def test_device_generators_round_trip(pm, url: str, fake_devices) -> None:
     assert _load_warnings(url) == []
     assert torch.equal(devices.draw(0), expected[0])
     assert torch.equal(devices.draw(1), expected[1])
-    assert manifest["records"]["rng"]["device_type"] == "cuda"
-    assert manifest["records"]["rng"]["device_count"] == 2
+    assert manifest.records["rng"]["device_type"] == "cuda"
+    assert manifest.records["rng"]["device_count"] == 2
 
 
 def test_two_devices_saved_one_loaded_restores_device_0_and_warns_device_1(pm, memory_url: str, fake_devices) -> None:

@@ -100,8 +100,8 @@ def test_loader_generators_round_trip(pm, url: str, fake_devices) -> None:
     assert torch.equal(loader.generator.get_state(), saved[0])
     assert torch.equal(loader.sampler.generator.get_state(), saved[1])
     assert _epoch(loader) == next_epoch
-    assert manifest["records"]["rng"]["loaders"] == ["dl"]
-    assert manifest["objects"]["dl"]["owner"] == "keeper"
+    assert manifest.records["rng"]["loaders"] == ["dl"]
+    assert manifest.objects["dl"].owner == "keeper"
 
 
 def test_loader_without_generator_gets_the_saved_one(pm, memory_url: str, fake_devices) -> None:

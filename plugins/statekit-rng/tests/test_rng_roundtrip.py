@@ -43,16 +43,16 @@ def test_round_trip_restores_python_numpy_torch(pm, url: str, fake_devices) -> N
         statekit.load(url, {"w": torch.zeros(4)})
     _assert_same(_draw(), expected)
 
-    assert manifest["records"]["rng"] == {
+    assert manifest.records["rng"] == {
         "format": 1,
         "world_size": 1,
         "device_type": None,
         "device_count": 0,
         "loaders": [],
     }
-    assert {"rng/rank-00000.json", "rng/rank-00000.safetensors"} <= set(manifest["files"])
-    assert manifest["files"]["rng/rank-00000.json"]["writer"] == "rng"
-    assert manifest["plugins"]["rng"] == "0.1.0"
+    assert {"rng/rank-00000.json", "rng/rank-00000.safetensors"} <= set(manifest.files)
+    assert manifest.files["rng/rank-00000.json"].writer == "rng"
+    assert manifest.plugins["rng"] == "0.1.0"
 
 
 def test_save_does_not_shift_random_streams(pm, memory_url: str, fake_devices) -> None:
@@ -115,7 +115,7 @@ def test_checkpoint_without_rng_records_loads_silently(
     monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", "rng")
     with statekit.hooks.registry.use_plugin_manager(statekit.hooks.registry.build_plugin_manager()):
         manifest = statekit.save(memory_url, {"w": torch.ones(2)})
-    assert "rng" not in manifest["records"]
+    assert "rng" not in manifest.records
     monkeypatch.delenv("STATEKIT_DISABLE_PLUGINS")
     _seed_all(8)
     expected = _draw()

@@ -52,8 +52,8 @@ def test_saved_by_two_ranks_loaded_by_one_warns_rank_1(pm, tmp_path, fake_device
     assert len(messages) == 1, messages
     assert "RNG state of rank 1 (saved with world size 2, loaded with 1)" in messages[0]
     assert "rank 0" not in messages[0]
-    assert {"rng/rank-00000.json", "rng/rank-00001.json"} <= set(manifest["files"])
-    assert manifest["files"]["rng/rank-00001.json"]["rank"] == 1
+    assert {"rng/rank-00000.json", "rng/rank-00001.json"} <= set(manifest.files)
+    assert manifest.files["rng/rank-00001.json"].rank == 1
 
     got = {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3).tolist()}
     assert got == rank0["expected"]
