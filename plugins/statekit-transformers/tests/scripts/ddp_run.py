@@ -28,6 +28,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save({"losses": gathered, "weights": result.weights}, result_file)
     dist.barrier()
+    dist.destroy_process_group()  # every group (statekit's gloo group too): no thread left to abort at exit
 
 
 if __name__ == "__main__":
