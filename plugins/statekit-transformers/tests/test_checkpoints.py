@@ -178,7 +178,7 @@ def test_a_trainer_without_an_overridden_method_is_refused():
         def train(self, resume_from_checkpoint=None, trial=None):
             pass
 
-    with pytest.raises(TypeError, match="Trainer._save_checkpoint does not exist"):
+    with pytest.raises(statekit.PluginError, match="Trainer._save_checkpoint does not exist"):
         check_trainer_api(type("T", (StatekitTrainerMixin, Trainer), {}))
 
 

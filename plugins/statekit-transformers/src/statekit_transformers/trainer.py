@@ -89,22 +89,25 @@ def check_trainer_api(trainer_cls: type) -> None:
     """Fail if the Trainer class lacks a method the mixin overrides, or its parameters changed.
 
     Raises:
-        TypeError: names the method and the transformers version.
+        statekit.PluginError: names the method and the transformers version (plugin
+            ``transformers``).
     """
     import transformers
 
     for name, params in _OVERRIDDEN.items():
         base = next((c.__dict__[name] for c in trainer_cls.__mro__ if c.__name__ == "Trainer" and name in c.__dict__), None)
         if base is None:
-            raise TypeError(
+            raise statekit.PluginError(
                 f"transformers {transformers.__version__}: Trainer.{name} does not exist; statekit-transformers "
-                f"overrides it and supports transformers{SUPPORTED_TRANSFORMERS}"
+                f"overrides it and supports transformers{SUPPORTED_TRANSFORMERS}",
+                plugin_name="transformers",
             )
         have = list(inspect.signature(base).parameters)[1:]
         if list(params) != have[: len(params)]:
-            raise TypeError(
+            raise statekit.PluginError(
                 f"transformers {transformers.__version__}: Trainer.{name}{tuple(have)} changed (expected {params}); "
-                f"statekit-transformers supports transformers{SUPPORTED_TRANSFORMERS}"
+                f"statekit-transformers supports transformers{SUPPORTED_TRANSFORMERS}",
+                plugin_name="transformers",
             )
 
 
@@ -148,8 +151,9 @@ class StatekitTrainerMixin:
         *args, **kwargs: ``Trainer``'s.
 
     Raises:
-        TypeError: the installed transformers lacks a Trainer method the mixin overrides
-            (a version outside :data:`SUPPORTED_TRANSFORMERS`), naming it.
+        statekit.PluginError: the installed transformers lacks a Trainer method the mixin
+            overrides, or its parameters changed (a version outside
+            :data:`SUPPORTED_TRANSFORMERS`), naming it.
         InvalidOptionError: a ``statekit_options`` entry the manager refuses.
     """
 
@@ -202,6 +206,17 @@ class StatekitTrainerMixin:
 
         Built on first use, and again when Trainer created new objects (a new ``train()``
         call builds a new optimizer), after the previous one's async save committed.
+
+        Args:
+            run_dir: the directory of ``checkpoint-<step>`` folders (default
+                ``args.output_dir``; a hyperparameter search trial's own run directory).
+
+        Returns:
+            The manager (``step_digits=0``, retention from ``save_total_limit``, plus
+            ``statekit_options``).
+
+        Raises:
+            statekit.InvalidOptionError: a ``statekit_options`` entry the manager refuses.
         """
         run_dir = run_dir or self.args.output_dir
         objects = self._statekit_objects_now()
@@ -454,7 +469,7 @@ def statekit_trainer_class(trainer_cls: type) -> type:
     """``trainer_cls`` with :class:`StatekitTrainerMixin` mixed in (``statekit_trainer_class(SFTTrainer)``).
 
     Raises:
-        TypeError: as :class:`StatekitTrainerMixin`, at the first construction.
+        statekit.PluginError: as :class:`StatekitTrainerMixin`, at the first construction.
     """
     return type(f"Statekit{trainer_cls.__name__}", (StatekitTrainerMixin, trainer_cls), {"__module__": __name__})
 
