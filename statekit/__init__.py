@@ -45,6 +45,7 @@ from statekit.errors import (
 )
 from statekit.manager.listing import CheckpointDir, list_checkpoints
 from statekit.manager.manager import CheckpointManager
+from statekit.manager.policies import AsyncPolicy, PreemptionPolicy, RetentionPolicy
 from statekit.manager.trainer_hook import CheckpointHook, TrainerProgress
 from statekit.hooks.registry import get_plugin_manager, hookimpl
 
@@ -58,6 +59,9 @@ __all__ = [
     "CheckpointDir",
     "list_checkpoints",
     "CheckpointManager",
+    "RetentionPolicy",
+    "AsyncPolicy",
+    "PreemptionPolicy",
     "CheckpointHook",
     "CheckpointExistsError",
     "CheckpointInUseError",

@@ -23,14 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from statekit import distributed
-from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
-
-BACKPRESSURE_POLICIES = ("wait", "skip")
-"""The values of ``CheckpointManager(backpressure=...)``."""
-
-DEFAULT_MAX_WAIT_SECONDS = 300.0
-"""Default bound of the ``"wait"`` policy, seconds: half the NCCL watchdog's default (600 s),
-so a save waiting on slow storage never gets a multi-GPU job killed."""
+from statekit.errors import StatekitWarning, warn_user
+from statekit.manager.policies import AsyncPolicy
 
 RECORDS_KEPT = 1000
 """How many of the newest :class:`SaveRecord` a run keeps (the totals cover every save)."""
@@ -40,25 +34,14 @@ class Backpressure:
     """What ``save()`` does while the previous async save is still writing.
 
     Args:
-        policy: ``"wait"``: wait for it up to ``max_wait_s`` seconds, then skip this save
-            if it is still writing; ``"skip"``: skip this save at once.
-        max_wait_s: the bound of ``"wait"``, seconds (a finite number >= 0; None: wait as
-            long as it takes, the behaviour before issue 30). Ignored by ``"skip"``.
-
-    Raises:
-        InvalidOptionError: an unknown policy, or a bound that is not a finite number >= 0
-            or None.
+        policy: the manager's :class:`~statekit.manager.policies.AsyncPolicy` (checked
+            there): ``"wait"`` for the previous save up to ``max_wait_s`` seconds, then skip
+            this save if it is still writing; ``"skip"`` this save at once.
     """
 
-    def __init__(self, policy: str = "wait", max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS) -> None:
-        if policy not in BACKPRESSURE_POLICIES:
-            raise InvalidOptionError(f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {policy!r}")
-        if max_wait_s is not None:
-            if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not math.isfinite(max_wait_s) \
-                    or max_wait_s < 0:
-                raise InvalidOptionError(f"max_wait_s must be a finite number of seconds >= 0 or None, got {max_wait_s!r}")
-        self.policy = policy
-        self.max_wait_s = None if max_wait_s is None else float(max_wait_s)
+    def __init__(self, policy: AsyncPolicy) -> None:
+        self.policy = policy.backpressure
+        self.max_wait_s = None if policy.max_wait_s is None else float(policy.max_wait_s)
 
     @property
     def bound_s(self) -> float | None:

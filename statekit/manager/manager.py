@@ -9,6 +9,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -19,8 +20,9 @@ from statekit.api import loading, saveload
 from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
-from statekit.manager.backpressure import DEFAULT_MAX_WAIT_SECONDS, Backpressure, CheckpointStats, SaveStats
-from statekit.manager.preemption import SignalSave, make_signal_save
+from statekit.manager.backpressure import Backpressure, CheckpointStats, SaveStats
+from statekit.manager.policies import UNSET, AsyncPolicy, PreemptionPolicy, RetentionPolicy, grouped
+from statekit.manager.preemption import SignalSave
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
@@ -62,24 +64,43 @@ class CheckpointManager:
 
     Also a context manager: leaving the ``with`` block waits for a pending async save.
 
+    Options come in groups (as Orbax's ``CheckpointManagerOptions`` and Lightning's
+    ``ModelCheckpoint`` group theirs): ``retention=RetentionPolicy(...)``,
+    ``async_policy=AsyncPolicy(...)``, ``preemption=PreemptionPolicy(...)`` (from
+    ``statekit``); each group's flat keywords below build the same object, one or the other
+    per group (``docs/api.md``).
+
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``; or, without
             Accelerate, a mapping of stateful objects as given to :func:`statekit.save`.
-        root_url: directory URL holding ``checkpoint-<step>/`` and ``latest``.
-        keep_last: keep the newest N committed checkpoints.
+        root_url: directory URL holding ``checkpoint-<step>/`` and ``latest``, or a
+            ``statekit.storage.Storage`` (a URL with its fsspec options).
+        keep_last: keep the newest N committed checkpoints (``RetentionPolicy.keep_last``).
+        retention: which checkpoints to keep, grouped
+            (:class:`~statekit.manager.policies.RetentionPolicy`); instead of ``keep_last``,
+            ``keep_best``, ``monitor``, ``mode``, ``keep_every_n_steps``.
+        async_policy: background saves, grouped
+            (:class:`~statekit.manager.policies.AsyncPolicy`: ``enabled``, ``backpressure``,
+            ``max_wait_s``); instead of ``async_save``, ``backpressure``, ``max_wait_s``.
+        preemption: saving on a signal, grouped
+            (:class:`~statekit.manager.policies.PreemptionPolicy`: ``signals``, ``grace_s``,
+            ``on_signal``, ``check_every``); instead of ``save_on_signal``, ``grace_s``,
+            ``on_signal``, ``signal_check_every``.
         keep_best: keep the best K by ``metrics[monitor]`` given to :meth:`save`
             (checkpoints without that metric never count as best).
         monitor: the metric name for ``keep_best`` (default ``"loss"``).
         mode: ``"min"`` (default) or ``"max"``: which direction is better.
         keep_every_n_steps: keep checkpoints whose step is a multiple of M.
-        async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``).
+        async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``;
+            default False).
         backpressure: what :meth:`save` does while the previous async save is still
             writing: ``"wait"`` (default) up to ``max_wait_s``, then skip this save;
             ``"skip"`` it at once. A skipped save warns with its step and the one still
             writing, and is counted in :meth:`stats` (``docs/backpressure.md``).
         max_wait_s: the bound of ``backpressure="wait"``, seconds (default 300, half the
             NCCL watchdog's 600; None: wait as long as it takes).
-        storage_options: fsspec options.
+        storage_options: fsspec options of ``root_url`` (not with a ``Storage``, which
+            carries its own).
         incremental: write a tensor file only when its bytes changed since the run's last
             committed checkpoint (or the one it resumed from, under this root); an unchanged
             file is hard-linked (server-side copied on an object store) from it, so every
@@ -127,7 +148,9 @@ class CheckpointManager:
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, ``root_url`` is itself a checkpoint (statekit's or
+            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, a group is
+            given with one of its flat keywords (or is not of its class), ``storage_options``
+            with a ``Storage``, ``root_url`` is itself a checkpoint (statekit's or
             Accelerate's), or a plugin refused its manager option (``remote_keep_last``
             not a positive integer, a ``remote_*`` option without ``replicate_to``).
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
@@ -141,33 +164,48 @@ class CheckpointManager:
     def __init__(
         self,
         accelerator: Any,
-        root_url: str,
-        keep_last: int | None = None,
+        root_url: str | os.PathLike[str] | Storage,
+        keep_last: int | None = UNSET,
         *,
-        keep_best: int | None = None,
-        monitor: str = "loss",
-        mode: str = "min",
-        keep_every_n_steps: int | None = None,
-        async_save: bool = False,
+        retention: RetentionPolicy | None = None,
+        async_policy: AsyncPolicy | None = None,
+        preemption: PreemptionPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         incremental: bool = True,
-        save_on_signal: Any = False,
-        grace_s: float | None = None,
-        on_signal: str = "exit",
-        signal_check_every: int | None = None,
-        backpressure: str = "wait",
-        max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS,
         step_digits: int = DEFAULT_STEP_DIGITS,
+        keep_best: int | None = UNSET,
+        monitor: str = UNSET,
+        mode: str = UNSET,
+        keep_every_n_steps: int | None = UNSET,
+        async_save: bool = UNSET,
+        backpressure: str = UNSET,
+        max_wait_s: float | None = UNSET,
+        save_on_signal: Any = UNSET,
+        grace_s: float | None = UNSET,
+        on_signal: str = UNSET,
+        signal_check_every: int | None = UNSET,
         **options: Any,
     ) -> None:
-        self.backpressure = Backpressure(backpressure, max_wait_s)
+        self.retention: RetentionPolicy = grouped(RetentionPolicy, "retention", retention, {
+            "keep_last": keep_last, "keep_best": keep_best, "monitor": monitor, "mode": mode,
+            "keep_every_n_steps": keep_every_n_steps})
+        """Which committed checkpoints are kept (:class:`~statekit.manager.policies.RetentionPolicy`)."""
+        self.async_policy: AsyncPolicy = grouped(AsyncPolicy, "async_policy", async_policy, {
+            "async_save": False if async_save is UNSET and async_policy is None else async_save,
+            "backpressure": backpressure, "max_wait_s": max_wait_s}, {"async_save": "enabled"})
+        """How saves run in the background (:class:`~statekit.manager.policies.AsyncPolicy`)."""
+        signal_keywords = {"save_on_signal": save_on_signal, "grace_s": UNSET if grace_s is None else grace_s,
+                           "on_signal": on_signal, "signal_check_every": signal_check_every}
+        if preemption is None and any(save_on_signal is off for off in (UNSET, False, None)):  # off (its other keywords unused)
+            self.preemption: PreemptionPolicy | None = None
+        else:
+            self.preemption = grouped(PreemptionPolicy, "preemption", preemption, signal_keywords,
+                                      {"save_on_signal": "signals", "signal_check_every": "check_every"})
+        """What a preemption signal does (:class:`~statekit.manager.policies.PreemptionPolicy`),
+        or None: no handlers."""
+        self.backpressure = Backpressure(self.async_policy)
         self.save_stats = SaveStats()
-        for name, value in (("keep_last", keep_last), ("keep_best", keep_best), ("keep_every_n_steps", keep_every_n_steps)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InvalidOptionError(f"{name} must be a positive integer or None, got {value!r}")
-        if mode not in ("min", "max"):
-            raise InvalidOptionError(f"mode must be 'min' or 'max', got {mode!r}")
         if not isinstance(step_digits, int) or isinstance(step_digits, bool) or not 0 <= step_digits <= 20:
             raise InvalidOptionError(f"step_digits must be an integer from 0 to 20, got {step_digits!r}")
         self.step_digits = step_digits
@@ -180,20 +218,17 @@ class CheckpointManager:
             self.accelerator, self.objects = None, dict(accelerator)
         else:
             self.accelerator, self.objects = accelerator, None
-        self.root = Storage(root_url, storage_options)
+        self.root = root_url if isinstance(root_url, Storage) else Storage(root_url, storage_options)
+        """The root directory and its fsspec options (:class:`~statekit.storage.Storage`)."""
+        if isinstance(root_url, Storage) and storage_options is not None:
+            raise InvalidOptionError("storage_options: the Storage given as root carries its own options; pass one or the other")
         refuse_checkpoint_as_root(self.root)
         self.root_url = self.root.url
-        self.keep_last = keep_last
-        self.keep_best = keep_best
-        self.monitor = monitor
-        self.mode = mode
-        self.keep_every_n_steps = keep_every_n_steps
-        self.async_save = async_save
         self.staging = StagingPool()
         self.pending: PendingSave | None = None
         self.pending_step: int | None = None
         """The step of :attr:`pending` (the async save in flight, if any)."""
-        self.storage_options = storage_options
+        self.storage_options = self.root.storage_options
         self.allow_pickle = allow_pickle
         self.incremental = incremental
         self._reuse_from: tuple[str, Manifest] | None = None  # the last committed checkpoint, for incremental saves
@@ -206,7 +241,7 @@ class CheckpointManager:
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
         pm.check_options(options, CheckpointManager)
         self.attachment = attach(self.accelerator, self.objects)
-        self.signal_save: SignalSave | None = make_signal_save(self, save_on_signal, grace_s, on_signal, signal_check_every)
+        self.signal_save: SignalSave | None = None if self.preemption is None else SignalSave(self, self.preemption)
         """The save on a signal (``save_on_signal``; None without): ``received``, ``result``,
         ``restore()`` (:class:`statekit.manager.preemption.SignalSave`)."""
         call_each(pm, "statekit_manager_start", None, {"manager": self})
@@ -329,7 +364,7 @@ class CheckpointManager:
         on_signal = self.signal_save is not None and self.signal_save.before_save()  # every rank agrees
         if step is None:
             step = self.next_step()
-        blocking = True if on_signal else not self.async_save if blocking is None else blocking
+        blocking = True if on_signal else not self.async_policy.enabled if blocking is None else blocking
         url = self.url_for(step)
         if not overwrite and url in self._skipped:  # the run fell back past it and reached its step again
             warn_user(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning)

@@ -35,20 +35,9 @@ from typing import Any
 from statekit import distributed
 from statekit.engine.gradients import accumulating
 from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
+from statekit.manager.policies import PreemptionPolicy
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-"""The signals ``save_on_signal=True`` handles: SIGTERM (Kubernetes, spot instances,
-torchrun's launcher forwarding its own SIGTERM, SLURM's end of job) and SIGUSR1 (SLURM's
-``--signal=USR1@<seconds>``)."""
-
-DEFAULT_GRACE_S = 30.0
-"""The grace period assumed without ``grace_s``: Kubernetes' default
-``terminationGracePeriodSeconds`` and how long torchrun waits for its workers after
-forwarding a SIGTERM before it sends SIGKILL."""
-
-ON_SIGNAL = ("exit", "return")
 
 CHECK_COST = 0.01
 """With several ranks and ``signal_check_every=None``: the share of the step time the
@@ -70,49 +59,6 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-def parse_signals(value: Any) -> tuple[signal.Signals, ...]:
-    """The signals of ``save_on_signal``.
-
-    Args:
-        value: True (:data:`DEFAULT_SIGNALS`), or an iterable of signals: ``signal.SIGUSR1``,
-            an int, or a name (``"SIGUSR1"``, ``"USR1"``).
-
-    Returns:
-        The signals, without repeats.
-
-    Raises:
-        InvalidOptionError: a name or number is not a signal, or it cannot be handled
-            (SIGKILL, SIGSTOP).
-    """
-    if value is True:
-        return DEFAULT_SIGNALS
-    if isinstance(value, (str, int)):
-        value = (value,)
-    try:
-        items = list(value)
-    except TypeError:
-        raise InvalidOptionError(
-            f"save_on_signal must be True, False or a tuple of signals, got {value!r}"
-        ) from None
-    out: list[signal.Signals] = []
-    for item in items:
-        try:
-            if isinstance(item, str):
-                name = item.upper()
-                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
-            else:
-                sig = signal.Signals(item)
-        except (KeyError, ValueError):
-            raise InvalidOptionError(f"save_on_signal: {item!r} is not a signal") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise InvalidOptionError(f"save_on_signal: {sig.name} cannot be handled by any process")
-        if sig not in out:
-            out.append(sig)
-    if not out:
-        raise InvalidOptionError("save_on_signal: an empty tuple of signals; pass False to turn it off")
-    return tuple(out)
-
-
 class SignalSave:
     """The save-on-signal state of one :class:`statekit.CheckpointManager`
     (its ``signal_save`` attribute; None without ``save_on_signal``).
@@ -124,40 +70,31 @@ class SignalSave:
 
     Args:
         manager: the manager (its ``save``, ``accelerator``, ``tiers()`` and ``wait``).
-        signals: the signals to handle (:func:`parse_signals`).
-        grace_s: seconds from the signal to the kill (the deadline of the save).
-        on_signal: ``"exit"``: raise ``SystemExit(128 + signum)`` after the commit;
-            ``"return"``: set ``should_stop`` and return True from the safe point.
-        check_every: with several ranks, agree on the flag every N-th safe point only
-            (each check is one all-reduce on the gloo group); None: adapt N so that the
-            checks cost under 1 % of the step time (:data:`CHECK_COST`) while a signal
-            waits at most a tenth of ``grace_s`` for its check. One process checks every time.
+        policy: the manager's :class:`~statekit.manager.policies.PreemptionPolicy` (checked
+            there): the signals, ``grace_s`` (seconds from the signal to the kill, the
+            deadline of the save), ``on_signal`` and ``check_every`` (with several ranks,
+            agree on the flag every N-th safe point only, each check one all-reduce on the
+            gloo group; None: adapt N so that the checks cost under 1 % of the step time,
+            :data:`CHECK_COST`, while a signal waits at most a tenth of ``grace_s`` for its
+            check; one process checks every time).
 
     Raises:
-        InvalidOptionError: a bad ``grace_s``, ``on_signal`` or ``check_every``, or the
-            manager is created outside the main thread (Python runs signal handlers there only).
+        InvalidOptionError: the manager is created outside the main thread (Python runs
+            signal handlers there only).
     """
 
-    def __init__(
-        self, manager: Any, signals: tuple[signal.Signals, ...], grace_s: float, on_signal: str,
-        check_every: int | None,
-    ) -> None:
-        if on_signal not in ON_SIGNAL:
-            raise InvalidOptionError(f"on_signal must be 'exit' or 'return', got {on_signal!r}")
-        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not grace_s > 0:
-            raise InvalidOptionError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
-        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1):
-            raise InvalidOptionError(f"signal_check_every must be a positive integer or None, got {check_every!r}")
+    def __init__(self, manager: Any, policy: PreemptionPolicy) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise InvalidOptionError(
                 "save_on_signal: create the CheckpointManager in the main thread (Python runs signal handlers "
                 "only there)"
             )
         self.manager = manager
-        self.signals = signals
-        self.grace_s = float(grace_s)
-        self.on_signal = on_signal
-        self.check_every = check_every
+        self.policy = policy
+        self.signals: tuple[signal.Signals, ...] = policy.signals  # type: ignore[assignment]
+        self.grace_s = policy.grace_s
+        self.on_signal = policy.on_signal
+        self.check_every = policy.check_every
         self.received: signal.Signals | None = None
         """The first signal received (this rank), or None."""
         self.received_at: float | None = None
@@ -195,14 +132,13 @@ class SignalSave:
         self._agreed = 0  # the signal number the ranks agreed on at the last check (0: none)
         self._in_flight_wait = 0.0
         self._previous: dict[signal.Signals, Any] = {}
-        self._signals = signals
 
     def install(self) -> None:
         """Install the handlers (the manager does, once it has started: a manager whose
         start failed leaves no handler behind); :meth:`restore` puts the previous back.
         Idempotent: a signal whose handler is this one already is left as it is (an
         integration that restores at the end of each training call installs again at the next)."""
-        for sig in self._signals:
+        for sig in self.signals:
             if signal.getsignal(sig) != self._handler:  # a bound method: compare, not identity
                 self._previous[sig] = signal.signal(sig, self._handler)
 
@@ -464,29 +400,3 @@ class SignalSave:
             f"remain; {tier}",
             StatekitWarning,
         )
-
-
-def make_signal_save(
-    manager: Any, save_on_signal: Any, grace_s: float | None, on_signal: str, check_every: int | None
-) -> SignalSave | None:
-    """The manager's :class:`SignalSave`, or None when ``save_on_signal`` is False.
-
-    Args:
-        manager: the manager.
-        save_on_signal: False, True or signals (:func:`parse_signals`).
-        grace_s: seconds of grace (None: :data:`DEFAULT_GRACE_S`).
-        on_signal: ``"exit"`` or ``"return"``.
-        check_every: agree across ranks every N-th safe point (None: adaptive).
-
-    Returns:
-        The :class:`SignalSave` (its handlers not installed yet: :meth:`SignalSave.install`),
-        or None.
-
-    Raises:
-        InvalidOptionError: a bad option (named).
-    """
-    if save_on_signal is False or save_on_signal is None:
-        return None
-    return SignalSave(manager, parse_signals(save_on_signal), DEFAULT_GRACE_S if grace_s is None else grace_s,
-                      on_signal, check_every)
-

@@ -60,13 +60,13 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     a checkpoint in use by a live process warns and stays (rank 0 only).
 
     Args:
-        manager: the :class:`statekit.CheckpointManager` (its ``keep_*`` policies).
+        manager: the :class:`statekit.CheckpointManager` (its ``retention``).
         newest_url: the checkpoint just committed.
 
     Returns:
         The names of the deleted checkpoints.
     """
-    if manager.keep_last is None and manager.keep_best is None and manager.keep_every_n_steps is None:
+    if manager.retention.keeps_all:
         return []
     committed = [i for i in manager.list() if i.committed and not i.accelerate]  # never Accelerate's folders
     keep = {newest_url, manager.resumed_from}
@@ -80,12 +80,5 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
                 f"plugin {plugin!r}: statekit_retention_keep must return URLs to keep, got {urls!r}",
                 plugin_name=plugin, hook_name="statekit_retention_keep",
             ) from None
-    if manager.keep_last is not None:
-        keep |= {i.url for i in committed[-manager.keep_last :]}
-    if manager.keep_every_n_steps is not None:
-        keep |= {i.url for i in committed if i.step % manager.keep_every_n_steps == 0}
-    if manager.keep_best is not None:
-        scored = [i for i in committed if isinstance((i.metrics or {}).get(manager.monitor), (int, float))]
-        scored.sort(key=lambda i: i.metrics[manager.monitor], reverse=manager.mode == "max")
-        keep |= {i.url for i in scored[: manager.keep_best]}
+    keep |= manager.retention.kept(committed)
     return delete_all_but(committed, keep, manager.storage_options)

@@ -1,0 +1,263 @@
+"""The :class:`~statekit.CheckpointManager`'s options, grouped as users think of them:
+which checkpoints to keep (:class:`RetentionPolicy`), how saves run in the background
+(:class:`AsyncPolicy`) and what a preemption signal does (:class:`PreemptionPolicy`).
+
+Each group is a frozen dataclass that checks its values when built, so a bad value is an
+:class:`~statekit.InvalidOptionError` at the user's line, before a manager exists. The
+grouping follows Orbax's ``CheckpointManagerOptions`` and Lightning's ``ModelCheckpoint``
+(https://orbax.readthedocs.io/en/latest/api_reference/checkpoint.checkpoint_manager.html);
+the manager's flat keywords (``keep_last=``, ``async_save=``, ``save_on_signal=``...) build
+the same objects. Two-tier storage's options (``replicate_to``...) are the replicate
+plugin's own (``docs/tiers.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from statekit.errors import InvalidOptionError
+
+BACKPRESSURE_POLICIES = ("wait", "skip")
+"""The values of :attr:`AsyncPolicy.backpressure` (``CheckpointManager(backpressure=...)``)."""
+
+DEFAULT_MAX_WAIT_SECONDS = 300.0
+"""Default bound of the ``"wait"`` policy, seconds: half the NCCL watchdog's default (600 s),
+so a save waiting on slow storage never gets a multi-GPU job killed."""
+
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+"""The signals ``save_on_signal=True`` handles: SIGTERM (Kubernetes, spot instances,
+torchrun's launcher forwarding its own SIGTERM, SLURM's end of job) and SIGUSR1 (SLURM's
+``--signal=USR1@<seconds>``)."""
+
+DEFAULT_GRACE_S = 30.0
+"""The grace period assumed without ``grace_s``: Kubernetes' default
+``terminationGracePeriodSeconds`` and how long torchrun waits for its workers after
+forwarding a SIGTERM before it sends SIGKILL."""
+
+ON_SIGNAL = ("exit", "return")
+"""The values of :attr:`PreemptionPolicy.on_signal`."""
+
+
+def _positive_int_or_none(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidOptionError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which committed checkpoints a manager keeps: a checkpoint is kept if *any* policy
+    keeps it; the others are deleted (manifest first) right after a new checkpoint commits.
+    With no policy set (the default), every checkpoint is kept.
+
+    Args:
+        keep_last: keep the newest N committed checkpoints (None: no such policy).
+        keep_best: keep the best K by ``metrics[monitor]`` given to ``save()``
+            (checkpoints without that metric never count as best).
+        monitor: the metric name for ``keep_best``.
+        mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
+        keep_every_n_steps: keep checkpoints whose step is a multiple of M.
+
+    Raises:
+        InvalidOptionError: a count is not a positive integer or None, or ``mode`` is not
+            ``"min"``/``"max"``.
+    """
+
+    keep_last: int | None = None
+    keep_best: int | None = None
+    monitor: str = "loss"
+    mode: str = "min"
+    keep_every_n_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_best", "keep_every_n_steps"):
+            _positive_int_or_none(name, getattr(self, name))
+        if self.mode not in ("min", "max"):
+            raise InvalidOptionError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if not isinstance(self.monitor, str):
+            raise InvalidOptionError(f"monitor must be a metric name (str), got {self.monitor!r}")
+
+    @property
+    def keeps_all(self) -> bool:
+        """True when no policy is set: nothing is ever deleted."""
+        return self.keep_last is None and self.keep_best is None and self.keep_every_n_steps is None
+
+    def kept(self, committed: list[Any]) -> set[str]:
+        """The URLs the policies keep of ``committed`` (the manager adds the newest, the
+        resumed-from one and the plugins' vetoes).
+
+        Args:
+            committed: :class:`~statekit.CheckpointDir` of the committed checkpoints, oldest
+                step first.
+
+        Returns:
+            Their URLs that at least one policy keeps.
+        """
+        keep: set[str] = set()
+        if self.keep_last is not None:
+            keep |= {i.url for i in committed[-self.keep_last :]}
+        if self.keep_every_n_steps is not None:
+            keep |= {i.url for i in committed if i.step % self.keep_every_n_steps == 0}
+        if self.keep_best is not None:
+            scored = [i for i in committed if isinstance((i.metrics or {}).get(self.monitor), (int, float))]
+            scored.sort(key=lambda i: i.metrics[self.monitor], reverse=self.mode == "max")
+            keep |= {i.url for i in scored[: self.keep_best]}
+        return keep
+
+
+@dataclass(frozen=True)
+class AsyncPolicy:
+    """How a manager's saves run in the background (``docs/async.md``, ``docs/backpressure.md``).
+
+    Args:
+        enabled: the default of ``save(blocking=...)``: True saves return once the state
+            is staged in host memory and write on a background thread.
+        backpressure: what ``save()`` does while the previous background save is still
+            writing: ``"wait"`` up to ``max_wait_s``, then skip this save; ``"skip"`` it at
+            once. A skipped save warns with its step and is counted in ``stats()``.
+        max_wait_s: the bound of ``"wait"``, seconds (default 300, half the NCCL
+            watchdog's 600; None: wait as long as it takes).
+
+    Raises:
+        InvalidOptionError: ``enabled`` is not a bool, an unknown ``backpressure``, or a
+            bound that is not a finite number >= 0 or None.
+    """
+
+    enabled: bool = True
+    backpressure: str = "wait"
+    max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise InvalidOptionError(f"async_save must be True or False, got {self.enabled!r}")
+        if self.backpressure not in BACKPRESSURE_POLICIES:
+            raise InvalidOptionError(f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {self.backpressure!r}")
+        wait = self.max_wait_s
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or not math.isfinite(wait) or wait < 0):
+            raise InvalidOptionError(f"max_wait_s must be a finite number of seconds >= 0 or None, got {wait!r}")
+
+
+@dataclass(frozen=True)
+class PreemptionPolicy:
+    """Save on a preemption signal (``docs/clusters.md``). The handlers only record the
+    signal; the next safe point (``step_boundary()``, ``save()``,
+    ``CheckpointHook.on_step_end``) saves that step blocking, every rank agreeing, then
+    acts as ``on_signal`` says.
+
+    Args:
+        signals: True (SIGTERM and SIGUSR1), or signals: ``signal.SIGUSR2``, an int, a
+            name (``"USR1"``), or an iterable of them; normalised to a tuple of
+            ``signal.Signals``.
+        grace_s: seconds between the signal and the kill (default 30, Kubernetes'
+            ``terminationGracePeriodSeconds``); a save estimated to end past it warns.
+        on_signal: ``"exit"``: after the commit raise ``SystemExit(128 + signal number)``;
+            ``"return"``: ``step_boundary()`` returns True and ``should_stop`` is True.
+        check_every: with several ranks, agree on the signal every N-th step boundary
+            only; None: N adapts so that the checks cost under 1 % of the step time.
+
+    Raises:
+        InvalidOptionError: a name or number that is not a signal (or SIGKILL/SIGSTOP),
+            a ``grace_s`` that is not a positive number, an unknown ``on_signal``, or a
+            ``check_every`` that is not a positive integer or None.
+    """
+
+    signals: bool | int | str | signal.Signals | Iterable[Any] = True
+    grace_s: float = DEFAULT_GRACE_S
+    on_signal: str = "exit"
+    check_every: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signals", parse_signals(self.signals))
+        grace = self.grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0 or not math.isfinite(grace):
+            raise InvalidOptionError(f"grace_s must be a positive number of seconds, got {grace!r}")
+        object.__setattr__(self, "grace_s", float(grace))
+        if self.on_signal not in ON_SIGNAL:
+            raise InvalidOptionError(f"on_signal must be 'exit' or 'return', got {self.on_signal!r}")
+        every = self.check_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise InvalidOptionError(f"signal_check_every must be a positive integer or None, got {every!r}")
+
+
+def parse_signals(value: Any) -> tuple[signal.Signals, ...]:
+    """The signals of ``save_on_signal``.
+
+    Args:
+        value: True (:data:`DEFAULT_SIGNALS`), or an iterable of signals: ``signal.SIGUSR1``,
+            an int, or a name (``"SIGUSR1"``, ``"USR1"``).
+
+    Returns:
+        The signals, without repeats.
+
+    Raises:
+        InvalidOptionError: a name or number is not a signal, or it cannot be handled
+            (SIGKILL, SIGSTOP).
+    """
+    if value is True:
+        return DEFAULT_SIGNALS
+    if isinstance(value, (str, int)):
+        value = (value,)
+    try:
+        items = list(value)
+    except TypeError:
+        raise InvalidOptionError(
+            f"save_on_signal must be True, False or a tuple of signals, got {value!r}"
+        ) from None
+    out: list[signal.Signals] = []
+    for item in items:
+        try:
+            if isinstance(item, str):
+                name = item.upper()
+                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+            else:
+                sig = signal.Signals(item)
+        except (KeyError, ValueError):
+            raise InvalidOptionError(f"save_on_signal: {item!r} is not a signal") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise InvalidOptionError(f"save_on_signal: {sig.name} cannot be handled by any process")
+        if sig not in out:
+            out.append(sig)
+    if not out:
+        raise InvalidOptionError("save_on_signal: an empty tuple of signals; pass False to turn it off")
+    return tuple(out)
+
+
+UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
+"""Default of the manager's flat keywords: tells "not given" from a value equal to the default."""
+
+
+def grouped(cls: type, name: str, group: Any, flat: dict[str, Any], fields: dict[str, str] | None = None) -> Any:
+    """The group a manager uses: ``group`` as given, or one built from the flat keywords.
+
+    Args:
+        cls: the group's class (:class:`RetentionPolicy`...).
+        name: the group's keyword on the manager (``"retention"``), for messages.
+        group: the value of that keyword (None: not given).
+        flat: the flat keywords of this group, ``{keyword: value}``, where :data:`UNSET`
+            means not given.
+        fields: the field each keyword sets, where the names differ
+            (``{"save_on_signal": "signals"}``).
+
+    Returns:
+        An instance of ``cls``.
+
+    Raises:
+        InvalidOptionError: ``group`` is not a ``cls``, or it is given together with a flat
+            keyword of the same group (which one would win is not obvious).
+    """
+    given = {keyword: value for keyword, value in flat.items() if value is not UNSET}
+    if group is None:
+        return cls(**{(fields or {}).get(keyword, keyword): value for keyword, value in given.items()})
+    if not isinstance(group, cls):
+        raise InvalidOptionError(f"{name} must be a statekit.{cls.__name__}, got {type(group).__name__}")
+    if given:
+        raise InvalidOptionError(
+            f"{name}={cls.__name__}(...) and the keyword(s) {', '.join(sorted(given))} set the same options; "
+            f"pass them inside {cls.__name__}(...)"
+        )
+    return group
+
