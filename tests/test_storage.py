@@ -276,3 +276,21 @@ def test_s3_missing_bucket_is_named_and_never_created(s3_server, plugin_manager)
     server.invalidate_cache()
     assert bucket not in [b.rstrip("/") for b in server.ls("")]
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_storage_answers_its_capabilities(tmp_path, monkeypatch):
+    """Callers outside storage/ ask a Storage what it can do (a local path for mmap and
+    fsync, whether other processes see it) instead of reading is_local or protocol names."""
+    local = st.Storage(str(tmp_path / "ckpt"))
+    assert local.local_path("a/b.bin") == str(tmp_path / "ckpt" / "a" / "b.bin")
+    assert local.local_path() == str(tmp_path / "ckpt") and local.shared_between_processes
+    memory = st.Storage(f"memory://{tmp_path.name}/ckpt")
+    assert memory.local_path("a.bin") is None and not memory.shared_between_processes
+    synced = []
+    monkeypatch.setattr("statekit.storage.fs.fsync_path", synced.append)
+    local.write_bytes("a/b.bin", b"x")
+    synced.clear()
+    local.make_durable(["a/b.bin"])
+    assert synced == [str(tmp_path / "ckpt" / "a" / "b.bin"), str(tmp_path / "ckpt" / "a")]  # the file, then its directory
+    memory.make_durable(["a.bin"])  # an object store's write is durable when it returns: nothing to do
+    assert len(synced) == 2

@@ -96,8 +96,9 @@ def _runs_here(checkpoint: Any) -> bool:
 
 
 def _local_dir(checkpoint: Any, hooks: list[Any], mode: str) -> str:
-    if checkpoint.storage.is_local:
-        return checkpoint.storage.path
+    path = checkpoint.storage.local_path()
+    if path is not None:
+        return path
     names = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
     raise PluginError(
         f"{checkpoint.url}: the accelerator has {mode}_state pre-hooks registered with Accelerate ({names}); "

@@ -270,7 +270,7 @@ def _reuse_base(
 
 def _target(url: str, storage_options: dict[str, Any] | None, world_size: int) -> Storage:
     storage = Storage(url, storage_options)
-    if world_size > 1 and storage.protocol == "memory":
+    if world_size > 1 and not storage.shared_between_processes:
         raise StorageError(
             f"{url}: memory:// is private to each process and cannot hold a checkpoint written by "
             f"{world_size} ranks; use a local path shared by the ranks or an object store",

@@ -308,7 +308,7 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
         if e.kind not in ("model", "optimizer", "scheduler"):
             continue
         rel = file_for(e.kind, _index(e.key), names_in_dir)
-        if rel is None or not storage.is_local:
+        if rel is None or storage.local_path(rel) is None:
             continue
         if e.kind == "model":
             model = unwrap_model(e.obj, accelerator)

@@ -46,12 +46,13 @@ class DCPReader(CheckpointReader):
         url = storage.url_of(DCP_METADATA)
         refuse_pickle(url, allow_pickle, "DCP metadata")
         try:
-            if storage.is_local:
+            local = storage.local_path()
+            if local is not None:
                 # imported here, not at the top: torch.distributed.checkpoint takes about a
                 # second to import, and `import statekit` (which imports this module) must stay light
                 from torch.distributed.checkpoint import FileSystemReader
 
-                self._md = FileSystemReader(storage.path).read_metadata()
+                self._md = FileSystemReader(local).read_metadata()
             else:  # what FileSystemReader.read_metadata does: pickle.load of the file
                 self._md = pickle.loads(storage.read_bytes(DCP_METADATA))  # noqa: S301 - allowed by the caller
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:

@@ -70,8 +70,8 @@ def load_pickle(
         CorruptCheckpointError: the file cannot be unpickled (truncated or damaged; names it).
     """
     refuse_pickle(storage.url_of(rel), allow_pickle, what, remedy)
-    if mmap and storage.is_local:
-        path = storage.path_of(rel)
+    path = storage.local_path(rel) if mmap else None
+    if path is not None:
         for kwargs in ({"weights_only": True, "mmap": True}, {"weights_only": True}, {"weights_only": False}):
             try:
                 return torch.load(path, map_location="cpu", **kwargs)

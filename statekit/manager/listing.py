@@ -10,6 +10,7 @@ never counted as committed, never resumed and never deleted.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +130,9 @@ def refuse_checkpoint_as_root(root: Storage) -> None:
     )
 
 
-def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None, details: bool = True) -> list[CheckpointDir]:
+def list_checkpoints(
+    root_url: str | os.PathLike[str] | Storage, storage_options: dict[str, Any] | None = None, details: bool = True
+) -> list[CheckpointDir]:
     """Every checkpoint directory under a root, oldest first.
 
     ``checkpoint-<step>`` directories (any number of digits) are the manager's, or a
@@ -140,8 +143,9 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     Accelerate's files) makes one committed.
 
     Args:
-        root_url: the manager root.
-        storage_options: fsspec options.
+        root_url: the manager root: a URL, or a :class:`~statekit.storage.Storage`
+            (carrying its options; its filesystem is reused).
+        storage_options: fsspec options of a URL (None with a ``Storage``).
         details: read each manifest (created, size, metrics); otherwise only check it exists.
 
     Returns:
@@ -150,7 +154,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     Raises:
         StorageError: the root cannot be listed.
     """
-    root = Storage(root_url, storage_options)
+    root = root_url if isinstance(root_url, Storage) else Storage(root_url, storage_options)
     root.invalidate()
     infos = []
     for name in root.listdir():

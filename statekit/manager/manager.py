@@ -265,7 +265,7 @@ class CheckpointManager:
         Returns:
             One :class:`CheckpointDir` per ``checkpoint-<step>`` directory.
         """
-        return list_checkpoints(self.root_url, self.storage_options)
+        return list_checkpoints(self.root)
 
     def latest(self) -> str | None:
         """URL of the newest committed checkpoint, or None (scans manifests; ``latest`` is
@@ -274,7 +274,7 @@ class CheckpointManager:
         Returns:
             The URL, or None when no checkpoint under the root is committed.
         """
-        committed = [i for i in list_checkpoints(self.root_url, self.storage_options, details=False) if i.committed]
+        committed = [i for i in list_checkpoints(self.root, details=False) if i.committed]
         return committed[-1].url if committed else None
 
     def candidates(self) -> list[tuple[CheckpointDir, dict[str, Any] | None]]:
@@ -448,7 +448,7 @@ class CheckpointManager:
         Returns:
             The step number for the next automatically named checkpoint.
         """
-        highest = max((i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)), default=-1)
+        highest = max((i.step for i in list_checkpoints(self.root, details=False)), default=-1)
         config = getattr(self.accelerator, "project_configuration", None)
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
 
@@ -623,7 +623,7 @@ class CheckpointManager:
         step = folder_step if step is None or accelerate else int(step)
         if self.signal_save is not None:
             self.signal_save.resumed(step)  # a signal during the resume saves no copy of this step
-        self.save_stats.resumed(step, [i.step for i in list_checkpoints(self.root_url, self.storage_options, details=False)])
+        self.save_stats.resumed(step, [i.step for i in list_checkpoints(self.root, details=False)])
         return step
 
     def _load(

@@ -129,6 +129,48 @@ class Storage:
         proto = self.fs.protocol
         return proto[0] if isinstance(proto, (tuple, list)) else proto
 
+    # ------------------------------------------------------- capabilities
+    # What callers outside storage/ may ask of a location, so that none of them reads
+    # is_local or a protocol name to decide how to do I/O.
+
+    def local_path(self, rel: str = "") -> str | None:
+        """The operating system's path of ``rel`` when this location is on the local
+        filesystem (what ``mmap``, ``os.fsync``, the page cache and libraries that take a
+        path need), else None (an object store, ``memory://``).
+
+        Args:
+            rel: a path relative to this directory ("" for the directory itself).
+
+        Returns:
+            The path, or None.
+        """
+        return self.path_of(rel) if self.is_local else None
+
+    @property
+    def shared_between_processes(self) -> bool:
+        """False where each process sees its own copy (``memory://``): a checkpoint that
+        several ranks write together cannot live there."""
+        return self.protocol != "memory"
+
+    def make_durable(self, rels: list[str]) -> None:
+        """Make files written by someone else (a library's own writer, which does not
+        fsync) durable before a commit names them: fsync each file and then each of their
+        directories on the local filesystem; nothing elsewhere (an object store's write is
+        durable when it returns).
+
+        Args:
+            rels: paths relative to this directory.
+        """
+        if not self.is_local:
+            return
+        directories = set()
+        for rel in rels:
+            path = self.path_of(rel)
+            fsync_path(path)
+            directories.add(os.path.dirname(path))
+        for directory in sorted(directories):
+            fsync_path(directory)
+
     def child(self, rel: str) -> Storage:
         """A :class:`Storage` for a subdirectory, sharing this filesystem."""
         return Storage(self.url_of(rel), self.storage_options, fs=self.fs)

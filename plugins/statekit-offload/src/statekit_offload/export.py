@@ -50,7 +50,7 @@ def export(src_url: str, out_url: str, *, storage_options: dict[str, Any] | None
     if not keys:
         raise StatekitError(f"{storage.url}: no model stored as <key>.safetensors; nothing to export to an offload folder")
     out = Storage(out_url)
-    if not out.is_local:
+    if out.local_path() is None:
         raise StorageError(f"{out_url}: an offload folder must be on the local filesystem", url=out_url)
     root = os.path.abspath(out.path)
     folders = {k: root if len(keys) == 1 else os.path.join(root, k) for k in keys}

@@ -295,7 +295,7 @@ class _ModelLoad:
         if checkpoint.world_size > 1:
             folder = check_offload_folder(os.path.join(folder, rank_name(checkpoint.rank)), source=self.url)
         self.folder = self.info.offload_folder = folder
-        local = bool(getattr(checkpoint.storage, "is_local", False))
+        local = checkpoint.storage.local_path() is not None
         if opts.offload_copy is False and not local:
             raise StorageError(
                 f"{self.url}: offload_copy=False reads offloaded weights in place, which needs a checkpoint on the "
