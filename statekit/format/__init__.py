@@ -1,4 +1,4 @@
-"""The on-disk format (version 1), as one facade: safetensors tensor files, checksums, the manifest.
+"""The on-disk format (``statekit/1``; ``statekit/2`` where a model spans several tensor files), as one facade: safetensors tensor files, checksums, the manifest.
 
 Tensor files follow the safetensors specification
 (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
