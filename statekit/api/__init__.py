@@ -1,33 +1,19 @@
 """One save or one load: the public calls behind the facade, through the hooks to the engine.
 
-Owns: :func:`~statekit.api.saveload.save` / :func:`~statekit.api.loading.load` (and their
-``*_objects`` forms the manager and the bridge call), the Accelerate bridge
-(:mod:`~statekit.api.bridge`: ``save_state``/``load_state`` of a whole run;
-:mod:`~statekit.api.accelerate_hooks`: pre-hooks registered with Accelerate), attach mode
-(:mod:`~statekit.api.attach`), async saves (:mod:`~statekit.api.asyncsave`:
-``PendingSave``), the resume fingerprint (:mod:`~statekit.api.fingerprint`,
-:mod:`~statekit.api.fingerprint_compare`), ``skip_first_batches`` routing
-(:mod:`~statekit.api.skip_batches`).
+Modules:
 
-Not here: a run's lifetime and the checkpoints under a root (:mod:`statekit.manager`, the
-layer above: listing in :mod:`statekit.manager.listing`), two-tier storage (the plugin
-package :mod:`statekit_replicate`, on the manager hooks), the hook contract
+- :mod:`~statekit.api.saveload`: ``save`` / ``save_objects``, the orchestration of every save.
+- :mod:`~statekit.api.loading`: ``load`` / ``load_objects``, the orchestration of every load.
+- :mod:`~statekit.api.bridge`: ``save_state`` / ``load_state`` of a whole Accelerate run.
+- :mod:`~statekit.api.accelerate_hooks`: Accelerate's registered save/load pre-hooks.
+- :mod:`~statekit.api.attach`: attach mode (``statekit.attach(accelerator)``).
+- :mod:`~statekit.api.asyncsave`: background writes (``PendingSave``) and their exit handling.
+- :mod:`~statekit.api.fingerprint`: the resume fingerprint, computed at save, checked at load.
+- :mod:`~statekit.api.fingerprint_compare`: its differences, their messages, its text form.
+- :mod:`~statekit.api.skip_batches`: ``accelerate.skip_first_batches`` after a statekit resume.
+
+Not here: a run's lifetime (:mod:`statekit.manager`, above), the hook contract
 (:mod:`statekit.hooks`), what is written and read (:mod:`statekit.engine`).
 
-Call sequence of a save: :func:`~statekit.api.saveload.save` -> ``classify`` each object
-(:func:`statekit.engine.entries.classify`) -> :func:`~statekit.api.saveload.save_objects`:
-free-space check and ``prepare_target`` (the save lock, :mod:`statekit.engine.locking`) ->
-``context_for`` (a :class:`statekit.engine.context.Checkpoint`) ->
-:func:`statekit.api.fingerprint.compute` -> ``statekit_save_state_pre`` one plugin at a
-time (:func:`statekit.hooks.registry.call_each`, claims tracked) ->
-:func:`statekit.engine.write.write_core_state` (what no plugin took) -> ``flush`` (staged
-files of an async save) -> ``_commit``: :func:`statekit.engine.commit.gather_files`,
-``objects_table``, ``build_manifest``, :func:`statekit.engine.commit.commit` on rank 0 ->
-``statekit_save_state_post``. Of a load: :func:`~statekit.api.loading.load` ->
-:func:`~statekit.api.loading.load_objects`: :func:`statekit.format.manifest.read_manifest`
-(an Accelerate folder goes to :func:`statekit.foreign.accelerate.load`) -> resume audit
-``begin`` and :func:`statekit.api.fingerprint.check` -> ``_check_loadable`` and
-:func:`statekit.engine.read.check_entries` (nothing touched yet) -> ``statekit_load_state_pre``
--> :func:`statekit.engine.read.check_models`, ``load_entries_undoable``, ``load_models``,
-the late entries -> Accelerate's random states -> ``statekit_load_state_post``.
+Call sequences: docs/design-notes.md, "The map: layers, one save, one load".
 """

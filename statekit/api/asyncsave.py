@@ -73,7 +73,10 @@ class PendingSave:
 
         Raises:
             AsyncSaveError: the write failed; ``__cause__`` is the original exception.
-            PluginError: a post-hook failed (the checkpoint is committed).
+            PluginError: a post-hook, or a ``statekit_checkpoint_committed`` hook of the
+                manager's after-commit work, failed (the checkpoint is committed).
+            StatekitError: the manager's after-commit work (``latest``, retention) failed;
+                the message says the checkpoint is committed, ``__cause__`` is the error.
         """
         self._thread.join()
         first = not self._collected
@@ -89,9 +92,12 @@ class PendingSave:
 
 @atexit.register
 def wait_all_at_exit() -> None:
-    """Wait for every background save not yet collected (registered with ``atexit``, and
-    called first by replication's exit handler, since a commit queues a copy); a failed one
-    is printed to stderr and the interpreter exits with status 1."""
+    """Wait for every background save not yet collected (registered with ``atexit``); a
+    failed one is printed to stderr and the interpreter exits with status 1.
+
+    A writer thread is not a daemon, so the interpreter joins it before any ``atexit``
+    handler: a tier plugin's exit handler finds the commit (and the copy it queued) done.
+    """
     for pending in list(_pending):
         if pending._collected:
             continue

@@ -6,18 +6,19 @@ Exit codes: 0 success, 1 a checkpoint problem (verification failure, not found,
 incomplete), 2 usage errors (click), 3 ``verify`` of a checkpoint of another format (no
 checksums: not verified; what could be checked without unpickling passed).
 
-The group is :func:`main` (:mod:`statekit.cli.group`, the console script
-``statekit = statekit.cli:main``); each command lives in its own module:
-:mod:`~statekit.cli.plugins`, :mod:`~statekit.cli.root` (``ls``, ``gc``),
-:mod:`~statekit.cli.inspecting`, :mod:`~statekit.cli.diffing`,
-:mod:`~statekit.cli.verifying`, :mod:`~statekit.cli.converting`; printing helpers are in
-:mod:`~statekit.cli.output`. ``python -m statekit.cli`` runs it too.
+Modules:
 
-Call sequence: :func:`main` (click) -> the command's module -> the API below it
-(``ls``/``gc``: :mod:`statekit.manager.listing`; ``inspect``/``diff``: :mod:`statekit.foreign`;
-``verify``: :func:`statekit.engine.read.verify`; ``convert``:
-:func:`statekit.foreign.accelerate_convert.convert`) -> :mod:`~statekit.cli.output` prints a table
-or JSON, and a :class:`statekit.errors.StatekitError` becomes exit code 1 with its message.
+- :mod:`~statekit.cli.group`: the click group :func:`main` (console script ``statekit``).
+- :mod:`~statekit.cli.root`: ``ls`` and ``gc``, the checkpoints under a manager root.
+- :mod:`~statekit.cli.inspecting`: ``inspect``, one checkpoint of any readable format.
+- :mod:`~statekit.cli.diffing`: ``diff``, two checkpoints tensor by tensor.
+- :mod:`~statekit.cli.verifying`: ``verify``, sizes and checksums against the manifest.
+- :mod:`~statekit.cli.converting`: ``convert``, Accelerate to statekit, or to a plugin's format.
+- :mod:`~statekit.cli.plugins`: ``plugins``, the installed plugins, their hooks and converters.
+- :mod:`~statekit.cli.output`: printing: sizes, tables, JSON, errors (exit 1).
+- :mod:`~statekit.cli.__main__`: ``python -m statekit.cli``.
+
+Call sequences: docs/design-notes.md, "Call sequences through each package" (cli).
 """
 
 from __future__ import annotations

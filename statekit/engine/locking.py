@@ -219,9 +219,15 @@ def lock_accelerate_save(storage: Storage) -> None:
 
 
 def mark_save_failed(storage: Storage) -> None:
-    """Leave a failed attach-mode save's lock in place, marked stale: the directory (with
-    Accelerate's partly written files) stays unloadable, and the next save into it takes
-    the lock over (:func:`lock_accelerate_save`, :func:`prepare_target`)."""
+    """Leave a failed save's lock in place, marked failed (stale at once): the directory
+    (with what the save wrote) stays unloadable and recognisably statekit's, ``statekit gc``
+    removes it, and the next save into it takes the lock over (:func:`prepare_target`,
+    :func:`lock_accelerate_save`). Called by :func:`abandon_save` and by attach mode; a failing storage leaves
+    the lock as it was (stale once this process is gone).
+
+    Args:
+        storage: the checkpoint directory.
+    """
     try:
         storage.write_bytes(LOCK_NAME, json.dumps({**json.loads(_lock_record()), "failed": True}).encode())
     except StatekitError:
@@ -237,6 +243,13 @@ def _lock_record() -> bytes:
 
 
 def release_lock(storage: Storage, rank: int) -> None:
+    """Remove the lock (rank 0 only), after a commit or a copy's end; a failing storage
+    leaves it, stale once this process is gone.
+
+    Args:
+        storage: the checkpoint directory.
+        rank: this process's rank.
+    """
     if rank == 0:
         try:
             storage.remove(LOCK_NAME)

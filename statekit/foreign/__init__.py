@@ -9,6 +9,10 @@ Formats (detected automatically by :func:`detect_format`):
   the pickle files (``optimizer.bin``, ``pytorch_model.bin``...) only with ``allow_pickle``
   (without it they are listed in :attr:`CheckpointReader.skipped`). Model tensors are
   listed without the ``_orig_mod.``/``module.`` prefixes of compiled or wrapped models.
+- ``trainer``: a ``checkpoint-<step>/`` folder of transformers' ``Trainer`` (recognised
+  by ``trainer_state.json``, file names as in :mod:`statekit.foreign.trainer`); its
+  safetensors headers are read directly, the pickles holding tensors only with
+  ``allow_pickle``.
 - ``dcp``: a ``torch.distributed.checkpoint`` directory (``.metadata`` + ``*.distcp``).
   ``.metadata`` is a pickle: it is read only with ``allow_pickle`` (locally through
   ``torch.distributed.checkpoint.FileSystemReader(path).read_metadata()``); tensor
@@ -22,18 +26,22 @@ Formats (detected automatically by :func:`detect_format`):
 Any location is an fsspec URL (local path, ``memory://``, ``s3://``...). Listing reads
 metadata only; :meth:`CheckpointReader.load_tensor` reads one tensor.
 
-Submodules: :mod:`~statekit.foreign.detect` (detection, opening), :mod:`~statekit.foreign.base`
-(the reader interface), :mod:`~statekit.foreign.readers` and :mod:`~statekit.foreign.dcp`
-(one reader per format), :mod:`~statekit.foreign.pickles` (the pickle gate),
-:mod:`~statekit.foreign.compare` (:func:`diff`), :mod:`~statekit.foreign.accelerate`
-(Accelerate directories: file names, ``load``, ``convert``).
+Modules:
 
-Call sequence: :func:`open_checkpoint` -> :func:`detect_format` -> the format's
-:class:`CheckpointReader` (``tensors()`` lists from headers or metadata, ``load_tensor``
-reads one) -> :func:`diff` compares two readers tensor by tensor. Loading an Accelerate
-folder (:func:`statekit.api.loading.load_objects` falls back to it) goes through
-:func:`statekit.foreign.accelerate.load`; ``statekit convert`` through
-:func:`statekit.foreign.accelerate_convert.convert`, which commits through :mod:`statekit.engine.commit`.
+- :mod:`~statekit.foreign.detect`: format detection (:func:`detect_format`), opening
+  (:func:`open_checkpoint`), what a folder under a root is (``folder_kind``), ``survey``.
+- :mod:`~statekit.foreign.base`: the reader interface (:class:`CheckpointReader`, :class:`TensorInfo`).
+- :mod:`~statekit.foreign.readers`: the readers of statekit, Accelerate, Trainer,
+  safetensors and torch checkpoints.
+- :mod:`~statekit.foreign.dcp`: the reader of ``torch.distributed.checkpoint`` directories.
+- :mod:`~statekit.foreign.pickles`: the one ``allow_pickle`` gate and unpickler.
+- :mod:`~statekit.foreign.compare`: tensor-by-tensor comparison (:func:`diff`).
+- :mod:`~statekit.foreign.accelerate`: Accelerate directories: file names, ``load``.
+- :mod:`~statekit.foreign.accelerate_convert`: ``statekit convert`` of an Accelerate directory.
+- :mod:`~statekit.foreign.accelerate_rng`: Accelerate's random states: restore, snapshot.
+- :mod:`~statekit.foreign.trainer`: transformers ``Trainer`` checkpoint folders: their file names.
+
+Call sequences: docs/design-notes.md, "Call sequences through each package" (foreign).
 """
 
 from __future__ import annotations

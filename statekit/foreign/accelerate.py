@@ -1,4 +1,4 @@
-"""Directories written by ``Accelerator.save_state``: their file names, pickle gate, ``load`` and ``convert``.
+"""Directories written by ``Accelerator.save_state``: their file names, pickle reads, ``load`` (``convert`` is :mod:`statekit.foreign.accelerate_convert`).
 
 This module is the one reader of Accelerate directories: the inspection reader
 (:class:`statekit.foreign.readers.AccelerateReader`), :func:`load` and the converter
@@ -145,7 +145,7 @@ def file_for(kind: str, index: int, names: set[str], rank: int = 0) -> str | Non
 
 def read_pickle(storage: Storage, rel: str, allow_pickle: bool, *, mmap: bool = False) -> Any:
     """Unpickle one file of an Accelerate checkpoint, only if the caller allowed it (the
-    Accelerate pickle gate, used by :func:`load`, :func:`convert` and the inspection reader).
+    Accelerate pickle gate, used by :func:`load`, :func:`statekit.foreign.accelerate_convert.convert` and the inspection reader).
 
     Args:
         storage: the Accelerate directory.

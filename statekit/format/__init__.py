@@ -1,4 +1,4 @@
-"""The on-disk format (version 1), as one facade: safetensors tensor files, checksums, the manifest.
+"""The on-disk format (``statekit/1``; ``statekit/2`` where a model spans several tensor files), as one facade: safetensors tensor files, checksums, the manifest.
 
 Tensor files follow the safetensors specification
 (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
@@ -29,19 +29,13 @@ Submodules, one responsibility each (this package re-exports their public names,
   next-batch record's path (:func:`next_batch_path`).
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
 - :mod:`statekit.format.codec_types`: the codec's type rules.
+- :mod:`statekit.format.device_digest`: a tensor file's digest computed on the accelerator
+  (incremental saves of a state that lives there).
 
 Not here: where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
 from as file objects), which files a checkpoint holds (:mod:`statekit.engine`).
 
-Call sequence of a save (called by :class:`statekit.engine.context.Checkpoint`):
-``save_state`` -> :func:`~statekit.format.codec.encode` (skeleton + tensors) ->
-:func:`~statekit.format.tensors.write_tensors` -> :func:`~statekit.format.header.build_header`
--> the header, then each tensor's bytes in chunks, hashed in the same pass; the engine
-builds a :class:`Manifest` and ``Manifest.sealed`` checksums and serialises it.
-Of a load: :func:`~statekit.format.manifest.read_manifest` (``Manifest.from_json``) ->
-per file :func:`~statekit.format.tensors.read_tensors` ->
-:func:`~statekit.format.header.read_header` -> each tensor read into its target (or a
-fresh buffer) -> :func:`~statekit.format.codec.decode` of a state file's skeleton with its tensors.
+Call sequences: docs/design-notes.md, "The map: layers, one save, one load".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The manifest file (``statekit.json``, format ``statekit/1``): its name, its bytes, reading it.
+"""The manifest file (``statekit.json``, format ``statekit/1`` or ``statekit/2``): its name, its bytes, reading it.
 
 The manifest lists every file of a committed checkpoint with its size and checksum, the
 objects saved and who saved them; its presence marks the checkpoint committed. Its types,

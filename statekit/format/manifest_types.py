@@ -1,4 +1,4 @@
-"""The manifest's types: pure dataclasses for ``statekit.json`` (format ``statekit/1``),
+"""The manifest's types: pure dataclasses for ``statekit.json`` (format ``statekit/1`` or ``statekit/2``),
 parsed and validated in one place (:meth:`Manifest.from_json`) and turned back into the
 exact JSON object they came from (:meth:`Manifest.to_json`).
 
@@ -469,7 +469,7 @@ _REQUIRED: dict[str, type] = {
 
 @dataclasses.dataclass(frozen=True)
 class Manifest(_JsonRecord):
-    """A checkpoint's manifest (``statekit.json``, format ``statekit/1``).
+    """A checkpoint's manifest (``statekit.json``, format ``statekit/1`` or ``statekit/2``).
 
     Returned by :func:`statekit.save`, :func:`statekit.load`, ``CheckpointManager.save``
     and ``resume``, :func:`statekit.save_state`, :func:`~statekit.format.manifest.read_manifest`,

@@ -1,29 +1,21 @@
 """Storage: where bytes go and come from (the layer just above the leaves).
 
-Owns: fsspec URLs and the :class:`~statekit.storage.fs.Storage` of one directory
-(``open_write``, ``open_read``, ``read_bytes``, ``listdir``, ``remove_tree``; errors become
-:class:`statekit.errors.StorageError` naming the URL, :func:`~statekit.storage.fs.storage_errors`),
-the commit protocol (``Storage.commit``: the manifest written last, atomically, ``exclusive``
-for racing savers), the O_DIRECT writer and reader with their aligned, huge-page buffers
-(:mod:`~statekit.storage.direct_write`, :mod:`~statekit.storage.direct`,
-:mod:`~statekit.storage.hugepages`) and the choice of them in both directions
-(``open_write``; ``open_read(rel, bulk=True)``), the file-like interface the format
-streams tensor bytes through without knowing any of that
-(:mod:`~statekit.storage.streams`: ``bulk_writer``, ``fill``), faulting in fresh load buffers
-(:mod:`~statekit.storage.prefault`), the one checksum (XXH3-64) with its hashing writer and
-verifying reader (:mod:`~statekit.storage.hashing`), and in-use markers
-(:mod:`~statekit.storage.inuse`).
+Modules:
 
-Not here: what a file contains (:mod:`statekit.format`), which files a checkpoint has (the
-manifest, built by :mod:`statekit.engine.commit`).
+- :mod:`~statekit.storage.fs`: fsspec URLs and ``Storage`` (one directory): fsync'd I/O,
+  errors as ``StorageError``, the commit protocol, the I/O method in both directions.
+- :mod:`~statekit.storage.direct_write`: ``DirectWriter``, O_DIRECT local writes.
+- :mod:`~statekit.storage.direct`: ``DirectReader``, O_DIRECT local reads.
+- :mod:`~statekit.storage.hugepages`: aligned, huge-page-backed I/O buffers.
+- :mod:`~statekit.storage.streams`: the file-like interface the format streams tensor bytes through.
+- :mod:`~statekit.storage.prefault`: faulting in fresh load buffers ahead of the reads.
+- :mod:`~statekit.storage.hashing`: the one checksum (XXH3-64), hashing writer, verifying reader.
+- :mod:`~statekit.storage.inuse`: in-use markers of checkpoints a live process reads.
 
-Call sequence of a save: ``Storage(url)`` -> ``open_write(rel)`` (local: a
-:class:`~statekit.storage.direct_write.DirectWriter`, fsync on close; remote: the fsspec
-file) for each data file -> ``commit(manifest_name, bytes)`` (local: fsync the directory,
-write a temporary file, rename or link it, fsync again; remote: one put, or a conditional create when ``exclusive``). Of a load:
-``read_bytes`` of the manifest -> per file ``open_read`` (``bulk=True`` for tensor files:
-locally a :class:`~statekit.storage.direct.DirectReader`; the storage layer chooses the I/O
-method in both directions) -> ``check_against`` of size and checksum.
+Not here: what a file contains (:mod:`statekit.format`), which files a checkpoint has
+(:mod:`statekit.engine`).
+
+Call sequences: docs/design-notes.md, "Call sequences through each package" (storage).
 """
 
 from statekit.storage.direct_write import DirectWriter

@@ -27,9 +27,13 @@ Helpers, usable outside pytest too: :func:`assert_state_equal`,
 fault-injection tests and the demos' ``--moto`` use it), and :func:`rewrite_manifest`
 (edit a committed manifest and keep its self-checksum valid).
 
-Modules: :mod:`~statekit.testing.fixtures` (the fixtures), :mod:`~statekit.testing.s3`
-(the moto server), :mod:`~statekit.testing.manifests` (manifest edits), :mod:`~statekit.testing.compare` (state comparison),
-:mod:`~statekit.testing.training` (the tiny Accelerate setup).
+Modules:
+
+- :mod:`~statekit.testing.fixtures`: the fixtures above.
+- :mod:`~statekit.testing.s3`: the moto S3 server (:func:`start_moto_server`).
+- :mod:`~statekit.testing.manifests`: editing a committed manifest (:func:`rewrite_manifest`).
+- :mod:`~statekit.testing.compare`: state comparison (:func:`assert_state_equal`).
+- :mod:`~statekit.testing.training`: the tiny Accelerate setup (:class:`TinyAccelerate`).
 
 S3 access: s3fs (2024.6 and later, with botocore >= 1.31) reads ``AWS_ENDPOINT_URL``
 from the environment, so ``fsspec``/``statekit`` calls on ``s3://`` URLs reach the moto
