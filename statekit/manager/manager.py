@@ -1,4 +1,10 @@
-"""CheckpointManager: checkpoint naming under a root, ``latest``, resume, retention.
+"""CheckpointManager: numbered checkpoints of one run under a root, saved and resumed.
+
+The manager holds the run's options (:mod:`~statekit.manager.policies`) and drives a save
+(:mod:`statekit.api`), what follows its commit (``latest`` and retention:
+:mod:`~statekit.manager.retention`) and a resume (the order of candidates:
+:mod:`~statekit.manager.resume_order`); names and listing are
+:mod:`~statekit.manager.listing`'s.
 
 Layout under the root URL: ``checkpoint-<step:08d>/`` per checkpoint and ``latest``, a
 hint naming the newest committed one (written after its commit). ``resume()`` always
@@ -140,15 +146,19 @@ class CheckpointManager:
             manifest last; :meth:`resume` then considers both roots; with several ranks
             each rank's ``root_url`` may be a disk of its node only), ``replicate_options``
             (the remote root's fsspec options), ``remote_keep_last`` (keep the newest N
-            committed checkpoints there; None: all) and ``delete_unreplicated`` (let local
-            retention delete a checkpoint not replicated yet; default False), owned by the
+            committed checkpoints there; None: all), ``delete_unreplicated`` (let local
+            retention delete a checkpoint not replicated yet; default False),
+            ``replicate_max_backlog`` (queued copies beyond which the oldest is dropped;
+            default 16) and ``replicate_hedge_after_s`` (race a stalled upload after that
+            many seconds; default 30), owned by the
             ``replicate`` plugin (``docs/tiers.md``). The others are plugin options passed
             to every save and load; one that no registered plugin reads (a misspelled
             ``keep_last``) warns.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, a group is
+            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, ``step_digits``
+            is not an integer from 0 to 20, a group is
             given with one of its flat keywords (or is not of its class), ``storage_options``
             with a ``Storage``, ``root_url`` is itself a checkpoint (statekit's or
             Accelerate's), or a plugin refused its manager option (``remote_keep_last``
@@ -323,7 +333,7 @@ class CheckpointManager:
         *,
         overwrite: bool = False,
         blocking: bool | None = None,
-    ) -> Manifest | PendingSave:
+    ) -> Manifest | PendingSave | None:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
         A previous async save is waited for first (and its error raised here), within the
@@ -351,6 +361,9 @@ class CheckpointManager:
                 statekit did not write (a Trainer or DCP checkpoint of that name), which is
                 never replaced, even with ``overwrite``.
             AsyncSaveError: the previous async save failed (its error is the cause).
+            PluginError, StatekitError: the previous async save committed, but what follows
+                its commit failed (a ``statekit_checkpoint_committed`` hook; ``latest`` or
+                retention), raised here as :meth:`wait` would; the message says it committed.
             PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
             SystemExit: ``save_on_signal`` with ``on_signal="exit"`` and a signal received
                 (on any rank): this save was the signal's, committed (status ``128 + signum``).
@@ -437,6 +450,8 @@ class CheckpointManager:
 
         Raises:
             AsyncSaveError: it failed (``__cause__`` is the original error).
+            PluginError, StatekitError: it committed, but what follows the commit failed
+                (as :meth:`wait`).
         """
         return self._wait_save()
 
@@ -483,6 +498,9 @@ class CheckpointManager:
         Raises:
             AsyncSaveError: it failed; the message names the URL, ``__cause__`` is the
                 original error with its traceback.
+            PluginError, StatekitError: it committed, but what follows the commit failed (a
+                ``statekit_checkpoint_committed`` hook; ``latest`` or retention); the message
+                says the checkpoint is committed.
             PluginError: a ``statekit_manager_wait`` implementation failed.
         """
         manifest = self._wait_save()

@@ -11,10 +11,11 @@ from typing import Any
 from statekit import distributed
 from statekit.manager.listing import LATEST_NAME, checkpoint_name, delete_all_but
 from statekit.errors import PluginError
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import call_each, get_plugin_manager
 
 
-def after_commit(manager: Any, step: int, url: str, manifest: dict[str, Any]) -> None:
+def after_commit(manager: Any, step: int, url: str, manifest: Manifest) -> None:
     """Every rank, right after ``manager``'s checkpoint ``url`` committed: rank 0 updates
     ``latest`` and applies retention; a rank whose root is not rank 0's (a node-local
     disk) deletes its part of what retention deleted; then ``statekit_checkpoint_committed``
