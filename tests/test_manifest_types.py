@@ -108,7 +108,7 @@ def test_a_resumed_manager_save_carries_a_typed_fingerprint_and_resume_audit(tmp
     raw = (tmp_path / "run" / "checkpoint-00000004" / "statekit.json").read_bytes()
     assert key_layout(json.loads(raw)) == key_layout(json.loads(GOLDEN[0].read_bytes()))
     assert isinstance(manifest.fingerprint, Fingerprint) and manifest.fingerprint.world_size == 1
-    assert manifest.fingerprint.dataloaders["dataloader_0"]["batch_size"] == 2
+    assert manifest.fingerprint.dataloaders["dataloader_0"].batch_size == 2
     assert isinstance(manifest.resume_audit, ResumeAudit)
     assert manifest.resume_audit.verdict == "verified"
     assert manifest.resume_audit.resumed_from == {"url": str(tmp_path / "run" / "checkpoint-00000002"), "step": 2}

@@ -34,6 +34,7 @@ what :mod:`statekit.loaders.data` needs to replay one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import platform
@@ -50,7 +51,7 @@ from statekit.engine import gradients
 from statekit.loaders import data, samplers
 from statekit.engine.entries import Entry
 from statekit.errors import ResumeFingerprintWarning, ResumeMismatchError, warn_user
-from statekit.format.manifest_types import Manifest
+from statekit.format.manifest_types import Fingerprint, LoaderSettings, Manifest
 from statekit.hooks.registry import get_plugin_manager
 
 CPU_RNG_KINDS = ("numpy", "python", "torch")
@@ -65,7 +66,7 @@ as left unrestored."""
 # --------------------------------------------------------------------------- compute
 
 
-def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None = None) -> dict[str, Any]:
+def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None = None) -> Fingerprint:
     """The fingerprint of the live run.
 
     Args:
@@ -75,24 +76,24 @@ def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None
         rng: the RNG kinds; None: those the installed plugins restore (:func:`rng_live`).
 
     Returns:
-        The fingerprint dict (module docstring), strict JSON.
+        The fingerprint (its JSON form: the module docstring).
     """
     world_size = distributed.rank_and_world_size()[1]
     steps = getattr(accelerator, "gradient_accumulation_steps", None) if accelerator is not None else None
     precision = getattr(accelerator, "mixed_precision", None) if accelerator is not None else None
-    return {
-        "world_size": world_size,
-        "gradient_accumulation_steps": int(steps) if steps is not None else None,
-        "accumulating": gradients.accumulating(accelerator) if accelerator is not None else None,
-        "mixed_precision": str(precision) if precision is not None else None,
-        "rng": sorted(rng) if rng is not None else rng_live(),
-        "dataloaders": {e.key: loader_fingerprint(e.obj, accelerator, world_size) for e in entries if data.is_loader(e.obj)},
-        "objects": {e.key: e.kind for e in entries if not e.optional and e.key not in UNCOMPARED_OBJECTS},
-        "versions": versions(),
-    }
+    return Fingerprint(
+        world_size=world_size,
+        gradient_accumulation_steps=int(steps) if steps is not None else None,
+        accumulating=gradients.accumulating(accelerator) if accelerator is not None else None,
+        mixed_precision=str(precision) if precision is not None else None,
+        rng=tuple(sorted(rng) if rng is not None else rng_live()),
+        dataloaders={e.key: loader_fingerprint(e.obj, accelerator, world_size) for e in entries if data.is_loader(e.obj)},
+        objects={e.key: e.kind for e in entries if not e.optional and e.key not in UNCOMPARED_OBJECTS},
+        versions=versions(),
+    )
 
 
-def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1) -> dict[str, Any]:
+def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1) -> LoaderSettings:
     """What a data loader's position depends on.
 
     Args:
@@ -102,9 +103,8 @@ def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1
             spans them all).
 
     Returns:
-        ``{"batch_size"`` (per device), ``"dataset_length"``, ``"drop_last"``,
-        ``"even_batches"``, ``"num_workers"``, ``"sampler"`` (class name), ``"shuffle"``,
-        ``"seed"}``; None where the loader does not say.
+        Its settings (``batch_size`` per device, ``sampler`` the class name); None where
+        the loader does not say.
     """
     batch_sampler = _get(loader, "batch_sampler")
     sampler = samplers.sampler_of(loader)
@@ -117,16 +117,16 @@ def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1
     if even is None and accelerator is not None and _get(loader, "_is_accelerate_prepared"):
         even = getattr(accelerator, "even_batches", None)
     drop_last = _get(batch_sampler, "drop_last")
-    return {
-        "batch_size": _int(batch_size),
-        "dataset_length": samplers.dataset_length(loader),
-        "drop_last": bool(drop_last if drop_last is not None else _get(loader, "drop_last")),
-        "even_batches": bool(even) if even is not None else None,
-        "num_workers": _int(_get(loader, "num_workers")),
-        "sampler": type(sampler).__name__ if sampler is not None else None,
-        "shuffle": _shuffles(sampler),
-        "seed": _int(_get(sampler, "seed", _get(sampler, "initial_seed"))),
-    }
+    return LoaderSettings(
+        batch_size=_int(batch_size),
+        dataset_length=samplers.dataset_length(loader),
+        drop_last=bool(drop_last if drop_last is not None else _get(loader, "drop_last")),
+        even_batches=bool(even) if even is not None else None,
+        num_workers=_int(_get(loader, "num_workers")),
+        sampler=type(sampler).__name__ if sampler is not None else None,
+        shuffle=_shuffles(sampler),
+        seed=_int(_get(sampler, "seed", _get(sampler, "initial_seed"))),
+    )
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -193,9 +193,7 @@ def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]
 # --------------------------------------------------------------------------- check
 
 
-def check(
-    manifest: Manifest, live: Mapping[str, Any], url: str, *, strict_resume: bool = False
-) -> list[Difference]:
+def check(manifest: Manifest, live: Fingerprint, url: str, *, strict_resume: bool = False) -> list[Difference]:
     """Compare a checkpoint's fingerprint with the live run: warn, or raise.
 
     Args:
@@ -216,13 +214,13 @@ def check(
     """
     if manifest.fingerprint is None:
         return []
-    saved = manifest.fingerprint.to_json()  # compared key by key: a newer writer's setting too
+    saved = manifest.fingerprint
     if any(p.startswith("random_states_") for p in manifest.files):
         # Accelerate's own random states: its loader restores them whatever is installed
-        live = {**live, "rng": sorted(set(live.get("rng") or []) | set(CPU_RNG_KINDS))}
-    if not isinstance(manifest.fingerprint.objects, Mapping):  # written before "objects" existed: the manifest's list
-        objects = {k: o.kind for k, o in manifest.objects.items() if k not in UNCOMPARED_OBJECTS}
-        saved = {**saved, "objects": objects}
+        live = dataclasses.replace(live, rng=tuple(sorted(set(live.rng or ()) | set(CPU_RNG_KINDS))))
+    if not isinstance(saved.objects, Mapping):  # written before "objects" existed: the manifest's list
+        saved = dataclasses.replace(
+            saved, objects={k: o.kind for k, o in manifest.objects.items() if k not in UNCOMPARED_OBJECTS})
     differences = compare(saved, live)
     refused = [d for d in differences if d.level == "error" or (strict_resume and d.level == "warning")]
     for d in differences:

@@ -2,9 +2,10 @@
 the live one, their messages (setting, saved and live value, effect on the resume), and a
 fingerprint as text lines.
 
-Pure functions on fingerprint dicts (:mod:`statekit.api.fingerprint` documents the
-fields, computes the live fingerprint and warns or raises in
-:func:`statekit.api.fingerprint.check`); re-exported there.
+Pure functions on typed fingerprints (:class:`statekit.format.Fingerprint` and its
+:class:`statekit.format.LoaderSettings`), compared field by field;
+:mod:`statekit.api.fingerprint` computes the live fingerprint and warns or raises in
+:func:`statekit.api.fingerprint.check`; re-exported there.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from statekit.format.manifest_types import Fingerprint
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,11 @@ _VERSION_EFFECTS = {
 }
 
 
-def compare(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[Difference]:
-    """Every difference between a saved fingerprint and the live one.
+def compare(saved: Fingerprint, live: Fingerprint) -> list[Difference]:
+    """Every difference between a saved fingerprint and the live one, field by field.
 
-    A field null (or absent) on either side is not compared; a data loader only one side
-    has is not compared (``strict=False`` loads may leave it out).
+    A field None on either side is not compared; a data loader only one side has is not
+    compared (``strict=False`` loads may leave it out).
 
     Args:
         saved: the manifest's ``fingerprint``.
@@ -100,38 +103,41 @@ def compare(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[Differenc
     Returns:
         The differences, run settings first, then per data loader, then versions.
     """
-    out = [_accumulation(saved, live)] if _differs(saved, live, "gradient_accumulation_steps") else []
-    for key, (setting, effect) in _RUN_EFFECTS.items():
-        if _differs(saved, live, key):
-            out.append(Difference(setting, saved[key], live[key], effect))
-    if _differs(saved, live, "rng"):
-        out.append(_rng(saved["rng"], live["rng"]))
-    live_loaders = live.get("dataloaders") or {}
-    for name, loader in sorted((saved.get("dataloaders") or {}).items()):
-        if isinstance(loader, Mapping) and isinstance(live_loaders.get(name), Mapping):
-            for key, (setting, effect) in _LOADER_EFFECTS.items():
-                if _differs(loader, live_loaders[name], key):
-                    out.append(Difference(setting, loader[key], live_loaders[name][key], effect, where=name))
-    unrestored = _unrestored(saved.get("objects"), live.get("objects"))
+    out = []
+    if _differs(saved.gradient_accumulation_steps, live.gradient_accumulation_steps):
+        out.append(_accumulation(saved, live))
+    for field, (setting, effect) in _RUN_EFFECTS.items():
+        if _differs(getattr(saved, field), getattr(live, field)):
+            out.append(Difference(setting, getattr(saved, field), getattr(live, field), effect))
+    if _differs(saved.rng, live.rng):
+        out.append(_rng(list(saved.rng or ()), list(live.rng or ())))
+    live_loaders = live.dataloaders or {}
+    for name, loader in sorted((saved.dataloaders or {}).items()):
+        other = live_loaders.get(name)
+        if other is None:
+            continue
+        for field, (setting, effect) in _LOADER_EFFECTS.items():
+            if _differs(getattr(loader, field), getattr(other, field)):
+                out.append(Difference(setting, getattr(loader, field), getattr(other, field), effect, where=name))
+    unrestored = _unrestored(saved.objects, live.objects)
     if unrestored is not None:
         out.append(unrestored)
-    saved_versions, live_versions = saved.get("versions") or {}, live.get("versions") or {}
+    saved_versions, live_versions = saved.versions or {}, live.versions or {}
     for name, effect in _VERSION_EFFECTS.items():
-        if _differs(saved_versions, live_versions, name):
+        if _differs(saved_versions.get(name), live_versions.get(name)):
             out.append(Difference(name, saved_versions[name], live_versions[name], effect, level="info"))
     return out
 
 
-def _differs(saved: Mapping[str, Any], live: Mapping[str, Any], key: str) -> bool:
-    a, b = saved.get(key), live.get(key)
-    if isinstance(a, list) and isinstance(b, list):
-        return sorted(map(str, a)) != sorted(map(str, b))
-    return a is not None and b is not None and a != b
+def _differs(saved: Any, live: Any) -> bool:
+    if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)):
+        return sorted(map(str, saved)) != sorted(map(str, live))
+    return saved is not None and live is not None and saved != live
 
 
-def _accumulation(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Difference:
-    before, after = saved["gradient_accumulation_steps"], live["gradient_accumulation_steps"]
-    if saved.get("accumulating"):
+def _accumulation(saved: Fingerprint, live: Fingerprint) -> Difference:
+    before, after = saved.gradient_accumulation_steps, live.gradient_accumulation_steps
+    if saved.accumulating:
         return Difference(
             "gradient accumulation steps",
             before,
@@ -184,7 +190,7 @@ def _rng(saved: list[str], live: list[str]) -> Difference:
                       "augmentation) differ from the saved run's")
 
 
-def describe(fingerprint: Mapping[str, Any]) -> list[str]:
+def describe(fingerprint: Fingerprint) -> list[str]:
     """A fingerprint as text lines (``statekit inspect``): the run's settings, one line
     per data loader, the versions; null fields are shown as ``-``.
 
@@ -194,16 +200,18 @@ def describe(fingerprint: Mapping[str, Any]) -> list[str]:
     Returns:
         The lines, without a trailing newline.
     """
-    f = {k: ("-" if v is None else v) for k, v in fingerprint.items()}
-    accumulating = " (saved mid-accumulation)" if fingerprint.get("accumulating") else ""
+    def shown(value: Any) -> Any:
+        return "-" if value is None else value
+
+    f = fingerprint
+    accumulating = " (saved mid-accumulation)" if f.accumulating else ""
     lines = [
-        f"world size {f.get('world_size', '-')}, gradient accumulation steps {f.get('gradient_accumulation_steps', '-')}"
-        f"{accumulating}, mixed precision {f.get('mixed_precision', '-')}, RNG {_show(fingerprint.get('rng') or [])}"
+        f"world size {shown(f.world_size)}, gradient accumulation steps {shown(f.gradient_accumulation_steps)}"
+        f"{accumulating}, mixed precision {shown(f.mixed_precision)}, RNG {_show(list(f.rng or ()))}"
     ]
-    for key, loader in sorted((fingerprint.get("dataloaders") or {}).items()):
-        shown = ", ".join(f"{name} {'-' if loader.get(field) is None else loader.get(field)}"
-                          for field, (name, _) in _LOADER_EFFECTS.items())
-        lines.append(f"{key}: {shown}")
-    if fingerprint.get("versions"):
-        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in fingerprint["versions"].items()))
+    for key, loader in sorted((f.dataloaders or {}).items()):
+        lines.append(f"{key}: " + ", ".join(f"{name} {shown(getattr(loader, field))}"
+                                            for field, (name, _) in _LOADER_EFFECTS.items()))
+    if f.versions:
+        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in f.versions.items()))
     return lines

@@ -13,6 +13,7 @@ manifest, barrier, run ``statekit_save_state_post``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
 from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
-from statekit.format.manifest_types import Manifest
+from statekit.format.manifest_types import Fingerprint, Manifest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.loaders import next_batch
@@ -331,7 +332,7 @@ def _commit(
     owners: dict[str, str],
     metadata: dict[str, Any],
     exclusive: bool,
-    fingerprint: dict[str, Any],
+    fingerprint: Fingerprint,
 ) -> Manifest:
     """Gather every rank's file entries to rank 0, build and commit the manifest there
     (with the resume ``fingerprint``, its RNG kinds from what the plugins saved), share it."""
@@ -341,7 +342,7 @@ def _commit(
     if checkpoint.rank == 0:
         distributions = {n: s.distribution for n, s in pm.sources.items() if s.distribution}
         objects = commits.objects_table(entries, owners, files, distributions)
-        fingerprint = {**fingerprint, "rng": fingerprints.rng_saved(checkpoint.all_records(), files)}
+        fingerprint = dataclasses.replace(fingerprint, rng=tuple(fingerprints.rng_saved(checkpoint.all_records(), files)))
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata, fingerprint=fingerprint)
     storage = checkpoint.storage
     return commits.agree(

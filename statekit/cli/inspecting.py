@@ -91,8 +91,7 @@ def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[st
     ]
     if manifest.metadata:
         lines.append(f"metadata    {json.dumps(manifest.metadata)}")
-    fingerprint = manifest.fingerprint.to_json() if manifest.fingerprint is not None else None
-    for i, line in enumerate(describe_fingerprint(fingerprint) if fingerprint else []):
+    for i, line in enumerate(describe_fingerprint(manifest.fingerprint) if manifest.fingerprint is not None else []):
         lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
     lines += _resume_audit_lines(manifest.resume_audit)
     out.print("\n".join(lines), markup=False)

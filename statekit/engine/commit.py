@@ -103,7 +103,7 @@ def build_manifest(
     plugins: dict[str, str],
     metadata: dict[str, Any] | None = None,
     records: dict[str, Any] | None = None,
-    fingerprint: Mapping[str, Any] | None = None,
+    fingerprint: Fingerprint | None = None,
 ) -> Manifest:
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
@@ -116,8 +116,8 @@ def build_manifest(
         plugins: plugin name -> version, for every plugin that wrote or owns something.
         metadata: JSON-able user metadata.
         records: plugin name -> records (default: the checkpoint's).
-        fingerprint: the resume fingerprint (JSON object, built by
-            :mod:`statekit.api.fingerprint`; the engine only records it); None: none.
+        fingerprint: the resume fingerprint (built by :mod:`statekit.api.fingerprint`;
+            the engine only records it); None: none.
 
     Returns:
         The manifest, ready for :func:`commit` (no checksum yet).
@@ -146,7 +146,7 @@ def build_manifest(
             for rel, e in files.items()
         },
         metadata=dict(metadata or {}),
-        fingerprint=None if fingerprint is None else Fingerprint.from_json(dict(fingerprint), url),
+        fingerprint=fingerprint,
         resume_audit=None if resume_audit is None else ResumeAudit.from_json(resume_audit, url),
     )
 

@@ -12,7 +12,8 @@ The types:
 - :class:`Manifest`: the whole file; ``files`` and ``objects`` map to
 - :class:`FileEntry` (size, checksum, rank, writer of one file) and
   :class:`ObjectEntry` (kind, owner, scope, files of one saved object);
-- :class:`Fingerprint`: the resume fingerprint (the settings an exact resume depends on);
+- :class:`Fingerprint`: the resume fingerprint (the settings an exact resume depends on),
+  with a :class:`LoaderSettings` per data loader;
 - :class:`ResumeAudit`: the verdict of the resume the saving run continued from.
 
 ``records`` (plugin name -> the plugin's JSON) and ``metadata`` (the user's JSON) stay
@@ -64,6 +65,7 @@ __all__ = [
     "READ_FORMATS",
     "FileEntry",
     "Fingerprint",
+    "LoaderSettings",
     "Manifest",
     "ObjectEntry",
     "ResumeAudit",
@@ -133,7 +135,7 @@ def _json_fields(cls: type) -> list[str]:
 
 class _JsonRecord:
     """What every manifest type shares: the JSON form (``to_json``) with the parsed key
-    order and the unknown keys (``extra``) kept, and the deprecated dict-style reads."""
+    order and the unknown keys (``extra``) kept."""
 
     _NULLABLE: ClassVar[frozenset[str]] = frozenset()
     """Fields written as JSON ``null`` when None (others are left out when None)."""
@@ -341,11 +343,66 @@ class ObjectEntry(_JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoaderSettings(_JsonRecord):
+    """What a data loader's position depends on, in the resume fingerprint; a setting the
+    loader does not say is None (written as JSON null, never compared).
+
+    Attributes:
+        batch_size: samples per batch on one device.
+        dataset_length: samples in the dataset (None: an iterable dataset without length).
+        drop_last: the epoch's last, partial batch is dropped.
+        even_batches: Accelerate pads the last batches so that every rank gets as many.
+        num_workers: data-loader worker processes.
+        sampler: the sampler's class name.
+        shuffle: the sampler draws a random order.
+        seed: the sampler's seed, where it has one.
+        extra: keys this version does not know.
+        key_order: the parsed object's key order (empty when built in code).
+    """
+
+    batch_size: int | None = None
+    dataset_length: int | None = None
+    drop_last: bool | None = None
+    even_batches: bool | None = None
+    num_workers: int | None = None
+    sampler: str | None = None
+    shuffle: bool | None = None
+    seed: int | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    _NULLABLE = frozenset({"batch_size", "dataset_length", "drop_last", "even_batches", "num_workers", "sampler",
+                           "shuffle", "seed"})
+
+    @classmethod
+    def from_json(cls, value: Any, source: str, key: str) -> LoaderSettings:
+        """Parse one data loader's entry of the fingerprint.
+
+        Args:
+            value: the parsed JSON value.
+            source: the manifest's URL, named in errors.
+            key: the data loader's stable key, named in errors.
+
+        Returns:
+            The settings (values as written: the comparison judges them).
+
+        Raises:
+            CorruptCheckpointError: it is not a JSON object.
+        """
+        if not isinstance(value, dict):
+            raise CorruptCheckpointError(
+                f"{source}: manifest field 'fingerprint' holds data loader {key!r} that is not an object", path=source)
+        names = set(_json_fields(cls))
+        return cls(**{k: v for k, v in value.items() if k in names},
+                   extra={k: v for k, v in value.items() if k not in names}, key_order=tuple(value))
+
+
+@dataclasses.dataclass(frozen=True)
 class Fingerprint(_JsonRecord):
     """The resume fingerprint: the settings an exact resume depends on (``docs/concepts.md``,
     Resume fingerprint); a setting that could not be determined is None. Built and compared
-    by :mod:`statekit.api.fingerprint`, which compares the JSON forms key by key (so a
-    setting a newer writer adds, kept in ``extra``, is compared too).
+    field by field by :mod:`statekit.api.fingerprint` (a setting a newer writer adds is kept
+    in ``extra`` and written back, not compared: this version knows no effect for it).
 
     Attributes:
         world_size: processes that saved.
@@ -353,8 +410,8 @@ class Fingerprint(_JsonRecord):
         accumulating: saved between two optimizer steps of gradient accumulation.
         mixed_precision: Accelerate's setting.
         rng: the random-number-generator kinds saved.
-        dataloaders: per data loader (stable key): what its position depends on (batch
-            size, dataset length, sampler, seed...), as JSON.
+        dataloaders: per data loader (stable key): what its position depends on
+            (:class:`LoaderSettings`).
         objects: the objects saved, stable key -> kind; None in fingerprints written
             before it was recorded.
         versions: python, torch, accelerate, statekit versions.
@@ -367,7 +424,7 @@ class Fingerprint(_JsonRecord):
     accumulating: bool | None = None
     mixed_precision: str | None = None
     rng: tuple[str, ...] | None = None
-    dataloaders: Mapping[str, Any] | None = None
+    dataloaders: Mapping[str, LoaderSettings] | None = None
     objects: Mapping[str, str] | None = None
     versions: Mapping[str, str] | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
@@ -387,7 +444,8 @@ class Fingerprint(_JsonRecord):
             The fingerprint (its values as written: the comparison judges them).
 
         Raises:
-            CorruptCheckpointError: it is not a JSON object.
+            CorruptCheckpointError: it is not a JSON object, or its ``dataloaders`` is not
+                an object of objects.
         """
         if not isinstance(value, dict):
             raise CorruptCheckpointError(f"{source}: manifest field 'fingerprint' is not an object", path=source)
@@ -396,6 +454,10 @@ class Fingerprint(_JsonRecord):
         known = {k: v for k, v in value.items() if k in names}
         if isinstance(rng, list):
             known["rng"] = tuple(rng)
+        loaders = value.get("dataloaders")
+        if loaders is not None:
+            loaders = _need_object(loaders, "fingerprint.dataloaders", source)
+            known["dataloaders"] = {k: LoaderSettings.from_json(v, source, k) for k, v in loaders.items()}
         return cls(**known, extra={k: v for k, v in value.items() if k not in names}, key_order=tuple(value))
 
 
