@@ -15,6 +15,7 @@ from statekit._version import __version__
 from statekit.api.attach import Attachment, attach
 from statekit.api.bridge import load_state, save_state
 from statekit.engine.context import Checkpoint
+from statekit.foreign.base import ForeignObject, ForeignSummary
 from statekit.format.manifest_types import Manifest
 from statekit.api.loading import load
 from statekit.api.saveload import save
@@ -56,6 +57,8 @@ __all__ = [
     "Attachment",
     "Checkpoint",
     "Manifest",
+    "ForeignSummary",
+    "ForeignObject",
     "CheckpointDir",
     "list_checkpoints",
     "CheckpointManager",

@@ -143,7 +143,8 @@ def test_accelerate_format_loads_with_allow_pickle(tmp_path, installed_plugin_ma
     run, target = _accelerate_dir(tmp_path)
     other = build(seed=4)
     summary = statekit.load_state(other[0], target, allow_pickle=True)
-    assert summary["format"] == "accelerate"
+    assert isinstance(summary, statekit.ForeignSummary) and summary.format == "accelerate"
+    assert summary.objects["optimizer_0"] == statekit.ForeignObject("optimizer", "optimizer.bin")
     assert_state_equal(other[1].state_dict(), run[1].state_dict())
     assert_state_equal(other[2].state_dict(), run[2].state_dict())
     assert other[5].state_dict() == run[5].state_dict()

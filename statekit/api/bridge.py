@@ -23,6 +23,7 @@ from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plu
 from statekit.engine.entries import Entry
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.errors import StatekitWarning, warn_user
+from statekit.foreign.base import ForeignSummary
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import get_plugin_manager
 
@@ -187,7 +188,7 @@ def load_state(
     strict: bool = True,
     strict_resume: bool = False,
     **options: Any,
-) -> Manifest | dict[str, Any]:
+) -> Manifest | ForeignSummary:
     """Restore a run saved by :func:`save_state`, or a directory written by
     ``Accelerator.save_state`` (its pickle files only with ``allow_pickle=True``).
 
@@ -206,8 +207,8 @@ def load_state(
         **options: plugin options.
 
     Returns:
-        The manifest (:class:`statekit.Manifest`; for an Accelerate directory, a summary
-        dict with ``format: "accelerate"``).
+        The manifest (:class:`statekit.Manifest`); for a directory
+        ``Accelerator.save_state`` wrote, a :class:`statekit.ForeignSummary`.
 
     Raises:
         StatekitError: as :func:`statekit.load` (``CheckpointNotFoundError``,

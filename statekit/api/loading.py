@@ -30,8 +30,8 @@ from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, P
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
 from statekit.foreign.accelerate_rng import restore_rng
+from statekit.foreign.base import ForeignObject, ForeignSummary
 from statekit.foreign.detect import describe_kind, folder_kind
-from statekit.format.layout import rank_path
 from statekit.format.layout import rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
@@ -54,7 +54,7 @@ def load(
     strict: bool = True,
     strict_resume: bool = False,
     **options: Any,
-) -> Manifest | dict[str, Any]:
+) -> Manifest | ForeignSummary:
     """Restore a mapping of stateful objects from a committed checkpoint, in place.
 
     A training state (the mapping holds an optimizer, LR scheduler or data loader) is a
@@ -84,7 +84,7 @@ def load(
         "unexpected_keys": [...]}`` for every model the core loaded, and
         ``missing_objects`` the keys the checkpoint did not hold. A directory
         ``Accelerator.save_state`` wrote (no statekit manifest, or attach mode's) gives
-        the summary dict of :func:`statekit.foreign.accelerate.load` instead.
+        a :class:`statekit.ForeignSummary` instead.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: see
@@ -108,15 +108,13 @@ def _logged(load_fn: Any) -> Any:
     """One INFO line per load that returns: ``loaded <url> (step 140, 12.3 MiB, 0.20 s)``."""
 
     @functools.wraps(load_fn)
-    def wrapper(url: str, *args: Any, **kwargs: Any) -> Manifest | dict[str, Any]:
+    def wrapper(url: str, *args: Any, **kwargs: Any) -> Manifest | ForeignSummary:
         started = time.perf_counter()
         manifest = load_fn(url, *args, **kwargs)
         rank, world_size = distributed.rank_and_world_size()
         where = f", rank {rank}" if world_size > 1 else ""
-        typed = isinstance(manifest, Manifest)  # else the summary of a directory Accelerate wrote
-        step = manifest.step if typed else manifest.get("step") if isinstance(manifest, dict) else None
-        size = human(manifest.size_bytes) if typed and manifest.files else "-"
-        logger.info("loaded %s (step %s, %s, %.2f s%s)", url, step, size, time.perf_counter() - started, where)
+        size = human(manifest.size_bytes) if isinstance(manifest, Manifest) and manifest.files else "-"
+        logger.info("loaded %s (step %s, %s, %.2f s%s)", url, manifest.step, size, time.perf_counter() - started, where)
         return manifest
 
     return wrapper
@@ -135,7 +133,7 @@ def load_objects(
     strict: bool = True,
     compare_fingerprint: bool = True,
     strict_resume: bool = False,
-) -> Manifest | dict[str, Any]:
+) -> Manifest | ForeignSummary:
     """Load classified entries (the engine behind :func:`load` and the Accelerate bridge).
 
     A directory written by ``Accelerator.save_state`` (no manifest, or a manifest of
@@ -144,7 +142,8 @@ def load_objects(
     live run before anything is loaded (:func:`statekit.api.fingerprint.check`).
 
     Returns:
-        The manifest, or the summary dict of a directory Accelerate wrote (as :func:`load`).
+        The manifest, or a :class:`statekit.ForeignSummary` for a directory Accelerate
+        wrote (as :func:`load`).
 
     Raises:
         As :func:`load`.
@@ -491,7 +490,7 @@ def _load_attached(
     *,
     allow_pickle: bool,
     verify: bool,
-) -> dict[str, Any]:
+) -> ForeignSummary:
     """A directory an attached accelerator's ``save_state`` wrote, loaded as attach mode's
     ``accelerator.load_state`` loads it: the load pre-hooks (a model a plugin takes is its
     to load), Accelerate's files for the rest (all or nothing; the models left keep
@@ -521,7 +520,6 @@ def _load_attached(
     )
     apply_own_states(own)  # statekit's exact positions replace Accelerate's
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
-    if isinstance(summary.get("objects"), dict):  # report the caller's keys, not Accelerate's positions
-        summary["objects"] = {key_of.get(k, k): v for k, v in summary["objects"].items()}
-        summary["objects"].update({e.key: {"kind": e.kind, "owner": taken[e.key]} for e in model_entries if e.key in taken})
-    return summary
+    objects = {key_of.get(k, k): v for k, v in summary.objects.items()}  # the caller's keys, not Accelerate's positions
+    objects.update({e.key: ForeignObject(e.kind, owner=taken[e.key]) for e in model_entries if e.key in taken})
+    return dataclasses.replace(summary, objects=objects)

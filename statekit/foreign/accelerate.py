@@ -33,6 +33,7 @@ from statekit.engine.gradients import warn_partial_window
 from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit, parameter_names
 from statekit.errors import CorruptCheckpointError, StateMismatchError
 from statekit.foreign.accelerate_rng import restore_rng, rng_snapshot
+from statekit.foreign.base import ForeignObject, ForeignSummary
 from statekit.foreign.pickles import load_pickle, unreadable_pickle
 from statekit.storage import Storage
 
@@ -181,7 +182,7 @@ def _index(key: str) -> int:
 
 def load(
     storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerator: Any = None, gradients_restored: bool = False
-) -> dict[str, Any]:
+) -> ForeignSummary:
     """Restore entries (stable keys ``model_0``, ``optimizer_0``...) from an Accelerate directory.
 
     All or nothing: every needed file is located, pickle permission checked, every file
@@ -204,7 +205,8 @@ def load(
             between optimizer steps warns that the resume is not exact.
 
     Returns:
-        A manifest-like dict: ``{"format": "accelerate", "step": ..., "objects": {...}}``.
+        A :class:`~statekit.foreign.base.ForeignSummary` (``format="accelerate"``; its
+        objects keyed as ``entries`` are, with the file each was read from).
 
     Raises:
         PickleNotAllowedError: a needed file is pickle and ``allow_pickle`` is False.
@@ -231,7 +233,7 @@ def load(
         accelerator.step = step
         if not gradients_restored:
             warn_partial_window(accelerator, int(step))
-    return {"format": "accelerate", "step": step, "objects": {e.key: {"kind": e.kind, "file": rel} for e, rel in plan}}
+    return ForeignSummary("accelerate", step, {e.key: ForeignObject(e.kind, rel) for e, rel in plan})
 
 
 def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tuple[Any, str]]:

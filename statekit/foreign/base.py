@@ -1,4 +1,6 @@
-"""What every checkpoint reader shares: :class:`TensorInfo`, :class:`CheckpointReader`, safetensors access.
+"""What every checkpoint reader shares: :class:`TensorInfo`, :class:`CheckpointReader`,
+safetensors access; and what a load of a folder statekit did not write returns
+(:class:`ForeignSummary`).
 
 A reader lists tensors from metadata only and reads one tensor at a time; the safetensors
 helpers here read a header once per file (through :func:`statekit.format.read_header`, the
@@ -17,6 +19,40 @@ from statekit import format as fmt
 from statekit.engine.entries import strip_wrapper_prefixes
 from statekit.errors import CorruptCheckpointError
 from statekit.storage import Storage
+
+
+@dataclass(frozen=True)
+class ForeignObject:
+    """One object a load of a folder statekit did not write restored.
+
+    Attributes:
+        kind: ``"model"``, ``"optimizer"``, ``"scheduler"``, ``"dataloader"``...
+        file: the file it was read from, relative to the folder; None when a plugin's
+            load hook loaded it.
+        owner: the plugin that loaded it (a load pre-hook took it), or None.
+    """
+
+    kind: str
+    file: str | None = None
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class ForeignSummary:
+    """What :func:`statekit.load`/:func:`statekit.load_state` return for a folder
+    statekit did not write (``Accelerator.save_state``'s), in place of a
+    :class:`~statekit.Manifest`: there is no manifest to return.
+
+    Attributes:
+        format: the folder's format (``"accelerate"``).
+        step: the step the folder records (Accelerate's ``step`` in its random states), or
+            None.
+        objects: the caller's key -> :class:`ForeignObject`, for every object restored.
+    """
+
+    format: str
+    step: int | None
+    objects: Mapping[str, ForeignObject]
 
 
 @dataclass(frozen=True)

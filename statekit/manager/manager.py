@@ -46,6 +46,7 @@ from statekit.errors import (
     warn_user,
 )
 from statekit.engine.staging import StagingPool
+from statekit.foreign.base import ForeignSummary
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.hookspecs import Tier
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -245,7 +246,7 @@ class CheckpointManager:
         self.options = options
         self.resumed_from: str | None = None
         self._resumed_in_use: Any = None
-        self.resumed_manifest: Manifest | dict[str, Any] | None = None
+        self.resumed_manifest: Manifest | ForeignSummary | None = None
         self._skipped: set[str] = set()  # checkpoints under the root that resume() could not load
         self.plugin_state: dict[str, Any] = {}
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
@@ -627,7 +628,7 @@ class CheckpointManager:
         """
         return self._resumed(url, manifest, int(manifest.step or 0), False)
 
-    def _resumed(self, url: str, manifest: Manifest | dict[str, Any], folder_step: int, accelerate: bool) -> int:
+    def _resumed(self, url: str, manifest: Manifest | ForeignSummary, folder_step: int, accelerate: bool) -> int:
         self.resumed_manifest = manifest
         self.resumed_from = url
         if isinstance(manifest, Manifest) and url.startswith(self.root_url.rstrip("/") + "/"):
@@ -635,10 +636,9 @@ class CheckpointManager:
         if self._resumed_in_use is not None:
             self._resumed_in_use()  # the previous resume's marker
         self._resumed_in_use = hold_in_use(self, url, by="statekit")  # no other process deletes it
-        step = manifest.step if isinstance(manifest, Manifest) else manifest.get("step")  # (a summary of Accelerate's files)
         # Accelerate's folders count saves, not steps (their "step" is the gradient
         # accumulation counter): the folder's number is what continues the naming
-        step = folder_step if step is None or accelerate else int(step)
+        step = folder_step if manifest.step is None or accelerate else int(manifest.step)
         if self.signal_save is not None:
             self.signal_save.resumed(step)  # a signal during the resume saves no copy of this step
         self.save_stats.resumed(step, [i.step for i in list_checkpoints(self.root, details=False)])
@@ -646,7 +646,7 @@ class CheckpointManager:
 
     def _load(
         self, url: str, storage_options: dict[str, Any] | None, verify: bool, strict: bool, strict_resume: bool
-    ) -> Manifest | dict[str, Any]:
+    ) -> Manifest | ForeignSummary:
         common = dict(
             verify=verify, storage_options=storage_options, allow_pickle=self.allow_pickle, strict=strict,
             strict_resume=strict_resume,
