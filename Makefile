@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-preempt demo-all demo-trainer test test-fast install clean docs package template-test lint bench-setup
+.PHONY: demo demo-preempt demo-all demo-trainer test test-fast install clean docs package template-test lint bench-setup house
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -61,6 +61,12 @@ lint: $(STAMP)
 # runs this script itself when fio is missing). Needs root or sudo; does nothing if fio is there.
 bench-setup:
 	bash bench/setup.sh
+
+# The house's size and shape (issue 37): code and docstring lines apart, the highest
+# cyclomatic complexities; REV=<commit> measures another commit for a before/after.
+house: $(STAMP)
+	$(PY) -m pip install -q -e '.[measure]'
+	$(PY) bench/house.py $(if $(REV),--rev $(REV))
 
 # The documentation site (MkDocs + Material + mkdocstrings), into site/. --strict: a broken
 # link, a missing page or reference, or a docstring griffe cannot parse fails the build.
