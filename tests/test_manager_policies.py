@@ -104,5 +104,5 @@ def test_a_storage_as_root_carries_its_options(tmp_path):
     manager.save(step=1)
     manager.save(step=2)
     assert steps(manager) == [2]
-    with pytest.raises(InvalidOptionError, match="carries its own options"):
+    with pytest.raises(InvalidOptionError, match="storage_options given with a Storage, which carries its own"):
         statekit.CheckpointManager(objects(), root, storage_options={"skip_instance_cache": True})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
 from statekit.cli.output import fail, parse_key_values, storage_option, storage_options_of
@@ -31,8 +29,9 @@ def convert(
     """Convert a checkpoint: Accelerate directory -> statekit, or statekit -> a plugin's format."""
     try:
         storage_options = storage_options_of(raw_storage)
+        source = Storage(src, storage_options)
         if target == "statekit":
-            total = _source_bytes(src, storage_options)
+            total = _source_bytes(source)
             with progress(total, "convert") as advance:
                 manifest = convert_accelerate(
                     src, out, allow_pickle=allow_pickle, storage_options=storage_options, overwrite=overwrite
@@ -46,12 +45,12 @@ def convert(
         if target not in converters:
             raise click.UsageError(
                 f"unknown format {target!r}; available: {', '.join(['statekit', *sorted(converters)])}"
-                + _missing_plugin_hint(src, target, storage_options)
+                + _missing_plugin_hint(source, target)
             )
         options = parse_key_values(raw_options, "--option")
         if storage_options is not None:
             options["storage_options"] = storage_options
-        total = _source_bytes(src, storage_options)
+        total = _source_bytes(source)
         with progress(total, f"convert to {target}") as advance:
             converters[target](src, out, **options)
             advance(total or 0)
@@ -60,14 +59,14 @@ def convert(
         fail(exc, flags=("--allow-pickle", "--overwrite"))
 
 
-def _missing_plugin_hint(src: str, target: str, storage_options: dict[str, Any] | None) -> str:
+def _missing_plugin_hint(source: Storage, target: str) -> str:
     """When the source checkpoint was saved with a plugin named like the target format that
     is not available now, what to install (``"; ... pip install statekit-diffusers"``)."""
     pm = get_plugin_manager()
     if pm.get_plugin(target) is not None:
         return ""
     try:
-        manifest = read_manifest(Storage(src, storage_options))
+        manifest = read_manifest(source)
     except (StatekitError, OSError):
         return ""
     if target not in manifest.plugins:
@@ -75,13 +74,12 @@ def _missing_plugin_hint(src: str, target: str, storage_options: dict[str, Any] 
     owned = [o for o in manifest.objects.values() if o.owner == target]
     dist_name = next((o.owner_distribution for o in owned if o.owner_distribution), f"statekit-{target}")
     why = "is blocked by STATEKIT_DISABLE_PLUGINS" if pm.is_blocked(target) else "is not installed"
-    return f"; {src} was saved with plugin {target!r}, which provides this format and {why}: pip install {dist_name}"
+    return f"; {source.url} was saved with plugin {target!r}, which provides this format and {why}: pip install {dist_name}"
 
 
-def _source_bytes(src: str, storage_options: dict[str, Any] | None) -> int | None:
-    """Total bytes under ``src`` (the progress bar's total; None if it cannot be listed)."""
+def _source_bytes(source: Storage) -> int | None:
+    """Total bytes under ``source`` (the progress bar's total; None if it cannot be listed)."""
     try:
-        storage = Storage(src, storage_options)
-        return sum(storage.size(rel) for rel in storage.find()) or None
+        return sum(source.size(rel) for rel in source.find()) or None
     except (StatekitError, OSError):
         return None

@@ -34,7 +34,7 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
         infos = list_checkpoints(url, storage_options_of(raw_storage))
         remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
         if not infos and not remote:
-            _refuse_if_not_a_root(url, storage_options_of(raw_storage))
+            _refuse_if_not_a_root(Storage(url, storage_options_of(raw_storage)))
     except StatekitError as exc:
         fail(exc)
     if remote is None:
@@ -79,14 +79,13 @@ def _audit_text(resume_audit: dict[str, Any] | None) -> str:
     return f"{resume_audit.get('verdict')} (from {step if step is not None else '?'})"
 
 
-def _refuse_if_not_a_root(url: str, storage_options: dict[str, Any] | None) -> None:
+def _refuse_if_not_a_root(root: Storage) -> None:
     """An empty listing is an answer only for a root that exists: a typo in the path or the
     bucket, or a checkpoint given instead of its root, is an error (exit 1), not "no checkpoints"."""
-    root = Storage(url, storage_options)
     if not root.exists():
-        raise CheckpointNotFoundError(f"no such checkpoint root: {url} does not exist")
+        raise CheckpointNotFoundError(f"no such checkpoint root: {root.url} does not exist")
     if MANIFEST_NAME in root.listdir():
-        raise StatekitError(f"{url} is a checkpoint, not a checkpoint root: show it with `statekit inspect`")
+        raise StatekitError(f"{root.url} is a checkpoint, not a checkpoint root: show it with `statekit inspect`")
 
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
@@ -150,7 +149,7 @@ def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> 
         storage_options = storage_options_of(raw_storage)
         infos = list_checkpoints(url, storage_options, details=False)
         if not infos:  # as ls: a root that does not exist (a typo) or a checkpoint is an error
-            _refuse_if_not_a_root(url, storage_options)
+            _refuse_if_not_a_root(Storage(url, storage_options))
         for info in infos:
             if info.committed:
                 continue

@@ -11,6 +11,7 @@ import click
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.engine.read import verify as verify_checkpoint
 from statekit.errors import IncompleteCheckpointError, StatekitError, StorageError
+from statekit.storage import Storage
 from statekit.foreign.detect import Survey, detect_format, survey
 
 NOT_VERIFIED = 3
@@ -36,7 +37,7 @@ def verify(url: str, as_json: bool, raw_storage: tuple[str, ...]) -> None:
         try:
             manifest = verify_checkpoint(url, storage_options=options)
         except (IncompleteCheckpointError, StorageError) as exc:
-            report = _not_statekit(url, options)
+            report = _not_statekit(Storage(url, options))
             if not isinstance(report, Survey):
                 raise report or exc from None
     except StatekitError as exc:
@@ -52,16 +53,16 @@ def verify(url: str, as_json: bool, raw_storage: tuple[str, ...]) -> None:
          f"ok: {len(manifest.files)} files, {human(total)} verified ({url})")
 
 
-def _not_statekit(url: str, storage_options: dict | None) -> Survey | StatekitError | None:
+def _not_statekit(location: Storage) -> Survey | StatekitError | None:
     """What a location without a readable manifest is when it is not a statekit save: a
     checkpoint of another format (its :class:`Survey`), or an error saying what it is (a
     manager root, nothing known); None when it really is an uncommitted statekit save, whose
     error is already right."""
     try:
-        found = detect_format(url, storage_options)
+        found = detect_format(location)
         if found == "statekit":
             return None
-        return survey(url, storage_options)
+        return survey(location)
     except IncompleteCheckpointError:
         return None
     except StatekitError as exc:  # a checkpoint root, or not a checkpoint at all

@@ -66,7 +66,7 @@ def _sniff_file(storage: Storage) -> str:
     raise StatekitError(f"{storage.url}: not a safetensors or torch file (unrecognized content)")
 
 
-def detect_format(url: str, storage_options: dict[str, Any] | None = None) -> str:
+def detect_format(url: str | Storage, storage_options: dict[str, Any] | None = None) -> str:
     """Name the format of the checkpoint at ``url`` (one of :data:`FORMATS`).
 
     A file is sniffed by content (zip or pickle magic: ``torch``; an 8-byte length then
@@ -77,8 +77,8 @@ def detect_format(url: str, storage_options: dict[str, Any] | None = None) -> st
     ``Accelerator.save_state`` names them. Nothing is unpickled.
 
     Args:
-        url: file or directory URL.
-        storage_options: fsspec options.
+        url: file or directory URL, or a :class:`~statekit.storage.Storage`.
+        storage_options: fsspec options of a URL.
 
     Returns:
         The format name.
@@ -89,7 +89,7 @@ def detect_format(url: str, storage_options: dict[str, Any] | None = None) -> st
             (statekit's save lock, or files statekit wrote).
         StatekitError: the location is not a checkpoint of a known format.
     """
-    return _detect(Storage(url, storage_options))
+    return _detect(Storage.of(url, storage_options))
 
 
 def _detect(storage: Storage) -> str:
@@ -143,12 +143,13 @@ def _detect_names(storage: Storage, names: list[str]) -> str:
 
 
 def open_checkpoint(
-    url: str, *, allow_pickle: bool = False, storage_options: dict[str, Any] | None = None, format: str | None = None
+    url: str | Storage, *, allow_pickle: bool = False, storage_options: dict[str, Any] | None = None,
+    format: str | None = None,
 ) -> CheckpointReader:
     """Open a checkpoint of any supported format for inspection (metadata first).
 
     Args:
-        url: file or directory URL (any fsspec URL).
+        url: file or directory URL (any fsspec URL), or a :class:`~statekit.storage.Storage`.
         allow_pickle: permit unpickling (DCP ``.metadata``, torch files, Accelerate
             ``.bin``/``.pkl`` files). Pickle can run arbitrary code: only for trusted files.
         storage_options: fsspec options.
@@ -164,7 +165,7 @@ def open_checkpoint(
             :func:`detect_format`.
         CorruptCheckpointError: malformed metadata (names the file).
     """
-    storage = Storage(url, storage_options)
+    storage = Storage.of(url, storage_options)
     name = format or _detect(storage)
     if name not in _READERS:
         raise StatekitError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
@@ -282,15 +283,15 @@ class Survey:
                 "size_bytes": self.size_bytes, "checks": [c.__dict__.copy() for c in self.checks]}
 
 
-def survey(url: str, storage_options: dict[str, Any] | None = None) -> Survey:
+def survey(url: str | Storage, storage_options: dict[str, Any] | None = None) -> Survey:
     """What can be checked of a checkpoint of another format, reading no pickle: its files
     with sizes, and whether its model loads as far as that shows without unpickling (each
     safetensors model file's header parses and fits the file; a ``pytorch_model.bin`` is a
     readable torch zip archive; a sharded model's index names only shards that exist).
 
     Args:
-        url: file or directory URL.
-        storage_options: fsspec options.
+        url: file or directory URL, or a :class:`~statekit.storage.Storage`.
+        storage_options: fsspec options of a URL.
 
     Returns:
         The :class:`Survey`.
@@ -300,7 +301,7 @@ def survey(url: str, storage_options: dict[str, Any] | None = None) -> Survey:
             :func:`detect_format`; also a statekit checkpoint, which is verified against
             its manifest instead (:func:`statekit.verify`).
     """
-    storage = Storage(url, storage_options)
+    storage = Storage.of(url, storage_options)
     found = _detect(storage)
     if found == "statekit":
         raise StatekitError(f"{url} is a statekit checkpoint: verify it against its manifest (statekit.verify)")

@@ -154,7 +154,7 @@ def list_checkpoints(
     Raises:
         StorageError: the root cannot be listed.
     """
-    root = root_url if isinstance(root_url, Storage) else Storage(root_url, storage_options)
+    root = Storage.of(root_url, storage_options)
     root.invalidate()
     infos = []
     for name in root.listdir():
@@ -195,15 +195,17 @@ def list_checkpoints(
     return sorted(infos, key=lambda i: (not i.accelerate, i.step, i.name))
 
 
-def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *, force: bool = False) -> None:
+def delete_checkpoint(
+    url: str | Storage, storage_options: dict[str, Any] | None = None, *, force: bool = False
+) -> None:
     """Delete one checkpoint directory statekit wrote: its manifest first (so it stops
     counting as committed even if the rest of the deletion is interrupted), then everything
     under it, under a stale lock that marks what an interruption leaves as statekit's
     (:func:`statekit.engine.locking.remove_owned`).
 
     Args:
-        url: the checkpoint directory.
-        storage_options: fsspec options.
+        url: the checkpoint directory: a URL, or a :class:`~statekit.storage.Storage`.
+        storage_options: fsspec options of a URL.
         force: delete even if a live process reads it in place.
 
     Raises:
@@ -211,9 +213,10 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
         StatekitError: the directory is not statekit's (no manifest, no statekit lock: a
             Trainer, Accelerate or DCP checkpoint, or other contents); nothing is deleted.
     """
+    storage = Storage.of(url, storage_options)
+    url = storage.url
     if not force:
         refuse_if_in_use(url, "delete")
-    storage = Storage(url, storage_options)
     storage.invalidate()
     kind = folder_kind(storage)
     if kind in FOREIGN_KINDS:

@@ -229,10 +229,8 @@ class CheckpointManager:
             self.accelerator, self.objects = None, dict(accelerator)
         else:
             self.accelerator, self.objects = accelerator, None
-        self.root = root_url if isinstance(root_url, Storage) else Storage(root_url, storage_options)
+        self.root = Storage.of(root_url, storage_options)
         """The root directory and its fsspec options (:class:`~statekit.storage.Storage`)."""
-        if isinstance(root_url, Storage) and storage_options is not None:
-            raise InvalidOptionError("storage_options: the Storage given as root carries its own options; pass one or the other")
         refuse_checkpoint_as_root(self.root)
         self.root_url = self.root.url
         self.staging = StagingPool()

@@ -25,7 +25,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
-from statekit.errors import CheckpointExistsError, StatekitError, StorageError
+from statekit.errors import CheckpointExistsError, InvalidOptionError, StatekitError, StorageError
 from statekit.storage.direct import DirectReader
 from statekit.storage.direct_write import DirectWriter
 
@@ -128,6 +128,30 @@ class Storage:
         """The filesystem's first protocol name (``"file"``, ``"memory"``, ``"s3"``)."""
         proto = self.fs.protocol
         return proto[0] if isinstance(proto, (tuple, list)) else proto
+
+    @classmethod
+    def of(cls, url: str | os.PathLike[str] | Storage, storage_options: dict[str, Any] | None = None) -> Storage:
+        """The :class:`Storage` of a location given either way: a URL with its fsspec
+        options, or a ``Storage`` (which carries its own), so that the two never travel
+        apart through statekit's functions.
+
+        Args:
+            url: a URL or local path, or a ``Storage``.
+            storage_options: fsspec options of a URL; must be None with a ``Storage``.
+
+        Returns:
+            ``url`` itself when it is a ``Storage``, else a new one.
+
+        Raises:
+            InvalidOptionError: a ``Storage`` and ``storage_options`` both given.
+            StorageError: as :func:`url_to_fs`.
+        """
+        if isinstance(url, Storage):
+            if storage_options is not None:
+                raise InvalidOptionError(
+                    f"{url.url}: storage_options given with a Storage, which carries its own; pass one or the other")
+            return url
+        return cls(url, storage_options)
 
     # ------------------------------------------------------- capabilities
     # What callers outside storage/ may ask of a location, so that none of them reads
