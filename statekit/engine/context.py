@@ -66,8 +66,6 @@ class Checkpoint:
             equal the run's last committed checkpoint's file of the same path and writer.
             A plugin may use it to put tensors that rarely change (frozen parameters) in
             files of their own; it never needs it to decide reuse.
-        writer (FileWriter): the save's files, each recorded for the manifest
-            (:mod:`statekit.engine.file_writer`; the engine's, a plugin calls the methods below).
         reader (FileReader): the load's files, each checked against the manifest and
             opened once per load (:mod:`statekit.engine.file_reader`; the engine's too).
     """
@@ -110,8 +108,19 @@ class Checkpoint:
         self._records: dict[str, dict[str, Any]] = (
             {k: dict(v) for k, v in manifest.records.items()} if manifest is not None else {}
         )
-        self.writer = FileWriter(storage, rank=rank, mode=mode, staging=staging, incremental=incremental, reuse_base=reuse_base)
         self.reader = FileReader(storage, manifest, verify)
+        self._writer: FileWriter | None = None
+        self._writer_args = {"staging": staging, "incremental": incremental, "reuse_base": reuse_base}
+        if mode == "save":
+            self._writer = FileWriter(storage, rank=rank, mode=mode, **self._writer_args)
+
+    @property
+    def writer(self) -> FileWriter:
+        """The save's :class:`~statekit.engine.file_writer.FileWriter` (a load's is made on
+        first use, to refuse a write)."""
+        if self._writer is None:
+            self._writer = FileWriter(self.storage, rank=self.rank, mode=self.mode, **self._writer_args)
+        return self._writer
 
     # ---------------------------------------------------------------- identity
 

@@ -69,7 +69,7 @@ class LoadPlan:
     @property
     def saved_objects(self) -> Mapping[str, ObjectEntry]:
         """The manifest's ``objects``."""
-        return self.checkpoint.manifest.objects
+        return self.checkpoint.reader.manifest.objects
 
     @contextmanager
     def files_open(self) -> Iterator[None]:
@@ -195,7 +195,7 @@ def check_entries(
             parameter and both shapes); nothing was loaded.
         CorruptCheckpointError: a state file is missing or malformed (names it).
     """
-    files = checkpoint.manifest.files if checkpoint.manifest is not None else {}
+    files = checkpoint.reader.manifest.files if checkpoint.reader.manifest is not None else {}
     for e in entries:
         saved = saved_objects.get(e.key)
         if saved is None or e.kind not in ("optimizer", "scheduler", "tensor"):
@@ -429,7 +429,7 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: ObjectEntry, not_restor
         _load_loader(checkpoint, e, not_restored)
         return
     base = _state_base(checkpoint, e, saved)
-    if per_rank and f"{base}.json" not in checkpoint.manifest.files:
+    if per_rank and f"{base}.json" not in checkpoint.reader.manifest.files:
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
         return
     state = checkpoint.reader.load_state(base)
@@ -476,8 +476,8 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
     Raises:
         CorruptCheckpointError: a position file fails verification (names it).
     """
-    files = checkpoint.manifest.files
-    bases = [fmt.rank_path(key, r) for r in range(checkpoint.manifest.world_size)]
+    files = checkpoint.reader.manifest.files
+    bases = [fmt.rank_path(key, r) for r in range(checkpoint.reader.manifest.world_size)]
     base = fmt.rank_path(key, checkpoint.rank)
     own = checkpoint.reader.load_state(base) if f"{base}.json" in files else None
     if isinstance(own, dict):
@@ -507,7 +507,7 @@ def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> 
         logger.warning("resume audit: could not read %s (%s); the first batch is checked by what the save recorded",
                        checkpoint.storage.url_of(rel), exc)
         return
-    next_batch.merge_next_batch(own, raw, checkpoint.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
+    next_batch.merge_next_batch(own, raw, checkpoint.reader.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
 
 
 def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
