@@ -26,8 +26,8 @@ files of an async save) -> ``_commit``: :func:`statekit.engine.commit.gather_fil
 ``statekit_save_state_post``. Of a load: :func:`~statekit.api.loading.load` ->
 :func:`~statekit.api.loading.load_objects`: :func:`statekit.format.manifest.read_manifest`
 (an Accelerate folder goes to :func:`statekit.foreign.accelerate.load`) -> resume audit
-``begin`` and :func:`statekit.api.fingerprint.check` -> ``_check_loadable`` and
-:func:`statekit.engine.read.check_entries` (nothing touched yet) -> ``statekit_load_state_pre``
--> :func:`statekit.engine.read.check_models`, ``load_entries_undoable``, ``load_models``,
-the late entries -> Accelerate's random states -> ``statekit_load_state_post``.
+``begin`` and :func:`statekit.api.fingerprint.check` -> ``_load_native``: ``_check_loadable``,
+then :class:`statekit.engine.read.LoadPlan` (what is read, in what order:
+``check_before_hooks`` -> ``statekit_load_state_pre`` -> ``read``) -> Accelerate's random
+states -> ``statekit_load_state_post``.
 """
