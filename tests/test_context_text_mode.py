@@ -10,7 +10,6 @@ import torch
 import statekit
 from statekit.manager.manager import checkpoint_name
 from statekit.engine.context import Checkpoint
-from statekit.format import FileEntry
 from statekit.storage import Storage
 from statekit.storage.hashing import checksum_bytes
 
@@ -81,7 +80,7 @@ def test_text_read_is_verified(tmp_path):
     (tmp_path / "c" / "a.txt").write_text("hellO\n")  # same size, other bytes
     manifest = statekit.Manifest(
         statekit_version=statekit.__version__, created="2026-11-27T00:00:00Z", step=None, world_size=1, plugins={},
-        objects={}, records={}, metadata={}, files={rel: FileEntry(**entry) for rel, entry in writer.files.items()},
+        objects={}, records={}, metadata={}, files=dict(writer.files),
     )
     reader = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
     with pytest.raises(statekit.CorruptCheckpointError, match="a.txt: checksum"):

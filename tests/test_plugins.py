@@ -1011,10 +1011,10 @@ def test_blocked_broken_entry_point_is_not_imported(plugin_site, monkeypatch):
 
 
 def test_save_json_indents_small_files_and_writes_large_ones_compact(tmp_path, plugin_manager):
-    from statekit.engine import context
+    from statekit.engine import file_writer
 
     small = {"a": [1, 2]}
-    large = {f"k{i}": [i, i + 1] for i in range(context.READABLE_JSON_BYTES // 8)}
+    large = {f"k{i}": [i, i + 1] for i in range(file_writer.READABLE_JSON_BYTES // 8)}
 
     class Writer:
         @statekit.hookimpl

@@ -476,7 +476,7 @@ def test_fresh_ahead_hands_out_each_files_buffers_once_and_skips_what_it_cannot_
     checkpoint = Checkpoint(storage, mode="load", manifest=read_manifest(storage), verify=False)
     rels = ["bad.safetensors", "optim.safetensors", "missing.safetensors"]
     with checkpoint.reading_each_file_once(), checkpoint.fresh_memory_ahead(rels):
-        ahead = checkpoint._ahead
+        ahead = checkpoint.reader._ahead
         assert ahead.take("bad.safetensors") is None and ahead.take("missing.safetensors") is None
         buffers = ahead.take("optim.safetensors")
         assert buffers and all(b.device.type == "cpu" and b.is_contiguous() for b in buffers.values())

@@ -15,5 +15,6 @@ Modules:
 Not here: a run's lifetime (:mod:`statekit.manager`, above), the hook contract
 (:mod:`statekit.hooks`), what is written and read (:mod:`statekit.engine`).
 
-Call sequences: docs/design-notes.md, "The map: layers, one save, one load".
+Call sequences: docs/design-notes.md, "The map: layers, one save, one load" and "Where a
+save and a load live".
 """

@@ -301,7 +301,7 @@ class _AttachedCalls:
         if checkpoint.rank == 0:
             log_committed(checkpoint.manifest, checkpoint.url, self.attachment._started, ", attached")
         distributed.barrier()
-        checkpoint._writable = False
+        checkpoint.writer.close()
         call_each(
             get_plugin_manager(),
             "statekit_save_state_post",
@@ -378,7 +378,7 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
     checksummed while written)."""
     checkpoint.record_unlisted_at_commit = ACCELERATE_WRITER
     owners = checkpoint.__dict__.get("attach_owners", {})
-    names = {f["writer"] for f in checkpoint.files.values()} | set(checkpoint.all_records()) | set(owners.values())
+    names = {f.writer for f in checkpoint.files.values()} | set(checkpoint.all_records()) | set(owners.values())
     plugins = plugin_versions(get_plugin_manager(), names - {ACCELERATE_WRITER})
     files = commits.gather_files(checkpoint)
     manifest = None

@@ -1,10 +1,12 @@
-"""Load through the hooks: the orchestration of every load (the mapping API's
-:func:`load`, the Accelerate bridge, the manager's resume).
+"""Load through the hooks: which kind of directory a load reads, and the hooks around it
+(the mapping API's :func:`load`, the Accelerate bridge, the manager's resume).
 
-The reading itself is the engine's (:mod:`statekit.engine.read`); this module checks that
-the owners of the saved objects are installed, runs ``statekit_load_state_pre`` one plugin
-at a time, reads what no plugin took, and runs ``statekit_load_state_post``. A directory
-written by ``Accelerator.save_state`` goes to :func:`statekit.foreign.accelerate.load`.
+What a native load reads and in what order is the engine's
+(:class:`statekit.engine.read.LoadPlan`); this module picks the reader of the directory
+(statekit's, attach mode's, :func:`statekit.foreign.accelerate.load` for one
+``Accelerator.save_state`` wrote), checks that the owners of the saved objects are
+installed, and runs the load hooks between the plan's steps. The sequence is drawn in
+``docs/design-notes.md`` ("Where a save and a load live").
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ from statekit.api.saveload import context_for
 from statekit.engine import read
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
-from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
+from statekit.engine.entries import Entry, classify, refuse_unclaimed
 from statekit.engine.gradients import AccumulatedGradients
 from statekit.engine.locking import LOCK_NAME, live_save_lock
-from statekit.engine.optimizer_fit import parameter_names
 from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError, warn_user
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
@@ -139,7 +140,15 @@ def load_objects(
     A directory written by ``Accelerator.save_state`` (no manifest, or a manifest of
     attach mode) is read by :func:`statekit.foreign.accelerate.load`, all or nothing.
     With ``compare_fingerprint`` the manifest's resume fingerprint is compared with the
-    live run before anything is loaded (:func:`statekit.api.fingerprint.check`).
+    live run before anything is loaded (:func:`statekit.api.fingerprint.check`). The
+    steps of a native load are :func:`_load_native`'s (``docs/design-notes.md``).
+
+    Args:
+        url, verify, storage_options, allow_pickle, strict, strict_resume: as :func:`load`.
+        entries: the classified objects (:func:`statekit.engine.entries.classify`).
+        options: options for plugins (``checkpoint.options``).
+        accelerator: the run's Accelerator (the bridge), or None.
+        compare_fingerprint: compare the resume fingerprint (a training state's resume).
 
     Returns:
         The manifest, or a :class:`statekit.ForeignSummary` for a directory Accelerate
@@ -150,13 +159,35 @@ def load_objects(
     """
     storage = Storage(url, storage_options)
     loaders = any(data.is_loader(e.obj) for e in entries)
+    manifest = _manifest_of(storage)
+    if manifest is None:  # a directory Accelerate wrote
+        if loaders:  # the resume audit: an Accelerate folder holds no record of the next batch
+            audit.begin(storage.url, None, strict_resume)
+        return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
+    if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
+        audit.begin(storage.url, manifest.step, strict_resume)
+    if compare_fingerprint:
+        fingerprints.check(manifest, fingerprints.compute(entries, accelerator), storage.url, strict_resume=strict_resume)
+    if manifest.layout(CORE) == "accelerate":  # written by an attached accelerator
+        loaded = _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
+        warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
+        return loaded
+    return _load_native(storage, manifest, entries, accelerator, options, verify=verify, strict=strict)
+
+
+def _manifest_of(storage: Storage) -> Manifest | None:
+    """The checkpoint's manifest, or None for a directory ``Accelerator.save_state`` wrote.
+
+    Raises:
+        IncompleteCheckpointError: no manifest: being saved, another tool's checkpoint
+            (a Trainer's, DCP's), or a save that never committed.
+        CheckpointNotFoundError, FormatVersionError: as :func:`read_manifest`.
+    """
     try:
-        manifest = read_manifest(storage)
+        return read_manifest(storage)
     except IncompleteCheckpointError:
         if accelerate_format.is_accelerate_checkpoint(storage):
-            if loaders:  # the resume audit: an Accelerate folder holds no record of the next batch
-                audit.begin(storage.url, None, strict_resume)
-            return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
+            return None
         _refuse_save_in_progress(storage)
         kind = folder_kind(storage)
         if kind in ("trainer", "dcp"):  # not a save that never committed: another tool's checkpoint
@@ -165,49 +196,54 @@ def load_objects(
                 "does not load it; show it with `statekit inspect`"
             ) from None
         raise
-    if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
-        audit.begin(storage.url, manifest.step, strict_resume)
-    if compare_fingerprint:
-        live = fingerprints.compute(entries, accelerator)
-        fingerprints.check(manifest, live, storage.url, strict_resume=strict_resume)
-    if manifest.layout(CORE) == "accelerate":  # written by an attached accelerator
-        loaded = _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
-        warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
-        return loaded
-    pm = get_plugin_manager()
+
+
+def _entries_to_load(storage: Storage, manifest: Manifest, entries: list[Entry], strict: bool) -> tuple[list[Entry], list[str]]:
+    """The entries a native load reads, and the keys of those the checkpoint lacks: an
+    optional entry (or a loader a converted checkpoint leaves as it is) the checkpoint
+    lacks is dropped; not ``strict``, every entry it lacks is."""
     saved_objects = manifest.objects
     left = {e.key for e in loaders_left_as_they_are(manifest, entries, storage.url)}  # converted: as its source loads
     entries = [e for e in entries if e.key in saved_objects or not (e.optional or e.key in left)]
     missing_objects = sorted(e.key for e in entries if e.key not in saved_objects)
     if not strict:  # load what the checkpoint holds
         entries = [e for e in entries if e.key in saved_objects]
+    return entries, missing_objects
+
+
+def _load_native(
+    storage: Storage,
+    manifest: Manifest,
+    entries: list[Entry],
+    accelerator: Any,
+    options: dict[str, Any] | None,
+    *,
+    verify: bool,
+    strict: bool,
+) -> Manifest:
+    """A statekit checkpoint: check what is loadable, then :class:`statekit.engine.read.LoadPlan`
+    with the load pre-hooks between its check and its read, then the post-hooks."""
+    pm = get_plugin_manager()
+    entries, missing_objects = _entries_to_load(storage, manifest, entries, strict)
+    saved_objects = manifest.objects
     _check_loadable(pm, storage, entries, saved_objects)
     # an object only a plugin can load, saved by the core: nothing could load into it
     refuse_unclaimed([e for e in entries if saved_objects[e.key].owner == CORE], {e.key for e in entries}, "load")
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.step, manifest=manifest, verify=verify)
-    names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
-    with checkpoint.reading_each_file_once():  # each file opened once, its header parsed once; closed on any exit
-        # before any plugin or the core loads anything: the optimizers and tensors the core loads fit
-        read.check_entries(checkpoint, [e for e in entries if saved_objects[e.key].owner == CORE], saved_objects, names)
+    plan = read.LoadPlan(checkpoint, entries, accelerator, strict)
+    with plan.files_open():
+        plan.check_before_hooks()
         models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
-        keys = [e.key for e in entries if e.kind == "model"]
         _check_owners_took(storage, entries, saved_objects, taken)
-        core = [(unwrap_model(m, accelerator), k) for m, k in zip(models, keys) if k not in taken]
-        early, late = read.split_for_load([e for e in entries if e.kind != "model" and e.key not in taken])
-        ahead = read.tensor_files_of(checkpoint, early + late, saved_objects) if read.loads_in_place([m for m, _ in core]) else []
-        with checkpoint.fresh_memory_ahead(ahead):
-            read.check_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)  # every model first
-            not_restored = read.load_entries_undoable(checkpoint, early, saved_objects)  # put back if one refuses
-            incompatible = read.load_models(checkpoint, [m for m, _ in core], [k for _, k in core], saved_objects, strict)
-            not_restored += _load_after_models(checkpoint, late, saved_objects)
+        plan.read(models, taken)
     _restore_accelerate_rng(checkpoint, saved_objects)
     warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
-    not_restored += _ranks_not_restored(manifest, checkpoint)
+    not_restored = plan.not_restored + _ranks_not_restored(manifest, checkpoint)
     if not_restored:
         warn_user(f"{storage.url}: not restored: " + "; ".join(not_restored), StatekitWarning)
     call_each(pm, "statekit_load_state_post", checkpoint, {"models": models, "input_dir": storage.url, "checkpoint": checkpoint})
     if not strict:
-        manifest = dataclasses.replace(manifest, incompatible_keys=incompatible, missing_objects=tuple(missing_objects))
+        manifest = dataclasses.replace(manifest, incompatible_keys=plan.incompatible, missing_objects=tuple(missing_objects))
     return manifest
 
 
@@ -247,21 +283,6 @@ def _refuse_save_in_progress(storage: Storage) -> None:
             f"{storage.url} is being saved (host {holder.get('host')} pid {holder.get('pid')}) and is not committed "
             "yet: nothing was loaded; load it after the save commits"
         ) from None
-
-
-def _load_after_models(checkpoint: Checkpoint, late: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
-    """The optimizers and tensors, applied after the models (their fit was checked before
-    anything was loaded; what can still fail is a damaged file): an error says what is loaded."""
-    try:
-        return read.load_entries(checkpoint, late, saved_objects)
-    except (CorruptCheckpointError, StateMismatchError) as exc:
-        note = (
-            f" (the models and every object but {', '.join(repr(e.key) for e in late)} are loaded; "
-            "load a good checkpoint before training)"
-        )
-        if isinstance(exc, CorruptCheckpointError):
-            raise CorruptCheckpointError(f"{exc}{note}", path=exc.path) from exc
-        raise StateMismatchError(f"{checkpoint.url}", reason=f"{exc}{note}") from exc
 
 
 def _run_load_pre_hooks(

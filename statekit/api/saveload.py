@@ -187,7 +187,7 @@ def save_objects(
             if staging is not None:
                 staging.release()  # every staged byte is written (or the save failed)
         checkpoint.manifest = manifest
-        checkpoint._writable = False
+        checkpoint.writer.close()
         record_next_batches(witnesses, storage, rank, manifest)
         if rank == 0:
             log_committed(manifest, storage.url, started, "" if blocking else ", async")
@@ -364,7 +364,7 @@ def plugin_versions(pm: PluginManager, names: set[str]) -> dict[str, str]:
 
 
 def _plugin_versions(pm: PluginManager, owners: dict[str, str], checkpoint: Checkpoint) -> dict[str, str]:
-    names = set(owners.values()) | {f["writer"] for f in checkpoint.files.values()} | set(checkpoint.all_records())
+    names = set(owners.values()) | {f.writer for f in checkpoint.files.values()} | set(checkpoint.all_records())
     if checkpoint.record_unlisted_at_commit:
         names.add(checkpoint.record_unlisted_at_commit)
     return plugin_versions(pm, names)

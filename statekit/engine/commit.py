@@ -63,9 +63,16 @@ def agree(fn: Any, url: str, broadcast: bool = False) -> Any:
     return distributed.broadcast_from_rank0(result) if broadcast else result
 
 
-def gather_files(checkpoint: Checkpoint) -> dict[str, Any] | None:
+def gather_files(checkpoint: Checkpoint) -> dict[str, FileEntry] | None:
     """Every rank's file entries, merged on rank 0 (None on other ranks). Files written
-    around the checkpoint (``checkpoint.record_unlisted_at_commit``) are recorded here."""
+    around the checkpoint (``checkpoint.record_unlisted_at_commit``) are recorded here.
+
+    Args:
+        checkpoint: the save's context (its :attr:`~statekit.Checkpoint.files`).
+
+    Returns:
+        Relative path -> typed entry on rank 0; None elsewhere.
+    """
     gathered = distributed.gather_to_rank0(checkpoint.files)
     if checkpoint.rank != 0:
         return None
@@ -77,7 +84,7 @@ def gather_files(checkpoint: Checkpoint) -> dict[str, Any] | None:
 
 
 def objects_table(
-    entries: list[Entry], owners: dict[str, str], files: Mapping[str, Any], distributions: dict[str, str]
+    entries: list[Entry], owners: dict[str, str], files: Mapping[str, FileEntry], distributions: dict[str, str]
 ) -> dict[str, ObjectEntry]:
     """The manifest's ``objects``: kind, owner, per_rank, the core's files, and for objects
     a plugin owns the distribution to install (``distributions[owner]``)."""
@@ -97,7 +104,7 @@ def objects_table(
 
 def build_manifest(
     checkpoint: Checkpoint,
-    files: Mapping[str, Mapping[str, Any]],
+    files: Mapping[str, FileEntry],
     objects: Mapping[str, ObjectEntry],
     *,
     plugins: dict[str, str],
@@ -110,8 +117,8 @@ def build_manifest(
 
     Args:
         checkpoint: the save's context (``step`` and ``world_size`` come from it).
-        files: relative path -> the entry the save recorded (``{size_bytes, checksum,
-            rank, writer}``, :attr:`Checkpoint.files`).
+        files: relative path -> the typed entry the save recorded
+            (:attr:`Checkpoint.files`, built by :mod:`statekit.engine.file_writer`).
         objects: stable key -> object entry (:func:`objects_table`).
         plugins: plugin name -> version, for every plugin that wrote or owns something.
         metadata: JSON-able user metadata.
@@ -136,15 +143,7 @@ def build_manifest(
         plugins=dict(plugins),
         objects=dict(objects),
         records=checkpoint.all_records() if records is None else records,
-        files={
-            rel: FileEntry(
-                size_bytes=e["size_bytes"], checksum=e["checksum"], rank=e["rank"], writer=e["writer"],
-                prefixes=tuple(tuple(p) for p in e["prefixes"]) if e.get("prefixes") else None,
-                reused_from=e.get("reused_from"),
-                digest=e.get("digest"),
-            )
-            for rel, e in files.items()
-        },
+        files=dict(files),
         metadata=dict(metadata or {}),
         fingerprint=fingerprint,
         resume_audit=None if resume_audit is None else ResumeAudit.from_json(resume_audit, url),

@@ -1,46 +1,31 @@
-"""The checkpoint context handed to hooks: identity of the save/load, and I/O through it.
+"""The checkpoint context handed to hooks: one save's or load's identity, over its files.
 
-Every file written through a :class:`Checkpoint` is recorded for the manifest with its
-size, XXH3-64 checksum, rank and writer (the plugin being called, or ``"statekit"``), in
-the same pass as the write. Reads check size and checksum against the manifest while
-reading when ``verify`` is on, in the same pass as the read, by
-:class:`statekit.storage.hashing.VerifyingReader` or by the hasher handed to
-:func:`statekit.format.read_tensors`.
-
-One class, one responsibility: the I/O of one save or load through the manifest (what a
-hook is handed as ``checkpoint``). Writing records each file for the manifest, reading
-checks each file against it; both halves share the identity (URL, rank, records) and the
-manifest, and a hook sees one object.
+:class:`Checkpoint` is what a hook is handed as ``checkpoint``: the identity of the save
+or load (URL, rank, step, plugin, records, the objects and model keys) and every method a
+plugin calls, each handed to the half that owns it: writes to the save's
+:class:`~statekit.engine.file_writer.FileWriter` (each file recorded for the manifest;
+incremental reuse in :mod:`statekit.engine.incremental`), reads to the load's
+:class:`~statekit.engine.file_reader.FileReader` (each file checked against the manifest,
+opened once per load). The save and load paths are drawn in ``docs/design-notes.md``
+("Where a save and a load live").
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import io
-import json
-import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from statekit import devices
 from statekit import format as fmt
+from statekit.engine.file_reader import FileReader
+from statekit.engine.file_writer import FileWriter
 from statekit.engine.incremental import ReuseBase
-from statekit.engine.read_ahead import FreshAhead, worth_reading_ahead
 from statekit.engine.staging import StagingPool
-from statekit.errors import CorruptCheckpointError, StatekitError
-from statekit.format import codec
 from statekit.format.manifest_types import FileEntry, Manifest
-from statekit.format.tensors import is_accelerator
-from statekit.storage import Storage, storage_errors
-from statekit.storage.fs import fsync_path
-from statekit.storage.hashing import HashingWriter, PrefixHasher, VerifyingReader, check_against
-
-logger = logging.getLogger("statekit")
+from statekit.storage import Storage
 
 CORE = "statekit"
 """Writer/owner name used for the core's own files and objects."""
@@ -48,21 +33,6 @@ CORE = "statekit"
 ACCELERATE_WRITER = "accelerate"
 """Writer/owner name an attached accelerator's manifest records for the files
 ``Accelerator.save_state`` wrote itself (not a plugin: nothing to install)."""
-
-READABLE_JSON_BYTES = 64 * 1024
-"""JSON files up to this many characters are indented for people to read; larger ones
-(an optimizer skeleton of thousands of parameters) are written compact, because indenting
-takes Python's pure-Python encoder: 0.052 s against 0.008 s for the 1.3 MB skeleton of
-2,500 layers' AdamW state."""
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, where the platform has one;
-    ``os.cpu_count()`` counts the whole machine's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 class _TextFile(io.TextIOWrapper):
@@ -96,6 +66,8 @@ class Checkpoint:
             equal the run's last committed checkpoint's file of the same path and writer.
             A plugin may use it to put tensors that rarely change (frozen parameters) in
             files of their own; it never needs it to decide reuse.
+        reader (FileReader): the load's files, each checked against the manifest and
+            opened once per load (:mod:`statekit.engine.file_reader`; the engine's too).
     """
 
     def __init__(
@@ -127,9 +99,6 @@ class Checkpoint:
         self.options = dict(options or {})
         self.objects: dict[str, Any] = objects if objects is not None else {}
         self.plugin: str | None = None
-        self.manifest = manifest
-        self.verify = verify
-        self.files: dict[str, dict[str, Any]] = {}
         self.handles_rng = False
         # Accelerate's registered pre-hooks: attach mode leaves them to Accelerate; a
         # writer name here makes the commit record files written around the checkpoint.
@@ -139,21 +108,55 @@ class Checkpoint:
         self._records: dict[str, dict[str, Any]] = (
             {k: dict(v) for k, v in manifest.records.items()} if manifest is not None else {}
         )
-        self._writable = mode == "save"
-        self._staging = staging
-        self._deferred: list[Callable[[], None]] = []
-        self._planned: set[str] = set()
-        self._ahead: FreshAhead | None = None
-        self._held: dict[str, _OpenTensorFile] | None = None  # inside reading_each_file_once
-        self._kept_json: dict[str, bytes] | None = None
-        # incremental saves (statekit.engine.incremental): record running checksums in
-        # every tensor file; reuse a committed file of reuse_base whose bytes are the same
-        self.incremental = incremental
-        self.reuse_base = reuse_base
-        self._compared: dict[str, tuple[Mapping[str, torch.Tensor], concurrent.futures.Future[tuple[bool, str | None]]]] = {}
-        self._digests: dict[str, str] = {}  # device digests computed by a comparison, for the write that follows
+        self.reader = FileReader(storage, manifest, verify)
+        self._writer: FileWriter | None = None
+        self._writer_args = {"staging": staging, "incremental": incremental, "reuse_base": reuse_base}
+        if mode == "save":
+            self._writer = FileWriter(storage, rank=rank, mode=mode, **self._writer_args)
+
+    @property
+    def writer(self) -> FileWriter:
+        """The save's :class:`~statekit.engine.file_writer.FileWriter` (a load's is made on
+        first use, to refuse a write)."""
+        if self._writer is None:
+            self._writer = FileWriter(self.storage, rank=self.rank, mode=self.mode, **self._writer_args)
+        return self._writer
 
     # ---------------------------------------------------------------- identity
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """On load, the manifest read (what reads are checked against); after a save, the committed one."""
+        return self.reader.manifest
+
+    @manifest.setter
+    def manifest(self, manifest: Manifest | None) -> None:
+        self.reader.manifest = manifest
+
+    @property
+    def verify(self) -> bool:
+        """On load, whether sizes and checksums are checked while reading."""
+        return self.reader.verify
+
+    @verify.setter
+    def verify(self, verify: bool) -> None:
+        self.reader.verify = verify
+
+    @property
+    def incremental(self) -> bool:
+        """On save, an incremental save (see the class's attributes)."""
+        return self.writer.incremental
+
+    @property
+    def reuse_base(self) -> ReuseBase | None:
+        """On an incremental save, the committed checkpoint whose unchanged files are reused."""
+        return self.writer.reuse.base
+
+    @property
+    def files(self) -> dict[str, FileEntry]:
+        """On save, relative path -> :class:`~statekit.format.manifest_types.FileEntry` of
+        every file written so far (what the commit puts in the manifest)."""
+        return self.writer.files
 
     @property
     def records(self) -> dict[str, Any]:
@@ -202,24 +205,11 @@ class Checkpoint:
         entry = self.manifest.objects.get(key) if self.manifest is not None else None
         return entry.owner if entry is not None else None
 
+    @property
+    def _writer_name(self) -> str:
+        return self.plugin or CORE
+
     # ---------------------------------------------------------------- writing
-
-    def _check_writable(self, rel: str) -> str:
-        if not self._writable:
-            raise StatekitError(f"{self.url}: checkpoint is not open for writing ({self.mode}); cannot write {rel!r}")
-        fmt.check_relpath(rel, source=self.url, error=StatekitError)
-        if rel in self._planned or rel == fmt.MANIFEST_NAME:
-            raise StatekitError(f"{self.url}/{rel}: written twice in one save (or reserved name)")
-        self._planned.add(rel)
-        return rel
-
-    def _record(self, rel: str, size_bytes: int, checksum: str, writer: str | None = None, **more: Any) -> dict[str, Any]:
-        """Keep a written file's manifest entry; ``more``: the optional fields of an
-        incremental save (``prefixes``, ``reused_from``, ``digest``)."""
-        entry = {"size_bytes": size_bytes, "checksum": checksum, "rank": self.rank, "writer": writer or self.plugin or CORE}
-        entry.update({k: v for k, v in more.items() if v})
-        self.files[rel] = entry
-        return entry
 
     def record_unlisted(self, writer: str) -> list[str]:
         """Checksum every file under the checkpoint that was written around it (not through
@@ -239,39 +229,17 @@ class Checkpoint:
         Raises:
             StorageError: a file cannot be listed or read (names the URL).
         """
-        added = []
-        for rel in self.storage.find():
-            if rel in self.files or rel == fmt.MANIFEST_NAME or rel.rsplit("/", 1)[-1].startswith("."):
-                continue
-            hasher = fmt.new_hasher()
-            size = 0
-            with self.storage.open_read(rel) as f, storage_errors(self.storage.url_of(rel), "reading"):
-                while chunk := f.read(fmt.CHUNK_BYTES):
-                    hasher.update(chunk)
-                    size += len(chunk)
-            self.files[rel] = {"size_bytes": size, "checksum": fmt.checksum_string(hasher), "rank": self.rank, "writer": writer}
-            added.append(rel)
-        if self.storage.is_local:  # foreign writers do not fsync: make their files durable before the commit
-            directories = set()
-            for rel in added:
-                path = self.storage.path_of(rel)
-                fsync_path(path)
-                directories.add(os.path.dirname(path))
-            for directory in sorted(directories):
-                fsync_path(directory)
-        return added
+        return self.writer.record_unlisted(writer)
 
     @property
     def staging(self) -> bool:
         """True during an async save: writers copy what they are given and defer the I/O
         to :meth:`flush` (run by the background thread)."""
-        return self._staging is not None
+        return self.writer.staging is not None
 
     def flush(self) -> None:
         """Perform the deferred writes of an async save, in the order they were made."""
-        deferred, self._deferred = self._deferred, []
-        for write in deferred:
-            write()
+        self.writer.flush()
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
@@ -303,7 +271,8 @@ class Checkpoint:
         """
         if mode not in ("rb", "wb", "r", "w"):
             raise ValueError(f"mode must be 'rb', 'wb', 'r' or 'w', got {mode!r}")
-        with (self._writing(rel) if mode.startswith("w") else self._reading(rel)) as f:
+        opened = self.writer.writing(rel, self._writer_name) if mode.startswith("w") else self.reader.reading(rel)
+        with opened as f:
             if mode.endswith("b"):
                 yield f
                 return
@@ -312,22 +281,6 @@ class Checkpoint:
                 yield text
             finally:
                 text.close()  # flushes into f; f itself is closed (and recorded) by its opener
-
-    @contextlib.contextmanager
-    def _writing(self, rel: str) -> Iterator[Any]:
-        self._check_writable(rel)
-        if self._staging is not None:
-            buffer = io.BytesIO()
-            yield buffer
-            self._defer_bytes(rel, buffer.getvalue())
-            return
-        with self.storage.open_write(rel) as f:
-            writer = HashingWriter(f)
-            if self.incremental:  # running checksums: the next save's reuse_if_same stops at a difference
-                writer.hasher = PrefixHasher()
-            yield writer
-        prefixes = [list(p) for p in writer.hasher.prefixes] if self.incremental else None
-        self._record(rel, writer.size_bytes, fmt.checksum_string(writer.hasher), prefixes=prefixes)
 
     def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]]) -> dict[str, Any] | None:
         """Incremental save of a file the caller streams itself: reuse the run's last
@@ -362,22 +315,7 @@ class Checkpoint:
             StatekitError: not a save, a bad path, or ``rel`` already written in this save.
             StorageError: the reuse failed for another reason than a missing source.
         """
-        if not self._writable:
-            raise StatekitError(f"{self.url}: checkpoint is not open for writing ({self.mode}); cannot reuse {rel!r}")
-        fmt.check_relpath(rel, source=self.url, error=StatekitError)
-        if rel in self._planned:
-            raise StatekitError(f"{self.url}/{rel}: written twice in one save (or reserved name)")
-        base = self.reuse_base
-        writer = self.plugin or CORE
-        committed = base.entry_for(rel, writer) if base is not None else None
-        if committed is None or committed.size_bytes != size_bytes:
-            return None
-        if not fmt.same_stream_bytes(chunks(), committed.size_bytes, committed.checksum, committed.prefixes or ()):
-            return None
-        entry = self._reuse(rel, base, committed, writer)
-        if entry is not None:
-            self._planned.add(rel)
-        return entry
+        return self.writer.reuse_if_same(rel, size_bytes, chunks, self._writer_name)
 
     def save_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
@@ -396,36 +334,7 @@ class Checkpoint:
             UnsupportedDtypeError: a tensor cannot be stored (names the key).
             StorageError: the write failed.
         """
-        self._check_writable(rel)
-        reused = self._reuse_if_unchanged(rel, tensors, metadata)
-        if reused is not None:
-            return reused
-        # an incremental save of accelerator tensors records their device digest, computed
-        # before the bytes leave the device (the next save compares it there)
-        digest = self._digests.pop(rel, None)
-        if digest is None and self.incremental:
-            digest = fmt.digest_on_device(tensors, metadata)
-        if self._staging is not None:
-            fmt.build_header(tensors, metadata)  # fail now, on the caller's thread, for bad dtypes
-            staged = self._staging.stage(rel, tensors)
-            writer = self.plugin
-            self._deferred.append(lambda: self._write_tensors(rel, staged, metadata, writer, digest))
-            return {"rank": self.rank, "writer": writer or CORE, "staged": True}
-        return self._write_tensors(rel, tensors, metadata, self.plugin, digest)
-
-    def _write_tensors(
-        self,
-        rel: str,
-        tensors: Mapping[str, torch.Tensor],
-        metadata: Mapping[str, str] | None,
-        writer: str | None,
-        digest: str | None = None,
-    ) -> dict[str, Any]:
-        hasher = PrefixHasher() if self.incremental else fmt.new_hasher()
-        with self.storage.open_write(rel) as f:
-            size = fmt.write_tensors(f, tensors, metadata, hasher)
-        prefixes = [list(p) for p in hasher.prefixes] if self.incremental else None
-        return self._record(rel, size, fmt.checksum_string(hasher), writer, prefixes=prefixes, digest=digest)
+        return self.writer.save_tensors(rel, tensors, metadata, self._writer_name)
 
     @contextlib.contextmanager
     def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[frozenset[str]]:
@@ -458,85 +367,8 @@ class Checkpoint:
             UnsupportedDtypeError: from :meth:`save_tensors` of a compared path, when a
                 tensor cannot be stored (names the key).
         """
-        base = self.reuse_base
-        writer = self.plugin or CORE
-        committed = {rel: base.entry_for(rel, writer) for rel in files} if base is not None else {}
-        candidates = {rel: entry for rel, entry in committed.items() if entry is not None}
-        if not candidates:
-            yield frozenset()
-            return
-        on_devices = {t.device for rel in candidates for t in files[rel].values()
-                      if isinstance(t, torch.Tensor) and is_accelerator(t.device)}
-        devices.wait_for_current_streams(on_devices)
-        workers = min(len(candidates), 2 * len(on_devices) if on_devices else usable_cpus())
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="statekit-compare") as pool:
-            for rel, entry in candidates.items():
-                self._compared[rel] = (files[rel], pool.submit(
-                    fmt.compare_file, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or (), entry.digest
-                ))
-            try:
-                yield frozenset(candidates)
-            finally:
-                for _, future in self._compared.values():
-                    future.cancel()
-                self._compared.clear()
-
-    def _same_as_committed(
-        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, committed: FileEntry
-    ) -> bool:
-        """Whether ``rel`` would be written byte for byte as ``committed``: the comparison
-        started by :meth:`comparing_ahead`, or one made now. A device digest computed on
-        the way is kept for the write of a changed file."""
-        ahead = self._compared.pop(rel, None)
-        if ahead is not None and ahead[0] is tensors and not metadata:
-            same, digest = ahead[1].result()
-        else:  # (a file of a full save has no prefixes: compared whole, by its checksum)
-            same, digest = fmt.compare_file(
-                tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or (), committed.digest
-            )
-        if digest is not None and not same:
-            self._digests[rel] = digest
-        return same
-
-    def _reuse_if_unchanged(
-        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
-    ) -> dict[str, Any] | None:
-        """Incremental save: reuse the base checkpoint's file ``rel`` when every byte this
-        save would write is the same (:func:`statekit.format.tensors.compare_file`);
-        returns its entry, or None to write the file."""
-        base = self.reuse_base
-        writer = self.plugin or CORE
-        committed = base.entry_for(rel, writer) if base is not None else None
-        if committed is None or not self._same_as_committed(rel, tensors, metadata, committed):
-            return None
-        return self._reuse(rel, base, committed, writer)
-
-    def _reuse(self, rel: str, base: ReuseBase, committed: FileEntry, writer: str) -> dict[str, Any] | None:
-        """Take ``base``'s file ``rel`` (known to hold the bytes this save would write) into
-        this checkpoint and record it; None when the base lost the file (write it instead)."""
-        entry = dict(
-            size_bytes=committed.size_bytes, checksum=committed.checksum, writer=writer,
-            prefixes=[list(p) for p in committed.prefixes or ()], reused_from=base.name, digest=committed.digest,
-        )
-        if self._staging is not None:  # the save's files are written later, in order: so is this one
-            self._deferred.append(lambda: (self.storage.reuse(rel, base.storage), self._record(rel, **entry)))
-            return {"rank": self.rank, "writer": writer, "staged": True}
-        try:
-            how = self.storage.reuse(rel, base.storage)
-        except FileNotFoundError:  # the base lost the file meanwhile (a gc): write it
-            logger.info("%s/%s: %s/%s is gone, writing the file", self.url, rel, base.storage.url, rel)
-            return None
-        logger.debug("%s/%s: unchanged since %s (%s)", self.url, rel, base.name, how)
-        return self._record(rel, **entry)
-
-    def _defer_bytes(self, rel: str, data: bytes) -> None:
-        writer = self.plugin
-
-        def write() -> None:
-            self.storage.write_bytes(rel, data)
-            self._record(rel, len(data), fmt.checksum_bytes(data), writer)
-
-        self._deferred.append(write)
+        with self.writer.reuse.comparing_ahead(files, self._writer_name) as compared:
+            yield compared
 
     def save_json(self, rel: str, obj: Any) -> dict[str, Any]:
         """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values),
@@ -553,19 +385,7 @@ class Checkpoint:
             StatekitError: ``obj`` is not strict JSON, or the path is not a valid
                 relative path.
         """
-        self._check_writable(rel)
-        try:
-            text = json.dumps(obj, allow_nan=False, separators=(",", ":"))
-            if len(text) <= READABLE_JSON_BYTES:
-                text = json.dumps(obj, indent=1, allow_nan=False)
-            data = text.encode("utf-8")
-        except (TypeError, ValueError) as exc:
-            raise StatekitError(f"{self.url}/{rel}: value is not strict JSON: {exc}") from exc
-        if self._staging is not None:
-            self._defer_bytes(rel, data)
-            return {"rank": self.rank, "writer": self.plugin or CORE, "staged": True}
-        self.storage.write_bytes(rel, data)
-        return self._record(rel, len(data), fmt.checksum_bytes(data))
+        return self.writer.save_json(rel, obj, self._writer_name)
 
     def save_state(self, base: str, state: Any) -> list[str]:
         """Store any codec-able state (see :mod:`statekit.format.codec`): ``<base>.json`` holds the
@@ -582,15 +402,7 @@ class Checkpoint:
             UnsupportedValueError: a value cannot be stored with its exact type without pickle
                 (names its key path, ``<base>/config/mode``, and its type), before any file is written.
         """
-        skeleton, tensors = codec.encode(state, root=base)
-        written = []
-        if tensors:
-            self.save_tensors(f"{base}.safetensors", tensors)
-            written.append(f"{base}.safetensors")
-        doc = {"format": fmt.FORMAT, "codec": codec.VERSION, "tensors": bool(tensors), "state": skeleton}
-        self.save_json(f"{base}.json", doc)
-        written.append(f"{base}.json")
-        return written
+        return self.writer.save_state(base, state, self.save_tensors, self.save_json)
 
     # ---------------------------------------------------------------- reading
 
@@ -614,25 +426,8 @@ class Checkpoint:
             StorageError: closing a file failed (the others are closed first; raised only
                 when the block itself did not raise).
         """
-        if self._held is not None:
+        with self.reader.session():
             yield
-            return
-        self._held, self._kept_json = {}, {}
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            held, self._held, self._kept_json = self._held, None, None
-            errors = []
-            for rel, opened in held.items():
-                try:
-                    with storage_errors(f"{self.url}/{rel}", "closing"):
-                        opened.file.close()
-                except Exception as exc:  # noqa: BLE001 - close the others first
-                    errors.append(exc)
-            if errors and not failed:  # (after a failure, that failure is what the caller sees)
-                raise errors[0]
 
     @contextlib.contextmanager
     def fresh_memory_ahead(self, rels: list[str]) -> Iterator[None]:
@@ -652,61 +447,8 @@ class Checkpoint:
         Yields:
             None.
         """
-        rels = [rel for rel in rels if self.storage.is_local and worth_reading_ahead(self.manifest, rel)]
-        if not rels or self._ahead is not None:
+        with self.reader.fresh_memory_ahead(rels):
             yield
-            return
-        headers = {}
-        for rel in rels:
-            with contextlib.suppress(StatekitError):  # CorruptCheckpointError, StorageError: reported by its read
-                headers[rel] = self.tensor_header(rel)
-        self._ahead = FreshAhead(headers)
-        try:
-            yield
-        finally:
-            self._ahead.close()
-            self._ahead = None
-
-    @contextlib.contextmanager
-    def _reading(self, rel: str) -> Iterator[Any]:
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
-        f = self._open_read(rel)
-        try:
-            yield f if expected is None else VerifyingReader(f, f"{self.url}/{rel}", expected)
-        finally:
-            f.close()
-
-    def _open_read(self, rel: str, bulk: bool = False) -> BinaryIO:
-        """``Storage.open_read`` (which chooses the I/O method); a missing file is a
-        :class:`CorruptCheckpointError` naming it."""
-        try:
-            return self.storage.open_read(rel, bulk=bulk)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self.url}/{rel}: file is missing", path=f"{self.url}/{rel}") from None
-
-    def _open_tensor_file(self, rel: str) -> _OpenTensorFile:
-        """Open a tensor file (``bulk``: the storage layer picks ``O_DIRECT`` locally) and
-        parse its header, hashed when verifying; the file is left at its data section.
-
-        Raises:
-            CorruptCheckpointError: missing file or malformed header (names the file);
-                the file is closed.
-            StorageError: the storage failed (names the URL).
-        """
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
-        url = f"{self.url}/{rel}"
-        f = self._open_read(rel, bulk=True)
-        try:
-            with storage_errors(url, "reading"):
-                size = expected.size_bytes if expected is not None else self.storage.size(rel)
-                hasher = fmt.new_hasher() if expected is not None else None
-                header = fmt.read_header(f, url, size, hasher)
-        except BaseException:
-            f.close()
-            raise
-        return _OpenTensorFile(f, header, hasher, size, expected)
 
     def tensor_header(self, rel: str) -> fmt.TensorHeader:
         """The parsed header of a tensor file of the checkpoint (no tensor data is read).
@@ -724,28 +466,7 @@ class Checkpoint:
             CorruptCheckpointError: missing file or malformed header (names the file).
             StorageError: the storage failed (names the URL).
         """
-        if self._held is not None and rel in self._held:
-            return self._held[rel].header
-        opened = self._open_tensor_file(rel)
-        if self._held is not None:
-            self._held[rel] = opened
-        else:
-            opened.file.close()
-        return opened.header
-
-    def _expected(self, rel: str) -> FileEntry | None:
-        if not self.verify or self.manifest is None:
-            return None
-        entry = self.manifest.files.get(rel)
-        if entry is None:
-            raise CorruptCheckpointError(
-                f"{self.url}/{rel}: file is not listed in the manifest", path=f"{self.url}/{rel}"
-            )
-        return entry
-
-    def _check(self, rel: str, expected: FileEntry | None, size_bytes: int, hasher: Any) -> None:
-        if expected is not None:
-            check_against(f"{self.url}/{rel}", expected, size_bytes, hasher)
+        return self.reader.tensor_header(rel)
 
     def read_bytes(self, rel: str) -> bytes:
         """Read a whole file, verified against the manifest when ``verify`` is on.
@@ -759,15 +480,7 @@ class Checkpoint:
         Raises:
             CorruptCheckpointError: missing, or size/checksum mismatch (names the file).
         """
-        fmt.check_relpath(rel, source=self.url)
-        expected = self._expected(rel)
-        with self._open_read(rel) as f, storage_errors(f"{self.url}/{rel}", "reading"):
-            data = f.read()
-        if expected is not None:
-            hasher = fmt.new_hasher()
-            hasher.update(data)
-            self._check(rel, expected, len(data), hasher)
-        return data
+        return self.reader.read_bytes(rel)
 
     def load_tensors(
         self,
@@ -793,26 +506,7 @@ class Checkpoint:
                 checksum mismatch (names the file). With ``into``, targets read before the
                 fault hold new values; the message says the load is incomplete.
         """
-        opened = self._held.pop(rel, None) if self._held is not None else None
-        if opened is None:
-            opened = self._open_tensor_file(rel)
-        url = f"{self.url}/{rel}"
-        f, expected = opened.file, opened.expected
-        try:
-            with storage_errors(url, "reading"):
-                fresh, ready = (self._ahead.take(rel), self._ahead.ready) if self._ahead is not None else (None, None)
-                tensors, header = fmt.read_tensors(
-                    f, url, opened.size, into=into, names=names, hasher=opened.hasher, fresh=fresh, ready=ready,
-                    header=opened.header,
-                )
-                seen = header.data_start + header.data_bytes  # the bytes the header accounts for
-                if expected is not None and seen == expected.size_bytes:
-                    seen = f.seek(0, 2)  # bytes appended after them are never read: the open file's size says
-        finally:
-            f.close()
-        if expected is not None:
-            self._check(rel, expected, seen, opened.hasher)
-        return tensors
+        return self.reader.load_tensors(rel, into, names)
 
     def load_json(self, rel: str) -> Any:
         """Read a JSON file (verified when ``verify`` is on).
@@ -826,13 +520,7 @@ class Checkpoint:
         Raises:
             CorruptCheckpointError: missing, mismatched or not JSON (names the file).
         """
-        return self._decode_json(rel, self.read_bytes(rel))
-
-    def _decode_json(self, rel: str, data: bytes) -> Any:
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpointError(f"{self.url}/{rel}: not valid JSON: {exc}", path=f"{self.url}/{rel}") from None
+        return self.reader.load_json(rel)
 
     def load_state(self, base: str, shapes_only: bool = False) -> Any:
         """Read what :meth:`save_state` wrote under ``base``.
@@ -856,49 +544,4 @@ class Checkpoint:
                 process (loading never imports code), or lacks the saved value.
             FormatVersionError: the file's codec version is newer than this statekit reads.
         """
-        rel = f"{base}.json"
-        data = self._kept_json.pop(rel, None) if self._kept_json is not None else None
-        if data is None:
-            data = self.read_bytes(rel)
-        if shapes_only and self._kept_json is not None:
-            self._kept_json[rel] = data  # the skeleton (no tensor data), for the full read
-        doc = self._decode_json(rel, data)
-        if not isinstance(doc, dict) or "state" not in doc:
-            raise CorruptCheckpointError(f"{self.url}/{rel}: not a statekit state file", path=f"{self.url}/{rel}")
-        if not doc.get("tensors"):
-            tensors = {}
-        elif shapes_only:
-            tensors = self._meta_tensors(f"{base}.safetensors")
-        else:
-            tensors = self.load_tensors(f"{base}.safetensors")
-        return codec.decode(doc["state"], tensors, source=f"{self.url}/{rel}", root=base, version=doc.get("codec", 1))
-
-    def _meta_tensors(self, rel: str) -> dict[str, torch.Tensor]:
-        """``name -> meta tensor`` of a tensor file's header (aliases included); reads the header only.
-
-        Raises:
-            CorruptCheckpointError: missing file or malformed header (names the file).
-        """
-        header = self.tensor_header(rel)
-        tensors = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in header.entries}
-        tensors.update({alias: tensors[name] for alias, name in header.aliases.items()})
-        return tensors
-
-
-@dataclass
-class _OpenTensorFile:
-    """A tensor file opened for one load: positioned at its data section, header parsed.
-
-    Attributes:
-        file: the open file (from ``Storage.open_read(rel, bulk=True)``).
-        header: its parsed header.
-        hasher: the checksum of the bytes read so far (the header), when verifying; else None.
-        size: the file's size in bytes (the manifest's when verifying).
-        expected: its manifest entry when verifying, else None.
-    """
-
-    file: Any
-    header: fmt.TensorHeader
-    hasher: Any
-    size: int
-    expected: FileEntry | None
+        return self.reader.load_state(base, shapes_only)

@@ -16,28 +16,35 @@ and the rest in ``<key>.frozen-<nnnnn>.safetensors`` of at most
 :data:`FROZEN_FILE_BYTES` each, so the frozen files can be reused. ``requires_grad``
 decides only this placement; a wrong guess costs bytes, never exactness.
 
-The call sequence: ``CheckpointManager.save`` passes the run's last committed checkpoint
-(:class:`ReuseBase`) to the save; :meth:`statekit.engine.context.Checkpoint.save_tensors`
-asks :meth:`ReuseBase.entry_for` for the committed file of the same path, compares, and
-reuses it through :meth:`statekit.storage.Storage.reuse` or writes it with a
-:class:`~statekit.storage.hashing.PrefixHasher` (the records the next save compares with).
+This module owns the reuse decision (:class:`IncrementalReuse`: which file of the base is
+byte for byte the file this save would write); the save's
+:class:`~statekit.engine.file_writer.FileWriter` asks it before each tensor file, and
+links (or writes) and records the file. The save path is drawn in ``docs/design-notes.md``
+("Where a save and a load live").
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
+from statekit import devices
+from statekit import format as fmt
 from statekit.format.manifest_types import FileEntry, Manifest
+from statekit.format.tensors import is_accelerator
 from statekit.storage import Storage
 
 FROZEN_FILE_BYTES = 512 * 1024**2
 """Largest frozen-tensor file of a split model, bytes (a tensor larger than this is a file
 of its own): a frozen weight edited in place rewrites one such file, not the whole base,
 and the files of a base are compared with the committed ones in parallel, one per core
-(:meth:`statekit.engine.context.Checkpoint.comparing_ahead`): a 1 GiB base is two files,
+(:meth:`IncrementalReuse.comparing_ahead`): a 1 GiB base is two files,
 hashed on two cores. 2 GiB files (issue 29's first version) hashed a 1 GiB base on one."""
 
 SPLIT_MIN_BYTES = 1024 * 1024
@@ -69,6 +76,116 @@ class ReuseBase:
         if entry is None or (entry.writer or "statekit") != writer:
             return None
         return entry
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the platform has one;
+    ``os.cpu_count()`` counts the whole machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+class IncrementalReuse:
+    """The reuse decision of one incremental save: which of its files the base checkpoint
+    holds byte for byte (compared from the bytes, never from a flag).
+
+    Args:
+        base: the committed checkpoint to compare with; None: nothing is reused.
+    """
+
+    def __init__(self, base: ReuseBase | None) -> None:
+        self.base = base
+        self._compared: dict[str, tuple[Mapping[str, torch.Tensor], concurrent.futures.Future[tuple[bool, str | None]]]] = {}
+        self._digests: dict[str, str] = {}  # device digests computed by a comparison, for the write that follows
+
+    def committed(self, rel: str, writer: str) -> FileEntry | None:
+        """The base's file ``rel`` when ``writer`` wrote it there, else None."""
+        return self.base.entry_for(rel, writer) if self.base is not None else None
+
+    @contextlib.contextmanager
+    def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]], writer: str) -> Iterator[frozenset[str]]:
+        """Compare those of ``files`` the base holds with their committed files on worker
+        threads, all at once (one file per core; at most two per accelerator, whose digests
+        need temporaries in device memory), after the work queued on the caller's current
+        streams (:func:`statekit.devices.wait_for_current_streams`). :meth:`unchanged` of
+        such a path with the same mapping and no metadata waits for its comparison.
+        Comparisons not waited for are cancelled (or finish unread) at the block's end,
+        which returns only once no worker reads a tensor any more.
+
+        Args:
+            files: ``relative path -> {name: tensor}`` that the block saves.
+            writer: the writer those files are saved by.
+
+        Yields:
+            The paths compared ahead.
+        """
+        committed = {rel: self.committed(rel, writer) for rel in files}
+        candidates = {rel: entry for rel, entry in committed.items() if entry is not None}
+        if not candidates:
+            yield frozenset()
+            return
+        on_devices = {t.device for rel in candidates for t in files[rel].values()
+                      if isinstance(t, torch.Tensor) and is_accelerator(t.device)}
+        devices.wait_for_current_streams(on_devices)
+        workers = min(len(candidates), 2 * len(on_devices) if on_devices else usable_cpus())
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="statekit-compare") as pool:
+            for rel, entry in candidates.items():
+                self._compared[rel] = (files[rel], pool.submit(
+                    fmt.compare_file, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or (), entry.digest
+                ))
+            try:
+                yield frozenset(candidates)
+            finally:
+                for _, future in self._compared.values():
+                    future.cancel()
+                self._compared.clear()
+
+    def unchanged(
+        self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str
+    ) -> FileEntry | None:
+        """The base's entry of ``rel`` when every byte this save would write for
+        ``tensors`` is the same (:func:`statekit.format.tensors.compare_file`: the
+        comparison started by :meth:`comparing_ahead`, or one made now), else None. A
+        device digest computed on the way is kept for the write of a changed file
+        (:meth:`digest_for`)."""
+        committed = self.committed(rel, writer)
+        if committed is None:
+            return None
+        ahead = self._compared.pop(rel, None)
+        if ahead is not None and ahead[0] is tensors and not metadata:
+            same, digest = ahead[1].result()
+        else:  # (a file of a full save has no prefixes: compared whole, by its checksum)
+            same, digest = fmt.compare_file(
+                tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or (), committed.digest
+            )
+        if digest is not None and not same:
+            self._digests[rel] = digest
+        return committed if same else None
+
+    def same_stream(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]], writer: str) -> FileEntry | None:
+        """The base's entry of ``rel`` when the bytes ``chunks()`` yields are exactly its
+        bytes (compared with its running checksums, stopping at the first difference),
+        else None; ``chunks`` is called only when the base has a file of that size."""
+        committed = self.committed(rel, writer)
+        if committed is None or committed.size_bytes != size_bytes:
+            return None
+        if not fmt.same_stream_bytes(chunks(), committed.size_bytes, committed.checksum, committed.prefixes or ()):
+            return None
+        return committed
+
+    def digest_for(self, rel: str) -> str | None:
+        """The device digest a comparison computed for ``rel`` (taken: asked once), or None."""
+        return self._digests.pop(rel, None)
+
+    def reused_entry(self, committed: FileEntry, rank: int, writer: str) -> FileEntry:
+        """This save's entry of a file taken from the base."""
+        return FileEntry(
+            size_bytes=committed.size_bytes, checksum=committed.checksum, rank=rank, writer=writer,
+            prefixes=committed.prefixes or None, reused_from=self.base.name if self.base is not None else None,
+            digest=committed.digest,
+        )
 
 
 def split_model(key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None) -> dict[str, dict[str, torch.Tensor]]:
@@ -135,4 +252,4 @@ def is_frozen_file(key: str, rel: str) -> bool:
     return rel.startswith(f"{key}{FROZEN_INFIX}") and rel.endswith(".safetensors")
 
 
-__all__ = ["FROZEN_FILE_BYTES", "ReuseBase", "is_frozen_file", "split_model"]
+__all__ = ["FROZEN_FILE_BYTES", "IncrementalReuse", "ReuseBase", "is_frozen_file", "split_model", "usable_cpus"]

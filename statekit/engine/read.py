@@ -1,8 +1,10 @@
-"""Reading a checkpoint into objects: models (fit-checked before anything is written),
-per-rank and replicated object state, and whole-checkpoint verification.
+"""What a load reads and in what order: the one plan of a native load (:class:`LoadPlan`),
+each object's read (models fit-checked before anything is written, per-rank and
+replicated state, data loader positions) and whole-checkpoint verification.
 
-No plugin code runs here: :mod:`statekit.api.saveload` calls the hooks and hands this
-module what no plugin took.
+No plugin code runs here: :mod:`statekit.api.loading` runs the hooks between the plan's
+two steps and hands it what no plugin took. The sequence is drawn in
+``docs/design-notes.md`` ("Where a save and a load live").
 """
 
 from __future__ import annotations
@@ -10,17 +12,21 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from statekit import format as fmt
 from statekit.loaders import data, next_batch
-from statekit.engine.context import Checkpoint
-from statekit.engine.entries import Entry, check_fit
+from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.entries import Entry, check_fit, unwrap_model
+from statekit.engine.file_reader import FileReader
 from statekit.engine.gradients import AccumulatedGradients
 from statekit.engine.incremental import is_frozen_file
-from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit
+from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit, parameter_names
 from statekit.errors import CorruptCheckpointError, StateMismatchError, StorageError
 from statekit.progress import progress
 from statekit.format.manifest import read_manifest
@@ -28,6 +34,93 @@ from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.storage import Storage
 
 logger = logging.getLogger("statekit")
+
+
+@dataclass
+class LoadPlan:
+    """The order of a native load of ``entries`` (each in the checkpoint; what plugins take
+    is decided between the two steps):
+
+    1. :meth:`files_open` around everything: each file opened once, its header parsed once
+       (:meth:`statekit.Checkpoint.reading_each_file_once`);
+    2. :meth:`check_before_hooks`: the optimizers, schedulers and tensors the core owns fit
+       (skeletons and headers only), before any plugin or the core loads anything;
+    3. the caller runs ``statekit_load_state_pre``;
+    4. :meth:`read`, for what no plugin took: every model's fit, then the ``early`` objects
+       (all or nothing), the models, the ``late`` ones (:func:`split_for_load`), with fresh
+       memory made ahead for the later tensor files.
+
+    Attributes:
+        checkpoint: the load's context (its ``manifest`` read).
+        entries: the objects to load, every key in the manifest.
+        accelerator: the run's Accelerator, or None (models are unwrapped through it).
+        strict: as :func:`load_models`.
+        incompatible: after :meth:`read`, stable key -> missing and unexpected keys.
+        not_restored: after :meth:`read`, what could not be restored (for one warning).
+    """
+
+    checkpoint: Checkpoint
+    entries: list[Entry]
+    accelerator: Any = None
+    strict: bool = True
+    incompatible: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    not_restored: list[str] = field(default_factory=list)
+
+    @property
+    def saved_objects(self) -> Mapping[str, ObjectEntry]:
+        """The manifest's ``objects``."""
+        return self.checkpoint.reader.manifest.objects
+
+    @contextmanager
+    def files_open(self) -> Iterator[None]:
+        """Each file opened once and its header parsed once within the block; every file
+        still open is closed at its end, also after a failure.
+
+        Yields:
+            None.
+
+        Raises:
+            StorageError: closing a file failed (only when the block did not raise).
+        """
+        with self.checkpoint.reader.session():
+            yield
+
+    def check_before_hooks(self) -> None:
+        """Check that the saved state of every core-owned optimizer, scheduler and tensor
+        fits (:func:`check_entries`), before anything is loaded.
+
+        Raises:
+            StateMismatchError: a state does not fit; nothing was loaded.
+            CorruptCheckpointError: a state file is missing or malformed (names it).
+        """
+        names = parameter_names(unwrap_model(e.obj, self.accelerator) for e in self.entries if e.kind == "model")
+        core = [e for e in self.entries if self.saved_objects[e.key].owner == CORE]
+        check_entries(self.checkpoint, core, self.saved_objects, names)
+
+    def read(self, models: list[Any], taken: Mapping[str, str]) -> None:
+        """Read what no plugin took, in the plan's order (the class docstring, step 4);
+        fills :attr:`incompatible` and :attr:`not_restored`.
+
+        Args:
+            models: the entries' models, in order, as given.
+            taken: ``{key: plugin}`` of what plugins took in their pre-hooks.
+
+        Raises:
+            StateMismatchError: an object or model does not fit (what was applied before it
+                is put back, or the message says what is loaded).
+            CorruptCheckpointError: a file fails verification (names it).
+        """
+        keys = [e.key for e in self.entries if e.kind == "model"]
+        core = [(unwrap_model(m, self.accelerator), k) for m, k in zip(models, keys) if k not in taken]
+        core_models, core_keys = [m for m, _ in core], [k for _, k in core]
+        early, late = split_for_load([e for e in self.entries if e.kind != "model" and e.key not in taken])
+        saved, checkpoint = self.saved_objects, self.checkpoint
+        ahead = tensor_files_of(checkpoint, early + late, saved) if loads_in_place(core_models) else []
+        with checkpoint.reader.fresh_memory_ahead(ahead):
+            check_models(checkpoint, core_models, core_keys, saved, self.strict)  # every model first
+            self.not_restored += load_entries_undoable(checkpoint, early, saved)  # put back if one refuses
+            self.incompatible = load_models(checkpoint, core_models, core_keys, saved, self.strict)
+            self.not_restored += _load_after_models(checkpoint, late, saved)
 
 
 def load_models(
@@ -102,7 +195,7 @@ def check_entries(
             parameter and both shapes); nothing was loaded.
         CorruptCheckpointError: a state file is missing or malformed (names it).
     """
-    files = checkpoint.manifest.files if checkpoint.manifest is not None else {}
+    files = checkpoint.reader.manifest.files if checkpoint.reader.manifest is not None else {}
     for e in entries:
         saved = saved_objects.get(e.key)
         if saved is None or e.kind not in ("optimizer", "scheduler", "tensor"):
@@ -112,7 +205,7 @@ def check_entries(
             continue  # per-rank state of another world size: reported when it is loaded
         where = f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json)"
         try:
-            state = checkpoint.load_state(base, shapes_only=True)
+            state = checkpoint.reader.load_state(base, shapes_only=True)
         except (TypeError, RuntimeError, NotImplementedError):
             continue  # a value that needs its data (a NumPy array): checked when it is applied
         if e.kind == "optimizer":
@@ -193,6 +286,21 @@ def load_entries(checkpoint: Checkpoint, entries: list[Entry], saved_objects: Ma
     return not_restored
 
 
+def _load_after_models(checkpoint: Checkpoint, late: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
+    """The optimizers and tensors, applied after the models (their fit was checked before
+    anything was loaded; what can still fail is a damaged file): an error says what is loaded."""
+    try:
+        return load_entries(checkpoint, late, saved_objects)
+    except (CorruptCheckpointError, StateMismatchError) as exc:
+        note = (
+            f" (the models and every object but {', '.join(repr(e.key) for e in late)} are loaded; "
+            "load a good checkpoint before training)"
+        )
+        if isinstance(exc, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"{exc}{note}", path=exc.path) from exc
+        raise StateMismatchError(f"{checkpoint.url}", reason=f"{exc}{note}") from exc
+
+
 def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
     """The tensor files :func:`load_entries` reads for ``entries`` on this rank, in order
     (a file the checkpoint lacks included: the caller filters), for
@@ -234,15 +342,15 @@ def _fit_model(
     targets = model.state_dict()
     if f"{key}.json" in files:  # a model with extra (non-tensor) state, stored through the codec
         try:
-            state = checkpoint.load_state(key, shapes_only=True)
+            state = checkpoint.reader.load_state(key, shapes_only=True)
         except (TypeError, RuntimeError, NotImplementedError):
-            state = checkpoint.load_state(key)
+            state = checkpoint.reader.load_state(key)
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
         return targets, set(state), _check_model_state(checkpoint, key, f"{key}.json", targets, shapes, set(state), strict)
     rels = model_tensor_files(key, files)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for rel in rels:
-        header = checkpoint.tensor_header(rel)  # kept open for load_model's read (Checkpoint.reading_each_file_once)
+        header = checkpoint.reader.tensor_header(rel)  # kept open for load_model's read (Checkpoint.reading_each_file_once)
         for e in header.entries:
             if e.name in shapes:
                 raise CorruptCheckpointError(f"{checkpoint.url}/{rel}: tensor {e.name!r} is also in another file of model {key!r}", path=f"{checkpoint.url}/{rel}")
@@ -273,13 +381,13 @@ def load_model(
     unexpected keys (empty when strict)."""
     targets, saved_keys, report = _fit_model(checkpoint, key, model, saved, strict)
     if f"{key}.json" in (saved.files or ()):
-        model.load_state_dict(checkpoint.load_state(key), strict=strict)
+        model.load_state_dict(checkpoint.reader.load_state(key), strict=strict)
         return report
     shared = {k: t for k, t in targets.items() if k in saved_keys}
     try:
         with torch.no_grad():
             for rel in model_tensor_files(key, saved.files or ()):  # each fills the targets it holds
-                checkpoint.load_tensors(rel, into=shared)
+                checkpoint.reader.load_tensors(rel, into=shared)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(
             f"{exc} (model {key!r} is partly overwritten: load a good checkpoint into it before use)", path=exc.path
@@ -321,10 +429,10 @@ def _load_entry(checkpoint: Checkpoint, e: Entry, saved: ObjectEntry, not_restor
         _load_loader(checkpoint, e, not_restored)
         return
     base = _state_base(checkpoint, e, saved)
-    if per_rank and f"{base}.json" not in checkpoint.manifest.files:
+    if per_rank and f"{base}.json" not in checkpoint.reader.manifest.files:
         not_restored.append(f"{e.key} for rank {checkpoint.rank} (the checkpoint has no state for this rank)")
         return
-    state = checkpoint.load_state(base)
+    state = checkpoint.reader.load_state(base)
     where = f"{e.kind} {e.key!r} ({checkpoint.url}/{base}.json)"
     if e.kind == "tensor":
         value = _check_tensor(where, e, state)
@@ -368,10 +476,10 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
     Raises:
         CorruptCheckpointError: a position file fails verification (names it).
     """
-    files = checkpoint.manifest.files
-    bases = [fmt.rank_path(key, r) for r in range(checkpoint.manifest.world_size)]
+    files = checkpoint.reader.manifest.files
+    bases = [fmt.rank_path(key, r) for r in range(checkpoint.reader.manifest.world_size)]
     base = fmt.rank_path(key, checkpoint.rank)
-    own = checkpoint.load_state(base) if f"{base}.json" in files else None
+    own = checkpoint.reader.load_state(base) if f"{base}.json" in files else None
     if isinstance(own, dict):
         _merge_next_batch(checkpoint, key, own)
     ranks = None
@@ -380,7 +488,7 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
     # (history), or Accelerate's dispatcher (its ranks share one stream of batches)
     if own is None or len(bases) != checkpoint.world_size or mine.get("history") or (mine.get("layout") or {}).get("kind") == "dispatch":
         if all(f"{b}.json" in files for b in bases):
-            ranks = [own if b == base else checkpoint.load_state(b) for b in bases]
+            ranks = [own if b == base else checkpoint.reader.load_state(b) for b in bases]
     return own, ranks
 
 
@@ -399,7 +507,7 @@ def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> 
         logger.warning("resume audit: could not read %s (%s); the first batch is checked by what the save recorded",
                        checkpoint.storage.url_of(rel), exc)
         return
-    next_batch.merge_next_batch(own, raw, checkpoint.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
+    next_batch.merge_next_batch(own, raw, checkpoint.reader.manifest.manifest_checksum, checkpoint.storage.url_of(rel))
 
 
 def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
@@ -440,10 +548,10 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manife
     """
     storage = Storage(url, storage_options)
     manifest = read_manifest(storage)
-    checkpoint = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
+    reader = FileReader(storage, manifest, verify=True)
     with progress(manifest.size_bytes, "verify") as advance:
         for rel in sorted(manifest.files):
-            with checkpoint.open(rel, "rb") as f:
+            with reader.reading(rel) as f:
                 while chunk := f.read(fmt.CHUNK_BYTES):
                     advance(len(chunk))
                 f.read()  # end of file: the reader compares size and checksum here

@@ -22,6 +22,7 @@ as it is, as ``load_state`` of the source does (:func:`loaders_left_as_they_are`
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from typing import Any
@@ -133,7 +134,7 @@ def convert(
             objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
         records = {k: v for k, v in (attached.records if attached else {}).items() if k != CORE}
         records[CORE] = {CONVERTED_FROM: "accelerate"}
-        writers = {e["writer"] for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
+        writers = {e.writer for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
         plugins = {k: v for k, v in (attached.plugins if attached else {}).items() if k in writers}
         metadata = {**(attached.metadata if attached else {}), "converted_from": src.url, "source_format": "accelerate"}
         fingerprint = attached.fingerprint.to_json() if attached and attached.fingerprint else None
@@ -213,11 +214,11 @@ def _copy_file(src: Storage, checkpoint: Checkpoint, rel: str, entry: FileEntry)
         while chunk := f.read(fmt.CHUNK_BYTES):
             out.write(chunk)
     copied = checkpoint.files[rel]
-    if copied["checksum"] != entry.checksum or copied["size_bytes"] != entry.size_bytes:
+    if copied.checksum != entry.checksum or copied.size_bytes != entry.size_bytes:
         url = src.url_of(rel)
-        raise CorruptCheckpointError(f"{url}: checksum {copied['checksum']}, the manifest says {entry.checksum}; "
+        raise CorruptCheckpointError(f"{url}: checksum {copied.checksum}, the manifest says {entry.checksum}; "
                                      "nothing was converted", path=url)
-    copied.update(writer=entry.writer, rank=entry.rank)
+    checkpoint.files[rel] = dataclasses.replace(copied, writer=entry.writer, rank=entry.rank)
 
 
 def _convert_file(
