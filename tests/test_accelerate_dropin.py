@@ -444,10 +444,8 @@ def test_registered_hook_editing_a_weights_entry_is_saved_as_edited(tmp_path, ed
 
 
 def test_attach_makes_accelerates_files_durable_before_the_commit(tmp_path, monkeypatch, installed_plugin_manager):
-    import statekit.engine.file_writer as file_writer
-
     synced: list[str] = []
-    monkeypatch.setattr(file_writer, "fsync_path", synced.append)
+    monkeypatch.setattr("statekit.storage.fs.fsync_path", synced.append)  # what Storage.make_durable calls
     accelerator = fresh_accelerator()
     statekit.attach(accelerator)
     _prepared(accelerator)

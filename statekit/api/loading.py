@@ -157,7 +157,7 @@ def load_objects(
     Raises:
         As :func:`load`.
     """
-    storage = Storage(url, storage_options)
+    storage = Storage.of(url, storage_options)
     loaders = any(data.is_loader(e.obj) for e in entries)
     manifest = _manifest_of(storage)
     if manifest is None:  # a directory Accelerate wrote

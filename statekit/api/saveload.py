@@ -269,8 +269,9 @@ def _reuse_base(
     return ReuseBase(base, base.url.rstrip("/").rsplit("/", 1)[-1], manifest)
 
 
-def _target(url: str, storage_options: dict[str, Any] | None, world_size: int) -> Storage:
-    storage = Storage(url, storage_options)
+def _target(url: str | Storage, storage_options: dict[str, Any] | None, world_size: int) -> Storage:
+    storage = Storage.of(url, storage_options)
+    url = storage.url
     if world_size > 1 and not storage.shared_between_processes:
         raise StorageError(
             f"{url}: memory:// is private to each process and cannot hold a checkpoint written by "

@@ -100,7 +100,8 @@ class FileReader:
     def fresh_memory_ahead(self, rels: list[str]) -> Iterator[None]:
         """Make the buffers of the large local tensor files among ``rels`` ahead, on a
         helper thread (see :meth:`statekit.Checkpoint.fresh_memory_ahead`)."""
-        rels = [rel for rel in rels if self.storage.is_local and worth_reading_ahead(self.manifest, rel)]
+        # only local files: their buffers come from the page cache, which the read-ahead warms
+        rels = [rel for rel in rels if self.storage.local_path(rel) is not None and worth_reading_ahead(self.manifest, rel)]
         if not rels or self._ahead is not None:
             yield
             return

@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -29,7 +28,6 @@ from statekit.errors import StatekitError
 from statekit.format import codec
 from statekit.format.manifest_types import FileEntry
 from statekit.storage import Storage, storage_errors
-from statekit.storage.fs import fsync_path
 from statekit.storage.hashing import HashingWriter, PrefixHasher
 
 logger = logging.getLogger("statekit")
@@ -145,14 +143,7 @@ class FileWriter:
                     size += len(chunk)
             self.files[rel] = FileEntry(size_bytes=size, checksum=fmt.checksum_string(hasher), rank=self.rank, writer=writer)
             added.append(rel)
-        if self.storage.is_local:  # foreign writers do not fsync: make their files durable before the commit
-            directories = set()
-            for rel in added:
-                path = self.storage.path_of(rel)
-                fsync_path(path)
-                directories.add(os.path.dirname(path))
-            for directory in sorted(directories):
-                fsync_path(directory)
+        self.storage.make_durable(added)  # foreign writers do not fsync: durable before the commit names them
         return added
 
     # ---------------------------------------------------------------- writes

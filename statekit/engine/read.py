@@ -546,7 +546,7 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manife
         CorruptCheckpointError: the first file that is missing, or whose size or
             checksum differs; ``.path`` names it.
     """
-    storage = Storage(url, storage_options)
+    storage = Storage.of(url, storage_options)
     manifest = read_manifest(storage)
     reader = FileReader(storage, manifest, verify=True)
     with progress(manifest.size_bytes, "verify") as advance:
