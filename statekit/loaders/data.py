@@ -580,55 +580,88 @@ def restore_loader(
     elif state is None:
         return False
     if state.get("tracked"):
-        batches = int(state["batches"])
-        saved_length, live_length = state.get("dataset_length"), dataset_length(loader)
-        if saved_length is not None and live_length is not None and saved_length != live_length:
-            # Another dataset length draws another permutation and other batches: the
-            # consumed-batch count no longer names the consumed samples, so the interrupted
-            # epoch restarts from its first batch (the resume fingerprint warns about it).
-            batches = 0
-        position = track(loader)
-        position.pending = {
-            "epoch": int(state["epoch"]),
-            "batches": batches,
-            "start_states": dict(state.get("start_states") or {}),
-            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt", "prebuilt_seed")},
-            "name": name,
-        }
-        why_not = None
-        if state.get("next") is None:
-            why_not = "the checkpoint holds no record of the next batch (saved by an older statekit)"
-        elif batches != int(state["batches"]):
-            why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
-        elif planned is not None:
-            why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
-        skipped = why_not is not None
-        position.pending["audit_skip"] = skipped  # the record does not describe what comes next
-        if why_not is None and not state["next"].get("indices_digest") and not state["next"].get("content_digest"):
-            why_not = state["next"].get("missing")  # checked only for a batch at all (audit.nothing_yielded)
-        audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not, checked_later=not skipped)
-        if batches != int(state["batches"]) or planned is not None:
-            position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
-        if batches != int(state["batches"]):
-            position.pending["dataset_after"] = None  # the epoch restarts: from its start state
-            position.pending["restarted"] = True
-        elif planned is None:  # a save before the next iter() saves this same position
-            position.pending["saved"] = dict(state)
-        position.name = name or position.name
-        position.epoch = int(state["epoch"])
-        position.batches = batches
-        if state.get("after_last_batch") and planned is None:
-            warn_user(
-                f"{name or describe(loader)}: the checkpoint was saved inside the for loop right after the last batch of "
-                f"epoch {int(state['epoch']) - 1}, before that loop ended; the next `for batch in loader` starts epoch "
-                f"{state['epoch']}. A loop that counts epochs, or steps an epoch scheduler, after its `for` ends must not "
-                "do that for the finished epoch again: derive the epoch from the step (step // len(loader)) or save "
-                "after the `for` (docs/concepts.md, 'A save right after an epoch's last batch')",
-                StatekitWarning,
-            )
-        if hasattr(loader, "iteration"):
-            loader.iteration = int(state["epoch"])
-        return True
+        _restore_tracked(loader, state, name, planned)
+    else:
+        _restore_untracked(loader, state, name)
+    return True
+
+
+def _restore_tracked(loader: Any, state: dict[str, Any], name: str | None, planned: Any) -> None:
+    """Put a position statekit tracked back as the loader's pending position (applied by
+    the next ``iter()``, :func:`_apply_pending`), and register it with the resume audit;
+    ``planned``: this rank's share of the epoch after a world-size change, or None."""
+    batches = _batches_to_skip(loader, state)
+    restarted = batches != int(state["batches"])
+    position = track(loader)
+    position.pending = {
+        "epoch": int(state["epoch"]),
+        "batches": batches,
+        "start_states": dict(state.get("start_states") or {}),
+        **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt", "prebuilt_seed")},
+        "name": name,
+    }
+    _audit_restored(loader, position, state, name, restarted, planned)
+    if restarted or planned is not None:
+        position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
+    if restarted:
+        position.pending["dataset_after"] = None  # the epoch restarts: from its start state
+        position.pending["restarted"] = True
+    elif planned is None:  # a save before the next iter() saves this same position
+        position.pending["saved"] = dict(state)
+    position.name = name or position.name
+    position.epoch = int(state["epoch"])
+    position.batches = batches
+    if state.get("after_last_batch") and planned is None:
+        _warn_after_last_batch(loader, state, name)
+    if hasattr(loader, "iteration"):
+        loader.iteration = int(state["epoch"])
+
+
+def _batches_to_skip(loader: Any, state: dict[str, Any]) -> int:
+    """The saved count of consumed batches, or 0 when the dataset's length changed since the save."""
+    batches = int(state["batches"])
+    saved_length, live_length = state.get("dataset_length"), dataset_length(loader)
+    if saved_length is not None and live_length is not None and saved_length != live_length:
+        # Another dataset length draws another permutation and other batches: the
+        # consumed-batch count no longer names the consumed samples, so the interrupted
+        # epoch restarts from its first batch (the resume fingerprint warns about it).
+        batches = 0
+    return batches
+
+
+def _audit_restored(loader: Any, position: Position, state: dict[str, Any], name: str | None, restarted: bool, planned: Any) -> None:
+    """Tell the resume audit about the restored position: checked at the first batch against
+    the saved record of the next batch, or unverifiable (and why)."""
+    why_not = None
+    if state.get("next") is None:
+        why_not = "the checkpoint holds no record of the next batch (saved by an older statekit)"
+    elif restarted:
+        why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
+    elif planned is not None:
+        why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
+    skipped = why_not is not None
+    position.pending["audit_skip"] = skipped  # the record does not describe what comes next
+    if why_not is None and not state["next"].get("indices_digest") and not state["next"].get("content_digest"):
+        why_not = state["next"].get("missing")  # checked only for a batch at all (audit.nothing_yielded)
+    audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not, checked_later=not skipped)
+
+
+def _warn_after_last_batch(loader: Any, state: dict[str, Any], name: str | None) -> None:
+    """The save was made inside the ``for`` loop after the epoch's last batch: the loop's
+    epoch-end code must not run again for that epoch."""
+    warn_user(
+        f"{name or describe(loader)}: the checkpoint was saved inside the for loop right after the last batch of "
+        f"epoch {int(state['epoch']) - 1}, before that loop ended; the next `for batch in loader` starts epoch "
+        f"{state['epoch']}. A loop that counts epochs, or steps an epoch scheduler, after its `for` ends must not "
+        "do that for the finished epoch again: derive the epoch from the step (step // len(loader)) or save "
+        "after the `for` (docs/concepts.md, 'A save right after an epoch's last batch')",
+        StatekitWarning,
+    )
+
+
+def _restore_untracked(loader: Any, state: dict[str, Any], name: str | None) -> None:
+    """Restore what a save of an untracked loader (or Accelerate) kept: the epoch counter and,
+    for a ``StatefulDataLoader``, its own state."""
     if is_tracked(loader):  # the resume audit: nothing recorded to check this loader against
         audit.restored(name or describe(loader), loader.__dict__["_statekit_position"], None,
                        "the checkpoint holds no statekit position for this loader (saved untracked, or by Accelerate)")
@@ -639,13 +672,12 @@ def restore_loader(
             f"{name or describe(loader)}: the checkpoint holds only the epoch of this data loader "
             f"(it was saved untracked, see statekit.attach): epoch {state.get('epoch', 0)} restarts from its first batch",
             StatekitWarning,
-            stacklevel=2,
+            stacklevel=3,  # restore_loader's caller, as when this was inline there
         )
     if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
         loader, "use_stateful_dataloader", True
     ):
         loader.load_state_dict(state["stateful"])
-    return True
 
 
 def skip_after_resume(loader: Any, num_batches: int) -> bool:
