@@ -461,40 +461,17 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         # restored and not iterated since: the restored position still holds (saving the
         # current generators as "epoch start" would lose it)
         return dict(position.pending["saved"])
-    epoch, batches, states = position.epoch, position.batches, position.start_states
-    restored = getattr(inner_loader(loader), "next_iter_state", None)
-    if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
-        # a loader resumed by its own state (see _tracked_iter): save that state
-        own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
-        return {"tracked": False, "epoch": epoch, "stateful": own}
-    in_epoch = position.in_epoch
-    if not in_epoch:
-        batches, states = 0, {role: gen.get_state() for role, gen in generators(loader).items()}
-    else:
-        try:
-            length = len(loader)
-        except TypeError:
-            length = None
-        # Accelerate's adapters read one batch ahead and know when the one they yielded was
-        # the epoch's last (end_of_dataloader), also for an iterable dataset without a length
-        ended = batches > 0 and getattr(loader, "end_of_dataloader", False) is True and iterable.is_iterable(inner_loader(loader))
-        after_last = (length is not None and batches >= length) or ended
-        if after_last:
-            # every batch was delivered: the generators already hold the next epoch's start state
-            epoch, batches, in_epoch = epoch + 1, 0, False
-            states = {role: gen.get_state() for role, gen in generators(loader).items()}
+    own = _own_loader_state(loader, position)
+    if own is not None:
+        return own
+    epoch, batches, states, in_epoch = _saved_position(loader, position)
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
     if position.in_epoch and not in_epoch:  # saved inside the for loop, after its epoch's last batch
         state["after_last_batch"] = True
     state.update(iterable.saved_fields(inner_loader(loader), position, batches, in_epoch))  # dataset states, workers
-    ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
-    if ahead:
-        state["fetch_states"] = ahead
-    if in_epoch:  # the global states the epoch's order was drawn from (statekit.loaders.epoch_rng)
-        state["epoch_rng"] = position.epoch_rng
-        if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
-            state["prebuilt"], state["prebuilt_seed"] = True, position.prebuilt_seed
+    if in_epoch:
+        state.update(_replay_fields(position, batches))
     record = _next_batch(loader, position, epoch, batches, in_epoch)  # the resume audit's record
     state["next"] = record.to_json()
     # what the loader yields next is seen after the save returns: recorded beside the checkpoint
@@ -503,6 +480,49 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), epoch, in_epoch))
     return state
+
+
+def _own_loader_state(loader: Any, position: Position) -> dict[str, Any] | None:
+    """The state of a loader resumed by its own state (see :func:`_start_fresh`), saved as
+    that state; None for a loader on statekit's position."""
+    restored = getattr(inner_loader(loader), "next_iter_state", None)
+    if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
+        own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
+        return {"tracked": False, "epoch": position.epoch, "stateful": own}
+    return None
+
+
+def _saved_position(loader: Any, position: Position) -> tuple[int, int, dict[str, torch.Tensor], bool]:
+    """``(epoch, batches, start_states, in_epoch)`` to save: outside an epoch, or after its
+    last batch, the start of the next epoch (the generators' states now)."""
+    epoch, batches, states = position.epoch, position.batches, position.start_states
+    if not position.in_epoch:
+        return epoch, 0, {role: gen.get_state() for role, gen in generators(loader).items()}, False
+    try:
+        length = len(loader)
+    except TypeError:
+        length = None
+    # Accelerate's adapters read one batch ahead and know when the one they yielded was
+    # the epoch's last (end_of_dataloader), also for an iterable dataset without a length
+    ended = batches > 0 and getattr(loader, "end_of_dataloader", False) is True and iterable.is_iterable(inner_loader(loader))
+    if (length is not None and batches >= length) or ended:
+        # every batch was delivered: the generators already hold the next epoch's start state
+        return epoch + 1, 0, {role: gen.get_state() for role, gen in generators(loader).items()}, False
+    return epoch, batches, states, True
+
+
+def _replay_fields(position: Position, batches: int) -> dict[str, Any]:
+    """What replaying a saved position inside an epoch needs besides its generator states:
+    the random states of batches fetched ahead, and the global states the epoch's order was
+    drawn from (:mod:`statekit.loaders.epoch_rng`) or the prebuilt iterator that drew it."""
+    fields: dict[str, Any] = {}
+    ahead = fetch_rng.saved_states(position, batches)  # random states of batches fetched ahead
+    if ahead:
+        fields["fetch_states"] = ahead
+    fields["epoch_rng"] = position.epoch_rng
+    if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
+        fields["prebuilt"], fields["prebuilt_seed"] = True, position.prebuilt_seed
+    return fields
 
 
 def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_epoch: bool) -> audit.NextBatch:
