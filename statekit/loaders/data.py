@@ -139,84 +139,54 @@ def track(loader: Any) -> Position:
     return position
 
 
+@dataclass
+class _Pass:
+    """One pass of a tracked loader over its epoch: what the steps of :func:`_tracked_iter` share.
+
+    Attributes:
+        pending: the restored position this pass resumes, or None.
+        skip: batches of the epoch consumed before it (not yielded again).
+        how: how they are skipped (:func:`statekit.loaders.iterable.plan`).
+        name: the loader's name in messages.
+        length: the whole epoch's length (:func:`statekit.loaders.samplers.sampled_epoch_length`).
+        check: the resume audit's check of the first batch, until it ran (:func:`_first_batch_check`).
+        restore: takes the batch-sampler wrappers off, until it ran (None for a prebuilt iterator).
+        started: the pass yielded its first batch.
+    """
+
+    pending: dict[str, Any] | None
+    skip: int
+    how: str | None
+    name: str
+    length: int | None = None
+    check: Any = None
+    restore: Any = None
+    started: bool = False
+
+    @property
+    def replay_start(self) -> dict[str, Any] | None:
+        """The global random states the resumed epoch's order was drawn from, or None."""
+        return (self.pending or {}).get("epoch_rng")
+
+
 def _tracked_iter(self: Any) -> Iterator[Any]:
+    """A tracked loader's ``__iter__``: start the pass at the epoch start (or the restored
+    position), wrap the batch sampler, build the iterator, count each batch it yields, and
+    count the epoch once it ends (everything up to the iterator's build runs at the first
+    ``next()``, as in a plain generator ``__iter__``)."""
     position: Position = self.__dict__["_statekit_position"]
     inner = inner_loader(self)
-    pending, position.pending = position.pending, None
-    position.prebuilt = False
-    iteration = self.__dict__.get("iteration")
-    if pending is None and isinstance(iteration, int):
-        # Accelerate's epoch counter is the epoch: set_epoch() sets it, and a pass left
-        # before its end (transformers' Trainer takes exactly an epoch's batches and drops
-        # the iterator) does not raise it, so counting passes here would lag behind it
-        position.epoch = iteration
-    skip = _apply_pending(self, position, pending) if pending is not None else _start_fresh(inner, position)
-    name = describe(self)
-    how = iterable.plan(self, inner, position, pending, skip, name, prebuilt=position.prebuilt)
-    position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
-    position.batches = skip
-    position.in_epoch = True
-    prebuilt = _prebuilt(inner) if position.prebuilt else None
-    if prebuilt is not None and pending is None:
-        _record_prebuilt(prebuilt, position)
-    first = skip if how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
-    if prebuilt is not None:  # batches it fetched ahead when it was built (workers) came before any wrapper
-        first += int(getattr(prebuilt, "_send_idx", 0) or 0)
-    replay_start = (pending or {}).get("epoch_rng")
-    # the batch-sampler wrappers, innermost first (wrap_batch_sampler puts them on before the
-    # iterator is built and takes them off after the first batch):
-    wrappers = [
-        # the indices handed out, for the resume audit's record of the next batch
-        audit_log(self, inner, position, first),
-        iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0),
-        # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
-        fetch_rng.recorder(inner, position, first, skip, (pending or {}).get("fetch_states"), settle_after=how != iterable.CONSUME),
-        # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
-        epoch_rng.wrapper(position, replay_start, at_first_batch=_built_before_epoch(pending) and prebuilt is None),
-    ]
-    # the whole epoch's length, before the skip wrapper shortens the batch sampler:
-    # position.batches counts from the start of the epoch (it starts at ``skip``)
-    length = sampled_epoch_length(self)
-    check = _first_batch_check(pending, name, position)
-    # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
-    # global random states back once the sampler made its epoch-start draws
-    innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
-    if prebuilt is not None:  # its sampler iterator exists: wrapped in place, nothing to put back
-        _wrap_prebuilt(prebuilt, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
-        restore = None
-    else:
-        restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
-    position.epoch_rng = replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
+    run = _start_pass(self, position, inner)
+    _wrap_epoch_sampler(self, inner, position, run)
+    position.epoch_rng = run.replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
     parent = super(type(self), self).__iter__()
     position.parent = parent
     finished = short = False
-    first_batch = True
     try:
-        if how == iterable.CONSUME:
-            short = iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng) < skip
-        for batch in run_sampler_out(parent, position, length):
-            if first_batch:
-                first_batch = False
-                iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
-                if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
-                    position.sampler_epoch_start = audit.sampler_epoch(self, sampler_of(self))
-            if restore is not None:
-                restore()
-                restore = None
-            if check is not None:
-                check(self, position, skip, batch)
-                check = None
-            if position.witness is not None:  # the first batch after a save
-                witness, position.witness = position.witness, None
-                witness.observe(position.epoch, position.batches, batch)
-            position.batches += 1
-            iterable.forget_before(position, position.batches)
-            fetch_rng.forget_before(position, position.batches)
-            audit.forget_before(position, position.batches)
-            fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
-            # a rank that builds the iterator but never asks its sampler (the other ranks of
-            # Accelerate's DataLoaderDispatcher): the checkpoint's states back at its first batch
-            epoch_rng.settle(position)
+        if run.how == iterable.CONSUME:
+            short = iterable.consume(parent, run.skip, position.epoch, run.name, inner, after=position.resume_rng) < run.skip
+        for batch in run_sampler_out(parent, position, run.length):
+            _before_yield(self, inner, position, run, batch)
             yield batch
         finished = True
         if position.witness is not None:  # the save's next batch may be the next epoch's first
@@ -224,20 +194,111 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     finally:
         if epoch_rng is None:  # an iterator still open at interpreter exit, its module already torn down
             return
-        if restore is not None:
-            restore()
-        if position.dataset_loaded is not None:  # the epoch ended before its first batch
-            iterable.started(inner, position)
-        epoch_rng.settle(position)
-        position.parent = None
-        if not finished:
-            _abandoned(self, position)
-    if check is not None:  # a resumed epoch that yielded nothing
-        check(self, position, skip, None, short)
+        _close_pass(self, inner, position, run, finished)
+    if run.check is not None:  # a resumed epoch that yielded nothing
+        run.check(self, position, run.skip, None, short)
     position.in_epoch = False
     position.foreign = False
     position.epoch += 1
     position.batches = 0
+
+
+def _start_pass(loader: Any, position: Position, inner: Any) -> _Pass:
+    """Take the restored position (if any) and set the epoch's start: the generators and
+    counters, how the consumed batches are skipped, and the epoch-start generator states."""
+    pending, position.pending = position.pending, None
+    position.prebuilt = False
+    iteration = loader.__dict__.get("iteration")
+    if pending is None and isinstance(iteration, int):
+        # Accelerate's epoch counter is the epoch: set_epoch() sets it, and a pass left
+        # before its end (transformers' Trainer takes exactly an epoch's batches and drops
+        # the iterator) does not raise it, so counting passes here would lag behind it
+        position.epoch = iteration
+    skip = _apply_pending(loader, position, pending) if pending is not None else _start_fresh(inner, position)
+    name = describe(loader)
+    how = iterable.plan(loader, inner, position, pending, skip, name, prebuilt=position.prebuilt)
+    position.start_states = {role: gen.get_state() for role, gen in generators(loader).items()}
+    position.batches = skip
+    position.in_epoch = True
+    return _Pass(pending=pending, skip=skip, how=how, name=name)
+
+
+def _wrap_epoch_sampler(loader: Any, inner: Any, position: Position, run: _Pass) -> None:
+    """Put the batch-sampler wrappers on (or around a prebuilt iterator's sampler iterator),
+    and prepare the first batch's audit check; sets ``run.length``, ``run.check`` and ``run.restore``."""
+    prebuilt = _prebuilt(inner) if position.prebuilt else None
+    if prebuilt is not None and run.pending is None:
+        _record_prebuilt(prebuilt, position)
+    wrappers = _batch_sampler_wrappers(loader, inner, position, run, prebuilt)
+    # the whole epoch's length, before the skip wrapper shortens the batch sampler:
+    # position.batches counts from the start of the epoch (it starts at ``skip``)
+    run.length = sampled_epoch_length(loader)
+    run.check = _first_batch_check(run.pending, run.name, position)
+    # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
+    # global random states back once the sampler made its epoch-start draws
+    innermost = epoch_rng.innermost(position, sampler_of(loader), replaying=bool(run.replay_start))
+    skip = run.skip if run.how == iterable.INDICES else 0
+    if prebuilt is not None:  # its sampler iterator exists: wrapped in place, nothing to put back
+        _wrap_prebuilt(prebuilt, skip, _compose(wrappers), innermost)
+    else:
+        run.restore = wrap_batch_sampler(inner, skip, _compose(wrappers), innermost)
+
+
+def _batch_sampler_wrappers(loader: Any, inner: Any, position: Position, run: _Pass, prebuilt: Any) -> list[Any]:
+    """The batch-sampler wrappers of the pass, innermost first (wrap_batch_sampler puts them
+    on before the iterator is built and takes them off after the first batch)."""
+    first = run.skip if run.how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
+    if prebuilt is not None:  # batches it fetched ahead when it was built (workers) came before any wrapper
+        first += int(getattr(prebuilt, "_send_idx", 0) or 0)
+    return [
+        # the indices handed out, for the resume audit's record of the next batch
+        audit_log(loader, inner, position, first),
+        iterable.recorder(loader, inner, position, first=run.skip if run.how == iterable.DATASET else 0),
+        # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
+        fetch_rng.recorder(inner, position, first, run.skip, (run.pending or {}).get("fetch_states"), settle_after=run.how != iterable.CONSUME),
+        # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
+        epoch_rng.wrapper(position, run.replay_start, at_first_batch=_built_before_epoch(run.pending) and prebuilt is None),
+    ]
+
+
+def _before_yield(loader: Any, inner: Any, position: Position, run: _Pass, batch: Any) -> None:
+    """Everything a batch settles before the pass yields it: the first batch's bookkeeping and
+    audit check, the witness of the last save, and the position counted one batch on."""
+    if not run.started:
+        run.started = True
+        iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
+        if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
+            position.sampler_epoch_start = audit.sampler_epoch(loader, sampler_of(loader))
+    if run.restore is not None:
+        run.restore()
+        run.restore = None
+    if run.check is not None:
+        run.check(loader, position, run.skip, batch)
+        run.check = None
+    if position.witness is not None:  # the first batch after a save
+        witness, position.witness = position.witness, None
+        witness.observe(position.epoch, position.batches, batch)
+    position.batches += 1
+    iterable.forget_before(position, position.batches)
+    fetch_rng.forget_before(position, position.batches)
+    audit.forget_before(position, position.batches)
+    fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
+    # a rank that builds the iterator but never asks its sampler (the other ranks of
+    # Accelerate's DataLoaderDispatcher): the checkpoint's states back at its first batch
+    epoch_rng.settle(position)
+
+
+def _close_pass(loader: Any, inner: Any, position: Position, run: _Pass, finished: bool) -> None:
+    """The pass's iterator ended or was closed: the wrappers off, what waited for a first
+    batch settled, and an abandoned pass counted as such (:func:`_abandoned`)."""
+    if run.restore is not None:
+        run.restore()
+    if position.dataset_loaded is not None:  # the epoch ended before its first batch
+        iterable.started(inner, position)
+    epoch_rng.settle(position)
+    position.parent = None
+    if not finished:
+        _abandoned(loader, position)
 
 
 def _compose(wrappers: list[Any]) -> Any:
