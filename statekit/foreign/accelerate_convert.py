@@ -112,38 +112,61 @@ def convert(
     try:
         world_size = attached.world_size if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
         checkpoint = Checkpoint(out, mode="save", world_size=world_size)
-        model_keys = _accelerate_model_keys(attached)
         own_keys = {found[0] for found in map(fmt.parse_rank_path, own) if found and _OWN_KEY.match(found[0])}
-        objects: dict[str, ObjectEntry] = {}
-        counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
-        for name in names:
-            converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys, counters)
-            if converted is not None:
-                key, kind = converted
-                objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
-        for rel, entry in own.items():
-            _copy_file(src, checkpoint, rel, entry)
-        for key in sorted(own_keys):
-            objects[key] = _object_entry(checkpoint, key, "dataloader" if key.startswith("dataloader_") else "custom", per_rank=True)
-        for key, obj in (attached.objects if attached else {}).items():  # models a plugin (or a registered hook) saved
-            if obj.owner not in (CORE, ACCELERATE_WRITER):
-                objects[key] = obj
+        objects, counters = _convert_files(src, checkpoint, names, allow_pickle, _accelerate_model_keys(attached), own_keys)
+        _copy_own_objects(src, checkpoint, own, own_keys, attached, objects)
         counter_files = checkpoint.save_state("accelerator", counters)
         objects["accelerator"] = ObjectEntry(kind="custom", owner=CORE, per_rank=False, files=tuple(sorted(counter_files)))
         if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
             objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
-        records = {k: v for k, v in (attached.records if attached else {}).items() if k != CORE}
-        records[CORE] = {CONVERTED_FROM: "accelerate"}
-        writers = {e.writer for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
-        plugins = {k: v for k, v in (attached.plugins if attached else {}).items() if k in writers}
-        metadata = {**(attached.metadata if attached else {}), "converted_from": src.url, "source_format": "accelerate"}
-        fingerprint = attached.fingerprint.to_json() if attached and attached.fingerprint else None
-        manifest = build_manifest(checkpoint, checkpoint.files, objects, plugins=plugins, metadata=metadata,
-                                  records=records, fingerprint=fingerprint)
-        return commit(out, manifest, exclusive=not overwrite)
+        return commit(out, _converted_manifest(src, checkpoint, objects, attached), exclusive=not overwrite)
     except BaseException:
         abandon_save(out, 0)
         raise
+
+
+def _convert_files(
+    src: Storage, checkpoint: Checkpoint, names: list[str], allow_pickle: bool, model_keys: dict[int, str], own_keys: set[str]
+) -> tuple[dict[str, ObjectEntry], dict[str, int]]:
+    """Write every Accelerate file into ``checkpoint`` (:func:`_convert_file`), in ``names``'
+    order; returns the ``objects`` entries of what they hold, and Accelerate's counters."""
+    objects: dict[str, ObjectEntry] = {}
+    counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
+    for name in names:
+        converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys, counters)
+        if converted is not None:
+            key, kind = converted
+            objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
+    return objects, counters
+
+
+def _copy_own_objects(
+    src: Storage, checkpoint: Checkpoint, own: dict[str, FileEntry], own_keys: set[str], attached: Manifest | None,
+    objects: dict[str, ObjectEntry],
+) -> None:
+    """Copy the files statekit and plugins wrote next to Accelerate's (attach mode), and add
+    their objects to ``objects``: the per-rank ones (loader positions, gradients) and the
+    ones a plugin (or a registered hook) owns, with their source entries."""
+    for rel, entry in own.items():
+        _copy_file(src, checkpoint, rel, entry)
+    for key in sorted(own_keys):
+        objects[key] = _object_entry(checkpoint, key, "dataloader" if key.startswith("dataloader_") else "custom", per_rank=True)
+    for key, obj in (attached.objects if attached else {}).items():  # models a plugin (or a registered hook) saved
+        if obj.owner not in (CORE, ACCELERATE_WRITER):
+            objects[key] = obj
+
+
+def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str, ObjectEntry], attached: Manifest | None) -> Manifest:
+    """The converted checkpoint's manifest: the source's records (the core's replaced by
+    :data:`CONVERTED_FROM`), the versions of the plugins that wrote something kept, its
+    metadata with the source named, and its resume fingerprint."""
+    records = {k: v for k, v in (attached.records if attached else {}).items() if k != CORE}
+    records[CORE] = {CONVERTED_FROM: "accelerate"}
+    writers = {e.writer for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
+    plugins = {k: v for k, v in (attached.plugins if attached else {}).items() if k in writers}
+    metadata = {**(attached.metadata if attached else {}), "converted_from": src.url, "source_format": "accelerate"}
+    return build_manifest(checkpoint, checkpoint.files, objects, plugins=plugins, metadata=metadata,
+                          records=records, fingerprint=attached.fingerprint if attached else None)
 
 
 def loaders_left_as_they_are(manifest: Manifest, entries: list[Any], url: str) -> list[Any]:

@@ -45,11 +45,7 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
     """
     ta, tb = a.tensors(), b.tensors()
     pairs = _pairs(a, b, ta, tb)
-    paired_b = set(pairs.values())
-    unread_a, unread_b = _unread_files(a), _unread_files(b)  # the other side's tensors there are not "added"
-    added = [k for k in tb if k not in paired_b and _file_of(b.match_key(k)) not in unread_a]
-    removed = [k for k in ta if k not in pairs and _file_of(a.match_key(k)) not in unread_b]
-    unmatched = [k for k in tb if k not in paired_b and k not in added] + [k for k in ta if k not in pairs and k not in removed]
+    added, removed, unmatched = _unpaired(a, b, ta, tb, pairs)
     changed, compared = [], []
     for key, key_b in pairs.items():
         ia, ib = ta[key], tb[key_b]
@@ -59,11 +55,7 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
                             "b": {"dtype": ib.dtype, "shape": list(ib.shape)}})
         if ia.shape != ib.shape:
             continue
-        x, y = a.load_tensor(key), b.load_tensor(key_b)
-        max_abs = _max_abs_diff(x, y)
-        equal = ia.dtype == ib.dtype and _equal_values(x, y, max_abs)
-        del x, y
-        compared.append({**named, "dtype": ib.dtype, "shape": list(ib.shape), "max_abs_diff": max_abs, "equal": equal})
+        compared.append({**named, **_compare_values(a, b, key, key_b, ia, ib)})
         if advance is not None:
             advance(ia.size_bytes + ib.size_bytes)
     sa, sb = a.summary(), b.summary()
@@ -81,6 +73,30 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         "size_delta_bytes": sb["size_bytes"] - sa["size_bytes"],
         "identical": not (added or removed or changed or files or unmatched or any(not t["equal"] for t in compared)),
     }
+
+
+def _unpaired(
+    a: CheckpointReader, b: CheckpointReader, ta: dict[str, Any], tb: dict[str, Any], pairs: dict[str, str]
+) -> tuple[list[str], list[str], list[str]]:
+    """``(added, removed, not_compared)``: the keys without a counterpart, those whose
+    counterpart would live in a file the other side did not read being not compared
+    (neither added nor removed)."""
+    paired_b = set(pairs.values())
+    unread_a, unread_b = _unread_files(a), _unread_files(b)  # the other side's tensors there are not "added"
+    added = [k for k in tb if k not in paired_b and _file_of(b.match_key(k)) not in unread_a]
+    removed = [k for k in ta if k not in pairs and _file_of(a.match_key(k)) not in unread_b]
+    unmatched = [k for k in tb if k not in paired_b and k not in added] + [k for k in ta if k not in pairs and k not in removed]
+    return added, removed, unmatched
+
+
+def _compare_values(a: CheckpointReader, b: CheckpointReader, key: str, key_b: str, ia: Any, ib: Any) -> dict[str, Any]:
+    """One pair of tensors of the same shape, loaded and compared (the only pair in memory):
+    ``{dtype, shape, max_abs_diff, equal}``."""
+    x, y = a.load_tensor(key), b.load_tensor(key_b)
+    max_abs = _max_abs_diff(x, y)
+    equal = ia.dtype == ib.dtype and _equal_values(x, y, max_abs)
+    del x, y
+    return {"dtype": ib.dtype, "shape": list(ib.shape), "max_abs_diff": max_abs, "equal": equal}
 
 
 def _pairs(a: CheckpointReader, b: CheckpointReader, ta: dict[str, Any], tb: dict[str, Any]) -> dict[str, str]:

@@ -333,12 +333,36 @@ def read_tensors(
     """
     if header is None:
         header = read_header(f, source, file_size, hasher)
+    wanted = _wanted_names(header, names, hasher)
+    selected = [e for e in header.entries if wanted is None or e.name in wanted]
+    out = _read_entries(f, header, selected, source, into, hasher, fresh, ready)
+    _add_aliases(out, header, wanted, into)
+    return out, header
+
+
+def _wanted_names(header: TensorHeader, names: Iterable[str] | None, hasher: Any) -> set[str] | None:
+    """The names to read, the tensors their aliases name included; None: every name (also
+    with a ``hasher``, which needs every byte)."""
     wanted = None if names is None or hasher is not None else set(names)
     if wanted is not None:
         wanted |= {header.aliases[a] for a in wanted if a in header.aliases}
+    return wanted
+
+
+def _read_entries(
+    f: BinaryIO,
+    header: TensorHeader,
+    selected: list[TensorEntry],
+    source: str,
+    into: Mapping[str, torch.Tensor] | None,
+    hasher: Any,
+    fresh: Mapping[str, torch.Tensor] | None,
+    ready: Callable[[torch.Tensor], None] | None,
+) -> dict[str, torch.Tensor]:
+    """Read the ``selected`` entries in file order (seeking over the others), each into its
+    ``into`` target, a buffer made ahead (``fresh``) or one made here; returns them by name."""
     out: dict[str, torch.Tensor] = {}
     position = 0
-    selected = [e for e in header.entries if wanted is None or e.name in wanted]
     ahead = {e.name: fresh[e.name] for e in selected if fresh and e.name in fresh and _fits(fresh[e.name], e)}
     made = fresh_buffers(header, [e for e in selected if e.name not in ahead], into)
     buffers = {**ahead, **made}
@@ -356,6 +380,14 @@ def read_tensors(
                 ready(buffer)
             out[e.name] = _read_one(f, e, target, source, hasher, buffer)
             position = e.end
+    return out
+
+
+def _add_aliases(
+    out: dict[str, torch.Tensor], header: TensorHeader, wanted: set[str] | None, into: Mapping[str, torch.Tensor] | None
+) -> None:
+    """Add the wanted aliases of the tensors read to ``out``: the tensor itself, or its
+    alias's own ``into`` target filled with a copy."""
     for alias, name in header.aliases.items():
         if name in out and (wanted is None or alias in wanted or name in wanted):
             target = into.get(alias) if into is not None else None
@@ -365,7 +397,6 @@ def read_tensors(
                 out[alias] = target
             else:
                 out[alias] = out[name]
-    return out, header
 
 
 def _fills_in_place(e: TensorEntry, target: torch.Tensor | None) -> bool:

@@ -424,47 +424,10 @@ def check_first_batch(
         ResumeAuditError: the batch differs, under ``strict_resume=True``.
     """
     at = f"step {verdict.step}" if verdict is not None and verdict.step is not None else "the resume"
-    difference = None
-    if record.sampler_epoch is not None and epoch_now is not None and epoch_now != record.sampler_epoch:
-        difference = (
-            f"the restored position of epoch {record.sampler_epoch} (batch {record.batch}) was consumed in epoch "
-            f"{epoch_now} (the sampler's set_epoch / the loader's iteration)"
-        )
-    elif record.indices_digest is not None and has_indices:
-        digest, head = indices_digest(indices)
-        if digest != record.indices_digest:
-            difference = f"expected indices {_show(record.indices_head)} as batch {record.batch} of epoch {record.epoch}, got {_show(head)}"
-    if difference is None and record.content_digest is not None:
-        actual = content_digest(batch)
-        if actual is not None and actual != record.content_digest:
-            if record.indices_digest is not None and has_indices:
-                difference = (
-                    f"batch {record.batch} of epoch {record.epoch} has the recorded indices"
-                    f"{' ' + _show(record.indices_head) if record.indices_head else ''} but other content: the dataset or "
-                    "sampler draws from random state no plugin restores (register it with accelerator.register_for_checkpointing, "
-                    "or seed it from the loader's generators)"
-                )
-            else:
-                seen = ("the batch the saved run yielded right after the save" if record.content_after_save
-                        else "the batch the loader held at save time")
-                difference = (
-                    f"batch {record.batch} of epoch {record.epoch} differs in content from {seen} (no sample indices "
-                    "were compared): the dataset's position, order or random state was not restored as saved (a "
-                    "dataset's load_state_dict, its set_epoch, or random draws no plugin restores)"
-                )
+    difference = _first_batch_difference(record, indices, has_indices, batch, epoch_now)
     if verdict is not None:
         if difference is None:
-            checked = "indices" if record.indices_digest is not None and has_indices else ""
-            if record.content_digest is not None:
-                checked = f"{checked} and content" if checked else "content"
-            partial = f"{checked} only: {record.missing}" if checked and record.missing else ""  # what was not checked
-            verdict.loaders[name] = (
-                LoaderVerdict(name, VERIFIED, partial)
-                if checked
-                else LoaderVerdict(name, UNVERIFIABLE, record.missing or "neither the indices nor the content of the next batch were recorded")
-            )
-            if not checked:
-                _warn_unverifiable(label, at, verdict.loaders[name].detail)
+            _continued(verdict, name, label, record, has_indices, at)
         else:
             verdict.loaders[name] = LoaderVerdict(name, DIVERGED, difference)
     if difference is None:
@@ -474,6 +437,60 @@ def check_first_batch(
     if verdict is not None and verdict.strict:
         raise ResumeAuditError(message)
     warn_user(message, ResumeAuditWarning)
+
+
+def _first_batch_difference(record: NextBatch, indices: Any, has_indices: bool, batch: Any, epoch_now: int | None) -> str | None:
+    """How the resumed loader's first batch differs from the record, first found first: the
+    epoch it was consumed in, its indices, its content; None when it does not."""
+    if record.sampler_epoch is not None and epoch_now is not None and epoch_now != record.sampler_epoch:
+        return (
+            f"the restored position of epoch {record.sampler_epoch} (batch {record.batch}) was consumed in epoch "
+            f"{epoch_now} (the sampler's set_epoch / the loader's iteration)"
+        )
+    if record.indices_digest is not None and has_indices:
+        digest, head = indices_digest(indices)
+        if digest != record.indices_digest:
+            return f"expected indices {_show(record.indices_head)} as batch {record.batch} of epoch {record.epoch}, got {_show(head)}"
+    if record.content_digest is not None:
+        return _content_difference(record, batch, has_indices)
+    return None
+
+
+def _content_difference(record: NextBatch, batch: Any, has_indices: bool) -> str | None:
+    """How the batch's content differs from the recorded content, or None (equal, or not digestible)."""
+    actual = content_digest(batch)
+    if actual is None or actual == record.content_digest:
+        return None
+    if record.indices_digest is not None and has_indices:
+        return (
+            f"batch {record.batch} of epoch {record.epoch} has the recorded indices"
+            f"{' ' + _show(record.indices_head) if record.indices_head else ''} but other content: the dataset or "
+            "sampler draws from random state no plugin restores (register it with accelerator.register_for_checkpointing, "
+            "or seed it from the loader's generators)"
+        )
+    seen = ("the batch the saved run yielded right after the save" if record.content_after_save
+            else "the batch the loader held at save time")
+    return (
+        f"batch {record.batch} of epoch {record.epoch} differs in content from {seen} (no sample indices "
+        "were compared): the dataset's position, order or random state was not restored as saved (a "
+        "dataset's load_state_dict, its set_epoch, or random draws no plugin restores)"
+    )
+
+
+def _continued(verdict: ResumeVerdict, name: str, label: str, record: NextBatch, has_indices: bool, at: str) -> None:
+    """The loader's verdict when its first batch showed no difference: verified by what the
+    record let compare (and what it did not), or unverifiable (warned) when nothing was."""
+    checked = "indices" if record.indices_digest is not None and has_indices else ""
+    if record.content_digest is not None:
+        checked = f"{checked} and content" if checked else "content"
+    partial = f"{checked} only: {record.missing}" if checked and record.missing else ""  # what was not checked
+    verdict.loaders[name] = (
+        LoaderVerdict(name, VERIFIED, partial)
+        if checked
+        else LoaderVerdict(name, UNVERIFIABLE, record.missing or "neither the indices nor the content of the next batch were recorded")
+    )
+    if not checked:
+        _warn_unverifiable(label, at, verdict.loaders[name].detail)
 
 
 def _warn_unverifiable(label: str, at: str, reason: str) -> None:

@@ -139,84 +139,54 @@ def track(loader: Any) -> Position:
     return position
 
 
+@dataclass
+class _Pass:
+    """One pass of a tracked loader over its epoch: what the steps of :func:`_tracked_iter` share.
+
+    Attributes:
+        pending: the restored position this pass resumes, or None.
+        skip: batches of the epoch consumed before it (not yielded again).
+        how: how they are skipped (:func:`statekit.loaders.iterable.plan`).
+        name: the loader's name in messages.
+        length: the whole epoch's length (:func:`statekit.loaders.samplers.sampled_epoch_length`).
+        check: the resume audit's check of the first batch, until it ran (:func:`_first_batch_check`).
+        restore: takes the batch-sampler wrappers off, until it ran (None for a prebuilt iterator).
+        started: the pass yielded its first batch.
+    """
+
+    pending: dict[str, Any] | None
+    skip: int
+    how: str | None
+    name: str
+    length: int | None = None
+    check: Any = None
+    restore: Any = None
+    started: bool = False
+
+    @property
+    def replay_start(self) -> dict[str, Any] | None:
+        """The global random states the resumed epoch's order was drawn from, or None."""
+        return (self.pending or {}).get("epoch_rng")
+
+
 def _tracked_iter(self: Any) -> Iterator[Any]:
+    """A tracked loader's ``__iter__``: start the pass at the epoch start (or the restored
+    position), wrap the batch sampler, build the iterator, count each batch it yields, and
+    count the epoch once it ends (everything up to the iterator's build runs at the first
+    ``next()``, as in a plain generator ``__iter__``)."""
     position: Position = self.__dict__["_statekit_position"]
     inner = inner_loader(self)
-    pending, position.pending = position.pending, None
-    position.prebuilt = False
-    iteration = self.__dict__.get("iteration")
-    if pending is None and isinstance(iteration, int):
-        # Accelerate's epoch counter is the epoch: set_epoch() sets it, and a pass left
-        # before its end (transformers' Trainer takes exactly an epoch's batches and drops
-        # the iterator) does not raise it, so counting passes here would lag behind it
-        position.epoch = iteration
-    skip = _apply_pending(self, position, pending) if pending is not None else _start_fresh(inner, position)
-    name = describe(self)
-    how = iterable.plan(self, inner, position, pending, skip, name, prebuilt=position.prebuilt)
-    position.start_states = {role: gen.get_state() for role, gen in generators(self).items()}
-    position.batches = skip
-    position.in_epoch = True
-    prebuilt = _prebuilt(inner) if position.prebuilt else None
-    if prebuilt is not None and pending is None:
-        _record_prebuilt(prebuilt, position)
-    first = skip if how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
-    if prebuilt is not None:  # batches it fetched ahead when it was built (workers) came before any wrapper
-        first += int(getattr(prebuilt, "_send_idx", 0) or 0)
-    replay_start = (pending or {}).get("epoch_rng")
-    # the batch-sampler wrappers, innermost first (wrap_batch_sampler puts them on before the
-    # iterator is built and takes them off after the first batch):
-    wrappers = [
-        # the indices handed out, for the resume audit's record of the next batch
-        audit_log(self, inner, position, first),
-        iterable.recorder(self, inner, position, first=skip if how == iterable.DATASET else 0),
-        # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
-        fetch_rng.recorder(inner, position, first, skip, (pending or {}).get("fetch_states"), settle_after=how != iterable.CONSUME),
-        # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
-        epoch_rng.wrapper(position, replay_start, at_first_batch=_built_before_epoch(pending) and prebuilt is None),
-    ]
-    # the whole epoch's length, before the skip wrapper shortens the batch sampler:
-    # position.batches counts from the start of the epoch (it starts at ``skip``)
-    length = sampled_epoch_length(self)
-    check = _first_batch_check(pending, name, position)
-    # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
-    # global random states back once the sampler made its epoch-start draws
-    innermost = epoch_rng.innermost(position, sampler_of(self), replaying=bool(replay_start))
-    if prebuilt is not None:  # its sampler iterator exists: wrapped in place, nothing to put back
-        _wrap_prebuilt(prebuilt, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
-        restore = None
-    else:
-        restore = wrap_batch_sampler(inner, skip if how == iterable.INDICES else 0, _compose(wrappers), innermost)
-    position.epoch_rng = replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
+    run = _start_pass(self, position, inner)
+    _wrap_epoch_sampler(self, inner, position, run)
+    position.epoch_rng = run.replay_start or snapshot_random_states()  # before the iterator draws the epoch's order
     parent = super(type(self), self).__iter__()
     position.parent = parent
     finished = short = False
-    first_batch = True
     try:
-        if how == iterable.CONSUME:
-            short = iterable.consume(parent, skip, position.epoch, name, inner, after=position.resume_rng) < skip
-        for batch in run_sampler_out(parent, position, length):
-            if first_batch:
-                first_batch = False
-                iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
-                if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
-                    position.sampler_epoch_start = audit.sampler_epoch(self, sampler_of(self))
-            if restore is not None:
-                restore()
-                restore = None
-            if check is not None:
-                check(self, position, skip, batch)
-                check = None
-            if position.witness is not None:  # the first batch after a save
-                witness, position.witness = position.witness, None
-                witness.observe(position.epoch, position.batches, batch)
-            position.batches += 1
-            iterable.forget_before(position, position.batches)
-            fetch_rng.forget_before(position, position.batches)
-            audit.forget_before(position, position.batches)
-            fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
-            # a rank that builds the iterator but never asks its sampler (the other ranks of
-            # Accelerate's DataLoaderDispatcher): the checkpoint's states back at its first batch
-            epoch_rng.settle(position)
+        if run.how == iterable.CONSUME:
+            short = iterable.consume(parent, run.skip, position.epoch, run.name, inner, after=position.resume_rng) < run.skip
+        for batch in run_sampler_out(parent, position, run.length):
+            _before_yield(self, inner, position, run, batch)
             yield batch
         finished = True
         if position.witness is not None:  # the save's next batch may be the next epoch's first
@@ -224,20 +194,111 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     finally:
         if epoch_rng is None:  # an iterator still open at interpreter exit, its module already torn down
             return
-        if restore is not None:
-            restore()
-        if position.dataset_loaded is not None:  # the epoch ended before its first batch
-            iterable.started(inner, position)
-        epoch_rng.settle(position)
-        position.parent = None
-        if not finished:
-            _abandoned(self, position)
-    if check is not None:  # a resumed epoch that yielded nothing
-        check(self, position, skip, None, short)
+        _close_pass(self, inner, position, run, finished)
+    if run.check is not None:  # a resumed epoch that yielded nothing
+        run.check(self, position, run.skip, None, short)
     position.in_epoch = False
     position.foreign = False
     position.epoch += 1
     position.batches = 0
+
+
+def _start_pass(loader: Any, position: Position, inner: Any) -> _Pass:
+    """Take the restored position (if any) and set the epoch's start: the generators and
+    counters, how the consumed batches are skipped, and the epoch-start generator states."""
+    pending, position.pending = position.pending, None
+    position.prebuilt = False
+    iteration = loader.__dict__.get("iteration")
+    if pending is None and isinstance(iteration, int):
+        # Accelerate's epoch counter is the epoch: set_epoch() sets it, and a pass left
+        # before its end (transformers' Trainer takes exactly an epoch's batches and drops
+        # the iterator) does not raise it, so counting passes here would lag behind it
+        position.epoch = iteration
+    skip = _apply_pending(loader, position, pending) if pending is not None else _start_fresh(inner, position)
+    name = describe(loader)
+    how = iterable.plan(loader, inner, position, pending, skip, name, prebuilt=position.prebuilt)
+    position.start_states = {role: gen.get_state() for role, gen in generators(loader).items()}
+    position.batches = skip
+    position.in_epoch = True
+    return _Pass(pending=pending, skip=skip, how=how, name=name)
+
+
+def _wrap_epoch_sampler(loader: Any, inner: Any, position: Position, run: _Pass) -> None:
+    """Put the batch-sampler wrappers on (or around a prebuilt iterator's sampler iterator),
+    and prepare the first batch's audit check; sets ``run.length``, ``run.check`` and ``run.restore``."""
+    prebuilt = _prebuilt(inner) if position.prebuilt else None
+    if prebuilt is not None and run.pending is None:
+        _record_prebuilt(prebuilt, position)
+    wrappers = _batch_sampler_wrappers(loader, inner, position, run, prebuilt)
+    # the whole epoch's length, before the skip wrapper shortens the batch sampler:
+    # position.batches counts from the start of the epoch (it starts at ``skip``)
+    run.length = sampled_epoch_length(loader)
+    run.check = _first_batch_check(run.pending, run.name, position)
+    # around the sampler itself: its seed (a global-drawing RandomSampler), and the checkpoint's
+    # global random states back once the sampler made its epoch-start draws
+    innermost = epoch_rng.innermost(position, sampler_of(loader), replaying=bool(run.replay_start))
+    skip = run.skip if run.how == iterable.INDICES else 0
+    if prebuilt is not None:  # its sampler iterator exists: wrapped in place, nothing to put back
+        _wrap_prebuilt(prebuilt, skip, _compose(wrappers), innermost)
+    else:
+        run.restore = wrap_batch_sampler(inner, skip, _compose(wrappers), innermost)
+
+
+def _batch_sampler_wrappers(loader: Any, inner: Any, position: Position, run: _Pass, prebuilt: Any) -> list[Any]:
+    """The batch-sampler wrappers of the pass, innermost first (wrap_batch_sampler puts them
+    on before the iterator is built and takes them off after the first batch)."""
+    first = run.skip if run.how in (iterable.INDICES, iterable.DATASET) else 0  # the consumed batches are not fetched again
+    if prebuilt is not None:  # batches it fetched ahead when it was built (workers) came before any wrapper
+        first += int(getattr(prebuilt, "_send_idx", 0) or 0)
+    return [
+        # the indices handed out, for the resume audit's record of the next batch
+        audit_log(loader, inner, position, first),
+        iterable.recorder(loader, inner, position, first=run.skip if run.how == iterable.DATASET else 0),
+        # re-read batches are fetched under an RNG guard (iterable.consume), which puts the states back itself
+        fetch_rng.recorder(inner, position, first, run.skip, (run.pending or {}).get("fetch_states"), settle_after=run.how != iterable.CONSUME),
+        # outermost: torch takes iter(batch_sampler) before it draws the workers' base seed
+        epoch_rng.wrapper(position, run.replay_start, at_first_batch=_built_before_epoch(run.pending) and prebuilt is None),
+    ]
+
+
+def _before_yield(loader: Any, inner: Any, position: Position, run: _Pass, batch: Any) -> None:
+    """Everything a batch settles before the pass yields it: the first batch's bookkeeping and
+    audit check, the witness of the last save, and the position counted one batch on."""
+    if not run.started:
+        run.started = True
+        iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
+        if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
+            position.sampler_epoch_start = audit.sampler_epoch(loader, sampler_of(loader))
+    if run.restore is not None:
+        run.restore()
+        run.restore = None
+    if run.check is not None:
+        run.check(loader, position, run.skip, batch)
+        run.check = None
+    if position.witness is not None:  # the first batch after a save
+        witness, position.witness = position.witness, None
+        witness.observe(position.epoch, position.batches, batch)
+    position.batches += 1
+    iterable.forget_before(position, position.batches)
+    fetch_rng.forget_before(position, position.batches)
+    audit.forget_before(position, position.batches)
+    fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
+    # a rank that builds the iterator but never asks its sampler (the other ranks of
+    # Accelerate's DataLoaderDispatcher): the checkpoint's states back at its first batch
+    epoch_rng.settle(position)
+
+
+def _close_pass(loader: Any, inner: Any, position: Position, run: _Pass, finished: bool) -> None:
+    """The pass's iterator ended or was closed: the wrappers off, what waited for a first
+    batch settled, and an abandoned pass counted as such (:func:`_abandoned`)."""
+    if run.restore is not None:
+        run.restore()
+    if position.dataset_loaded is not None:  # the epoch ended before its first batch
+        iterable.started(inner, position)
+    epoch_rng.settle(position)
+    position.parent = None
+    if not finished:
+        _abandoned(loader, position)
 
 
 def _compose(wrappers: list[Any]) -> Any:
@@ -461,40 +522,17 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
         # restored and not iterated since: the restored position still holds (saving the
         # current generators as "epoch start" would lose it)
         return dict(position.pending["saved"])
-    epoch, batches, states = position.epoch, position.batches, position.start_states
-    restored = getattr(inner_loader(loader), "next_iter_state", None)
-    if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
-        # a loader resumed by its own state (see _tracked_iter): save that state
-        own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
-        return {"tracked": False, "epoch": epoch, "stateful": own}
-    in_epoch = position.in_epoch
-    if not in_epoch:
-        batches, states = 0, {role: gen.get_state() for role, gen in generators(loader).items()}
-    else:
-        try:
-            length = len(loader)
-        except TypeError:
-            length = None
-        # Accelerate's adapters read one batch ahead and know when the one they yielded was
-        # the epoch's last (end_of_dataloader), also for an iterable dataset without a length
-        ended = batches > 0 and getattr(loader, "end_of_dataloader", False) is True and iterable.is_iterable(inner_loader(loader))
-        after_last = (length is not None and batches >= length) or ended
-        if after_last:
-            # every batch was delivered: the generators already hold the next epoch's start state
-            epoch, batches, in_epoch = epoch + 1, 0, False
-            states = {role: gen.get_state() for role, gen in generators(loader).items()}
+    own = _own_loader_state(loader, position)
+    if own is not None:
+        return own
+    epoch, batches, states, in_epoch = _saved_position(loader, position)
     # the dataset's length lets a restore see that the saved position no longer maps (see restore_loader)
     state = {"tracked": True, "epoch": epoch, "batches": batches, "start_states": states, "dataset_length": dataset_length(loader)}
     if position.in_epoch and not in_epoch:  # saved inside the for loop, after its epoch's last batch
         state["after_last_batch"] = True
     state.update(iterable.saved_fields(inner_loader(loader), position, batches, in_epoch))  # dataset states, workers
-    ahead = fetch_rng.saved_states(position, batches) if in_epoch else []  # random states of batches fetched ahead
-    if ahead:
-        state["fetch_states"] = ahead
-    if in_epoch:  # the global states the epoch's order was drawn from (statekit.loaders.epoch_rng)
-        state["epoch_rng"] = position.epoch_rng
-        if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
-            state["prebuilt"], state["prebuilt_seed"] = True, position.prebuilt_seed
+    if in_epoch:
+        state.update(_replay_fields(position, batches))
     record = _next_batch(loader, position, epoch, batches, in_epoch)  # the resume audit's record
     state["next"] = record.to_json()
     # what the loader yields next is seen after the save returns: recorded beside the checkpoint
@@ -503,6 +541,49 @@ def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
     # earlier world sizes consumed of it: lets any world size continue it (loaders/elastic.py)
     state.update(elastic.saved_fields(loader, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), epoch, in_epoch))
     return state
+
+
+def _own_loader_state(loader: Any, position: Position) -> dict[str, Any] | None:
+    """The state of a loader resumed by its own state (see :func:`_start_fresh`), saved as
+    that state; None for a loader on statekit's position."""
+    restored = getattr(inner_loader(loader), "next_iter_state", None)
+    if (position.foreign and position.in_epoch) or (restored is not None and not position.in_epoch and position.pending is None):
+        own = loader.state_dict() if position.in_epoch else restored  # the adapter: its snapshot, not the prefetching iterator
+        return {"tracked": False, "epoch": position.epoch, "stateful": own}
+    return None
+
+
+def _saved_position(loader: Any, position: Position) -> tuple[int, int, dict[str, torch.Tensor], bool]:
+    """``(epoch, batches, start_states, in_epoch)`` to save: outside an epoch, or after its
+    last batch, the start of the next epoch (the generators' states now)."""
+    epoch, batches, states = position.epoch, position.batches, position.start_states
+    if not position.in_epoch:
+        return epoch, 0, {role: gen.get_state() for role, gen in generators(loader).items()}, False
+    try:
+        length = len(loader)
+    except TypeError:
+        length = None
+    # Accelerate's adapters read one batch ahead and know when the one they yielded was
+    # the epoch's last (end_of_dataloader), also for an iterable dataset without a length
+    ended = batches > 0 and getattr(loader, "end_of_dataloader", False) is True and iterable.is_iterable(inner_loader(loader))
+    if (length is not None and batches >= length) or ended:
+        # every batch was delivered: the generators already hold the next epoch's start state
+        return epoch + 1, 0, {role: gen.get_state() for role, gen in generators(loader).items()}, False
+    return epoch, batches, states, True
+
+
+def _replay_fields(position: Position, batches: int) -> dict[str, Any]:
+    """What replaying a saved position inside an epoch needs besides its generator states:
+    the random states of batches fetched ahead, and the global states the epoch's order was
+    drawn from (:mod:`statekit.loaders.epoch_rng`) or the prebuilt iterator that drew it."""
+    fields: dict[str, Any] = {}
+    ahead = fetch_rng.saved_states(position, batches)  # random states of batches fetched ahead
+    if ahead:
+        fields["fetch_states"] = ahead
+    fields["epoch_rng"] = position.epoch_rng
+    if position.prebuilt:  # ... or the iterator built before the epoch drew it (_prebuilt)
+        fields["prebuilt"], fields["prebuilt_seed"] = True, position.prebuilt_seed
+    return fields
 
 
 def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_epoch: bool) -> audit.NextBatch:
@@ -580,55 +661,88 @@ def restore_loader(
     elif state is None:
         return False
     if state.get("tracked"):
-        batches = int(state["batches"])
-        saved_length, live_length = state.get("dataset_length"), dataset_length(loader)
-        if saved_length is not None and live_length is not None and saved_length != live_length:
-            # Another dataset length draws another permutation and other batches: the
-            # consumed-batch count no longer names the consumed samples, so the interrupted
-            # epoch restarts from its first batch (the resume fingerprint warns about it).
-            batches = 0
-        position = track(loader)
-        position.pending = {
-            "epoch": int(state["epoch"]),
-            "batches": batches,
-            "start_states": dict(state.get("start_states") or {}),
-            **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt", "prebuilt_seed")},
-            "name": name,
-        }
-        why_not = None
-        if state.get("next") is None:
-            why_not = "the checkpoint holds no record of the next batch (saved by an older statekit)"
-        elif batches != int(state["batches"]):
-            why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
-        elif planned is not None:
-            why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
-        skipped = why_not is not None
-        position.pending["audit_skip"] = skipped  # the record does not describe what comes next
-        if why_not is None and not state["next"].get("indices_digest") and not state["next"].get("content_digest"):
-            why_not = state["next"].get("missing")  # checked only for a batch at all (audit.nothing_yielded)
-        audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not, checked_later=not skipped)
-        if batches != int(state["batches"]) or planned is not None:
-            position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
-        if batches != int(state["batches"]):
-            position.pending["dataset_after"] = None  # the epoch restarts: from its start state
-            position.pending["restarted"] = True
-        elif planned is None:  # a save before the next iter() saves this same position
-            position.pending["saved"] = dict(state)
-        position.name = name or position.name
-        position.epoch = int(state["epoch"])
-        position.batches = batches
-        if state.get("after_last_batch") and planned is None:
-            warn_user(
-                f"{name or describe(loader)}: the checkpoint was saved inside the for loop right after the last batch of "
-                f"epoch {int(state['epoch']) - 1}, before that loop ended; the next `for batch in loader` starts epoch "
-                f"{state['epoch']}. A loop that counts epochs, or steps an epoch scheduler, after its `for` ends must not "
-                "do that for the finished epoch again: derive the epoch from the step (step // len(loader)) or save "
-                "after the `for` (docs/concepts.md, 'A save right after an epoch's last batch')",
-                StatekitWarning,
-            )
-        if hasattr(loader, "iteration"):
-            loader.iteration = int(state["epoch"])
-        return True
+        _restore_tracked(loader, state, name, planned)
+    else:
+        _restore_untracked(loader, state, name)
+    return True
+
+
+def _restore_tracked(loader: Any, state: dict[str, Any], name: str | None, planned: Any) -> None:
+    """Put a position statekit tracked back as the loader's pending position (applied by
+    the next ``iter()``, :func:`_apply_pending`), and register it with the resume audit;
+    ``planned``: this rank's share of the epoch after a world-size change, or None."""
+    batches = _batches_to_skip(loader, state)
+    restarted = batches != int(state["batches"])
+    position = track(loader)
+    position.pending = {
+        "epoch": int(state["epoch"]),
+        "batches": batches,
+        "start_states": dict(state.get("start_states") or {}),
+        **{k: state.get(k) for k in ("dataset_start", "dataset_after", "workers_epoch", "fetch_states", "epoch_rng", "next", "prebuilt", "prebuilt_seed")},
+        "name": name,
+    }
+    _audit_restored(loader, position, state, name, restarted, planned)
+    if restarted or planned is not None:
+        position.pending["fetch_states"] = None  # no batch fetched ahead is fetched next
+    if restarted:
+        position.pending["dataset_after"] = None  # the epoch restarts: from its start state
+        position.pending["restarted"] = True
+    elif planned is None:  # a save before the next iter() saves this same position
+        position.pending["saved"] = dict(state)
+    position.name = name or position.name
+    position.epoch = int(state["epoch"])
+    position.batches = batches
+    if state.get("after_last_batch") and planned is None:
+        _warn_after_last_batch(loader, state, name)
+    if hasattr(loader, "iteration"):
+        loader.iteration = int(state["epoch"])
+
+
+def _batches_to_skip(loader: Any, state: dict[str, Any]) -> int:
+    """The saved count of consumed batches, or 0 when the dataset's length changed since the save."""
+    batches = int(state["batches"])
+    saved_length, live_length = state.get("dataset_length"), dataset_length(loader)
+    if saved_length is not None and live_length is not None and saved_length != live_length:
+        # Another dataset length draws another permutation and other batches: the
+        # consumed-batch count no longer names the consumed samples, so the interrupted
+        # epoch restarts from its first batch (the resume fingerprint warns about it).
+        batches = 0
+    return batches
+
+
+def _audit_restored(loader: Any, position: Position, state: dict[str, Any], name: str | None, restarted: bool, planned: Any) -> None:
+    """Tell the resume audit about the restored position: checked at the first batch against
+    the saved record of the next batch, or unverifiable (and why)."""
+    why_not = None
+    if state.get("next") is None:
+        why_not = "the checkpoint holds no record of the next batch (saved by an older statekit)"
+    elif restarted:
+        why_not = "the dataset's length changed since the save: the interrupted epoch restarts"
+    elif planned is not None:
+        why_not = "the world size changed: this rank's share of the interrupted epoch was planned anew"
+    skipped = why_not is not None
+    position.pending["audit_skip"] = skipped  # the record does not describe what comes next
+    if why_not is None and not state["next"].get("indices_digest") and not state["next"].get("content_digest"):
+        why_not = state["next"].get("missing")  # checked only for a batch at all (audit.nothing_yielded)
+    audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not, checked_later=not skipped)
+
+
+def _warn_after_last_batch(loader: Any, state: dict[str, Any], name: str | None) -> None:
+    """The save was made inside the ``for`` loop after the epoch's last batch: the loop's
+    epoch-end code must not run again for that epoch."""
+    warn_user(
+        f"{name or describe(loader)}: the checkpoint was saved inside the for loop right after the last batch of "
+        f"epoch {int(state['epoch']) - 1}, before that loop ended; the next `for batch in loader` starts epoch "
+        f"{state['epoch']}. A loop that counts epochs, or steps an epoch scheduler, after its `for` ends must not "
+        "do that for the finished epoch again: derive the epoch from the step (step // len(loader)) or save "
+        "after the `for` (docs/concepts.md, 'A save right after an epoch's last batch')",
+        StatekitWarning,
+    )
+
+
+def _restore_untracked(loader: Any, state: dict[str, Any], name: str | None) -> None:
+    """Restore what a save of an untracked loader (or Accelerate) kept: the epoch counter and,
+    for a ``StatefulDataLoader``, its own state."""
     if is_tracked(loader):  # the resume audit: nothing recorded to check this loader against
         audit.restored(name or describe(loader), loader.__dict__["_statekit_position"], None,
                        "the checkpoint holds no statekit position for this loader (saved untracked, or by Accelerate)")
@@ -639,13 +753,12 @@ def restore_loader(
             f"{name or describe(loader)}: the checkpoint holds only the epoch of this data loader "
             f"(it was saved untracked, see statekit.attach): epoch {state.get('epoch', 0)} restarts from its first batch",
             StatekitWarning,
-            stacklevel=2,
+            stacklevel=3,  # restore_loader's caller, as when this was inline there
         )
     if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
         loader, "use_stateful_dataloader", True
     ):
         loader.load_state_dict(state["stateful"])
-    return True
 
 
 def skip_after_resume(loader: Any, num_batches: int) -> bool:

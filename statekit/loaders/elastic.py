@@ -193,20 +193,43 @@ def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str
         return None
     epoch = min(int(s["epoch"]) for s in saved)
     history = next((s["history"] for s in saved if s.get("history") and int(s["epoch"]) == epoch), [])
+    if not _needs_plan(saved, live, name, history):
+        return None
+    layout = saved[0]["layout"]
+    _check(saved, layout, live, name, epoch)
+    return _planned(saved, own, live, epoch, history, layout)
+
+
+def _needs_plan(saved: list[dict[str, Any]], live: dict[str, Any], name: str, history: list[dict[str, Any]]) -> bool:
+    """Whether the saved positions must be mapped onto the live layout: False when they
+    resume as they are (see :func:`plan`'s Returns).
+
+    Raises:
+        StateMismatchError: a mid-epoch checkpoint without a data layout, resumed with
+            another world size.
+    """
     if not history and all(int(s["batches"]) == 0 for s in saved):
-        return None  # every rank at an epoch start: nothing to map
+        return False  # every rank at an epoch start: nothing to map
     layout = saved[0].get("layout")
     if layout is None:
         if len(saved) != live.get("world_size"):
             raise _refuse(name, len(saved), live, "the checkpoint has no data layout (saved by an older statekit)")
-        return None
+        return False
     if not history and all(layout.get(k) == live.get(k) for k in _SAME) and (layout["kind"] != DISPATCH or len(saved) == 1):
-        return None  # same layout: skipping the consumed batches is exact
+        return False  # same layout: skipping the consumed batches is exact
     if layout["world_size"] != len(saved):
-        return None  # one loader per rank, not shards of one epoch: each rank resumes its own
+        return False  # one loader per rank, not shards of one epoch: each rank resumes its own
     if layout["kind"] != UNSUPPORTED and live["kind"] != UNSUPPORTED and layout["length"] != live["length"]:
-        return None  # another dataset: nothing maps; the epoch restarts (statekit.loaders.data.restore_loader)
-    _check(saved, layout, live, name, epoch)
+        return False  # another dataset: nothing maps; the epoch restarts (statekit.loaders.data.restore_loader)
+    return True
+
+
+def _planned(
+    saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str, Any], epoch: int, history: list[dict[str, Any]],
+    layout: dict[str, Any],
+) -> Plan:
+    """This rank's plan: the epoch's samples no world size consumed yet (earlier segments
+    and the saved ranks' counts), sharded over the live layout."""
     counts = [int(s["batches"]) if int(s["epoch"]) == epoch else -1 for s in saved]  # -1: the rank finished the epoch
     segments = [*history, {"layout": layout, "batches": counts}]
     length = int(layout["length"])
