@@ -22,7 +22,6 @@ RNG is replayed from the global states at the epoch start (:mod:`statekit.loader
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -621,13 +620,12 @@ def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
     state["epoch_only"] = True
     gradient_state = getattr(loader, "gradient_state", None)  # an Accelerate adapter knows when it iterates
     if gradient_state is None or loader in getattr(gradient_state, "dataloader_references", [loader]):
-        warnings.warn(
+        warn_user(
             f"{name or describe(loader)}: statekit does not track this data loader, so its position inside "
             f"the current epoch is not saved: a resume from this checkpoint starts epoch {state['epoch']} "
             "over from its first batch, in a new order. Track it from the first epoch on: "
             "statekit.attach(accelerator) after prepare(), or a statekit.CheckpointManager",
             StatekitWarning,
-            stacklevel=2,
         )
     return state
 
@@ -749,11 +747,10 @@ def _restore_untracked(loader: Any, state: dict[str, Any], name: str | None) -> 
     if hasattr(loader, "iteration") and "epoch" in state:
         loader.iteration = int(state["epoch"])
     if state.get("epoch_only"):
-        warnings.warn(
+        warn_user(
             f"{name or describe(loader)}: the checkpoint holds only the epoch of this data loader "
             f"(it was saved untracked, see statekit.attach): epoch {state.get('epoch', 0)} restarts from its first batch",
             StatekitWarning,
-            stacklevel=3,  # restore_loader's caller, as when this was inline there
         )
     if "stateful" in state and callable(getattr(loader, "load_state_dict", None)) and getattr(
         loader, "use_stateful_dataloader", True
