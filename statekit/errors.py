@@ -100,6 +100,15 @@ class ResumeAuditWarning(StatekitWarning):
     __module__ = "statekit"
 
 
+class StateCheckWarning(StatekitWarning):
+    """The state check after a load found live tensors that differ from the state saved
+    (``docs/concepts.md``, State check): the message names the object, the tensor and what
+    differs (``"optimizer 'optimizer_0': exp_avg of 'layers.3.weight' is all zeros, ..."``).
+    With ``strict_resume=True`` it is a :class:`StateMismatchError` instead."""
+
+    __module__ = "statekit"
+
+
 class ResumeAuditError(ResumeMismatchError):
     """A :class:`ResumeAuditWarning`'s finding under ``strict_resume=True``, raised from the
     data loader's ``for`` loop (the first batch after the resume) or from the next save (a

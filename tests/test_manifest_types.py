@@ -66,6 +66,12 @@ def test_a_save_writes_the_layout_the_dict_writer_wrote(tmp_path):
     raw = (tmp_path / "ckpt" / "statekit.json").read_bytes()
     golden = json.loads(GOLDEN[1].read_bytes())
     written = json.loads(raw)
+    # the one field added since (issue 38): the state digest, written before the manifest checksum
+    digest = written["state_digest"]
+    assert list(written)[-2:] == ["state_digest", "manifest_checksum"] and digest["algorithm"] == "emix64"
+    assert set(digest["objects"]) == {"model", "extra"}  # plain SGD and the scheduler hold no tensor
+    golden = {**{k: v for k, v in golden.items() if k != "manifest_checksum"}, "state_digest": digest,
+              "manifest_checksum": golden["manifest_checksum"]}
     fixed = ("created", "manifest_checksum", "fingerprint", "files")  # a time, its checksum, this machine's versions
     assert {k: v for k, v in written.items() if k not in fixed} == {k: v for k, v in golden.items() if k not in fixed}
     unseeded = "rng/"  # statekit-rng's files hold Python's and NumPy's unseeded generators
@@ -106,7 +112,12 @@ def test_a_resumed_manager_save_carries_a_typed_fingerprint_and_resume_audit(tmp
     manifest = run(resume=True)
 
     raw = (tmp_path / "run" / "checkpoint-00000004" / "statekit.json").read_bytes()
-    assert key_layout(json.loads(raw)) == key_layout(json.loads(GOLDEN[0].read_bytes()))
+    written = json.loads(raw)
+    # what issue 38 added to the layout: the state check in resume_audit, the state digest
+    assert written["resume_audit"].pop("state") == {
+        "verdict": "verified", "detail": "2 tensors equal their saved digests (sampled)", "compared": 2, "sampled": True}
+    assert list(written.pop("state_digest")) == ["algorithm", "sampling", "objects"]
+    assert key_layout(written) == key_layout(json.loads(GOLDEN[0].read_bytes()))
     assert isinstance(manifest.fingerprint, Fingerprint) and manifest.fingerprint.world_size == 1
     assert manifest.fingerprint.dataloaders["dataloader_0"].batch_size == 2
     assert isinstance(manifest.resume_audit, ResumeAudit)
@@ -197,7 +208,8 @@ def test_the_schema_and_the_dataclasses_name_the_same_fields():
     assert set(schema["$defs"]["object"]["properties"]) == json_fields(ObjectEntry)
     assert set(schema["$defs"]["fingerprint"]["properties"]) == json_fields(Fingerprint)
     assert set(schema["properties"]["resume_audit"]["properties"]) == json_fields(ResumeAudit)
-    assert set(schema["required"]) == {f for f in json_fields(Manifest) if f not in ("fingerprint", "resume_audit", "manifest_checksum")}
+    assert set(schema["required"]) == {f for f in json_fields(Manifest)
+                                       if f not in ("fingerprint", "resume_audit", "state_digest", "manifest_checksum")}
 
 
 def test_statekit_itself_never_reads_the_manifest_by_key(tmp_path, tiny_accelerate):

@@ -33,7 +33,7 @@ from statekit.api.loading import (
     apply_own_states, check_accelerate_load, check_owners_installed, check_statekit_files, read_own_states,
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
-from statekit.engine import commit as commits
+from statekit.engine import commit as commits, state_check
 from statekit.loaders import audit, data, next_batch
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
@@ -389,6 +389,8 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
         }
         records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
         fingerprint = fingerprints.compute(collect(accelerator), accelerator, rng=fingerprints.rng_saved(records, files))
-        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records, fingerprint=fingerprint)
+        digest = state_check.record([e for e in collect(accelerator) if e.key not in owners], accelerator)
+        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records,
+                                          fingerprint=fingerprint, state_digest=digest)
         manifest = commits.commit(checkpoint.storage, manifest, exclusive=False)
     return distributed.broadcast_from_rank0(manifest)

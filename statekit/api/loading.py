@@ -21,10 +21,11 @@ from typing import Any
 from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.saveload import context_for
-from statekit.engine import read
+from statekit.engine import read, state_check
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
-from statekit.engine.entries import Entry, classify, refuse_unclaimed
+from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
+from statekit.engine.optimizer_fit import parameter_names
 from statekit.engine.gradients import AccumulatedGradients
 from statekit.engine.locking import LOCK_NAME, live_save_lock
 from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError, warn_user
@@ -169,10 +170,33 @@ def load_objects(
     if compare_fingerprint:
         fingerprints.check(manifest, fingerprints.compute(entries, accelerator), storage.url, strict_resume=strict_resume)
     if manifest.layout(CORE) == "accelerate":  # written by an attached accelerator
-        loaded = _load_attached(storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
+        loaded: Manifest | ForeignSummary = _load_attached(
+            storage, manifest, entries, accelerator, options, allow_pickle=allow_pickle, verify=verify)
         warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
-        return loaded
-    return _load_native(storage, manifest, entries, accelerator, options, verify=verify, strict=strict)
+    else:
+        loaded = _load_native(storage, manifest, entries, accelerator, options, verify=verify, strict=strict)
+    _check_state(storage.url, manifest, loaded, entries, accelerator, strict_resume)
+    return loaded
+
+
+def _check_state(
+    url: str, manifest: Manifest, loaded: Manifest | ForeignSummary, entries: list[Entry], accelerator: Any,
+    strict_resume: bool,
+) -> None:
+    """The state check of a completed load (:mod:`statekit.engine.state_check`): the live
+    objects against the saved digests, recorded for the next save's ``resume_audit``."""
+    incompatible = loaded.incompatible_keys if isinstance(loaded, Manifest) else None
+    left_out = {key: keys.get("unexpected_keys", []) for key, keys in (incompatible or {}).items()}
+    models = [unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model"]
+    param_names = parameter_names(models)
+    names: dict[str, str] = {}
+    for e in entries:
+        if e.kind == "optimizer":
+            names.update(state_check.optimizer_names(e.obj, param_names))
+    verdict = state_check.check(manifest, entries, url, accelerator=accelerator, strict=strict_resume,
+                                left_out=left_out, names=names)
+    if verdict.verdict != "not recorded":
+        audit.state_checked(url, manifest.step, verdict.to_json(), [e.obj for e in entries])
 
 
 def _manifest_of(storage: Storage) -> Manifest | None:

@@ -23,7 +23,7 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
-from statekit.engine import commit as commits, space, write
+from statekit.engine import commit as commits, space, state_check, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.incremental import ReuseBase
@@ -31,7 +31,7 @@ from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
 from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
-from statekit.format.manifest_types import Fingerprint, Manifest
+from statekit.format.manifest_types import Fingerprint, Manifest, StateDigest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.loaders import next_batch
@@ -151,6 +151,7 @@ def save_objects(
         incremental=incremental, reuse_base=_reuse_base(storage, reuse_from, storage_options) if incremental else None,
     )
     fingerprint = fingerprints.compute(entries, accelerator, rng=[])  # now: an async save writes this moment's state
+    digest = None
     models = [e.obj for e in entries if e.kind == "model"]
     owners: dict[str, str] = {}
     stage_error: Exception | None = None
@@ -160,6 +161,8 @@ def save_objects(
     witnesses: list[next_batch.Witness] = []
     try:
         _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
+        if rank == 0:  # the live values of what the core saved, before save() returns (an async save's too)
+            digest = state_check.record([e for e in entries if e.key not in owners], accelerator)
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
@@ -179,7 +182,7 @@ def save_objects(
 
         try:
             commits.agree(flush, url)
-            manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint)
+            manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint, digest)
         except BaseException:
             abandon_save(storage, rank)  # nothing committed; the lock, marked failed, lets a retry (or gc) take it
             raise
@@ -334,9 +337,11 @@ def _commit(
     metadata: dict[str, Any],
     exclusive: bool,
     fingerprint: Fingerprint,
+    digest: StateDigest | None,
 ) -> Manifest:
     """Gather every rank's file entries to rank 0, build and commit the manifest there
-    (with the resume ``fingerprint``, its RNG kinds from what the plugins saved), share it."""
+    (with the resume ``fingerprint``, its RNG kinds from what the plugins saved, and the
+    state ``digest``), share it."""
     plugins = _plugin_versions(pm, owners, checkpoint)
     files = commits.gather_files(checkpoint)
     manifest = None
@@ -344,7 +349,8 @@ def _commit(
         distributions = {n: s.distribution for n, s in pm.sources.items() if s.distribution}
         objects = commits.objects_table(entries, owners, files, distributions)
         fingerprint = dataclasses.replace(fingerprint, rng=tuple(fingerprints.rng_saved(checkpoint.all_records(), files)))
-        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata, fingerprint=fingerprint)
+        manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata,
+                                          fingerprint=fingerprint, state_digest=digest)
     storage = checkpoint.storage
     return commits.agree(
         lambda: commits.commit(storage, manifest, exclusive) if checkpoint.rank == 0 else None, storage.url, broadcast=True

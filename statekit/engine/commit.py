@@ -22,7 +22,7 @@ from statekit.engine.entries import Entry
 from statekit.engine.incremental import is_frozen_file
 from statekit.engine.locking import LOCK_NAME
 from statekit.errors import StatekitError
-from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
+from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit, StateDigest
 from statekit.storage import Storage
 
 
@@ -111,6 +111,7 @@ def build_manifest(
     metadata: dict[str, Any] | None = None,
     records: dict[str, Any] | None = None,
     fingerprint: Fingerprint | None = None,
+    state_digest: StateDigest | None = None,
 ) -> Manifest:
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
@@ -125,6 +126,8 @@ def build_manifest(
         records: plugin name -> records (default: the checkpoint's).
         fingerprint: the resume fingerprint (built by :mod:`statekit.api.fingerprint`;
             the engine only records it); None: none.
+        state_digest: the digests of the saved objects' live tensors
+            (:func:`statekit.engine.state_check.record`); None: none.
 
     Returns:
         The manifest, ready for :func:`commit` (no checksum yet).
@@ -147,6 +150,7 @@ def build_manifest(
         metadata=dict(metadata or {}),
         fingerprint=fingerprint,
         resume_audit=None if resume_audit is None else ResumeAudit.from_json(resume_audit, url),
+        state_digest=state_digest,
     )
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "READ_FORMATS",
     "FileEntry",
     "Fingerprint",
+    "StateDigest",
     "LoaderSettings",
     "Manifest",
     "ObjectEntry",
@@ -471,6 +472,9 @@ class ResumeAudit(_JsonRecord):
         verdict: ``verified``, ``diverged``, ``unverifiable`` or ``pending``.
         detail: the verdict in words.
         loaders: per data loader (stable key): ``{"verdict", "detail"}``.
+        state: the state check of that resume (``{"verdict", "detail", "compared",
+            "sampled"}``: :mod:`statekit.engine.state_check`), or None (not checked, or
+            written before it existed).
         extra: keys this version does not know.
         key_order: the parsed object's key order (empty when built in code).
     """
@@ -479,10 +483,11 @@ class ResumeAudit(_JsonRecord):
     verdict: str
     detail: str
     loaders: Mapping[str, Mapping[str, Any]]
+    state: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"resumed_from", "verdict", "detail", "loaders"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"resumed_from", "verdict", "detail", "loaders", "state"})
 
     @classmethod
     def from_json(cls, value: Any, source: str) -> ResumeAudit:
@@ -504,6 +509,7 @@ class ResumeAudit(_JsonRecord):
             verdict=value.get("verdict") or "",
             detail=value.get("detail") or "",
             loaders=value.get("loaders") or {},
+            state=value.get("state") if isinstance(value.get("state"), dict) else None,
             extra={k: v for k, v in value.items() if k not in cls._KEYS},
             key_order=tuple(value),
         )
@@ -514,6 +520,54 @@ class ResumeAudit(_JsonRecord):
             if self.key_order and key not in self.key_order:
                 out.pop(key, None)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDigest(_JsonRecord):
+    """The digests of the saved objects' live tensors at save (issue 38,
+    :mod:`statekit.format.state_digest`), checked against the live objects after a load
+    (:mod:`statekit.engine.state_check`).
+
+    Attributes:
+        algorithm: the digest's algorithm (``"emix64"``).
+        sampling: which elements were summed (:class:`statekit.format.state_digest.Sampling`
+            as JSON: ``block``, ``stride``, ``full_below``).
+        objects: per object (stable key), per tensor (its path in the object's state
+            dict, ``"layers.0.weight"``, ``"state.0.exp_avg"``): ``"<dtype>:<16 hex digits>"``.
+        extra: keys this version does not know.
+        key_order: the parsed object's key order (empty when built in code).
+    """
+
+    algorithm: str
+    sampling: Mapping[str, int]
+    objects: Mapping[str, Mapping[str, str]]
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"algorithm", "sampling", "objects"})
+
+    @classmethod
+    def from_json(cls, value: Any, source: str) -> StateDigest:
+        """Parse the ``state_digest`` field.
+
+        Args:
+            value: the parsed JSON value.
+            source: the manifest's URL, named in errors.
+
+        Returns:
+            The digests.
+
+        Raises:
+            CorruptCheckpointError: it is not an object of the documented shape.
+        """
+        value = _need_object(value, "state_digest", source)
+        objects = value.get("objects")
+        sampling = value.get("sampling")
+        if not isinstance(value.get("algorithm"), str) or not isinstance(sampling, dict) or not isinstance(objects, dict) \
+                or not all(isinstance(o, dict) and all(isinstance(d, str) for d in o.values()) for o in objects.values()):
+            raise CorruptCheckpointError(f"{source}: manifest field 'state_digest' is malformed", path=source)
+        return cls(algorithm=value["algorithm"], sampling=sampling, objects=objects,
+                   extra={k: v for k, v in value.items() if k not in cls._KEYS}, key_order=tuple(value))
 
 
 _REQUIRED: dict[str, type] = {
@@ -550,6 +604,8 @@ class Manifest(_JsonRecord):
         fingerprint: the resume fingerprint; None in checkpoints written without one.
         resume_audit: the verdict of the resume the saving run continued from; None when
             it did not resume.
+        state_digest: the digests of the saved objects' live tensors
+            (:class:`StateDigest`); None in checkpoints written without one.
         manifest_checksum: XXH3-64 of the rest (canonical JSON); None before the commit
             and in manifests written before it existed.
         format: ``"statekit/1"``, or ``"statekit/2"`` when a model spans several tensor files (:data:`FORMAT_SPLIT`).
@@ -574,6 +630,7 @@ class Manifest(_JsonRecord):
     metadata: Mapping[str, Any]
     fingerprint: Fingerprint | None = None
     resume_audit: ResumeAudit | None = None
+    state_digest: StateDigest | None = None
     manifest_checksum: str | None = None
     format: str = FORMAT
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
@@ -585,7 +642,7 @@ class Manifest(_JsonRecord):
     _JSON_ONLY = frozenset({"extra", "key_order", "incompatible_keys", "missing_objects"})
     _ORDER: ClassVar[tuple[str, ...]] = (
         "format", "statekit_version", "created", "step", "world_size", "plugins", "objects", "records", "files",
-        "metadata", "fingerprint", "resume_audit", "manifest_checksum",
+        "metadata", "fingerprint", "resume_audit", "state_digest", "manifest_checksum",
     )
     """The key order of a manifest built in code (the order the save path always wrote)."""
 
@@ -640,6 +697,7 @@ class Manifest(_JsonRecord):
         files = {path: FileEntry.from_json(entry, path, source) for path, entry in manifest["files"].items()}
         objects = {key: ObjectEntry.from_json(obj, key, source) for key, obj in manifest["objects"].items()}
         audit = ResumeAudit.from_json(manifest["resume_audit"], source) if "resume_audit" in manifest else None
+        digest = StateDigest.from_json(manifest["state_digest"], source) if "state_digest" in manifest else None
         recorded = manifest.get(MANIFEST_CHECKSUM)
         if check_checksum and recorded is not None:
             actual = checksum_bytes(canonical_bytes(manifest)) if isinstance(recorded, str) else None
@@ -663,6 +721,7 @@ class Manifest(_JsonRecord):
             metadata=manifest["metadata"],
             fingerprint=fingerprint,
             resume_audit=audit,
+            state_digest=digest,
             manifest_checksum=recorded,
             extra={k: v for k, v in manifest.items() if k not in known},
             key_order=tuple(manifest),

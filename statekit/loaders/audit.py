@@ -42,6 +42,7 @@ checkpoint written after the resume carries it in its manifest (``resume_audit``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -324,6 +325,8 @@ class ResumeVerdict:
         strict: ``strict_resume`` of that resume (a divergence raises).
         order: how many resumes this process began up to this one (the newest wins).
         loaders: by checkpoint key.
+        state: the state check of the load (``StateVerdict.to_json()`` of
+            :mod:`statekit.engine.state_check`), or None.
     """
 
     url: str
@@ -332,11 +335,16 @@ class ResumeVerdict:
     order: int = 0
     loaders: dict[str, LoaderVerdict] = field(default_factory=dict)
     positions: dict[str, Any] = field(default_factory=dict, repr=False)  # key -> weakref to the Position
+    state: dict[str, Any] | None = None
 
     @property
     def verdict(self) -> str:
-        """``"diverged"`` if any loader diverged, else ``"pending"`` if one has not yielded,
-        else ``"verified"`` if one was verified, else ``"unverifiable"``."""
+        """``"diverged"`` if any loader diverged (or, with no loader restored, the state
+        check found a difference), else ``"pending"`` if one has not yielded, else
+        ``"verified"`` if one was verified (or, with no loader, the state check verified
+        every tensor), else ``"unverifiable"``."""
+        if not self.loaders and self.state is not None:
+            return {"verified": VERIFIED, "mismatch": DIVERGED}.get(self.state["verdict"], UNVERIFIABLE)
         kinds = {v.verdict for v in self.loaders.values()}
         for kind in (DIVERGED, PENDING, VERIFIED):
             if kind in kinds:
@@ -353,12 +361,17 @@ class ResumeVerdict:
         reason = first.detail if first is not None else ""
         if not self.loaders:
             reason = "no tracked data loader was restored"
-        return {
+            if self.state is not None:
+                reason = f"state check: {self.state['detail']}; {reason}"
+        out = {
             "resumed_from": {"url": self.url, "step": self.step},
             "verdict": self.verdict,
             "detail": reason,
             "loaders": {key: {"verdict": v.verdict, "detail": v.detail} for key, v in self.loaders.items()},
         }
+        if self.state is not None:
+            out["state"] = dict(self.state)
+        return out
 
 
 _loading: ResumeVerdict | None = None  # the verdict of the load running now (set by begin())
@@ -378,6 +391,41 @@ def begin(url: str, step: int | None, strict: bool = False) -> ResumeVerdict:
     _resumes += 1
     _loading = ResumeVerdict(url=url, step=step, strict=strict, order=_resumes)
     return _loading
+
+
+def state_checked(url: str, step: int | None, state: dict[str, Any], objects: list[Any]) -> None:
+    """Record a load's state check in its resume's verdict, so the checkpoints saved next
+    with the same objects carry it (``resume_audit.state``). A load that restored no data
+    loader began no verdict: one is begun here and carried by the loaded objects themselves.
+
+    Args:
+        url: the checkpoint's URL; step: its step.
+        state: ``StateVerdict.to_json()``.
+        objects: the objects the load restored.
+    """
+    verdict = _loading
+    if verdict is None or verdict.url != url:
+        verdict = begin(url, step)
+    verdict.state = dict(state)
+    for obj in objects:
+        if "_statekit_position" not in getattr(obj, "__dict__", {}):  # (a loader's verdict rides on its position)
+            with contextlib.suppress(TypeError):  # an object that takes no weak reference carries nothing
+                key = id(obj)
+                _carried[key] = (weakref.ref(obj, lambda _, key=key: _carried.pop(key, None)), verdict)
+
+
+_carried: dict[int, tuple[weakref.ref[Any], ResumeVerdict]] = {}
+"""The verdict each loaded object (not a loader) carries into the checkpoints saved with it,
+by the object's identity: kept beside the object, not in it (an LR scheduler's
+``state_dict()`` is its ``__dict__``; a tensor's ``==`` is element-wise)."""
+
+
+def _carried_by(obj: Any) -> ResumeVerdict | None:
+    position = vars(obj).get("_statekit_position") if hasattr(obj, "__dict__") else None
+    if position is not None:
+        return getattr(position, "resume_verdict", None)
+    ref, verdict = _carried.get(id(obj), (None, None))
+    return verdict if ref is not None and ref() is obj else None
 
 
 def restored(name: str, position: Any, record: NextBatch | None, why_not: str | None, checked_later: bool = False) -> None:
@@ -583,10 +631,7 @@ def summary(objects: Mapping[str, Any], step: int | None) -> dict[str, Any] | No
         objects: the saved objects by key (data loaders among them carry their resume's verdict).
         step: the step being saved.
     """
-    verdicts = [
-        v for v in (getattr(vars(o).get("_statekit_position"), "resume_verdict", None) for o in objects.values() if hasattr(o, "__dict__"))
-        if v is not None
-    ]
+    verdicts = [v for v in map(_carried_by, objects.values()) if v is not None]
     if not verdicts:
         return None
     verdict = max(verdicts, key=lambda v: v.order)

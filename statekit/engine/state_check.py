@@ -1,0 +1,343 @@
+"""The state check: the live tensors of every saved object, digested at save and compared
+with the live objects after every load (issue 38; ``docs/concepts.md``, State check).
+
+A checkpoint's checksums prove its files; they cannot see a load path that leaves an
+optimizer's moments at zero, zero-pads a reshard or skips an adapter: the files were
+fine. At save, :func:`record` digests every tensor of every saved object's state dict
+(:mod:`statekit.format.state_digest`: one number per tensor, the same however the tensor
+is split); after a load, :func:`check` digests the objects as they now are and names
+each tensor that differs. Deliberate differences are named as such, not reported as
+faults: a tensor loaded into another dtype is compared after a cast back (a widening
+cast is exact), and one a ``strict=False`` load left out is skipped.
+
+What is digested: the state dict of every object the core saves whole on every rank
+(models, optimizers, schedulers, scalers, custom objects, tensors and dicts of them);
+not data loaders (their positions are the resume audit's), per-rank objects, objects a
+plugin took (their layout is the plugin's), meta tensors (nothing to compare), ``DTensor``
+shards (their global positions are the sharding plugin's to give), and models whose
+``state_dict()`` is a collective (FSDP1, DeepSpeed engines: the digest runs on one rank),
+with their optimizers (whose state is each rank's shard).
+
+How much is digested: :data:`MODE_ENV` (``STATEKIT_STATE_CHECK``): ``"sampled"`` (the
+default where a tensor is on the CPU: blocks of 16 elements every 4096, and every element
+of tensors under 65,536 elements), ``"full"`` (every element; the default for tensors on
+an accelerator, where it costs a few element-wise kernels) or ``"off"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from statekit.engine.entries import Entry, unwrap_model
+from statekit.errors import InvalidOptionError, StateCheckWarning, StateMismatchError, warn_user
+from statekit.format import state_digest as sd
+from statekit.format.manifest_types import Manifest, StateDigest
+
+logger = logging.getLogger("statekit")
+
+MODE_ENV = "STATEKIT_STATE_CHECK"
+"""Environment variable choosing the state check: ``sampled``, ``full`` or ``off`` (unset:
+full when every digested tensor is on an accelerator, sampled otherwise)."""
+
+MODES = ("sampled", "full", "off")
+
+_DIGESTED_KINDS = frozenset({"model", "optimizer", "scheduler", "scaler", "custom", "tensor", "dict"})
+
+
+@dataclasses.dataclass
+class StateVerdict:
+    """The state check of one load.
+
+    Attributes:
+        verdict: ``"verified"`` (every compared tensor equals its saved digest),
+            ``"mismatch"`` (at least one differs) or ``"not recorded"`` (the checkpoint
+            holds no state digest: written before it existed, or with the check off).
+        compared: tensors compared.
+        sampled: the digests were sampled (:class:`statekit.format.state_digest.Sampling`).
+        differences: per differing tensor, ``"<object> '<key>': <what differs>"``.
+        deliberate: the deliberate differences named (another dtype, left out by ``strict=False``).
+    """
+
+    verdict: str
+    compared: int = 0
+    sampled: bool = False
+    differences: list[str] = dataclasses.field(default_factory=list)
+    deliberate: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def detail(self) -> str:
+        """The verdict in words."""
+        if self.verdict == "not recorded":
+            return "the checkpoint holds no state digest"
+        if self.differences:
+            return "; ".join(self.differences)
+        how = "sampled" if self.sampled else "every element"
+        noted = f"; {'; '.join(self.deliberate)}" if self.deliberate else ""
+        return f"{self.compared} tensors equal their saved digests ({how}){noted}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``state`` record of the next manifest's ``resume_audit``."""
+        return {"verdict": self.verdict, "detail": self.detail, "compared": self.compared, "sampled": self.sampled}
+
+
+def mode() -> str | None:
+    """The chosen mode (:data:`MODE_ENV`), or None for the default.
+
+    Raises:
+        InvalidOptionError: the variable holds another value.
+    """
+    value = os.environ.get(MODE_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in MODES:
+        raise InvalidOptionError(f"{MODE_ENV}={value!r}: must be one of {', '.join(MODES)}")
+    return value
+
+
+def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
+    """The entries whose tensors the state digest covers: not optimizers when a model is
+    sharded by a collective wrapper (their state is each rank's shard), and (by
+    :func:`digested`) not the sharded models themselves.
+
+    Args:
+        entries: a save's or load's objects.
+        accelerator: the run's Accelerator, or None.
+
+    Returns:
+        The entries to digest, in order.
+    """
+    models = [e.obj for e in entries if e.kind == "model"]
+    sharded = any(_is_collective(m) or _is_collective(unwrap_model(m, accelerator)) for m in models)
+    return [e for e in entries if not (sharded and e.kind == "optimizer")]
+
+
+def digested(entry: Entry, accelerator: Any = None) -> dict[str, torch.Tensor]:
+    """The tensors of one object that the state digest covers, by their path in its state
+    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``); empty for what is not digested
+    (module docstring).
+
+    Args:
+        entry: the object (:class:`statekit.engine.entries.Entry`).
+        accelerator: its Accelerator, to unwrap a prepared model.
+
+    Returns:
+        ``path -> tensor``.
+    """
+    if entry.kind not in _DIGESTED_KINDS or entry.per_rank or entry.plugin_only:
+        return {}
+    try:
+        if entry.kind == "model":
+            model = unwrap_model(entry.obj, accelerator)
+            if any(_is_collective(m) for m in (entry.obj, model)):
+                return {}
+            state: Any = model.state_dict()
+        elif entry.kind == "tensor":
+            state = {entry.key: entry.obj}
+        elif entry.kind == "dict":
+            state = entry.obj
+        else:
+            state = entry.obj.state_dict()
+    except Exception:  # noqa: BLE001 - an object whose state cannot be read now is not digested
+        logger.debug("state check: %s has no readable state dict", entry.key, exc_info=True)
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    _flatten(state, "", out)
+    return out
+
+
+def _is_collective(model: Any) -> bool:
+    """Whether a model's ``state_dict()`` gathers across ranks (FSDP1 anywhere inside it, a
+    DeepSpeed engine): it cannot be called on one rank alone."""
+    if "DeepSpeed" in type(model).__name__:
+        return True
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in modules)
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta" and type(value).__name__ != "DTensor":
+            out[prefix] = value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+
+
+def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
+    chosen = mode()
+    if chosen == "off":
+        return None
+    if chosen == "full":
+        return sd.Sampling.FULL
+    if chosen == "sampled":
+        return sd.Sampling()
+    on_host = any(t.device.type == "cpu" for t in tensors)
+    return sd.Sampling() if on_host else sd.Sampling.FULL
+
+
+def record(entries: list[Entry], accelerator: Any = None) -> StateDigest | None:
+    """The state digest of a save: every digested tensor of every object, now.
+
+    Args:
+        entries: the save's objects.
+        accelerator: the run's Accelerator, or None.
+
+    Returns:
+        The manifest's ``state_digest``, or None (nothing digested, or the check off).
+
+    Raises:
+        InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
+    """
+    tensors = {e.key: digested(e, accelerator) for e in digestible(entries, accelerator)}
+    tensors = {k: v for k, v in tensors.items() if v}
+    sampling = _sampling(t for ts in tensors.values() for t in ts.values())
+    if sampling is None or not tensors:
+        return None
+    objects = {}
+    for key, named in tensors.items():
+        sums = sd.digests(named, sampling)
+        objects[key] = {path: f"{_dtype(t)}:{sums[path]}" for path, t in named.items()}
+    return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def check(
+    manifest: Manifest,
+    entries: list[Entry],
+    url: str,
+    *,
+    accelerator: Any = None,
+    strict: bool = False,
+    left_out: Mapping[str, Iterable[str]] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> StateVerdict:
+    """Compare the live objects, as a load left them, with the checkpoint's state digest.
+
+    Args:
+        manifest: the loaded checkpoint's manifest.
+        entries: the objects the load restored.
+        url: the checkpoint, for messages.
+        accelerator: the run's Accelerator, or None.
+        strict: raise instead of warning.
+        left_out: per object key, the state-dict keys a ``strict=False`` load left out
+            (deliberately not loaded: skipped and named).
+        names: optimizer state paths as people name them
+            (``"state.3.exp_avg" -> "exp_avg of 'layers.3.weight'"``), for messages.
+
+    Returns:
+        The verdict (warned with :class:`StateCheckWarning` when it is a mismatch).
+
+    Raises:
+        StateMismatchError: ``strict`` and a tensor differs; the objects are loaded as
+            the message says (the load itself completed).
+    """
+    saved = manifest.state_digest
+    if saved is None:
+        return StateVerdict("not recorded")
+    try:
+        sampling = sd.Sampling.from_json(saved.sampling)
+    except (KeyError, TypeError, ValueError):
+        return StateVerdict("not recorded")
+    verdict = StateVerdict("verified", sampled=not sampling.is_full)
+    mismatched: dict[str, str] = {}
+    for entry in digestible(entries, accelerator):
+        recorded = saved.objects.get(entry.key)
+        if not recorded:
+            continue
+        live = digested(entry, accelerator)
+        skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
+        what = f"{entry.kind} {entry.key!r}"
+        compared: dict[str, torch.Tensor] = {}
+        for path, value in recorded.items():
+            dtype, _, digest = value.partition(":")
+            tensor = live.get(path)
+            if tensor is None:
+                if path in skipped:
+                    verdict.deliberate.append(f"{what}: {path} not loaded (strict=False)")
+                else:
+                    mismatched[f"{entry.key}:{path}"] = "saved, but the live object has no such tensor after the load"
+                    verdict.differences.append(f"{what}: {_named(path, names)} is missing after the load")
+                continue
+            if _dtype(tensor) != dtype:
+                try:
+                    cast = tensor.to(getattr(torch, dtype))
+                except (AttributeError, TypeError, RuntimeError):
+                    verdict.deliberate.append(f"{what}: {path} loaded as {_dtype(tensor)} (saved {dtype}): not compared")
+                    continue
+                if sd.tensor_digest(cast, sampling) != digest:
+                    verdict.deliberate.append(f"{what}: {path} loaded as {_dtype(tensor)} (saved {dtype}): "
+                                              "not exact after the cast, not compared")
+                    continue
+                verdict.deliberate.append(f"{what}: {path} loaded as {_dtype(tensor)} (saved {dtype}), equal after the cast")
+                verdict.compared += 1
+                continue
+            compared[path] = tensor
+        sums = sd.digests(compared, sampling)
+        for path, tensor in compared.items():
+            verdict.compared += 1
+            _, _, digest = recorded[path].partition(":")
+            if sums[path] != digest:
+                zeros = " is all zeros," if bool((tensor == 0).all()) else ""
+                mismatched[f"{entry.key}:{path}"] = f"saved digest {digest}, live {sums[path]}"
+                verdict.differences.append(
+                    f"{what}: {_named(path, names)}{zeros} differs from the saved state (saved digest {digest}, "
+                    f"live {sums[path]})")
+    if verdict.differences:
+        verdict.verdict = "mismatch"
+        listed = "; ".join(verdict.differences[:10]) + (
+            f"; ... ({len(verdict.differences) - 10} more)" if len(verdict.differences) > 10 else "")
+        if strict:
+            error = StateMismatchError(
+                f"{url} after the load (the state check; the load completed, the objects hold what it loaded)",
+                reason=f"{len(verdict.differences)} tensor(s) differ from the state saved: {listed}")
+            error.mismatched = mismatched
+            raise error
+        warn_user(f"{url}: state check after the load: {len(verdict.differences)} tensor(s) differ from the state "
+                  f"saved: {listed}", StateCheckWarning)
+    else:
+        logger.info("state check of %s: %s", url, verdict.detail)
+    return verdict
+
+
+def _named(path: str, names: Mapping[str, str] | None) -> str:
+    return (names or {}).get(path, path)
+
+
+def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[str, str]:
+    """``"state.<i>.<k>" -> "<k> of '<parameter name>'"`` for an optimizer's state paths
+    (``torch.optim.Optimizer.state_dict`` numbers the parameters in group order).
+
+    Args:
+        optimizer: the optimizer (an ``AcceleratedOptimizer`` is unwrapped).
+        parameter_names: ``id(parameter) -> name``
+            (:func:`statekit.engine.optimizer_fit.parameter_names`).
+
+    Returns:
+        The names of every state path.
+    """
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    out: dict[str, str] = {}
+    index = 0
+    for group in getattr(optimizer, "param_groups", []):
+        for p in group["params"]:
+            name = parameter_names.get(id(p))
+            if name is not None:
+                for k in optimizer.state.get(p, {}):
+                    out[f"state.{index}.{k}"] = f"{k} of {name!r}"
+            index += 1
+    return out
+
+
+__all__ = ["MODES", "MODE_ENV", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "record"]
