@@ -559,7 +559,9 @@ def test_flipped_byte_loads_without_verify(tmp_path):
     statekit.save(str(tmp_path), src)
     flip_byte(str(tmp_path), "t.safetensors", offset=-1)  # last byte of the last element
     t = torch.zeros(4)
-    statekit.load(str(tmp_path), {"t": t}, verify=False)
+    # without the checksums, the state check after the load still sees it (issue 38)
+    with pytest.warns(statekit.StateCheckWarning, match=r"tensor 't': t differs from the saved state"):
+        statekit.load(str(tmp_path), {"t": t}, verify=False)
     assert not torch.equal(t, torch.zeros(4))
     assert torch.equal(t[:3], torch.zeros(3))
 

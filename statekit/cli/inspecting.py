@@ -93,6 +93,7 @@ def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[st
         lines.append(f"metadata    {json.dumps(manifest.metadata)}")
     for i, line in enumerate(describe_fingerprint(manifest.fingerprint) if manifest.fingerprint is not None else []):
         lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
+    lines += _state_digest_line(manifest)
     lines += _resume_audit_lines(manifest.resume_audit)
     out.print("\n".join(lines), markup=False)
     if manifest.objects:
@@ -116,7 +117,21 @@ def _resume_audit_lines(resume_audit: ResumeAudit | None) -> list[str]:
     lines = [head + (f": {resume_audit.detail}" if resume_audit.detail else "")]
     for key, loader in resume_audit.loaders.items():
         lines.append(f"{'':<12}{key}: {loader.get('verdict')}" + (f" ({loader['detail']})" if loader.get("detail") else ""))
+    if resume_audit.state is not None:
+        lines.append(f"{'':<12}state check: {resume_audit.state.get('verdict')} ({resume_audit.state.get('detail')})")
     return lines
+
+
+def _state_digest_line(manifest: Manifest) -> list[str]:
+    """The manifest's ``state_digest``: how many tensors of how many objects, sampled or not."""
+    digest = manifest.state_digest
+    if digest is None:
+        return []
+    tensors = sum(len(o) for o in digest.objects.values())
+    stride = digest.sampling.get("stride", 1)
+    how = "every element" if stride <= digest.sampling.get("block", 1) else (
+        f"sampled: {digest.sampling.get('block')} elements every {stride}, whole below {digest.sampling.get('full_below')}")
+    return [f"{'state':<12}{digest.algorithm} digests of {tensors} tensors in {len(digest.objects)} objects ({how})"]
 
 
 def _tensor_headers(reader: Any) -> dict[str, list[dict[str, Any]]]:

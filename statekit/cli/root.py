@@ -72,11 +72,14 @@ def _committed_text(entry: dict[str, Any]) -> str:
 
 def _audit_text(resume_audit: dict[str, Any] | None) -> str:
     """The ``resume`` column: ``-`` (the run did not resume before this checkpoint), else the
-    resume audit's verdict and the step resumed from (``verified (from 140)``)."""
+    resume audit's verdict and the step resumed from (``verified (from 140)``), and the state
+    check's when it was not verified (``verified (from 140), state mismatch``)."""
     if not resume_audit:
         return "-"
     step = (resume_audit.get("resumed_from") or {}).get("step")
-    return f"{resume_audit.get('verdict')} (from {step if step is not None else '?'})"
+    text = f"{resume_audit.get('verdict')} (from {step if step is not None else '?'})"
+    state = (resume_audit.get("state") or {}).get("verdict")
+    return text if state in (None, "verified") else f"{text}, state {state}"
 
 
 def _refuse_if_not_a_root(root: Storage) -> None:

@@ -61,14 +61,15 @@ class StateVerdict:
         compared: tensors compared.
         sampled: the digests were sampled (:class:`statekit.format.state_digest.Sampling`).
         differences: per differing tensor, ``"<object> '<key>': <what differs>"``.
-        deliberate: the deliberate differences named (another dtype, left out by ``strict=False``).
+        deliberate: the deliberate differences, ``(object, tensor path, what)`` (loaded into
+            another dtype, left out by ``strict=False``, offloaded).
     """
 
     verdict: str
     compared: int = 0
     sampled: bool = False
     differences: list[str] = dataclasses.field(default_factory=list)
-    deliberate: list[str] = dataclasses.field(default_factory=list)
+    deliberate: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def detail(self) -> str:
@@ -78,7 +79,11 @@ class StateVerdict:
         if self.differences:
             return "; ".join(self.differences)
         how = "sampled" if self.sampled else "every element"
-        noted = f"; {'; '.join(self.deliberate)}" if self.deliberate else ""
+        grouped: dict[tuple[str, str], list[str]] = {}
+        for what, path, reason in self.deliberate:
+            grouped.setdefault((what, reason), []).append(path)
+        noted = "".join(f"; {what}: {len(paths)} tensor(s) {reason} ({paths[0]}{', ...' if len(paths) > 1 else ''})"
+                        for (what, reason), paths in grouped.items())
         return f"{self.compared} tensors equal their saved digests ({how}){noted}"
 
     def to_json(self) -> dict[str, Any]:
@@ -151,6 +156,11 @@ def digested(entry: Entry, accelerator: Any = None) -> dict[str, torch.Tensor]:
     return out
 
 
+def _digestible_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Without meta tensors (shapes only: nothing to digest)."""
+    return {path: t for path, t in tensors.items() if t.device.type != "meta"}
+
+
 def _is_collective(model: Any) -> bool:
     """Whether a model's ``state_dict()`` gathers across ranks (FSDP1 anywhere inside it, a
     DeepSpeed engine): it cannot be called on one rank alone."""
@@ -162,7 +172,7 @@ def _is_collective(model: Any) -> bool:
 
 def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta" and type(value).__name__ != "DTensor":
+        if type(value).__name__ != "DTensor":  # a shard's global positions are its plugin's to give
             out[prefix] = value
     elif isinstance(value, Mapping):
         for k, v in value.items():
@@ -197,7 +207,7 @@ def record(entries: list[Entry], accelerator: Any = None) -> StateDigest | None:
     Raises:
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
     """
-    tensors = {e.key: digested(e, accelerator) for e in digestible(entries, accelerator)}
+    tensors = {e.key: _digestible_tensors(digested(e, accelerator)) for e in digestible(entries, accelerator)}
     tensors = {k: v for k, v in tensors.items() if v}
     sampling = _sampling(t for ts in tensors.values() for t in ts.values())
     if sampling is None or not tensors:
@@ -263,9 +273,12 @@ def check(
         for path, value in recorded.items():
             dtype, _, digest = value.partition(":")
             tensor = live.get(path)
+            if tensor is not None and tensor.device.type == "meta":  # offloaded: the weights live elsewhere
+                verdict.deliberate.append((what, path, "offloaded (meta on the live object), not compared"))
+                continue
             if tensor is None:
                 if path in skipped:
-                    verdict.deliberate.append(f"{what}: {path} not loaded (strict=False)")
+                    verdict.deliberate.append((what, path, "not loaded (strict=False)"))
                 else:
                     mismatched[f"{entry.key}:{path}"] = "saved, but the live object has no such tensor after the load"
                     verdict.differences.append(f"{what}: {_named(path, names)} is missing after the load")
@@ -274,13 +287,13 @@ def check(
                 try:
                     cast = tensor.to(getattr(torch, dtype))
                 except (AttributeError, TypeError, RuntimeError):
-                    verdict.deliberate.append(f"{what}: {path} loaded as {_dtype(tensor)} (saved {dtype}): not compared")
+                    verdict.deliberate.append((what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), not compared"))
                     continue
                 if sd.tensor_digest(cast, sampling) != digest:
-                    verdict.deliberate.append(f"{what}: {path} loaded as {_dtype(tensor)} (saved {dtype}): "
-                                              "not exact after the cast, not compared")
+                    verdict.deliberate.append(
+                        (what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), not exact after a cast back, not compared"))
                     continue
-                verdict.deliberate.append(f"{what}: {path} loaded as {_dtype(tensor)} (saved {dtype}), equal after the cast")
+                verdict.deliberate.append((what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), equal after the cast back"))
                 verdict.compared += 1
                 continue
             compared[path] = tensor
