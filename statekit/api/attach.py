@@ -389,8 +389,10 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
         }
         records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
         fingerprint = fingerprints.compute(collect(accelerator), accelerator, rng=fingerprints.rng_saved(records, files))
-        digest = state_check.record([e for e in collect(accelerator) if e.key not in owners], accelerator)
+        entries = collect(accelerator)
+        digest = state_check.record([e for e in entries if e.key not in owners], accelerator)
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records,
-                                          fingerprint=fingerprint, state_digest=digest)
+                                          fingerprint=fingerprint, state_digest=digest,
+                                          saved={**checkpoint.objects, **{e.key: e.obj for e in entries}})
         manifest = commits.commit(checkpoint.storage, manifest, exclusive=False)
     return distributed.broadcast_from_rank0(manifest)

@@ -350,7 +350,8 @@ def _commit(
         objects = commits.objects_table(entries, owners, files, distributions)
         fingerprint = dataclasses.replace(fingerprint, rng=tuple(fingerprints.rng_saved(checkpoint.all_records(), files)))
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata,
-                                          fingerprint=fingerprint, state_digest=digest)
+                                          fingerprint=fingerprint, state_digest=digest,
+                                          saved={**checkpoint.objects, **{e.key: e.obj for e in entries}})
     storage = checkpoint.storage
     return commits.agree(
         lambda: commits.commit(storage, manifest, exclusive) if checkpoint.rank == 0 else None, storage.url, broadcast=True

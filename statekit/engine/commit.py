@@ -112,6 +112,7 @@ def build_manifest(
     records: dict[str, Any] | None = None,
     fingerprint: Fingerprint | None = None,
     state_digest: StateDigest | None = None,
+    saved: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
@@ -128,12 +129,15 @@ def build_manifest(
             the engine only records it); None: none.
         state_digest: the digests of the saved objects' live tensors
             (:func:`statekit.engine.state_check.record`); None: none.
+        saved: every object of the save by key (models and what plugins took included),
+            whose resume verdict the manifest records; None: ``checkpoint.objects``.
 
     Returns:
         The manifest, ready for :func:`commit` (no checksum yet).
     """
     url = checkpoint.storage.url_of(fmt.MANIFEST_NAME)
-    resume_audit = audit.summary(checkpoint.objects, checkpoint.step)  # the verdict of the resume this run continues from
+    # the verdict of the resume this run continues from, carried by its objects
+    resume_audit = audit.summary(checkpoint.objects if saved is None else saved, checkpoint.step)
     split = any(
         entry.owner == CORE and any(is_frozen_file(key, rel) for rel in entry.files) for key, entry in objects.items()
     )

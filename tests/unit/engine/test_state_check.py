@@ -1,0 +1,239 @@
+"""The state check after a load (statekit.engine.state_check, issue 38): faults injected
+into the load path are named by object and tensor; clean loads, deliberate dtype changes,
+strict=False and offloaded tensors are not false alarms; the verdict reaches the next
+save's resume_audit, `statekit ls` and `inspect`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import statekit
+from statekit.cli import main as cli
+from statekit.engine import read
+from statekit.engine.state_check import MODE_ENV
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(self.norm(h))
+
+
+def trained(optimizer_cls=torch.optim.AdamW, **kwargs):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = optimizer_cls(model.parameters(), lr=0.01, **kwargs)
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(model(torch.arange(10)), torch.arange(10)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def fresh(optimizer_cls=torch.optim.AdamW, **kwargs):
+    torch.manual_seed(1)
+    model = Net()
+    return model, optimizer_cls(model.parameters(), lr=0.01, **kwargs)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, optimizer = trained()
+    url = str(tmp_path / "ckpt")
+    statekit.save(url, {"model": model, "optimizer": optimizer})
+    return url
+
+
+def test_a_clean_load_is_verified_and_the_next_save_records_it(saved, tmp_path):
+    model, optimizer = fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of any kind
+        statekit.load(saved, {"model": model, "optimizer": optimizer})
+    manifest = statekit.save(str(tmp_path / "next"), {"model": model, "optimizer": optimizer})
+    state = manifest.resume_audit.state
+    assert state["verdict"] == "verified" and state["sampled"] is True
+    assert state["compared"] == len(model.state_dict()) + sum(len(s) for s in optimizer.state.values())
+    assert manifest.resume_audit.verdict == "verified"  # no data loader: the state check is the resume's verdict
+
+
+def load_with_fault(monkeypatch, url, fault, target=None, strict_resume=False, objects=None):
+    """Load ``url`` with ``fault(obj)`` applied inside the load path: to the optimizer right
+    after its ``load_state_dict`` (``target="optimizer"``), or to the model right after
+    statekit's reads filled it (``statekit.engine.read.LoadPlan.read``)."""
+    objects = objects or dict(zip(("model", "optimizer"), fresh()))
+    victim = objects[target or "model"]
+    if target == "optimizer":
+        cls, method = torch.optim.Optimizer, "load_state_dict"
+    else:
+        cls, method = read.LoadPlan, "read"
+    original = getattr(cls, method)
+
+    def faulty(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if target != "optimizer" or self is victim:
+            with torch.no_grad():
+                fault(victim)
+        return result
+
+    monkeypatch.setattr(cls, method, faulty)
+    statekit.load(url, objects, strict_resume=strict_resume)
+    return objects
+
+
+def drop_moments(optimizer):
+    for state in optimizer.state.values():
+        state["exp_avg"].zero_()
+
+
+@pytest.mark.parametrize("fault, target, named", [
+    (drop_moments, "optimizer",
+     r"optimizer 'optimizer': exp_avg of 'embed\.weight' is all zeros, differs from the saved state"),
+    (lambda m: m.layers[2].weight[3:5].zero_(), "model", r"model 'model': layers\.2\.weight differs"),
+    (lambda m: m.layers[1].weight.copy_(torch.cat([m.layers[1].weight[4:], m.layers[1].weight[:4]])),
+     "model", r"model 'model': layers\.1\.weight differs"),
+    (lambda m: m.norm.running_mean.fill_(0.5), "model", r"model 'model': norm\.running_mean differs"),
+    (lambda m: m.norm.num_batches_tracked.zero_(), "model", r"model 'model': norm\.num_batches_tracked is all zeros"),
+], ids=["moments-dropped", "slice-zeroed", "shards-swapped", "buffer-not-restored", "counter-reset"])
+def test_a_fault_in_the_load_path_is_named_by_object_and_tensor(saved, monkeypatch, fault, target, named):
+    with pytest.warns(statekit.StateCheckWarning, match=named):
+        load_with_fault(monkeypatch, saved, fault, target)
+
+
+def test_a_broken_tie_with_other_values_is_named(saved, monkeypatch):
+    def untie(model):
+        model.head.weight = torch.nn.Parameter(torch.randn_like(model.embed.weight))
+
+    with pytest.warns(statekit.StateCheckWarning, match=r"model 'model': head\.weight differs"):
+        load_with_fault(monkeypatch, saved, untie)
+
+
+def test_sgd_momentum_dropped_is_named(tmp_path, monkeypatch):
+    model, optimizer = trained(torch.optim.SGD, momentum=0.9)
+    url = str(tmp_path / "sgd")
+    statekit.save(url, {"model": model, "optimizer": optimizer})
+
+    def drop(opt):
+        for state in opt.state.values():
+            state["momentum_buffer"].zero_()
+
+    with pytest.warns(statekit.StateCheckWarning, match=r"momentum_buffer of 'layers\.0\.weight' is all zeros"):
+        load_with_fault(monkeypatch, url, drop, "optimizer",
+                        objects=dict(zip(("model", "optimizer"), fresh(torch.optim.SGD, momentum=0.9))))
+
+
+def test_strict_resume_raises_naming_the_tensors(saved, monkeypatch):
+    with pytest.raises(statekit.StateMismatchError, match=r"exp_avg of 'embed\.weight' is all zeros") as raised:
+        load_with_fault(monkeypatch, saved, drop_moments, "optimizer", strict_resume=True)
+    assert "optimizer:state.0.exp_avg" in raised.value.mismatched
+    assert "the load completed" in str(raised.value)
+
+
+def test_moments_cast_to_the_parameters_dtype_are_named_not_a_false_alarm(tmp_path):
+    """``Optimizer.load_state_dict`` casts the moments to the parameters' dtype: a widening
+    cast is compared after the cast back, a narrowing one is named and not compared."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    url = str(tmp_path / "bf16")
+    statekit.save(url, {"optimizer": optimizer})
+    wider = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    statekit.load(url, {"optimizer": wider})
+    state = statekit.save(str(tmp_path / "next"), {"optimizer": wider}).resume_audit.state
+    assert state["verdict"] == "verified"
+    assert "4 tensor(s) loaded as float32 (saved bfloat16), equal after the cast back" in state["detail"]
+
+    wide = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    wide.load_state_dict(wider.state_dict())
+    url = str(tmp_path / "fp32")
+    statekit.save(url, {"optimizer": wide})
+    narrow = torch.optim.AdamW(torch.nn.Linear(4, 4).to(torch.bfloat16).parameters())
+    statekit.load(url, {"optimizer": narrow})
+    state = statekit.save(str(tmp_path / "next2"), {"optimizer": narrow}).resume_audit.state
+    assert state["verdict"] == "verified" and "loaded as bfloat16 (saved float32)" in state["detail"]
+
+
+def test_strict_false_leaves_out_keys_without_a_false_alarm(tmp_path):
+    model, _ = trained()
+    url = str(tmp_path / "ckpt")
+    statekit.save(url, {"model": model})
+    smaller = torch.nn.Module()
+    smaller.embed = torch.nn.Embedding(10, 8)
+    manifest = statekit.load(url, {"model": smaller}, strict=False)
+    assert torch.equal(smaller.embed.weight, model.embed.weight)
+    state = statekit.save(str(tmp_path / "next"), {"model": smaller}).resume_audit.state
+    assert state["verdict"] == "verified" and "not loaded (strict=False)" in state["detail"]
+    assert manifest.incompatible_keys["model"]["unexpected_keys"]
+
+
+def test_a_manager_resume_is_checked_and_ls_and_inspect_show_it(tmp_path, monkeypatch):
+    model, optimizer = trained()
+    root = str(tmp_path / "run")
+    statekit.CheckpointManager({"model": model, "optimizer": optimizer}, root).save(step=1)
+    model, optimizer = fresh()
+    manager = statekit.CheckpointManager({"model": model, "optimizer": optimizer}, root)
+    monkeypatch.setattr(torch.optim.AdamW, "load_state_dict",
+                        lambda self, sd, _orig=torch.optim.Optimizer.load_state_dict: (_orig(self, sd), drop_moments(self))[0])
+    with pytest.warns(statekit.StateCheckWarning):
+        assert manager.resume() == 1
+    manager.save(step=2)
+    listing = CliRunner().invoke(cli, ["ls", root])
+    assert listing.exit_code == 0 and "diverged (from 1), state mismatch" in listing.output
+    shown = CliRunner().invoke(cli, ["inspect", f"{root}/checkpoint-00000002"])
+    assert "state check: mismatch" in shown.output and "exp_avg of 'embed.weight' is all zeros" in shown.output
+    assert "emix64 digests of" in shown.output
+
+
+@pytest.mark.parametrize("mode, sampled", [("full", False), ("sampled", True)])
+def test_the_mode_is_chosen_by_the_environment(tmp_path, monkeypatch, mode, sampled):
+    monkeypatch.setenv(MODE_ENV, mode)
+    model, optimizer = trained()
+    manifest = statekit.save(str(tmp_path / "c"), {"model": model, "optimizer": optimizer})
+    assert (manifest.state_digest.sampling["stride"] > manifest.state_digest.sampling["block"]) is sampled
+
+
+def test_the_check_can_be_turned_off_and_an_unknown_mode_is_refused(tmp_path, monkeypatch):
+    model, _ = trained()
+    monkeypatch.setenv(MODE_ENV, "off")
+    manifest = statekit.save(str(tmp_path / "off"), {"model": model})
+    assert manifest.state_digest is None and "state_digest" not in json.loads((tmp_path / "off" / "statekit.json").read_text())
+    monkeypatch.setenv(MODE_ENV, "sometimes")
+    with pytest.raises(statekit.InvalidOptionError, match=r"STATEKIT_STATE_CHECK='sometimes'"):
+        statekit.save(str(tmp_path / "bad"), {"model": model})
+
+
+def test_an_adapter_not_loaded_is_named(tmp_path, monkeypatch):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    config = peft.LoraConfig(r=2, target_modules=["0", "2"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    url = str(tmp_path / "lora")
+    statekit.save(url, {"model": model})
+    torch.manual_seed(0)
+    other = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)),
+                                peft.LoraConfig(r=2, target_modules=["0", "2"], init_lora_weights=False))
+
+    def skip_adapters(module):  # the adapter's weights stay at a fresh initialisation
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+
+    with pytest.warns(statekit.StateCheckWarning, match=r"lora_B"):
+        load_with_fault(monkeypatch, url, skip_adapters, objects={"model": other})
