@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import statekit
-from statekit.format import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit
+from statekit.format import FileEntry, Fingerprint, Lineage, Manifest, ObjectEntry, ResumeAudit
 from statekit.plugin_api import Storage, read_manifest
 from statekit.format.manifest import manifest_bytes
 
@@ -208,8 +208,9 @@ def test_the_schema_and_the_dataclasses_name_the_same_fields():
     assert set(schema["$defs"]["object"]["properties"]) == json_fields(ObjectEntry)
     assert set(schema["$defs"]["fingerprint"]["properties"]) == json_fields(Fingerprint)
     assert set(schema["properties"]["resume_audit"]["properties"]) == json_fields(ResumeAudit)
+    assert set(schema["properties"]["lineage"]["properties"]) == json_fields(Lineage)
     assert set(schema["required"]) == {f for f in json_fields(Manifest)
-                                       if f not in ("fingerprint", "resume_audit", "state_digest", "manifest_checksum")}
+                                       if f not in ("fingerprint", "resume_audit", "state_digest", "lineage", "manifest_checksum")}
 
 
 def test_statekit_itself_never_reads_the_manifest_by_key(tmp_path, tiny_accelerate):

@@ -117,6 +117,7 @@ def save_state(
     after_commit: Any = None,
     incremental: bool = False,
     reuse_from: Any = None,
+    lineage: Any = None,
     **options: Any,
 ) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
@@ -139,6 +140,8 @@ def save_state(
             manager; see :func:`statekit.api.saveload.save_objects`).
         reuse_from: ``(url, manifest)`` of the committed checkpoint whose unchanged files
             an incremental save reuses (used by the manager).
+        lineage: the manifest's ``lineage`` (:class:`statekit.format.Lineage`; used by
+            the manager).
         **options: plugin options (``checkpoint.options``); one that no registered plugin
             reads warns.
 
@@ -171,6 +174,7 @@ def save_state(
         after_commit=after_commit,
         incremental=incremental,
         reuse_from=reuse_from,
+        lineage=lineage,
     )
     config = getattr(accelerator, "project_configuration", None)
     if config is not None:  # as Accelerator.save_state: one more save of this run

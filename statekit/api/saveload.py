@@ -31,7 +31,7 @@ from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
 from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
-from statekit.format.manifest_types import Fingerprint, Manifest, StateDigest
+from statekit.format.manifest_types import Fingerprint, Lineage, Manifest, StateDigest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.loaders import next_batch
@@ -111,6 +111,7 @@ def save_objects(
     after_commit: Any = None,
     incremental: bool = False,
     reuse_from: tuple[str, Manifest] | None = None,
+    lineage: Lineage | None = None,
 ) -> Any:
     """Save classified entries (the engine behind :func:`save` and the Accelerate bridge).
 
@@ -130,6 +131,8 @@ def save_objects(
             (the manager's last): a tensor file whose bytes would equal its file of the same
             path is linked or copied from it instead of written. Ignored when it is ``url``
             itself (an overwrite) or on another filesystem.
+        lineage: the manifest's ``lineage`` (run, branch, parent; the manager's
+            :mod:`statekit.manager.lineage`); None: none recorded.
 
     Returns:
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
@@ -182,7 +185,7 @@ def save_objects(
 
         try:
             commits.agree(flush, url)
-            manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint, digest)
+            manifest = _commit(pm, checkpoint, entries, owners, metadata, exclusive, fingerprint, digest, lineage)
         except BaseException:
             abandon_save(storage, rank)  # nothing committed; the lock, marked failed, lets a retry (or gc) take it
             raise
@@ -338,6 +341,7 @@ def _commit(
     exclusive: bool,
     fingerprint: Fingerprint,
     digest: StateDigest | None,
+    lineage: Lineage | None = None,
 ) -> Manifest:
     """Gather every rank's file entries to rank 0, build and commit the manifest there
     (with the resume ``fingerprint``, its RNG kinds from what the plugins saved, and the
@@ -350,7 +354,7 @@ def _commit(
         objects = commits.objects_table(entries, owners, files, distributions)
         fingerprint = dataclasses.replace(fingerprint, rng=tuple(fingerprints.rng_saved(checkpoint.all_records(), files)))
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, metadata=metadata,
-                                          fingerprint=fingerprint, state_digest=digest,
+                                          fingerprint=fingerprint, state_digest=digest, lineage=lineage,
                                           saved={**checkpoint.objects, **{e.key: e.obj for e in entries}})
     storage = checkpoint.storage
     return commits.agree(

@@ -22,7 +22,7 @@ from statekit.engine.entries import Entry
 from statekit.engine.incremental import is_frozen_file
 from statekit.engine.locking import LOCK_NAME
 from statekit.errors import StatekitError
-from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, ResumeAudit, StateDigest
+from statekit.format.manifest_types import FileEntry, Fingerprint, Manifest, ObjectEntry, Lineage, ResumeAudit, StateDigest
 from statekit.storage import Storage
 
 
@@ -113,6 +113,7 @@ def build_manifest(
     fingerprint: Fingerprint | None = None,
     state_digest: StateDigest | None = None,
     saved: Mapping[str, Any] | None = None,
+    lineage: Lineage | None = None,
 ) -> Manifest:
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
@@ -131,6 +132,8 @@ def build_manifest(
             (:func:`statekit.engine.state_check.record`); None: none.
         saved: every object of the save by key (models and what plugins took included),
             whose resume verdict the manifest records; None: ``checkpoint.objects``.
+        lineage: run, branch and parent of the checkpoint (given by the manager,
+            :mod:`statekit.manager.lineage`); None: none recorded.
 
     Returns:
         The manifest, ready for :func:`commit` (no checksum yet).
@@ -155,6 +158,7 @@ def build_manifest(
         fingerprint=fingerprint,
         resume_audit=None if resume_audit is None else ResumeAudit.from_json(resume_audit, url),
         state_digest=state_digest,
+        lineage=lineage,
     )
 
 

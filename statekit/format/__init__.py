@@ -53,7 +53,7 @@ from statekit.format.dtypes import (
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, encode_header, parse_header, read_header
 from statekit.format.layout import next_batch_path, parse_rank_path, rank_name, rank_path
-from statekit.format.manifest_types import FORMAT_SPLIT, READ_FORMATS, FileEntry, Fingerprint, LoaderSettings, Manifest, ObjectEntry, ResumeAudit, StateDigest
+from statekit.format.manifest_types import FORMAT_SPLIT, READ_FORMATS, FileEntry, Fingerprint, LoaderSettings, Manifest, ObjectEntry, Lineage, ResumeAudit, StateDigest
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
     FORMAT,
@@ -95,6 +95,7 @@ __all__ = [
     "FileEntry",
     "Fingerprint",
     "StateDigest",
+    "Lineage",
     "LoaderSettings",
     "Manifest",
     "ObjectEntry",

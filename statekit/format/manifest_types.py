@@ -570,6 +570,56 @@ class StateDigest(_JsonRecord):
                    extra={k: v for k, v in value.items() if k not in cls._KEYS}, key_order=tuple(value))
 
 
+@dataclasses.dataclass(frozen=True)
+class Lineage(_JsonRecord):
+    """Where a checkpoint sits in its root's history (issue 38: lineage): the run that
+    wrote it, the branch of that run, and the checkpoint it descends from
+    (:mod:`statekit.manager.lineage`).
+
+    Attributes:
+        run_id: the run: inherited from the checkpoint the run resumed from, new
+            (``uuid4().hex``) for a run that started fresh, or ``CheckpointManager``'s
+            ``run_id``.
+        branch: the branch of the run: inherited by a crash-resume, new at every rollback
+            (``resume(step=K)``) and for a fresh run.
+        parent: the name of the checkpoint it descends from (the one the run resumed from,
+            for the first save after a resume; else the run's previous save), or None.
+        extra: keys this version does not know.
+        key_order: the parsed object's key order (empty when built in code).
+    """
+
+    run_id: str
+    branch: str
+    parent: str | None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    _NULLABLE = frozenset({"parent"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"run_id", "branch", "parent"})
+
+    @classmethod
+    def from_json(cls, value: Any, source: str) -> Lineage:
+        """Parse the ``lineage`` field.
+
+        Args:
+            value: the parsed JSON value.
+            source: the manifest's URL, named in errors.
+
+        Returns:
+            The lineage.
+
+        Raises:
+            CorruptCheckpointError: it is not an object of the documented shape.
+        """
+        value = _need_object(value, "lineage", source)
+        parent = value.get("parent")
+        if not isinstance(value.get("run_id"), str) or not isinstance(value.get("branch"), str) \
+                or not (parent is None or isinstance(parent, str)):
+            raise CorruptCheckpointError(f"{source}: manifest field 'lineage' is malformed", path=source)
+        return cls(run_id=value["run_id"], branch=value["branch"], parent=parent,
+                   extra={k: v for k, v in value.items() if k not in cls._KEYS}, key_order=tuple(value))
+
+
 _REQUIRED: dict[str, type] = {
     "statekit_version": str,
     "created": str,
@@ -606,6 +656,8 @@ class Manifest(_JsonRecord):
             it did not resume.
         state_digest: the digests of the saved objects' live tensors
             (:class:`StateDigest`); None in checkpoints written without one.
+        lineage: run, branch and parent of the checkpoint (:class:`Lineage`); None in
+            checkpoints written before it existed or outside a ``CheckpointManager``.
         manifest_checksum: XXH3-64 of the rest (canonical JSON); None before the commit
             and in manifests written before it existed.
         format: ``"statekit/1"``, or ``"statekit/2"`` when a model spans several tensor files (:data:`FORMAT_SPLIT`).
@@ -631,6 +683,7 @@ class Manifest(_JsonRecord):
     fingerprint: Fingerprint | None = None
     resume_audit: ResumeAudit | None = None
     state_digest: StateDigest | None = None
+    lineage: Lineage | None = None
     manifest_checksum: str | None = None
     format: str = FORMAT
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
@@ -642,7 +695,7 @@ class Manifest(_JsonRecord):
     _JSON_ONLY = frozenset({"extra", "key_order", "incompatible_keys", "missing_objects"})
     _ORDER: ClassVar[tuple[str, ...]] = (
         "format", "statekit_version", "created", "step", "world_size", "plugins", "objects", "records", "files",
-        "metadata", "fingerprint", "resume_audit", "state_digest", "manifest_checksum",
+        "metadata", "fingerprint", "resume_audit", "state_digest", "lineage", "manifest_checksum",
     )
     """The key order of a manifest built in code (the order the save path always wrote)."""
 
@@ -698,6 +751,7 @@ class Manifest(_JsonRecord):
         objects = {key: ObjectEntry.from_json(obj, key, source) for key, obj in manifest["objects"].items()}
         audit = ResumeAudit.from_json(manifest["resume_audit"], source) if "resume_audit" in manifest else None
         digest = StateDigest.from_json(manifest["state_digest"], source) if "state_digest" in manifest else None
+        lineage = Lineage.from_json(manifest["lineage"], source) if "lineage" in manifest else None
         recorded = manifest.get(MANIFEST_CHECKSUM)
         if check_checksum and recorded is not None:
             actual = checksum_bytes(canonical_bytes(manifest)) if isinstance(recorded, str) else None
@@ -722,6 +776,7 @@ class Manifest(_JsonRecord):
             fingerprint=fingerprint,
             resume_audit=audit,
             state_digest=digest,
+            lineage=lineage,
             manifest_checksum=recorded,
             extra={k: v for k, v in manifest.items() if k not in known},
             key_order=tuple(manifest),
