@@ -33,7 +33,7 @@ from statekit.storage.hashing import checksum_bytes
 MANIFEST_NAME = "statekit.json"
 """File name of the manifest; its presence marks a committed checkpoint."""
 
-CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d+)(?:\.([0-9a-z]+))?$")
 """A checkpoint directory name under a root, ``checkpoint-<step>`` with any number of digits
 (group 1: the step): the manager's ``checkpoint-<step:08d>``, and Trainer's unpadded
 ``checkpoint-500`` (a Trainer output folder, or statekit checkpoints named as Trainer names

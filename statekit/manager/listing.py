@@ -21,6 +21,7 @@ from statekit.engine.locking import remove_owned
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.detect import FOREIGN_KINDS, describe_folder, describe_kind, folder_kind
 from statekit.format.manifest import read_manifest
+from statekit.format.manifest_types import Lineage
 from statekit.storage import Storage
 from statekit.storage.inuse import refuse_if_in_use
 
@@ -57,6 +58,8 @@ class CheckpointDir:
             (``Accelerator.save_state``; committed for Accelerate's own ``checkpoint_<n>``
             naming, which a migrating run resumes), ``"dcp"``, ``"unknown"`` (other contents,
             or empty). Left out, it follows from ``committed`` and ``accelerate``.
+        lineage: the manifest's :class:`~statekit.format.Lineage` (run, branch, parent),
+            or None (not committed, not read, or written before lineage existed).
     """
 
     step: int
@@ -69,6 +72,7 @@ class CheckpointDir:
     resume_audit: dict[str, Any] | None = None
     written_bytes: int | None = None
     kind: str = ""
+    lineage: Lineage | None = None
 
     def __post_init__(self) -> None:
         if not self.kind:  # built by hand (a plugin, a test): what committed and accelerate say
@@ -97,10 +101,13 @@ class CheckpointDir:
 DEFAULT_STEP_DIGITS = 8
 
 
-def checkpoint_name(step: int, digits: int = DEFAULT_STEP_DIGITS) -> str:
+def checkpoint_name(step: int, digits: int = DEFAULT_STEP_DIGITS, suffix: str = "") -> str:
     """Directory name of a step: ``checkpoint-00000500`` (``digits=0``: ``checkpoint-500``,
-    transformers Trainer's name)."""
-    return f"checkpoint-{str(int(step)).zfill(digits)}"
+    transformers Trainer's name); with ``suffix``, ``checkpoint-00000500.<suffix>`` (a
+    branch's save whose plain name an abandoned checkpoint holds, ``docs/concepts.md``,
+    Lineage)."""
+    name = f"checkpoint-{str(int(step)).zfill(digits)}"
+    return f"{name}.{suffix}" if suffix else name
 
 
 def refuse_checkpoint_as_root(root: Storage) -> None:
@@ -190,6 +197,7 @@ def list_checkpoints(
                 manifest.resume_audit.to_json() if manifest.resume_audit is not None else None,  # a flat, JSON-able record
                 manifest.written_bytes,
                 kind="statekit",
+                lineage=manifest.lineage,
             )
         )
     return sorted(infos, key=lambda i: (not i.accelerate, i.step, i.name))

@@ -29,6 +29,7 @@ from statekit.api.asyncsave import PendingSave
 from statekit.manager.backpressure import Backpressure, CheckpointStats, SaveStats
 from statekit.manager.policies import UNSET, AsyncPolicy, PreemptionPolicy, RetentionPolicy, grouped
 from statekit.manager.preemption import SignalSave
+from statekit.manager import lineage
 from statekit.manager.resume_order import resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
@@ -47,7 +48,9 @@ from statekit.errors import (
 )
 from statekit.engine.staging import StagingPool
 from statekit.foreign.base import ForeignSummary
-from statekit.format.manifest_types import Manifest
+from statekit import format as fmt
+from statekit.format.manifest import read_manifest
+from statekit.format.manifest_types import Lineage, Manifest
 from statekit.hooks.hookspecs import Tier
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
@@ -140,6 +143,10 @@ class CheckpointManager:
             names ``checkpoint-00000500``, whose names sort by step; 0 names
             ``checkpoint-500``, as transformers' ``Trainer`` does (statekit-transformers).
             Both are listed and resumed whatever the setting.
+        run_id: this run's id, recorded in every checkpoint's ``lineage``: :meth:`resume`
+            then refuses a checkpoint of another run (``other_runs``). None (default): the
+            run id of the checkpoint resumed from, or a new one (``uuid4().hex``) for a
+            run that starts fresh (``docs/concepts.md``, Lineage).
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
             ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
             plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
@@ -159,7 +166,7 @@ class CheckpointManager:
     Raises:
         InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
             ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, ``step_digits``
-            is not an integer from 0 to 20, a group is
+            is not an integer from 0 to 20, ``run_id`` is not a non-empty string, a group is
             given with one of its flat keywords (or is not of its class), ``storage_options``
             with a ``Storage``, ``root_url`` is itself a checkpoint (statekit's or
             Accelerate's), or a plugin refused its manager option (``remote_keep_last``
@@ -196,6 +203,7 @@ class CheckpointManager:
         grace_s: float | None = UNSET,
         on_signal: str = UNSET,
         signal_check_every: int | None = UNSET,
+        run_id: str | None = None,
         **options: Any,
     ) -> None:
         self.retention: RetentionPolicy = grouped(RetentionPolicy, "retention", retention, {
@@ -220,6 +228,18 @@ class CheckpointManager:
         if not isinstance(step_digits, int) or isinstance(step_digits, bool) or not 0 <= step_digits <= 20:
             raise InvalidOptionError(f"step_digits must be an integer from 0 to 20, got {step_digits!r}")
         self.step_digits = step_digits
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise InvalidOptionError(f"run_id must be a non-empty string or None, got {run_id!r}")
+        self.run_id: str | None = run_id
+        """The ``run_id`` given (None: none; the run's id is then :attr:`lineage_run_id`)."""
+        self.lineage_run_id: str = run_id or lineage.new_id()
+        """The run id the next save records (inherited from the checkpoint resumed from
+        when no ``run_id`` was given)."""
+        self._branch = lineage.new_id()  # a fresh run's branch; a resume replaces it
+        self._parent: str | None = None  # the checkpoint the next save descends from
+        self._fork: Any = None  # (name, branch, step) of the checkpoint this branch forked from
+        self._lineage_state: lineage.LineageState | None = None
+        self._lineage_read = False
         pm = get_plugin_manager()
         self.manager_options: Mapping[str, Any] = MappingProxyType(pm.take_manager_options(options))
         """The manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``): every declared
@@ -377,7 +397,7 @@ class CheckpointManager:
         if step is None:
             step = self.next_step()
         blocking = True if on_signal else not self.async_policy.enabled if blocking is None else blocking
-        url = self.url_for(step)
+        url = self._url_on_branch(step)
         if not overwrite and url in self._skipped:  # the run fell back past it and reached its step again
             warn_user(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning)
             overwrite = True
@@ -385,7 +405,10 @@ class CheckpointManager:
         metadata = {"metrics": dict(metrics)} if metrics else {}
         save_started = time.monotonic()
 
+        record = Lineage(run_id=self.lineage_run_id, branch=self._branch, parent=self._parent)
+
         def committed(manifest: Manifest) -> None:
+            self._parent = url.rstrip("/").rsplit("/", 1)[-1]  # the next save descends from this one
             self._reuse_from = (url, manifest)  # the next save compares its files with this one's
             if self.signal_save is not None:
                 self.signal_save.observe_commit(step, save_started, manifest.size_bytes)
@@ -395,6 +418,7 @@ class CheckpointManager:
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
             blocking=blocking, staging=self.staging, exclusive=not overwrite, after_commit=committed,
             incremental=self.incremental, reuse_from=self._reuse_from if self.incremental else None,
+            lineage=record,
         )
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
@@ -407,6 +431,72 @@ class CheckpointManager:
             self.signal_save.after_save(step)  # logs; exits, or should_stop
         self.save_stats.record(step, started, waited, "writing" if not blocking else "committed")
         return result
+
+    # ---------------------------------------------------------------- lineage
+
+    def _lineage_roots(self) -> list[Storage]:
+        """The manager's root, then every root a plugin offers to :meth:`resume` (the
+        remote tier): where the lineage file is read and written."""
+        offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": self})
+        roots = [self.root]
+        for _name, pairs in offered:
+            for url, options in pairs or []:
+                roots.append(Storage(url, options))
+        return roots
+
+    def _url_on_branch(self, step: int) -> str:
+        """The URL the next save of ``step`` writes: ``checkpoint-<step>``, or
+        ``checkpoint-<step>.<branch>`` when an abandoned checkpoint holds the plain name.
+        The first save of a run under a root with a lineage file makes the run's branch
+        the live one (rank 0 writes the file)."""
+        if not self._lineage_read:
+            self._lineage_state = lineage.read_state([self.root])
+            self._lineage_read = True
+        state = self._lineage_state
+        plain = self.url_for(step)
+        if state is None:
+            return plain
+        if state.live != self._branch:  # a fresh run (or a resume before lineage) in a root with branches
+            fork = self._fork
+            branch = lineage.Branch(self.lineage_run_id, *(fork if fork is not None else (None, None, None)))
+            state = lineage.LineageState(self._branch, {**state.branches, self._branch: branch}, state.seq + 1)
+            if distributed.rank_and_world_size()[0] == 0:
+                lineage.write_state(self._lineage_roots(), state)
+            self._lineage_state = state
+        holder = self.root.child(checkpoint_name(step, self.step_digits))
+        if not holder.exists(fmt.MANIFEST_NAME):
+            return plain
+        try:
+            held = read_manifest(holder)
+        except StatekitError:
+            return plain  # damaged: the save reports it as today
+        info = CheckpointDir(step, holder.url, True, lineage=held.lineage)
+        if lineage.is_live(state, info):
+            return plain  # this branch's own step: saved again (CheckpointExistsError unless overwrite)
+        return self.url_of(checkpoint_name(step, self.step_digits, lineage.short(self._branch)))
+
+    def _continue_lineage(self, info: CheckpointDir, rollback: bool, infos: list[CheckpointDir],
+                          state: lineage.LineageState | None) -> None:
+        """After loading ``info``: the run's id, branch and parent; a rollback writes the
+        lineage file (its new branch live) to every root first."""
+        record = info.lineage
+        self.lineage_run_id = self.run_id or (record.run_id if record is not None else None) or lineage.new_id()
+        self._parent = info.name
+        if rollback or record is None:
+            self._branch = lineage.new_id()
+            self._fork = (info.name, lineage.branch_of(info), info.step)
+        elif state is not None and lineage.branch_of(info) != state.live:
+            self._branch, self._fork = state.live, None  # the live branch forked here and saved nothing yet
+        else:
+            self._branch = record.branch  # a crash-resume continues the branch
+            self._fork = None
+        if rollback:
+            branches = lineage.register(state, lineage.branch_of(info), infos)
+            branches[self._branch] = lineage.Branch(self.lineage_run_id, *self._fork)
+            state = lineage.LineageState(self._branch, branches, (state.seq if state is not None else 0) + 1)
+            if distributed.rank_and_world_size()[0] == 0:
+                lineage.write_state(self._lineage_roots(), state)
+        self._lineage_state, self._lineage_read = state, True
 
     def step_boundary(self, step: int) -> bool:
         """A safe point for the save on a signal (``save_on_signal``); call it after every
@@ -528,8 +618,25 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resume
 
-    def resume(self, *, verify: bool = True, strict: bool = True, strict_resume: bool = False) -> int | None:
-        """Load the newest committed checkpoint that loads cleanly; return its step.
+    def resume(
+        self,
+        step: int | None = None,
+        *,
+        verify: bool = True,
+        strict: bool = True,
+        strict_resume: bool = False,
+        other_runs: str = "raise",
+    ) -> int | None:
+        """Load the newest committed checkpoint of the live history that loads cleanly;
+        return its step. ``resume(step=K)`` rolls back: it loads the committed checkpoint
+        of step ``K`` and starts a new branch there (``docs/concepts.md``, Lineage).
+
+        The live history: without a rollback ever under the root, every checkpoint (the
+        newest step wins, as before lineage). After ``resume(step=K)`` (which writes the
+        root file ``lineage.json``, to the remote tier too), the new branch and what it
+        descends from; the checkpoints of higher steps it abandoned are never resumed
+        again, by this process or a new one, before or after the branch's first save.
+        The run's id and the checkpoint continued are logged (INFO, logger ``statekit``).
 
         A checkpoint that fails verification or loading is skipped with a
         :class:`StatekitWarning` naming the file, and the previous committed one is tried
@@ -552,11 +659,22 @@ class CheckpointManager:
         and what it does to the resume.
 
         Args:
+            step: None: the newest checkpoint of the live history. An integer: roll back
+                to that committed step (the live history's checkpoint of that step, else
+                the newest written of that step): its load is not retried with another
+                checkpoint; the next saves form a new branch, named
+                ``checkpoint-<step>.<branch>`` where an abandoned checkpoint holds the
+                plain name.
             verify: check sizes and checksums while reading.
             strict: False loads what matches (see :func:`statekit.load`); the missing and
                 unexpected keys are in ``self.resumed_manifest.incompatible_keys``.
             strict_resume: raise :class:`ResumeMismatchError` for a fingerprint
                 difference other than a version, instead of warning.
+            other_runs: with the manager's ``run_id``, what a checkpoint of another run
+                (or one written before lineage) does: ``"raise"`` (default) a
+                :class:`StatekitError` naming both runs; ``"ignore"``: only this run's
+                checkpoints are candidates (None when it has none: a fresh start);
+                ``"resume"``: continue it (the next saves record this ``run_id``).
 
         Returns:
             The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
@@ -571,11 +689,41 @@ class CheckpointManager:
             PickleNotAllowedError: an Accelerate folder needs pickle and not ``allow_pickle``.
             StorageError: the root is on an object store and its bucket does not exist.
             StatekitError: every committed checkpoint failed to load (the last error,
-                naming its folder).
+                naming its folder); the newest candidate is another run's (``run_id``
+                and ``other_runs="raise"``); the live history holds no committed
+                checkpoint while abandoned ones exist.
+            CheckpointNotFoundError: ``step`` is not a committed checkpoint's step.
+            InvalidOptionError: ``other_runs`` is not raise/ignore/resume.
         """
-        self._wait_save()
+        if other_runs not in ("raise", "ignore", "resume"):
+            raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
+        self._wait_save()  # an async save in flight commits first (on the branch it was saved on)
+        everything = resume_candidates(self)
+        state = lineage.read_state(self._lineage_roots())
+        infos = [info for info, _ in everything]
+        if step is not None:
+            return self._rollback(int(step), everything, state, verify, strict, strict_resume)
+        candidates = [c for c in everything if lineage.is_live(state, c[0])]
+        if state is not None and not candidates and any(i.kind == "statekit" for i in infos):
+            live = state.branches.get(state.live)
+            if live is None or live.parent is not None:
+                raise StatekitError(
+                    f"{self.root_url}: the live branch {lineage.short(state.live)} ({lineage.STATE_NAME}) has no "
+                    f"committed checkpoint left; abandoned: {', '.join(i.name for i in infos)}; roll back to one "
+                    "with resume(step=K)")
+        if self.run_id is not None and candidates:
+            theirs = lineage.run_of(candidates[0][0])
+            if theirs != self.run_id and other_runs == "raise":
+                name = candidates[0][0].name
+                raise StatekitError(
+                    f"{self.root_url}: the newest checkpoint to resume, {name}, belongs to run "
+                    f"{theirs if theirs is not None else '(unknown: written before lineage)'!s}, not to this run "
+                    f"{self.run_id!r}; resume(other_runs='resume') continues it, other_runs='ignore' resumes only "
+                    f"run {self.run_id!r}'s checkpoints (a fresh start when it has none), or use another root")
+            if other_runs == "ignore":
+                candidates = [c for c in candidates if lineage.run_of(c[0]) == self.run_id]
         last_error: StatekitError | None = None
-        for info, options in resume_candidates(self):
+        for info, options in candidates:
             try:
                 manifest = self._load(info.url, options, verify, strict, strict_resume)
             except (PickleNotAllowedError, ResumeMismatchError):  # the run's settings: an older checkpoint fits no better
@@ -599,13 +747,34 @@ class CheckpointManager:
                 last_error = exc
                 continue
             step = self._resumed(info.url, manifest, info.step, info.accelerate)
-            logger.info("resumed from step %s (%s)", step, info.url)
+            self._continue_lineage(info, False, infos, state)
+            logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, info.url,
+                        self.lineage_run_id, lineage.short(self._branch))
             return step
         if last_error is not None:
             raise last_error
         self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
         logger.info("no committed checkpoint under %s: starting from the beginning", self.root_url)
         return None
+
+    def _rollback(self, step: int, everything: list[Any], state: lineage.LineageState | None,
+                  verify: bool, strict: bool, strict_resume: bool) -> int:
+        """``resume(step=K)``: load the checkpoint of step ``K`` and start a branch there."""
+        infos = [info for info, _ in everything]
+        same = [c for c in everything if c[0].step == step and c[0].kind == "statekit"]
+        if not same:
+            steps = sorted({i.step for i in infos if i.committed})
+            raise CheckpointNotFoundError(
+                f"{self.root_url}: no committed checkpoint of step {step} to roll back to (committed steps: "
+                f"{', '.join(map(str, steps)) or 'none'})")
+        live = [c for c in same if lineage.is_live(state, c[0])]
+        info, options = (live or sorted(same, key=lambda c: c[0].created or "", reverse=True))[0]
+        manifest = self._load(info.url, options, verify, strict, strict_resume)
+        resumed = self._resumed(info.url, manifest, info.step, info.accelerate)
+        self._continue_lineage(info, True, infos, state)
+        logger.info("rolled back to step %s (%s): run %s continues on the new branch %s", resumed, info.url,
+                    self.lineage_run_id, lineage.short(self._branch))
+        return resumed
 
     def record_resume(self, url: str, manifest: Manifest) -> int:
         """Record a resume from ``url`` that was loaded outside :meth:`resume`.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from statekit import distributed
+from statekit.manager import lineage
 from statekit.manager.listing import LATEST_NAME, checkpoint_name, delete_all_but
 from statekit.errors import PluginError
 from statekit.format.manifest_types import Manifest
@@ -60,6 +61,11 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     (``statekit_retention_keep``) and the manager (the newest, the resumed-from one) keep;
     a checkpoint in use by a live process warns and stays (rank 0 only).
 
+    Under branches (``docs/concepts.md``, Lineage) the policies count the live history's
+    checkpoints only; an abandoned checkpoint is kept until the live branch holds
+    ``keep_last`` (or, without ``keep_last``, one) committed checkpoints of its own, then
+    deleted.
+
     Args:
         manager: the :class:`statekit.CheckpointManager` (its ``retention``).
         newest_url: the checkpoint just committed.
@@ -81,5 +87,9 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
                 f"plugin {plugin!r}: statekit_retention_keep must return URLs to keep, got {urls!r}",
                 plugin_name=plugin, hook_name="statekit_retention_keep",
             ) from None
-    keep |= manager.retention.kept(committed)
+    state = manager._lineage_state  # the root's lineage file as the manager knows it (None: no branches)
+    live = [i for i in committed if lineage.is_live(state, i)]
+    keep |= manager.retention.kept(live)  # an abandoned checkpoint counts for nothing in the policies
+    after = manager.retention.keep_last or 1
+    keep |= {i.url for i in committed if i not in live} - lineage.abandoned_to_delete(state, committed, after)
     return delete_all_but(committed, keep, manager.storage_options)
