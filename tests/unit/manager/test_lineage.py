@@ -1,0 +1,277 @@
+"""Lineage (issue 38, item 3): rollbacks with resume(step=K), the live history a resume
+continues, run ids, names that never collide between branches, retention under branches,
+the remote tier, ``statekit ls --tree``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import statekit
+from statekit.errors import CheckpointNotFoundError, StatekitError
+from statekit.format.manifest import read_manifest
+from statekit.manager.lineage import STATE_NAME
+from statekit.storage import Storage
+
+
+def objects(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def set_step(objs, step):
+    """Make the model's weights say which step (and branch) they are from."""
+    with torch.no_grad():
+        objs["model"].weight.fill_(float(step))
+
+
+def weight(objs):
+    return float(objs["model"].weight[0, 0].detach())
+
+
+def run(root, steps, objs=None, **kwargs):
+    objs = objs or objects()
+    manager = statekit.CheckpointManager(objs, root, **kwargs)
+    for s in steps:
+        set_step(objs, s)
+        manager.save(s)
+    return manager, objs
+
+
+def names(root):
+    return [i.name for i in statekit.CheckpointManager(objects(), root).list() if i.committed]
+
+
+def fresh_resume(root, **kwargs):
+    objs = objects(seed=1)
+    manager = statekit.CheckpointManager(objs, root, **{k: v for k, v in kwargs.items() if k != "other_runs"})
+    step = manager.resume(**({"other_runs": kwargs["other_runs"]} if "other_runs" in kwargs else {}))
+    return manager, objs, step
+
+
+def test_every_save_records_its_lineage(tmp_path):
+    root = str(tmp_path / "run")
+    manager, _ = run(root, [1, 2])
+    first = read_manifest(Storage(manager.url_for(1)))
+    second = read_manifest(Storage(manager.url_for(2)))
+    assert first.lineage.parent is None and second.lineage.parent == "checkpoint-00000001"
+    assert first.lineage.run_id == second.lineage.run_id == manager.lineage_run_id
+    assert first.lineage.branch == second.lineage.branch
+    assert list(first.to_json())[-2:] == ["lineage", "manifest_checksum"]
+
+    resumed, _, step = fresh_resume(root)
+    resumed.save(3)
+    third = read_manifest(Storage(resumed.url_for(3)))
+    assert step == 2 and third.lineage.parent == "checkpoint-00000002"
+    assert (third.lineage.run_id, third.lineage.branch) == (first.lineage.run_id, first.lineage.branch)
+
+
+def test_rollback_then_crash_before_the_first_new_save_resumes_the_rollback_step(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300, 400])
+    manager, objs, _ = fresh_resume(root)
+    assert manager.resume(step=200) == 200 and weight(objs) == 200.0
+    assert (tmp_path / "run" / STATE_NAME).exists()
+    # the process dies here; a new one resumes
+    _, objs, step = fresh_resume(root)
+    assert step == 200 and weight(objs) == 200.0
+
+
+def test_rollback_then_crash_after_the_first_new_save_resumes_the_branch(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300, 400])
+    manager, objs, _ = fresh_resume(root)
+    manager.resume(step=200)
+    set_step(objs, 250)
+    manager.save(250)
+    first = read_manifest(Storage(manager.url_for(250)))
+    assert first.lineage.parent == "checkpoint-00000200"
+    _, objs, step = fresh_resume(root)
+    assert step == 250 and weight(objs) == 250.0
+
+
+def test_two_rollbacks(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300, 400])
+    manager, objs, _ = fresh_resume(root)
+    manager.resume(step=300)
+    for s in (350, 360):
+        set_step(objs, s)
+        manager.save(s)
+    manager.resume(step=350)  # the second rollback, within the first branch
+    set_step(objs, 355)
+    manager.save(355)
+    _, objs, step = fresh_resume(root)
+    assert step == 355 and weight(objs) == 355.0
+    # and a rollback to the original branch before the first fork
+    manager.resume(step=100)
+    _, objs, step = fresh_resume(root)
+    assert step == 100 and weight(objs) == 100.0
+
+
+def test_saves_past_the_abandoned_steps_never_collide(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300])
+    before = {n: (tmp_path / "run" / n / "statekit.json").read_bytes() for n in names(root)}
+    manager, objs, _ = fresh_resume(root)
+    manager.resume(step=100)
+    for s in (200, 300, 400):
+        set_step(objs, s + 0.5)
+        manager.save(s)
+    listed = names(root)
+    branch = read_manifest(Storage(manager.url_of(listed[-1]))).lineage.branch[:8]
+    assert f"checkpoint-00000200.{branch}" in listed and f"checkpoint-00000300.{branch}" in listed
+    assert "checkpoint-00000400" in listed  # a free plain name stays plain
+    for name, data in before.items():  # the abandoned ones are intact
+        assert (tmp_path / "run" / name / "statekit.json").read_bytes() == data
+    _, objs, step = fresh_resume(root)
+    assert step == 400 and weight(objs) == 400.5
+    # a crash-resume that rolls back again to the branch's step 300 takes the branch's copy
+    manager, objs, _ = fresh_resume(root)
+    assert manager.resume(step=300) == 300 and weight(objs) == 300.5
+
+
+def test_another_run_id_is_refused_naming_both_runs(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200], run_id="exp1")
+    objs = objects(seed=1)
+    manager = statekit.CheckpointManager(objs, root, run_id="exp2")
+    with pytest.raises(StatekitError, match="exp1.*exp2"):
+        manager.resume()
+    assert manager.resume(other_runs="ignore") is None  # a fresh start
+    assert manager.resume(other_runs="resume") == 200
+    manager.save(300)
+    assert read_manifest(Storage(manager.url_for(300))).lineage.run_id == "exp2"
+    same = statekit.CheckpointManager(objects(), root, run_id="exp2")
+    assert same.resume() == 300
+
+
+def test_a_fresh_run_without_run_id_resumes_and_logs_which_run(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    first, _ = run(root, [100, 200])
+    with caplog.at_level(logging.INFO, logger="statekit"):
+        manager, objs, step = fresh_resume(root)
+    assert step == 200 and manager.lineage_run_id == first.lineage_run_id
+    assert any(first.lineage_run_id in r.getMessage() and "checkpoint-00000200" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_fresh_run_in_a_root_with_branches_becomes_the_live_one(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300])
+    manager, _, _ = fresh_resume(root)
+    manager.resume(step=100)  # the root now has branches
+    other, _ = run(root, [50], run_id="exp2")  # a fresh run (no resume): its first save makes it live
+    _, objs, step = fresh_resume(root, run_id="exp2")
+    assert step == 50 and weight(objs) == 50.0
+
+
+def test_retention_keeps_the_live_branch_and_prunes_abandoned_by_policy(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300, 400, 500], keep_last=2)
+    assert names(root) == ["checkpoint-00000400", "checkpoint-00000500"]
+    manager, objs, _ = statekit.CheckpointManager(objects(), root, keep_last=2), None, None
+    objs = manager.objects
+    manager.resume(step=400)
+    set_step(objs, 410)
+    manager.save(410)
+    # one save on the branch: the abandoned 500 is kept (until keep_last=2 saves past the fork),
+    # the live 400 (rolled back to) and 410 are kept
+    assert names(root) == ["checkpoint-00000400", "checkpoint-00000410", "checkpoint-00000500"]
+    set_step(objs, 420)
+    manager.save(420)
+    # two on the branch: the abandoned 500 goes; keep_last counts the live history only
+    assert names(root) == ["checkpoint-00000400", "checkpoint-00000410", "checkpoint-00000420"] or \
+        names(root) == ["checkpoint-00000410", "checkpoint-00000420"]
+    assert "checkpoint-00000500" not in names(root)
+    _, objs, step = fresh_resume(root, keep_last=2)
+    assert step == 420
+
+
+def test_an_async_save_in_flight_at_the_rollback_commits_on_the_abandoned_branch(tmp_path):
+    root = str(tmp_path / "run")
+    manager, objs = run(root, [100, 200])
+    set_step(objs, 300)
+    pending = manager.save(300, blocking=False)
+    assert manager.resume(step=100) == 100  # waits for 300, which commits on the old branch
+    assert pending.done() if hasattr(pending, "done") else True
+    assert "checkpoint-00000300" in names(root)
+    _, objs, step = fresh_resume(root)
+    assert step == 100 and weight(objs) == 100.0
+
+
+def test_the_remote_tier_lets_a_fresh_node_resume_the_live_branch(tmp_path):
+    root, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    manager, objs = run(root, [100, 200, 300], replicate_to=remote)
+    manager.wait()
+    manager.resume(step=100)
+    set_step(objs, 150)
+    manager.save(150)
+    manager.wait()
+    assert (tmp_path / "remote" / STATE_NAME).read_bytes() == (tmp_path / "local" / STATE_NAME).read_bytes()
+    # a fresh node: an empty local root
+    node = statekit.CheckpointManager(objs2 := objects(seed=2), str(tmp_path / "node"), replicate_to=remote)
+    assert node.resume() == 150 and weight(objs2) == 150.0
+    node.wait()
+
+
+def test_the_remote_tier_before_the_first_new_save(tmp_path):
+    root, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    manager, objs = run(root, [100, 200, 300], replicate_to=remote)
+    manager.wait()
+    manager.resume(step=200)
+    node = statekit.CheckpointManager(objs2 := objects(seed=2), str(tmp_path / "node"), replicate_to=remote)
+    assert node.resume() == 200 and weight(objs2) == 200.0
+    node.wait()
+
+
+def test_rollback_to_a_step_that_does_not_exist(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200])
+    manager, _, _ = fresh_resume(root)
+    with pytest.raises(CheckpointNotFoundError, match="step 150.*100, 200"):
+        manager.resume(step=150)
+    assert not (tmp_path / "run" / STATE_NAME).exists()
+
+
+def test_checkpoints_without_lineage_resume_the_newest_step(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300])
+    for name in names(root):  # as written before lineage existed
+        path = tmp_path / "run" / name / "statekit.json"
+        body = json.loads(path.read_bytes())
+        del body["lineage"], body["manifest_checksum"]
+        path.write_text(json.dumps(body))
+    manager, objs, step = fresh_resume(root)
+    assert step == 300 and weight(objs) == 300.0
+    manager.save(400)
+    assert read_manifest(Storage(manager.url_for(400))).lineage.parent == "checkpoint-00000300"
+    # a rollback among them works too
+    manager.resume(step=200)
+    set_step(objs, 250)
+    manager.save(250)
+    _, objs, step = fresh_resume(root)
+    assert step == 250 and weight(objs) == 250.0
+
+
+def test_ls_tree_shows_the_branches(tmp_path):
+    from click.testing import CliRunner
+
+    from statekit.cli import main
+
+    root = str(tmp_path / "run")
+    run(root, [100, 200, 300])
+    manager, objs, _ = fresh_resume(root)
+    manager.resume(step=100)
+    set_step(objs, 200)
+    manager.save(200)
+    result = CliRunner().invoke(main, ["ls", root, "--tree"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "(live)" in out and "abandoned" in out
+    assert out.index("checkpoint-00000100") < out.index("checkpoint-00000200.")
+    assert "forked from checkpoint-00000100" in out
