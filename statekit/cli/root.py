@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from statekit.manager import lineage
 from statekit.manager.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
 from statekit.engine.locking import live_save_lock
@@ -24,12 +25,16 @@ from statekit.storage.inuse import in_use_markers, refuse_if_in_use
               help="The remote root the manager replicates to (replicate_to=): show each checkpoint's tiers.")
 @click.option("--replica-option", "raw_replica", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option for --replica (as --storage-option); repeatable.")
+@click.option("--tree", is_flag=True,
+              help="Show the branches (lineage): each branch, the checkpoint it forked from, its checkpoints; the live one marked.")
 @storage_option
-def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...], raw_storage: tuple[str, ...]) -> None:
+def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...], raw_storage: tuple[str, ...],
+       tree: bool) -> None:
     """List the checkpoints under a manager root URL: step, time, size, the bytes its save
     wrote (less than its size when an incremental save reused unchanged files), committed
     (and with --replica, on which tiers each one is committed). A folder statekit did not
-    write (a Trainer, Accelerate or DCP checkpoint) is listed as what it is."""
+    write (a Trainer, Accelerate or DCP checkpoint) is listed as what it is. With --tree:
+    the branches a rollback (``resume(step=K)``) made, parent links, the live branch marked."""
     try:
         infos = list_checkpoints(url, storage_options_of(raw_storage))
         remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
@@ -37,6 +42,14 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
             _refuse_if_not_a_root(Storage(url, storage_options_of(raw_storage)))
     except StatekitError as exc:
         fail(exc)
+    if tree:
+        try:
+            state = lineage.read_state([Storage(url, storage_options_of(raw_storage))])
+        except StatekitError as exc:
+            fail(exc)
+        text = _tree_text([i for i in infos if i.committed and i.kind == "statekit"], state)
+        emit(as_json, {"live": state.live if state else None, "lines": text.splitlines()}, text)
+        return
     if remote is None:
         payload = [_entry(i) for i in infos]
     else:
@@ -57,7 +70,42 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
 
 def _entry(info: Any) -> dict[str, Any]:
     """A listed :class:`~statekit.CheckpointDir` as JSON: its fields and ``description`` (its kind in words)."""
-    return {**info.__dict__, "description": info.description}
+    return {**info.__dict__, "lineage": info.lineage.to_json() if info.lineage is not None else None,
+            "description": info.description}
+
+
+def _tree_text(committed: list[Any], state: Any) -> str:
+    """``ls --tree``: one block per branch (oldest first), the checkpoint it forked from,
+    its checkpoints indented under it; ``*`` marks a live checkpoint, ``(live)`` the live
+    branch, ``abandoned`` a checkpoint no resume takes (``docs/cli.md``)."""
+    by_branch: dict[str, list[Any]] = {}
+    for info in committed:
+        by_branch.setdefault(lineage.branch_of(info), []).append(info)
+    if state is not None:
+        for branch in lineage.LineageState.segments(state):
+            by_branch.setdefault(branch, [])
+    by_name = {i.name: i for i in committed}
+    lines = []
+    for branch, own in sorted(by_branch.items(), key=lambda kv: min((i.step for i in kv[1]), default=1 << 62)):
+        own.sort(key=lambda i: i.step)
+        known = state.branches.get(branch) if state is not None else None
+        parent = known.parent if known is not None else (own[0].lineage.parent if own and own[0].lineage else None)
+        run = known.run_id if known is not None and known.run_id else (lineage.run_of(own[0]) if own else None)
+        head = f"branch {lineage.short(branch)}" + (f" (run {run})" if run else "")
+        if parent and not (parent in by_name and lineage.branch_of(by_name[parent]) == branch):
+            head += f", forked from {parent}"
+        if state is not None and branch == state.live:
+            head += " (live)"
+        lines.append(head)
+        for info in own:
+            live = lineage.is_live(state, info)
+            lines.append(f"  {'*' if live and state is not None else ' '} {info.name}  step {info.step}"
+                         + ("" if live else "  abandoned"))
+        if not own:
+            lines.append("    (no checkpoint yet)")
+    if state is None:
+        lines.append("(no rollback under this root: every checkpoint is on the live history)")
+    return "\n".join(lines)
 
 
 def _committed_text(entry: dict[str, Any]) -> str:
