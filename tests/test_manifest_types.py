@@ -113,10 +113,12 @@ def test_a_resumed_manager_save_carries_a_typed_fingerprint_and_resume_audit(tmp
 
     raw = (tmp_path / "run" / "checkpoint-00000004" / "statekit.json").read_bytes()
     written = json.loads(raw)
-    # what issue 38 added to the layout: the state check in resume_audit, the state digest
+    # what issue 38 added to the layout: the state check in resume_audit, the state digest,
     assert written["resume_audit"].pop("state") == {
         "verdict": "verified", "detail": "2 tensors equal their saved digests (sampled)", "compared": 2, "sampled": True}
     assert list(written.pop("state_digest")) == ["algorithm", "sampling", "objects"]
+    # and lineage (issue 38, item 3): run, branch, the checkpoint resumed from
+    assert written.pop("lineage")["parent"] == "checkpoint-00000002"
     assert key_layout(written) == key_layout(json.loads(GOLDEN[0].read_bytes()))
     assert isinstance(manifest.fingerprint, Fingerprint) and manifest.fingerprint.world_size == 1
     assert manifest.fingerprint.dataloaders["dataloader_0"].batch_size == 2
