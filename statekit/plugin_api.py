@@ -137,6 +137,7 @@ from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import FileEntry, Manifest
 from statekit.hooks.hookspecs import ManagerView, Tier
 from statekit.hooks.registry import hookimpl
+from statekit.manager.lineage import retention_view
 from statekit.manager.listing import CheckpointDir, delete_all_but, list_checkpoints
 from statekit.storage import Storage, storage_errors
 from statekit.storage.hashing import VerifyingReader, checksum_bytes
@@ -151,6 +152,8 @@ from statekit.storage.inuse import (
 )
 
 __all__ = [
+    # lineage: what a tier's retention counts under branches
+    "retention_view",
     # hooks and the checkpoint context
     "CORE",
     "Checkpoint",

@@ -40,6 +40,7 @@ from statekit.plugin_api import (
     delete_all_but,
     hookimpl,
     rank_and_world_size,
+    retention_view,
 )
 from statekit_replicate.replication import COPY_MARKER, DEFAULT_HEDGE_AFTER_S, DEFAULT_MAX_BACKLOG, Replicator, start_replication
 
@@ -191,7 +192,9 @@ def remote_retention(
     replicator: Replicator | None, keep_last: int | None, resumed_from: str | None, just_copied: str | None = None
 ) -> None:
     """Delete remote copies beyond the newest ``keep_last`` committed ones, never the one
-    the run resumed from nor one being copied; a copy in use warns and is kept.
+    the run resumed from nor one being copied; a copy in use warns and is kept. Under
+    branches (the remote's ``lineage.json``) only the live history counts, and abandoned
+    copies go once the live branch has ``keep_last`` of its own, as local retention.
 
     Args:
         replicator: the remote tier (None: nothing to do).
@@ -204,7 +207,8 @@ def remote_retention(
     if replicator is None or keep_last is None:
         return
     committed = [i for i in replicator.list() if i.committed and not i.accelerate]
-    keep = {i.url for i in committed[-keep_last:]} | {resumed_from}
+    live, abandoned = retention_view(replicator.remote, committed, keep_last)  # as local retention, by the remote's lineage.json
+    keep = {i.url for i in live[-keep_last:]} | abandoned | {resumed_from}
     copying = set(replicator.pending()) - {just_copied}  # the copy that just committed is still listed as pending
     keep |= {replicator.remote.url_of(name) for name in copying}
     delete_all_but(committed, keep, replicator.storage_options, "remote retention")

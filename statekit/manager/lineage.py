@@ -240,3 +240,26 @@ def abandoned_to_delete(state: LineageState | None, committed: list[Any], after:
     if len(own) < after:
         return set()
     return {i.url for i in committed if not is_live(state, i)}
+
+
+def retention_view(root: Storage, committed: list[Any], keep_last: int | None) -> tuple[list[Any], set[str]]:
+    """What a tier's retention counts under branches (the remote tier's
+    ``remote_keep_last`` as the manager's ``keep_last``): the live history's checkpoints
+    and the abandoned ones still kept, by ``root``'s own lineage file.
+
+    Args:
+        root: the tier's root (its ``lineage.json``, if any).
+        committed: its committed checkpoints (:class:`CheckpointDir`, lineage read).
+        keep_last: the tier's count (None: 1 for the abandoned ones' grace).
+
+    Returns:
+        ``(live, kept_abandoned_urls)``: ``live`` in ``committed``'s order; without a
+        lineage file, every checkpoint and nothing else.
+
+    Raises:
+        StatekitError: the lineage file is unreadable.
+    """
+    state = read_state([root])
+    live = [i for i in committed if is_live(state, i)]
+    abandoned = {i.url for i in committed if not is_live(state, i)}
+    return live, abandoned - abandoned_to_delete(state, committed, keep_last or 1)
