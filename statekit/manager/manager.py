@@ -546,13 +546,17 @@ class CheckpointManager:
 
     def next_step(self) -> int:
         """The step :meth:`save` uses without one: one more than the highest checkpoint
-        under the root (any kind, committed or not), at least the accelerator's
+        under the root (any kind, committed or not; after a rollback, of the live history), at least the accelerator's
         ``project_configuration.iteration``; agreed by every rank (rank 0 decides).
 
         Returns:
             The step number for the next automatically named checkpoint.
         """
-        highest = max((i.step for i in list_checkpoints(self.root, details=False)), default=-1)
+        if self._lineage_state is not None:  # after a rollback: the live history's highest, not an abandoned step
+            infos = [i for i in list_checkpoints(self.root) if lineage.is_live(self._lineage_state, i)]
+        else:
+            infos = list_checkpoints(self.root, details=False)
+        highest = max((i.step for i in infos), default=-1)
         config = getattr(self.accelerator, "project_configuration", None)
         return int(distributed.broadcast_from_rank0(max(highest + 1, int(getattr(config, "iteration", 0) or 0))))
 

@@ -292,3 +292,13 @@ def test_remote_retention_counts_the_live_branch_only(tmp_path):
     remote_names = names(remote)
     assert remote_names[-2:] == ["checkpoint-00000210", "checkpoint-00000220"]
     assert "checkpoint-00000300" not in remote_names
+
+
+def test_automatic_steps_after_a_rollback_continue_the_live_history(tmp_path):
+    root = str(tmp_path / "run")
+    run(root, [1, 2, 3])
+    manager, _, _ = fresh_resume(root)
+    manager.resume(step=1)
+    assert manager.next_step() == 2
+    manager.save()
+    assert any(n.startswith("checkpoint-00000002.") for n in names(root))
