@@ -297,13 +297,20 @@ class CheckpointManager:
         return list_checkpoints(self.root)
 
     def latest(self) -> str | None:
-        """URL of the newest committed checkpoint, or None (scans manifests; ``latest`` is
-        only a hint and is not trusted).
+        """URL of the newest committed checkpoint of the live history, or None (scans
+        manifests; the ``latest`` file is only a hint and is not trusted). After a rollback
+        (:meth:`resume` with ``step=``) an abandoned branch's higher steps are not it
+        (``docs/concepts.md``, Lineage).
 
         Returns:
-            The URL, or None when no checkpoint under the root is committed.
+            The URL, or None when no checkpoint of the live history under the root is committed.
+
+        Raises:
+            StatekitError: the root's ``lineage.json`` is unreadable.
         """
-        committed = [i for i in list_checkpoints(self.root, details=False) if i.committed]
+        state = lineage.read_state([self.root])  # None without a rollback: every checkpoint is live
+        committed = [i for i in list_checkpoints(self.root, details=state is not None)
+                     if i.committed and lineage.is_live(state, i)]
         return committed[-1].url if committed else None
 
     def candidates(self) -> list[tuple[CheckpointDir, dict[str, Any] | None]]:

@@ -76,6 +76,7 @@ def test_rollback_then_crash_before_the_first_new_save_resumes_the_rollback_step
     manager, objs, _ = fresh_resume(root)
     assert manager.resume(step=200) == 200 and weight(objs) == 200.0
     assert (tmp_path / "run" / STATE_NAME).exists()
+    assert manager.latest() == manager.url_for(200)  # not the abandoned 400
     # the process dies here; a new one resumes
     _, objs, step = fresh_resume(root)
     assert step == 200 and weight(objs) == 200.0
@@ -92,6 +93,7 @@ def test_rollback_then_crash_after_the_first_new_save_resumes_the_branch(tmp_pat
     assert first.lineage.parent == "checkpoint-00000200"
     _, objs, step = fresh_resume(root)
     assert step == 250 and weight(objs) == 250.0
+    assert manager.latest() == manager.url_for(250)
 
 
 def test_two_rollbacks(tmp_path):
