@@ -68,11 +68,12 @@ def test_preemption_group_installs_the_handlers_the_flat_keywords_install(tmp_pa
     (lambda: RetentionPolicy(mode="best"), "mode must be 'min' or 'max'"),
     (lambda: AsyncPolicy(backpressure="drop"), "backpressure must be one of"),
     (lambda: AsyncPolicy(max_wait_s=float("inf")), "max_wait_s must be a finite number"),
-    (lambda: AsyncPolicy(enabled="yes"), "async_save must be True or False"),
+    (lambda: AsyncPolicy(enabled="yes"), r"AsyncPolicy.enabled \(async_save=\) must be True or False"),
+    (lambda: RetentionPolicy(keep_best=1, monitor=""), "monitor must be a metric name"),
     (lambda: PreemptionPolicy(signals="SIGKILL"), "SIGKILL cannot be handled"),
     (lambda: PreemptionPolicy(grace_s=0), "grace_s must be a positive number"),
     (lambda: PreemptionPolicy(on_signal="stop"), "on_signal must be 'exit' or 'return'"),
-    (lambda: PreemptionPolicy(check_every=0), "signal_check_every must be a positive integer"),
+    (lambda: PreemptionPolicy(check_every=0), r"PreemptionPolicy.check_every \(signal_check_every=\) must be a positive"),
 ])
 def test_a_bad_value_is_refused_when_the_group_is_built(make, message):
     with pytest.raises(InvalidOptionError, match=message):
@@ -106,3 +107,16 @@ def test_a_storage_as_root_carries_its_options(tmp_path):
     assert steps(manager) == [2]
     with pytest.raises(InvalidOptionError, match="storage_options given with a Storage, which carries its own"):
         statekit.CheckpointManager(objects(), root, storage_options={"skip_instance_cache": True})
+
+
+def test_a_none_flat_keyword_is_its_default_beside_a_group(tmp_path):
+    """``keep_last=args.keep_last`` (None) beside ``retention=`` is the default, not a conflict."""
+    manager = statekit.CheckpointManager(objects(), str(tmp_path / "run"), keep_last=None, grace_s=None,
+                                         retention=RetentionPolicy(keep_best=2))
+    assert manager.retention == RetentionPolicy(keep_best=2)
+
+
+def test_preemption_keywords_without_save_on_signal_warn_that_they_do_nothing(tmp_path):
+    with pytest.warns(statekit.StatekitWarning, match=r"grace_s, on_signal given without save_on_signal"):
+        manager = statekit.CheckpointManager(objects(), str(tmp_path / "run"), grace_s=5, on_signal="return")
+    assert manager.preemption is None

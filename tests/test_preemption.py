@@ -404,7 +404,7 @@ def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_p
     ({"save_on_signal": 3.5}, "save_on_signal must be True, False or a tuple of signals, got 3.5"),
     ({"save_on_signal": True, "on_signal": "quit"}, "on_signal must be 'exit' or 'return', got 'quit'"),
     ({"save_on_signal": True, "grace_s": 0}, "grace_s must be a positive number of seconds, got 0"),
-    ({"save_on_signal": True, "signal_check_every": 0}, "signal_check_every must be a positive integer or None, got 0"),
+    ({"save_on_signal": True, "signal_check_every": 0}, "(signal_check_every=) must be a positive integer or None, got 0"),
 ])
 def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, options, message):
     before = signal.getsignal(signal.SIGTERM)

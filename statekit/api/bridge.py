@@ -207,7 +207,9 @@ def load_state(
             directory written by ``Accelerator.save_state``, which loads all or nothing.
         strict_resume: raise :class:`ResumeMismatchError` when the checkpoint's resume
             fingerprint differs from this run (other than versions) instead of warning
-            :class:`ResumeFingerprintWarning` (:mod:`statekit.api.fingerprint`).
+            :class:`ResumeFingerprintWarning` (:mod:`statekit.api.fingerprint`); and a
+            difference the state check finds after the load is a
+            :class:`StateMismatchError` instead of a :class:`StateCheckWarning`.
         **options: plugin options.
 
     Returns:
@@ -220,6 +222,8 @@ def load_state(
             ``StateMismatchError``, ``PluginError``, ``PluginMissingError``).
         PickleNotAllowedError: an Accelerate-format directory and not ``allow_pickle``.
         ResumeMismatchError: see ``strict_resume``; nothing was loaded.
+        StateMismatchError: also with ``strict_resume``, when a loaded tensor differs from
+            the state saved (the load completed).
     """
     _ensure_hooks_plugin(get_plugin_manager())
     get_plugin_manager().check_options(options, load_state)

@@ -76,7 +76,9 @@ def load(
             checkpoint lacks is left alone; shapes and dtypes must still match.
         strict_resume: raise :class:`ResumeMismatchError` for a fingerprint difference
             instead of warning :class:`ResumeFingerprintWarning` (and compare even
-            when the mapping holds no training state).
+            when the mapping holds no training state); and a difference the state check
+            finds after the load is a :class:`StateMismatchError` instead of a
+            :class:`StateCheckWarning` (``docs/concepts.md``, State check).
         **options: options for plugins (``checkpoint.options``), e.g. ``device_map=``; one
             that no registered plugin reads warns.
 
@@ -96,6 +98,9 @@ def load(
         PluginMissingError: an object was saved by a plugin that is not installed.
         PluginError: a plugin failed, or did not take an object it owns.
         ResumeMismatchError: see :func:`statekit.api.fingerprint.check`; nothing loaded.
+        StateMismatchError: also with ``strict_resume``, when a loaded tensor differs from
+            the state saved (the load completed; the message names each tensor).
+        InvalidOptionError: ``STATEKIT_STATE_CHECK`` holds an unknown mode.
     """
     get_plugin_manager().check_options(options, load)
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
@@ -195,8 +200,10 @@ def _check_state(
             names.update(state_check.optimizer_names(e.obj, param_names))
     verdict = state_check.check(manifest, entries, url, accelerator=accelerator, strict=strict_resume,
                                 left_out=left_out, names=names)
-    if verdict.verdict != "not recorded":
+    if verdict.verdict != "not recorded":  # recorded first: a raised mismatch still reaches the next save
         audit.state_checked(url, manifest.step, verdict.to_json(), [e.obj for e in entries])
+    if strict_resume:
+        state_check.raise_mismatch(verdict, url)
 
 
 def _manifest_of(storage: Storage) -> Manifest | None:

@@ -21,7 +21,8 @@ with their optimizers (whose state is each rank's shard).
 How much is digested: :data:`MODE_ENV` (``STATEKIT_STATE_CHECK``): ``"sampled"`` (the
 default where a tensor is on the CPU: blocks of 16 elements every 4096, and every element
 of tensors under 65,536 elements), ``"full"`` (every element; the default for tensors on
-an accelerator, where it costs a few element-wise kernels) or ``"off"``.
+an accelerator, where it costs a few element-wise kernels) or ``"off"`` (a save records
+no digest and a load compares none). A load compares with what the save recorded.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class StateVerdict:
         compared: tensors compared.
         sampled: the digests were sampled (:class:`statekit.format.state_digest.Sampling`).
         differences: per differing tensor, ``"<object> '<key>': <what differs>"``.
+        mismatched: ``"<object key>:<tensor path>" -> "saved digest ..., live ..."``.
         deliberate: the deliberate differences, ``(object, tensor path, what)`` (loaded into
             another dtype, left out by ``strict=False``, offloaded).
     """
@@ -69,6 +71,7 @@ class StateVerdict:
     compared: int = 0
     sampled: bool = False
     differences: list[str] = dataclasses.field(default_factory=list)
+    mismatched: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
     deliberate: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     @property
@@ -240,21 +243,21 @@ def check(
         entries: the objects the load restored.
         url: the checkpoint, for messages.
         accelerator: the run's Accelerator, or None.
-        strict: raise instead of warning.
+        strict: do not warn on a mismatch: the caller raises it (:func:`raise_mismatch`).
         left_out: per object key, the state-dict keys a ``strict=False`` load left out
             (deliberately not loaded: skipped and named).
         names: optimizer state paths as people name them
             (``"state.3.exp_avg" -> "exp_avg of 'layers.3.weight'"``), for messages.
 
     Returns:
-        The verdict (warned with :class:`StateCheckWarning` when it is a mismatch).
+        The verdict (warned with :class:`StateCheckWarning` when it is a mismatch and not
+        ``strict``; :func:`raise_mismatch` raises it when ``strict``).
 
     Raises:
-        StateMismatchError: ``strict`` and a tensor differs; the objects are loaded as
-            the message says (the load itself completed).
+        InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
     """
     saved = manifest.state_digest
-    if saved is None:
+    if saved is None or mode() == "off":
         return StateVerdict("not recorded")
     try:
         sampling = sd.Sampling.from_json(saved.sampling)
@@ -307,21 +310,42 @@ def check(
                 verdict.differences.append(
                     f"{what}: {_named(path, names)}{zeros} differs from the saved state (saved digest {digest}, "
                     f"live {sums[path]})")
+    verdict.mismatched = mismatched
     if verdict.differences:
         verdict.verdict = "mismatch"
-        listed = "; ".join(verdict.differences[:10]) + (
-            f"; ... ({len(verdict.differences) - 10} more)" if len(verdict.differences) > 10 else "")
-        if strict:
-            error = StateMismatchError(
-                f"{url} after the load (the state check; the load completed, the objects hold what it loaded)",
-                reason=f"{len(verdict.differences)} tensor(s) differ from the state saved: {listed}")
-            error.mismatched = mismatched
-            raise error
-        warn_user(f"{url}: state check after the load: {len(verdict.differences)} tensor(s) differ from the state "
-                  f"saved: {listed}", StateCheckWarning)
+        if not strict:
+            warn_user(f"{url}: state check after the load: {_listed(verdict)}", StateCheckWarning)
     else:
         logger.info("state check of %s: %s", url, verdict.detail)
     return verdict
+
+
+def _listed(verdict: StateVerdict) -> str:
+    shown = "; ".join(verdict.differences[:10]) + (
+        f"; ... ({len(verdict.differences) - 10} more)" if len(verdict.differences) > 10 else "")
+    return f"{len(verdict.differences)} tensor(s) differ from the state saved: {shown}"
+
+
+def raise_mismatch(verdict: StateVerdict, url: str) -> None:
+    """Raise a mismatch verdict of a ``strict_resume`` load (after it was recorded for the
+    next save's ``resume_audit``).
+
+    Args:
+        verdict: :func:`check`'s verdict.
+        url: the checkpoint, for the message.
+
+    Raises:
+        StateMismatchError: the verdict is a mismatch; ``mismatched`` maps
+            ``"<object>:<tensor path>"`` to the saved and live digests. The load completed:
+            the objects hold what it loaded.
+    """
+    if verdict.verdict != "mismatch":
+        return
+    error = StateMismatchError(
+        f"{url} after the load (the state check; the load completed, the objects hold what it loaded)",
+        reason=_listed(verdict))
+    error.mismatched = dict(verdict.mismatched)
+    raise error
 
 
 def _named(path: str, names: Mapping[str, str] | None) -> str:
@@ -353,4 +377,5 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
     return out
 
 
-__all__ = ["MODES", "MODE_ENV", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "record"]
+__all__ = ["MODES", "MODE_ENV", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "raise_mismatch",
+           "record"]

@@ -45,8 +45,10 @@ class ForeignSummary:
 
     Attributes:
         format: the folder's format (``"accelerate"``).
-        step: the step the folder records (Accelerate's ``step`` in its random states), or
-            None.
+        step: the step the folder records: Accelerate's ``step`` counter in its random
+            states (optimizer steps taken under ``accumulate()``, else 0), not the number of
+            a ``checkpoint_<n>`` folder (which ``CheckpointManager.resume`` continues from);
+            None without random states.
         objects: the caller's key -> :class:`ForeignObject`, for every object restored.
     """
 

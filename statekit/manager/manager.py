@@ -206,17 +206,22 @@ class CheckpointManager:
         run_id: str | None = None,
         **options: Any,
     ) -> None:
+        unset_if_none = lambda value: UNSET if value is None else value  # noqa: E731 - None is these keywords' default
         self.retention: RetentionPolicy = grouped(RetentionPolicy, "retention", retention, {
-            "keep_last": keep_last, "keep_best": keep_best, "monitor": monitor, "mode": mode,
-            "keep_every_n_steps": keep_every_n_steps})
+            "keep_last": unset_if_none(keep_last), "keep_best": unset_if_none(keep_best), "monitor": monitor,
+            "mode": mode, "keep_every_n_steps": unset_if_none(keep_every_n_steps)})
         """Which committed checkpoints are kept (:class:`~statekit.manager.policies.RetentionPolicy`)."""
         self.async_policy: AsyncPolicy = grouped(AsyncPolicy, "async_policy", async_policy, {
             "async_save": False if async_save is UNSET and async_policy is None else async_save,
             "backpressure": backpressure, "max_wait_s": max_wait_s}, {"async_save": "enabled"})
         """How saves run in the background (:class:`~statekit.manager.policies.AsyncPolicy`)."""
-        signal_keywords = {"save_on_signal": save_on_signal, "grace_s": UNSET if grace_s is None else grace_s,
-                           "on_signal": on_signal, "signal_check_every": signal_check_every}
-        if preemption is None and any(save_on_signal is off for off in (UNSET, False, None)):  # off (its other keywords unused)
+        signal_keywords = {"save_on_signal": save_on_signal, "grace_s": unset_if_none(grace_s),
+                           "on_signal": on_signal, "signal_check_every": unset_if_none(signal_check_every)}
+        if preemption is None and any(save_on_signal is off for off in (UNSET, False, None)):  # off
+            unused = sorted(k for k, v in signal_keywords.items() if v is not UNSET and k != "save_on_signal")
+            if unused:
+                warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
+                          "so they have no effect", StatekitWarning)
             self.preemption: PreemptionPolicy | None = None
         else:
             self.preemption = grouped(PreemptionPolicy, "preemption", preemption, signal_keywords,
@@ -680,7 +685,9 @@ class CheckpointManager:
             strict: False loads what matches (see :func:`statekit.load`); the missing and
                 unexpected keys are in ``self.resumed_manifest.incompatible_keys``.
             strict_resume: raise :class:`ResumeMismatchError` for a fingerprint
-                difference other than a version, instead of warning.
+                difference other than a version, instead of warning; and a difference
+                the state check finds after the load is a :class:`StateMismatchError`
+                instead of a :class:`StateCheckWarning` (``docs/concepts.md``, State check).
             other_runs: with the manager's ``run_id``, what a checkpoint of another run
                 (or one written before lineage) does: ``"raise"`` (default) a
                 :class:`StatekitError` naming both runs; ``"ignore"``: only this run's

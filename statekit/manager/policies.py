@@ -77,8 +77,8 @@ class RetentionPolicy:
             _positive_int_or_none(name, getattr(self, name))
         if self.mode not in ("min", "max"):
             raise InvalidOptionError(f"mode must be 'min' or 'max', got {self.mode!r}")
-        if not isinstance(self.monitor, str):
-            raise InvalidOptionError(f"monitor must be a metric name (str), got {self.monitor!r}")
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise InvalidOptionError(f"monitor must be a metric name (a non-empty str), got {self.monitor!r}")
 
     @property
     def keeps_all(self) -> bool:
@@ -110,7 +110,7 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class AsyncPolicy:
-    """How a manager's saves run in the background (``docs/async.md``, ``docs/backpressure.md``).
+    """How a manager's saves run in the background (``docs/backpressure.md``).
 
     Args:
         enabled: the default of ``save(blocking=...)``: True saves return once the state
@@ -132,7 +132,7 @@ class AsyncPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
-            raise InvalidOptionError(f"async_save must be True or False, got {self.enabled!r}")
+            raise InvalidOptionError(f"AsyncPolicy.enabled (async_save=) must be True or False, got {self.enabled!r}")
         if self.backpressure not in BACKPRESSURE_POLICIES:
             raise InvalidOptionError(f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {self.backpressure!r}")
         wait = self.max_wait_s
@@ -180,7 +180,8 @@ class PreemptionPolicy:
             raise InvalidOptionError(f"on_signal must be 'exit' or 'return', got {self.on_signal!r}")
         every = self.check_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise InvalidOptionError(f"signal_check_every must be a positive integer or None, got {every!r}")
+            raise InvalidOptionError(
+                f"PreemptionPolicy.check_every (signal_check_every=) must be a positive integer or None, got {every!r}")
 
 
 def parse_signals(value: Any) -> tuple[signal.Signals, ...]:

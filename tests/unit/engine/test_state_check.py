@@ -136,11 +136,21 @@ def test_sgd_momentum_dropped_is_named(tmp_path, monkeypatch):
                         objects=dict(zip(("model", "optimizer"), fresh(torch.optim.SGD, momentum=0.9))))
 
 
-def test_strict_resume_raises_naming_the_tensors(saved, monkeypatch):
+def test_strict_resume_raises_naming_the_tensors_and_the_next_save_records_it(saved, monkeypatch, tmp_path):
+    objects = dict(zip(("model", "optimizer"), fresh()))
     with pytest.raises(statekit.StateMismatchError, match=r"exp_avg of 'embed\.weight' is all zeros") as raised:
-        load_with_fault(monkeypatch, saved, drop_moments, "optimizer", strict_resume=True)
+        load_with_fault(monkeypatch, saved, drop_moments, "optimizer", strict_resume=True, objects=objects)
     assert "optimizer:state.0.exp_avg" in raised.value.mismatched
     assert "the load completed" in str(raised.value)
+    audit = statekit.save(str(tmp_path / "next"), objects).resume_audit  # the user caught it and went on
+    assert audit.state["verdict"] == "mismatch" and audit.verdict == "diverged"
+
+
+def test_off_at_load_compares_nothing(saved, monkeypatch):
+    monkeypatch.setenv(MODE_ENV, "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StateCheckWarning)
+        load_with_fault(monkeypatch, saved, drop_moments, "optimizer")  # not compared: no warning
 
 
 def test_moments_cast_to_the_parameters_dtype_are_named_not_a_false_alarm(tmp_path):
