@@ -26,7 +26,6 @@ from statekit.engine.locking import LOCK_NAME
 from statekit.foreign.detect import detect_format, folder_kind, survey
 from statekit.manager.listing import delete_all_but, delete_checkpoint, list_checkpoints
 
-sys.path.insert(0, os.path.dirname(__file__))
 from accelerate_helpers import fresh_accelerator  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:no installed plugin saves random-number-generator state")

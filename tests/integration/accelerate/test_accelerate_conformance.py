@@ -67,7 +67,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.conformance]
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import ROOT  # noqa: E402
 TESTS_DIR = ROOT / "tests"
 
 CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes", "on"}

@@ -24,7 +24,7 @@ import torch
 import statekit
 from statekit.testing import assert_state_equal
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import ROOT  # noqa: E402
 EXAMPLE = ROOT / "examples" / "hook_trainer.py"
 STEPS = 16  # 4 epochs x 4 optimizer steps
 

@@ -28,6 +28,9 @@ from statekit.errors import PluginError, PluginMissingError, StatekitError, Unsu
 from statekit.storage import Storage
 from statekit.testing import assert_state_equal
 
+from plugin_helpers import PluginSite
+from repo_paths import TESTS
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:no installed plugin saves random-number-generator state:statekit.StatekitWarning"
 )
@@ -49,9 +52,10 @@ def test_every_hook_has_a_test():
         "statekit_save_state_post",
         "statekit_save_state_pre",
     ]
-    import test_manager_hooks  # the manager hooks' tests (rootdir-relative import, as accelerate_helpers)
+    import re
 
-    names = set(globals()) | set(vars(test_manager_hooks))
+    manager_hooks_tests = (TESTS / "unit" / "manager" / "test_manager_hooks.py").read_text()  # the manager hooks' tests
+    names = set(globals()) | set(re.findall(r"^def (test_hook_\w+)\(", manager_hooks_tests, re.M))
     tests = {name for name in names if name.startswith("test_hook_")}
     assert tests == {f"test_hook_{h}" for h in HOOKS}  # and no test_hook_ for a hook that does not exist
     missing = [h for h in HOOKS if f"test_hook_{h}" not in tests]
@@ -865,35 +869,6 @@ def test_every_installed_statekit_plugin_declares_its_options():
 
 
 # --------------------------------------------------------------------------- discovery and env switches
-
-
-class PluginSite:
-    """Throwaway distributions (``*.dist-info`` with an ``entry_points.txt``) on ``sys.path``."""
-
-    def __init__(self, root, monkeypatch):
-        self.root = root
-        self.tag = uuid.uuid4().hex[:8]
-        root.mkdir()
-        monkeypatch.syspath_prepend(str(root))
-        self._monkeypatch = monkeypatch
-        installed = [ep.name for ep in entry_points(group=plugins.ENTRY_POINT_GROUP)]
-        self.blocked = installed  # keep the really installed plugins out of these tests
-        monkeypatch.setenv("STATEKIT_DISABLE_PLUGINS", ",".join(installed))
-
-    def add(self, name, source, version="1.2.3"):
-        module = f"statekit_throwaway_{name}_{self.tag}"
-        (self.root / f"{module}.py").write_text(textwrap.dedent(source))
-        dist = f"statekit_{name}_{self.tag}"
-        info = self.root / f"{dist}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: statekit-{name}-{self.tag}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text(f"[statekit]\n{name} = {module}\n")
-        importlib.invalidate_caches()
-        self._monkeypatch.delitem(sys.modules, module, raising=False)
-        return module
-
-    def distribution(self, name):
-        return f"statekit-{name}-{self.tag}"
 
 
 @pytest.fixture

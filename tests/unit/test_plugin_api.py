@@ -13,7 +13,7 @@ import pytest
 
 import statekit.plugin_api as plugin_api
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import ROOT  # noqa: E402
 API = "statekit.plugin_api"
 
 # Integrations: modules of a plugin distribution that drive statekit as user code does (the

@@ -25,7 +25,9 @@ from statekit.loaders import data, elastic, elastic_layouts, samplers
 from accelerate_helpers import torchrun
 
 accelerate_data = pytest.importorskip("accelerate.data_loader")
-SCRIPT = Path(__file__).parent / "scripts" / "elastic_resume.py"
+from repo_paths import SCRIPTS  # noqa: E402
+
+SCRIPT = SCRIPTS / "elastic_resume.py"
 L, B = 30, 4
 DATASET = TensorDataset(torch.arange(L))
 

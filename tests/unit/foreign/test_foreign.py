@@ -16,7 +16,6 @@ import statekit
 from statekit.errors import CheckpointNotFoundError, IncompleteCheckpointError, PickleNotAllowedError, StatekitError
 from statekit.foreign import FORMATS, detect_format, diff, open_checkpoint
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _state():

@@ -24,7 +24,7 @@ from statekit.format import FileEntry, Fingerprint, Manifest, ObjectEntry, Resum
 from statekit.plugin_api import Storage, read_manifest
 from statekit.format.manifest import manifest_bytes
 
-DATA = Path(__file__).parent / "data"
+from repo_paths import DATA  # noqa: E402
 GOLDEN = [DATA / "manifest-v1-before-typed.json", DATA / "manifest-v1-before-typed-plain.json"]
 
 

@@ -22,7 +22,7 @@ import pytest
 import statekit
 import statekit.hooks.hookspecs
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import ROOT  # noqa: E402
 DOCS = ROOT / "docs"
 HOOKS_PAGE = DOCS / "hooks.md"
 

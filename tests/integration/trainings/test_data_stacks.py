@@ -19,6 +19,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("torchdata.stateful_dataloader")
 
 from data_stacks import Stack, interrupted, run  # noqa: E402
+from repo_paths import SCRIPTS  # noqa: E402
 
 SAVE_AT, DIE_AT, TOTAL = 17, 20, 40
 
@@ -142,7 +143,7 @@ def test_resumes_exactly_in_a_fresh_process(tmp_path, stack):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "data_stack_run.py"
+    script = SCRIPTS / "data_stack_run.py"
     spec = json.dumps(dataclasses.asdict(stack))
 
     def process(root: str, name: str, *rest: str) -> dict:

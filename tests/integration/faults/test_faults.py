@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 # --------------------------------------------------------------------------- SIGKILL trials
 
 
-ZYGOTE = Path(__file__).parent / "scripts" / "kill_zygote.py"
+from repo_paths import SCRIPTS  # noqa: E402
+
+ZYGOTE = SCRIPTS / "kill_zygote.py"
 
 
 class Zygote:

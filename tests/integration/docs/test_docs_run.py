@@ -39,7 +39,7 @@ from click.testing import CliRunner
 
 mktestdocs = pytest.importorskip("mktestdocs", reason='mktestdocs is not installed (pip install -e ".[test]")')
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import ROOT  # noqa: E402
 PAGES = sorted(
     [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "plugins").glob("*.md"),
      *(ROOT / "plugins").glob("*/README.md")]

@@ -25,6 +25,8 @@ import torch
 
 import statekit
 from statekit import format as fmt
+
+from repo_paths import ROOT
 from statekit.errors import FormatVersionError, StateMismatchError, UnsupportedDtypeError, UnsupportedValueError
 from statekit.format import codec
 from statekit.storage import Storage
@@ -529,5 +531,5 @@ def test_newer_codec_version_is_refused(tmp_path):
 
 
 def test_docs_list_every_tag():
-    text = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
+    text = (ROOT / "docs" / "format.md").read_text()
     assert [tag for tag in sorted(codec._TAGS) if f'"{tag}"' not in text] == []

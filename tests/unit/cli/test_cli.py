@@ -232,7 +232,6 @@ def test_inspect_accelerate_directory_without_pickle(tmp_path):
     import os
     import sys
 
-    sys.path.insert(0, os.path.dirname(__file__))
     from accelerate_helpers import build
 
     accelerator = build(seed=0)[0]

@@ -15,7 +15,7 @@ import torch
 
 import statekit
 from statekit.format import device_digest, tensors as tensor_files
-from test_incremental import lora_run, train_step
+from lora_helpers import lora_run, train_step
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -11,7 +11,9 @@ import pytest
 
 pytest.importorskip("accelerate")
 pytest.importorskip("sklearn")
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "resume_demo.py"
+from repo_paths import ROOT  # noqa: E402
+
+DEMO = ROOT / "examples" / "resume_demo.py"
 
 
 def _demo(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

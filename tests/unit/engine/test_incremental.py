@@ -14,33 +14,8 @@ from safetensors import safe_open
 from torch import nn
 
 import statekit
-
-
-class LoRALinear(nn.Module):
-    """A frozen weight with a trainable low-rank adapter between its state-dict entries."""
-
-    def __init__(self, width: int = 512, rank: int = 4) -> None:
-        super().__init__()
-        self.base = nn.Linear(width, width)
-        self.base.requires_grad_(False)
-        self.lora_A = nn.Parameter(torch.randn(rank, width) * 0.01)
-        self.lora_B = nn.Parameter(torch.zeros(width, rank))
-        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T
-
-
-def lora_run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(LoRALinear(), nn.ReLU(), LoRALinear())
-    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-
-
-def train_step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
-    model(torch.randn(8, 512)).square().mean().backward()
-    optim.step()
-    optim.zero_grad()
+from lora_helpers import lora_run, train_step
+from repo_paths import TESTS
 
 
 def assert_same_state(a: nn.Module, b: nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> None:
@@ -357,7 +332,7 @@ import os, signal, sys, warnings
 import torch
 import statekit
 sys.path.insert(0, {tests!r})
-from test_incremental import lora_run, train_step
+from lora_helpers import lora_run, train_step
 
 warnings.simplefilter("ignore")
 root, kill_on = sys.argv[1], int(sys.argv[2])
@@ -391,7 +366,7 @@ def test_retention_killed_at_any_point_keeps_what_the_kept_checkpoint_needs(tmp_
     from statekit.cli import main
 
     script = tmp_path / "run.py"
-    script.write_text(KILLED_RETENTION.format(tests=os.path.dirname(__file__)))
+    script.write_text(KILLED_RETENTION.format(tests=str(TESTS)))
     root = tmp_path / "run"
     root.mkdir()
     env = {**os.environ, "STATEKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}  # a fixed deletion sequence
