@@ -1,4 +1,7 @@
-"""The bad-input catalogue (docs/bad-input.md): every bad input and the error it gets."""
+"""Loads that fail with a named error (docs/bad-input.md): a missing path, an incomplete or
+newer-format checkpoint, a plugin that is not installed, shape/dtype/key mismatches, an
+object the checkpoint lacks, another world size, an edited or malformed manifest, a
+malformed tensor-file header."""
 
 from __future__ import annotations
 
@@ -15,46 +18,6 @@ def _saved(tmp_path, **extra):
     url = str(tmp_path / "c")
     statekit.save(url, {"model": torch.nn.Linear(4, 2), **extra})
     return url
-
-
-def test_wrong_url_scheme():
-    with pytest.raises(statekit.StorageError, match="nosuch://x") as info:
-        statekit.save("nosuch://x/ckpt", {"t": torch.zeros(1)})
-    assert info.value.url == "nosuch://x/ckpt"
-
-
-@pytest.mark.parametrize("url, fixed", [("s3:/bucket/run", "s3://bucket/run"), ("memory:run", "memory://run")])
-def test_a_scheme_with_one_slash_is_refused_not_taken_for_a_local_directory(tmp_path, monkeypatch, url, fixed):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(statekit.StorageError, match=f"did you mean '{fixed}'") as info:
-        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "local"), replicate_to=url)
-    assert info.value.url == url
-    with pytest.raises(statekit.StorageError, match="needs '://'"):
-        statekit.save(url, {"t": torch.zeros(1)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no ./s3: directory, no local root
-
-
-@pytest.mark.parametrize("option", ["remote_keep_last", "replicate_options", "delete_unreplicated"])
-def test_a_remote_tier_option_without_replicate_to(tmp_path, option):
-    value = {"remote_keep_last": 3, "replicate_options": {"anon": True}, "delete_unreplicated": True}[option]
-    with pytest.raises(statekit.InvalidOptionError, match=f"{option}=.*needs replicate_to="):
-        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "run"), **{option: value})
-
-
-def test_a_misspelled_manager_option_warns_with_the_right_name(tmp_path, plugin_manager):
-    with pytest.warns(statekit.StatekitWarning, match=r"option 'keep_lats' is read by no registered plugin.*did you mean 'keep_last'"):
-        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path / "run"), keep_lats=2)
-
-
-def test_missing_credentials(s3_server, monkeypatch, tmp_path):
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    options = {"client_kwargs": {"endpoint_url": s3_server.endpoint_url}, "skip_instance_cache": True}
-    with pytest.raises(statekit.StorageError, match=r"s3://nocreds/ckpt.*(?i:credential)"):
-        statekit.save("s3://nocreds/ckpt", {"t": torch.zeros(1)}, storage_options=options)
 
 
 def test_missing_path(tmp_path):
@@ -181,25 +144,3 @@ def test_malformed_safetensors_header(tmp_path):
         statekit.load(url, {"model": torch.nn.Linear(4, 2)}, verify=False)
     with pytest.raises(statekit.CorruptCheckpointError, match=r"model.safetensors: malformed safetensors header"):
         statekit.load(url, {"model": torch.nn.Linear(4, 2)})
-
-
-def test_value_without_pickle_free_form(tmp_path):
-    with pytest.raises(statekit.UnsupportedValueError, match=r"state\['fn'\]"):
-        statekit.save(str(tmp_path / "c"), {"d": {"fn": lambda: 1}})
-
-
-def test_committed_checkpoint_not_overwritten(tmp_path):
-    url = _saved(tmp_path)
-    with pytest.raises(statekit.CheckpointExistsError, match="overwrite=True"):
-        statekit.save(url, {"model": torch.nn.Linear(4, 2)})
-
-
-def test_memory_url_with_many_ranks(monkeypatch):
-    monkeypatch.setattr(statekit.distributed, "rank_and_world_size", lambda: (0, 2))
-    with pytest.raises(statekit.StorageError, match="memory:// is private to each process"):
-        statekit.save("memory://x/c", {"t": torch.zeros(1)})
-
-
-def test_unsafe_state_key(tmp_path):
-    with pytest.raises(statekit.UnsupportedValueError, match="file-name-safe"):
-        statekit.save(str(tmp_path / "c"), {"../evil": torch.zeros(1)})

@@ -19,6 +19,17 @@ from accelerate_helpers import fresh_accelerator  # noqa: E402
 
 
 
+def _prepared(with_scheduler: bool = False):
+    accelerator = fresh_accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    objects = [model, optimizer]
+    if with_scheduler:
+        objects.append(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
+    return accelerator, accelerator.prepare(*objects)
+
+
 def test_resume_on_a_missing_bucket_raises_naming_it(s3_server, installed_plugin_manager):
     pytest.importorskip("s3fs")
     model = torch.nn.Linear(4, 2)
