@@ -35,7 +35,7 @@ test IDs with the tail of their failure text.
 
 Run it::
 
-    .venv/bin/python -m pytest -m conformance -p no:cacheprovider -rA tests/test_accelerate_conformance.py
+    .venv/bin/python -m pytest -m conformance -p no:cacheprovider -rA tests/integration/accelerate/test_accelerate_conformance.py
 
 Environment: ``CI=true`` turns every reason to skip (no network for the download, no
 ``accelerate``/``parameterized``/``torchdata``) into a failure.
@@ -358,7 +358,7 @@ def extract_tests(sdist: Path, dest: Path) -> list[str]:
             written.append(rel)
             if rel.endswith(".py"):
                 queue += sorted(_local_imports(data, members) - set(written))
-    (dest / "pytest.ini").write_text("[pytest]\n# written by tests/test_accelerate_conformance.py\n")
+    (dest / "pytest.ini").write_text("[pytest]\n# written by tests/integration/accelerate/test_accelerate_conformance.py\n")
     return sorted(written)
 
 

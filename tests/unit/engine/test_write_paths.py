@@ -309,7 +309,7 @@ def test_o_direct_refused_for_two_writes_in_flight_falls_back_for_both(tmp_path,
 def _ends_within(target, seconds: float = 20) -> bool:
     # Earlier tests' cyclic garbage first: a leaked DataLoader iterator with workers, when
     # the collector ran on target's thread, joined its workers there (5 s each) and took
-    # the 20 s (tests/test_write_paths.py in a full run, faulthandler dump).
+    # the 20 s (tests/unit/engine/test_write_paths.py in a full run, faulthandler dump).
     gc.collect()
     done = threading.Event()
 

@@ -95,7 +95,7 @@ def test_a_resumed_manager_save_carries_a_typed_fingerprint_and_resume_audit(tmp
                             generator=torch.Generator().manual_seed(1))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         # a full save: the layout of the files written before the typed manifest (an
-        # incremental save adds its optional file fields: tests/test_incremental.py)
+        # incremental save adds its optional file fields: tests/unit/engine/test_incremental.py)
         manager = statekit.CheckpointManager(accelerator, str(tmp_path / "run"), incremental=False)
         start = (manager.resume() or 0) if resume else 0
         batches = iter(loader)

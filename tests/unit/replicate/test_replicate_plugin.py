@@ -1,7 +1,7 @@
 """Two-tier storage as a plugin like any other: the ``replicate`` plugin (package
 ``statekit_replicate``) is registered by its entry point, owns its manager options through
 ``STATEKIT_MANAGER_OPTIONS``, and a third-party plugin can do the same with the plugin API
-alone (the import contract and ``tests/test_plugin_api.py`` check the package's imports)."""
+alone (the import contract and ``tests/unit/test_plugin_api.py`` check the package's imports)."""
 
 from __future__ import annotations
 
