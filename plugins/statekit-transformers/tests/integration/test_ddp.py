@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_run.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ddp_run.py"
 
 
 def torchrun(*args: str) -> None:

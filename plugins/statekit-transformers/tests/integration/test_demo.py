@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = Path(__file__).resolve().parents[3] / "examples" / "trainer_demo.py"
+DEMO = Path(__file__).resolve().parents[4] / "examples" / "trainer_demo.py"
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ WORKER = textwrap.dedent(
 @pytest.mark.slow
 def test_two_ranks_ddp(tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=os.path.dirname(__file__), url=str(tmp_path / "ckpt")))
+    script.write_text(WORKER.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), url=str(tmp_path / "ckpt")))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
         capture_output=True, text=True, timeout=300,

@@ -219,7 +219,7 @@ def test_cli_convert_exports_a_pipeline(pm, tmp_path):
 
 @pytest.mark.slow
 def test_ddpm_demo_runs_and_resumes_exactly(tmp_path):
-    demo = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "ddpm_demo.py")
+    demo = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "examples", "ddpm_demo.py")
     if not os.path.exists(demo):
         pytest.skip("examples/ddpm_demo.py is not in this checkout")
     png = tmp_path / "grid.png"

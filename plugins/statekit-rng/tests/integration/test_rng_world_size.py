@@ -21,7 +21,7 @@ import statekit_rng.plugin as rng_plugin
 from statekit.engine.context import Checkpoint
 from statekit.storage import Storage
 
-SCRIPT = Path(__file__).with_name("_rng_two_ranks.py")
+SCRIPT = Path(__file__).resolve().parent.parent / "_rng_two_ranks.py"
 
 
 def _free_port() -> int:
