@@ -228,15 +228,17 @@ def test_consolidate_refuses_a_corrupt_shard(fsdp2_ckpt: dict[str, Path], tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [3, 4])
-def test_reshard_2_to_n(fsdp2_ckpt: dict[str, Path], tmp_path: Path, nproc: int) -> None:
+def test_reshard_2_to_3(fsdp2_ckpt: dict[str, Path], tmp_path: Path) -> None:
+    """Uneven shards (2 saved, 3 loading); 2 to 4 (even) is test_s3_reshard_2_to_4."""
     out = tmp_path / "loaded.safetensors"
-    torchrun(nproc, "load", "--flavor", "fsdp2", "--url", str(fsdp2_ckpt["url"]), "--full", str(out))
+    torchrun(3, "load", "--flavor", "fsdp2", "--url", str(fsdp2_ckpt["url"]), "--full", str(out))
     assert_full_equal(fsdp2_ckpt["full"], out)
 
 
 @pytest.mark.slow
 def test_reshard_4_to_2(tmp_path: Path) -> None:
+    """More saving ranks than loading ones (on local disk; the S3 tests save with 2 ranks and
+    load with 1 and 4: the plugin's reshard is the same on every storage)."""
     url, full, loaded = tmp_path / "ckpt", tmp_path / "full.safetensors", tmp_path / "loaded.safetensors"
     torchrun(4, "save", "--flavor", "fsdp2", "--url", str(url), "--full", str(full))
     assert manifest_of(str(url)).files["model/rank-00003.safetensors"].rank == 3
@@ -291,15 +293,6 @@ def test_s3_reshard_2_to_4(s3_ckpt: dict[str, object], tmp_path: Path) -> None:
     out = tmp_path / "loaded.safetensors"
     torchrun(4, "load", "--flavor", "fsdp2", "--url", str(s3_ckpt["url"]), "--full", str(out))
     assert_full_equal(s3_ckpt["full"], out)
-
-
-@pytest.mark.s3
-@pytest.mark.slow
-def test_s3_reshard_4_to_2(s3_bucket: str, tmp_path: Path) -> None:
-    url, full, loaded = f"{s3_bucket}/ckpt4", tmp_path / "full.safetensors", tmp_path / "loaded.safetensors"
-    torchrun(4, "save", "--flavor", "fsdp2", "--url", url, "--full", str(full))
-    torchrun(2, "load", "--flavor", "fsdp2", "--url", url, "--full", str(loaded))
-    assert_full_equal(full, loaded)
 
 
 # --------------------------------------------------------------------------- FSDP1 and DDP
