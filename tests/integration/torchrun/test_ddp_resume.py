@@ -24,9 +24,17 @@ def _read(prefix: Path) -> list[dict]:
     return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted two-rank run (no accumulation), shared by the tests that resume it:
+    the prefix of its per-rank outputs."""
+    d = tmp_path_factory.mktemp("ddp-reference")
+    _torchrun("reference", str(d / "ref-root"), str(d / "ref"))
+    return d / "ref"
+
+
 @pytest.mark.slow
-def test_two_process_ddp_resume_is_exact(tmp_path):
-    _torchrun("reference", str(tmp_path / "ref-root"), str(tmp_path / "ref"))
+def test_two_process_ddp_resume_is_exact(tmp_path, reference):
     root = tmp_path / "root"
     _torchrun("first", str(root), str(tmp_path / "first"))
     checkpoint = root / "checkpoint-00000009"
@@ -41,7 +49,7 @@ def test_two_process_ddp_resume_is_exact(tmp_path):
     statekit.verify(str(checkpoint))
 
     _torchrun("resume", str(root), str(tmp_path / "resumed"))
-    reference, first, resumed = _read(tmp_path / "ref"), _read(tmp_path / "first"), _read(tmp_path / "resumed")
+    reference, first, resumed = _read(reference), _read(tmp_path / "first"), _read(tmp_path / "resumed")
     for rank in (0, 1):
         assert first[rank]["losses"][:9] + resumed[rank]["losses"] == reference[rank]["losses"], f"rank {rank}"
         assert resumed[rank]["weights"] == reference[rank]["weights"]
@@ -70,12 +78,11 @@ def test_two_process_resume_mid_gradient_accumulation_is_exact(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_two_ranks_with_separate_local_roots_replicate_into_one_remote_checkpoint(tmp_path, s3_bucket):
+def test_two_ranks_with_separate_local_roots_replicate_into_one_remote_checkpoint(tmp_path, s3_bucket, reference):
     """Two torchrun ranks, each with its own local root (two nodes' disks), saving
     asynchronously: each replicates the files it wrote, rank 0 commits the remote manifest
     once both parts verify; fresh, empty local roots then resume bit-exactly from it."""
     remote = f"{s3_bucket}/run"
-    _torchrun("reference", str(tmp_path / "ref-root"), str(tmp_path / "ref"))
     roots = str(tmp_path / "node{rank}")
     _torchrun("first", roots, str(tmp_path / "first"), STATEKIT_TEST_REPLICATE_TO=remote, STATEKIT_TEST_ASYNC="1")
     name = "checkpoint-00000009"
@@ -90,7 +97,7 @@ def test_two_ranks_with_separate_local_roots_replicate_into_one_remote_checkpoin
 
     fresh = str(tmp_path / "fresh{rank}")
     _torchrun("resume", fresh, str(tmp_path / "resumed"), STATEKIT_TEST_REPLICATE_TO=remote)
-    reference, first, resumed = _read(tmp_path / "ref"), _read(tmp_path / "first"), _read(tmp_path / "resumed")
+    reference, first, resumed = _read(reference), _read(tmp_path / "first"), _read(tmp_path / "resumed")
     for rank in (0, 1):
         assert first[rank]["losses"][:9] + resumed[rank]["losses"] == reference[rank]["losses"], f"rank {rank}"
         assert resumed[rank]["weights"] == reference[rank]["weights"]
