@@ -327,65 +327,6 @@ def test_ls_and_inspect_show_what_each_checkpoint_wrote_and_reused(tmp_path):
     assert "reused)" in shown and "checkpoint-00000001" in shown  # the summary line and the file's "reused from"
 
 
-KILLED_RETENTION = """
-import os, signal, sys, warnings
-import torch
-import statekit
-sys.path.insert(0, {tests!r})
-from lora_helpers import lora_run, train_step
-
-warnings.simplefilter("ignore")
-root, kill_on = sys.argv[1], int(sys.argv[2])
-model, optim = lora_run()
-manager = statekit.CheckpointManager({{"model": model, "optim": optim}}, root, keep_last=1)
-train_step(model, optim)
-manager.save(1)
-train_step(model, optim)
-torch.save(model.state_dict(), os.path.join(root, "..", "expected.pt"))
-deleting = 0
-def hook(event, args):
-    global deleting
-    if event in ("os.remove", "os.rmdir", "shutil.rmtree") and (deleting or "checkpoint-00000001" in str(args[0])):
-        deleting += 1  # the deletion of checkpoint 1 (manifest first), which shares its frozen file with 2
-        if deleting == kill_on:
-            os.kill(os.getpid(), signal.SIGKILL)
-sys.addaudithook(hook)
-manager.save(2)
-print("survived")
-"""
-
-
-@pytest.mark.parametrize("kill_on", [1, 2, 3, 4, 5, 6])
-def test_retention_killed_at_any_point_keeps_what_the_kept_checkpoint_needs(tmp_path, kill_on):
-    import signal
-    import subprocess
-    import sys
-
-    from click.testing import CliRunner
-
-    from statekit.cli import main
-
-    script = tmp_path / "run.py"
-    script.write_text(KILLED_RETENTION.format(tests=str(TESTS)))
-    root = tmp_path / "run"
-    root.mkdir()
-    env = {**os.environ, "STATEKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}  # a fixed deletion sequence
-    proc = subprocess.run([sys.executable, str(script), str(root), str(kill_on)], capture_output=True, text=True, env=env)
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
-    if kill_on == 1:  # killed before the deletion began: checkpoint 1 is whole
-        statekit.verify(str(root / "checkpoint-00000001"))
-    else:  # the manifest goes first: what is left of checkpoint 1 is never loaded
-        assert not (root / "checkpoint-00000001" / "statekit.json").exists()
-    result = CliRunner().invoke(main, ["gc", str(root)])  # clears what the killed deletion left
-    assert result.exit_code == 0, result.output
-    statekit.verify(str(root / "checkpoint-00000002"))  # the frozen bytes survive through the link
-    fresh, fresh_optim = lora_run(seed=2)
-    with pytest.warns(statekit.StatekitWarning):  # no random states were saved (plugins off in the script)
-        assert statekit.CheckpointManager({"model": fresh, "optim": fresh_optim}, str(root)).resume() == 2
-    expected = torch.load(tmp_path / "expected.pt")
-    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
-
-
 def test_a_damaged_shared_file_fails_every_checkpoint_that_lists_it_loudly(tmp_path):
     model, optim = lora_run()
     root = tmp_path / "run"
