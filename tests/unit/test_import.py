@@ -14,25 +14,9 @@ import textwrap
 
 import statekit
 
+from import_helpers import _env, run_python, statekit_modules
+
 HEAVY = ["accelerate", "diffusers", "s3fs", "transformers", "moto", "boto3", "botocore", "aiobotocore"]
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STATEKIT_", "PYTHONWARNINGS"))}
-    env.pop("PYTHONPATH", None)
-    return env
-
-
-def run_python(code, *flags, timeout=180):
-    return subprocess.run(
-        [sys.executable, *flags, "-c", code], capture_output=True, text=True, env=_env(), timeout=timeout, check=False
-    )
-
-
-def statekit_modules():
-    names = ["statekit"]
-    names += [m.name for m in pkgutil.walk_packages(statekit.__path__, "statekit.") if not m.name.endswith("__main__")]
-    return names
 
 
 def test_no_heavy_imports():
@@ -55,46 +39,3 @@ def test_no_heavy_imports():
             if name.startswith("statekit") and cumulative.isdigit():
                 rows.append((int(cumulative), name))
     print("slowest statekit modules (cumulative us):", sorted(rows, reverse=True)[:6])
-
-
-FORK_IMPORTER = textwrap.dedent(
-    """
-    import importlib, os, sys, traceback
-    import torch  # loaded once, shared by every child; statekit modules are not
-    failed = []
-    for name in sys.argv[1:]:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                importlib.import_module(name)
-            except BaseException:
-                traceback.print_exc()
-                os._exit(1)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        if status != 0:
-            failed.append(name)
-    print("failed:", " ".join(failed))
-    sys.exit(1 if failed else 0)
-    """
-)
-
-
-def test_every_module_imports_alone_without_warnings():
-    modules = statekit_modules()
-    assert {"statekit.format.codec", "statekit.api.saveload", "statekit.testing"} <= set(modules)
-    if hasattr(os, "fork"):
-        # one process, one fork per module: each child imports only that module (after torch)
-        proc = subprocess.run(
-            [sys.executable, "-W", "error", "-c", FORK_IMPORTER, *modules],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=180,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
-    else:  # pragma: no cover - platforms without fork
-        for name in modules:
-            proc = run_python(f"import {name}", "-W", "error")
-            assert proc.returncode == 0, f"{name}:\n{proc.stderr[-4000:]}"
