@@ -1,4 +1,5 @@
-"""Exact mid-epoch resume of loaders with worker processes (issue 13, item 3).
+"""Exact mid-epoch resume of loaders with worker processes (issue 13, item 3), with real
+DataLoader worker processes.
 
 Each worker seeds torch from ``base_seed + worker_id`` (``base_seed`` drawn from the
 loader's generator when the iterator is built) and its random augmentations advance that
