@@ -46,8 +46,27 @@ class AugmentedStream(torch.utils.data.IterableDataset):
             yield X[i] + 0.1 * torch.randn(6), Y[i]
 
 
+_RUNS: list = []
+"""The runs of the current test, whose worker processes end with it."""
+
+
+@pytest.fixture(autouse=True)
+def _workers_end_with_the_test():
+    """Persistent workers are shut down when the test ends: ``statekit.attach`` keeps the
+    loaders reachable, and workers left running outlived the session and held up its end
+    (the pytest process waited on them after its last test)."""
+    yield
+    while _RUNS:
+        loader = _RUNS.pop().loader
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
 class Run:
     def __init__(self, dataset_cls, stateful: bool, persistent: bool, url: str, accelerate: bool = False) -> None:
+        _RUNS.append(self)
         torch.manual_seed(0)
         loader_cls = StatefulDataLoader if stateful and not accelerate else torch.utils.data.DataLoader
         loader = loader_cls(
