@@ -64,17 +64,19 @@ test-fast: $(STAMP)
 
 # Line and branch coverage of statekit and the plugins by every test (not part of CI; the
 # numbers in tests/README.md). Serial runs (xdist's workers are not traced), processes the
-# tests start are not traced; the totals are in the last lines of the output.
+# tests start are not traced; the line and branch totals are the last lines of the output.
 COVERAGE_SOURCE := statekit,statekit_replicate,statekit_rng,statekit_diffusers,statekit_fsdp,statekit_offload,statekit_transformers
 COVERAGE = COVERAGE_FILE=$(abspath .coverage) $(abspath $(PY)) -m coverage
 COVERAGE_RUN = $(COVERAGE) run --branch --parallel-mode --source=$(COVERAGE_SOURCE) -m pytest -q -p no:cacheprovider -p no:xdist
 
 coverage: $(STAMP)
-	rm -f .coverage .coverage.*
+	rm -f .coverage .coverage.* coverage.json
 	-$(COVERAGE_RUN) tests
 	-for plugin in $(PLUGINS); do (cd $$plugin && $(COVERAGE_RUN) tests); done
 	$(COVERAGE) combine -q
 	$(COVERAGE) report --skip-covered --sort=cover | tail -n 25
+	$(COVERAGE) json -q -o $(abspath coverage.json)
+	$(PY) .ci/coverage_totals.py coverage.json
 
 install: $(STAMP)
 
@@ -123,4 +125,4 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) runs site .coverage .coverage.*
+	rm -rf $(VENV) runs site .coverage .coverage.* coverage.json
