@@ -38,7 +38,8 @@ demo-all: $(STAMP)
 # The tests come in two tiers, each in its own folder (tests/README.md): tests/unit (in-process,
 # by package: seconds each) and tests/integration (real processes: torchrun, signals, killed
 # saves, the moto S3 server, trainings, Accelerate's own tests, the docs' code). Each plugin's
-# tests/ has the same two folders. `make test` runs both tiers of the core, then each plugin's
+# tests/ has the same two folders (a plugin without integration tests has no
+# tests/integration). `make test` runs both tiers of the core, then each plugin's
 # tests from its own directory (each is its own distribution with its own conftest); every
 # suite runs, and any failure fails the target. `make test-fast` runs the unit tiers only.
 # The core's unit tier runs on two pytest-xdist workers (-n 2; the integration tier runs
@@ -55,7 +56,9 @@ test: $(STAMP)
 		else $(PYTEST) tests/$$tier || status=1; fi; \
 	done; \
 	for plugin in $(PLUGINS); do \
-		echo "== $$plugin"; (cd $$plugin && $(PYTEST) $(addprefix tests/,$(TIERS))) || status=1; \
+		echo "== $$plugin"; \
+		dirs=; for tier in $(TIERS); do [ -d $$plugin/tests/$$tier ] && dirs="$$dirs tests/$$tier"; done; \
+		[ -z "$$dirs" ] || (cd $$plugin && $(PYTEST) $$dirs) || status=1; \
 	done; \
 	exit $$status
 
