@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-preempt demo-all demo-trainer test test-fast install clean docs package template-test lint bench-setup house
+.PHONY: demo demo-preempt demo-all demo-trainer test test-fast coverage install clean docs package template-test lint bench-setup house
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -35,20 +35,51 @@ demo-all: $(STAMP)
 	$(PY) examples/resume_demo.py --replicate-to moto
 	$(PY) examples/resume_demo.py --preempt --grad-accum 4
 
-# The core's tests, then each plugin's tests from its own directory (each is its own
-# distribution with its own conftest); every suite runs, and any failure fails the target.
+# The tests come in two tiers, each in its own folder (tests/README.md): tests/unit (in-process,
+# by package: seconds each) and tests/integration (real processes: torchrun, signals, killed
+# saves, the moto S3 server, trainings, Accelerate's own tests, the docs' code). Each plugin's
+# tests/ has the same two folders (a plugin without integration tests has no
+# tests/integration). `make test` runs both tiers of the core, then each plugin's
+# tests from its own directory (each is its own distribution with its own conftest); every
+# suite runs, and any failure fails the target. `make test-fast` runs the unit tiers only.
+# The core's unit tier runs on two pytest-xdist workers (-n 2; the integration tier runs
+# serially: its tests start processes of their own).
 PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+XDIST ?= -n 2
+TIERS ?= unit integration
 
 test: $(STAMP)
 	@status=0; \
-	$(PYTEST) tests || status=1; \
+	for tier in $(TIERS); do \
+		echo "== tests/$$tier"; \
+		if [ $$tier = unit ]; then $(PYTEST) $(XDIST) tests/unit || status=1; \
+		else $(PYTEST) tests/$$tier || status=1; fi; \
+	done; \
 	for plugin in $(PLUGINS); do \
-		echo "== $$plugin"; (cd $$plugin && $(PYTEST) tests) || status=1; \
+		echo "== $$plugin"; \
+		dirs=; for tier in $(TIERS); do [ -d $$plugin/tests/$$tier ] && dirs="$$dirs tests/$$tier"; done; \
+		[ -z "$$dirs" ] || (cd $$plugin && $(PYTEST) $$dirs) || status=1; \
 	done; \
 	exit $$status
 
 test-fast: $(STAMP)
-	$(MAKE) test PYTEST_ARGS='-m "not slow"'
+	$(MAKE) test TIERS=unit
+
+# Line and branch coverage of statekit and the plugins by every test (not part of CI; the
+# numbers in tests/README.md). Serial runs (xdist's workers are not traced), processes the
+# tests start are not traced; the line and branch totals are the last lines of the output.
+COVERAGE_SOURCE := statekit,statekit_replicate,statekit_rng,statekit_diffusers,statekit_fsdp,statekit_offload,statekit_transformers
+COVERAGE = COVERAGE_FILE=$(abspath .coverage) $(abspath $(PY)) -m coverage
+COVERAGE_RUN = $(COVERAGE) run --branch --parallel-mode --source=$(COVERAGE_SOURCE) -m pytest -q -p no:cacheprovider -p no:xdist
+
+coverage: $(STAMP)
+	rm -f .coverage .coverage.* coverage.json
+	-$(COVERAGE_RUN) tests
+	-for plugin in $(PLUGINS); do (cd $$plugin && $(COVERAGE_RUN) tests); done
+	$(COVERAGE) combine -q
+	$(COVERAGE) report --skip-covered --sort=cover | tail -n 25
+	$(COVERAGE) json -q -o $(abspath coverage.json)
+	$(PY) .ci/coverage_totals.py coverage.json
 
 install: $(STAMP)
 
@@ -103,4 +134,4 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) runs site
+	rm -rf $(VENV) runs site .coverage .coverage.* coverage.json

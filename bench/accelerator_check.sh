@@ -41,7 +41,7 @@ pytest_in() {  # DIR LOG TIMEOUT ARGS...: one suite from its own directory, as `
 # the FSDP tests start torch.distributed workers (a CUDA torch imports slowly): spread them
 # over the machine's cores where pytest-xdist is installed there
 spread=(); $PY -c "import xdist" 2>/dev/null && spread=(-n 6)
-pytest_in . /tmp/core.log 150 tests/test_cuda.py tests/test_staging.py tests/test_async.py tests/test_engine.py -rs &
+pytest_in . /tmp/core.log 150 tests/unit/engine/test_cuda.py tests/unit/engine/test_staging.py tests/unit/api/test_async_save.py tests/unit/engine/test_engine.py -rs &
 pytest_in plugins/statekit-rng /tmp/rng.log 150 tests -rs &
 pytest_in plugins/statekit-offload /tmp/offload.log 150 tests -rs &
 pytest_in plugins/statekit-fsdp /tmp/fsdp.log "${FSDP_SECONDS:-200}" tests -rs "${spread[@]}" &

@@ -8,7 +8,7 @@ Each run is a new interpreter that imports torch, then statekit (which imports e
 installed plugin's module on first use, not here), and reports both times. Prints
 min / median / max of each and the ratio of statekit's time to torch's. The budget is
 0.3 s beyond torch on the benchmark VM (a plugin module must stay cheap to import:
-heavy libraries load lazily; ``tests/test_import.py`` checks that none is imported).
+heavy libraries load lazily; ``tests/unit/test_import.py`` checks that none is imported).
 """
 
 from __future__ import annotations

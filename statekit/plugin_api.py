@@ -15,7 +15,7 @@ What is promised, for every name in ``__all__``:
 
 Everything else in statekit (modules under ``statekit.engine``, ``statekit.api``,
 ``statekit.format``..., names starting with ``_``) is reachable but not promised to
-plugins. The test ``tests/test_plugin_api.py`` parses the plugins of this repository and
+plugins. The test ``tests/unit/test_plugin_api.py`` parses the plugins of this repository and
 its plugin template and fails on any other statekit import. The API holds what those
 plugins use, no more: every error class, and the names below.
 

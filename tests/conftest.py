@@ -34,3 +34,13 @@ def frozen_s3():
         finally:  # a stopped server ignores SIGTERM until continued
             with contextlib.suppress(ProcessLookupError):
                 server.process.send_signal(signal.SIGCONT)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test-fast``: ``-n 2``) each worker computes with one torch
+    thread: two workers with a thread per core each oversubscribe the cores, and OpenMP
+    threads waiting on each other turn a 3 s training test into a minute."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)

@@ -35,7 +35,7 @@ run pads with the start of ``P``):
 
 The next epochs are plain M-rank epochs: the sampler's generator ends the interrupted
 epoch where an uninterrupted run's does (the whole permutation is drawn once, when the
-first batch is fetched). Sources followed (tests/test_elastic.py checks the models against
+first batch is fetched). Sources followed (tests/unit/loaders/test_elastic.py checks the models against
 the real classes): ``BatchSamplerShard._iter_with_no_split`` / ``_iter_with_split`` and
 ``DataLoaderDispatcher._fetch_batches`` / ``__iter__`` of Accelerate 1.x,
 https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py, and

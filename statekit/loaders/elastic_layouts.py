@@ -8,7 +8,7 @@ epoch: :func:`shard` models Accelerate's ``BatchSamplerShard`` (``shard``) and
 (``distributed``) for any world size, :func:`remaining` applies them to the segments an
 epoch was consumed in, :func:`permutation` draws ``P`` again. The precise models and the
 sources they follow are described in :mod:`statekit.loaders.elastic`'s docstring;
-tests/test_elastic.py checks them against the real classes.
+tests/unit/loaders/test_elastic.py checks them against the real classes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mode plugins of the Accelerate conformance suite (``tests/test_accelerate_conformance.py``).
+"""Mode plugins of the Accelerate conformance suite (``tests/integration/accelerate/test_accelerate_conformance.py``).
 
 Each module here is a pytest plugin loaded with ``-p conformance.<module>`` into a pytest
 subprocess that runs Accelerate's *own* checkpoint tests (fetched from the sdist of the

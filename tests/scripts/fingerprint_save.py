@@ -1,5 +1,5 @@
 """Under torchrun (2 ranks, gloo, CPU): train two steps on a DistributedSampler loader and
-save with ``statekit.save``; the test then resumes with world size 1 (tests/test_fingerprint.py)."""
+save with ``statekit.save``; the test then resumes with world size 1 (tests/integration/torchrun/test_fingerprint_ranks.py)."""
 
 from __future__ import annotations
 

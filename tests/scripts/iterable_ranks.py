@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
-import test_iterable_resume as t  # noqa: E402
+import iterable_helpers as t  # noqa: E402
 
 from statekit.testing import assert_state_equal  # noqa: E402
 
