@@ -163,9 +163,9 @@ def save_objects(
     next_batch.claim_witnesses()  # left by a save that failed before it claimed them
     witnesses: list[next_batch.Witness] = []
     try:
-        _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
+        written = _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
         if rank == 0:  # the live values of what the core saved, before save() returns (an async save's too)
-            digest = state_check.record([e for e in entries if e.key not in owners], accelerator)
+            digest = state_check.record([e for e in entries if e.key not in owners], accelerator, states=written)
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
@@ -313,8 +313,10 @@ def context_for(
 
 def _pre_hooks_then_write(
     pm: PluginManager, checkpoint: Checkpoint, entries: list[Entry], models: list[Any], accelerator: Any, owners: dict[str, str]
-) -> None:
-    """Pre-hooks one plugin at a time, then the core's own files (or their staged copies)."""
+) -> dict[str, Mapping[str, Any]]:
+    """Pre-hooks one plugin at a time, then the core's own files (or their staged copies).
+    Returns the state dicts the core wrote of the models no plugin took, by key (computed
+    once: the state digest reuses them)."""
     core_models = [unwrap_model(m, accelerator) for m in models]
     hook_models = list(models)
     weights: list[Mapping[str, Any]] = [LazyStateDict(m) for m in core_models]
@@ -330,6 +332,7 @@ def _pre_hooks_then_write(
     left = {id(m): w for m, w in zip(hook_models, weights)}
     kept = [(m, c) for m, c in zip(models, core_models) if id(m) in left]
     write.write_core_state(checkpoint, entries, [m for m, _ in kept], [c for _, c in kept], [left[id(m)] for m, _ in kept])
+    return {checkpoint.key_of(m): left[id(m)] for m, _ in kept}
 
 
 def _commit(

@@ -125,7 +125,7 @@ def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
     return [e for e in entries if not (sharded and e.kind == "optimizer")]
 
 
-def digested(entry: Entry, accelerator: Any = None) -> dict[str, torch.Tensor]:
+def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one object that the state digest covers, by their path in its state
     dict (``"layers.0.weight"``, ``"state.0.exp_avg"``); empty for what is not digested
     (module docstring).
@@ -133,6 +133,7 @@ def digested(entry: Entry, accelerator: Any = None) -> dict[str, torch.Tensor]:
     Args:
         entry: the object (:class:`statekit.engine.entries.Entry`).
         accelerator: its Accelerator, to unwrap a prepared model.
+        state: its state dict when the caller has it already (not computed again).
 
     Returns:
         ``path -> tensor``.
@@ -144,7 +145,9 @@ def digested(entry: Entry, accelerator: Any = None) -> dict[str, torch.Tensor]:
             model = unwrap_model(entry.obj, accelerator)
             if any(_is_collective(m) for m in (entry.obj, model)):
                 return {}
-            state: Any = model.state_dict()
+            state = model.state_dict() if state is None else state
+        elif state is not None:
+            pass
         elif entry.kind == "tensor":
             state = {entry.key: entry.obj}
         elif entry.kind == "dict":
@@ -197,12 +200,16 @@ def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
     return sd.Sampling() if on_host else sd.Sampling.FULL
 
 
-def record(entries: list[Entry], accelerator: Any = None) -> StateDigest | None:
+def record(
+    entries: list[Entry], accelerator: Any = None, states: Mapping[str, Mapping[str, Any]] | None = None
+) -> StateDigest | None:
     """The state digest of a save: every digested tensor of every object, now.
 
     Args:
         entries: the save's objects.
         accelerator: the run's Accelerator, or None.
+        states: state dicts the save computed already, by key (the models' weights the
+            core wrote: a model's ``state_dict()`` is not called twice).
 
     Returns:
         The manifest's ``state_digest``, or None (nothing digested, or the check off).
@@ -210,7 +217,8 @@ def record(entries: list[Entry], accelerator: Any = None) -> StateDigest | None:
     Raises:
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
     """
-    tensors = {e.key: _digestible_tensors(digested(e, accelerator)) for e in digestible(entries, accelerator)}
+    tensors = {e.key: _digestible_tensors(digested(e, accelerator, (states or {}).get(e.key)))
+               for e in digestible(entries, accelerator)}
     tensors = {k: v for k, v in tensors.items() if v}
     sampling = _sampling(t for ts in tensors.values() for t in ts.values())
     if sampling is None or not tensors:
@@ -315,8 +323,8 @@ def check(
         verdict.verdict = "mismatch"
         if not strict:
             warn_user(f"{url}: state check after the load: {_listed(verdict)}", StateCheckWarning)
-    else:
-        logger.info("state check of %s: %s", url, verdict.detail)
+    else:  # (at DEBUG: a save and a load log one INFO line each; the verdict is in the next manifest)
+        logger.debug("state check of %s: %s", url, verdict.detail)
     return verdict
 
 

@@ -14,6 +14,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -453,7 +454,23 @@ class CheckpointManager:
         roots = [self.root]
         for _name, pairs in offered:
             for url, options in pairs or []:
-                roots.append(Storage(url, options))
+                try:
+                    roots.append(Storage(url, options))
+                except StatekitError:  # an unusable offered root: resume_order warns about it, the others decide
+                    continue
+        return roots
+
+    def _roots_of(self, candidates: list[tuple[CheckpointDir, dict[str, Any] | None]]) -> list[Storage]:
+        """The manager's root and the roots the resume candidates came from (the remote
+        tier's), without asking the plugins again."""
+        roots = [self.root]
+        seen = {self.root.url}
+        for info, options in candidates:
+            parent = info.url.rstrip("/").rsplit("/", 1)[0]
+            if parent not in seen:
+                seen.add(parent)
+                with contextlib.suppress(StatekitError):
+                    roots.append(Storage(parent, options))
         return roots
 
     def _url_on_branch(self, step: int) -> str:
@@ -717,7 +734,7 @@ class CheckpointManager:
             raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
         self._wait_save()  # an async save in flight commits first (on the branch it was saved on)
         everything = resume_candidates(self)
-        state = lineage.read_state(self._lineage_roots())
+        state = lineage.read_state(self._roots_of(everything))
         infos = [info for info, _ in everything]
         if step is not None:
             return self._rollback(int(step), everything, state, verify, strict, strict_resume)
