@@ -30,7 +30,8 @@ from statekit.api import fingerprint as fingerprints, skip_batches
 from statekit.api.accelerate_hooks import accelerate_directory
 from statekit.api.bridge import collect
 from statekit.api.loading import (
-    apply_own_states, check_accelerate_load, check_owners_installed, check_statekit_files, read_own_states,
+    apply_own_states, check_accelerate_load, check_loaded_state, check_owners_installed, check_statekit_files,
+    read_own_states,
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.engine import commit as commits, state_check
@@ -321,6 +322,10 @@ class _AttachedCalls:
             {"models": list(self.accelerator._models), "input_dir": checkpoint.url, "checkpoint": checkpoint},
         )
         manifest = checkpoint.manifest
+        if manifest is not None:  # the state check, as every statekit load (Accelerate's own load has no strict_resume)
+            owners = {k for k, o in manifest.objects.items() if o.owner not in (CORE, ACCELERATE_WRITER)}
+            entries = [e for e in collect(self.accelerator) if e.key not in owners]
+            check_loaded_state(checkpoint.url, manifest, None, entries, self.accelerator, strict_resume=False)
         where = f", rank {checkpoint.rank}" if checkpoint.world_size > 1 else ""
         logger.info(
             "loaded %s (step %s, %s, %.2f s, attached%s)", checkpoint.url, manifest.step if manifest is not None else None,

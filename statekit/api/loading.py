@@ -180,16 +180,30 @@ def load_objects(
         warn_unbuilt_ddp_buckets([(e.key, e.obj) for e in entries if e.kind == "model"])
     else:
         loaded = _load_native(storage, manifest, entries, accelerator, options, verify=verify, strict=strict)
-    _check_state(storage.url, manifest, loaded, entries, accelerator, strict_resume)
+    check_loaded_state(storage.url, manifest, loaded, entries, accelerator, strict_resume)
     return loaded
 
 
-def _check_state(
-    url: str, manifest: Manifest, loaded: Manifest | ForeignSummary, entries: list[Entry], accelerator: Any,
+def check_loaded_state(
+    url: str, manifest: Manifest, loaded: Manifest | ForeignSummary | None, entries: list[Entry], accelerator: Any,
     strict_resume: bool,
 ) -> None:
     """The state check of a completed load (:mod:`statekit.engine.state_check`): the live
-    objects against the saved digests, recorded for the next save's ``resume_audit``."""
+    objects against the saved digests, recorded for the next save's ``resume_audit``
+    (every load path calls it: :func:`load_objects`, attach mode's ``load_state``).
+
+    Args:
+        url: the checkpoint.
+        manifest: its manifest.
+        loaded: what the load returned (a non-strict load's ``incompatible_keys``), or None.
+        entries: the objects the load restored.
+        accelerator: the run's Accelerator, or None.
+        strict_resume: raise a difference instead of warning.
+
+    Raises:
+        StateMismatchError: ``strict_resume`` and a tensor differs (after it was recorded).
+        InvalidOptionError: ``STATEKIT_STATE_CHECK`` holds an unknown mode.
+    """
     incompatible = loaded.incompatible_keys if isinstance(loaded, Manifest) else None
     left_out = {key: keys.get("unexpected_keys", []) for key, keys in (incompatible or {}).items()}
     models = [unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model"]

@@ -166,7 +166,8 @@ def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str,
     plugins = {k: v for k, v in (attached.plugins if attached else {}).items() if k in writers}
     metadata = {**(attached.metadata if attached else {}), "converted_from": src.url, "source_format": "accelerate"}
     return build_manifest(checkpoint, checkpoint.files, objects, plugins=plugins, metadata=metadata,
-                          records=records, fingerprint=attached.fingerprint if attached else None)
+                          records=records, fingerprint=attached.fingerprint if attached else None,
+                          state_digest=attached.state_digest if attached else None)
 
 
 def loaders_left_as_they_are(manifest: Manifest, entries: list[Any], url: str) -> list[Any]:

@@ -247,3 +247,27 @@ def test_an_adapter_not_loaded_is_named(tmp_path, monkeypatch):
 
     with pytest.warns(statekit.StateCheckWarning, match=r"lora_B"):
         load_with_fault(monkeypatch, url, skip_adapters, objects={"model": other})
+
+
+def test_attach_mode_load_state_is_checked(tmp_path, monkeypatch):
+    """``accelerator.load_state`` of an attached accelerator: clean, then with the moments dropped."""
+    from accelerate import Accelerator
+
+    def prepared():
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(*trained())
+        statekit.attach(accelerator)
+        return accelerator, model, optimizer
+
+    accelerator, _, _ = prepared()
+    accelerator.save_state(str(tmp_path / "acc"))
+    accelerator, model, optimizer = prepared()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StateCheckWarning)
+        accelerator.load_state(str(tmp_path / "acc"))
+    accelerator, model, optimizer = prepared()
+    original = torch.optim.Optimizer.load_state_dict
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict",
+                        lambda self, sd: (original(self, sd), drop_moments(self))[0])
+    with pytest.warns(statekit.StateCheckWarning, match=r"optimizer 'optimizer_0': exp_avg of 'embed\.weight' is all zeros"):
+        accelerator.load_state(str(tmp_path / "acc"))
