@@ -54,6 +54,19 @@ def fresh_accelerator(stateful: bool = False, accum: int = 1):
     )
 
 
+def prepared_linear(with_scheduler: bool = False):
+    """A fresh accelerator with a seeded ``Linear(4, 2)`` and its SGD (and a StepLR) prepared:
+    ``(accelerator, prepared objects)``."""
+    accelerator = fresh_accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    objects = [model, optimizer]
+    if with_scheduler:
+        objects.append(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
+    return accelerator, accelerator.prepare(*objects)
+
+
 def build(seed: int = 0, stateful: bool = False, n: int = 100, batch_size: int = 8, accum: int = 1):
     """(accelerator, model, optimizer, loader, scheduler, counter), prepared and seeded;
     ``accum``: ``gradient_accumulation_steps``."""

@@ -14,18 +14,7 @@ import statekit
 
 pytest.importorskip("accelerate")
 
-from accelerate_helpers import fresh_accelerator  # noqa: E402
-
-
-def _prepared(with_scheduler: bool = False):
-    accelerator = fresh_accelerator()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    objects = [model, optimizer]
-    if with_scheduler:
-        objects.append(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
-    return accelerator, accelerator.prepare(*objects)
+from accelerate_helpers import fresh_accelerator, prepared_linear  # noqa: E402
 
 
 def test_save_and_resume_with_nothing_prepared_warn_naming_prepare(tmp_path, installed_plugin_manager):
@@ -42,7 +31,7 @@ def test_save_and_resume_with_nothing_prepared_warn_naming_prepare(tmp_path, ins
 
 
 def test_a_prepared_run_saves_without_that_warning(tmp_path, installed_plugin_manager):
-    accelerator, _ = _prepared()
+    accelerator, _ = prepared_linear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", statekit.StatekitWarning)
         statekit.save_state(accelerator, str(tmp_path / "ckpt"))
@@ -50,23 +39,23 @@ def test_a_prepared_run_saves_without_that_warning(tmp_path, installed_plugin_ma
 
 
 def test_resume_names_a_saved_scheduler_the_run_did_not_prepare(tmp_path, installed_plugin_manager):
-    accelerator, _ = _prepared(True)
+    accelerator, _ = prepared_linear(True)
     statekit.CheckpointManager(accelerator, str(tmp_path / "run")).save(5)
 
-    accelerator, (model, optimizer) = _prepared(False)  # forgot the scheduler
+    accelerator, (model, optimizer) = prepared_linear(False)  # forgot the scheduler
     manager = statekit.CheckpointManager(accelerator, str(tmp_path / "run"))
     with pytest.warns(statekit.ResumeFingerprintWarning, match=r"scheduler_0 \(scheduler\) is not restored.*accelerator\.prepare\(\)") as caught:
         assert manager.resume() == 5
     assert caught[0].filename == __file__
 
-    accelerator, _ = _prepared(False)
+    accelerator, _ = prepared_linear(False)
     manager = statekit.CheckpointManager(accelerator, str(tmp_path / "run"))
     with pytest.raises(statekit.ResumeMismatchError, match=r"scheduler_0 \(scheduler\) is not restored"):
         manager.resume(strict_resume=True)
 
 
 def test_load_state_names_a_saved_model_and_optimizer_left_behind(tmp_path, installed_plugin_manager):
-    accelerator, _ = _prepared(True)
+    accelerator, _ = prepared_linear(True)
     statekit.save_state(accelerator, str(tmp_path / "ckpt"))
 
     accelerator = fresh_accelerator()
@@ -77,7 +66,7 @@ def test_load_state_names_a_saved_model_and_optimizer_left_behind(tmp_path, inst
 
 
 def test_attached_save_state_names_an_optimizer_not_prepared_at_load(tmp_path, installed_plugin_manager):
-    accelerator, _ = _prepared(False)
+    accelerator, _ = prepared_linear(False)
     statekit.attach(accelerator)
     accelerator.save_state(str(tmp_path / "ckpt"))
     assert "objects" in json.loads((tmp_path / "ckpt" / "statekit.json").read_text())["fingerprint"]

@@ -14,20 +14,7 @@ import statekit
 
 pytest.importorskip("accelerate")
 
-from accelerate_helpers import fresh_accelerator  # noqa: E402
-
-
-
-
-def _prepared(with_scheduler: bool = False):
-    accelerator = fresh_accelerator()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    objects = [model, optimizer]
-    if with_scheduler:
-        objects.append(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
-    return accelerator, accelerator.prepare(*objects)
+from accelerate_helpers import prepared_linear  # noqa: E402
 
 
 SOMETIMES_BROKEN = """
@@ -90,12 +77,12 @@ def test_an_attached_load_of_a_folder_a_broken_plugin_wrote_fails_naming_it(plug
 
     module = plugin_site.add("mine", SOMETIMES_BROKEN)
     monkeypatch.setattr(registry, "_manager", None)
-    accelerator, (model, optimizer) = _prepared()
+    accelerator, (model, optimizer) = prepared_linear()
     statekit.attach(accelerator)
     accelerator.save_state(str(tmp_path / "ckpt"))
 
     _rebuilt(plugin_site, monkeypatch, module, broken=True)
-    accelerator, (model, optimizer) = _prepared()
+    accelerator, (model, optimizer) = prepared_linear()
     with pytest.warns(statekit.StatekitWarning, match=r"plugin 'mine'.*failed to import"):
         statekit.attach(accelerator)
     before = model.weight.detach().clone()

@@ -15,19 +15,7 @@ import statekit
 
 pytest.importorskip("accelerate")
 
-from accelerate_helpers import fresh_accelerator  # noqa: E402
-
-
-
-def _prepared(with_scheduler: bool = False):
-    accelerator = fresh_accelerator()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    objects = [model, optimizer]
-    if with_scheduler:
-        objects.append(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
-    return accelerator, accelerator.prepare(*objects)
+from accelerate_helpers import fresh_accelerator, prepared_linear  # noqa: E402
 
 
 def test_resume_on_a_missing_bucket_raises_naming_it(s3_server, installed_plugin_manager):
@@ -47,7 +35,7 @@ def test_resume_on_an_empty_existing_bucket_is_a_fresh_run(s3_bucket, installed_
 
 
 def test_a_checkpoint_as_manager_root_is_refused(tmp_path, installed_plugin_manager):
-    accelerator, _ = _prepared()
+    accelerator, _ = prepared_linear()
     statekit.save_state(accelerator, str(tmp_path / "ckpt"))
     with pytest.raises(statekit.InvalidOptionError, match=r"ckpt' is a statekit checkpoint \(it holds statekit.json\).*statekit.load_state"):
         statekit.CheckpointManager(accelerator, str(tmp_path / "ckpt"))
@@ -55,7 +43,7 @@ def test_a_checkpoint_as_manager_root_is_refused(tmp_path, installed_plugin_mana
 
 
 def test_an_accelerate_checkpoint_as_manager_root_is_refused(tmp_path, installed_plugin_manager):
-    accelerator, _ = _prepared()
+    accelerator, _ = prepared_linear()
     accelerator.save_state(str(tmp_path / "acc"), safe_serialization=True)
     with pytest.raises(statekit.InvalidOptionError, match=r"acc' is a checkpoint written by Accelerator.save_state"):
         statekit.CheckpointManager(accelerator, str(tmp_path / "acc"))
