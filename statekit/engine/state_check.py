@@ -234,6 +234,18 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _widens(saved: torch.dtype, live: torch.dtype) -> bool:
+    """Whether every value of ``saved`` is exactly a value of ``live`` (bfloat16 or float16 in
+    float32, float32 in float64, a narrower integer in a wider one of the same signedness)."""
+    if saved.is_floating_point and live.is_floating_point:
+        return torch.finfo(live).bits > torch.finfo(saved).bits and torch.finfo(live).eps <= torch.finfo(saved).eps
+    if not (saved.is_floating_point or live.is_floating_point or saved.is_complex or live.is_complex
+            or torch.bool in (saved, live)):
+        wide, narrow = torch.iinfo(live), torch.iinfo(saved)
+        return wide.min <= narrow.min and wide.max >= narrow.max
+    return False
+
+
 def check(
     manifest: Manifest,
     entries: list[Entry],
@@ -301,8 +313,13 @@ def check(
                     verdict.deliberate.append((what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), not compared"))
                     continue
                 if sd.tensor_digest(cast, sampling) != digest:
-                    verdict.deliberate.append(
-                        (what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), not exact after a cast back, not compared"))
+                    if _widens(getattr(torch, dtype), tensor.dtype):  # lossless: the values themselves differ
+                        mismatched[f"{entry.key}:{path}"] = f"loaded as {_dtype(tensor)} (saved {dtype}), other values"
+                        verdict.differences.append(f"{what}: {_named(path, names)} loaded as {_dtype(tensor)} (saved "
+                                                   f"{dtype}) differs from the saved state after the cast back")
+                    else:
+                        verdict.deliberate.append(
+                            (what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), a narrowing cast, not compared"))
                     continue
                 verdict.deliberate.append((what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), equal after the cast back"))
                 verdict.compared += 1

@@ -271,3 +271,16 @@ def test_attach_mode_load_state_is_checked(tmp_path, monkeypatch):
                         lambda self, sd: (original(self, sd), drop_moments(self))[0])
     with pytest.warns(statekit.StateCheckWarning, match=r"optimizer 'optimizer_0': exp_avg of 'embed\.weight' is all zeros"):
         accelerator.load_state(str(tmp_path / "acc"))
+
+
+def test_a_fault_behind_a_widening_cast_is_a_difference_not_a_deliberate_cast(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    url = str(tmp_path / "bf16")
+    statekit.save(url, {"optimizer": optimizer})
+    wider = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())  # float32: every bfloat16 value fits
+    with pytest.warns(statekit.StateCheckWarning, match=r"loaded as float32 \(saved bfloat16\) differs from the saved state"):
+        load_with_fault(monkeypatch, url, drop_moments, "optimizer", objects={"optimizer": wider})
