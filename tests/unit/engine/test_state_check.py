@@ -153,9 +153,8 @@ def test_off_at_load_compares_nothing(saved, monkeypatch):
         load_with_fault(monkeypatch, saved, drop_moments, "optimizer")  # not compared: no warning
 
 
-def test_moments_cast_to_the_parameters_dtype_are_named_not_a_false_alarm(tmp_path):
-    """``Optimizer.load_state_dict`` casts the moments to the parameters' dtype: a widening
-    cast is compared after the cast back, a narrowing one is named and not compared."""
+def saved_bf16_optimizer(tmp_path):
+    """The URL of a saved AdamW (one step taken) over bfloat16 parameters."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -163,6 +162,13 @@ def test_moments_cast_to_the_parameters_dtype_are_named_not_a_false_alarm(tmp_pa
     optimizer.step()
     url = str(tmp_path / "bf16")
     statekit.save(url, {"optimizer": optimizer})
+    return url
+
+
+def test_moments_cast_to_the_parameters_dtype_are_named_not_a_false_alarm(tmp_path):
+    """``Optimizer.load_state_dict`` casts the moments to the parameters' dtype: a widening
+    cast is compared after the cast back, a narrowing one is named and not compared."""
+    url = saved_bf16_optimizer(tmp_path)
     wider = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
     statekit.load(url, {"optimizer": wider})
     state = statekit.save(str(tmp_path / "next"), {"optimizer": wider}).resume_audit.state
@@ -274,13 +280,7 @@ def test_attach_mode_load_state_is_checked(tmp_path, monkeypatch):
 
 
 def test_a_fault_behind_a_widening_cast_is_a_difference_not_a_deliberate_cast(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
-    optimizer.step()
-    url = str(tmp_path / "bf16")
-    statekit.save(url, {"optimizer": optimizer})
+    url = saved_bf16_optimizer(tmp_path)
     wider = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())  # float32: every bfloat16 value fits
     with pytest.warns(statekit.StateCheckWarning, match=r"loaded as float32 \(saved bfloat16\) differs from the saved state"):
         load_with_fault(monkeypatch, url, drop_moments, "optimizer", objects={"optimizer": wider})
