@@ -204,7 +204,11 @@ def _batched(batch: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     counts = torch.tensor([w.numel() for w, _ in pieces], dtype=torch.int64, device=words.device)
     ends = counts.cumsum(0)
     keys = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-    keys -= torch.repeat_interleave(ends - counts, counts)  # each tensor's words keyed from 0
+    # each tensor's words keyed from 0: subtract its start, spread by a cumulative sum of the
+    # starts' steps (torch.repeat_interleave does the same at ~35 ms a call on the CPU)
+    steps = torch.zeros_like(keys)
+    steps[ends[:-1]] = counts[:-1]
+    keys -= steps.cumsum(0)
     keys.mul_(_signed(_GOLDEN)).add_(_SEED).bitwise_xor_(words)
     running = _mix_(keys).cumsum(0)  # wrapping int64: the differences are the sums modulo 2**64
     totals = running[ends - 1].tolist()

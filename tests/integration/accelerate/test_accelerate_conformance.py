@@ -61,6 +61,7 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -412,8 +413,10 @@ class Conformance:
     """The fetched tests, the selection, and the four runs (each run once: all four when the
     fixture is built, two at a time)."""
 
-    def __init__(self, root: Path, work: Path, out: Path, accelerate_version: str, extracted: list[str]) -> None:
-        self.root, self.work, self.out = root, work, out
+    def __init__(
+        self, root: Path, work: Path, short_tmp: Path, out: Path, accelerate_version: str, extracted: list[str]
+    ) -> None:
+        self.root, self.work, self.short_tmp, self.out = root, work, short_tmp, out
         self.accelerate_version = accelerate_version
         self.extracted = extracted
         self.results: dict[str, ModeResult] = {}
@@ -422,11 +425,12 @@ class Conformance:
     def _select(self) -> list[str]:
         work = self.work / "collect"
         (work / "cwd").mkdir(parents=True)
-        (work / "tmp").mkdir()
+        tmp = self.short_tmp / "collect"
+        tmp.mkdir()
         log = work / "collect.log"
         rc = _run(
             _pytest_command(self.root, ["--collect-only", *(str(self.root / f) for f in EXTRACTED)]),
-            work / "cwd", _env(work / "tmp"), log, RUN_TIMEOUT_S,
+            work / "cwd", _env(tmp), log, RUN_TIMEOUT_S,
         )
         text = log.read_text(errors="replace")
         if rc != 0:
@@ -451,7 +455,7 @@ class Conformance:
         """One run of the selected tests in ``mode``, in its own working directory and TMPDIR
         (so runs of different modes can go on at the same time)."""
         work = self.work / mode
-        cwd, tmp = work / "cwd", work / "tmp"
+        cwd, tmp = work / "cwd", self.short_tmp / mode
         cwd.mkdir(parents=True)
         tmp.mkdir()
         junit, log = self.out / f"{mode}.junit.xml", self.out / f"{mode}.log"
@@ -517,7 +521,7 @@ class Conformance:
 
 
 @pytest.fixture(scope="module")
-def conformance(tmp_path_factory: pytest.TempPathFactory) -> Conformance:
+def conformance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Conformance]:
     for module, why in (
         ("accelerate", 'pip install "statekit[accelerate]"'),
         ("torchdata", "the 16 stateful data loader cases need it (statekit[accelerate])"),
@@ -532,9 +536,14 @@ def conformance(tmp_path_factory: pytest.TempPathFactory) -> Conformance:
     extracted = extract_tests(sdist, root)
     out = Path(os.environ.get("STATEKIT_CONFORMANCE_OUT") or work / "out")
     out.mkdir(parents=True, exist_ok=True)
-    conformance = Conformance(root, work, out, version, extracted)
-    conformance.run_all(parallel=PARALLEL_RUNS)
-    return conformance
+    # Each run's TMPDIR is short: the DataLoader workers (num_workers=4) pass tensors through a
+    # Unix socket made in TMPDIR, whose path may not pass 107 bytes (sun_path). Under pytest's
+    # tmp_path (longer still on an xdist worker: .../popen-gw0/...) the bind fails inside a
+    # worker's queue feeder thread, the batch is dropped, and the run waits for it forever.
+    with tempfile.TemporaryDirectory(prefix="skc-") as short_tmp:
+        conformance = Conformance(root, work, Path(short_tmp), out, version, extracted)
+        conformance.run_all(parallel=PARALLEL_RUNS)
+        yield conformance
 
 
 # --------------------------------------------------------------------------- checks
