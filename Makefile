@@ -42,8 +42,9 @@ demo-all: $(STAMP)
 # tests/integration). `make test` runs both tiers of the core, then each plugin's
 # tests from its own directory (each is its own distribution with its own conftest); every
 # suite runs, and any failure fails the target. `make test-fast` runs the unit tiers only.
-# The core's unit tier runs on two pytest-xdist workers (-n 2; the integration tier runs
-# serially: its tests start processes of their own).
+# Both tiers of the core run on two pytest-xdist workers (-n 2); the integration tier hands
+# out whole files (--dist loadfile), so a module's shared fixture (Accelerate's conformance
+# runs, a reference training) is built once, on one worker.
 PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 XDIST ?= -n 2
 TIERS ?= unit integration
@@ -53,7 +54,7 @@ test: $(STAMP)
 	for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
 		if [ $$tier = unit ]; then $(PYTEST) $(XDIST) tests/unit || status=1; \
-		else $(PYTEST) tests/$$tier || status=1; fi; \
+		else $(PYTEST) $(XDIST) --dist loadfile tests/$$tier || status=1; fi; \
 	done; \
 	for plugin in $(PLUGINS); do \
 		echo "== $$plugin"; \
