@@ -35,7 +35,6 @@ from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
 from statekit.manager.listing import DEFAULT_STEP_DIGITS, CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidOptionError,
@@ -657,41 +656,63 @@ class CheckpointManager:
         infos = [info for info, _ in everything]
         if step is not None:
             return self._rollback(int(step), everything, state, verify, strict, strict_resume)
-        candidates = self._lineage.live_candidates(everything, state, other_runs)
+        loaded = self._load_newest(self._lineage.live_candidates(everything, state, other_runs),
+                                   verify, strict, strict_resume)
+        if loaded is None:
+            self._fresh_start()
+            return None
+        info, manifest = loaded
+        step = self._resumed(info.url, manifest, info.step, info.accelerate)
+        self._lineage.continue_from(info, False, infos, state)
+        logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, info.url,
+                    self.lineage_run_id, lineage.short(self._lineage.branch))
+        return step
+
+    def _load_newest(self, candidates: list[Candidate], verify: bool, strict: bool,
+                     strict_resume: bool) -> tuple[CheckpointDir, Manifest | ForeignSummary] | None:
+        """Load the first of ``candidates`` that loads cleanly, skipping (with a warning)
+        each one that is damaged or an incomplete Accelerate folder.
+
+        Returns:
+            The checkpoint loaded and its manifest; None when there is no candidate.
+
+        Raises:
+            StatekitError: every candidate failed (the last one's error); or a failure
+                that is the run's, not the checkpoint's (:func:`_skippable`).
+        """
         last_error: StatekitError | None = None
         for info, options in candidates:
             try:
-                manifest = self._load(info.url, options, verify, strict, strict_resume)
-            except (PickleNotAllowedError, ResumeMismatchError):  # the run's settings: an older checkpoint fits no better
-                raise
-            except StateMismatchError as exc:
-                if not (info.accelerate and exc.missing and not exc.mismatched):
+                return info, self._load(info.url, options, verify, strict, strict_resume)
+            except StatekitError as exc:
+                if not _skippable(info, exc):
                     raise
-                warn_user(
-                    f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
-                    StatekitWarning,
-                )
-                logger.info("skipped %s (%s): incomplete Accelerate checkpoint? %s", info.name, info.url, exc)
+                self._skip(info, exc)
                 last_error = exc
-                continue
-            except (StatekitError, CheckpointNotFoundError) as exc:
-                warn_user(f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning)
-                logger.info("skipped %s (%s): %s", info.name, info.url, exc)
-                damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
-                if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
-                    self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
-                last_error = exc
-                continue
-            step = self._resumed(info.url, manifest, info.step, info.accelerate)
-            self._lineage.continue_from(info, False, infos, state)
-            logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, info.url,
-                        self.lineage_run_id, lineage.short(self._lineage.branch))
-            return step
         if last_error is not None:
             raise last_error
+        return None
+
+    def _skip(self, info: CheckpointDir, exc: StatekitError) -> None:
+        """Warn that ``info`` failed to load and the previous one is tried; a damaged
+        checkpoint under the root is remembered so that saving its step replaces it."""
+        if isinstance(exc, StateMismatchError):
+            warn_user(
+                f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
+                StatekitWarning,
+            )
+            logger.info("skipped %s (%s): incomplete Accelerate checkpoint? %s", info.name, info.url, exc)
+            return
+        warn_user(f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning)
+        logger.info("skipped %s (%s): %s", info.name, info.url, exc)
+        damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
+        if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
+            self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
+
+    def _fresh_start(self) -> None:
+        """No committed checkpoint to resume: the run starts from the beginning."""
         self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
         logger.info("no committed checkpoint under %s: starting from the beginning", self.root_url)
-        return None
 
     def _rollback(self, step: int, everything: list[Candidate], state: lineage.LineageState | None,
                   verify: bool, strict: bool, strict_resume: bool) -> int:
@@ -750,3 +771,15 @@ class CheckpointManager:
             return load_state(self.accelerator, url, **common, **self.options)
         entries = [classify(k, v) for k, v in self.objects.items()]  # a resume: the fingerprint is always compared
         return loading.load_objects(url, entries, options=self.options, **common)
+
+
+def _skippable(info: CheckpointDir, exc: StatekitError) -> bool:
+    """Whether ``resume()`` skips ``info`` after ``exc`` and tries the previous checkpoint:
+    a damaged checkpoint is skipped; an error of the run's settings is raised (an older
+    checkpoint fits no better), and so is a state mismatch, unless it is an Accelerate
+    folder missing keys only (an interrupted Accelerate save looks like that)."""
+    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError)):
+        return False
+    if isinstance(exc, StateMismatchError):
+        return info.accelerate and bool(exc.missing) and not exc.mismatched
+    return True
