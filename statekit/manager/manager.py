@@ -214,15 +214,7 @@ class CheckpointManager:
         """How saves run in the background (:class:`~statekit.manager.policies.AsyncPolicy`)."""
         signal_keywords = {"save_on_signal": save_on_signal, "grace_s": unset_if_none(grace_s),
                            "on_signal": on_signal, "signal_check_every": unset_if_none(signal_check_every)}
-        if preemption is None and any(save_on_signal is off for off in (UNSET, False, None)):  # off
-            unused = sorted(k for k, v in signal_keywords.items() if v is not UNSET and k != "save_on_signal")
-            if unused:
-                warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
-                          "so they have no effect", StatekitWarning)
-            self.preemption: PreemptionPolicy | None = None
-        else:
-            self.preemption = grouped(PreemptionPolicy, "preemption", preemption, signal_keywords,
-                                      {"save_on_signal": "signals", "signal_check_every": "check_every"})
+        self.preemption: PreemptionPolicy | None = _preemption_policy(preemption, signal_keywords)
         """What a preemption signal does (:class:`~statekit.manager.policies.PreemptionPolicy`),
         or None: no handlers."""
         self.backpressure = Backpressure(self.async_policy)
@@ -783,3 +775,22 @@ def _skippable(info: CheckpointDir, exc: StatekitError) -> bool:
     if isinstance(exc, StateMismatchError):
         return info.accelerate and bool(exc.missing) and not exc.mismatched
     return True
+
+
+def _preemption_policy(preemption: PreemptionPolicy | None, flat: dict[str, Any]) -> PreemptionPolicy | None:
+    """The manager's preemption group: ``preemption`` as given or built from its flat
+    keywords (``flat``: ``save_on_signal``, ``grace_s``, ``on_signal``,
+    ``signal_check_every``; :data:`UNSET` where not given), or None when no signal is
+    handled (the other flat keywords given then warn: they have no effect).
+
+    Raises:
+        InvalidOptionError: as :func:`~statekit.manager.policies.grouped`.
+    """
+    if preemption is None and any(flat["save_on_signal"] is off for off in (UNSET, False, None)):  # off
+        unused = sorted(k for k, v in flat.items() if v is not UNSET and k != "save_on_signal")
+        if unused:
+            warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
+                      "so they have no effect", StatekitWarning)
+        return None
+    return grouped(PreemptionPolicy, "preemption", preemption, flat,
+                   {"save_on_signal": "signals", "signal_check_every": "check_every"})
