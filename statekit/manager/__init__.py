@@ -7,6 +7,8 @@ Modules:
 - :mod:`~statekit.manager.retention`: after each commit: ``latest``, retention with plugin
   vetoes, ``statekit_checkpoint_committed``.
 - :mod:`~statekit.manager.resume_order`: the checkpoints a resume tries, in order, across roots.
+- :mod:`~statekit.manager.lineage`: runs and branches under a root (``lineage.json``, rollbacks)
+  and one manager's place in them (``RunLineage``: run id, branch, parent).
 - :mod:`~statekit.manager.listing`: listing, naming and deleting the checkpoints under a root
   (also used by the CLI and, through :mod:`statekit.plugin_api`, by plugins).
 - :mod:`~statekit.manager.backpressure`: ``save()`` while an async save still writes; ``stats()``.

@@ -18,17 +18,30 @@ rollbacks is unchanged. Of the copies of the file, the one with the highest ``se
 
 Names: a save whose plain name (``checkpoint-<step>``) is held by an abandoned checkpoint
 is named ``checkpoint-<step>.<branch>``; nothing is renamed or overwritten (object stores).
+
+One manager's place in it (its run id, branch, parent, the fork its branch starts at, the
+root file as it knows it) is a :class:`RunLineage`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from statekit.errors import StatekitError
+from statekit import distributed, format as fmt
+from statekit.errors import CheckpointNotFoundError, StatekitError
+from statekit.format.manifest import read_manifest
+from statekit.format.manifest_types import Lineage
+from statekit.hooks.registry import call_each, get_plugin_manager
+from statekit.manager.listing import CheckpointDir, checkpoint_name
 from statekit.storage import Storage
+
+if TYPE_CHECKING:
+    from statekit.manager.resume_order import Candidate
 
 STATE_NAME = "lineage.json"
 """The root file a rollback writes (the live branch and every branch's fork point)."""
@@ -263,3 +276,260 @@ def retention_view(root: Storage, committed: list[Any], keep_last: int | None) -
     live = [i for i in committed if is_live(state, i)]
     abandoned = {i.url for i in committed if not is_live(state, i)}
     return live, abandoned - abandoned_to_delete(state, committed, keep_last or 1)
+
+
+def lineage_roots(manager: Any) -> list[Storage]:
+    """Where the root file is written: the manager's root, then every root a plugin offers
+    to ``resume()`` (``statekit_resume_roots``: the remote tier).
+
+    Args:
+        manager: the :class:`statekit.CheckpointManager` (its ``root``; the hook's argument).
+
+    Returns:
+        The roots, the manager's first.
+
+    Raises:
+        PluginError: a ``statekit_resume_roots`` implementation failed.
+    """
+    offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
+    roots = [manager.root]
+    for _name, pairs in offered:
+        for url, options in pairs or []:
+            try:
+                roots.append(Storage(url, options))
+            except StatekitError:  # an unusable offered root: resume_order warns about it, the others decide
+                continue
+    return roots
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """Where a branch starts: the checkpoint it forked from.
+
+    Attributes:
+        parent: that checkpoint's name.
+        parent_branch: its branch.
+        step: its step.
+    """
+
+    parent: str
+    parent_branch: str
+    step: int
+
+    def branch(self, run_id: str | None) -> Branch:
+        """The root file's record of the branch forked here, written by ``run_id``."""
+        return Branch(run_id, self.parent, self.parent_branch, self.step)
+
+
+class RunLineage:
+    """One manager's run in the lineage: the run id and branch its saves record, the
+    checkpoint the next save descends from, and the root file as the run knows it.
+
+    A fresh run starts a new branch (and, without ``run_id``, a new run id); a resume
+    (:meth:`continue_from`) takes them over from the checkpoint loaded, or starts a branch
+    there on a rollback.
+
+    Args:
+        root: the manager's root (:class:`~statekit.storage.Storage`).
+        step_digits: the manager's ``step_digits`` (how a step's folder is named).
+        run_id: the ``run_id`` given to the manager (None: none).
+        write_roots: returns every root the root file is written to, the manager's
+            first (:func:`lineage_roots`); called only when the file is written.
+    """
+
+    def __init__(self, root: Storage, step_digits: int, run_id: str | None,
+                 write_roots: Callable[[], list[Storage]]) -> None:
+        self.root = root
+        self.step_digits = step_digits
+        self.given_run_id = run_id
+        """The ``run_id`` given to the manager (None: none)."""
+        self.run_id: str = run_id or new_id()
+        """The run id the next save records."""
+        self.branch: str = new_id()
+        """The branch the next save records (a fresh run's; a resume replaces it)."""
+        self.parent: str | None = None
+        """The name of the checkpoint the next save descends from (None: none yet)."""
+        self.fork: Fork | None = None
+        """Where this run's branch forked, when it starts a branch of its own there."""
+        self._write_roots = write_roots
+        self._state: LineageState | None = None
+        self._read = False  # whether _state is the root file as read (or written) by this run
+
+    @property
+    def state(self) -> LineageState | None:
+        """The root file as this run last read or wrote it (None: no branches, or not read yet)."""
+        return self._state
+
+    def record(self) -> Lineage:
+        """The :class:`~statekit.format.Lineage` the next save records."""
+        return Lineage(run_id=self.run_id, branch=self.branch, parent=self.parent)
+
+    def committed(self, url: str) -> None:
+        """After a save of this run committed at ``url``: the next save descends from it."""
+        self.parent = url.rstrip("/").rsplit("/", 1)[-1]
+
+    def roots_of(self, candidates: list[Candidate]) -> list[Storage]:
+        """The manager's root and the roots the resume candidates came from (the remote
+        tier's), without asking the plugins again.
+
+        Args:
+            candidates: ``(CheckpointDir, storage_options)`` pairs (``resume_candidates``).
+
+        Returns:
+            The roots, the manager's first; one that cannot be opened is left out.
+        """
+        roots = [self.root]
+        seen = {self.root.url}
+        for info, options in candidates:
+            parent = info.url.rstrip("/").rsplit("/", 1)[0]
+            if parent not in seen:
+                seen.add(parent)
+                with contextlib.suppress(StatekitError):
+                    roots.append(Storage(parent, options))
+        return roots
+
+    def url_on_branch(self, step: int) -> str:
+        """The URL the next save of ``step`` writes: ``checkpoint-<step>``, or
+        ``checkpoint-<step>.<branch>`` when an abandoned checkpoint holds the plain name.
+        The first save of a run under a root with a lineage file makes the run's branch
+        the live one (rank 0 writes the file).
+
+        Args:
+            step: the step saved.
+
+        Returns:
+            The checkpoint's URL under the manager's root.
+
+        Raises:
+            StatekitError: the root's lineage file is unreadable.
+            StorageError: the lineage file could not be written.
+        """
+        if not self._read:
+            self._state = read_state([self.root])
+            self._read = True
+        plain = self.root.url_of(checkpoint_name(step, self.step_digits))
+        if self._state is None:
+            return plain
+        if self._state.live != self.branch:  # a fresh run (or a resume before lineage) in a root with branches
+            self._go_live(self._state)
+        holder = self.root.child(checkpoint_name(step, self.step_digits))
+        if not holder.exists(fmt.MANIFEST_NAME):
+            return plain
+        try:
+            held = read_manifest(holder)
+        except StatekitError:
+            return plain  # damaged: the save reports it as today
+        if is_live(self._state, CheckpointDir(step, holder.url, True, lineage=held.lineage)):
+            return plain  # this branch's own step: saved again (CheckpointExistsError unless overwrite)
+        return self.root.url_of(checkpoint_name(step, self.step_digits, short(self.branch)))
+
+    def _go_live(self, state: LineageState) -> None:
+        """Make this run's branch the live one in the root file ``state`` (rank 0 writes it)."""
+        branch = self.fork.branch(self.run_id) if self.fork is not None else Branch(self.run_id)
+        state = LineageState(self.branch, {**state.branches, self.branch: branch}, state.seq + 1)
+        if distributed.rank_and_world_size()[0] == 0:
+            write_state(self._write_roots(), state)
+        self._state = state  # only once written: a failed write is retried by the next save
+
+    def live_candidates(self, candidates: list[Candidate], state: LineageState | None,
+                        other_runs: str) -> list[Candidate]:
+        """The candidates ``resume()`` tries: those of the live history and, with a given
+        ``run_id``, as ``other_runs`` says.
+
+        Args:
+            candidates: every committed checkpoint, best first (``resume_candidates``).
+            state: the root file (:func:`read_state` of :meth:`roots_of`), or None.
+            other_runs: ``"raise"``, ``"ignore"`` or ``"resume"`` (``resume()``'s).
+
+        Returns:
+            The candidates, in ``candidates``' order.
+
+        Raises:
+            StatekitError: the live history holds no committed checkpoint while abandoned
+                ones exist; or the newest live candidate is another run's and
+                ``other_runs`` is ``"raise"``.
+        """
+        live = [c for c in candidates if is_live(state, c[0])]
+        if state is not None and not live:
+            self._refuse_empty_live_branch(state, [info for info, _ in candidates])
+        if self.given_run_id is None or not live:
+            return live
+        theirs = run_of(live[0][0])
+        if theirs != self.given_run_id and other_runs == "raise":
+            raise StatekitError(
+                f"{self.root.url}: the newest checkpoint to resume, {live[0][0].name}, belongs to run "
+                f"{theirs if theirs is not None else '(unknown: written before lineage)'!s}, not to this run "
+                f"{self.given_run_id!r}; resume(other_runs='resume') continues it, other_runs='ignore' resumes only "
+                f"run {self.given_run_id!r}'s checkpoints (a fresh start when it has none), or use another root")
+        if other_runs == "ignore":
+            return [c for c in live if run_of(c[0]) == self.given_run_id]
+        return live
+
+    def _refuse_empty_live_branch(self, state: LineageState, infos: list[CheckpointDir]) -> None:
+        """Raise when statekit checkpoints exist but none is live (and the live branch is
+        not a run's first branch, which starts fresh)."""
+        if not any(i.kind == "statekit" for i in infos):
+            return
+        live = state.branches.get(state.live)
+        if live is None or live.parent is not None:
+            raise StatekitError(
+                f"{self.root.url}: the live branch {short(state.live)} ({STATE_NAME}) has no "
+                f"committed checkpoint left; abandoned: {', '.join(i.name for i in infos)}; roll back to one "
+                "with resume(step=K)")
+
+    def rollback_target(self, step: int, candidates: list[Candidate], state: LineageState | None) -> Candidate:
+        """The checkpoint ``resume(step=K)`` loads: the live history's of that step, else
+        the newest written of that step.
+
+        Args:
+            step: the step rolled back to.
+            candidates: every committed checkpoint (``resume_candidates``).
+            state: the root file, or None.
+
+        Returns:
+            The ``(CheckpointDir, storage_options)`` pair.
+
+        Raises:
+            CheckpointNotFoundError: no committed statekit checkpoint of ``step``.
+        """
+        same = [c for c in candidates if c[0].step == step and c[0].kind == "statekit"]
+        if not same:
+            steps = sorted({info.step for info, _ in candidates if info.committed})
+            raise CheckpointNotFoundError(
+                f"{self.root.url}: no committed checkpoint of step {step} to roll back to (committed steps: "
+                f"{', '.join(map(str, steps)) or 'none'})")
+        live = [c for c in same if is_live(state, c[0])]
+        return (live or sorted(same, key=lambda c: c[0].created or "", reverse=True))[0]
+
+    def continue_from(self, info: CheckpointDir, rollback: bool, infos: list[CheckpointDir],
+                      state: LineageState | None) -> None:
+        """After loading ``info``: the run's id, branch and parent; a rollback writes the
+        lineage file (its new branch live) to every root first (rank 0).
+
+        Args:
+            info: the checkpoint loaded.
+            rollback: whether it was loaded by ``resume(step=K)``.
+            infos: every committed checkpoint listed (local and offered roots).
+            state: the root file as read before the load, or None.
+
+        Raises:
+            StorageError: a rollback could not write the lineage file.
+        """
+        record = info.lineage
+        self.run_id = self.given_run_id or (record.run_id if record is not None else None) or new_id()
+        self.parent = info.name
+        if rollback or record is None:
+            self.branch = new_id()
+            self.fork = Fork(info.name, branch_of(info), info.step)
+        elif state is not None and branch_of(info) != state.live:
+            self.branch, self.fork = state.live, None  # the live branch forked here and saved nothing yet
+        else:
+            self.branch = record.branch  # a crash-resume continues the branch
+            self.fork = None
+        if rollback:
+            branches = register(state, branch_of(info), infos)
+            branches[self.branch] = self.fork.branch(self.run_id)
+            state = LineageState(self.branch, branches, (state.seq if state is not None else 0) + 1)
+            if distributed.rank_and_world_size()[0] == 0:
+                write_state(self._write_roots(), state)
+        self._state, self._read = state, True

@@ -14,7 +14,6 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -31,12 +30,11 @@ from statekit.manager.backpressure import Backpressure, CheckpointStats, SaveSta
 from statekit.manager.policies import UNSET, AsyncPolicy, PreemptionPolicy, RetentionPolicy, grouped
 from statekit.manager.preemption import SignalSave
 from statekit.manager import lineage
-from statekit.manager.resume_order import resume_candidates
+from statekit.manager.resume_order import Candidate, resume_candidates
 from statekit.manager.retention import after_commit
 from statekit.engine.entries import classify
 from statekit.manager.listing import DEFAULT_STEP_DIGITS, CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidOptionError,
@@ -49,9 +47,7 @@ from statekit.errors import (
 )
 from statekit.engine.staging import StagingPool
 from statekit.foreign.base import ForeignSummary
-from statekit import format as fmt
-from statekit.format.manifest import read_manifest
-from statekit.format.manifest_types import Lineage, Manifest
+from statekit.format.manifest_types import Manifest
 from statekit.hooks.hookspecs import Tier
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
@@ -218,15 +214,7 @@ class CheckpointManager:
         """How saves run in the background (:class:`~statekit.manager.policies.AsyncPolicy`)."""
         signal_keywords = {"save_on_signal": save_on_signal, "grace_s": unset_if_none(grace_s),
                            "on_signal": on_signal, "signal_check_every": unset_if_none(signal_check_every)}
-        if preemption is None and any(save_on_signal is off for off in (UNSET, False, None)):  # off
-            unused = sorted(k for k, v in signal_keywords.items() if v is not UNSET and k != "save_on_signal")
-            if unused:
-                warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
-                          "so they have no effect", StatekitWarning)
-            self.preemption: PreemptionPolicy | None = None
-        else:
-            self.preemption = grouped(PreemptionPolicy, "preemption", preemption, signal_keywords,
-                                      {"save_on_signal": "signals", "signal_check_every": "check_every"})
+        self.preemption: PreemptionPolicy | None = _preemption_policy(preemption, signal_keywords)
         """What a preemption signal does (:class:`~statekit.manager.policies.PreemptionPolicy`),
         or None: no handlers."""
         self.backpressure = Backpressure(self.async_policy)
@@ -236,16 +224,6 @@ class CheckpointManager:
         self.step_digits = step_digits
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
             raise InvalidOptionError(f"run_id must be a non-empty string or None, got {run_id!r}")
-        self.run_id: str | None = run_id
-        """The ``run_id`` given (None: none; the run's id is then :attr:`lineage_run_id`)."""
-        self.lineage_run_id: str = run_id or lineage.new_id()
-        """The run id the next save records (inherited from the checkpoint resumed from
-        when no ``run_id`` was given)."""
-        self._branch = lineage.new_id()  # a fresh run's branch; a resume replaces it
-        self._parent: str | None = None  # the checkpoint the next save descends from
-        self._fork: Any = None  # (name, branch, step) of the checkpoint this branch forked from
-        self._lineage_state: lineage.LineageState | None = None
-        self._lineage_read = False
         pm = get_plugin_manager()
         self.manager_options: Mapping[str, Any] = MappingProxyType(pm.take_manager_options(options))
         """The manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``): every declared
@@ -259,6 +237,8 @@ class CheckpointManager:
         """The root directory and its fsspec options (:class:`~statekit.storage.Storage`)."""
         refuse_checkpoint_as_root(self.root)
         self.root_url = self.root.url
+        # the run id, branch and parent the saves record; a resume continues them
+        self._lineage = lineage.RunLineage(self.root, step_digits, run_id, lambda: lineage.lineage_roots(self))
         self.staging = StagingPool()
         self.pending: PendingSave | None = None
         self.pending_step: int | None = None
@@ -282,6 +262,17 @@ class CheckpointManager:
         call_each(pm, "statekit_manager_start", None, {"manager": self})
         if self.signal_save is not None:  # handlers last: a manager whose start failed leaves none behind
             self.signal_save.install()
+
+    @property
+    def run_id(self) -> str | None:
+        """The ``run_id`` given (None: none; the run's id is then :attr:`lineage_run_id`)."""
+        return self._lineage.given_run_id
+
+    @property
+    def lineage_run_id(self) -> str:
+        """The run id the next save records (inherited from the checkpoint resumed from
+        when no ``run_id`` was given)."""
+        return self._lineage.run_id
 
     def tiers(self) -> list[Tier]:
         """The tier plugins' objects of this manager (found in :attr:`plugin_state` by protocol).
@@ -410,7 +401,7 @@ class CheckpointManager:
         if step is None:
             step = self.next_step()
         blocking = True if on_signal else not self.async_policy.enabled if blocking is None else blocking
-        url = self._url_on_branch(step)
+        url = self._lineage.url_on_branch(step)
         if not overwrite and url in self._skipped:  # the run fell back past it and reached its step again
             warn_user(f"replacing {url}, which resume() skipped as unloadable", StatekitWarning)
             overwrite = True
@@ -418,10 +409,10 @@ class CheckpointManager:
         metadata = {"metrics": dict(metrics)} if metrics else {}
         save_started = time.monotonic()
 
-        record = Lineage(run_id=self.lineage_run_id, branch=self._branch, parent=self._parent)
+        record = self._lineage.record()
 
         def committed(manifest: Manifest) -> None:
-            self._parent = url.rstrip("/").rsplit("/", 1)[-1]  # the next save descends from this one
+            self._lineage.committed(url)  # the next save descends from this one
             self._reuse_from = (url, manifest)  # the next save compares its files with this one's
             if self.signal_save is not None:
                 self.signal_save.observe_commit(step, save_started, manifest.size_bytes)
@@ -444,88 +435,6 @@ class CheckpointManager:
             self.signal_save.after_save(step)  # logs; exits, or should_stop
         self.save_stats.record(step, started, waited, "writing" if not blocking else "committed")
         return result
-
-    # ---------------------------------------------------------------- lineage
-
-    def _lineage_roots(self) -> list[Storage]:
-        """The manager's root, then every root a plugin offers to :meth:`resume` (the
-        remote tier): where the lineage file is read and written."""
-        offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": self})
-        roots = [self.root]
-        for _name, pairs in offered:
-            for url, options in pairs or []:
-                try:
-                    roots.append(Storage(url, options))
-                except StatekitError:  # an unusable offered root: resume_order warns about it, the others decide
-                    continue
-        return roots
-
-    def _roots_of(self, candidates: list[tuple[CheckpointDir, dict[str, Any] | None]]) -> list[Storage]:
-        """The manager's root and the roots the resume candidates came from (the remote
-        tier's), without asking the plugins again."""
-        roots = [self.root]
-        seen = {self.root.url}
-        for info, options in candidates:
-            parent = info.url.rstrip("/").rsplit("/", 1)[0]
-            if parent not in seen:
-                seen.add(parent)
-                with contextlib.suppress(StatekitError):
-                    roots.append(Storage(parent, options))
-        return roots
-
-    def _url_on_branch(self, step: int) -> str:
-        """The URL the next save of ``step`` writes: ``checkpoint-<step>``, or
-        ``checkpoint-<step>.<branch>`` when an abandoned checkpoint holds the plain name.
-        The first save of a run under a root with a lineage file makes the run's branch
-        the live one (rank 0 writes the file)."""
-        if not self._lineage_read:
-            self._lineage_state = lineage.read_state([self.root])
-            self._lineage_read = True
-        state = self._lineage_state
-        plain = self.url_for(step)
-        if state is None:
-            return plain
-        if state.live != self._branch:  # a fresh run (or a resume before lineage) in a root with branches
-            fork = self._fork
-            branch = lineage.Branch(self.lineage_run_id, *(fork if fork is not None else (None, None, None)))
-            state = lineage.LineageState(self._branch, {**state.branches, self._branch: branch}, state.seq + 1)
-            if distributed.rank_and_world_size()[0] == 0:
-                lineage.write_state(self._lineage_roots(), state)
-            self._lineage_state = state
-        holder = self.root.child(checkpoint_name(step, self.step_digits))
-        if not holder.exists(fmt.MANIFEST_NAME):
-            return plain
-        try:
-            held = read_manifest(holder)
-        except StatekitError:
-            return plain  # damaged: the save reports it as today
-        info = CheckpointDir(step, holder.url, True, lineage=held.lineage)
-        if lineage.is_live(state, info):
-            return plain  # this branch's own step: saved again (CheckpointExistsError unless overwrite)
-        return self.url_of(checkpoint_name(step, self.step_digits, lineage.short(self._branch)))
-
-    def _continue_lineage(self, info: CheckpointDir, rollback: bool, infos: list[CheckpointDir],
-                          state: lineage.LineageState | None) -> None:
-        """After loading ``info``: the run's id, branch and parent; a rollback writes the
-        lineage file (its new branch live) to every root first."""
-        record = info.lineage
-        self.lineage_run_id = self.run_id or (record.run_id if record is not None else None) or lineage.new_id()
-        self._parent = info.name
-        if rollback or record is None:
-            self._branch = lineage.new_id()
-            self._fork = (info.name, lineage.branch_of(info), info.step)
-        elif state is not None and lineage.branch_of(info) != state.live:
-            self._branch, self._fork = state.live, None  # the live branch forked here and saved nothing yet
-        else:
-            self._branch = record.branch  # a crash-resume continues the branch
-            self._fork = None
-        if rollback:
-            branches = lineage.register(state, lineage.branch_of(info), infos)
-            branches[self._branch] = lineage.Branch(self.lineage_run_id, *self._fork)
-            state = lineage.LineageState(self._branch, branches, (state.seq if state is not None else 0) + 1)
-            if distributed.rank_and_world_size()[0] == 0:
-                lineage.write_state(self._lineage_roots(), state)
-        self._lineage_state, self._lineage_read = state, True
 
     def step_boundary(self, step: int) -> bool:
         """A safe point for the save on a signal (``save_on_signal``); call it after every
@@ -581,8 +490,9 @@ class CheckpointManager:
         Returns:
             The step number for the next automatically named checkpoint.
         """
-        if self._lineage_state is not None:  # after a rollback: the live history's highest, not an abandoned step
-            infos = [i for i in list_checkpoints(self.root) if lineage.is_live(self._lineage_state, i)]
+        state = self._lineage.state
+        if state is not None:  # after a rollback: the live history's highest, not an abandoned step
+            infos = [i for i in list_checkpoints(self.root) if lineage.is_live(state, i)]
         else:
             infos = list_checkpoints(self.root, details=False)
         highest = max((i.step for i in infos), default=-1)
@@ -734,81 +644,77 @@ class CheckpointManager:
             raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
         self._wait_save()  # an async save in flight commits first (on the branch it was saved on)
         everything = resume_candidates(self)
-        state = lineage.read_state(self._roots_of(everything))
+        state = lineage.read_state(self._lineage.roots_of(everything))
         infos = [info for info, _ in everything]
         if step is not None:
             return self._rollback(int(step), everything, state, verify, strict, strict_resume)
-        candidates = [c for c in everything if lineage.is_live(state, c[0])]
-        if state is not None and not candidates and any(i.kind == "statekit" for i in infos):
-            live = state.branches.get(state.live)
-            if live is None or live.parent is not None:
-                raise StatekitError(
-                    f"{self.root_url}: the live branch {lineage.short(state.live)} ({lineage.STATE_NAME}) has no "
-                    f"committed checkpoint left; abandoned: {', '.join(i.name for i in infos)}; roll back to one "
-                    "with resume(step=K)")
-        if self.run_id is not None and candidates:
-            theirs = lineage.run_of(candidates[0][0])
-            if theirs != self.run_id and other_runs == "raise":
-                name = candidates[0][0].name
-                raise StatekitError(
-                    f"{self.root_url}: the newest checkpoint to resume, {name}, belongs to run "
-                    f"{theirs if theirs is not None else '(unknown: written before lineage)'!s}, not to this run "
-                    f"{self.run_id!r}; resume(other_runs='resume') continues it, other_runs='ignore' resumes only "
-                    f"run {self.run_id!r}'s checkpoints (a fresh start when it has none), or use another root")
-            if other_runs == "ignore":
-                candidates = [c for c in candidates if lineage.run_of(c[0]) == self.run_id]
+        loaded = self._load_newest(self._lineage.live_candidates(everything, state, other_runs),
+                                   verify, strict, strict_resume)
+        if loaded is None:
+            self._fresh_start()
+            return None
+        info, manifest = loaded
+        step = self._resumed(info.url, manifest, info.step, info.accelerate)
+        self._lineage.continue_from(info, False, infos, state)
+        logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, info.url,
+                    self.lineage_run_id, lineage.short(self._lineage.branch))
+        return step
+
+    def _load_newest(self, candidates: list[Candidate], verify: bool, strict: bool,
+                     strict_resume: bool) -> tuple[CheckpointDir, Manifest | ForeignSummary] | None:
+        """Load the first of ``candidates`` that loads cleanly, skipping (with a warning)
+        each one that is damaged or an incomplete Accelerate folder.
+
+        Returns:
+            The checkpoint loaded and its manifest; None when there is no candidate.
+
+        Raises:
+            StatekitError: every candidate failed (the last one's error); or a failure
+                that is the run's, not the checkpoint's (:func:`_skippable`).
+        """
         last_error: StatekitError | None = None
         for info, options in candidates:
             try:
-                manifest = self._load(info.url, options, verify, strict, strict_resume)
-            except (PickleNotAllowedError, ResumeMismatchError):  # the run's settings: an older checkpoint fits no better
-                raise
-            except StateMismatchError as exc:
-                if not (info.accelerate and exc.missing and not exc.mismatched):
+                return info, self._load(info.url, options, verify, strict, strict_resume)
+            except StatekitError as exc:
+                if not _skippable(info, exc):
                     raise
-                warn_user(
-                    f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
-                    StatekitWarning,
-                )
-                logger.info("skipped %s (%s): incomplete Accelerate checkpoint? %s", info.name, info.url, exc)
+                self._skip(info, exc)
                 last_error = exc
-                continue
-            except (StatekitError, CheckpointNotFoundError) as exc:
-                warn_user(f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning)
-                logger.info("skipped %s (%s): %s", info.name, info.url, exc)
-                damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
-                if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
-                    self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
-                last_error = exc
-                continue
-            step = self._resumed(info.url, manifest, info.step, info.accelerate)
-            self._continue_lineage(info, False, infos, state)
-            logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, info.url,
-                        self.lineage_run_id, lineage.short(self._branch))
-            return step
         if last_error is not None:
             raise last_error
-        self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
-        logger.info("no committed checkpoint under %s: starting from the beginning", self.root_url)
         return None
 
-    def _rollback(self, step: int, everything: list[Any], state: lineage.LineageState | None,
+    def _skip(self, info: CheckpointDir, exc: StatekitError) -> None:
+        """Warn that ``info`` failed to load and the previous one is tried; a damaged
+        checkpoint under the root is remembered so that saving its step replaces it."""
+        if isinstance(exc, StateMismatchError):
+            warn_user(
+                f"cannot resume from {info.url} (incomplete Accelerate checkpoint? {exc}); trying the previous one",
+                StatekitWarning,
+            )
+            logger.info("skipped %s (%s): incomplete Accelerate checkpoint? %s", info.name, info.url, exc)
+            return
+        warn_user(f"cannot resume from {info.url} ({exc}); trying the previous checkpoint", StatekitWarning)
+        logger.info("skipped %s (%s): %s", info.name, info.url, exc)
+        damaged = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
+        if damaged and info.url.startswith(self.root_url.rstrip("/") + "/") and not info.accelerate:
+            self._skipped.add(info.url)  # saving its step replaces it (not one only this setup cannot read)
+
+    def _fresh_start(self) -> None:
+        """No committed checkpoint to resume: the run starts from the beginning."""
+        self.root.check_bucket()  # a missing bucket lists as empty: not a fresh run
+        logger.info("no committed checkpoint under %s: starting from the beginning", self.root_url)
+
+    def _rollback(self, step: int, everything: list[Candidate], state: lineage.LineageState | None,
                   verify: bool, strict: bool, strict_resume: bool) -> int:
         """``resume(step=K)``: load the checkpoint of step ``K`` and start a branch there."""
-        infos = [info for info, _ in everything]
-        same = [c for c in everything if c[0].step == step and c[0].kind == "statekit"]
-        if not same:
-            steps = sorted({i.step for i in infos if i.committed})
-            raise CheckpointNotFoundError(
-                f"{self.root_url}: no committed checkpoint of step {step} to roll back to (committed steps: "
-                f"{', '.join(map(str, steps)) or 'none'})")
-        live = [c for c in same if lineage.is_live(state, c[0])]
-        info, options = (live or sorted(same, key=lambda c: c[0].created or "", reverse=True))[0]
+        info, options = self._lineage.rollback_target(step, everything, state)
         manifest = self._load(info.url, options, verify, strict, strict_resume)
         resumed = self._resumed(info.url, manifest, info.step, info.accelerate)
-        self._continue_lineage(info, True, infos, state)
+        self._lineage.continue_from(info, True, [i for i, _ in everything], state)
         logger.info("rolled back to step %s (%s): run %s continues on the new branch %s", resumed, info.url,
-                    self.lineage_run_id, lineage.short(self._branch))
+                    self.lineage_run_id, lineage.short(self._lineage.branch))
         return resumed
 
     def record_resume(self, url: str, manifest: Manifest) -> int:
@@ -857,3 +763,34 @@ class CheckpointManager:
             return load_state(self.accelerator, url, **common, **self.options)
         entries = [classify(k, v) for k, v in self.objects.items()]  # a resume: the fingerprint is always compared
         return loading.load_objects(url, entries, options=self.options, **common)
+
+
+def _skippable(info: CheckpointDir, exc: StatekitError) -> bool:
+    """Whether ``resume()`` skips ``info`` after ``exc`` and tries the previous checkpoint:
+    a damaged checkpoint is skipped; an error of the run's settings is raised (an older
+    checkpoint fits no better), and so is a state mismatch, unless it is an Accelerate
+    folder missing keys only (an interrupted Accelerate save looks like that)."""
+    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError)):
+        return False
+    if isinstance(exc, StateMismatchError):
+        return info.accelerate and bool(exc.missing) and not exc.mismatched
+    return True
+
+
+def _preemption_policy(preemption: PreemptionPolicy | None, flat: dict[str, Any]) -> PreemptionPolicy | None:
+    """The manager's preemption group: ``preemption`` as given or built from its flat
+    keywords (``flat``: ``save_on_signal``, ``grace_s``, ``on_signal``,
+    ``signal_check_every``; :data:`UNSET` where not given), or None when no signal is
+    handled (the other flat keywords given then warn: they have no effect).
+
+    Raises:
+        InvalidOptionError: as :func:`~statekit.manager.policies.grouped`.
+    """
+    if preemption is None and any(flat["save_on_signal"] is off for off in (UNSET, False, None)):  # off
+        unused = sorted(k for k, v in flat.items() if v is not UNSET and k != "save_on_signal")
+        if unused:
+            warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
+                      "so they have no effect", StatekitWarning)
+        return None
+    return grouped(PreemptionPolicy, "preemption", preemption, flat,
+                   {"save_on_signal": "signals", "signal_check_every": "check_every"})

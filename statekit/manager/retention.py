@@ -87,7 +87,7 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
                 f"plugin {plugin!r}: statekit_retention_keep must return URLs to keep, got {urls!r}",
                 plugin_name=plugin, hook_name="statekit_retention_keep",
             ) from None
-    state = manager._lineage_state  # the root's lineage file as the manager knows it (None: no branches)
+    state = manager._lineage.state  # the root's lineage file as the manager knows it (None: no branches)
     live = [i for i in committed if lineage.is_live(state, i)]
     keep |= manager.retention.kept(live)  # an abandoned checkpoint counts for nothing in the policies
     after = manager.retention.keep_last or 1
