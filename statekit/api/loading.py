@@ -208,10 +208,7 @@ def check_loaded_state(
     left_out = {key: keys.get("unexpected_keys", []) for key, keys in (incompatible or {}).items()}
     models = [unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model"]
     param_names = parameter_names(models)
-    names: dict[str, str] = {}
-    for e in entries:
-        if e.kind == "optimizer":
-            names.update(state_check.optimizer_names(e.obj, param_names))
+    names = {e.key: state_check.optimizer_names(e.obj, param_names) for e in entries if e.kind == "optimizer"}
     verdict = state_check.check(manifest, entries, url, accelerator=accelerator, strict=strict_resume,
                                 left_out=left_out, names=names)
     if verdict.verdict != "not recorded":  # recorded first: a raised mismatch still reaches the next save

@@ -254,7 +254,7 @@ def check(
     accelerator: Any = None,
     strict: bool = False,
     left_out: Mapping[str, Iterable[str]] | None = None,
-    names: Mapping[str, str] | None = None,
+    names: Mapping[str, Mapping[str, str]] | None = None,
 ) -> StateVerdict:
     """Compare the live objects, as a load left them, with the checkpoint's state digest.
 
@@ -266,8 +266,9 @@ def check(
         strict: do not warn on a mismatch: the caller raises it (:func:`raise_mismatch`).
         left_out: per object key, the state-dict keys a ``strict=False`` load left out
             (deliberately not loaded: skipped and named).
-        names: optimizer state paths as people name them
-            (``"state.3.exp_avg" -> "exp_avg of 'layers.3.weight'"``), for messages.
+        names: per object key, its optimizer's parameter names by state path prefix
+            (:func:`optimizer_names`: ``"state.3" -> "layers.3.weight"``, so
+            ``state.3.exp_avg`` is named ``exp_avg of 'layers.3.weight'``), for messages.
 
     Returns:
         The verdict (warned with :class:`StateCheckWarning` when it is a mismatch and not
@@ -292,6 +293,7 @@ def check(
         live = digested(entry, accelerator)
         skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
         what = f"{entry.kind} {entry.key!r}"
+        parameters = (names or {}).get(entry.key)
         compared: dict[str, torch.Tensor] = {}
         for path, value in recorded.items():
             dtype, _, digest = value.partition(":")
@@ -304,7 +306,7 @@ def check(
                     verdict.deliberate.append((what, path, "not loaded (strict=False)"))
                 else:
                     mismatched[f"{entry.key}:{path}"] = "saved, but the live object has no such tensor after the load"
-                    verdict.differences.append(f"{what}: {_named(path, names)} is missing after the load")
+                    verdict.differences.append(f"{what}: {_named(path, parameters)} is missing after the load")
                 continue
             if _dtype(tensor) != dtype:
                 try:
@@ -315,7 +317,7 @@ def check(
                 if sd.tensor_digest(cast, sampling) != digest:
                     if _widens(getattr(torch, dtype), tensor.dtype):  # lossless: the values themselves differ
                         mismatched[f"{entry.key}:{path}"] = f"loaded as {_dtype(tensor)} (saved {dtype}), other values"
-                        verdict.differences.append(f"{what}: {_named(path, names)} loaded as {_dtype(tensor)} (saved "
+                        verdict.differences.append(f"{what}: {_named(path, parameters)} loaded as {_dtype(tensor)} (saved "
                                                    f"{dtype}) differs from the saved state after the cast back")
                     else:
                         verdict.deliberate.append(
@@ -333,7 +335,7 @@ def check(
                 zeros = " is all zeros," if bool((tensor == 0).all()) else ""
                 mismatched[f"{entry.key}:{path}"] = f"saved digest {digest}, live {sums[path]}"
                 verdict.differences.append(
-                    f"{what}: {_named(path, names)}{zeros} differs from the saved state (saved digest {digest}, "
+                    f"{what}: {_named(path, parameters)}{zeros} differs from the saved state (saved digest {digest}, "
                     f"live {sums[path]})")
     verdict.mismatched = mismatched
     if verdict.differences:
@@ -373,13 +375,20 @@ def raise_mismatch(verdict: StateVerdict, url: str) -> None:
     raise error
 
 
-def _named(path: str, names: Mapping[str, str] | None) -> str:
-    return (names or {}).get(path, path)
+def _named(path: str, parameters: Mapping[str, str] | None) -> str:
+    """An optimizer state path as people name it: ``state.3.exp_avg`` is ``exp_avg of
+    'layers.3.weight'`` (``parameters``: :func:`optimizer_names`); any other path as it is."""
+    kind, _, rest = path.partition(".")
+    index, _, slot = rest.partition(".")
+    name = (parameters or {}).get(f"{kind}.{index}") if kind == "state" and slot else None
+    return f"{slot} of {name!r}" if name is not None else path
 
 
 def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[str, str]:
-    """``"state.<i>.<k>" -> "<k> of '<parameter name>'"`` for an optimizer's state paths
-    (``torch.optim.Optimizer.state_dict`` numbers the parameters in group order).
+    """``"state.<i>" -> "<parameter name>"`` for every parameter of one optimizer
+    (``torch.optim.Optimizer.state_dict`` numbers them in group order), whether or not it
+    holds state now: a state the load dropped is named after its parameter too. One
+    optimizer's map: another numbers its own parameters from 0 as well.
 
     Args:
         optimizer: the optimizer (an ``AcceleratedOptimizer`` is unwrapped).
@@ -387,7 +396,7 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
             (:func:`statekit.engine.optimizer_fit.parameter_names`).
 
     Returns:
-        The names of every state path.
+        The parameter name of each state path prefix.
     """
     optimizer = getattr(optimizer, "optimizer", optimizer)
     out: dict[str, str] = {}
@@ -396,8 +405,7 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
         for p in group["params"]:
             name = parameter_names.get(id(p))
             if name is not None:
-                for k in optimizer.state.get(p, {}):
-                    out[f"state.{index}.{k}"] = f"{k} of {name!r}"
+                out[f"state.{index}"] = name
             index += 1
     return out
 

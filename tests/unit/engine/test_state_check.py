@@ -72,12 +72,13 @@ def test_a_clean_load_is_verified_and_the_next_save_records_it(saved, tmp_path):
 
 
 def load_with_fault(monkeypatch, url, fault, target=None, strict_resume=False, objects=None):
-    """Load ``url`` with ``fault(obj)`` applied inside the load path: to the optimizer right
-    after its ``load_state_dict`` (``target="optimizer"``), or to the model right after
-    statekit's reads filled it (``statekit.engine.read.LoadPlan.read``)."""
+    """Load ``url`` with ``fault(obj)`` applied inside the load path: to the optimizer
+    ``objects[target]`` right after its ``load_state_dict``, or to the model (``target`` None
+    or ``"model"``) right after statekit's reads filled it (``statekit.engine.read.LoadPlan.read``)."""
     objects = objects or dict(zip(("model", "optimizer"), fresh()))
     victim = objects[target or "model"]
-    if target == "optimizer":
+    optimizer = isinstance(victim, torch.optim.Optimizer)
+    if optimizer:
         cls, method = torch.optim.Optimizer, "load_state_dict"
     else:
         cls, method = read.LoadPlan, "read"
@@ -85,7 +86,7 @@ def load_with_fault(monkeypatch, url, fault, target=None, strict_resume=False, o
 
     def faulty(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if target != "optimizer" or self is victim:
+        if not optimizer or self is victim:
             with torch.no_grad():
                 fault(victim)
         return result
@@ -284,3 +285,32 @@ def test_a_fault_behind_a_widening_cast_is_a_difference_not_a_deliberate_cast(tm
     wider = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())  # float32: every bfloat16 value fits
     with pytest.warns(statekit.StateCheckWarning, match=r"loaded as float32 \(saved bfloat16\) differs from the saved state"):
         load_with_fault(monkeypatch, url, drop_moments, "optimizer", objects={"optimizer": wider})
+
+
+def test_each_optimizers_state_is_named_after_its_own_parameters_even_when_dropped(tmp_path, monkeypatch):
+    """Two AdamW over two models number their states from 0 alike: each difference is named
+    after a parameter of its own optimizer, and a parameter's state the load dropped
+    (``state.1.*`` missing) after that parameter, not by its bare path."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 4))  # '0.weight', '0.bias'
+    disc = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 1))  # '1.weight', '1.bias'
+    opt_g, opt_d = torch.optim.AdamW(gen.parameters()), torch.optim.AdamW(disc.parameters())
+    disc(gen(torch.randn(2, 4))).sum().backward()
+    opt_g.step()
+    opt_d.step()
+    objects = {"gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d}
+    url = str(tmp_path / "gan")
+    statekit.save(url, objects)
+
+    def fault(optimizer):
+        optimizer.state[gen[0].weight]["exp_avg"].zero_()
+        optimizer.state.pop(gen[0].bias)
+
+    with pytest.warns(statekit.StateCheckWarning) as caught:
+        load_with_fault(monkeypatch, url, fault, "opt_g", objects=objects)
+    message = str(caught[0].message)
+    assert "4 tensor(s) differ" in message
+    for slot in ("step", "exp_avg", "exp_avg_sq"):
+        assert f"optimizer 'opt_g': {slot} of '0.bias' is missing after the load" in message
+    assert "optimizer 'opt_g': exp_avg of '0.weight' is all zeros" in message
+    assert "'1." not in message and "state." not in message
