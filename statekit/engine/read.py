@@ -374,6 +374,39 @@ def model_tensor_files(key: str, files: tuple[str, ...] | list[str]) -> list[str
     return [f"{key}.safetensors"] + sorted(rel for rel in files if is_frozen_file(key, rel))
 
 
+def custom_load(model: torch.nn.Module) -> str | None:
+    """Why filling ``model``'s tensors in place would skip code of its own that a load
+    runs, or None when it would not.
+
+    A model loads fastest by reading each tensor straight into the one its
+    ``state_dict()`` returns; ``nn.Module.load_state_dict`` would do the same copy, but
+    also runs load hooks (``register_load_state_dict_pre_hook``/``_post_hook``) and the
+    ``_load_from_state_dict`` of modules that override it (transformers' frozen batch
+    norms, peft layers, quantized modules convert what they read). Such a model loads
+    through ``load_state_dict`` instead (one extra copy of its tensors in memory).
+    torch.nn's own overrides (batch and instance norm: compatibility with checkpoints
+    of older torch versions) change nothing for a state dict of the same class and do
+    not count.
+
+    Args:
+        model: the unwrapped model.
+
+    Returns:
+        The first reason found (naming the module and its class), or None.
+    """
+    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+        return f"{type(model).__name__} overrides load_state_dict"
+    for name, module in model.named_modules():
+        where = f"module {name or '(root)'!r} ({type(module).__name__})"
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return f"{where} has load_state_dict hooks"
+        override = type(module)._load_from_state_dict
+        owner = next(c for c in type(module).__mro__ if "_load_from_state_dict" in vars(c))
+        if override is not torch.nn.Module._load_from_state_dict and not owner.__module__.startswith("torch.nn."):
+            return f"{where} overrides _load_from_state_dict"
+    return None
+
+
 def load_model(
     checkpoint: Checkpoint, key: str, model: torch.nn.Module, saved: ObjectEntry, strict: bool = True
 ) -> dict[str, list[str]]:
@@ -382,6 +415,14 @@ def load_model(
     targets, saved_keys, report = _fit_model(checkpoint, key, model, saved, strict)
     if f"{key}.json" in (saved.files or ()):
         model.load_state_dict(checkpoint.reader.load_state(key), strict=strict)
+        return report
+    custom = custom_load(model)
+    if custom is not None:  # its own load code must run: read into fresh tensors, then load_state_dict
+        logger.debug("model %r: %s; loading through load_state_dict", key, custom)
+        state: dict[str, torch.Tensor] = {}
+        for rel in model_tensor_files(key, saved.files or ()):
+            state.update(checkpoint.reader.load_tensors(rel))
+        model.load_state_dict(state, strict=strict)
         return report
     shared = {k: t for k, t in targets.items() if k in saved_keys}
     try:
