@@ -725,7 +725,9 @@ class CheckpointManager:
         loads its optimizer, after ``accelerator.prepare``). The manager then treats
         the run as :meth:`resume` would have: retention never deletes ``url``, an in-use
         marker keeps other processes from deleting it, the next incremental save reuses its
-        unchanged files, a signal during the resume saves no copy of its step.
+        unchanged files, a signal during the resume saves no copy of its step, and the next
+        saves continue its lineage (run id, branch, parent: ``docs/concepts.md``, Lineage)
+        as after a :meth:`resume` that chose it.
 
         Args:
             url: the committed checkpoint the run resumed from.
@@ -734,7 +736,12 @@ class CheckpointManager:
         Returns:
             The step resumed from.
         """
-        return self._resumed(url, manifest, int(manifest.step or 0), False)
+        step = self._resumed(url, manifest, int(manifest.step or 0), False)
+        info = CheckpointDir(step, url, True, lineage=manifest.lineage)
+        self._lineage.continue_from(info, False, [], lineage.read_state(self._lineage.roots_of([(info, None)])))
+        logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, url,
+                    self.lineage_run_id, lineage.short(self._lineage.branch))
+        return step
 
     def _resumed(self, url: str, manifest: Manifest | ForeignSummary, folder_step: int, accelerate: bool) -> int:
         self.resumed_manifest = manifest

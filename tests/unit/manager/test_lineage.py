@@ -304,3 +304,32 @@ def test_automatic_steps_after_a_rollback_continue_the_live_history(tmp_path):
     assert manager.next_step() == 2
     manager.save()
     assert any(n.startswith("checkpoint-00000002.") for n in names(root))
+
+
+def test_record_resume_continues_the_lineage_of_the_checkpoint_loaded(tmp_path):
+    """An integration that loads itself (statekit-transformers) and calls record_resume:
+    the next save continues the run, its branch and names the checkpoint as parent, and
+    after a rollback elsewhere a record_resume of the live branch's checkpoint stays on it."""
+    root = str(tmp_path / "run")
+    first, _ = run(root, [1, 2])
+    saved = read_manifest(Storage(first.url_for(2)))
+    objs = objects(seed=1)
+    manager = statekit.CheckpointManager(objs, root)
+    manifest = statekit.load(manager.url_for(2), objs)
+    assert manager.record_resume(manager.url_for(2), manifest) == 2
+    manager.save(3)
+    third = read_manifest(Storage(manager.url_for(3)))
+    assert third.lineage.run_id == saved.lineage.run_id
+    assert third.lineage.branch == saved.lineage.branch
+    assert third.lineage.parent == "checkpoint-00000002"
+
+    rolled, objs = fresh_resume(root)[:2]
+    rolled.resume(step=1)
+    rolled.save(2)  # the new branch's step 2: the abandoned one keeps the plain name
+    (branch_two,) = [i for i in rolled.list() if i.name.startswith("checkpoint-00000002.")]
+    objs = objects(seed=2)
+    later = statekit.CheckpointManager(objs, root)
+    later.record_resume(branch_two.url, statekit.load(branch_two.url, objs))
+    later.save(3)
+    assert later.latest().rsplit("/", 1)[-1].startswith("checkpoint-00000003.")  # on the live branch, no collision
+    assert read_manifest(Storage(later.latest())).lineage.branch == read_manifest(Storage(branch_two.url)).lineage.branch
