@@ -78,25 +78,10 @@ def _tree_text(committed: list[Any], state: Any) -> str:
     """``ls --tree``: one block per branch (oldest first), the checkpoint it forked from,
     its checkpoints indented under it; ``*`` marks a live checkpoint, ``(live)`` the live
     branch, ``abandoned`` a checkpoint no resume takes (``docs/cli.md``)."""
-    by_branch: dict[str, list[Any]] = {}
-    for info in committed:
-        by_branch.setdefault(lineage.branch_of(info), []).append(info)
-    if state is not None:
-        for branch in lineage.LineageState.segments(state):
-            by_branch.setdefault(branch, [])
     by_name = {i.name: i for i in committed}
     lines = []
-    for branch, own in sorted(by_branch.items(), key=lambda kv: min((i.step for i in kv[1]), default=1 << 62)):
-        own.sort(key=lambda i: i.step)
-        known = state.branches.get(branch) if state is not None else None
-        parent = known.parent if known is not None else (own[0].lineage.parent if own and own[0].lineage else None)
-        run = known.run_id if known is not None and known.run_id else (lineage.run_of(own[0]) if own else None)
-        head = f"branch {lineage.short(branch)}" + (f" (run {run})" if run else "")
-        if parent and not (parent in by_name and lineage.branch_of(by_name[parent]) == branch):
-            head += f", forked from {parent}"
-        if state is not None and branch == state.live:
-            head += " (live)"
-        lines.append(head)
+    for branch, own in _by_branch(committed, state):
+        lines.append(_branch_head(branch, own, state, by_name))
         for info in own:
             live = lineage.is_live(state, info)
             lines.append(f"  {'*' if live and state is not None else ' '} {info.name}  step {info.step}"
@@ -106,6 +91,35 @@ def _tree_text(committed: list[Any], state: Any) -> str:
     if state is None:
         lines.append("(no rollback under this root: every checkpoint is on the live history)")
     return "\n".join(lines)
+
+
+def _by_branch(committed: list[Any], state: Any) -> list[tuple[str, list[Any]]]:
+    """The branches (those of the checkpoints, and those the lineage file knows without a
+    checkpoint yet), each with its checkpoints by step, the branch of the lowest step first."""
+    by_branch: dict[str, list[Any]] = {}
+    for info in committed:
+        by_branch.setdefault(lineage.branch_of(info), []).append(info)
+    if state is not None:
+        for branch in lineage.LineageState.segments(state):
+            by_branch.setdefault(branch, [])
+    for own in by_branch.values():
+        own.sort(key=lambda i: i.step)
+    return sorted(by_branch.items(), key=lambda kv: min((i.step for i in kv[1]), default=1 << 62))
+
+
+def _branch_head(branch: str, own: list[Any], state: Any, by_name: dict[str, Any]) -> str:
+    """``branch <id> (run <id>), forked from <checkpoint> (live)``: the run and the fork from
+    the lineage file, else from the branch's first checkpoint."""
+    known = state.branches.get(branch) if state is not None else None
+    first = own[0] if own else None
+    parent = known.parent if known is not None else (first.lineage.parent if first is not None and first.lineage else None)
+    run = known.run_id if known is not None and known.run_id else (lineage.run_of(first) if first is not None else None)
+    head = f"branch {lineage.short(branch)}" + (f" (run {run})" if run else "")
+    if parent and not (parent in by_name and lineage.branch_of(by_name[parent]) == branch):
+        head += f", forked from {parent}"
+    if state is not None and branch == state.live:
+        head += " (live)"
+    return head
 
 
 def _committed_text(entry: dict[str, Any]) -> str:
