@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from statekit import distributed, format as fmt
+from statekit.engine import commit as commits
 from statekit.errors import CheckpointNotFoundError, StatekitError
 from statekit.format.manifest import read_manifest
 from statekit.format.manifest_types import Lineage
@@ -388,6 +389,20 @@ class RunLineage:
                     roots.append(Storage(parent, options))
         return roots
 
+    def read_root_file(self, candidates: list[Candidate]) -> LineageState | None:
+        """The root file, as rank 0 reads it from the manager's root and the roots of
+        ``candidates`` (:meth:`roots_of`), on every rank (a collective with several: a
+        rank whose own root lacks the file, a node-local disk, follows rank 0's).
+
+        Raises:
+            StatekitError: the file is unreadable (on rank 0: naming it; elsewhere: naming rank 0).
+        """
+        rank, world = distributed.rank_and_world_size()
+        if world == 1:
+            return read_state(self.roots_of(candidates))
+        return commits.agree(lambda: read_state(self.roots_of(candidates)) if rank == 0 else None,
+                             self.root.url, broadcast=True)
+
     def url_on_branch(self, step: int) -> str:
         """The URL the next save of ``step`` writes: ``checkpoint-<step>``, or
         ``checkpoint-<step>.<branch>`` when an abandoned checkpoint holds the plain name.
@@ -404,10 +419,24 @@ class RunLineage:
             StatekitError: the root's lineage file is unreadable.
             StorageError: the lineage file could not be written.
         """
+        rank, world = distributed.rank_and_world_size()
+        if world == 1:
+            return self.root.url_of(self._name_on_branch(step))
+        # rank 0 decides (its root, its root file) and every rank follows: a rank with a
+        # root of its own, or a fresh id of its own, would otherwise name another folder
+        decided = commits.agree(
+            lambda: (self._name_on_branch(step), self.run_id, self.branch, self.fork, self._state) if rank == 0 else None,
+            self.root.url, broadcast=True)
+        name, self.run_id, self.branch, self.fork, self._state = decided
+        self._read = True
+        return self.root.url_of(name)
+
+    def _name_on_branch(self, step: int) -> str:
+        """:meth:`url_on_branch`'s folder name, as this process sees the root."""
         if not self._read:
             self._state = read_state([self.root])
             self._read = True
-        plain = self.root.url_of(checkpoint_name(step, self.step_digits))
+        plain = checkpoint_name(step, self.step_digits)
         if self._state is None:
             return plain
         if self._state.live != self.branch:  # a fresh run (or a resume before lineage) in a root with branches
@@ -421,7 +450,7 @@ class RunLineage:
             return plain  # damaged: the save reports it as today
         if is_live(self._state, CheckpointDir(step, holder.url, True, lineage=held.lineage)):
             return plain  # this branch's own step: saved again (CheckpointExistsError unless overwrite)
-        return self.root.url_of(checkpoint_name(step, self.step_digits, short(self.branch)))
+        return checkpoint_name(step, self.step_digits, short(self.branch))
 
     def _go_live(self, state: LineageState) -> None:
         """Make this run's branch the live one in the root file ``state`` (rank 0 writes it)."""
@@ -526,6 +555,8 @@ class RunLineage:
         else:
             self.branch = record.branch  # a crash-resume continues the branch
             self.fork = None
+        if distributed.rank_and_world_size()[1] > 1:  # every rank takes rank 0's new ids
+            self.run_id, self.branch = distributed.broadcast_from_rank0((self.run_id, self.branch))
         if rollback:
             branches = register(state, branch_of(info), infos)
             branches[self.branch] = self.fork.branch(self.run_id)

@@ -644,7 +644,7 @@ class CheckpointManager:
             raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
         self._wait_save()  # an async save in flight commits first (on the branch it was saved on)
         everything = resume_candidates(self)
-        state = lineage.read_state(self._lineage.roots_of(everything))
+        state = self._lineage.read_root_file(everything)
         infos = [info for info, _ in everything]
         if step is not None:
             return self._rollback(int(step), everything, state, verify, strict, strict_resume)
@@ -738,7 +738,7 @@ class CheckpointManager:
         """
         step = self._resumed(url, manifest, int(manifest.step or 0), False)
         info = CheckpointDir(step, url, True, lineage=manifest.lineage)
-        self._lineage.continue_from(info, False, [], lineage.read_state(self._lineage.roots_of([(info, None)])))
+        self._lineage.continue_from(info, False, [], self._lineage.read_root_file([(info, None)]))
         logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, url,
                     self.lineage_run_id, lineage.short(self._lineage.branch))
         return step
