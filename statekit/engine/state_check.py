@@ -6,18 +6,18 @@ optimizer's moments at zero, zero-pads a reshard or skips an adapter: the files 
 fine. At save, :func:`record` digests every tensor of every saved object's state dict
 (:mod:`statekit.format.state_digest`: one number per tensor, the same however the tensor
 is split across ranks); after a load, :func:`check` digests the objects as they now are
-and names each tensor that differs. Deliberate differences are named as such, not reported as
-faults: a tensor loaded into another dtype is compared after a cast back (a widening
-cast is exact), and one a ``strict=False`` load left out is skipped.
+and names each tensor that differs. Deliberate differences are named as such, not
+reported as faults: a tensor loaded into another dtype is compared after a cast back (a
+widening cast is exact), and one a ``strict=False`` load left out is skipped.
 
 What is digested: the state dict of every object the core saves whole on every rank
-(models, optimizers, schedulers, scalers, custom objects, tensors and dicts of them), and
-of every model or optimizer a plugin took whose parameters include a ``DTensor`` and
+(models, optimizers, schedulers, scalers, custom objects, tensors and dicts of them),
+and of every model or optimizer a plugin took whose parameters include a ``DTensor`` and
 whose ``state_dict()`` is not a collective (statekit-fsdp's FSDP2 ``fully_shard`` models
 and their optimizers: their tensors have global positions, whatever the plugin's layout
-on disk). A ``DTensor`` is
-digested by the global positions of its shard (:func:`statekit.format.state_digest.shard_sum`),
-each rank's share added in one all-reduce of every DTensor of the save or the load
+on disk). A ``DTensor`` is digested by the global positions of its shard
+(:func:`statekit.format.state_digest.shard_sum`), each rank's share added in one
+all-reduce of every DTensor of the save or the load
 (:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
 objects hold DTensors, :func:`check` are collectives, called by every rank at the same
 point with the same objects. Not digested: data loaders (their positions are the resume
