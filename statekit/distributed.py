@@ -196,6 +196,29 @@ def max_over_ranks(values: list[int]) -> list[int]:
     return [int(v) for v in box.tolist()]
 
 
+def sum_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise sum of ``values`` over the ranks: one all-reduce (SUM) of an int64
+    tensor on :func:`statekit_group` (from the thread that runs the save or the load; every
+    rank calls it at the same point, with as many values). In one process: ``values``, no
+    collective.
+
+    Args:
+        values: this rank's integers; each sum over the ranks must fit in a signed 64-bit
+            integer (the caller splits wider numbers).
+
+    Returns:
+        The sums, the same list on every rank.
+
+    Raises:
+        CollectiveTimeoutError: a rank did not answer within the collective timeout.
+    """
+    if rank_and_world_size()[1] == 1:
+        return list(values)
+    box = torch.tensor(values, dtype=torch.int64)
+    _collective("sum_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.SUM, group=statekit_group()))
+    return [int(v) for v in box.tolist()]
+
+
 def ddp_buckets_unbuilt(model: Any) -> bool:
     """True for a ``DistributedDataParallel`` model over more than two ranks whose gradient
     buckets are still in their first layout: it has run no backward pass, does not look for

@@ -323,9 +323,9 @@ class _AttachedCalls:
         )
         manifest = checkpoint.manifest
         if manifest is not None:  # the state check, as every statekit load (Accelerate's own load has no strict_resume)
-            owners = {k for k, o in manifest.objects.items() if o.owner not in (CORE, ACCELERATE_WRITER)}
-            entries = [e for e in collect(self.accelerator) if e.key not in owners]
-            check_loaded_state(checkpoint.url, manifest, None, entries, self.accelerator, strict_resume=False)
+            # (what a plugin took is compared where the save digested it: state_check.record)
+            check_loaded_state(checkpoint.url, manifest, None, collect(self.accelerator), self.accelerator,
+                               strict_resume=False)
         where = f", rank {checkpoint.rank}" if checkpoint.world_size > 1 else ""
         logger.info(
             "loaded %s (step %s, %s, %.2f s, attached%s)", checkpoint.url, manifest.step if manifest is not None else None,
@@ -386,6 +386,8 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
     names = {f.writer for f in checkpoint.files.values()} | set(checkpoint.all_records()) | set(owners.values())
     plugins = plugin_versions(get_plugin_manager(), names - {ACCELERATE_WRITER})
     files = commits.gather_files(checkpoint)
+    entries = collect(accelerator)
+    digest = state_check.record(entries, accelerator, taken=owners)  # every rank: DTensors' shards are summed across them
     manifest = None
     if checkpoint.rank == 0:
         objects = {
@@ -394,8 +396,6 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
         }
         records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
         fingerprint = fingerprints.compute(collect(accelerator), accelerator, rng=fingerprints.rng_saved(records, files))
-        entries = collect(accelerator)
-        digest = state_check.record([e for e in entries if e.key not in owners], accelerator)
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records,
                                           fingerprint=fingerprint, state_digest=digest,
                                           saved={**checkpoint.objects, **{e.key: e.obj for e in entries}})

@@ -164,8 +164,9 @@ def save_objects(
     witnesses: list[next_batch.Witness] = []
     try:
         written = _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
-        if rank == 0:  # the live values of what the core saved, before save() returns (an async save's too)
-            digest = state_check.record([e for e in entries if e.key not in owners], accelerator, states=written)
+        # the live values, before save() returns (an async save's too); every rank: DTensors' shards are summed across
+        # them (rank 0 gets the digest)
+        digest = state_check.record(entries, accelerator, states=written, taken=owners)
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once

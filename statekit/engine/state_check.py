@@ -5,18 +5,30 @@ A checkpoint's checksums prove its files; they cannot see a load path that leave
 optimizer's moments at zero, zero-pads a reshard or skips an adapter: the files were
 fine. At save, :func:`record` digests every tensor of every saved object's state dict
 (:mod:`statekit.format.state_digest`: one number per tensor, the same however the tensor
-is split); after a load, :func:`check` digests the objects as they now are and names
-each tensor that differs. Deliberate differences are named as such, not reported as
-faults: a tensor loaded into another dtype is compared after a cast back (a widening
-cast is exact), and one a ``strict=False`` load left out is skipped.
+is split across ranks); after a load, :func:`check` digests the objects as they now are
+and names each tensor that differs. Deliberate differences are named as such, not
+reported as faults: a tensor loaded into another dtype is compared after a cast back (a
+widening cast is exact), and one a ``strict=False`` load left out is skipped.
 
 What is digested: the state dict of every object the core saves whole on every rank
-(models, optimizers, schedulers, scalers, custom objects, tensors and dicts of them);
-not data loaders (their positions are the resume audit's), per-rank objects, objects a
-plugin took (their layout is the plugin's), meta tensors (nothing to compare), ``DTensor``
-shards (their global positions are the sharding plugin's to give), and models whose
-``state_dict()`` is a collective (FSDP1, DeepSpeed engines: the digest runs on one rank),
-with their optimizers (whose state is each rank's shard).
+(models, optimizers, schedulers, scalers, custom objects, tensors and dicts of them),
+and of every model or optimizer a plugin took whose parameters include a ``DTensor`` and
+whose ``state_dict()`` is not a collective (statekit-fsdp's FSDP2 ``fully_shard`` models
+and their optimizers: their tensors have global positions, whatever the plugin's layout
+on disk). A ``DTensor`` is digested by the global positions of its shard
+(:func:`statekit.format.state_digest.shard_sum`), each rank's share added in one
+all-reduce of every DTensor of the save or the load
+(:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
+objects hold DTensors, :func:`check` are collectives, called by every rank at the same
+point with the same objects. Not digested: data loaders (their positions are the resume
+audit's), per-rank objects, other objects a plugin took (their layout and round trip are
+the plugin's: folders, offloaded weights), meta tensors (nothing to compare), DTensors
+whose placements give their local values no global positions (``Partial``,
+``_StridedShard``) or on a mesh of part of the ranks (recorded in the digest's
+``uncompared`` and named by the check, never compared), and models whose
+``state_dict()`` is a collective (FSDP1, DeepSpeed engines: it gathers the whole model,
+on the training's process group), with their optimizers (whose state is each rank's
+shard, without global positions).
 
 How much is digested: :data:`MODE_ENV` (``STATEKIT_STATE_CHECK``): ``"sampled"`` (the
 default where a tensor is on the CPU: blocks of 16 elements every 4096, and every element
@@ -30,11 +42,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import zlib
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from statekit import distributed
 from statekit.engine.entries import Entry, unwrap_model
 from statekit.errors import InvalidOptionError, StateCheckWarning, StateMismatchError, warn_user
 from statekit.format import state_digest as sd
@@ -127,8 +141,9 @@ def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
 
 def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one object that the state digest covers, by their path in its state
-    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``); empty for what is not digested
-    (module docstring).
+    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``), DTensors included; empty for
+    what is not digested (module docstring). Whether a plugin took the object is
+    :func:`record`'s to judge.
 
     Args:
         entry: the object (:class:`statekit.engine.entries.Entry`).
@@ -178,8 +193,7 @@ def _is_collective(model: Any) -> bool:
 
 def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
-        if type(value).__name__ != "DTensor":  # a shard's global positions are its plugin's to give
-            out[prefix] = value
+        out[prefix] = value  # (a DTensor too: its shards are summed by their global positions)
     elif isinstance(value, Mapping):
         for k, v in value.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
@@ -201,33 +215,161 @@ def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
 
 
 def record(
-    entries: list[Entry], accelerator: Any = None, states: Mapping[str, Mapping[str, Any]] | None = None
+    entries: list[Entry],
+    accelerator: Any = None,
+    states: Mapping[str, Mapping[str, Any]] | None = None,
+    taken: Collection[str] = (),
 ) -> StateDigest | None:
     """The state digest of a save: every digested tensor of every object, now.
+
+    Every rank calls it, at the same point of the save: the shards of a ``DTensor`` are
+    summed across the ranks (one all-reduce for every DTensor of the save, on statekit's
+    group; none when there is none). Rank 0 digests the other tensors and returns the
+    digest; the other ranks only add their shards.
 
     Args:
         entries: the save's objects.
         accelerator: the run's Accelerator, or None.
         states: state dicts the save computed already, by key (the models' weights the
             core wrote: a model's ``state_dict()`` is not called twice).
+        taken: the keys of the objects a plugin took. Digested only when they are models
+            or optimizers whose parameters (or a model's buffers) include a DTensor, and
+            the model's ``state_dict()`` is not a collective (a model ``fully_shard``
+            sharded, its optimizer: their tensors have global positions whatever the
+            plugin's layout); the others are the plugin's (folders, offloaded weights),
+            their state dicts not computed.
 
     Returns:
-        The manifest's ``state_digest``, or None (nothing digested, or the check off).
+        The manifest's ``state_digest`` on rank 0 (None there when nothing is digested or
+        the check is off); None on the other ranks.
 
     Raises:
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
+        CollectiveTimeoutError: a rank did not reach the all-reduce of the DTensors.
     """
-    tensors = {e.key: _digestible_tensors(digested(e, accelerator, (states or {}).get(e.key)))
-               for e in digestible(entries, accelerator)}
-    tensors = {k: v for k, v in tensors.items() if v}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for e in digestible(entries, accelerator):
+        if e.key in taken and not _sharded_by_dtensors(e, accelerator):
+            continue  # (its state dict not even computed: it may gather, or read offloaded weights)
+        named = _digestible_tensors(digested(e, accelerator, (states or {}).get(e.key)))
+        if named:
+            tensors[e.key] = named
     sampling = _sampling(t for ts in tensors.values() for t in ts.values())
     if sampling is None or not tensors:
         return None
-    objects = {}
+    rank = distributed.rank_and_world_size()[0]
+    sums, uncompared = _digests({(key, path): t for key, named in tensors.items() for path, t in named.items()},
+                                sampling, plain=rank == 0)
+    if rank != 0:
+        return None
+    objects: dict[str, dict[str, str]] = {}
+    not_digested: dict[str, dict[str, str]] = {}
     for key, named in tensors.items():
-        sums = sd.digests(named, sampling)
-        objects[key] = {path: f"{_dtype(t)}:{sums[path]}" for path, t in named.items()}
-    return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects)
+        for path, t in named.items():
+            if (key, path) in sums:
+                objects.setdefault(key, {})[path] = f"{_dtype(t)}:{sums[key, path]}"
+            else:
+                not_digested.setdefault(key, {})[path] = uncompared[key, path]
+    return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects,
+                       uncompared=not_digested or None)
+
+
+def _sharded_by_dtensors(entry: Entry, accelerator: Any) -> bool:
+    """Whether a model's parameters or buffers, or an optimizer's parameters, include a
+    DTensor (told from the object, without its state dict)."""
+    obj = entry.obj
+    if entry.kind == "model":
+        model = unwrap_model(obj, accelerator)
+        tensors = [*model.parameters(), *model.buffers()] if isinstance(model, torch.nn.Module) else []
+    elif entry.kind == "optimizer":
+        for _ in range(8):  # (AcceleratedOptimizer and other wrappers keep the optimizer in .optimizer)
+            inner = getattr(obj, "optimizer", None)
+            if inner is None or inner is obj:
+                break
+            obj = inner
+        tensors = [p for group in getattr(obj, "param_groups", ()) for p in group.get("params", ())]
+    else:
+        return False
+    return any(sd.is_dtensor(t) for t in tensors)
+
+
+_Name = tuple[str, str]
+"""``(object key, tensor path)``."""
+
+
+def _digests(
+    tensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling, plain: bool = True
+) -> tuple[dict[_Name, str], dict[_Name, str]]:
+    """The digests of many tensors of many objects: the plain ones batched
+    (:func:`statekit.format.state_digest.digests`; only when ``plain``), the DTensors by
+    :func:`_shard_digests` (a collective).
+
+    Returns:
+        ``(name -> 16 hex digits, name -> why a DTensor is not digested)``.
+    """
+    local = {name: t for name, t in tensors.items() if not sd.is_dtensor(t)} if plain else {}
+    batch = sd.digests({str(i): t for i, t in enumerate(local.values())}, sampling)
+    sums = dict(zip(local, batch.values()))
+    shards, uncompared = _shard_digests({name: t for name, t in tensors.items() if sd.is_dtensor(t)}, sampling)
+    sums.update(shards)
+    return sums, uncompared
+
+
+def _shard_digests(dtensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling) -> tuple[dict[_Name, str], dict[_Name, str]]:
+    """The digests of DTensors: each rank's share (:func:`statekit.format.state_digest.shard_sum`)
+    summed over the ranks in one all-reduce (every rank calls it with the same DTensors, in
+    the same order: their objects' state dicts; none in one process or without a
+    DTensor). A DTensor whose mesh is not the whole world, or whose share a rank cannot
+    compute (a ``Partial`` or ``_StridedShard`` placement), is not digested: named.
+
+    Returns:
+        ``(name -> 16 hex digits, name -> why it is not digested)``.
+
+    Raises:
+        CollectiveTimeoutError: a rank did not reach the all-reduce.
+    """
+    world = distributed.rank_and_world_size()[1]
+    slots: list[_Name] = []
+    values: list[int] = []
+    uncompared: dict[_Name, str] = {}
+    own: dict[_Name, str] = {}
+    for name, t in dtensors.items():
+        size = t.device_mesh.size()
+        if size != world:  # (the ranks outside it hold no share: they would not take part)
+            uncompared[name] = f"a DTensor on a mesh of {size} of the {world} ranks"
+            continue
+        try:
+            share, failed = sd.shard_sum(t, sampling), 0
+        except ValueError as exc:
+            share, failed = 0, 1
+            own[name] = f"a DTensor with {exc}"
+        slots.append(name)
+        values += [share & 0xFFFFFFFF, share >> 32, failed]  # 32-bit halves: the sums never overflow an int64
+    if world > 1 and slots:
+        tag = zlib.crc32("\0".join(f"{key}\0{path}" for key, path in slots).encode())
+        summed = distributed.sum_over_ranks([len(slots), tag, *values])
+        if summed[:2] != [len(slots) * world, tag * world]:  # not the same DTensors on every rank: no sum is right
+            return {}, {**uncompared, **{n: "ranks hold different DTensors, not summed" for n in slots}}
+        values = summed[2:]
+    sums: dict[_Name, str] = {}
+    for i, name in enumerate(slots):
+        low, high, failed = values[3 * i: 3 * i + 3]
+        if failed:
+            uncompared[name] = own.get(name) or f"a DTensor whose share {failed} rank(s) could not compute"
+        else:
+            sums[name] = sd.format_sum(low + (high << 32))
+    return sums, uncompared
+
+
+def _all_zeros(tensors: Mapping[_Name, torch.Tensor]) -> dict[_Name, bool]:
+    """Whether each tensor is all zeros (a DTensor: on every rank; one all-reduce for all
+    of them, called by every rank with the same DTensors)."""
+    out = {name: bool((t == 0).all()) for name, t in tensors.items() if not sd.is_dtensor(t)}
+    shards = [(name, t) for name, t in tensors.items() if sd.is_dtensor(t)]
+    if shards:
+        nonzero = distributed.sum_over_ranks([int(bool((t.to_local() != 0).any())) for _, t in shards])
+        out.update({name: not n for (name, _), n in zip(shards, nonzero)})
+    return out
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -258,6 +400,11 @@ def check(
 ) -> StateVerdict:
     """Compare the live objects, as a load left them, with the checkpoint's state digest.
 
+    Every rank calls it, at the same point of the load, with the same objects: the
+    DTensors among the compared tensors are digested with one all-reduce (and, when some
+    differ, one more to tell whether they are all zeros); the other tensors on each rank
+    alone. Tensors the save could not digest (``state_digest.uncompared``) are named.
+
     Args:
         manifest: the loaded checkpoint's manifest.
         entries: the objects the load restored.
@@ -276,6 +423,7 @@ def check(
 
     Raises:
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
+        CollectiveTimeoutError: a rank did not reach the all-reduce of the DTensors.
     """
     saved = manifest.state_digest
     if saved is None or mode() == "off":
@@ -285,59 +433,74 @@ def check(
     except (KeyError, TypeError, ValueError):
         return StateVerdict("not recorded")
     verdict = StateVerdict("verified", sampled=not sampling.is_full)
-    mismatched: dict[str, str] = {}
-    for entry in digestible(entries, accelerator):
+    # every note sorts by (object, 0: while reading the paths / 1: the digests that differ, path): the order of a
+    # check one object at a time, though the digests are computed for every object at once
+    deliberate: list[tuple[tuple[int, int, int], tuple[str, str, str]]] = []
+    differences: list[tuple[tuple[int, int, int], str, str, str]] = []  # (order, mismatched key, its value, message)
+    compared: dict[_Name, tuple[torch.Tensor, str, str, str, tuple[int, int, int]]] = {}
+    whats: dict[str, str] = {}
+    for index, entry in enumerate(digestible(entries, accelerator)):
+        what = whats[entry.key] = f"{entry.kind} {entry.key!r}"
+        for path, reason in ((saved.uncompared or {}).get(entry.key) or {}).items():
+            deliberate.append(((index, 0, -1), (what, path, f"not digested at save ({reason}), not compared")))
         recorded = saved.objects.get(entry.key)
         if not recorded:
             continue
         live = digested(entry, accelerator)
         skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
-        what = f"{entry.kind} {entry.key!r}"
-        parameters = (names or {}).get(entry.key)
-        compared: dict[str, torch.Tensor] = {}
-        for path, value in recorded.items():
+        for i, (path, value) in enumerate(recorded.items()):
             dtype, _, digest = value.partition(":")
             tensor = live.get(path)
             if tensor is not None and tensor.device.type == "meta":  # offloaded: the weights live elsewhere
-                verdict.deliberate.append((what, path, "offloaded (meta on the live object), not compared"))
+                deliberate.append(((index, 0, i), (what, path, "offloaded (meta on the live object), not compared")))
                 continue
             if tensor is None:
                 if path in skipped:
-                    verdict.deliberate.append((what, path, "not loaded (strict=False)"))
+                    deliberate.append(((index, 0, i), (what, path, "not loaded (strict=False)")))
                 else:
-                    mismatched[f"{entry.key}:{path}"] = "saved, but the live object has no such tensor after the load"
-                    verdict.differences.append(f"{what}: {_named(path, parameters)} is missing after the load")
+                    differences.append(((index, 0, i), f"{entry.key}:{path}",
+                                        "saved, but the live object has no such tensor after the load",
+                                        f"{what}: {_named(path, (names or {}).get(entry.key))} is missing after the load"))
                 continue
-            if _dtype(tensor) != dtype:
+            live_dtype = _dtype(tensor)
+            if live_dtype != dtype:
                 try:
-                    cast = tensor.to(getattr(torch, dtype))
+                    tensor = tensor.to(getattr(torch, dtype))  # compared after the cast back
                 except (AttributeError, TypeError, RuntimeError):
-                    verdict.deliberate.append((what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), not compared"))
+                    deliberate.append(((index, 0, i), (what, path, f"loaded as {live_dtype} (saved {dtype}), not compared")))
                     continue
-                if sd.tensor_digest(cast, sampling) != digest:
-                    if _widens(getattr(torch, dtype), tensor.dtype):  # lossless: the values themselves differ
-                        mismatched[f"{entry.key}:{path}"] = f"loaded as {_dtype(tensor)} (saved {dtype}), other values"
-                        verdict.differences.append(f"{what}: {_named(path, parameters)} loaded as {_dtype(tensor)} (saved "
-                                                   f"{dtype}) differs from the saved state after the cast back")
-                    else:
-                        verdict.deliberate.append(
-                            (what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), a narrowing cast, not compared"))
-                    continue
-                verdict.deliberate.append((what, path, f"loaded as {_dtype(tensor)} (saved {dtype}), equal after the cast back"))
+            compared[entry.key, path] = (tensor, live_dtype, dtype, digest, (index, 0, i))
+    sums, uncompared = _digests({name: c[0] for name, c in compared.items()}, sampling)
+    differ: dict[_Name, tuple[str, tuple[int, int, int]]] = {}
+    for (key, path), (tensor, live_dtype, dtype, digest, order) in compared.items():
+        what = whats[key]
+        if (key, path) in uncompared:
+            deliberate.append((order, (what, path, f"{uncompared[key, path]}, not compared")))
+        elif live_dtype != dtype:
+            if sums[key, path] == digest:
+                deliberate.append((order, (what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")))
                 verdict.compared += 1
-                continue
-            compared[path] = tensor
-        sums = sd.digests(compared, sampling)
-        for path, tensor in compared.items():
+            elif _widens(getattr(torch, dtype), getattr(torch, live_dtype)):  # lossless: the values themselves differ
+                differences.append((order, f"{key}:{path}", f"loaded as {live_dtype} (saved {dtype}), other values",
+                                    f"{what}: {_named(path, (names or {}).get(key))} loaded as {live_dtype} (saved {dtype}) differs "
+                                    "from the saved state after the cast back"))
+            else:
+                deliberate.append(
+                    (order, (what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")))
+        else:
             verdict.compared += 1
-            _, _, digest = recorded[path].partition(":")
-            if sums[path] != digest:
-                zeros = " is all zeros," if bool((tensor == 0).all()) else ""
-                mismatched[f"{entry.key}:{path}"] = f"saved digest {digest}, live {sums[path]}"
-                verdict.differences.append(
-                    f"{what}: {_named(path, parameters)}{zeros} differs from the saved state (saved digest {digest}, "
-                    f"live {sums[path]})")
-    verdict.mismatched = mismatched
+            if sums[key, path] != digest:
+                differ[key, path] = (digest, (order[0], 1, order[2]))
+    zeros = _all_zeros({name: compared[name][0] for name in differ})
+    for (key, path), (digest, order) in differ.items():
+        differences.append((order, f"{key}:{path}", f"saved digest {digest}, live {sums[key, path]}",
+                            f"{whats[key]}: {_named(path, (names or {}).get(key))}"
+                            f"{' is all zeros,' if zeros[key, path] else ''} differs "
+                            f"from the saved state (saved digest {digest}, live {sums[key, path]})"))
+    verdict.deliberate = [note for _, note in sorted(deliberate, key=lambda d: d[0])]
+    differences.sort(key=lambda d: d[0])
+    verdict.differences = [message for _, _, _, message in differences]
+    verdict.mismatched = {key: value for _, key, value, _ in differences}
     if verdict.differences:
         verdict.verdict = "mismatch"
         if not strict:

@@ -534,6 +534,9 @@ class StateDigest(_JsonRecord):
             as JSON: ``block``, ``stride``, ``full_below``).
         objects: per object (stable key), per tensor (its path in the object's state
             dict, ``"layers.0.weight"``, ``"state.0.exp_avg"``): ``"<dtype>:<16 hex digits>"``.
+        uncompared: per object, per tensor: why it was not digested at save (a ``DTensor``
+            whose placements give no global positions, on a mesh of part of the world);
+            named by the check after a load. None (absent) when every tensor was digested.
         extra: keys this version does not know.
         key_order: the parsed object's key order (empty when built in code).
     """
@@ -541,10 +544,11 @@ class StateDigest(_JsonRecord):
     algorithm: str
     sampling: Mapping[str, int]
     objects: Mapping[str, Mapping[str, str]]
+    uncompared: Mapping[str, Mapping[str, str]] | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"algorithm", "sampling", "objects"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"algorithm", "sampling", "objects", "uncompared"})
 
     @classmethod
     def from_json(cls, value: Any, source: str) -> StateDigest:
@@ -563,10 +567,16 @@ class StateDigest(_JsonRecord):
         value = _need_object(value, "state_digest", source)
         objects = value.get("objects")
         sampling = value.get("sampling")
-        if not isinstance(value.get("algorithm"), str) or not isinstance(sampling, dict) or not isinstance(objects, dict) \
-                or not all(isinstance(o, dict) and all(isinstance(d, str) for d in o.values()) for o in objects.values()):
+        uncompared = value.get("uncompared")
+
+        def strings(table: Any) -> bool:
+            return isinstance(table, dict) and all(
+                isinstance(o, dict) and all(isinstance(d, str) for d in o.values()) for o in table.values())
+
+        if not isinstance(value.get("algorithm"), str) or not isinstance(sampling, dict) or not strings(objects) \
+                or not (uncompared is None or strings(uncompared)):
             raise CorruptCheckpointError(f"{source}: manifest field 'state_digest' is malformed", path=source)
-        return cls(algorithm=value["algorithm"], sampling=sampling, objects=objects,
+        return cls(algorithm=value["algorithm"], sampling=sampling, objects=objects, uncompared=uncompared,
                    extra={k: v for k, v in value.items() if k not in cls._KEYS}, key_order=tuple(value))
 
 

@@ -14,8 +14,11 @@ than 8 bytes, ``complex128``, is two words), are combined with a key derived fro
 element's *global* position in the whole tensor (row-major), passed through the splitmix64
 finaliser (Steele, Lea and Flood, OOPSLA 2014; https://prng.di.unimi.it/splitmix64.c) and
 summed modulo 2**64. Because the sum is over positions in the whole tensor, a rank holding
-rows 100 to 199 sums its rows with their global positions and the ranks' partial sums add
-up (one 8-byte all-reduce) to the digest of the whole tensor, whatever the split; because
+rows 100 to 199 sums its rows with their global positions (:func:`partial_sum`; a block
+that is not one contiguous run, a shard of columns or of a 2-D mesh, element by element:
+:func:`box_sum`; a ``DTensor``'s local shard, counted once per replica group:
+:func:`shard_sum`) and the ranks' partial sums add up (an all-reduce,
+:mod:`statekit.engine.state_check`) to the digest of the whole tensor, whatever the split; because
 each element is mixed with its position, zeroed, swapped or shifted elements change the
 sum except by a 64-bit coincidence. It is a check against accidental change, like the
 file checksums, not a cryptographic hash.
@@ -24,8 +27,9 @@ Sampling: a check of every element costs about a dozen element-wise passes, whic
 CPU is several times a load at the disk's speed. A sampled digest (:class:`Sampling`)
 sums only the elements whose position ``i`` has ``i % stride < block`` (blocks of
 ``block`` consecutive elements, one every ``stride``), and every element of a tensor under
-``full_below`` elements. The positions depend on the position alone, so sampling keeps
-the shard invariance. What a sampled digest can miss: a change confined to positions
+``full_below`` elements (judged by the whole tensor's size, on every shard). Whether an
+element is summed depends on its global position alone, so sampling keeps the shard
+invariance. What a sampled digest can miss: a change confined to positions
 outside the blocks, so a contiguous run of changed elements is always seen once it is at
 least ``stride - block + 1`` elements long (4,081 with the defaults, 16 KiB of float32),
 and a whole tensor dropped, zeroed or swapped always is; a few scattered elements may not
@@ -34,7 +38,8 @@ be. ``Sampling.FULL`` (``stride=block``) checks every element.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -101,8 +106,8 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         t = t.resolve_neg()
     flat = t.reshape(-1)
     size = flat.element_size()
-    if size > 8:  # complex128: two int64 words per element
-        return flat.view(torch.int64), size // 8
+    if size > 8:  # complex128: two int64 words per element (a strided view, one element per row: copied first)
+        return (flat if flat.stride(0) == 1 else flat.contiguous()).view(torch.int64), size // 8
     return flat.view(_WORD_VIEW[size]), 1
 
 
@@ -141,16 +146,133 @@ def partial_sum(piece: torch.Tensor, offset: int = 0, numel: int | None = None, 
     words, per = _words(piece)
     pos = _positions(offset, length, length if numel is None else numel, sampling, words.device)
     if pos is None:
-        keys = torch.arange(offset * per, (offset + length) * per, dtype=torch.int64, device=words.device)
-        values = words
-    else:  # gather the sampled elements first: only they are widened and mixed
-        local = pos - offset
-        if per > 1:
-            local = (local[:, None] * per + torch.arange(per, device=words.device)[None, :]).reshape(-1)
-        keys = local + offset * per
-        values = torch.index_select(words, 0, local)  # (advanced indexing takes a slow path here: 400x slower)
-    keys.mul_(_signed(_GOLDEN)).add_(_SEED).bitwise_xor_(values.to(torch.int64))
-    return int(_mix_(keys).sum().item()) % (1 << 64)
+        return _keyed_sum(words, per, None, torch.arange(offset, offset + length, dtype=torch.int64, device=words.device))
+    return _keyed_sum(words, per, pos - offset, pos)  # gather the sampled elements first: only they are mixed
+
+
+def _keyed_sum(words: torch.Tensor, per: int, local: torch.Tensor | None, positions: torch.Tensor) -> int:
+    """The one mixing of the digest: the elements ``local`` of ``words`` (None: all, in
+    order), whose global positions are ``positions`` (consumed), keyed by position, mixed
+    and summed modulo 2**64."""
+    if per > 1:  # an element of several words: word j of element i is keyed i * per + j
+        word = torch.arange(per, dtype=torch.int64, device=words.device)[None, :]
+        positions = (positions[:, None] * per + word).reshape(-1)
+        if local is not None:
+            local = (local[:, None] * per + word).reshape(-1)
+    # (index_select: advanced indexing takes a slow path here, 400x slower)
+    values = words if local is None else torch.index_select(words, 0, local)
+    positions.mul_(_signed(_GOLDEN)).add_(_SEED).bitwise_xor_(values.to(torch.int64))
+    return int(_mix_(positions).sum().item()) % (1 << 64)
+
+
+def box_sum(
+    piece: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], sampling: Sampling = Sampling.FULL
+) -> int:
+    """The digest sum of a block of a tensor: ``piece`` holds the elements
+    ``offsets[d] <= i_d < offsets[d] + piece.shape[d]`` of every dimension ``d`` of a
+    tensor of shape ``shape`` (a shard of any dimension, or of several). Each element is
+    keyed by its global row-major position, so the blocks' sums of one tensor add up
+    modulo 2**64 to its digest, however it is split; a block that is one contiguous run of
+    the tensor is :func:`partial_sum` itself.
+
+    Args:
+        piece: the block (any dtype and device).
+        offsets: the global index of its first element, per dimension.
+        shape: the whole tensor's shape.
+        sampling: which elements are summed (by global position: a sampled digest stays
+            independent of the split).
+
+    Returns:
+        The sum modulo 2**64, as an unsigned int.
+
+    Raises:
+        ValueError: ``offsets``, ``shape`` and the piece's shape do not describe a block of
+            the tensor.
+    """
+    shape, offsets, sizes = tuple(int(s) for s in shape), tuple(int(o) for o in offsets), tuple(piece.shape)
+    if not len(shape) == len(offsets) == len(sizes) or any(
+            o < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
+        raise ValueError(f"a block of shape {list(sizes)} at {list(offsets)} is not inside a tensor of shape {list(shape)}")
+    if piece.numel() == 0:
+        return 0
+    numel = math.prod(shape)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    first = sum(o * st for o, st in zip(offsets, strides))
+    outer = next((d for d in range(len(shape)) if sizes[d] != 1), len(shape))  # the dims before it: one index each
+    inner = next((d for d in range(len(shape) - 1, -1, -1) if sizes[d] != shape[d]), -1)  # the dims after it: whole
+    if inner <= outer:  # one contiguous run of the tensor
+        return partial_sum(piece, first, numel, sampling)
+    words, per = _words(piece)
+    device = words.device
+    local_strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+    last = first + sum((n - 1) * st for n, st in zip(sizes, strides))
+    positions = _positions(first, last - first + 1, numel, sampling, device)
+    if positions is None:  # every element: the global position of each local one
+        rest = torch.arange(piece.numel(), dtype=torch.int64, device=device)
+        positions = torch.full_like(rest, first)
+        for d in range(len(sizes) - 1, -1, -1):
+            positions.add_(rest.remainder(sizes[d]).mul_(strides[d]))
+            rest = rest.div(sizes[d], rounding_mode="floor")
+        return _keyed_sum(words, per, None, positions)
+    # sampled: the sampled positions of the span the block covers, those inside the block
+    inside = torch.ones_like(positions, dtype=torch.bool)
+    local = torch.zeros_like(positions)
+    for d in range(len(shape)):
+        index = positions.div(strides[d], rounding_mode="floor").remainder_(shape[d]) - offsets[d]
+        inside.logical_and_(index >= 0).logical_and_(index < sizes[d])
+        local.add_(index.mul_(local_strides[d]))
+    keep = inside.nonzero().reshape(-1)
+    return _keyed_sum(words, per, torch.index_select(local, 0, keep), torch.index_select(positions, 0, keep))
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    return type(t).__name__ == "DTensor" and isinstance(t, torch.Tensor)
+
+
+def shard_sum(t: torch.Tensor, sampling: Sampling = Sampling.FULL) -> int:
+    """This rank's share of the digest sum of a ``DTensor``: the :func:`box_sum` of its
+    local shard at the shard's global offsets, counted by one rank only where the mesh
+    replicates it (the rank at coordinate 0 of every ``Replicate`` mesh dimension). The
+    shares of every rank of the mesh, added modulo 2**64, are the digest of the whole
+    tensor (:func:`tensor_digest` of ``t.full_tensor()``), whatever the mesh and the
+    placements; nothing crosses ranks here.
+
+    Args:
+        t: a DTensor whose placements are ``Shard`` or ``Replicate`` (any mesh dimensions,
+            several sharding one tensor dimension too; uneven and empty shards).
+        sampling: which elements are summed (judged by the global shape).
+
+    Returns:
+        The share modulo 2**64, as an unsigned int (0 on a rank outside the mesh or on a
+        replica).
+
+    Raises:
+        ValueError: a placement whose local elements are not one block of the tensor
+            (``Partial``: the values are not yet summed; ``_StridedShard``), or a local
+            shard whose shape is not the one its placements give; the message names them.
+    """
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch 2.4: the same, still private
+        from torch.distributed._tensor import Replicate, Shard
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    other = [p for p in placements if type(p) not in (Shard, Replicate)]  # (a subclass: _StridedShard)
+    if other:
+        raise ValueError(f"placements {list(placements)}: the local values of {', '.join(map(str, other))} are not a "
+                         "block of the tensor's elements")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or any(type(p) is Replicate and c != 0 for p, c in zip(placements, coordinate)):
+        return 0  # outside the mesh, or a replica: another rank counts these elements
+    local = t.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"placements {list(placements)}: a local shard of shape {list(local.shape)}, not "
+                         f"{list(shape)} as they give (padded?)")
+    return box_sum(local, offsets, t.shape, sampling)
 
 
 def tensor_digest(t: torch.Tensor, sampling: Sampling = Sampling.FULL) -> str:
@@ -221,4 +343,5 @@ def format_sum(total: int) -> str:
     return f"{total % (1 << 64):016x}"
 
 
-__all__ = ["ALGORITHM", "Sampling", "digests", "format_sum", "partial_sum", "tensor_digest"]
+__all__ = ["ALGORITHM", "Sampling", "box_sum", "digests", "format_sum", "is_dtensor", "partial_sum", "shard_sum",
+           "tensor_digest"]

@@ -75,3 +75,66 @@ def assert_full_equal(expected: str | Path | dict, actual: str | Path | dict, *,
     assert sorted(a) == sorted(b)
     different = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
     assert not different, f"tensors differ: {different}"
+
+
+def capturing_verdicts() -> tuple[list[Any], Any]:
+    """Record the verdict of every state check from now on: ``(verdicts, undo)``, the list
+    filled with each :class:`statekit.engine.state_check.StateVerdict` (``undo()`` ends it)."""
+    from statekit.engine import state_check
+
+    verdicts: list[Any] = []
+    original = state_check.check
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        verdicts.append(original(*args, **kwargs))
+        return verdicts[-1]
+
+    state_check.check = check
+
+    def undo() -> None:
+        state_check.check = original
+
+    return verdicts, undo
+
+
+def verdict_json(verdict: Any) -> dict[str, Any]:
+    """A verdict as JSON (what the worker writes with ``--verdicts``)."""
+    return {"verdict": verdict.verdict, "compared": verdict.compared, "differences": verdict.differences,
+            "deliberate": [list(d) for d in verdict.deliberate]}
+
+
+def read_verdicts(path: str | Path, nproc: int) -> list[dict[str, Any]]:
+    """Every rank's state-check verdicts of one ``--verdicts`` worker run, by rank:
+    ``[{"verdicts": [...], "warnings": [...]}, ...]``."""
+    return [json.loads(Path(f"{path}.rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def fault_after_load(model: Any, optim: Any) -> Any:
+    """Make the plugin's load path faulty (``set_state_dict``, as the plugin calls it): after
+    it installed the state, the last rank zeroes a row of its shard of ``hidden.weight``
+    and every rank zeroes its shard of the ``exp_avg`` of ``out.weight``. Returns ``undo()``."""
+    import torch
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    original = dcp_state.set_state_dict
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        with torch.no_grad():
+            weight = model.hidden.weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            if rank == world - 1 and local.shape[0]:
+                local[-1].zero_()
+            moment = optim.state[model.out.weight]["exp_avg"]
+            (moment.to_local() if hasattr(moment, "to_local") else moment).zero_()
+        return result
+
+    dcp_state.set_state_dict = faulty
+
+    def undo() -> None:
+        dcp_state.set_state_dict = original
+
+    return undo

@@ -7,7 +7,12 @@ the gloo backend on CPU. Commands:
   dump the full (gathered) state to ``--full``; with ``--then-load FILE`` also load the
   checkpoint into a fresh model (seed 1) and dump that state to FILE.
 * ``load``: build a fresh model (seed 1), ``statekit.load`` the checkpoint, dump the
-  full state to ``--full``.
+  full state to ``--full``; with ``--verdicts FILE`` each rank writes its state-check
+  verdicts and warnings to ``FILE.rank<r>.json``; with ``--fault`` the load path is faulty
+  (``fsdp_testlib.fault_after_load``) and the state check's warnings are recorded, not raised.
+
+Every command fails on a :class:`statekit.StateCheckWarning` (a false alarm of the state
+check), except a ``--fault`` load.
 * ``train``: train ``--steps`` steps with a ``CheckpointManager`` (``--url`` is its root,
   async saves), saving at ``--save-at``; with ``--resume`` start from the newest
   checkpoint instead; write the per-step global losses to ``--losses``.
@@ -181,7 +186,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save-at", type=int, default=4)
     parser.add_argument("--losses")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--verdicts", help="write every state-check verdict and warning to FILE.rank<r>.json")
+    parser.add_argument("--fault", action="store_true", help="load: a faulty load path (fsdp_testlib.fault_after_load)")
     args = parser.parse_args(argv)
+    from statekit import StateCheckWarning
+
+    if not args.fault:  # a difference in a clean load is a false alarm: fail (after the filters above)
+        warnings.simplefilter("error", StateCheckWarning)
+    if args.verdicts:
+        from fsdp_testlib import capturing_verdicts
+
+        verdicts, _ = capturing_verdicts()
 
     import torch.distributed as dist
 
@@ -211,8 +226,21 @@ def main(argv: list[str]) -> None:
                 dump(args.then_load, model2, optim2)
         elif args.command == "load":
             model, optim = build(args.flavor, seed=1)
-            statekit.load(args.url, {"model": model, "optim": optim})
-            dump(args.full, model, optim)
+            if args.fault:
+                from fsdp_testlib import fault_after_load
+
+                fault_after_load(model, optim)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("error" if not args.fault else "always", StateCheckWarning)
+                statekit.load(args.url, {"model": model, "optim": optim})
+            if args.full:
+                dump(args.full, model, optim)
+            if args.verdicts:
+                from fsdp_testlib import verdict_json
+
+                with open(f"{args.verdicts}.rank{rank_world()[0]}.json", "w") as f:
+                    json.dump({"verdicts": [verdict_json(v) for v in verdicts],
+                               "warnings": [str(w.message) for w in caught if issubclass(w.category, StateCheckWarning)]}, f)
         elif args.command == "incremental":
             model, optim = build(args.flavor, seed=0, frozen=True)
             sched = scheduler(optim)

@@ -4,10 +4,12 @@ exactly as documented."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from statekit.format.state_digest import Sampling, digests, format_sum, partial_sum, tensor_digest
+from statekit.format.state_digest import Sampling, box_sum, digests, format_sum, partial_sum, tensor_digest
 
 SAMPLED = Sampling(block=4, stride=64, full_below=0)  # small numbers: the same arithmetic, small tensors
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8,
@@ -37,6 +39,38 @@ def test_the_digest_of_the_pieces_is_the_digest_of_the_whole_however_it_is_split
     for cuts in ([1], [500], [29, 58, 87], [3, 4, 5, 1000], list(range(100, 1000, 100))):
         assert split_sum(t, cuts, sampling) == whole
     assert tensor_digest(t.t().contiguous().t(), sampling) == whole  # a non-contiguous view: its row-major values
+
+
+def grid_sum(t, cuts, sampling):
+    """The digest of ``t`` from the blocks of a grid: ``cuts[d]`` are the cut points of dimension d."""
+    bounds = [[0, *c, n] for c, n in zip(cuts, t.shape)]
+    total = 0
+    for corner in itertools.product(*[range(len(b) - 1) for b in bounds]):
+        block = tuple(slice(b[i], b[i + 1]) for b, i in zip(bounds, corner))
+        total += box_sum(t[block], [b[i] for b, i in zip(bounds, corner)], t.shape, sampling)
+    return format_sum(total)
+
+
+@pytest.mark.parametrize("sampling", [Sampling.FULL, SAMPLED, Sampling(block=3, stride=11, full_below=0)],
+                         ids=["full", "sampled", "small-blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128, torch.bool], ids=str)
+def test_the_blocks_of_any_grid_add_up_to_the_digest_of_the_whole(dtype, sampling):
+    """A shard of any dimension or several (a DTensor's Shard(1), a 2-D mesh) is a block: not
+    one contiguous run of the tensor, keyed element by element by its global position."""
+    t = sample(dtype, (6, 9, 5))
+    whole = tensor_digest(t, sampling)
+    for cuts in ([[], [4], []], [[3], [], []], [[], [], [2]], [[1, 5], [2, 7], [3]], [[2], [9 - 1], [1, 2, 3, 4]]):
+        assert grid_sum(t, cuts, sampling) == whole, cuts
+    assert box_sum(t[2:4, :, :], (2, 0, 0), t.shape, sampling) == partial_sum(t[2:4], 2 * 45, t.numel(), sampling)
+    assert box_sum(t[:, 3:3], (0, 3, 0), t.shape, sampling) == 0  # an empty shard
+
+
+def test_a_block_outside_the_tensor_is_refused():
+    t = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match=r"block of shape \[2, 4\] at \[3, 0\] is not inside a tensor of shape \[4, 4\]"):
+        box_sum(t[:2], (3, 0), t.shape)
+    with pytest.raises(ValueError, match="not inside"):
+        box_sum(t, (0,), t.shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

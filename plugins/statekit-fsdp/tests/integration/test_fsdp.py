@@ -24,11 +24,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_testlib import assert_full_equal, load_full, torchrun
+from fsdp_testlib import (
+    assert_full_equal,
+    capturing_verdicts,
+    fault_after_load,
+    load_full,
+    read_verdicts,
+    torchrun,
+)
 from fsdp_worker import build, full_state, scheduler, train_step
 
 import statekit
-from statekit import CorruptCheckpointError, PluginError, StatekitError, StateMismatchError
+from statekit import CorruptCheckpointError, PluginError, StateCheckWarning, StatekitError, StateMismatchError
 
 pytestmark = pytest.mark.usefixtures("fsdp_only")  # conftest: this plugin alone in this process
 
@@ -142,6 +149,83 @@ def test_reshard_2_to_1_into_plain_model(fsdp2_ckpt: dict[str, Path], caplog: py
     assert_full_equal(fsdp2_ckpt["full"], full_state(model, optim)[0])
 
 
+STATE_TENSORS = 7 + 6 * 3
+"""Tensors the state check compares after loading the worker's model and AdamW: 6
+parameters and a buffer, ``exp_avg``, ``exp_avg_sq`` and ``step`` of each parameter."""
+
+
+def test_fsdp2_state_digest_is_every_ranks_shards_summed(fsdp2_ckpt: dict[str, Path]) -> None:
+    """The save digested the sharded model and optimizer the plugin took: each DTensor's
+    digest (the 2 ranks' shares, summed) equals the digest of the gathered tensor."""
+    from statekit.format.state_digest import Sampling, tensor_digest
+
+    digest = manifest_of(str(fsdp2_ckpt["url"])).state_digest
+    assert digest is not None and digest.uncompared is None
+    sampling = Sampling.from_json(digest.sampling)
+    full, _ = load_full(fsdp2_ckpt["full"])
+
+    def recorded(t: torch.Tensor) -> str:
+        return f"{str(t.dtype).removeprefix('torch.')}:{tensor_digest(t, sampling)}"
+
+    assert dict(digest.objects["model"]) == {k.removeprefix("model."): recorded(t) for k, t in full.items() if k.startswith("model.")}
+    names = [name for name, _ in build("plain", seed=0)[0].named_parameters()]  # optimizer state: by parameter index
+    assert dict(digest.objects["optim"]) == {
+        f"state.{i}.{moment}": recorded(full[f"optim.state.{name}.{moment}"])
+        for i, name in enumerate(names) for moment in ("exp_avg", "exp_avg_sq", "step")
+    }
+
+
+def test_reshard_2_to_1_is_state_checked(fsdp2_ckpt: dict[str, Path]) -> None:
+    model, optim = build("plain", seed=1)
+    verdicts, undo = capturing_verdicts()
+    try:
+        statekit.load(str(fsdp2_ckpt["url"]), {"model": model, "optim": optim})
+    finally:
+        undo()
+    assert [(v.verdict, v.compared, v.deliberate) for v in verdicts] == [("verified", STATE_TENSORS, [])]
+
+
+def test_reshard_2_to_1_with_a_faulty_load_path_names_each_tensor(fsdp2_ckpt: dict[str, Path]) -> None:
+    """A row of what rank 1 saved of ``hidden.weight`` zeroed, an optimizer moment zeroed,
+    after the plugin's load: each named by tensor."""
+    model, optim = build("plain", seed=1)
+    undo = fault_after_load(model, optim)
+    try:
+        with pytest.warns(StateCheckWarning) as caught:
+            statekit.load(str(fsdp2_ckpt["url"]), {"model": model, "optim": optim})
+    finally:
+        undo()
+    [message] = [str(w.message) for w in caught if issubclass(w.category, StateCheckWarning)]
+    assert_names_the_faults(message)
+
+
+def assert_names_the_faults(message: str) -> None:
+    """The warning of :func:`fsdp_testlib.fault_after_load`: exactly its two tensors, named."""
+    assert ": state check after the load: 2 tensor(s) differ from the state saved: " in message
+    differences = message.split("differ from the state saved: ", 1)[1].split("; ")
+    assert [d.split(" (saved digest ")[0] for d in differences] == [
+        "model 'model': hidden.weight differs from the saved state",
+        "optimizer 'optim': exp_avg of 'out.weight' is all zeros, differs from the saved state",
+    ]
+
+
+@pytest.mark.slow
+def test_reshard_2_to_3_with_a_faulty_load_path_names_each_tensor_on_every_rank(
+    fsdp2_ckpt: dict[str, Path], tmp_path: Path
+) -> None:
+    """3 ranks load what 2 saved; the last rank zeroes a row of its shard of ``hidden.weight``,
+    every rank its shard of a moment: every rank names both (the shards' sums are shared)."""
+    verdicts = tmp_path / "verdicts"
+    torchrun(3, "load", "--flavor", "fsdp2", "--url", str(fsdp2_ckpt["url"]), "--verdicts", str(verdicts), "--fault")
+    ranks = read_verdicts(verdicts, 3)
+    for rank in ranks:
+        [verdict] = rank["verdicts"]
+        assert verdict["verdict"] == "mismatch" and verdict["compared"] == STATE_TENSORS
+        [message] = rank["warnings"]
+        assert_names_the_faults(message)
+    assert len({rank["warnings"][0] for rank in ranks}) == 1  # the same digests on every rank
+
+
 def test_model_alone_loads_without_its_optimizer(fsdp2_ckpt: dict[str, Path]) -> None:
     model, _ = build("plain", seed=1)
     statekit.load(str(fsdp2_ckpt["url"]), {"model": model})
@@ -229,10 +313,14 @@ def test_consolidate_refuses_a_corrupt_shard(fsdp2_ckpt: dict[str, Path], tmp_pa
 
 @pytest.mark.slow
 def test_reshard_2_to_3(fsdp2_ckpt: dict[str, Path], tmp_path: Path) -> None:
-    """Uneven shards (2 saved, 3 loading); 2 to 4 (even) is test_s3_reshard_2_to_4."""
-    out = tmp_path / "loaded.safetensors"
-    torchrun(3, "load", "--flavor", "fsdp2", "--url", str(fsdp2_ckpt["url"]), "--full", str(out))
+    """Uneven shards (2 saved, 3 loading); 2 to 4 (even) is test_s3_reshard_2_to_4. Every rank's
+    state check verifies every tensor (the shards of each DTensor summed across the 3 ranks)."""
+    out, verdicts = tmp_path / "loaded.safetensors", tmp_path / "verdicts"
+    torchrun(3, "load", "--flavor", "fsdp2", "--url", str(fsdp2_ckpt["url"]), "--full", str(out), "--verdicts", str(verdicts))
     assert_full_equal(fsdp2_ckpt["full"], out)
+    for rank in read_verdicts(verdicts, 3):
+        assert [(v["verdict"], v["compared"], v["deliberate"]) for v in rank["verdicts"]] == [("verified", STATE_TENSORS, [])]
+        assert rank["warnings"] == []
 
 
 @pytest.mark.slow
