@@ -387,7 +387,7 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
     plugins = plugin_versions(get_plugin_manager(), names - {ACCELERATE_WRITER})
     files = commits.gather_files(checkpoint)
     entries = collect(accelerator)
-    digest = state_check.record(entries, accelerator, taken=owners)  # every rank: DTensors' shards are summed across them
+    digest = state_check.record(entries, accelerator)  # every rank: DTensors' shards are summed across them
     manifest = None
     if checkpoint.rank == 0:
         objects = {

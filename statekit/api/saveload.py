@@ -166,7 +166,7 @@ def save_objects(
         written = _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
         # the live values, before save() returns (an async save's too); every rank: DTensors' shards are summed across
         # them (rank 0 gets the digest)
-        digest = state_check.record(entries, accelerator, states=written, taken=owners)
+        digest = state_check.record(entries, accelerator, states=written)
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once

@@ -10,25 +10,23 @@ and names each tensor that differs. Deliberate differences are named as such, no
 reported as faults: a tensor loaded into another dtype is compared after a cast back (a
 widening cast is exact), and one a ``strict=False`` load left out is skipped.
 
-What is digested: the state dict of every object the core saves whole on every rank
-(models, optimizers, schedulers, scalers, custom objects, tensors and dicts of them),
-and of every model or optimizer a plugin took whose parameters include a ``DTensor`` and
-whose ``state_dict()`` is not a collective (statekit-fsdp's FSDP2 ``fully_shard`` models
-and their optimizers: their tensors have global positions, whatever the plugin's layout
-on disk). A ``DTensor`` is digested by the global positions of its shard
-(:func:`statekit.format.state_digest.shard_sum`), each rank's share added in one
-all-reduce of every DTensor of the save or the load
+What is digested: the state dict of every object saved whole on every rank (models,
+optimizers, schedulers, scalers, custom objects, tensors and dicts of them), whether the
+core writes it or a plugin took it (statekit-fsdp's FSDP2 models and their optimizers,
+statekit-diffusers' models, EMAs and schedulers, statekit-transformers' model, statekit-
+offload's models): the digest is of the live tensors, so a plugin's own layout on disk
+does not matter, and its load path is checked like the core's. A ``DTensor`` is digested
+by the global positions of its shard (:func:`statekit.format.state_digest.shard_sum`),
+each rank's share added in one all-reduce of every DTensor of the save or the load
 (:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
 objects hold DTensors, :func:`check` are collectives, called by every rank at the same
 point with the same objects. Not digested: data loaders (their positions are the resume
-audit's), per-rank objects, other objects a plugin took (their layout and round trip are
-the plugin's: folders, offloaded weights), meta tensors (nothing to compare), DTensors
-whose placements give their local values no global positions (``Partial``,
-``_StridedShard``) or on a mesh of part of the ranks (recorded in the digest's
-``uncompared`` and named by the check, never compared), and models whose
-``state_dict()`` is a collective (FSDP1, DeepSpeed engines: it gathers the whole model,
-on the training's process group), with their optimizers (whose state is each rank's
-shard, without global positions).
+audit's), per-rank objects, and models whose ``state_dict()`` is a collective (FSDP1,
+DeepSpeed engines: it gathers the whole model, on the training's process group), with
+their optimizers (whose state is each rank's shard, without global positions). Recorded
+in the digest's ``uncompared`` and named by the check, never compared: offloaded tensors
+(meta on the live object at save), DTensors whose placements give their local values no
+global positions (``Partial``, ``_StridedShard``) or on a mesh of part of the ranks.
 
 How much is digested: :data:`MODE_ENV` (``STATEKIT_STATE_CHECK``): ``"sampled"`` (the
 default where a tensor is on the CPU: blocks of 16 elements every 4096, and every element
@@ -43,7 +41,7 @@ import dataclasses
 import logging
 import os
 import zlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -218,7 +216,6 @@ def record(
     entries: list[Entry],
     accelerator: Any = None,
     states: Mapping[str, Mapping[str, Any]] | None = None,
-    taken: Collection[str] = (),
 ) -> StateDigest | None:
     """The state digest of a save: every digested tensor of every object, now.
 
@@ -232,12 +229,6 @@ def record(
         accelerator: the run's Accelerator, or None.
         states: state dicts the save computed already, by key (the models' weights the
             core wrote: a model's ``state_dict()`` is not called twice).
-        taken: the keys of the objects a plugin took. Digested only when they are models
-            or optimizers whose parameters (or a model's buffers) include a DTensor, and
-            the model's ``state_dict()`` is not a collective (a model ``fully_shard``
-            sharded, its optimizer: their tensors have global positions whatever the
-            plugin's layout); the others are the plugin's (folders, offloaded weights),
-            their state dicts not computed.
 
     Returns:
         The manifest's ``state_digest`` on rank 0 (None there when nothing is digested or
@@ -247,15 +238,20 @@ def record(
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
         CollectiveTimeoutError: a rank did not reach the all-reduce of the DTensors.
     """
+    if mode() == "off":
+        return None  # (no state dict computed for it)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
+    offloaded: dict[str, dict[str, str]] = {}
     for e in digestible(entries, accelerator):
-        if e.key in taken and not _sharded_by_dtensors(e, accelerator):
-            continue  # (its state dict not even computed: it may gather, or read offloaded weights)
-        named = _digestible_tensors(digested(e, accelerator, (states or {}).get(e.key)))
+        named = digested(e, accelerator, (states or {}).get(e.key))
+        for path, t in named.items():
+            if t.device.type == "meta":  # offloaded (Accelerate's hooks hold it elsewhere): nothing here to digest
+                offloaded.setdefault(e.key, {})[path] = "offloaded (meta on the live object)"
+        named = _digestible_tensors(named)
         if named:
             tensors[e.key] = named
     sampling = _sampling(t for ts in tensors.values() for t in ts.values())
-    if sampling is None or not tensors:
+    if sampling is None or not (tensors or offloaded):
         return None
     rank = distributed.rank_and_world_size()[0]
     sums, uncompared = _digests({(key, path): t for key, named in tensors.items() for path, t in named.items()},
@@ -263,7 +259,7 @@ def record(
     if rank != 0:
         return None
     objects: dict[str, dict[str, str]] = {}
-    not_digested: dict[str, dict[str, str]] = {}
+    not_digested: dict[str, dict[str, str]] = {key: dict(paths) for key, paths in offloaded.items()}
     for key, named in tensors.items():
         for path, t in named.items():
             if (key, path) in sums:
@@ -272,25 +268,6 @@ def record(
                 not_digested.setdefault(key, {})[path] = uncompared[key, path]
     return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects,
                        uncompared=not_digested or None)
-
-
-def _sharded_by_dtensors(entry: Entry, accelerator: Any) -> bool:
-    """Whether a model's parameters or buffers, or an optimizer's parameters, include a
-    DTensor (told from the object, without its state dict)."""
-    obj = entry.obj
-    if entry.kind == "model":
-        model = unwrap_model(obj, accelerator)
-        tensors = [*model.parameters(), *model.buffers()] if isinstance(model, torch.nn.Module) else []
-    elif entry.kind == "optimizer":
-        for _ in range(8):  # (AcceleratedOptimizer and other wrappers keep the optimizer in .optimizer)
-            inner = getattr(obj, "optimizer", None)
-            if inner is None or inner is obj:
-                break
-            obj = inner
-        tensors = [p for group in getattr(obj, "param_groups", ()) for p in group.get("params", ())]
-    else:
-        return False
-    return any(sd.is_dtensor(t) for t in tensors)
 
 
 _Name = tuple[str, str]

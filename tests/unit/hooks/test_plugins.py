@@ -23,6 +23,8 @@ from statekit import format as fmt, hookimpl
 from statekit.engine.entries import LazyStateDict
 from statekit.hooks import hookspecs
 from statekit.hooks import registry as plugins
+from statekit.format.manifest import read_manifest
+from statekit.storage import Storage
 from statekit.engine.context import Checkpoint
 from statekit.errors import PluginError, PluginMissingError, StatekitError, UnsupportedValueError
 from statekit.storage import Storage
@@ -634,7 +636,10 @@ def test_plugin_open_reads_are_verified(plugin_manager, tmp_path):
 # --------------------------------------------------------------------------- laziness, order, RNG
 
 
-def test_weights_are_lazy(plugin_manager, tmp_path):
+def test_weights_are_lazy(plugin_manager, tmp_path, monkeypatch):
+    # the state check digests every saved object, a taken one too (its own state_dict() call):
+    # off here, the weights list alone is judged
+    monkeypatch.setenv("STATEKIT_STATE_CHECK", "off")
     class Counting(nn.Linear):
         def __init__(self):
             super().__init__(2, 2)
@@ -1006,3 +1011,32 @@ def test_save_json_indents_small_files_and_writes_large_ones_compact(tmp_path, p
     assert "\n" not in large_text and ", " not in large_text and json.loads(large_text) == large
     manifest = statekit.verify(url)  # sizes and checksums are those of the bytes written
     assert {"extra/small.json", "extra/large.json"} <= set(manifest.files)
+
+
+def test_a_model_a_plugin_took_is_state_checked(plugin_manager, tmp_path):
+    """The state check compares the live tensors, whoever saved and loaded them: a plugin
+    whose load leaves a weight wrong is named, as the core's would be."""
+    class Taker:
+        @hookimpl
+        def statekit_save_state_pre(self, models, weights, output_dir, checkpoint):
+            i = next(i for i, m in enumerate(models) if checkpoint.key_of(m) == "taken")
+            torch.save(models[i].state_dict(), f"{output_dir}/taken.pt")  # its own layout
+            models.pop(i)
+            weights.pop(i)
+
+        @hookimpl
+        def statekit_load_state_pre(self, models, input_dir, checkpoint):
+            i = next(i for i, m in enumerate(models) if checkpoint.key_of(m) == "taken")
+            state = torch.load(f"{input_dir}/taken.pt")
+            state["weight"][0].zero_()  # a load path that loses a row
+            models.pop(i).load_state_dict(state)
+
+    plugin_manager.register(Taker(), name="taker")
+    torch.manual_seed(0)
+    taken = nn.Linear(3, 2)
+    url = url_for(tmp_path)
+    statekit.save(url, {"taken": taken})
+    digest = read_manifest(Storage(url)).state_digest
+    assert set(digest.objects["taken"]) == {"weight", "bias"}
+    with pytest.warns(statekit.StateCheckWarning, match=r"model 'taken': weight differs from the saved state"):
+        statekit.load(url, {"taken": nn.Linear(3, 2)})

@@ -32,6 +32,10 @@ def test_the_model_folder_loads_with_from_pretrained(tmp_path):
         assert torch.equal(value, live[name]), name
     assert model.lm_head.weight is model.transformer.wte.weight
     assert AutoTokenizer.from_pretrained(path).mask_token == "[MASK]"
+    # the state check covers the model the plugin writes as a model folder, and the optimizer
+    digest = statekit.verify(path).state_digest
+    assert set(digest.objects["model"]) == set(live)
+    assert any(p.endswith(".exp_avg") for p in digest.objects["optimizer"])
 
 
 def test_trainer_state_json_is_trainers_own(tmp_path):
