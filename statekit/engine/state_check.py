@@ -270,6 +270,39 @@ def record(
                        uncompared=not_digested or None)
 
 
+class StateRecorder:
+    """The state digest of a checkpoint written from state dicts read back from files, not
+    from live objects (``statekit convert`` of a plain Accelerate folder): each object's
+    tensors are digested as it is written, so the next load is checked against exactly
+    what the files hold. CPU tensors (sampled by default, :data:`MODE_ENV`), no DTensors.
+
+    Raises:
+        InvalidOptionError: :data:`MODE_ENV` holds an unknown mode (on creation).
+    """
+
+    def __init__(self) -> None:
+        self.sampling = _sampling([torch.empty(0)])
+        self._objects: dict[str, dict[str, str]] = {}
+
+    def add(self, key: str, state: Any) -> None:
+        """Digest one object's state (a state dict, or a mapping of tensors) under ``key``,
+        its key in the checkpoint: the paths are those of the live object's ``state_dict()``."""
+        if self.sampling is None:
+            return
+        named: dict[str, torch.Tensor] = {}
+        _flatten(state, "", named)
+        named = _digestible_tensors(named)
+        if named:
+            sums = sd.digests(named, self.sampling)
+            self._objects[key] = {path: f"{_dtype(t)}:{sums[path]}" for path, t in named.items()}
+
+    def digest(self) -> StateDigest | None:
+        """The manifest's ``state_digest`` (None: nothing digested, or the check off)."""
+        if self.sampling is None or not self._objects:
+            return None
+        return StateDigest(algorithm=sd.ALGORITHM, sampling=self.sampling.to_json(), objects=dict(self._objects))
+
+
 _Name = tuple[str, str]
 """``(object key, tensor path)``."""
 
@@ -550,5 +583,5 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
     return out
 
 
-__all__ = ["MODES", "MODE_ENV", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "raise_mismatch",
+__all__ = ["MODES", "MODE_ENV", "StateRecorder", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "raise_mismatch",
            "record"]

@@ -32,6 +32,7 @@ from statekit.engine.commit import build_manifest, commit
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import strip_wrapper_prefixes
 from statekit.engine.locking import abandon_save, prepare_target
+from statekit.engine.state_check import StateRecorder
 from statekit.errors import CorruptCheckpointError, StatekitError, StatekitWarning
 from statekit.foreign.detect import describe_folder
 from statekit.foreign.accelerate import (
@@ -43,7 +44,7 @@ from statekit.foreign.accelerate import (
     read_pickle,
 )
 from statekit.format.manifest import read_manifest
-from statekit.format.manifest_types import FileEntry, Manifest, ObjectEntry
+from statekit.format.manifest_types import FileEntry, Manifest, ObjectEntry, StateDigest
 from statekit.storage import Storage
 
 CONVERTED_FROM = "converted_from"
@@ -113,27 +114,32 @@ def convert(
         world_size = attached.world_size if attached else max(1, sum(1 for n in names if n.startswith("random_states_")))
         checkpoint = Checkpoint(out, mode="save", world_size=world_size)
         own_keys = {found[0] for found in map(fmt.parse_rank_path, own) if found and _OWN_KEY.match(found[0])}
-        objects, counters = _convert_files(src, checkpoint, names, allow_pickle, _accelerate_model_keys(attached), own_keys)
+        recorder = StateRecorder()  # (the digest of what the files hold: a plain Accelerate folder has none)
+        objects, counters = _convert_files(src, checkpoint, names, allow_pickle, _accelerate_model_keys(attached), own_keys,
+                                           recorder)
         _copy_own_objects(src, checkpoint, own, own_keys, attached, objects)
         counter_files = checkpoint.save_state("accelerator", counters)
         objects["accelerator"] = ObjectEntry(kind="custom", owner=CORE, per_rank=False, files=tuple(sorted(counter_files)))
         if any(p.startswith(f"{ACCELERATE_RNG}/") for p in checkpoint.files):
             objects[ACCELERATE_RNG] = _object_entry(checkpoint, ACCELERATE_RNG, "rng", per_rank=True)
-        return commit(out, _converted_manifest(src, checkpoint, objects, attached), exclusive=not overwrite)
+        digest = attached.state_digest if attached is not None and attached.state_digest is not None else recorder.digest()
+        return commit(out, _converted_manifest(src, checkpoint, objects, attached, digest), exclusive=not overwrite)
     except BaseException:
         abandon_save(out, 0)
         raise
 
 
 def _convert_files(
-    src: Storage, checkpoint: Checkpoint, names: list[str], allow_pickle: bool, model_keys: dict[int, str], own_keys: set[str]
+    src: Storage, checkpoint: Checkpoint, names: list[str], allow_pickle: bool, model_keys: dict[int, str], own_keys: set[str],
+    recorder: StateRecorder,
 ) -> tuple[dict[str, ObjectEntry], dict[str, int]]:
     """Write every Accelerate file into ``checkpoint`` (:func:`_convert_file`), in ``names``'
-    order; returns the ``objects`` entries of what they hold, and Accelerate's counters."""
+    order, each object's state digested by ``recorder``; returns the ``objects`` entries of
+    what they hold, and Accelerate's counters."""
     objects: dict[str, ObjectEntry] = {}
     counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
     for name in names:
-        converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys, counters)
+        converted = _convert_file(src, checkpoint, name, allow_pickle, model_keys, own_keys, counters, recorder)
         if converted is not None:
             key, kind = converted
             objects[key] = _object_entry(checkpoint, key, kind, per_rank=kind == "dataloader")
@@ -156,10 +162,12 @@ def _copy_own_objects(
             objects[key] = obj
 
 
-def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str, ObjectEntry], attached: Manifest | None) -> Manifest:
+def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str, ObjectEntry], attached: Manifest | None,
+                        state_digest: StateDigest | None) -> Manifest:
     """The converted checkpoint's manifest: the source's records (the core's replaced by
     :data:`CONVERTED_FROM`), the versions of the plugins that wrote something kept, its
-    metadata with the source named, and its resume fingerprint."""
+    metadata with the source named, its resume fingerprint, and ``state_digest`` (the
+    source's, else the digest of what the converted files hold)."""
     records = {k: v for k, v in (attached.records if attached else {}).items() if k != CORE}
     records[CORE] = {CONVERTED_FROM: "accelerate"}
     writers = {e.writer for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
@@ -167,7 +175,7 @@ def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str,
     metadata = {**(attached.metadata if attached else {}), "converted_from": src.url, "source_format": "accelerate"}
     return build_manifest(checkpoint, checkpoint.files, objects, plugins=plugins, metadata=metadata,
                           records=records, fingerprint=attached.fingerprint if attached else None,
-                          state_digest=attached.state_digest if attached else None)
+                          state_digest=state_digest)
 
 
 def loaders_left_as_they_are(manifest: Manifest, entries: list[Any], url: str) -> list[Any]:
@@ -253,6 +261,7 @@ def _convert_file(
     model_keys: dict[int, str],
     own_keys: set[str],
     counters: dict[str, int],
+    recorder: StateRecorder,
 ) -> tuple[str, str] | None:
     """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of the object
     it holds, or None (random states, recorded under :data:`ACCELERATE_RNG`, their ``step``
@@ -270,7 +279,9 @@ def _convert_file(
     key = "scaler" if kind == "scaler" else f"{kind}_{index}"
     if kind == "model":
         key = model_keys.get(int(index), key)
-        checkpoint.save_tensors(f"{key}.safetensors", strip_wrapper_prefixes(read_model(src, name, allow_pickle)))
+        tensors = strip_wrapper_prefixes(read_model(src, name, allow_pickle))
+        checkpoint.save_tensors(f"{key}.safetensors", tensors)
+        recorder.add(key, tensors)
     elif kind == "dataloader":
         if key in own_keys:  # attach mode: statekit's exact position replaces the loader's own state
             return None
@@ -278,7 +289,9 @@ def _convert_file(
         for rank in range(checkpoint.world_size):  # Accelerate loads this one file on every rank
             checkpoint.save_state(fmt.rank_path(key, rank), state)
     else:
-        checkpoint.save_state(key, read_pickle(src, name, allow_pickle))
+        state = read_pickle(src, name, allow_pickle)
+        checkpoint.save_state(key, state)
+        recorder.add(key, state)
     return key, kind
 
 

@@ -9,6 +9,7 @@ import contextlib
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import statekit
@@ -129,3 +130,28 @@ def test_damaged_attach_mode_file_is_named_and_nothing_committed(tmp_path, insta
     with pytest.raises(statekit.CorruptCheckpointError, match=r"dataloader_0/rank-00000\.json: checksum .* nothing was converted"):
         statekit.foreign.accelerate_convert.convert(folder, str(out), allow_pickle=True)
     assert not (out / "statekit.json").exists()
+
+
+def test_a_plain_accelerate_folder_converts_with_a_state_digest_of_its_files(tmp_path, installed_plugin_manager,
+                                                                              monkeypatch):
+    """Plain Accelerate records no state digest; the conversion digests what its files hold,
+    so a load of the converted checkpoint is state-checked: a load path that loses the
+    optimizer's moments is named."""
+    folder, _ = _source(tmp_path, attached=False, stateful=True)
+    out = str(tmp_path / "converted")
+    _convert(folder, out)
+    digest = statekit.verify(out).state_digest
+    model = _run(7, attached=False, stateful=True)[1]
+    assert set(digest.objects["model_0"]) == set(model.state_dict())
+    assert {p for p in digest.objects["optimizer_0"] if p.endswith(("exp_avg", "exp_avg_sq"))}
+
+    original = torch.optim.Optimizer.load_state_dict
+
+    def drops_moments(self, state_dict):
+        original(self, state_dict)
+        for state in self.state.values():
+            state["exp_avg"].zero_()
+
+    monkeypatch.setattr(torch.optim.AdamW, "load_state_dict", drops_moments, raising=False)
+    with pytest.warns(statekit.StateCheckWarning, match=r"optimizer 'optimizer_0': exp_avg of '[^']+' is all zeros"):
+        statekit.load_state(_run(8, attached=False, stateful=True)[0], out)
