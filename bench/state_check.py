@@ -3,7 +3,7 @@ sampled digest (the CPU default), the full digest, and none (``STATEKIT_STATE_CH
 then loaded alternately, in one process; prints the medians and the overhead against the
 load without a check.
 
-Usage: ``python bench/state_check.py [--size 256MiB] [--runs 5] [--dir /tmp] [--no-fio]``
+Usage: ``python bench/state_check.py [--size 256MiB] [--runs 5] [--dir /tmp] [--no-fio] [--device cuda]``
 
 The state is a model of float32 linear layers of about ``--size`` bytes and its AdamW
 state (twice that again), so a load reads about three times ``--size``. The loads read
@@ -34,13 +34,13 @@ import statekit  # noqa: E402
 from _units import parse_size  # noqa: E402
 
 
-def build(size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(size: int, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     width = 2048
     layers = max(1, size // (width * width * 4))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, width)).sum().backward()
+    model(torch.randn(2, width, device=device)).sum().backward()
     optimizer.step()
     return model, optimizer
 
@@ -51,9 +51,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
     parser.add_argument("--no-fio", action="store_true", help="skip the disk's read limit")
+    parser.add_argument("--device", default="cpu", help="where the state lives (cuda: the full digest on the device)")
     args = parser.parse_args()
     size = parse_size(args.size)
-    model, optimizer = build(size)
+    model, optimizer = build(size, args.device)
     state = {"model": model, "optimizer": optimizer}
     root = tempfile.mkdtemp(dir=args.dir)
     saves: dict[str, list[float]] = {}
@@ -68,7 +69,7 @@ def main() -> None:
     loads: dict[str, list[float]] = {mode: [] for mode in urls}
     checks: dict[str, list[float]] = {mode: [] for mode in urls}
     timed = _time_checks()
-    target, target_optimizer = build(size)
+    target, target_optimizer = build(size, args.device)
     for _ in range(args.runs):
         for mode, url in urls.items():
             timed.clear()
