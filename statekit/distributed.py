@@ -187,13 +187,7 @@ def max_over_ranks(values: list[int]) -> list[int]:
     Raises:
         CollectiveTimeoutError: a rank did not answer within the collective timeout.
     """
-    if rank_and_world_size()[1] == 1:
-        return list(values)
-    import torch
-
-    box = torch.tensor(values, dtype=torch.int64)
-    _collective("max_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX, group=control_group()))
-    return [int(v) for v in box.tolist()]
+    return _all_reduce_ints("max_over_ranks", values, dist.ReduceOp.MAX, control_group)
 
 
 def sum_over_ranks(values: list[int]) -> list[int]:
@@ -212,10 +206,15 @@ def sum_over_ranks(values: list[int]) -> list[int]:
     Raises:
         CollectiveTimeoutError: a rank did not answer within the collective timeout.
     """
+    return _all_reduce_ints("sum_over_ranks", values, dist.ReduceOp.SUM, statekit_group)
+
+
+def _all_reduce_ints(name: str, values: list[int], op: Any, group: Callable[[], Any]) -> list[int]:
+    """One all-reduce of ``values`` as an int64 tensor on ``group()`` (no collective in one process)."""
     if rank_and_world_size()[1] == 1:
         return list(values)
     box = torch.tensor(values, dtype=torch.int64)
-    _collective("sum_over_ranks", lambda: dist.all_reduce(box, op=dist.ReduceOp.SUM, group=statekit_group()))
+    _collective(name, lambda: dist.all_reduce(box, op=op, group=group()))
     return [int(v) for v in box.tolist()]
 
 
