@@ -223,6 +223,7 @@ class _AttachedCalls:
             if directory is None:  # accelerator.save_state(output_dir=...) / load_state(input_dir=...)
                 directory = kwargs.pop("output_dir" if mode == "save" else "input_dir", None)
             directory = accelerate_directory(directory, mode)  # file:// -> local path; other URLs refused
+            state_check.mode()  # a misspelled STATEKIT_STATE_CHECK: refused before Accelerate writes or loads
             attachment._pending = None
             attachment._started = time.perf_counter()
             attachment._strict = bool(kwargs.get("strict", True))  # load_state(dir, strict=False) reaches load_model

@@ -163,6 +163,7 @@ def load_objects(
     Raises:
         As :func:`load`.
     """
+    state_check.mode()  # a misspelled STATEKIT_STATE_CHECK is refused before anything is loaded
     storage = Storage.of(url, storage_options)
     loaders = any(data.is_loader(e.obj) for e in entries)
     manifest = _manifest_of(storage)

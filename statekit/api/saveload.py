@@ -138,6 +138,7 @@ def save_objects(
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
     """
     started = time.perf_counter()
+    state_check.mode()  # a misspelled STATEKIT_STATE_CHECK is refused before anything is created
     rank, world_size = distributed.rank_and_world_size()
     storage = _target(url, storage_options, world_size)
     pm = get_plugin_manager()

@@ -15,6 +15,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from collections.abc import Mapping
@@ -31,7 +32,8 @@ from statekit.manager.policies import UNSET, AsyncPolicy, PreemptionPolicy, Rete
 from statekit.manager.preemption import SignalSave
 from statekit.manager import lineage
 from statekit.manager.resume_order import Candidate, resume_candidates
-from statekit.manager.retention import after_commit
+from statekit.manager.retention import after_commit, write_latest
+from statekit.engine import state_check
 from statekit.engine.entries import classify
 from statekit.manager.listing import DEFAULT_STEP_DIGITS, CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (
@@ -638,10 +640,16 @@ class CheckpointManager:
                 and ``other_runs="raise"``); the live history holds no committed
                 checkpoint while abandoned ones exist.
             CheckpointNotFoundError: ``step`` is not a committed checkpoint's step.
-            InvalidOptionError: ``other_runs`` is not raise/ignore/resume.
+            InvalidOptionError: ``other_runs`` is not raise/ignore/resume; ``step`` is not an
+                int (``True``, ``"3"``); ``STATEKIT_STATE_CHECK`` holds an unknown mode.
         """
         if other_runs not in ("raise", "ignore", "resume"):
             raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+            raise InvalidOptionError(  # resume(True) would roll back to step 1
+                f"resume(step=...) takes a checkpoint's step (an int) to roll back to, or None for the newest; got "
+                f"{step!r}")
+        state_check.mode()  # a misspelled STATEKIT_STATE_CHECK is the caller's error, not a bad checkpoint
         self._wait_save()  # an async save in flight commits first (on the branch it was saved on)
         everything = resume_candidates(self)
         state = self._lineage.read_root_file(everything)
@@ -713,6 +721,8 @@ class CheckpointManager:
         manifest = self._load(info.url, options, verify, strict, strict_resume)
         resumed = self._resumed(info.url, manifest, info.step, info.accelerate)
         self._lineage.continue_from(info, True, [i for i, _ in everything], state)
+        if distributed.rank_and_world_size()[0] == 0 and info.url.startswith(self.root_url.rstrip("/") + "/"):
+            write_latest(self, info.url)  # the hint no longer names an abandoned checkpoint
         logger.info("rolled back to step %s (%s): run %s continues on the new branch %s", resumed, info.url,
                     self.lineage_run_id, lineage.short(self._lineage.branch))
         return resumed

@@ -10,7 +10,7 @@ from typing import Any
 
 from statekit import distributed
 from statekit.manager import lineage
-from statekit.manager.listing import LATEST_NAME, checkpoint_name, delete_all_but
+from statekit.manager.listing import LATEST_NAME, delete_all_but
 from statekit.errors import PluginError
 from statekit.format.manifest_types import Manifest
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -38,7 +38,7 @@ def after_commit(manager: Any, step: int, url: str, manifest: Manifest) -> None:
     deleted: list[str] = []
     if rank == 0:
         try:
-            manager.root.write_bytes(LATEST_NAME, checkpoint_name(step, manager.step_digits).encode("ascii") + b"\n")
+            write_latest(manager, url)
             deleted = apply_retention(manager, url)
         except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are released
             error = exc
@@ -54,6 +54,16 @@ def after_commit(manager: Any, step: int, url: str, manifest: Manifest) -> None:
         error = error or exc
     if error is not None:
         raise error
+
+
+def write_latest(manager: Any, url: str) -> None:
+    """Rank 0: the root's ``latest`` hint names ``url``'s folder (``checkpoint-<step>``, or
+    ``checkpoint-<step>.<branch>`` on a branch).
+
+    Raises:
+        StorageError: the hint could not be written.
+    """
+    manager.root.write_bytes(LATEST_NAME, url.rstrip("/").rsplit("/", 1)[-1].encode("ascii") + b"\n")
 
 
 def apply_retention(manager: Any, newest_url: str) -> list[str]:
