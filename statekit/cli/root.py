@@ -95,7 +95,9 @@ def _tree_text(committed: list[Any], state: Any) -> str:
 
 def _by_branch(committed: list[Any], state: Any) -> list[tuple[str, list[Any]]]:
     """The branches (those of the checkpoints, and those the lineage file knows without a
-    checkpoint yet), each with its checkpoints by step, the branch of the lowest step first."""
+    checkpoint yet), each with its checkpoints by step, oldest first: in the order the
+    lineage file recorded them (creation), a branch it does not know (checkpoints from
+    before it) first, by lowest step."""
     by_branch: dict[str, list[Any]] = {}
     for info in committed:
         by_branch.setdefault(lineage.branch_of(info), []).append(info)
@@ -104,7 +106,9 @@ def _by_branch(committed: list[Any], state: Any) -> list[tuple[str, list[Any]]]:
             by_branch.setdefault(branch, [])
     for own in by_branch.values():
         own.sort(key=lambda i: i.step)
-    return sorted(by_branch.items(), key=lambda kv: min((i.step for i in kv[1]), default=1 << 62))
+    created = {branch: n for n, branch in enumerate(state.branches)} if state is not None else {}  # file order: creation
+    return sorted(by_branch.items(),
+                  key=lambda kv: (created.get(kv[0], -1), min((i.step for i in kv[1]), default=1 << 62)))
 
 
 def _branch_head(branch: str, own: list[Any], state: Any, by_name: dict[str, Any]) -> str:

@@ -254,6 +254,9 @@ class CheckpointManager:
         self._resumed_in_use: Any = None
         self.resumed_manifest: Manifest | ForeignSummary | None = None
         self._skipped: set[str] = set()  # checkpoints under the root that resume() could not load
+        self.rollback_targets: set[str] = set()
+        """Checkpoints a ``resume(step=K)`` in progress rolls back to: retention keeps them
+        (the async save it waits for may commit and apply retention first)."""
         self.plugin_state: dict[str, Any] = {}
         """Per-manager state of plugins, each under its own name (manager hooks, ``docs/hooks.md``)."""
         pm.check_options(options, CheckpointManager)
@@ -650,7 +653,7 @@ class CheckpointManager:
                 f"resume(step=...) takes a checkpoint's step (an int) to roll back to, or None for the newest; got "
                 f"{step!r}")
         state_check.mode()  # a misspelled STATEKIT_STATE_CHECK is the caller's error, not a bad checkpoint
-        self._wait_save()  # an async save in flight commits first (on the branch it was saved on)
+        self._wait_save_keeping(step)  # an async save in flight commits first (on the branch it was saved on)
         everything = resume_candidates(self)
         state = self._lineage.read_root_file(everything)
         infos = [info for info, _ in everything]
@@ -667,6 +670,16 @@ class CheckpointManager:
         logger.info("resumed from step %s (%s): continuing run %s, branch %s", step, info.url,
                     self.lineage_run_id, lineage.short(self._lineage.branch))
         return step
+
+    def _wait_save_keeping(self, step: int | None) -> None:
+        """Wait for an async save in flight; the committed checkpoints of ``step`` (a
+        rollback's target) are kept by the retention its commit applies."""
+        if step is not None and self.pending is not None:
+            self.rollback_targets = {i.url for i in self.list() if i.committed and i.step == step}
+        try:
+            self._wait_save()
+        finally:
+            self.rollback_targets = set()
 
     def _load_newest(self, candidates: list[Candidate], verify: bool, strict: bool,
                      strict_resume: bool) -> tuple[CheckpointDir, Manifest | ForeignSummary] | None:

@@ -68,7 +68,8 @@ def write_latest(manager: Any, url: str) -> None:
 
 def apply_retention(manager: Any, newest_url: str) -> list[str]:
     """Delete ``manager``'s committed checkpoints that no policy, no plugin
-    (``statekit_retention_keep``) and the manager (the newest, the resumed-from one) keep;
+    (``statekit_retention_keep``) and the manager (the newest, the resumed-from one, the
+    target of a rollback waiting for this save: ``rollback_targets``) keep;
     a checkpoint in use by a live process warns and stays (rank 0 only).
 
     Under branches (``docs/concepts.md``, Lineage) the policies count the live history's
@@ -86,7 +87,7 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     if manager.retention.keeps_all:
         return []
     committed = [i for i in manager.list() if i.committed and not i.accelerate]  # never Accelerate's folders
-    keep = {newest_url, manager.resumed_from}
+    keep = {newest_url, manager.resumed_from, *manager.rollback_targets}
     vetoes = call_each(get_plugin_manager(), "statekit_retention_keep", None, {"checkpoints": committed, "manager": manager})
     for plugin, urls in vetoes:
         urls = [urls] if isinstance(urls, str) else urls  # one URL: not its characters

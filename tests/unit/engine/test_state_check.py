@@ -233,6 +233,27 @@ def test_the_check_can_be_turned_off_and_an_unknown_mode_is_refused(tmp_path, mo
     monkeypatch.setenv(MODE_ENV, "sometimes")
     with pytest.raises(statekit.InvalidOptionError, match=r"STATEKIT_STATE_CHECK='sometimes'"):
         statekit.save(str(tmp_path / "bad"), {"model": model})
+    assert not (tmp_path / "bad").exists()  # refused before anything is created
+
+
+def test_an_unknown_mode_refuses_a_load_and_a_resume_before_anything_changes(tmp_path, monkeypatch):
+    root = str(tmp_path / "run")
+    manager = statekit.CheckpointManager(dict(zip(("model", "optimizer"), trained())), root)
+    manager.save(1)
+    manager.save(2)
+    monkeypatch.setenv(MODE_ENV, "ful")
+    model, optimizer = fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(statekit.InvalidOptionError, match=r"STATEKIT_STATE_CHECK='ful'"):
+        statekit.load(manager.url_for(2), {"model": model, "optimizer": optimizer})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no checkpoint is skipped as unloadable: the setting is the caller's error
+        with pytest.raises(statekit.InvalidOptionError, match=r"STATEKIT_STATE_CHECK='ful'"):
+            statekit.CheckpointManager({"model": model, "optimizer": optimizer}, root).resume()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(statekit.InvalidOptionError, match=r"STATEKIT_STATE_CHECK='ful'"):
+        manager.save(3)
+    assert [i.step for i in manager.list()] == [1, 2]  # no incomplete folder
 
 
 def test_an_adapter_not_loaded_is_named(tmp_path, monkeypatch):

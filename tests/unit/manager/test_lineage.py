@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -333,3 +334,53 @@ def test_record_resume_continues_the_lineage_of_the_checkpoint_loaded(tmp_path):
     later.save(3)
     assert later.latest().rsplit("/", 1)[-1].startswith("checkpoint-00000003.")  # on the live branch, no collision
     assert read_manifest(Storage(later.latest())).lineage.branch == read_manifest(Storage(branch_two.url)).lineage.branch
+
+
+def test_an_async_save_in_flight_does_not_delete_the_rollback_target(tmp_path, plugin_manager, monkeypatch):
+    """resume(step=K) waits for the save in flight; its retention (keep_last) would delete K:
+    the target is kept, the rollback loads it. The save's retention is held (an event) until
+    resume() waits for it, so the save is in flight at the call."""
+    resumed_waits = threading.Event()
+
+    class HoldRetention:
+        @statekit.hookimpl
+        def statekit_retention_keep(self, checkpoints, manager):
+            if any(i.step == 5 for i in checkpoints):
+                assert resumed_waits.wait(60)
+            return []
+
+    root = str(tmp_path / "run")
+    objs = objects()
+    manager = statekit.CheckpointManager(objs, root, keep_last=2, async_save=True)
+    for s in (1, 2, 3, 4):
+        set_step(objs, s)
+        manager.save(s)
+    manager.wait()
+    plugin_manager.register(HoldRetention(), name="hold-retention")
+    wait_save = manager._wait_save
+    monkeypatch.setattr(manager, "_wait_save", lambda: (resumed_waits.set(), wait_save())[1])
+    set_step(objs, 5)
+    manager.save(5)  # in flight until resume() waits for it
+    assert manager.resume(step=3) == 3
+    assert weight(objs) == 3.0
+    assert sorted(i.step for i in manager.list() if i.committed) == [3, 4, 5]  # 4 and 5 kept, 3 as the target
+
+
+@pytest.mark.parametrize("step", [True, "3", 3.0])
+def test_a_step_that_is_not_an_int_is_refused_not_a_rollback(tmp_path, step):
+    root = str(tmp_path / "run")
+    run(root, [1, 2, 3])
+    with pytest.raises(statekit.InvalidOptionError, match=r"resume\(step=\.\.\.\) takes a checkpoint's step"):
+        statekit.CheckpointManager(objects(), root).resume(step)
+    assert not (tmp_path / "run" / STATE_NAME).exists()  # nothing rolled back
+
+
+def test_the_latest_hint_follows_the_rollback_and_the_branch(tmp_path):
+    root = tmp_path / "run"
+    run(str(root), [1, 2, 3])
+    manager = statekit.CheckpointManager(objects(), str(root))
+    manager.resume(step=1)
+    assert (root / "latest").read_text().strip() == "checkpoint-00000001"
+    manager.save(2)
+    assert (root / "latest").read_text().strip() == manager.latest().rsplit("/", 1)[-1]
+    assert (root / "latest").read_text().strip().startswith("checkpoint-00000002.")
