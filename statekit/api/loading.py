@@ -207,8 +207,14 @@ def check_loaded_state(
     """
     incompatible = loaded.incompatible_keys if isinstance(loaded, Manifest) else None
     left_out = {key: keys.get("unexpected_keys", []) for key, keys in (incompatible or {}).items()}
-    models = [unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model"]
-    param_names = parameter_names(models)
+    models = {e.key: unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model"}
+    if len(models) > 1:  # an optimizer may span models: "enc.weight" and "dec.weight", not "weight" twice
+        param_names: dict[int, str] = {}
+        for key, model in models.items():
+            for pid, name in parameter_names([model]).items():
+                param_names.setdefault(pid, f"{key}.{name}")
+    else:
+        param_names = parameter_names(models.values())
     names = {e.key: state_check.optimizer_names(e.obj, param_names) for e in entries if e.kind == "optimizer"}
     verdict = state_check.check(manifest, entries, url, accelerator=accelerator, strict=strict_resume,
                                 left_out=left_out, names=names)

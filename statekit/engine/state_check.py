@@ -493,7 +493,8 @@ def check(
             elif _widens(getattr(torch, dtype), getattr(torch, live_dtype)):  # lossless: the values themselves differ
                 differences.append((order, f"{key}:{path}", f"loaded as {live_dtype} (saved {dtype}), other values",
                                     f"{what}: {_named(path, (names or {}).get(key))} loaded as {live_dtype} (saved {dtype}) differs "
-                                    "from the saved state after the cast back"))
+                                    f"from the saved state after the cast back (saved digest {digest}, live "
+                                    f"{sums[key, path]})"))
             else:
                 deliberate.append(
                     (order, (what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")))

@@ -313,8 +313,8 @@ def test_each_optimizers_state_is_named_after_its_own_parameters_even_when_dropp
     after a parameter of its own optimizer, and a parameter's state the load dropped
     (``state.1.*`` missing) after that parameter, not by its bare path."""
     torch.manual_seed(0)
-    gen = torch.nn.Sequential(torch.nn.Linear(4, 4))  # '0.weight', '0.bias'
-    disc = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 1))  # '1.weight', '1.bias'
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 4))  # 'gen.0.weight', 'gen.0.bias'
+    disc = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 1))  # 'disc.1.weight', 'disc.1.bias'
     opt_g, opt_d = torch.optim.AdamW(gen.parameters()), torch.optim.AdamW(disc.parameters())
     disc(gen(torch.randn(2, 4))).sum().backward()
     opt_g.step()
@@ -332,6 +332,23 @@ def test_each_optimizers_state_is_named_after_its_own_parameters_even_when_dropp
     message = str(caught[0].message)
     assert "4 tensor(s) differ" in message
     for slot in ("step", "exp_avg", "exp_avg_sq"):
-        assert f"optimizer 'opt_g': {slot} of '0.bias' is missing after the load" in message
-    assert "optimizer 'opt_g': exp_avg of '0.weight' is all zeros" in message
-    assert "'1." not in message and "state." not in message
+        assert f"optimizer 'opt_g': {slot} of 'gen.0.bias' is missing after the load" in message
+    assert "optimizer 'opt_g': exp_avg of 'gen.0.weight' is all zeros" in message  # (two models: the key first)
+    assert "'disc." not in message and "state." not in message
+
+
+def test_an_optimizer_over_two_models_names_each_models_tensors(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    enc, dec = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=0.1)
+    dec(enc(torch.randn(2, 3))).sum().backward()
+    opt.step()
+    url = str(tmp_path / "ckpt")
+    statekit.save(url, {"enc": enc, "dec": dec, "opt": opt})
+    enc2, dec2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+    opt2 = torch.optim.AdamW([*enc2.parameters(), *dec2.parameters()], lr=0.1)
+    with pytest.warns(statekit.StateCheckWarning) as caught:
+        load_with_fault(monkeypatch, url, drop_moments, "opt", objects={"enc": enc2, "dec": dec2, "opt": opt2})
+    message = str(caught[0].message)
+    for name in ("enc.weight", "enc.bias", "dec.weight", "dec.bias"):
+        assert f"exp_avg of '{name}' is all zeros" in message, message
