@@ -437,9 +437,9 @@ class RunLineage:
             self._state = read_state([self.root])
             self._read = True
         plain = checkpoint_name(step, self.step_digits)
-        if self._state is None:
+        if self._state is None and self.given_run_id is None:
             return plain
-        if self._state.live != self.branch:  # a fresh run (or a resume before lineage) in a root with branches
+        if self._state is not None and self._state.live != self.branch:  # a fresh run (or a resume before lineage)
             self._go_live(self._state)
         holder = self.root.child(checkpoint_name(step, self.step_digits))
         if not holder.exists(fmt.MANIFEST_NAME):
@@ -448,6 +448,9 @@ class RunLineage:
             held = read_manifest(holder)
         except StatekitError:
             return plain  # damaged: the save reports it as today
+        if self._state is None:  # no branches: only another named run's checkpoint makes way (other_runs="ignore")
+            theirs = held.lineage.run_id if held.lineage is not None else None
+            return plain if theirs == self.given_run_id else checkpoint_name(step, self.step_digits, short(self.branch))
         if is_live(self._state, CheckpointDir(step, holder.url, True, lineage=held.lineage)):
             return plain  # this branch's own step: saved again (CheckpointExistsError unless overwrite)
         return checkpoint_name(step, self.step_digits, short(self.branch))

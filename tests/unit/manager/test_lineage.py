@@ -384,3 +384,23 @@ def test_the_latest_hint_follows_the_rollback_and_the_branch(tmp_path):
     manager.save(2)
     assert (root / "latest").read_text().strip() == manager.latest().rsplit("/", 1)[-1]
     assert (root / "latest").read_text().strip().startswith("checkpoint-00000002.")
+
+
+def test_a_named_fresh_run_in_a_reused_root_saves_beside_the_other_runs_checkpoints(tmp_path):
+    """run_id + other_runs="ignore" in a root another run filled (no branches yet): the
+    fresh run's saves never collide with (or overwrite) the other run's, and its own
+    resume continues them."""
+    root = str(tmp_path / "run")
+    run(root, [1, 2, 3])
+    objs = objects()
+    mine = statekit.CheckpointManager(objs, root, run_id="exp2")
+    assert mine.resume(other_runs="ignore") is None
+    set_step(objs, 11)
+    mine.save(1)
+    mine.save(2)
+    assert sorted(names(root))[:2] == ["checkpoint-00000001", "checkpoint-00000001." + mine._lineage.branch[:8]]
+    other = objects(seed=3)
+    statekit.load(f"{root}/checkpoint-00000001", other)
+    assert weight(other) == 1.0  # the other run's, untouched
+    again, objs2, step = fresh_resume(root, run_id="exp2", other_runs="ignore")
+    assert step == 2 and weight(objs2) == 11.0
