@@ -42,7 +42,9 @@ The names, by topic:
   read, and files written through it are recorded with theirs (only a copy outside any
   checkpoint context verifies by hand, with :class:`VerifyingReader`, below);
 * models and data: :func:`unwrap_model`, :func:`check_fit` (the one "does this state fit
-  this model" check) and :func:`sampler_of` (the one sampler lookup);
+  this model" check), :func:`custom_load` (whether a model has load code of its own, so a
+  plugin loads it through ``load_state_dict`` rather than filling its tensors in place)
+  and :func:`sampler_of` (the one sampler lookup);
 * in-use markers of checkpoints read in place (retention, ``statekit gc`` and
   ``overwrite=True`` respect them): :func:`mark_in_use`, :func:`release_in_use`,
   :func:`in_use_markers`, :func:`is_in_use`, :func:`remove_stale_markers`,
@@ -85,7 +87,7 @@ from statekit.devices import (
 )
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
-from statekit.engine.read import model_tensor_files
+from statekit.engine.read import custom_load, model_tensor_files
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
 from statekit.loaders.samplers import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
@@ -224,6 +226,7 @@ __all__ = [
     "mark_copy_in_progress",
     # models and data
     "check_fit",
+    "custom_load",
     "sampler_of",
     "unwrap_model",
     # in-use markers

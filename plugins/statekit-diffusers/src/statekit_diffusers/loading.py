@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from statekit.plugin_api import CorruptCheckpointError, StatekitError, StateMismatchError, check_fit, read_header, unwrap_model
+from statekit.plugin_api import (
+    CorruptCheckpointError, StatekitError, StateMismatchError, check_fit, custom_load, read_header, unwrap_model,
+)
 from statekit_diffusers import layout
 from statekit_diffusers.scheduler import NoiseScheduler
 
@@ -76,7 +78,13 @@ def prepare_model(checkpoint: Any, key: str, wrapped: Any) -> Callable[[], None]
     saved_config = checkpoint.load_json(f"{rec['folder']}/{layout.CONFIG_NAME}")
 
     def run() -> None:
-        _fill(checkpoint, what, targets, files)
+        if custom_load(core) is not None:  # its load hooks or _load_from_state_dict run, as in from_pretrained
+            state: dict[str, torch.Tensor] = {}
+            for rel in files:
+                state.update(checkpoint.load_tensors(rel))
+            core.load_state_dict(state)
+        else:
+            _fill(checkpoint, what, targets, files)
         library = layout.library_of(core)
         if library == layout.DIFFUSERS:
             changes = layout.config_changes(core.config, saved_config)

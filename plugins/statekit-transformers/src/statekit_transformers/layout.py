@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from statekit.plugin_api import Checkpoint, CorruptCheckpointError, StateMismatchError, StatekitError
+from statekit.plugin_api import Checkpoint, CorruptCheckpointError, StateMismatchError, StatekitError, custom_load
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -218,6 +218,9 @@ def read_model(checkpoint: Checkpoint, model: torch.nn.Module, record: ModelReco
     missing = [n for n in pretrained_tensors_names(model, live) if n not in tensors]
     if strict and missing:
         raise StateMismatchError(f"{checkpoint.url}: the checkpoint lacks {len(missing)} weights of the model: {missing[:8]}")
+    if custom_load(model) is not None:  # its load hooks or _load_from_state_dict run, as in Trainer's own load
+        model.load_state_dict(tensors, strict=False)  # (the tied names the folder leaves out: checked above)
+        return
     with torch.no_grad():
         for name, value in tensors.items():
             live[name].copy_(value)

@@ -156,3 +156,15 @@ def test_a_save_only_model_checkpoint_is_refused_for_a_resume(tmp_path):
     tr.run(str(tmp_path), stop_at=5, save_only_model=True)
     with pytest.raises(statekit.ResumeMismatchError, match="save_only_model"):
         tr.run(str(tmp_path), resume=True)
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["Trainer", "StatekitTrainer"])
+def test_the_models_load_hooks_run_on_a_resume_as_in_trainer(tmp_path, plain):
+    """A model with load code of its own (a load_state_dict post-hook here; a quantized or
+    converting layer in practice) has it run on a resume, as Trainer's own load does."""
+    tr.run(str(tmp_path), max_steps=3, plain=plain)
+    model = tr.gpt2()
+    calls = []
+    model.register_load_state_dict_post_hook(lambda module, keys: calls.append(module))
+    tr.run(str(tmp_path), max_steps=4, resume=True, plain=plain, model=model)
+    assert calls, "the model's load hook did not run"
