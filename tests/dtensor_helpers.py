@@ -208,7 +208,7 @@ def check_names_a_fault_in_one_ranks_shard(rank: int, world: int) -> None:
     assert set(verdict.mismatched) == {"obj:f32.s1", "obj:i64.s0"}, verdict.mismatched
     messages = [str(w.message) for w in caught if issubclass(w.category, StateCheckWarning)]
     assert len(messages) == 1, messages
-    assert "2 tensor(s) differ" in messages[0]
+    assert "2 tensor(s)" + (f" on rank {rank} of {world}" if world > 1 else "") + " differ" in messages[0]
     assert "dict 'obj': f32.s1 differs from the saved state" in messages[0]
     assert "dict 'obj': i64.s0 is all zeros, differs from the saved state" in messages[0]
 

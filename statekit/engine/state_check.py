@@ -524,7 +524,9 @@ def check(
 def _listed(verdict: StateVerdict) -> str:
     shown = "; ".join(verdict.differences[:10]) + (
         f"; ... ({len(verdict.differences) - 10} more)" if len(verdict.differences) > 10 else "")
-    return f"{len(verdict.differences)} tensor(s) differ from the state saved: {shown}"
+    rank, world = distributed.rank_and_world_size()
+    where = f" on rank {rank} of {world}" if world > 1 else ""
+    return f"{len(verdict.differences)} tensor(s){where} differ from the state saved: {shown}"
 
 
 def raise_mismatch(verdict: StateVerdict, url: str) -> None:

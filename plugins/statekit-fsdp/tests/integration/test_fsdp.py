@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -201,7 +202,8 @@ def test_reshard_2_to_1_with_a_faulty_load_path_names_each_tensor(fsdp2_ckpt: di
 
 def assert_names_the_faults(message: str) -> None:
     """The warning of :func:`fsdp_testlib.fault_after_load`: exactly its two tensors, named."""
-    assert ": state check after the load: 2 tensor(s) differ from the state saved: " in message
+    assert re.search(r": state check after the load: 2 tensor\(s\)( on rank \d+ of \d+)? differ from the state saved: ",
+                     message), message
     differences = message.split("differ from the state saved: ", 1)[1].split("; ")
     assert [d.split(" (saved digest ")[0] for d in differences] == [
         "model 'model': hidden.weight differs from the saved state",
