@@ -225,7 +225,9 @@ def test_reshard_2_to_3_with_a_faulty_load_path_names_each_tensor_on_every_rank(
         assert verdict["verdict"] == "mismatch" and verdict["compared"] == STATE_TENSORS
         [message] = rank["warnings"]
         assert_names_the_faults(message)
-    assert len({rank["warnings"][0] for rank in ranks}) == 1  # the same digests on every rank
+    # the same digests on every rank, each naming its own rank
+    assert len({re.sub(r" on rank \d of 3 ", " ", rank["warnings"][0]) for rank in ranks}) == 1
+    assert [f" on rank {r} of 3 " in rank["warnings"][0] for r, rank in enumerate(ranks)] == [True] * 3
 
 
 def test_model_alone_loads_without_its_optimizer(fsdp2_ckpt: dict[str, Path]) -> None:
