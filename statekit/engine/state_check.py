@@ -20,8 +20,10 @@ by the global positions of its shard (:func:`statekit.format.state_digest.shard_
 each rank's share added in one all-reduce of every DTensor of the save or the load
 (:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
 objects hold DTensors, :func:`check` are collectives, called by every rank at the same
-point with the same objects. Not digested: data loaders (their positions are the resume
-audit's), per-rank objects, and models whose ``state_dict()`` is a collective (FSDP1,
+point with the same objects. Per-rank objects (accumulated gradients) are digested on
+every rank under ``<key>/rank-<r>``, gathered to rank 0, and compared by the rank that
+saved them (same world size only). Not digested: data loaders (their positions are the
+resume audit's), and models whose ``state_dict()`` is a collective (FSDP1,
 DeepSpeed engines: it gathers the whole model, on the training's process group), with
 their optimizers (whose state is each rank's shard, without global positions). Recorded
 in the digest's ``uncompared`` and named by the check, never compared: offloaded tensors
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch
 
-from statekit import distributed
+from statekit import distributed, format as fmt
 from statekit.engine.entries import Entry, unwrap_model
 from statekit.errors import InvalidOptionError, StateCheckWarning, StateMismatchError, warn_user
 from statekit.format import state_digest as sd
@@ -151,7 +153,7 @@ def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | N
     Returns:
         ``path -> tensor``.
     """
-    if entry.kind not in _DIGESTED_KINDS or entry.per_rank or entry.plugin_only:
+    if entry.kind not in _DIGESTED_KINDS or entry.plugin_only:
         return {}
     try:
         if entry.kind == "model":
@@ -240,9 +242,13 @@ def record(
     """
     if mode() == "off":
         return None  # (no state dict computed for it)
+    chosen = digestible(entries, accelerator)
+    per_rank = _per_rank_digests([e for e in chosen if e.per_rank], accelerator)  # (every rank: a collective)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     offloaded: dict[str, dict[str, str]] = {}
-    for e in digestible(entries, accelerator):
+    for e in chosen:
+        if e.per_rank:
+            continue
         named = digested(e, accelerator, (states or {}).get(e.key))
         for path, t in named.items():
             if t.device.type == "meta":  # offloaded (Accelerate's hooks hold it elsewhere): nothing here to digest
@@ -251,14 +257,14 @@ def record(
         if named:
             tensors[e.key] = named
     sampling = _sampling(t for ts in tensors.values() for t in ts.values())
-    if sampling is None or not (tensors or offloaded):
+    if sampling is None or not (tensors or offloaded or per_rank):
         return None
     rank = distributed.rank_and_world_size()[0]
     sums, uncompared = _digests({(key, path): t for key, named in tensors.items() for path, t in named.items()},
                                 sampling, plain=rank == 0)
     if rank != 0:
         return None
-    objects: dict[str, dict[str, str]] = {}
+    objects: dict[str, dict[str, str]] = dict(per_rank)
     not_digested: dict[str, dict[str, str]] = {key: dict(paths) for key, paths in offloaded.items()}
     for key, named in tensors.items():
         for path, t in named.items():
@@ -268,6 +274,26 @@ def record(
                 not_digested.setdefault(key, {})[path] = uncompared[key, path]
     return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects,
                        uncompared=not_digested or None)
+
+
+def _per_rank_digests(entries: list[Entry], accelerator: Any) -> dict[str, dict[str, str]]:
+    """The digests of the per-rank objects (accumulated gradients: each rank's own), each
+    rank's under ``<key>/rank-<r>``, gathered to rank 0 (one gather when there is such an
+    object: every rank holds the same objects; an empty mapping on the other ranks).
+    Digested whole (every element): they are compared on the rank that saved them."""
+    if not entries:
+        return {}
+    rank, world = distributed.rank_and_world_size()
+    mine: dict[str, dict[str, str]] = {}
+    for e in entries:
+        named = _digestible_tensors(digested(e, accelerator))
+        if named:
+            sums = sd.digests(named, sd.Sampling.FULL)
+            mine[fmt.rank_path(e.key, rank)] = {path: f"{_dtype(t)}:{sums[path]}" for path, t in named.items()}
+    if world == 1:
+        return mine
+    gathered = distributed.gather_to_rank0(mine)
+    return {key: paths for each in gathered or [] for key, paths in each.items()}
 
 
 class StateRecorder:
@@ -449,11 +475,14 @@ def check(
     differences: list[tuple[tuple[int, int, int], str, str, str]] = []  # (order, mismatched key, its value, message)
     compared: dict[_Name, tuple[torch.Tensor, str, str, str, tuple[int, int, int]]] = {}
     whats: dict[str, str] = {}
+    rank, world = distributed.rank_and_world_size()
     for index, entry in enumerate(digestible(entries, accelerator)):
         what = whats[entry.key] = f"{entry.kind} {entry.key!r}"
         for path, reason in ((saved.uncompared or {}).get(entry.key) or {}).items():
             deliberate.append(((index, 0, -1), (what, path, f"not digested at save ({reason}), not compared")))
-        recorded = saved.objects.get(entry.key)
+        if entry.per_rank and manifest.world_size not in (None, world):
+            continue  # another world size: this rank's saved copy is not this rank's state
+        recorded = saved.objects.get(fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key)
         if not recorded:
             continue
         live = digested(entry, accelerator)

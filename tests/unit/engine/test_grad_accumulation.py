@@ -239,3 +239,35 @@ def test_accelerate_directory_saved_mid_window_warns(tmp_path, installed_plugin_
     other = build(accum=4, seed=3)
     with pytest.warns(statekit.StatekitWarning, match=r"micro-batch 2 of gradient_accumulation_steps=4\) and holds no accumulated"):
         statekit.load_state(other[0], str(tmp_path / "acc"), allow_pickle=True)
+
+
+@pytest.mark.parametrize("way", ["save_state", "attach"])
+def test_the_accumulated_gradients_are_state_checked(tmp_path, installed_plugin_manager, monkeypatch, way):
+    """The gradients mid-accumulation (each rank's own) are digested under
+    ``gradients/rank-<r>`` and compared after the load: a load path that loses one is named."""
+    from statekit.engine import gradients
+
+    run = _attached(accum=4)
+    train_micro_batches(run, 6)
+    url = str(tmp_path / "ckpt")
+    if way == "save_state":
+        manifest = statekit.save_state(run[0], url)
+    else:
+        run[0].save_state(url)
+        manifest = read_manifest(Storage(url))
+    recorded = manifest.state_digest.objects["gradients/rank-00000"]
+    assert {p for p in recorded if p.startswith("grads.model_0.")} == {
+        f"grads.model_0.{n}" for n, p in run[0].unwrap_model(run[1]).named_parameters()}
+
+    clean = _attached(accum=4, seed=5)[0]
+    statekit.load_state(clean, url) if way == "save_state" else clean.load_state(url)  # no warning (filterwarnings)
+    load = gradients.AccumulatedGradients.load_state_dict
+
+    def loses_one(self, state):
+        load(self, state)
+        self._models()[0].fc1.weight.grad.zero_()
+
+    monkeypatch.setattr(gradients.AccumulatedGradients, "load_state_dict", loses_one)
+    resumed = _attached(accum=4, seed=5)
+    with pytest.warns(statekit.StateCheckWarning, match=r"custom 'gradients': grads\.model_0\.fc1\.weight is all zeros"):
+        statekit.load_state(resumed[0], url) if way == "save_state" else resumed[0].load_state(url)
