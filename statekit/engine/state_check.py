@@ -468,86 +468,111 @@ def check(
         sampling = sd.Sampling.from_json(saved.sampling)
     except (KeyError, TypeError, ValueError):
         return StateVerdict("not recorded")
-    verdict = StateVerdict("verified", sampled=not sampling.is_full)
-    # every note sorts by (object, 0: while reading the paths / 1: the digests that differ, path): the order of a
-    # check one object at a time, though the digests are computed for every object at once
-    deliberate: list[tuple[tuple[int, int, int], tuple[str, str, str]]] = []
-    differences: list[tuple[tuple[int, int, int], str, str, str]] = []  # (order, mismatched key, its value, message)
-    compared: dict[_Name, tuple[torch.Tensor, str, str, str, tuple[int, int, int]]] = {}
-    whats: dict[str, str] = {}
+    comparison = _Comparison(names or {})
     rank, world = distributed.rank_and_world_size()
     for index, entry in enumerate(digestible(entries, accelerator)):
-        what = whats[entry.key] = f"{entry.kind} {entry.key!r}"
+        what = comparison.whats[entry.key] = f"{entry.kind} {entry.key!r}"
         for path, reason in ((saved.uncompared or {}).get(entry.key) or {}).items():
-            deliberate.append(((index, 0, -1), (what, path, f"not digested at save ({reason}), not compared")))
+            comparison.note((index, 0, -1), what, path, f"not digested at save ({reason}), not compared")
         if entry.per_rank and manifest.world_size not in (None, world):
             continue  # another world size: this rank's saved copy is not this rank's state
         recorded = saved.objects.get(fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key)
-        if not recorded:
-            continue
-        live = digested(entry, accelerator)
-        skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
-        for i, (path, value) in enumerate(recorded.items()):
-            dtype, _, digest = value.partition(":")
-            tensor = live.get(path)
-            if tensor is not None and tensor.device.type == "meta":  # offloaded: the weights live elsewhere
-                deliberate.append(((index, 0, i), (what, path, "offloaded (meta on the live object), not compared")))
-                continue
-            if tensor is None:
-                if path in skipped:
-                    deliberate.append(((index, 0, i), (what, path, "not loaded (strict=False)")))
-                else:
-                    differences.append(((index, 0, i), f"{entry.key}:{path}",
-                                        "saved, but the live object has no such tensor after the load",
-                                        f"{what}: {_named(path, (names or {}).get(entry.key))} is missing after the load"))
-                continue
-            live_dtype = _dtype(tensor)
-            if live_dtype != dtype:
-                try:
-                    tensor = tensor.to(getattr(torch, dtype))  # compared after the cast back
-                except (AttributeError, TypeError, RuntimeError):
-                    deliberate.append(((index, 0, i), (what, path, f"loaded as {live_dtype} (saved {dtype}), not compared")))
-                    continue
-            compared[entry.key, path] = (tensor, live_dtype, dtype, digest, (index, 0, i))
-    sums, uncompared = _digests({name: c[0] for name, c in compared.items()}, sampling)
-    differ: dict[_Name, tuple[str, tuple[int, int, int]]] = {}
-    for (key, path), (tensor, live_dtype, dtype, digest, order) in compared.items():
-        what = whats[key]
-        if (key, path) in uncompared:
-            deliberate.append((order, (what, path, f"{uncompared[key, path]}, not compared")))
-        elif live_dtype != dtype:
-            if sums[key, path] == digest:
-                deliberate.append((order, (what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")))
-                verdict.compared += 1
-            elif _widens(getattr(torch, dtype), getattr(torch, live_dtype)):  # lossless: the values themselves differ
-                differences.append((order, f"{key}:{path}", f"loaded as {live_dtype} (saved {dtype}), other values",
-                                    f"{what}: {_named(path, (names or {}).get(key))} loaded as {live_dtype} (saved {dtype}) differs "
-                                    f"from the saved state after the cast back (saved digest {digest}, live "
-                                    f"{sums[key, path]})"))
-            else:
-                deliberate.append(
-                    (order, (what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")))
-        else:
-            verdict.compared += 1
-            if sums[key, path] != digest:
-                differ[key, path] = (digest, (order[0], 1, order[2]))
-    zeros = _all_zeros({name: compared[name][0] for name in differ})
-    for (key, path), (digest, order) in differ.items():
-        differences.append((order, f"{key}:{path}", f"saved digest {digest}, live {sums[key, path]}",
-                            f"{whats[key]}: {_named(path, (names or {}).get(key))}"
-                            f"{' is all zeros,' if zeros[key, path] else ''} differs "
-                            f"from the saved state (saved digest {digest}, live {sums[key, path]})"))
-    verdict.deliberate = [note for _, note in sorted(deliberate, key=lambda d: d[0])]
-    differences.sort(key=lambda d: d[0])
-    verdict.differences = [message for _, _, _, message in differences]
-    verdict.mismatched = {key: value for _, key, value, _ in differences}
+        if recorded:
+            skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
+            comparison.read(index, entry.key, recorded, digested(entry, accelerator), skipped)
+    verdict = comparison.judge(sampling)
     if verdict.differences:
-        verdict.verdict = "mismatch"
         if not strict:
             warn_user(f"{url}: state check after the load: {_listed(verdict)}", StateCheckWarning)
     else:  # (at DEBUG: a save and a load log one INFO line each; the verdict is in the next manifest)
         logger.debug("state check of %s: %s", url, verdict.detail)
     return verdict
+
+
+_Order = tuple[int, int, int]
+"""Where a note sorts: (object, 0 while reading its paths / 1 for a digest that differs,
+path): the order of a check one object at a time, though the digests of every object are
+computed at once."""
+
+
+class _Comparison:
+    """One load's comparison (:func:`check`): the live tensors read against the recorded
+    digests (:meth:`read`), then digested together and judged (:meth:`judge`)."""
+
+    def __init__(self, names: Mapping[str, Mapping[str, str]]) -> None:
+        self.names = names
+        self.whats: dict[str, str] = {}  # object key -> "<kind> '<key>'"
+        self.compared = 0
+        self._deliberate: list[tuple[_Order, tuple[str, str, str]]] = []
+        self._differences: list[tuple[_Order, str, str, str]] = []  # (order, mismatched key, its value, message)
+        self._tensors: dict[_Name, tuple[torch.Tensor, str, str, str, _Order]] = {}  # to digest
+
+    def note(self, order: _Order, what: str, path: str, reason: str) -> None:
+        """A deliberate difference (named, not a fault)."""
+        self._deliberate.append((order, (what, path, reason)))
+
+    def differ(self, order: _Order, key: str, path: str, value: str, message: str) -> None:
+        """A fault: ``message`` names the object and tensor (``path``, as people name it)."""
+        self._differences.append((order, f"{key}:{path}", value,
+                                  f"{self.whats[key]}: {_named(path, self.names.get(key))}{message}"))
+
+    def read(self, index: int, key: str, recorded: Mapping[str, str], live: Mapping[str, torch.Tensor],
+             skipped: set[str]) -> None:
+        """Match one object's recorded digests with its live tensors: the missing, the
+        offloaded and those a ``strict=False`` load left out are judged now; the others
+        (cast back to the saved dtype) wait for :meth:`judge`."""
+        what = self.whats[key]
+        for i, (path, value) in enumerate(recorded.items()):
+            dtype, _, digest = value.partition(":")
+            tensor = live.get(path)
+            if tensor is not None and tensor.device.type == "meta":  # offloaded: the weights live elsewhere
+                self.note((index, 0, i), what, path, "offloaded (meta on the live object), not compared")
+            elif tensor is None and path in skipped:
+                self.note((index, 0, i), what, path, "not loaded (strict=False)")
+            elif tensor is None:
+                self.differ((index, 0, i), key, path, "saved, but the live object has no such tensor after the load",
+                            " is missing after the load")
+            else:
+                live_dtype = _dtype(tensor)
+                try:
+                    cast = tensor if live_dtype == dtype else tensor.to(getattr(torch, dtype))  # compared cast back
+                except (AttributeError, TypeError, RuntimeError):
+                    self.note((index, 0, i), what, path, f"loaded as {live_dtype} (saved {dtype}), not compared")
+                    continue
+                self._tensors[key, path] = (cast, live_dtype, dtype, digest, (index, 0, i))
+
+    def judge(self, sampling: sd.Sampling) -> StateVerdict:
+        """Digest every tensor read (DTensors: a collective), compare, and the verdict."""
+        sums, uncompared = _digests({name: t[0] for name, t in self._tensors.items()}, sampling)
+        differing: dict[_Name, tuple[str, _Order]] = {}
+        for (key, path), (_, live_dtype, dtype, digest, order) in self._tensors.items():
+            what, live = self.whats[key], sums.get((key, path))
+            if (key, path) in uncompared:
+                self.note(order, what, path, f"{uncompared[key, path]}, not compared")
+            elif live_dtype == dtype:
+                self.compared += 1
+                if live != digest:
+                    differing[key, path] = (digest, (order[0], 1, order[2]))
+            elif live == digest:
+                self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")
+                self.compared += 1
+            elif _widens(getattr(torch, dtype), getattr(torch, live_dtype)):  # lossless: the values themselves differ
+                self.differ(order, key, path, f"loaded as {live_dtype} (saved {dtype}), other values",
+                            f" loaded as {live_dtype} (saved {dtype}) differs from the saved state after the cast "
+                            f"back (saved digest {digest}, live {live})")
+            else:
+                self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")
+        zeros = _all_zeros({name: self._tensors[name][0] for name in differing})
+        for (key, path), (digest, order) in differing.items():
+            self.differ(order, key, path, f"saved digest {digest}, live {sums[key, path]}",
+                        f"{' is all zeros,' if zeros[key, path] else ''} differs from the saved state (saved digest "
+                        f"{digest}, live {sums[key, path]})")
+        self._differences.sort(key=lambda d: d[0])
+        return StateVerdict(
+            "mismatch" if self._differences else "verified", compared=self.compared, sampled=not sampling.is_full,
+            differences=[message for _, _, _, message in self._differences],
+            mismatched={key: value for _, key, value, _ in self._differences},
+            deliberate=[note for _, note in sorted(self._deliberate, key=lambda d: d[0])])
 
 
 def _listed(verdict: StateVerdict) -> str:
