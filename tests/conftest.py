@@ -11,6 +11,7 @@ pytest_plugins = ["statekit.testing"]
 
 import contextlib
 import signal
+import sys
 
 import pytest
 
@@ -44,3 +45,16 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Every test starts with Accelerate's process-wide state reset (``AcceleratorState`` and
+    ``GradientState`` are shared singletons): an earlier test's ``gradient_accumulation_steps``
+    would otherwise make a later ``Accelerator()`` skip optimizer steps, depending on which
+    tests an xdist worker ran before."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()
+    yield

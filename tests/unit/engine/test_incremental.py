@@ -238,10 +238,10 @@ def test_incremental_saves_on_every_storage(storage_url):
 
 
 def test_with_accelerate_prepared_objects(tmp_path):
-    from accelerate import Accelerator
+    from accelerate_helpers import fresh_accelerator
 
     model, optim = lora_run()
-    accelerator = Accelerator(cpu=True)
+    accelerator = fresh_accelerator()  # (Accelerate's shared state reset: an earlier test's accumulation skips steps)
     model, optim = accelerator.prepare(model, optim)
     manager = statekit.CheckpointManager(accelerator, str(tmp_path / "run"))
     train_step(model, optim)
