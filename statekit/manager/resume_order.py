@@ -3,7 +3,10 @@ manager's root and under every root a plugin offers (``statekit_resume_roots``; 
 ``replicate`` plugin offers the remote tier).
 
 Order: newest step first; for one step the manager's own root first, then the offered
-roots in the order offered. With several ranks rank 0 decides for all, and a checkpoint
+roots in the order offered, and in one root the checkpoint committed last first (two
+runs' or branches' checkpoints of one step, ``checkpoint-<step>`` and
+``checkpoint-<step>.<branch>``: the one the root's ``latest`` hint names, else the newer
+``created``). With several ranks rank 0 decides for all, and a checkpoint
 under the manager's root is a candidate only where every rank's own root holds it
 committed (roots may be node-local disks: a checkpoint saved across nodes is then
 resumed from another root, or not at all).
@@ -15,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from statekit import distributed, format as fmt
-from statekit.manager.listing import CheckpointDir, list_checkpoints
+from statekit.manager.listing import LATEST_NAME, CheckpointDir, list_checkpoints
 from statekit.engine import commit as commits
 from statekit.errors import PluginError, StatekitError, StatekitWarning, warn_user
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -47,7 +50,8 @@ def resume_candidates(manager: Any) -> list[Candidate]:
     def decide() -> list[tuple[CheckpointDir, int, dict[str, Any] | None]]:
         shared = local if everywhere is None else [i for i in local if i.name in set.intersection(*everywhere)]
         offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
-        return _ordered(shared, manager.storage_options, [root for name, pairs in offered for root in _roots(name, pairs)])
+        return _ordered(shared, manager.storage_options, [root for name, pairs in offered for root in _roots(name, pairs)],
+                        _latest_name(manager.root))
 
     if world == 1:
         ordered = decide()
@@ -76,11 +80,21 @@ def _roots(plugin: str, pairs: Any) -> list[tuple[str, dict[str, Any] | None]]:
     return roots
 
 
+def _latest_name(root: Storage) -> str | None:
+    """The folder the root's ``latest`` hint names (the checkpoint committed last), or None."""
+    try:
+        return root.read_bytes(LATEST_NAME).decode("ascii").strip() or None
+    except (StatekitError, OSError, UnicodeDecodeError):
+        return None
+
+
 def _ordered(
-    local: list[CheckpointDir], local_options: dict[str, Any] | None, roots: list[tuple[str, dict[str, Any] | None]]
+    local: list[CheckpointDir], local_options: dict[str, Any] | None, roots: list[tuple[str, dict[str, Any] | None]],
+    latest: str | None = None,
 ) -> list[tuple[CheckpointDir, int, dict[str, Any] | None]]:
     """``(info, tier, storage_options)``, best first; tier 0 is the manager's root, tier k
-    the k-th root offered."""
+    the k-th root offered; in one root, of one step, the checkpoint the ``latest`` hint
+    names, then the one committed last."""
     tiers = [(i, 0, local_options) for i in local]
     newest = local[-1] if local else None
     for k, (url, options) in enumerate(roots, start=1):
@@ -96,7 +110,8 @@ def _ordered(
                 warn_user(f"{newest.url} and {twin.url} hold step {newest.step} with different manifests; "
                           "using the local one", StatekitWarning)
         tiers += [(i, k, options) for i in infos]
-    return sorted(tiers, key=lambda it: (-it[0].step, it[1]))
+    tiers.sort(key=lambda it: it[0].created or "", reverse=True)  # one step of two runs or branches: the newer first
+    return sorted(tiers, key=lambda it: (-it[0].step, it[1], not (it[1] == 0 and it[0].name == latest)))
 
 
 def _same_manifest(a: Storage, b: Storage) -> bool:

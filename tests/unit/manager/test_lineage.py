@@ -404,3 +404,18 @@ def test_a_named_fresh_run_in_a_reused_root_saves_beside_the_other_runs_checkpoi
     assert weight(other) == 1.0  # the other run's, untouched
     again, objs2, step = fresh_resume(root, run_id="exp2", other_runs="ignore")
     assert step == 2 and weight(objs2) == 11.0
+
+
+def test_at_one_step_of_two_runs_resume_takes_the_one_committed_last_as_latest_does(tmp_path):
+    """Run B saves beside run A's checkpoint of the same step (other_runs="ignore"): its
+    restart resumes its own, the newer one, and the latest hint names the same."""
+    root = str(tmp_path / "run")
+    a, _ = run(root, [1, 2], run_id="runA")
+    objs = objects()
+    b = statekit.CheckpointManager(objs, root, run_id="runB")
+    assert b.resume(other_runs="ignore") is None
+    set_step(objs, 22)
+    b.save(2)
+    again, objs2, step = fresh_resume(root, run_id="runB")
+    assert step == 2 and weight(objs2) == 22.0
+    assert again.resumed_from.rsplit("/", 1)[-1] == (tmp_path / "run" / "latest").read_text().strip()
