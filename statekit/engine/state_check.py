@@ -243,7 +243,7 @@ def record(
     if mode() == "off":
         return None  # (no state dict computed for it)
     chosen = digestible(entries, accelerator)
-    per_rank = _per_rank_digests([e for e in chosen if e.per_rank], accelerator)  # (every rank: a collective)
+    own = {e.key: _digestible_tensors(digested(e, accelerator)) for e in chosen if e.per_rank}  # this rank's
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     offloaded: dict[str, dict[str, str]] = {}
     for e in chosen:
@@ -256,7 +256,8 @@ def record(
         named = _digestible_tensors(named)
         if named:
             tensors[e.key] = named
-    sampling = _sampling(t for ts in tensors.values() for t in ts.values())
+    sampling = _sampling(t for ts in (*tensors.values(), *own.values()) for t in ts.values())
+    per_rank = _per_rank_digests(own, sampling) if own else {}  # (every rank holds them: a collective)
     if sampling is None or not (tensors or offloaded or per_rank):
         return None
     rank = distributed.rank_and_world_size()[0]
@@ -276,20 +277,17 @@ def record(
                        uncompared=not_digested or None)
 
 
-def _per_rank_digests(entries: list[Entry], accelerator: Any) -> dict[str, dict[str, str]]:
-    """The digests of the per-rank objects (accumulated gradients: each rank's own), each
-    rank's under ``<key>/rank-<r>``, gathered to rank 0 (one gather when there is such an
-    object: every rank holds the same objects; an empty mapping on the other ranks).
-    Digested whole (every element): they are compared on the rank that saved them."""
-    if not entries:
-        return {}
+def _per_rank_digests(own: Mapping[str, Mapping[str, torch.Tensor]], sampling: sd.Sampling) -> dict[str, dict[str, str]]:
+    """The digests of the per-rank objects (accumulated gradients: each rank's own tensors,
+    by object key), each rank's under ``<key>/rank-<r>``, gathered to rank 0 (one gather:
+    every rank holds the same objects; an empty mapping on the other ranks). Digested with
+    the save's ``sampling`` (what the check recomputes); compared on the rank that saved them."""
     rank, world = distributed.rank_and_world_size()
     mine: dict[str, dict[str, str]] = {}
-    for e in entries:
-        named = _digestible_tensors(digested(e, accelerator))
+    for key, named in own.items():
         if named:
-            sums = sd.digests(named, sd.Sampling.FULL)
-            mine[fmt.rank_path(e.key, rank)] = {path: f"{_dtype(t)}:{sums[path]}" for path, t in named.items()}
+            sums = sd.digests(named, sampling)
+            mine[fmt.rank_path(key, rank)] = {path: f"{_dtype(t)}:{sums[path]}" for path, t in named.items()}
     if world == 1:
         return mine
     gathered = distributed.gather_to_rank0(mine)

@@ -271,3 +271,25 @@ def test_the_accumulated_gradients_are_state_checked(tmp_path, installed_plugin_
     resumed = _attached(accum=4, seed=5)
     with pytest.warns(statekit.StateCheckWarning, match=r"custom 'gradients': grads\.model_0\.fc1\.weight is all zeros"):
         statekit.load_state(resumed[0], url) if way == "save_state" else resumed[0].load_state(url)
+
+
+def test_large_accumulated_gradients_are_checked_with_the_saves_sampling(tmp_path, installed_plugin_manager):
+    """Gradients of >= 65,536 elements are sampled like the rest of the save (the check
+    recomputes them with the recorded sampling): a clean resume is no false alarm."""
+    from accelerate_helpers import fresh_accelerator
+
+    def run(seed):
+        torch.manual_seed(seed)
+        accelerator = fresh_accelerator(accum=4)
+        model = torch.nn.Linear(512, 512)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return (accelerator, *accelerator.prepare(model, optimizer))
+
+    accelerator, model, optimizer = run(0)
+    with accelerator.accumulate(model):
+        accelerator.backward(model(torch.randn(4, 512)).sum())
+    assert not accelerator.sync_gradients
+    manifest = statekit.save_state(accelerator, str(tmp_path / "ckpt"))
+    assert manifest.state_digest.sampling["stride"] > manifest.state_digest.sampling["block"]  # sampled
+    assert "grads.model_0.weight" in manifest.state_digest.objects["gradients/rank-00000"]
+    statekit.load_state(run(1)[0], str(tmp_path / "ckpt"))  # any StateCheckWarning fails (filterwarnings)
