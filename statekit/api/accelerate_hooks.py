@@ -91,6 +91,29 @@ def user_hooks(accelerator: Any, mode: str) -> list[Any]:
     return [h for h in (table or {}).values() if not getattr(h, "statekit_attach_hook", False)]
 
 
+def require_user_load_hooks(checkpoint: Any, accelerator: Any) -> list[Any]:
+    """The load pre-hooks the user registered on ``accelerator``, after checking that a model
+    a save pre-hook of theirs saved (owner :data:`HOOKS_PLUGIN` in the manifest) has one to
+    load it.
+
+    Raises:
+        PluginError: such a model and no load pre-hook registered (names the models and
+            ``register_load_state_pre_hook``); nothing was loaded.
+    """
+    hooks = user_hooks(accelerator, "load")
+    manifest = getattr(checkpoint, "manifest", None)
+    owned = sorted(k for k, o in (manifest.objects.items() if manifest is not None else ()) if o.owner == HOOKS_PLUGIN)
+    if owned and not hooks:
+        raise PluginError(
+            f"{checkpoint.url}: {', '.join(owned)} was saved by a function registered with "
+            "accelerator.register_save_state_pre_hook; register its load counterpart with "
+            "accelerator.register_load_state_pre_hook before loading (nothing was loaded)",
+            plugin_name=HOOKS_PLUGIN,
+            hook_name="statekit_load_state_pre",
+        )
+    return hooks
+
+
 def _runs_here(checkpoint: Any) -> bool:
     return checkpoint.accelerator is not None and not getattr(checkpoint, "accelerate_runs_hooks", False)
 
@@ -140,16 +163,7 @@ class AccelerateHooks:
         """Run the load pre-hooks; a model removed from ``models`` is theirs to load."""
         if not _runs_here(checkpoint):
             return
-        hooks = user_hooks(checkpoint.accelerator, "load")
-        owned = [k for k in checkpoint.model_keys if checkpoint.owner_of(k) == HOOKS_PLUGIN]
-        if owned and not hooks:
-            raise PluginError(
-                f"{checkpoint.url}: {', '.join(owned)} was saved by a function registered with "
-                "accelerator.register_save_state_pre_hook; register its load counterpart with "
-                "accelerator.register_load_state_pre_hook before loading",
-                plugin_name=HOOKS_PLUGIN,
-                hook_name="statekit_load_state_pre",
-            )
+        hooks = require_user_load_hooks(checkpoint, checkpoint.accelerator)
         if not hooks:
             return
         directory = _local_dir(checkpoint, hooks, "load")

@@ -21,25 +21,27 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints, skip_batches
-from statekit.api.accelerate_hooks import accelerate_directory
+from statekit.api.accelerate_hooks import HOOKS_PLUGIN, accelerate_directory, require_user_load_hooks
 from statekit.api.bridge import collect
 from statekit.api.loading import (
     apply_own_states, check_accelerate_load, check_loaded_state, check_owners_installed, check_statekit_files,
     read_own_states,
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
-from statekit.engine import commit as commits, state_check
+from statekit.engine import commit as commits, random_check, state_check
 from statekit.loaders import audit, data, next_batch
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.engine.locking import lock_accelerate_save, mark_save_failed
+from statekit.engine.read import verify_files
 from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.format.manifest import read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
@@ -65,6 +67,7 @@ class Attachment:
         self._handles: list[Any] = []
         self._pending: Checkpoint | None = None
         self._started = 0.0  # time.perf_counter() when the current save_state/load_state began (log lines)
+        self._step_counter: _StepCounter | None = None  # an accelerator's optimizer steps (_attached_step)
 
     def remove(self) -> None:
         """Unregister the Accelerate hooks and restore ``save_state``/``load_state``/``prepare``.
@@ -72,6 +75,8 @@ class Attachment:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._step_counter is not None:
+            self._step_counter.remove()
         if self.accelerator is not None:
             for name in ("save_state", "load_state", "prepare", "skip_first_batches"):
                 self.accelerator.__dict__.pop(name, None)
@@ -181,23 +186,34 @@ class _AttachedCalls:
 
     def install(self) -> None:
         """Register the pre-hooks and put the wrappers on the instance."""
-        for hook in (self.save_pre_hook, self.load_pre_hook):
+        hooks = (self.save_first_hook, self.save_pre_hook, self.load_first_hook, self.load_pre_hook)
+        for hook in hooks:
             hook.__func__.statekit_attach_hook = True  # not a user hook: see api.accelerate_hooks
         handles = self.attachment._handles
-        handles.append(self.accelerator.register_save_state_pre_hook(self.save_pre_hook))
-        handles.append(self.accelerator.register_load_state_pre_hook(self.load_pre_hook))
-        # run before hooks the user registered earlier (attach after prepare()): statekit must
-        # see Accelerate's full models/weights lists (a diffusers-style hook pops weights) and
-        # check its files before any hook loads a model
-        for table, handle in zip(("_save_model_state_pre_hook", "_load_model_state_pre_hook"), handles[-2:]):
-            hooks = getattr(self.accelerator, table, None)
-            if hasattr(hooks, "move_to_end") and handle.id in hooks:
-                hooks.move_to_end(handle.id, last=False)
+        for hook in hooks[:2]:
+            handles.append(self.accelerator.register_save_state_pre_hook(hook))
+        for hook in hooks[2:]:
+            handles.append(self.accelerator.register_load_state_pre_hook(hook))
         self.accelerator.__dict__["save_state"] = self._wrapper("save", self.finish_save)
         self.accelerator.__dict__["load_state"] = self._wrapper("load", self.finish_load)
         self.accelerator.__dict__["prepare"] = self.prepare
         if self.originals["skip_first_batches"] is not None:
             self.accelerator.__dict__["skip_first_batches"] = self.skip_first_batches
+        self.attachment._step_counter = _StepCounter(self.accelerator)
+
+    def _order_hooks(self, mode: str) -> None:
+        """Put statekit's first hook before and its main hook after every hook the user
+        registered, before each ``save_state``/``load_state`` (the user may register hooks
+        at any time): user hooks get Accelerate's own ``models``/``weights`` lists, and the
+        plugins see what the user's hooks left (docs/design-notes.md, "Hook order in attach mode")."""
+        table = getattr(self.accelerator, "_save_model_state_pre_hook" if mode == "save" else "_load_model_state_pre_hook", None)
+        if not hasattr(table, "move_to_end"):
+            return
+        first, last = self.attachment._handles[:2] if mode == "save" else self.attachment._handles[2:4]
+        if first.id in table:
+            table.move_to_end(first.id, last=False)
+        if last.id in table:
+            table.move_to_end(last.id, last=True)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``Accelerator.skip_first_batches``, except after a resume of a tracked loader:
@@ -210,6 +226,7 @@ class _AttachedCalls:
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
         """``Accelerator.prepare``; the objects it adds join the attachment."""
         result = self.originals["prepare"](*args, **kwargs)
+        self.attachment._step_counter.watch()
         added = {k: v for k, v in _non_models(self.accelerator).items() if self.attachment.objects.get(k) is not v}
         if added:
             _adopt(self.attachment, added)
@@ -227,6 +244,7 @@ class _AttachedCalls:
             attachment._pending = None
             attachment._started = time.perf_counter()
             attachment._strict = bool(kwargs.get("strict", True))  # load_state(dir, strict=False) reaches load_model
+            self._order_hooks(mode)
             try:
                 result = original(directory, *args, **kwargs)
                 if attachment._pending is not None:  # None: Accelerate returned before its hooks
@@ -249,16 +267,33 @@ class _AttachedCalls:
             self.attachment._pending = _attach_checkpoint(self.accelerator, os.fspath(directory), mode, self.attachment)
         return self.attachment._pending
 
-    def save_pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
-        """Accelerate's save pre-hook: the statekit pre-hooks, then what Accelerate does not
-        keep (loader positions, accumulated gradients)."""
+    def save_first_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        """Accelerate's first save pre-hook: lock the directory and note the ``weights`` list
+        Accelerate built (parallel to ``models``), before any user hook pops from it."""
         check_can_save(self.accelerator)
         next_batch.claim_witnesses()  # left by a save that failed before it claimed them
         checkpoint = self.context("save", output_dir)
         _lock_save(self.accelerator, checkpoint)  # before Accelerate writes: nothing loadable until committed
-        hook_models = list(models)  # plugins get a copy: Accelerate's _models must stay intact
-        hook_weights = list(weights)
+        checkpoint.__dict__["accelerate_weights"] = list(weights)
+
+    def save_pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        """Accelerate's last save pre-hook: the statekit pre-hooks on the models the user's
+        hooks left to Accelerate, then what Accelerate does not keep (loader positions,
+        accumulated gradients). Runs after the user's hooks, so the random state statekit-rng
+        saves is the one Accelerate saves and the run continues with."""
+        checkpoint = self.context("save", output_dir)
         owners: dict[str, str] = checkpoint.__dict__.setdefault("attach_owners", {})
+        built = checkpoint.__dict__.pop("accelerate_weights", None)
+        if built is not None and len(built) == len(models):
+            kept = _models_left_by_user_hooks(built, weights)
+            for i in sorted(set(range(len(models))) - set(kept)):
+                owners[f"model_{i}"] = HOOKS_PLUGIN  # a user hook saved it (save_pretrained) and popped its weights
+        else:  # Accelerate wrote no weights for these models (FSDP, DeepSpeed save them themselves)
+            kept = []
+        # plugins get parallel copies: Accelerate's _models must stay intact
+        hook_models = [models[i] for i in kept]
+        hook_weights = list(weights) if kept else []
+        before = list(weights)
         call_each(
             get_plugin_manager(),
             "statekit_save_state_pre",
@@ -266,8 +301,9 @@ class _AttachedCalls:
             {"models": hook_models, "weights": hook_weights, "output_dir": checkpoint.url, "checkpoint": checkpoint},
             after_each=track_save_claims(checkpoint, hook_models, hook_weights, checkpoint._model_keys, owners),
         )
-        kept = {id(w) for w in hook_weights}
-        weights[:] = [w for w in weights if id(w) in kept]
+        if kept:
+            left = {id(w) for w in hook_weights}
+            weights[:] = [w for w in before if id(w) in left]
         checkpoint.plugin = None
         for key, obj in self.attachment.objects.items():  # what Accelerate does not keep: exact positions, gradients
             if data.is_loader(obj):
@@ -276,15 +312,25 @@ class _AttachedCalls:
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), obj.state_dict())
         checkpoint.__dict__["next_batch_witnesses"] = next_batch.claim_witnesses()  # recorded once committed
 
-    def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
-        """Accelerate's load pre-hook: refuse a damaged checkpoint, then the statekit pre-hooks."""
+    def load_first_hook(self, models: list[Any], input_dir: str) -> None:
+        """Accelerate's first load pre-hook: refuse a damaged or unfitting checkpoint before
+        any hook (the user's or a plugin's) or Accelerate restores anything: every file the
+        manifest lists is read and its checksum compared."""
         checkpoint = self.context("load", input_dir)
-        check_statekit_files(checkpoint)  # before Accelerate restores anything
+        check_statekit_files(checkpoint)
+        if checkpoint.manifest is not None:
+            commits.agree(lambda: verify_files(checkpoint.storage, checkpoint.manifest, checkpoint.rank), checkpoint.url)
         check_owners_installed(checkpoint)  # a model a plugin took has no Accelerate file
+        require_user_load_hooks(checkpoint, self.accelerator)
         check_accelerate_load(checkpoint, self.accelerator, strict=getattr(self.attachment, "_strict", True))
         if checkpoint.manifest is not None:  # warns per difference (Accelerate's load_state has no strict_resume)
             live = fingerprints.compute(collect(self.accelerator), self.accelerator)
             fingerprints.check(checkpoint.manifest, live, checkpoint.url)
+
+    def load_pre_hook(self, models: list[Any], input_dir: str) -> None:
+        """Accelerate's last load pre-hook: the statekit pre-hooks on the models the user's
+        hooks left (a model a user hook popped is the user's to load)."""
+        checkpoint = self.context("load", input_dir)
         hook_models = list(models)
         call_each(
             get_plugin_manager(),
@@ -298,6 +344,8 @@ class _AttachedCalls:
     def finish_save(self, checkpoint: Checkpoint) -> None:
         """After Accelerate's save: commit the manifest, then the post-hooks."""
         self.accelerator.wait_for_everyone()
+        # Accelerate has saved: the run continues with the random states it has now
+        checkpoint.__dict__["random_states"] = random_check.record_all_ranks()
         checkpoint.manifest = _commit_attached(self.accelerator, checkpoint)
         record_next_batches(checkpoint.__dict__.pop("next_batch_witnesses", []), checkpoint.storage, checkpoint.rank, checkpoint.manifest)
         if checkpoint.rank == 0:
@@ -327,12 +375,38 @@ class _AttachedCalls:
             # (what a plugin took is compared where the save digested it: state_check.record)
             check_loaded_state(checkpoint.url, manifest, None, collect(self.accelerator), self.accelerator,
                                strict_resume=False)
+            random_check.check((manifest.records.get(CORE) or {}).get(random_check.RECORD_KEY), checkpoint.url,
+                               checkpoint.rank, checkpoint.world_size)
+            if manifest.step is not None:
+                self.attachment._step_counter.steps = manifest.step
         where = f", rank {checkpoint.rank}" if checkpoint.world_size > 1 else ""
         logger.info(
             "loaded %s (step %s, %s, %.2f s, attached%s)", checkpoint.url, manifest.step if manifest is not None else None,
             human(manifest.size_bytes) if manifest is not None and manifest.files else "-",
             time.perf_counter() - self.attachment._started, where,
         )
+
+
+def _models_left_by_user_hooks(built: list[Any], now: list[Any]) -> list[int]:
+    """Indices into Accelerate's ``_models`` of the models whose ``weights`` entry the user's
+    save hooks left, parallel to ``now``.
+
+    Args:
+        built: the ``weights`` list Accelerate built, one entry per model.
+        now: the list after the user's hooks (diffusers' hooks ``weights.pop()`` what they
+            saved with ``save_pretrained``).
+
+    Returns:
+        ``len(now)`` indices. Accelerate writes ``now[j]`` as its ``j``-th model file either
+        way; an entry a hook replaced keeps its position.
+    """
+    if len(now) == len(built):
+        return list(range(len(built)))
+    position = {id(w): i for i, w in enumerate(built)}
+    kept = [position.get(id(w)) for w in now]
+    if None in kept or kept != sorted(kept):  # entries replaced as well as popped: only positions are left
+        return list(range(len(now)))
+    return kept  # type: ignore[return-value]
 
 
 def _lock_save(accelerator: Any, checkpoint: Checkpoint) -> None:
@@ -354,6 +428,58 @@ def _abandon_save(checkpoint: Checkpoint) -> None:
         mark_save_failed(checkpoint.storage)
 
 
+_STEP_NAME = re.compile(r"(?:checkpoint|global_step|step|ckpt|iter)[-_]?(\d+)", re.IGNORECASE)
+
+
+class _StepCounter:
+    """The optimizer steps of an attached run, for the step of a checkpoint whose folder name
+    carries none (``epoch_3``, Accelerate's automatic ``checkpoint_<n>``, which counts saves).
+
+    Counts the steps the first prepared optimizer took since the attach (a step GradScaler
+    skipped for inf gradients is not one), continued from the step of a checkpoint loaded.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.steps = 0
+        self._watched: Any = None
+        self.watch()
+
+    def watch(self) -> None:
+        """Count the first prepared optimizer's steps (called at attach and after each ``prepare``)."""
+        optimizers = getattr(self.accelerator, "_optimizers", None) or []
+        if not optimizers or self._watched is not None:
+            return
+        inner = getattr(optimizers[0], "optimizer", optimizers[0])  # AcceleratedOptimizer: the step that ran
+        if hasattr(inner, "register_step_post_hook"):
+            self._watched = inner.register_step_post_hook(self._count)
+
+    def remove(self) -> None:
+        """Stop counting."""
+        if self._watched is not None:
+            self._watched.remove()
+            self._watched = None
+
+    def _count(self, *_: Any) -> None:
+        self.steps += 1
+
+
+def _attached_step(accelerator: Any, url: str, attachment: Attachment) -> int | None:
+    """The step an attach-mode save records: the number in the folder's name when it names a
+    step (``checkpoint-500``: diffusers' scripts; ``step_500``: Accelerate's and transformers'
+    examples), else the optimizer steps taken (:class:`_StepCounter`).
+
+    ``Accelerator.step`` is not it: it counts micro-steps within an epoch (``_do_sync`` resets it
+    at the end of each data loader pass).
+    """
+    naming = getattr(getattr(accelerator, "project_configuration", None), "automatic_checkpoint_naming", False)
+    match = _STEP_NAME.fullmatch(os.path.basename(os.path.normpath(url)))
+    if match is not None and not naming:
+        return int(match.group(1))
+    counter = getattr(attachment, "_step_counter", None)
+    return counter.steps if counter is not None else None
+
+
 def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attachment) -> Checkpoint:
     storage = Storage(url)
     manifest = None
@@ -367,7 +493,7 @@ def _attach_checkpoint(accelerator: Any, url: str, mode: str, attachment: Attach
         mode=mode,
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
-        step=getattr(accelerator, "step", None),
+        step=_attached_step(accelerator, url, attachment) if mode == "save" else (manifest.step if manifest is not None else None),
         accelerator=accelerator,
         objects=dict(attachment.objects),  # read-only in attach mode: Accelerate saves them
         model_keys=keys,
@@ -396,6 +522,8 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
             for i in range(len(accelerator._models))
         }
         records = {**checkpoint.all_records(), CORE: {"layout": "accelerate"}}
+        if checkpoint.__dict__.get("random_states"):
+            records[CORE][random_check.RECORD_KEY] = checkpoint.__dict__["random_states"]
         fingerprint = fingerprints.compute(collect(accelerator), accelerator, rng=fingerprints.rng_saved(records, files))
         manifest = commits.build_manifest(checkpoint, files, objects, plugins=plugins, records=records,
                                           fingerprint=fingerprint, state_digest=digest,

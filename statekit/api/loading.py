@@ -20,6 +20,7 @@ from typing import Any
 
 from statekit import distributed
 from statekit.api import fingerprint as fingerprints
+from statekit.api.accelerate_hooks import HOOKS_PLUGIN
 from statekit.api.saveload import context_for
 from statekit.engine import read, state_check
 from statekit.loaders import audit, data
@@ -465,7 +466,7 @@ def check_owners_installed(checkpoint: Checkpoint) -> None:
     pm = get_plugin_manager()
     for key, obj in checkpoint.manifest.objects.items():
         owner = obj.owner
-        if owner not in (CORE, ACCELERATE_WRITER):
+        if owner not in (CORE, ACCELERATE_WRITER, HOOKS_PLUGIN):  # the user's hooks: require_user_load_hooks
             pm.require_owner(owner, obj.owner_distribution, f"{checkpoint.url}: {key!r}", " (nothing was loaded)")
 
 

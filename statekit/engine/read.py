@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Mapping
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -589,11 +590,40 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manife
     """
     storage = Storage.of(url, storage_options)
     manifest = read_manifest(storage)
+    verify_files(storage, manifest)
+    return manifest
+
+
+def verify_files(storage: Storage, manifest: Manifest, rank: int | None = None) -> None:
+    """Read every file ``manifest`` lists (of every rank, or with ``rank``: the shared ones
+    and ``rank``'s own) and compare its size and checksum, streaming; nothing is loaded.
+
+    This is :func:`verify`'s pass; attach mode runs it before Accelerate, which reads its
+    files itself, restores anything (about one more read of the checkpoint, from the page
+    cache on local disk when Accelerate reads it next).
+
+    Args:
+        storage: the checkpoint's storage; manifest: its manifest.
+        rank: only the files this rank reads (None: all).
+
+    Raises:
+        CorruptCheckpointError: the first file that is missing, or whose size or checksum
+            differs; ``.path`` names it.
+    """
+    names = sorted(rel for rel, entry in manifest.files.items() if rank is None or not _other_ranks_file(rel, entry, rank))
     reader = FileReader(storage, manifest, verify=True)
-    with progress(manifest.size_bytes, "verify") as advance:
-        for rel in sorted(manifest.files):
+    with progress(sum(manifest.files[rel].size_bytes for rel in names), "verify") as advance:
+        for rel in names:
             with reader.reading(rel) as f:
                 while chunk := f.read(fmt.CHUNK_BYTES):
                     advance(len(chunk))
                 f.read()  # end of file: the reader compares size and checksum here
-    return manifest
+
+
+def _other_ranks_file(rel: str, entry: Any, rank: int) -> bool:
+    """A per-rank file of another rank (``.../rank-00001.json``, Accelerate's ``random_states_1.pkl``)."""
+    parsed = fmt.parse_rank_path(rel)
+    if parsed is not None:
+        return parsed[1] != rank
+    match = re.fullmatch(r"random_states_(\d+)\.pkl", rel)
+    return match is not None and int(match.group(1)) != rank
