@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from statekit.errors import CorruptCheckpointError, FormatVersionError
@@ -537,6 +537,11 @@ class StateDigest(_JsonRecord):
         uncompared: per object, per tensor: why it was not digested at save (a ``DTensor``
             whose placements give no global positions, on a mesh of part of the world);
             named by the check after a load. None (absent) when every tensor was digested.
+        ties: per model, the groups of tensor paths that were one tensor at save (tied
+            weights: ``[["transformer.wte.weight", "lm_head.weight"]]``, the same storage
+            and view), each in state dict order; the check names a member no longer tied
+            to the others after a load. None (absent) when no model held a tie, or in
+            checkpoints written before it existed (ties not checked).
         extra: keys this version does not know.
         key_order: the parsed object's key order (empty when built in code).
     """
@@ -545,10 +550,11 @@ class StateDigest(_JsonRecord):
     sampling: Mapping[str, int]
     objects: Mapping[str, Mapping[str, str]]
     uncompared: Mapping[str, Mapping[str, str]] | None = None
+    ties: Mapping[str, Sequence[Sequence[str]]] | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"algorithm", "sampling", "objects", "uncompared"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"algorithm", "sampling", "objects", "uncompared", "ties"})
 
     @classmethod
     def from_json(cls, value: Any, source: str) -> StateDigest:
@@ -568,15 +574,21 @@ class StateDigest(_JsonRecord):
         objects = value.get("objects")
         sampling = value.get("sampling")
         uncompared = value.get("uncompared")
+        ties = value.get("ties")
 
         def strings(table: Any) -> bool:
             return isinstance(table, dict) and all(
                 isinstance(o, dict) and all(isinstance(d, str) for d in o.values()) for o in table.values())
 
+        def groups(table: Any) -> bool:
+            return isinstance(table, dict) and all(
+                isinstance(o, list) and all(isinstance(g, list) and all(isinstance(p, str) for p in g) for g in o)
+                for o in table.values())
+
         if not isinstance(value.get("algorithm"), str) or not isinstance(sampling, dict) or not strings(objects) \
-                or not (uncompared is None or strings(uncompared)):
+                or not (uncompared is None or strings(uncompared)) or not (ties is None or groups(ties)):
             raise CorruptCheckpointError(f"{source}: manifest field 'state_digest' is malformed", path=source)
-        return cls(algorithm=value["algorithm"], sampling=sampling, objects=objects, uncompared=uncompared,
+        return cls(algorithm=value["algorithm"], sampling=sampling, objects=objects, uncompared=uncompared, ties=ties,
                    extra={k: v for k, v in value.items() if k not in cls._KEYS}, key_order=tuple(value))
 
 
