@@ -8,7 +8,15 @@ fine. At save, :func:`record` digests every tensor of every saved object's state
 is split across ranks); after a load, :func:`check` digests the objects as they now are
 and names each tensor that differs. Deliberate differences are named as such, not
 reported as faults: a tensor loaded into another dtype is compared after a cast back (a
-widening cast is exact), and one a ``strict=False`` load left out is skipped.
+widening cast is exact; a narrowing one is not compared), and one a ``strict=False`` load
+left out is skipped.
+
+Structural faults are named even with the values equal (issue 44): a cast that neither
+widens nor narrows (:func:`_cast`: bfloat16 to float16, an integer tensor to a float one:
+the run goes on in other arithmetic), and a tie the load broke: the save records, per
+model, the paths of its state dict that are one tensor (:func:`tie_groups`, the digest's
+``ties``), and the check names each member no longer one tensor with the others (a GPT-2's
+``lm_head.weight`` apart from ``transformer.wte.weight``: they would be updated separately).
 
 What is digested: the state dict of every object saved whole on every rank (models,
 optimizers, schedulers, scalers, custom objects, tensors and dicts of them), whether the
@@ -246,10 +254,13 @@ def record(
     own = {e.key: _digestible_tensors(digested(e, accelerator)) for e in chosen if e.per_rank}  # this rank's
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     offloaded: dict[str, dict[str, str]] = {}
+    ties: dict[str, list[list[str]]] = {}
     for e in chosen:
         if e.per_rank:
             continue
         named = digested(e, accelerator, (states or {}).get(e.key))
+        if e.kind == "model" and (groups := tie_groups(named)):
+            ties[e.key] = groups
         for path, t in named.items():
             if t.device.type == "meta":  # offloaded (Accelerate's hooks hold it elsewhere): nothing here to digest
                 offloaded.setdefault(e.key, {})[path] = "offloaded (meta on the live object)"
@@ -274,7 +285,41 @@ def record(
             else:
                 not_digested.setdefault(key, {})[path] = uncompared[key, path]
     return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects,
-                       uncompared=not_digested or None)
+                       uncompared=not_digested or None, ties=ties or None)
+
+
+def tie_groups(named: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The groups of paths of one model's state dict that are one tensor (tied weights: a
+    GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``): the same storage, offset,
+    shape, strides and dtype. Tensors whose storage says nothing are left out: meta
+    (offloaded), empty, DTensors (their local shards are the sharding's), tensor subclasses.
+
+    Args:
+        named: ``path -> tensor`` (:func:`digested`), in state dict order.
+
+    Returns:
+        Each group of two or more paths, in state dict order (groups by their first path).
+    """
+    by_view: dict[tuple[Any, ...], list[str]] = {}
+    for path, t in named.items():
+        view = _view(t)
+        if view is not None:
+            by_view.setdefault(view, []).append(path)
+    return [paths for paths in by_view.values() if len(paths) > 1]
+
+
+def _view(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one (:func:`tie_groups`), or None where it cannot be told."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type == "meta" \
+            or t.numel() == 0:
+        return None
+    try:
+        pointer = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if not pointer:
+        return None
+    return (str(t.device), pointer, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _per_rank_digests(own: Mapping[str, Mapping[str, torch.Tensor]], sampling: sd.Sampling) -> dict[str, dict[str, str]]:
@@ -410,9 +455,16 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+_COMPONENT = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
 def _widens(saved: torch.dtype, live: torch.dtype) -> bool:
     """Whether every value of ``saved`` is exactly a value of ``live`` (bfloat16 or float16 in
-    float32, float32 in float64, a narrower integer in a wider one of the same signedness)."""
+    float32, float32 in float64, a narrower integer in a wider one of the same signedness, a
+    float or complex number in a complex one of components at least as wide)."""
+    if saved.is_complex or live.is_complex:
+        part, wide = _COMPONENT.get(saved, saved), _COMPONENT.get(live)
+        return live.is_complex and wide is not None and part.is_floating_point and (part == wide or _widens(part, wide))
     if saved.is_floating_point and live.is_floating_point:
         return torch.finfo(live).bits > torch.finfo(saved).bits and torch.finfo(live).eps <= torch.finfo(saved).eps
     if not (saved.is_floating_point or live.is_floating_point or saved.is_complex or live.is_complex
@@ -420,6 +472,21 @@ def _widens(saved: torch.dtype, live: torch.dtype) -> bool:
         wide, narrow = torch.iinfo(live), torch.iinfo(saved)
         return wide.min <= narrow.min and wide.max >= narrow.max
     return False
+
+
+def _cast(saved: str, live: str) -> str | None:
+    """How a tensor saved as ``saved`` and live as ``live`` (dtype names, different) was cast:
+    ``"widening"`` (every saved value is a live one: compared after the cast back),
+    ``"narrowing"`` (every live value is a saved one: a lower precision, deliberate),
+    ``"lateral"`` (neither holds the other's values: bfloat16 and float16, an integer or
+    bool tensor and a float one, signed and unsigned: no precision policy casts so, a fault),
+    or None (a dtype this torch does not know)."""
+    old, new = getattr(torch, saved, None), getattr(torch, live, None)
+    if not (isinstance(old, torch.dtype) and isinstance(new, torch.dtype)):
+        return None
+    if _widens(old, new):
+        return "widening"
+    return "narrowing" if _widens(new, old) else "lateral"
 
 
 def check(
@@ -477,7 +544,11 @@ def check(
         recorded = saved.objects.get(fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key)
         if recorded:
             skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
-            comparison.read(index, entry.key, recorded, digested(entry, accelerator), skipped)
+            live = digested(entry, accelerator)
+            comparison.read(index, entry.key, recorded, live, skipped)
+            groups = (saved.ties or {}).get(entry.key) if entry.kind == "model" and not entry.per_rank else None
+            if groups:
+                comparison.tied(index, entry.key, list(recorded), groups, live)
     verdict = comparison.judge(sampling)
     if verdict.differences:
         if not strict:
@@ -488,21 +559,22 @@ def check(
 
 
 _Order = tuple[int, int, int]
-"""Where a note sorts: (object, 0 while reading its paths / 1 for a digest that differs,
-path): the order of a check one object at a time, though the digests of every object are
-computed at once."""
+"""Where a note sorts: (object, 0 while reading its paths / 1 for a digest or dtype that
+differs / 2 for a tie broken, path): the order of a check one object at a time, though the
+digests of every object are computed at once; a tensor's own faults in the same order."""
 
 
 class _Comparison:
     """One load's comparison (:func:`check`): the live tensors read against the recorded
-    digests (:meth:`read`), then digested together and judged (:meth:`judge`)."""
+    digests (:meth:`read`) and ties (:meth:`tied`), then digested together and judged
+    (:meth:`judge`)."""
 
     def __init__(self, names: Mapping[str, Mapping[str, str]]) -> None:
         self.names = names
         self.whats: dict[str, str] = {}  # object key -> "<kind> '<key>'"
         self.compared = 0
         self._deliberate: list[tuple[_Order, tuple[str, str, str]]] = []
-        self._differences: list[tuple[_Order, str, str, str]] = []  # (order, mismatched key, its value, message)
+        self._faults: dict[_Name, list[tuple[_Order, str, str]]] = {}  # per tensor: (order, its value, message)
         self._tensors: dict[_Name, tuple[torch.Tensor, str, str, str, _Order]] = {}  # to digest
 
     def note(self, order: _Order, what: str, path: str, reason: str) -> None:
@@ -510,9 +582,9 @@ class _Comparison:
         self._deliberate.append((order, (what, path, reason)))
 
     def differ(self, order: _Order, key: str, path: str, value: str, message: str) -> None:
-        """A fault: ``message`` names the object and tensor (``path``, as people name it)."""
-        self._differences.append((order, f"{key}:{path}", value,
-                                  f"{self.whats[key]}: {_named(path, self.names.get(key))}{message}"))
+        """A fault of one tensor (``path`` of object ``key``): ``message`` follows its name
+        (``" differs from ..."``); a tensor's faults are one difference, in order."""
+        self._faults.setdefault((key, path), []).append((order, value, message))
 
     def read(self, index: int, key: str, recorded: Mapping[str, str], live: Mapping[str, torch.Tensor],
              skipped: set[str]) -> None:
@@ -535,9 +607,38 @@ class _Comparison:
                 try:
                     cast = tensor if live_dtype == dtype else tensor.to(getattr(torch, dtype))  # compared cast back
                 except (AttributeError, TypeError, RuntimeError):
-                    self.note((index, 0, i), what, path, f"loaded as {live_dtype} (saved {dtype}), not compared")
+                    if live_dtype != dtype and _cast(dtype, live_dtype) == "lateral":
+                        self.differ((index, 1, i), key, path, _dtypes(dtype, live_dtype),
+                                    _lateral(dtype, live_dtype, ""))
+                    else:
+                        self.note((index, 0, i), what, path, f"loaded as {live_dtype} (saved {dtype}), not compared")
                     continue
                 self._tensors[key, path] = (cast, live_dtype, dtype, digest, (index, 0, i))
+
+    def tied(self, index: int, key: str, paths: list[str], groups: Iterable[Iterable[str]],
+             live: Mapping[str, torch.Tensor]) -> None:
+        """Judge one model's ties recorded at save (``state_digest.ties``) against its live
+        tensors: in each group, the members that are no longer one tensor with the rest
+        (the largest part still tied, the earliest first, is the rest) are faults. A member
+        missing, left out, offloaded or whose storage says nothing (:func:`tie_groups`) is
+        not judged."""
+        position = {path: i for i, path in enumerate(paths)}
+        for group in groups:
+            parts: dict[tuple[Any, ...], list[str]] = {}
+            for path in group:
+                view = _view(live[path]) if path in live else None
+                if view is not None:
+                    parts.setdefault(view, []).append(path)
+            if len(parts) < 2:
+                continue
+            kept = max(parts.values(), key=len)  # (the first of the largest: dicts keep the members' order)
+            for part in parts.values():
+                if part is kept:
+                    continue
+                for path in part:
+                    self.differ((index, 2, position.get(path, len(paths))), key, path,
+                                f"tied to {kept[0]!r} at save, not tied now",
+                                f" tied to {kept[0]!r} at save, not tied now (they would be updated separately)")
 
     def judge(self, sampling: sd.Sampling) -> StateVerdict:
         """Digest every tensor read (DTensors: a collective), compare, and the verdict."""
@@ -545,16 +646,26 @@ class _Comparison:
         differing: dict[_Name, tuple[str, _Order]] = {}
         for (key, path), (_, live_dtype, dtype, digest, order) in self._tensors.items():
             what, live = self.whats[key], sums.get((key, path))
+            cast = None if live_dtype == dtype else _cast(dtype, live_dtype)
             if (key, path) in uncompared:
+                if cast == "lateral":
+                    self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype),
+                                _lateral(dtype, live_dtype, ""))
                 self.note(order, what, path, f"{uncompared[key, path]}, not compared")
             elif live_dtype == dtype:
                 self.compared += 1
                 if live != digest:
                     differing[key, path] = (digest, (order[0], 1, order[2]))
+            elif cast == "lateral":  # a fault even with the values kept: the run goes on in other arithmetic
+                self.compared += 1
+                values = ", equal values after the cast back" if live == digest else (
+                    f", other values after the cast back (saved digest {digest}, live {live})")
+                self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype),
+                            _lateral(dtype, live_dtype, values))
             elif live == digest:
                 self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")
                 self.compared += 1
-            elif _widens(getattr(torch, dtype), getattr(torch, live_dtype)):  # lossless: the values themselves differ
+            elif cast == "widening":  # lossless: the values themselves differ
                 self.differ(order, key, path, f"loaded as {live_dtype} (saved {dtype}), other values",
                             f" loaded as {live_dtype} (saved {dtype}) differs from the saved state after the cast "
                             f"back (saved digest {digest}, live {live})")
@@ -565,12 +676,28 @@ class _Comparison:
             self.differ(order, key, path, f"saved digest {digest}, live {sums[key, path]}",
                         f"{' is all zeros,' if zeros[key, path] else ''} differs from the saved state (saved digest "
                         f"{digest}, live {sums[key, path]})")
-        self._differences.sort(key=lambda d: d[0])
+        differences = []
+        for (key, path), faults in self._faults.items():
+            faults.sort(key=lambda f: f[0])
+            differences.append((faults[0][0], f"{key}:{path}", "; ".join(value for _, value, _ in faults),
+                                f"{self.whats[key]}: {_named(path, self.names.get(key))}"
+                                + ";".join(message for _, _, message in faults)))
+        differences.sort(key=lambda d: d[0])
         return StateVerdict(
-            "mismatch" if self._differences else "verified", compared=self.compared, sampled=not sampling.is_full,
-            differences=[message for _, _, _, message in self._differences],
-            mismatched={key: value for _, key, value, _ in self._differences},
+            "mismatch" if differences else "verified", compared=self.compared, sampled=not sampling.is_full,
+            differences=[message for _, _, _, message in differences],
+            mismatched={key: value for _, key, value, _ in differences},
             deliberate=[note for _, note in sorted(self._deliberate, key=lambda d: d[0])])
+
+
+def _dtypes(saved: str, live: str) -> str:
+    return f"saved {saved}, live {live}"
+
+
+def _lateral(saved: str, live: str, values: str) -> str:
+    """A lateral cast's message (:func:`_cast`)."""
+    return (f" loaded as {live} (saved {saved}): a cast that neither widens nor narrows{values}; the run "
+            f"goes on in {live} arithmetic")
 
 
 def _listed(verdict: StateVerdict) -> str:
@@ -639,4 +766,4 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
 
 
 __all__ = ["MODES", "MODE_ENV", "StateRecorder", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "raise_mismatch",
-           "record"]
+           "record", "tie_groups"]
