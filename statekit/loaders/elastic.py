@@ -316,29 +316,54 @@ class PlannedBatches:
     """A batch sampler that yields a :class:`Plan`'s batches as dataset indices, once.
 
     Taking an iterator puts the original batch sampler back on ``owner`` (the next epochs
-    are plain ones). The permutation is drawn when the first batch is fetched, where an
-    uninterrupted run draws it. Other attributes are the original batch sampler's.
+    are plain ones). The plan goes to the first iterator that is asked for a batch, not to
+    the first ``iter()``: torch's multi-process iterator (``num_workers > 0``) calls
+    ``iter()`` of its batch sampler twice while it is built (its ``__init__`` and
+    ``_reset``) and draws only from the second, and the wrappers of
+    :mod:`statekit.loaders.data` pass each call through at once
+    (:class:`statekit.loaders.samplers.BatchSamplerWrapper`); spending the plan at the first
+    call handed the drawing iterator the original batch sampler, a whole epoch of the new
+    world size, so every consumed sample was trained again. An iterator taken once the plan
+    was drawn from (a later epoch of persistent workers, or a second iterator that starts
+    drawing after the first) yields the original's batches. The permutation is drawn when
+    the first batch is fetched, where an uninterrupted run draws it. Other attributes are
+    the original batch sampler's.
+
+    Args:
+        original: the loader's batch sampler, put back once an iterator takes this one.
+        planned: the plan (:func:`plan`).
+        sampler: the live sampler, which draws the permutation (:func:`~statekit.loaders.elastic_layouts.permutation`).
+        owner: the torch loader whose ``batch_sampler`` this is.
     """
 
     def __init__(self, original: Any, planned: Plan, sampler: Any, owner: Any) -> None:
-        self.original, self.planned, self.draw_from, self.owner, self.used = original, planned, sampler, owner, False
+        self.original, self.planned, self.draw_from, self.owner = original, planned, sampler, owner
+        self.used = False  # an iterator started drawing the plan's batches
+        self.spent = False  # ... and ended (or was closed): len() is the original's again
 
     def __iter__(self) -> Iterator[list[int]]:
         object.__setattr__(self.owner, "batch_sampler", self.original)
-        if self.used:  # put back by someone who wrapped it: the plan is spent
+        if self.used:  # the plan went to an earlier iterator
             return iter(self.original)
-        self.used = True
         return self._batches()
 
     def _batches(self) -> Iterator[list[int]]:
-        order = permutation(self.planned.source, self.draw_from, self.planned.length)
-        for batch in self.planned.batches:
-            yield [order[p] for p in batch]
+        if self.used:  # taken before the plan was drawn from, asked for a batch after: the plan is another's
+            yield from self.original
+            return
+        self.used = True
+        try:
+            order = permutation(self.planned.source, self.draw_from, self.planned.length)
+            for batch in self.planned.batches:
+                yield [order[p] for p in batch]
+        finally:
+            self.spent = True
 
     def __len__(self) -> int:
-        return len(self.original) if self.used else len(self.planned.batches)
+        """Batches of the plan until its epoch ended, then the original's."""
+        return len(self.original) if self.spent else len(self.planned.batches)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("original", "planned", "draw_from", "owner", "used"):
+        if name in ("original", "planned", "draw_from", "owner", "used", "spent"):
             raise AttributeError(name)
         return getattr(self.original, name)
