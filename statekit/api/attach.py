@@ -36,7 +36,7 @@ from statekit.api.loading import (
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.engine import commit as commits, random_check, state_check
-from statekit.loaders import audit, data, next_batch
+from statekit.loaders import audit, data, next_batch, own_skip
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -364,6 +364,10 @@ class _AttachedCalls:
         # the resume audit's verdict of this resume (statekit.loaders.audit)
         audit.begin(checkpoint.url, checkpoint.manifest.step if checkpoint.manifest is not None else None)
         apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
+        if self.accelerator._models and self.accelerator._optimizers:  # a training run's script may skip batches itself
+            for obj in self.attachment.objects.values():
+                if data.is_loader(obj):
+                    own_skip.expect(obj)
         call_each(
             get_plugin_manager(),
             "statekit_load_state_post",

@@ -609,6 +609,10 @@ def never_consumed(verdict: ResumeVerdict, step: int | None) -> None:
         pending = getattr(position, "pending", None)
         if pending is None or getattr(position, "resume_verdict", None) is not verdict:
             continue
+        if not pending.get("batches") and pending.get("epoch_rng") is None:
+            # saved outside an epoch (an evaluation loader the loop iterates only now and then):
+            # the uninterrupted run had not iterated it since the save either
+            continue
         detail = (
             f"the restored position (epoch {pending.get('epoch')}, batch {pending.get('batches')}) was never consumed: "
             f"the run reached step {step} without iterating this loader (was it replaced by another loader object?)"

@@ -22,13 +22,15 @@ RNG is replayed from the global states at the epoch start (:mod:`statekit.loader
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable, next_batch
+from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable, next_batch, own_skip
 from statekit.devices import snapshot_random_states
 from statekit.loaders.samplers import (
     SkipBatches,
@@ -41,6 +43,8 @@ from statekit.loaders.samplers import (
     wrap_batch_sampler,
 )
 from statekit.errors import StatekitWarning, StateMismatchError, warn_user
+
+logger = logging.getLogger(__name__)
 
 _CLASS_SLOT = object.__dict__["__class__"]  # assigns __class__ even where a class overrides it (Accelerate adapters)
 _subclasses: dict[type, type] = {}
@@ -181,16 +185,26 @@ def _tracked_iter(self: Any) -> Iterator[Any]:
     parent = super(type(self), self).__iter__()
     position.parent = parent
     finished = short = False
+    hold = own_skip.start(run.pending, run.skip, run.name, position.epoch)  # a loop that skips consumed batches itself
     try:
         if run.how == iterable.CONSUME:
             short = iterable.consume(parent, run.skip, position.epoch, run.name, inner, after=position.resume_rng) < run.skip
         for batch in run_sampler_out(parent, position, run.length):
             _before_yield(self, inner, position, run, batch)
+            if hold is not None:
+                hold.yielded(sys._getframe())
             yield batch
+            while hold is not None and hold.skipped():  # the loop skipped it: the same batch again
+                hold.yielded(sys._getframe())
+                yield batch
+            if hold is not None and hold.done:
+                hold = None
         finished = True
         if position.witness is not None:  # the save's next batch may be the next epoch's first
             position.witness.epoch_ended(position.epoch, position.batches)
     finally:
+        if hold is not None:
+            hold.close()
         if epoch_rng is None:  # an iterator still open at interpreter exit, its module already torn down
             return
         _close_pass(self, inner, position, run, finished)
@@ -794,9 +808,10 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
             f"continues epoch {position.pending.get('epoch')} at batch {restored}: skipping on top of it would "
             "skip twice and redraw the order; iterate the loader itself (no skip_first_batches needed)"
         )
-    warn_user(
-        f"{describe(loader)}: statekit's resume already continues epoch {position.pending.get('epoch')} at batch "
-        f"{restored}; skip_first_batches({num_batches}) returns the loader itself so no batch is skipped twice"
+    # the script's idiom for Accelerate's resume, served exactly: a log line, not a warning
+    logger.info(
+        "%s: statekit's resume already continues epoch %s at batch %d; skip_first_batches(%d) returns the loader itself "
+        "so no batch is skipped twice", describe(loader), position.pending.get("epoch"), restored, num_batches,
     )
     return True
 

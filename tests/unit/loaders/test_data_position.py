@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -124,10 +125,12 @@ def test_save_after_a_restore_before_iterating_keeps_the_restored_position(tmp_p
     assert _epoch(resumed) == expected[1]
 
 
-def test_skip_first_batches_after_an_attached_resume_is_not_applied_twice(tmp_path, installed_plugin_manager):
+def test_skip_first_batches_after_an_attached_resume_is_not_applied_twice(tmp_path, installed_plugin_manager, caplog):
     """An Accelerate script kept as it was (attach mode) resumes with
-    ``accelerator.skip_first_batches(loader, n)``: statekit's restored position already
-    skips n batches, so the loader itself comes back (with a warning); another n raises."""
+    ``accelerator.skip_first_batches(loader, n)`` (transformers' run_clm_no_trainer.py,
+    Accelerate's examples/by_feature/checkpointing.py): statekit's restored position already
+    skips n batches, so the loader itself comes back (an exact resume: a log line, no
+    warning); another n raises."""
     from accelerate import Accelerator
 
     def run():
@@ -148,9 +151,11 @@ def test_skip_first_batches_after_an_attached_resume_is_not_applied_twice(tmp_pa
     accelerator.load_state(str(tmp_path / "c"))
     with pytest.raises(statekit.StateMismatchError, match=r"skip_first_batches\(3\).*batch 2"):
         accelerator.skip_first_batches(loader, 3)
-    with pytest.warns(statekit.StatekitWarning, match=r"returns the loader itself"):
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="statekit"):
+        warnings.simplefilter("error", statekit.StatekitWarning)
         active = accelerator.skip_first_batches(loader, 2)
     assert active is loader
+    assert "skip_first_batches(2) returns the loader itself" in caplog.text
     assert [_epoch(active), _epoch(loader)] == [expected[0][2:], expected[1]]
 
 
