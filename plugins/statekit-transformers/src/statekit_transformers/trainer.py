@@ -54,6 +54,7 @@ import statekit
 from statekit_transformers.plugin import (
     MANIFEST_NAME, MODEL_KEY, OPTION, STATE_KEY, TRAINER_STATE_NAME, TRAINING_ARGS_NAME, TrainerStateFile,
 )
+from statekit_transformers.retention import RETENTION_KEYWORDS, TrainerRetention
 
 logger = logging.getLogger("statekit.transformers")
 
@@ -145,9 +146,11 @@ class StatekitTrainerMixin:
         statekit_options: keyword arguments of :class:`statekit.CheckpointManager` beyond
             what ``TrainingArguments`` already says: ``async_save``, ``replicate_to`` (and
             the other two-tier options), ``save_on_signal``, ``grace_s``, ``incremental``,
-            ``keep_every_n_steps``, ``storage_options``... Retention comes from
-            ``save_total_limit`` (``keep_last``) and, with ``load_best_model_at_end``, the
-            best checkpoint by ``metric_for_best_model`` is kept too (``keep_best=1``).
+            ``keep_every_n_steps``, ``storage_options``... Retention is Trainer's
+            ``save_total_limit`` rotation (the newest and the best checkpoint,
+            ``state.best_model_checkpoint``, never deleted; the newest others up to the
+            limit: :class:`~statekit_transformers.retention.TrainerRetention`); the
+            retention keywords given here keep more, a ``retention=`` replaces it.
         *args, **kwargs: ``Trainer``'s.
 
     Raises:
@@ -212,7 +215,8 @@ class StatekitTrainerMixin:
                 ``args.output_dir``; a hyperparameter search trial's own run directory).
 
         Returns:
-            The manager (``step_digits=0``, retention from ``save_total_limit``, plus
+            The manager (``step_digits=0``, retention: Trainer's ``save_total_limit``
+            rotation, :class:`~statekit_transformers.retention.TrainerRetention`, plus
             ``statekit_options``).
 
         Raises:
@@ -228,12 +232,14 @@ class StatekitTrainerMixin:
         if self._statekit_manager is not None:
             self._statekit_manager.__exit__(None, None, None)  # its async save commits, its signal handlers go
         options: dict[str, Any] = {"step_digits": 0, "incremental": True}
-        if self.args.save_total_limit is not None and self.args.save_total_limit > 0:
-            options["keep_last"] = self.args.save_total_limit
-        if self.args.load_best_model_at_end and self.args.metric_for_best_model:
-            options.update(keep_best=1, monitor=_metric_key(self.args.metric_for_best_model),
-                           mode="max" if self.args.greater_is_better else "min")
-        options.update(self.statekit_options)
+        given = dict(self.statekit_options)
+        limit = self.args.save_total_limit
+        if limit is not None and limit > 0 and "retention" not in given:
+            # Trainer's rotation (the newest and the best, up to the limit), plus the retention
+            # keywords of statekit_options; without a limit Trainer keeps every checkpoint
+            extra = {k: given.pop(k) for k in RETENTION_KEYWORDS if k in given}
+            options["retention"] = TrainerRetention(save_total_limit=limit, trainer=self, **extra)
+        options.update(given)
         options[OPTION] = self
         os.makedirs(run_dir, exist_ok=True)
         self._statekit_objects = objects
@@ -270,12 +276,17 @@ class StatekitTrainerMixin:
             warnings.warn(f"statekit-transformers: replacing {url}, written earlier in this output_dir (as Trainer does)",
                           statekit.StatekitWarning, stacklevel=2)
         manager.save(step=step, metrics=self._statekit_metrics(step), overwrite=replace)
+        if self.control.should_training_stop:
+            # train()'s last save commits before Trainer's end of training reads the best
+            # checkpoint and, with save_total_limit=1, deletes every folder but the best
+            manager.wait()
         if self.args.push_to_hub:
             manager.wait()  # the Hub gets a committed checkpoint
             self._push_from_checkpoint(manager.url_for(step))
 
     def _statekit_metrics(self, step: int) -> dict[str, float] | None:
-        """The evaluation metric for best-model retention, from this step's evaluation log."""
+        """This step's evaluation metric (``metric_for_best_model``, from the evaluation log),
+        recorded in the manifest (``statekit ls``; a ``keep_best`` given in ``statekit_options``)."""
         if not self.args.metric_for_best_model:
             return None
         key = _metric_key(self.args.metric_for_best_model)

@@ -168,3 +168,109 @@ def test_the_models_load_hooks_run_on_a_resume_as_in_trainer(tmp_path, plain):
     model.register_load_state_dict_post_hook(lambda module, keys: calls.append(module))
     tr.run(str(tmp_path), max_steps=4, resume=True, plain=plain, model=model)
     assert calls, "the model's load hook did not run"
+
+
+def _scripted_score(scores):
+    """A callback that gives every evaluation the score ``scores[global_step]`` as
+    ``eval_score`` (added to the metrics before Trainer picks the best checkpoint): which
+    checkpoint is the best is the test's choice, not the eval loss's."""
+    from transformers import TrainerCallback
+
+    class Score(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_score"] = scores[state.global_step]
+
+    return Score()
+
+
+def _folders(path):
+    return sorted(n for n in files_of(path) if n.startswith("checkpoint-"))
+
+
+def _folders_at_each_save(path, seen):
+    """A callback that records the checkpoint folders under ``path`` after every save."""
+    from transformers import TrainerCallback
+
+    class Folders(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append((state.global_step, _folders(path)))
+
+    return Folders()
+
+
+# scores by step (greater is better): the best is an old checkpoint (4) when the run ends, or the
+# newest (8); on the way the best moves (2, then 4; or at every save)
+BEST_OLD = {2: 3.0, 4: 5.0, 6: 1.0, 8: 2.0}
+BEST_NEWEST = {2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0}
+
+
+@pytest.mark.parametrize(("limit", "best", "asynchronous"), [
+    (1, None, False), (2, None, False), (3, None, False),
+    (1, BEST_OLD, False), (2, BEST_OLD, False), (3, BEST_OLD, False),
+    (1, BEST_NEWEST, False), (2, "metric only", False), (1, BEST_OLD, True), (None, BEST_OLD, False),
+], ids=["1", "2", "3", "1-best-old", "2-best-old", "3-best-old", "1-best-newest", "2-metric-without-load-best",
+        "1-best-old-async", "no-limit-best-old"])
+def test_save_total_limit_keeps_the_folders_trainer_keeps(tmp_path, limit, best, asynchronous):
+    """save_total_limit (with or without load_best_model_at_end, or with metric_for_best_model
+    alone, which makes Trainer protect the best too) leaves the checkpoint folders that plain
+    transformers.Trainer leaves in the same run, after every save and at the end: the newest
+    and the best never deleted, older ones down to the limit, and with save_total_limit=1 and a
+    best, only the best at the end (also with async saves: the last one commits before
+    Trainer's end of training). Without save_total_limit every checkpoint stays, best or not."""
+    seen = {"plain": [], "sk": []}
+
+    def overrides(name):
+        kw = dict(max_steps=8, save_steps=2, save_total_limit=limit)
+        callbacks = [_folders_at_each_save(tmp_path / name, seen[name])]
+        if best is not None:
+            scores = BEST_OLD if best == "metric only" else best
+            callbacks.append(_scripted_score(scores))
+            kw.update(eval_dataset=tr.Sentences(n=4, seed=5), eval_strategy="steps", eval_steps=2,
+                      metric_for_best_model="score", greater_is_better=True,
+                      load_best_model_at_end=best != "metric only")
+        return dict(kw, callbacks=callbacks)
+
+    plain = tr.run(str(tmp_path / "plain"), plain=True, **overrides("plain"))
+    ours = tr.run(str(tmp_path / "sk"), statekit_options={"async_save": True} if asynchronous else None,
+                  **overrides("sk"))
+    expected = _folders(tmp_path / "plain")
+    assert _folders(tmp_path / "sk") == expected
+    if not asynchronous:  # an async save commits (and rotates) at the next save
+        assert seen["sk"] == seen["plain"] and len(seen["plain"]) == 4
+    if best is not None:  # the case the parameters name, in Trainer's own run
+        best_name = os.path.basename(plain.trainer.state.best_model_checkpoint)
+        assert best_name == ("checkpoint-8" if best is BEST_NEWEST else "checkpoint-4")
+        assert os.path.basename(ours.trainer.state.best_model_checkpoint) == best_name
+        assert best_name in expected
+    for name in expected:
+        statekit.verify(str(tmp_path / "sk" / name))  # committed statekit checkpoints
+
+
+@pytest.mark.parametrize("count", range(1, 7))
+def test_the_rotation_rule_is_transformers_own(tmp_path, count):
+    """trainer_keeps == transformers.trainer_utils.rotate_checkpoints on real folders: every
+    limit, every best (none, each folder, one not on disk), 1 to 6 folders."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from statekit_transformers.retention import trainer_keeps
+
+    names = [f"checkpoint-{step}" for step in range(2, 2 * count + 1, 2)]
+    for limit in range(1, 5):
+        for best in [None, *names, "checkpoint-99"]:
+            out = tmp_path / f"{limit}-{best}"
+            for name in names:
+                (out / name).mkdir(parents=True)
+            rotate_checkpoints(str(out), save_total_limit=limit,
+                               best_model_checkpoint=str(out / best) if best else None)
+            assert trainer_keeps(names, limit, best) == set(_folders(out)), (limit, best)
+
+
+def test_retention_keywords_in_statekit_options_keep_more_than_trainers_rule(tmp_path):
+    """keep_every_n_steps=4 in statekit_options keeps checkpoint-4 on top of what
+    save_total_limit=1 keeps (the newest); a retention= of its own replaces Trainer's rule."""
+    tr.run(str(tmp_path / "more"), max_steps=8, save_steps=2, save_total_limit=1,
+           statekit_options={"keep_every_n_steps": 4})
+    assert _folders(tmp_path / "more") == ["checkpoint-4", "checkpoint-8"]
+    tr.run(str(tmp_path / "own"), max_steps=8, save_steps=2, save_total_limit=1,
+           statekit_options={"retention": statekit.RetentionPolicy(keep_last=3)})
+    assert _folders(tmp_path / "own") == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
