@@ -7,7 +7,7 @@ torch's multi-process iterator calls ``iter()`` of its batch sampler twice while
 batch-sampler wrappers pass each call through at once. ``PlannedBatches`` spent its plan at
 the first call, so a resumed rank with workers yielded a whole epoch of the new world size
 and every sample the saved ranks had consumed was trained again. Real gloo processes:
-``integration/torchrun/test_elastic_workers.py``.
+``integration/torchrun/test_elastic_workers_ranks.py``.
 """
 
 from __future__ import annotations
