@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from statekit import distributed, format as fmt
 from statekit.engine import commit as commits
-from statekit.errors import CheckpointNotFoundError, StatekitError
+from statekit.errors import CheckpointNotFoundError, StatekitError, StatekitWarning, warn_user
 from statekit.format.manifest import read_manifest
 from statekit.format.manifest_types import Lineage
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -49,6 +49,16 @@ STATE_NAME = "lineage.json"
 STATE_FORMAT = "statekit-lineage/1"
 LEGACY = ""
 """The branch of checkpoints written before lineage existed (no ``lineage`` field)."""
+
+
+class OtherRunWarning(StatekitWarning):
+    """A :class:`~statekit.CheckpointManager` with a ``run_id`` resumed its own newest
+    checkpoint while a newer one of another run (or one written before lineage) is under
+    the same root (a restart of a run sharing its root): the message names both
+    checkpoints and both runs. ``resume(other_runs="ignore")`` resumes the run's own
+    without it; ``other_runs="resume"`` continues the other run's instead."""
+
+    __module__ = "statekit.manager"
 
 
 def new_id() -> str:
@@ -468,6 +478,12 @@ class RunLineage:
         """The candidates ``resume()`` tries: those of the live history and, with a given
         ``run_id``, as ``other_runs`` says.
 
+        With ``run_id`` and ``other_runs="raise"``, a newest candidate of another run is
+        refused only when this run has no live checkpoint of its own (resuming would
+        continue the other run); when it has some, they are the candidates (a restart of a
+        run that shares its root with another one) and an :class:`OtherRunWarning` names
+        the newest checkpoint of the other run passed over.
+
         Args:
             candidates: every committed checkpoint, best first (``resume_candidates``).
             state: the root file (:func:`read_state` of :meth:`roots_of`), or None.
@@ -478,24 +494,37 @@ class RunLineage:
 
         Raises:
             StatekitError: the live history holds no committed checkpoint while abandoned
-                ones exist; or the newest live candidate is another run's and
-                ``other_runs`` is ``"raise"``.
+                ones exist; or the newest live candidate is another run's, this run has
+                no live checkpoint of its own and ``other_runs`` is ``"raise"``.
         """
         live = [c for c in candidates if is_live(state, c[0])]
         if state is not None and not live:
             self._refuse_empty_live_branch(state, [info for info, _ in candidates])
-        if self.given_run_id is None or not live:
+        if self.given_run_id is None or not live or other_runs == "resume":
             return live
-        theirs = run_of(live[0][0])
-        if theirs != self.given_run_id and other_runs == "raise":
+        own = [c for c in live if run_of(c[0]) == self.given_run_id]
+        if other_runs == "ignore" or run_of(live[0][0]) == self.given_run_id:
+            return own if other_runs == "ignore" else live
+        newest = live[0][0]
+        theirs = run_of(newest)
+        theirs_named = repr(theirs) if theirs is not None else "(unknown: written before lineage)"
+        if not own:
             raise StatekitError(
-                f"{self.root.url}: the newest checkpoint to resume, {live[0][0].name}, belongs to run "
-                f"{theirs if theirs is not None else '(unknown: written before lineage)'!s}, not to this run "
-                f"{self.given_run_id!r}; resume(other_runs='resume') continues it, other_runs='ignore' resumes only "
-                f"run {self.given_run_id!r}'s checkpoints (a fresh start when it has none), or use another root")
-        if other_runs == "ignore":
-            return [c for c in live if run_of(c[0]) == self.given_run_id]
-        return live
+                f"{self.root.url}: the newest checkpoint to resume, {newest.name}, belongs to run "
+                f"{theirs_named}, not to this run {self.given_run_id!r}, which has no checkpoint of its own "
+                f"here; resume(other_runs='resume') continues it, other_runs='ignore' starts run "
+                f"{self.given_run_id!r} fresh beside it, or use another root")
+        mine = own[0][0]
+        newer = live[:live.index(own[0])]  # every one of them another run's
+        more = f" ({len(newer)} newer checkpoints of other runs in all)" if len(newer) > 1 else ""
+        warn_user(
+            f"{self.root.url}: run {self.given_run_id!r} resumes its own newest checkpoint, {mine.name} (step "
+            f"{mine.step}), not the newer {newest.name} (step {newest.step}) of run {theirs_named}{more}; "
+            "resume(other_runs='resume') would continue that one, other_runs='ignore' resumes this run's "
+            "own without this warning",
+            OtherRunWarning,
+        )
+        return own
 
     def _refuse_empty_live_branch(self, state: LineageState, infos: list[CheckpointDir]) -> None:
         """Raise when statekit checkpoints exist but none is live (and the live branch is

@@ -143,7 +143,9 @@ class CheckpointManager:
             ``checkpoint-500``, as transformers' ``Trainer`` does (statekit-transformers).
             Both are listed and resumed whatever the setting.
         run_id: this run's id, recorded in every checkpoint's ``lineage``: :meth:`resume`
-            then refuses a checkpoint of another run (``other_runs``). None (default): the
+            then resumes this run's own newest checkpoint, warning
+            (:class:`~statekit.manager.OtherRunWarning`) when another run's is newer, and
+            refuses to continue another run's when this run has none (``other_runs``). None (default): the
             run id of the checkpoint resumed from, or a new one (``uuid4().hex``) for a
             run that starts fresh (``docs/concepts.md``, Lineage).
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
@@ -620,11 +622,16 @@ class CheckpointManager:
                 difference other than a version, instead of warning; and a difference
                 the state check finds after the load is a :class:`StateMismatchError`
                 instead of a :class:`StateCheckWarning` (``docs/concepts.md``, State check).
-            other_runs: with the manager's ``run_id``, what a checkpoint of another run
-                (or one written before lineage) does: ``"raise"`` (default) a
-                :class:`StatekitError` naming both runs; ``"ignore"``: only this run's
-                checkpoints are candidates (None when it has none: a fresh start);
-                ``"resume"``: continue it (the next saves record this ``run_id``).
+            other_runs: with the manager's ``run_id``, what a newest checkpoint of another
+                run (or one written before lineage) does: ``"raise"`` (default): when this
+                run has checkpoints of its own (a restart in a root it shares with another
+                run), its own newest is resumed with an
+                :class:`~statekit.manager.OtherRunWarning` naming the newer one of the other
+                run; when it has none, a :class:`StatekitError` naming both runs (continuing
+                another run, or starting fresh beside it, is the caller's choice);
+                ``"ignore"``: only this run's checkpoints are candidates, without a warning
+                (None when it has none: a fresh start); ``"resume"``: continue the newest,
+                whoever wrote it (the next saves record this ``run_id``).
 
         Returns:
             The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
@@ -639,8 +646,8 @@ class CheckpointManager:
             PickleNotAllowedError: an Accelerate folder needs pickle and not ``allow_pickle``.
             StorageError: the root is on an object store and its bucket does not exist.
             StatekitError: every committed checkpoint failed to load (the last error,
-                naming its folder); the newest candidate is another run's (``run_id``
-                and ``other_runs="raise"``); the live history holds no committed
+                naming its folder); the newest candidate is another run's and this run has
+                none of its own (``run_id`` and ``other_runs="raise"``); the live history holds no committed
                 checkpoint while abandoned ones exist.
             CheckpointNotFoundError: ``step`` is not a committed checkpoint's step.
             InvalidOptionError: ``other_runs`` is not raise/ignore/resume; ``step`` is not an

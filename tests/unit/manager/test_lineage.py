@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import warnings
 
 import pytest
 import torch
@@ -419,3 +420,84 @@ def test_at_one_step_of_two_runs_resume_takes_the_one_committed_last_as_latest_d
     again, objs2, step = fresh_resume(root, run_id="runB")
     assert step == 2 and weight(objs2) == 22.0
     assert again.resumed_from.rsplit("/", 1)[-1] == (tmp_path / "run" / "latest").read_text().strip()
+
+
+def _accelerate_run(root, run_id, steps, value, resume_with=None):
+    """A named run with an Accelerator: resume (``resume_with``: its ``other_runs``) and save
+    ``steps`` with the model's weights set to ``value + step``."""
+    pytest.importorskip("accelerate")
+    from accelerate_helpers import prepared_linear
+
+    accelerator, (model, _optimizer) = prepared_linear()
+    manager = statekit.CheckpointManager(accelerator, root, run_id=run_id)
+    if resume_with is not None:
+        assert manager.resume(other_runs=resume_with) is None
+    for s in steps:
+        with torch.no_grad():
+            model.weight.fill_(value + s)
+        manager.save(s)
+    return manager, model
+
+
+def test_a_named_run_restarting_in_a_shared_root_resumes_its_own_newest_and_warns_of_the_other_runs(tmp_path):
+    """Issue 44: exp-B's own step 2 is committed, exp-A's step 4 is newer (the two runs share
+    the root). exp-B's restart resumes its own step 2, every time, with an OtherRunWarning at
+    the user's resume() line naming exp-A's checkpoint-00000004; exp-A's restart still
+    resumes its own step 4 without a word."""
+    from statekit.manager import OtherRunWarning
+
+    root = str(tmp_path / "shared")
+    _accelerate_run(root, "exp-B", [1, 2], 100.0)
+    _accelerate_run(root, "exp-A", [1, 2, 3, 4], 200.0, resume_with="ignore")  # beside exp-B's
+    for _attempt in range(2):  # an automatic restart: the same call, again
+        pytest.importorskip("accelerate")
+        from accelerate_helpers import prepared_linear
+
+        accelerator, (model, _optimizer) = prepared_linear()
+        manager = statekit.CheckpointManager(accelerator, root, run_id="exp-B")
+        with pytest.warns(OtherRunWarning) as caught:
+            step = manager.resume()
+        assert step == 2 and float(model.weight[0, 0].detach()) == 102.0
+        assert manager.resumed_from.rsplit("/", 1)[-1] == "checkpoint-00000002"
+        [warning] = [w for w in caught if issubclass(w.category, OtherRunWarning)]
+        assert issubclass(warning.category, statekit.StatekitWarning)
+        assert warning.filename == __file__  # warn_user: the user's resume() line
+        message = str(warning.message)
+        assert "checkpoint-00000004" in message and "'exp-A'" in message and "'exp-B'" in message
+        assert "checkpoint-00000002" in message
+    with torch.no_grad():
+        model.weight.fill_(103.0)
+    manager.save(3)  # exp-B's step 3: beside exp-A's, never over it
+    saved = (tmp_path / "shared" / "latest").read_text().strip()
+    assert saved.startswith("checkpoint-00000003.")
+    assert read_manifest(Storage(f"{root}/{saved}")).lineage.run_id == "exp-B"
+    assert read_manifest(Storage(f"{root}/checkpoint-00000003")).lineage.run_id == "exp-A"
+    accelerator, (model, _optimizer) = prepared_linear()
+    statekit.load_state(accelerator, f"{root}/checkpoint-00000004")
+    assert float(model.weight[0, 0].detach()) == 204.0  # exp-A's, untouched
+    # exp-A's own restart: its checkpoint is the newest, no warning
+    accelerator, (model, _optimizer) = prepared_linear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OtherRunWarning)
+        step = statekit.CheckpointManager(accelerator, root, run_id="exp-A").resume()
+    assert step == 4 and float(model.weight[0, 0].detach()) == 204.0
+
+
+def test_a_named_run_with_checkpoints_of_its_own_is_not_warned_with_other_runs_ignore_and_continues_with_resume(tmp_path):
+    """other_runs="ignore" resumes the run's own newest silently (it was asked for);
+    other_runs="resume" still continues the other run's newer checkpoint; with no
+    checkpoint of its own the default still refuses (test_another_run_id_is_refused_naming_both_runs)."""
+    from statekit.manager import OtherRunWarning
+
+    root = str(tmp_path / "shared")
+    run(root, [1, 2], run_id="exp-B")
+    run(root, [3, 4], run_id="exp-A")
+    objs = objects(seed=1)
+    manager = statekit.CheckpointManager(objs, root, run_id="exp-B")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OtherRunWarning)
+        assert manager.resume(other_runs="ignore") == 2 and weight(objs) == 2.0
+    assert manager.resume(other_runs="resume") == 4 and weight(objs) == 4.0
+    fresh = statekit.CheckpointManager(objects(seed=1), root, run_id="exp-C")
+    with pytest.raises(StatekitError, match="exp-A.*exp-C"):
+        fresh.resume()
