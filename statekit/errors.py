@@ -31,6 +31,7 @@ __all__ = [
     "InvalidOptionError",
     "StorageError",
     "ResumeFingerprintWarning",
+    "OtherRunWarning",
     "ResumeMismatchError",
 ]
 
@@ -96,6 +97,16 @@ class ResumeAuditWarning(StatekitWarning):
     """The resume audit found a restored data loader that does not continue where the
     saved run stood (``docs/concepts.md``, Resume audit): the message names the loader, the
     step resumed from, and the expected and actual indices (or content, or epoch)."""
+
+    __module__ = "statekit"
+
+
+class OtherRunWarning(StatekitWarning):
+    """A ``statekit.CheckpointManager`` with a ``run_id`` resumed its own newest
+    checkpoint while a newer one of another run (or one written before lineage) is under
+    the same root (a restart of a run sharing its root): the message names both
+    checkpoints and both runs. ``resume(other_runs="ignore")`` resumes the run's own
+    without it; ``other_runs="resume"`` continues the other run's instead."""
 
     __module__ = "statekit"
 

@@ -8,7 +8,7 @@ Modules:
   vetoes, ``statekit_checkpoint_committed``.
 - :mod:`~statekit.manager.resume_order`: the checkpoints a resume tries, in order, across roots.
 - :mod:`~statekit.manager.lineage`: runs and branches under a root (``lineage.json``, rollbacks)
-  and one manager's place in them (``RunLineage``: run id, branch, parent); ``OtherRunWarning``
+  and one manager's place in them (``RunLineage``: run id, branch, parent); ``statekit.OtherRunWarning``
   (a named run resumed its own checkpoint, not another run's newer one).
 - :mod:`~statekit.manager.listing`: listing, naming and deleting the checkpoints under a root
   (also used by the CLI and, through :mod:`statekit.plugin_api`, by plugins).
@@ -22,6 +22,3 @@ plugin, package :mod:`statekit_replicate`, registered by its entry point).
 Call sequences: docs/design-notes.md, "Call sequences through each package" (manager).
 """
 
-from statekit.manager.lineage import OtherRunWarning
-
-__all__ = ["OtherRunWarning"]

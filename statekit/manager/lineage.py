@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from statekit import distributed, format as fmt
 from statekit.engine import commit as commits
-from statekit.errors import CheckpointNotFoundError, StatekitError, StatekitWarning, warn_user
+from statekit.errors import CheckpointNotFoundError, OtherRunWarning, StatekitError, warn_user
 from statekit.format.manifest import read_manifest
 from statekit.format.manifest_types import Lineage
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -49,16 +49,6 @@ STATE_NAME = "lineage.json"
 STATE_FORMAT = "statekit-lineage/1"
 LEGACY = ""
 """The branch of checkpoints written before lineage existed (no ``lineage`` field)."""
-
-
-class OtherRunWarning(StatekitWarning):
-    """A :class:`~statekit.CheckpointManager` with a ``run_id`` resumed its own newest
-    checkpoint while a newer one of another run (or one written before lineage) is under
-    the same root (a restart of a run sharing its root): the message names both
-    checkpoints and both runs. ``resume(other_runs="ignore")`` resumes the run's own
-    without it; ``other_runs="resume"`` continues the other run's instead."""
-
-    __module__ = "statekit.manager"
 
 
 def new_id() -> str:
@@ -481,7 +471,7 @@ class RunLineage:
         With ``run_id`` and ``other_runs="raise"``, a newest candidate of another run is
         refused only when this run has no live checkpoint of its own (resuming would
         continue the other run); when it has some, they are the candidates (a restart of a
-        run that shares its root with another one) and an :class:`OtherRunWarning` names
+        run that shares its root with another one) and an :class:`statekit.OtherRunWarning` names
         the newest checkpoint of the other run passed over.
 
         Args:

@@ -144,7 +144,7 @@ class CheckpointManager:
             Both are listed and resumed whatever the setting.
         run_id: this run's id, recorded in every checkpoint's ``lineage``: :meth:`resume`
             then resumes this run's own newest checkpoint, warning
-            (:class:`~statekit.manager.OtherRunWarning`) when another run's is newer, and
+            (:class:`~statekit.OtherRunWarning`) when another run's is newer, and
             refuses to continue another run's when this run has none (``other_runs``). None (default): the
             run id of the checkpoint resumed from, or a new one (``uuid4().hex``) for a
             run that starts fresh (``docs/concepts.md``, Lineage).
@@ -626,7 +626,7 @@ class CheckpointManager:
                 run (or one written before lineage) does: ``"raise"`` (default): when this
                 run has checkpoints of its own (a restart in a root it shares with another
                 run), its own newest is resumed with an
-                :class:`~statekit.manager.OtherRunWarning` naming the newer one of the other
+                :class:`~statekit.OtherRunWarning` naming the newer one of the other
                 run; when it has none, a :class:`StatekitError` naming both runs (continuing
                 another run, or starting fresh beside it, is the caller's choice);
                 ``"ignore"``: only this run's checkpoints are candidates, without a warning

@@ -444,7 +444,7 @@ def test_a_named_run_restarting_in_a_shared_root_resumes_its_own_newest_and_warn
     the root). exp-B's restart resumes its own step 2, every time, with an OtherRunWarning at
     the user's resume() line naming exp-A's checkpoint-00000004; exp-A's restart still
     resumes its own step 4 without a word."""
-    from statekit.manager import OtherRunWarning
+    from statekit import OtherRunWarning
 
     root = str(tmp_path / "shared")
     _accelerate_run(root, "exp-B", [1, 2], 100.0)
@@ -487,7 +487,7 @@ def test_a_named_run_with_checkpoints_of_its_own_is_not_warned_with_other_runs_i
     """other_runs="ignore" resumes the run's own newest silently (it was asked for);
     other_runs="resume" still continues the other run's newer checkpoint; with no
     checkpoint of its own the default still refuses (test_another_run_id_is_refused_naming_both_runs)."""
-    from statekit.manager import OtherRunWarning
+    from statekit import OtherRunWarning
 
     root = str(tmp_path / "shared")
     run(root, [1, 2], run_id="exp-B")
