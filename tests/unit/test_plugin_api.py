@@ -17,9 +17,12 @@ from repo_paths import ROOT  # noqa: E402
 API = "statekit.plugin_api"
 
 # Integrations: modules of a plugin distribution that drive statekit as user code does (the
-# Trainer mixin of statekit-transformers saves through statekit.CheckpointManager). They are
-# clients, not plugins: they import only statekit's public names (statekit.__all__).
-CLIENTS = sorted(ROOT.glob("plugins/statekit-transformers/src/statekit_transformers/trainer.py"))
+# Trainer mixin of statekit-transformers saves through statekit.CheckpointManager, with
+# Trainer's rotation as a statekit.RetentionPolicy). They are clients, not plugins: they
+# import only statekit's public names (statekit.__all__).
+CLIENTS = sorted(
+    ROOT / "plugins/statekit-transformers/src/statekit_transformers" / name for name in ("retention.py", "trainer.py")
+)
 
 SOURCES = sorted(
     p
@@ -99,7 +102,7 @@ def test_sources_found():
     packages = {p.relative_to(ROOT).parts[:3] if p.relative_to(ROOT).parts[0] != "statekit_replicate" else ("statekit_replicate",)
                 for p in SOURCES}
     assert len(packages) == 7, packages  # five plugins, the template and statekit_replicate
-    assert [p.name for p in CLIENTS] == ["trainer.py"]
+    assert [p.name for p in CLIENTS] == ["retention.py", "trainer.py"]
 
 
 @pytest.mark.parametrize("path", CLIENTS, ids=lambda p: str(p.relative_to(ROOT)))
