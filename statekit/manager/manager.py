@@ -773,6 +773,15 @@ class CheckpointManager:
                     self.lineage_run_id, lineage.short(self._lineage.branch))
         return step
 
+    def release_resumed(self) -> None:
+        """Remove this process's in-use marker of the checkpoint it resumed from (retention
+        is about to delete it: a policy with ``keeps_resumed`` False)."""
+        if self._resumed_in_use is not None:
+            self._resumed_in_use()
+            self._resumed_in_use = None
+        if self._reuse_from is not None and self._reuse_from[0] == self.resumed_from:
+            self._reuse_from = None
+
     def _resumed(self, url: str, manifest: Manifest | ForeignSummary, folder_step: int, accelerate: bool) -> int:
         self.resumed_manifest = manifest
         self.resumed_from = url

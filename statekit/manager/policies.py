@@ -85,9 +85,17 @@ class RetentionPolicy:
         """True when no policy is set: nothing is ever deleted."""
         return self.keep_last is None and self.keep_best is None and self.keep_every_n_steps is None
 
+    @property
+    def keeps_resumed(self) -> bool:
+        """True: the checkpoint this process resumed from is kept while it runs, whatever the
+        policies say (the default; a run's own starting point stays until the next run).
+        A policy that mirrors another tool's rotation exactly (statekit-transformers'
+        ``save_total_limit``) returns False."""
+        return True
+
     def kept(self, committed: list[Any]) -> set[str]:
         """The URLs the policies keep of ``committed`` (the manager adds the newest, the
-        resumed-from one and the plugins' vetoes).
+        resumed-from one (see :attr:`keeps_resumed`) and the plugins' vetoes).
 
         Args:
             committed: :class:`~statekit.CheckpointDir` of the committed checkpoints, oldest

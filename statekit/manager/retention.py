@@ -68,8 +68,9 @@ def write_latest(manager: Any, url: str) -> None:
 
 def apply_retention(manager: Any, newest_url: str) -> list[str]:
     """Delete ``manager``'s committed checkpoints that no policy, no plugin
-    (``statekit_retention_keep``) and the manager (the newest, the resumed-from one, the
-    target of a rollback waiting for this save: ``rollback_targets``) keep;
+    (``statekit_retention_keep``) and the manager (the newest, the resumed-from one unless
+    the policy says otherwise (``RetentionPolicy.keeps_resumed``), the target of a rollback
+    waiting for this save: ``rollback_targets``) keep;
     a checkpoint in use by a live process warns and stays (rank 0 only).
 
     Under branches (``docs/concepts.md``, Lineage) the policies count the live history's
@@ -87,7 +88,9 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     if manager.retention.keeps_all:
         return []
     committed = [i for i in manager.list() if i.committed and not i.accelerate]  # never Accelerate's folders
-    keep = {newest_url, manager.resumed_from, *manager.rollback_targets}
+    keep = {newest_url, *manager.rollback_targets}
+    if manager.retention.keeps_resumed:
+        keep.add(manager.resumed_from)
     vetoes = call_each(get_plugin_manager(), "statekit_retention_keep", None, {"checkpoints": committed, "manager": manager})
     for plugin, urls in vetoes:
         urls = [urls] if isinstance(urls, str) else urls  # one URL: not its characters
@@ -103,4 +106,6 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     keep |= manager.retention.kept(live)  # an abandoned checkpoint counts for nothing in the policies
     after = manager.retention.keep_last or 1
     keep |= {i.url for i in committed if i not in live} - lineage.abandoned_to_delete(state, committed, after)
+    if manager.resumed_from is not None and manager.resumed_from not in keep:
+        manager.release_resumed()  # this process's own in-use marker would keep it
     return delete_all_but(committed, keep, manager.storage_options)

@@ -89,6 +89,12 @@ class TrainerRetention(statekit.RetentionPolicy):
         """Never: Trainer's rotation deletes past the limit."""
         return False
 
+    @property
+    def keeps_resumed(self) -> bool:
+        """False: Trainer's rotation deletes the checkpoint a run resumed from like any other
+        old one, and so does this policy."""
+        return False
+
     def kept(self, committed: list[Any]) -> set[str]:
         """The URLs Trainer's rotation keeps of ``committed`` (oldest first) and those the
         inherited policies keep."""

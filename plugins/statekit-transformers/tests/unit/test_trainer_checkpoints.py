@@ -246,6 +246,18 @@ def test_save_total_limit_keeps_the_folders_trainer_keeps(tmp_path, limit, best,
         statekit.verify(str(tmp_path / "sk" / name))  # committed statekit checkpoints
 
 
+def test_save_total_limit_after_a_resume_deletes_the_resumed_checkpoint_as_trainer_does(tmp_path):
+    """A run killed after its step-2 save and resumed to step 10 with save_total_limit=2: Trainer
+    rotates the checkpoint it resumed from like any old one ({8, 10} left); statekit kept it
+    too ({2, 8, 10}) while the resumed process ran."""
+    kw = dict(max_steps=10, save_steps=2, save_total_limit=2)
+    for name, plain in (("plain", True), ("sk", False)):
+        tr.run(str(tmp_path / name), plain=plain, stop_at=3, **kw)  # killed after the step-2 save
+        assert _folders(tmp_path / name) == ["checkpoint-2"]
+        tr.run(str(tmp_path / name), plain=plain, resume=True, **kw)
+    assert _folders(tmp_path / "sk") == _folders(tmp_path / "plain") == ["checkpoint-10", "checkpoint-8"]
+
+
 @pytest.mark.parametrize("count", range(1, 7))
 def test_the_rotation_rule_is_transformers_own(tmp_path, count):
     """trainer_keeps == transformers.trainer_utils.rotate_checkpoints on real folders: every
