@@ -62,10 +62,12 @@ PENDING_KEY = "own_skip"
 def expect(loader: Any) -> None:
     """Watch the next pass of ``loader`` (a tracked loader with a restored position, as
     attach mode's ``load_state`` leaves it): see the module docstring. Does nothing for a loader
-    without a restored position."""
+    without a restored position, or whose position was saved between two passes (an
+    evaluation loader: a loop skipping its batches is none of the resume's business)."""
     position = getattr(loader, "__dict__", {}).get("_statekit_position")
-    if position is not None and position.pending is not None:
-        position.pending[PENDING_KEY] = True
+    pending = position.pending if position is not None else None
+    if pending is not None and (pending.get("batches") or pending.get("epoch_rng") is not None):
+        pending[PENDING_KEY] = True
 
 
 class _Activity:
