@@ -9,6 +9,10 @@ pre-hooks and wraps this instance's ``save_state``, ``load_state`` and ``prepare
   hands them: Accelerate resolves automatic checkpoint naming (``checkpoint_<n>``) and
   ``load_state()`` without an argument (the newest folder) before it calls its hooks, so
   statekit writes and reads exactly where Accelerate does;
+- statekit's pre-hooks run around the user's: a first one (the save lock; on load every
+  check, every file's checksum included) before them, the plugins after them, on what the
+  user's hooks left (diffusers' scripts save and pop their UNet themselves); so the random
+  state statekit-rng saves is taken where Accelerate takes it;
 - after Accelerate's save, the manifest lists and checksums every file (Accelerate's own,
   untouched, included) and the post-hooks run; after its load, statekit's exact loader
   positions replace Accelerate's and the post-hooks run;
@@ -205,7 +209,7 @@ class _AttachedCalls:
         """Put statekit's first hook before and its main hook after every hook the user
         registered, before each ``save_state``/``load_state`` (the user may register hooks
         at any time): user hooks get Accelerate's own ``models``/``weights`` lists, and the
-        plugins see what the user's hooks left (docs/design-notes.md, "Hook order in attach mode")."""
+        plugins see what the user's hooks left (docs/design-notes.md, "Attach mode under the scripts users run")."""
         table = getattr(self.accelerator, "_save_model_state_pre_hook" if mode == "save" else "_load_model_state_pre_hook", None)
         if not hasattr(table, "move_to_end"):
             return
