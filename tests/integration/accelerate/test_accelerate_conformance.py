@@ -562,6 +562,10 @@ def _engagement_problems(r: ModeResult, ids: list[str]) -> list[str]:
     problems = []
     for i in ids:
         props = r.outcomes[i].props
+        if r.mode == "attach_prepare" and not props.get("attach_calls", 0):
+            # the test never calls prepare() (accelerate 1.16's test_rng_state_restored): mode (c)
+            # attaches after the first prepare, so nothing attaches; mode (b) covers the test
+            continue
         n_save, n_load = sum(props.get(k, 0) for k in saves), sum(props.get(k, 0) for k in loads)
         if n_save != props.get(save_post, 0) or n_load != props.get(load_post, 0):
             problems.append(f"  {i}: {props}")
