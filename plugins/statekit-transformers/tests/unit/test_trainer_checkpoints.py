@@ -38,6 +38,22 @@ def test_the_model_folder_loads_with_from_pretrained(tmp_path):
     assert any(p.endswith(".exp_avg") for p in digest.objects["optimizer"])
 
 
+def test_a_model_loaded_with_from_pretrained_is_saved_and_resumed(tmp_path):
+    """run_clm.py builds its model with AutoModelForCausalLM.from_pretrained, which attaches a
+    weight-conversion list (empty for GPT-2): transformers' revert_weight_conversion then returns
+    the same tensors in sorted order, and statekit-transformers took the new order for renamed
+    tensors and refused the model ("has a weight-conversion mapping") at the first save."""
+    from transformers import AutoModelForCausalLM
+
+    tr.gpt2().save_pretrained(str(tmp_path / "base"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
+    assert getattr(model, "_weight_conversions", None) is not None  # the case: a list is attached
+    result = tr.run(str(tmp_path / "out"), model=model, max_steps=3, save_steps=3)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "checkpoint-3"))
+    live = result.trainer.model.state_dict()
+    assert all(torch.equal(v, live[k]) for k, v in loaded.state_dict().items())
+
+
 def test_trainer_state_json_is_trainers_own(tmp_path):
     """trainer_state.json: the content transformers' Trainer writes at the same step."""
     tr.run(str(tmp_path / "sk"), max_steps=3)
