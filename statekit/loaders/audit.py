@@ -541,8 +541,18 @@ def _continued(verdict: ResumeVerdict, name: str, label: str, record: NextBatch,
         _warn_unverifiable(label, at, verdict.loaders[name].detail)
 
 
+AT_EPOCH_BOUNDARY = "saved at an epoch boundary: the next epoch's order is drawn when it starts"
+"""Why a loader saved between two passes (an evaluation loader, a save after an epoch's
+``for`` loop) has no record of its next batch. Nothing of the resume is in doubt there (the
+order is drawn from the restored generators when the pass starts), so it is logged, not warned."""
+
+
 def _warn_unverifiable(label: str, at: str, reason: str) -> None:
-    warn_user(f"resume audit: {label} after the resume from {at} cannot be verified: {reason}", StatekitWarning)
+    message = f"resume audit: {label} after the resume from {at} cannot be verified: {reason}"
+    if reason == AT_EPOCH_BOUNDARY:
+        logger.info("%s", message)
+        return
+    warn_user(message, StatekitWarning)
 
 
 def ended_in_saved_run(verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch) -> None:

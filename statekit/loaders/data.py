@@ -603,7 +603,7 @@ def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_ep
     """What the resumed loader must yield next (:mod:`statekit.loaders.audit`)."""
     record = audit.NextBatch(epoch=epoch, batch=batches)
     if not in_epoch:
-        record.missing = "saved at an epoch boundary: the next epoch's order is drawn when it starts"
+        record.missing = audit.AT_EPOCH_BOUNDARY
         return record
     record.sampler_epoch = position.sampler_epoch_start
     inner = inner_loader(loader)
