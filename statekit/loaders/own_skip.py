@@ -71,31 +71,35 @@ def expect(loader: Any) -> None:
 
 
 class _Activity:
-    """Counts module forwards and optimizer steps in this process while any hold watches."""
+    """Counts module forwards and optimizer steps between a held pass's yield and the first
+    forward or step after it: the global hooks are put on at a yield (:meth:`arm`) and taken off
+    by the first call they see, so the training step runs without them (a compiled model's
+    graph is the uninterrupted run's)."""
 
     def __init__(self) -> None:
         self.count = 0
         self._handles: list[Any] = []
-        self._users = 0
 
-    def acquire(self) -> None:
-        if self._users == 0:
+    def arm(self) -> None:
+        if not self._handles:
             self._handles = [
-                torch.nn.modules.module.register_module_forward_pre_hook(self._seen),
-                register_optimizer_step_pre_hook(self._seen),
+                torch.nn.modules.module.register_module_forward_pre_hook(self._seen_forward),
+                register_optimizer_step_pre_hook(self._seen_step),
             ]
-        self._users += 1
 
-    def release(self) -> None:
-        self._users -= 1
-        if self._users == 0:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
-    def _seen(self, *_: Any) -> None:
+    def _seen_forward(self, *_: Any) -> None:
+        self._seen_step()
+        self.disarm()  # Module._call_impl iterates a copy of the hook table: removing ours here is safe
+
+    def _seen_step(self, *_: Any) -> None:
+        # (Optimizer.step iterates the live table: the hooks come off at the next skipped()/close())
         self.count += 1
-        for hold in list(_watching):  # training: stop tracing before the step runs on (a compiled model)
+        for hold in list(_watching):  # training: stop tracing before the step runs on
             hold.untrace()
 
 
@@ -141,7 +145,6 @@ class Hold:
         self._continued = False
         self._traced: dict[int, tuple[Any, Any]] = {}  # id(frame) -> (frame, its f_trace before)
         self._global_set = False
-        _activity.acquire()
 
     def yielded(self, generator_frame: Any) -> None:
         """The pass is about to yield a batch: mark the activity counter and trace the frames
@@ -152,6 +155,7 @@ class Hold:
         """
         self._mark = _activity.count
         self._continued = False
+        _activity.arm()
         frame, up = generator_frame.f_back, 0
         while frame is not None and up < _FRAMES_UP:
             self._trace(frame)
@@ -194,6 +198,7 @@ class Hold:
         if self.done:
             return False
         trained = _activity.count != self._mark
+        _activity.disarm()  # armed again at the next yield
         if trained or not self._continued:
             self._finish()
             return False
@@ -231,9 +236,9 @@ class Hold:
     def close(self) -> None:
         """Stop watching (idempotent)."""
         self.untrace()
-        if not self.done:
-            self.done = True
-            _activity.release()
+        self.done = True
+        if not _watching:
+            _activity.disarm()
 
 
 def start(pending: dict[str, Any] | None, consumed: int, name: str, epoch: int) -> Hold | None:
