@@ -36,8 +36,9 @@ Outcomes, by ``held`` (how many times the loop skipped) against ``consumed``:
 - the loop still skips after ``consumed`` holds (it skips more than the checkpoint consumed):
   a :class:`statekit.StatekitWarning` naming the batches it skips; they are not trained.
 
-The watch (a global module forward pre-hook and an optimizer step pre-hook) is installed for
-the first pass after the load only, and removed at the first trained batch.
+The watch (a global module forward pre-hook and an optimizer step pre-hook) is put on at each
+yield of the first pass after the load, until the loop trains, and taken off by the first
+forward it sees, so the training step itself runs without it.
 """
 
 from __future__ import annotations
