@@ -777,8 +777,8 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
 
     Returns:
         True when ``loader`` is tracked and holds a restored position that skips exactly
-        ``num_batches`` batches: the caller should iterate the loader itself (a
-        :class:`statekit.StatekitWarning` says so); False when nothing is restored, or when
+        ``num_batches`` batches (0 included: a resume at an epoch's start): the caller should
+        iterate the loader itself (logged at INFO); False when nothing is restored, or when
         the restored epoch restarts because the dataset's length changed (the skip then
         runs as Accelerate's, with a warning that the resume is not exact).
 
@@ -786,11 +786,13 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
         StateMismatchError: a restored position skips another number of batches: skipping
             on top of it would skip twice or replay batches, in a redrawn order.
     """
-    if not is_tracked(loader) or num_batches <= 0:
+    if not is_tracked(loader) or num_batches < 0:
         return False
     position: Position = loader.__dict__["_statekit_position"]
     if position.pending is None:
         return False
+    # skip_first_batches(loader, 0) too (a resume at an epoch's start: complete_nlp_example.py's
+    # resume_step is 0 there): Accelerate's copy of the loader would never apply the restored position
     restored = int(position.pending.get("batches", 0))
     if position.pending.get("restarted"):
         # statekit could not continue the interrupted epoch (its dataset's length changed,

@@ -286,6 +286,26 @@ def test_a_loop_skipping_more_than_the_checkpoint_consumed_is_warned(tmp_path, i
     assert [step for _, step, _ in losses] == [5]  # the loop's own choice, named: batches 2..4 were not trained
 
 
+def test_skip_first_batches_of_zero_after_a_resume_at_an_epoch_start_is_exact(tmp_path, installed_plugin_manager):
+    """Accelerate's examples/complete_nlp_example.py: ``resume_step`` is 0 for a checkpoint saved
+    after an epoch's last batch, and ``skip_first_batches(train_dataloader, 0)`` is still called;
+    Accelerate's copy of the loader never applied the restored position (another order, and
+    the resume audit never ran)."""
+    accelerator, model, optimizer, loader = _run()
+    for batch in loader:
+        _step(accelerator, model, optimizer, batch)
+    accelerator.save_state(str(tmp_path / "epoch_0"))
+    reference = [_step(accelerator, model, optimizer, b) for b in loader]
+
+    accelerator2, model2, optimizer2, loader2 = _run(seed=1)
+    accelerator2.load_state(str(tmp_path / "epoch_0"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", statekit.StatekitWarning)
+        active = accelerator2.skip_first_batches(loader2, 0)
+        assert active is loader2
+        assert [_step(accelerator2, model2, optimizer2, b) for b in active] == reference
+
+
 # --------------------------------------------------------------------------- item 5: checksums on every attached load
 
 
