@@ -4,6 +4,7 @@ fixtures of ``statekit.testing`` (``s3_server``, ``s3_bucket``, ``storage_url``)
 
 from __future__ import annotations
 
+import os
 import warnings
 from importlib import metadata
 
@@ -107,3 +108,34 @@ def _reset_configure():
         warnings.filterwarnings("ignore", message="no installed plugin saves random")
         yield
     statekit_diffusers.configure()
+
+
+def hand_written_hooks(accelerator, ema_unet):
+    """The hooks of diffusers' examples/text_to_image/train_text_to_image.py --use_ema (v0.30+;
+    huggingface/diffusers 58eb52c0803e), as written there: ``EMAModel.save_pretrained`` and
+    ``save_pretrained`` of each model with ``weights.pop()``; ``models.pop()`` and
+    ``from_pretrained`` on load; registered with the accelerator."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel
+
+    def save_model_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            ema_unet.save_pretrained(os.path.join(output_dir, "unet_ema"))
+            for i, model in enumerate(models):
+                model.save_pretrained(os.path.join(output_dir, "unet"))
+                # make sure to pop weight so that corresponding model is not saved again
+                weights.pop()
+
+    def load_model_hook(models, input_dir):
+        load_model = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DConditionModel)
+        ema_unet.load_state_dict(load_model.state_dict())
+        del load_model
+        for _ in range(len(models)):
+            model = models.pop()
+            load_model = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
+            model.register_to_config(**load_model.config)
+            model.load_state_dict(load_model.state_dict())
+            del load_model
+
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    accelerator.register_load_state_pre_hook(load_model_hook)

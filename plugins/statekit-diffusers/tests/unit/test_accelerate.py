@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_same_weights, tiny_cond_unet, tiny_unet, tiny_vae, train_step
+from conftest import assert_same_weights, hand_written_hooks, tiny_cond_unet, tiny_unet, tiny_vae, train_step
 
 import statekit
 import statekit.hooks.registry
@@ -67,34 +67,6 @@ def test_two_diffusers_models_and_a_plain_module_each_restored(pm, storage_url):
 
 
 # --------------------------------------------------------------------------- train_text_to_image.py
-
-
-def hand_written_hooks(accelerator, ema_unet):
-    """The hooks of diffusers' examples/text_to_image/train_text_to_image.py (v0.30+), as written there."""
-    from diffusers import UNet2DConditionModel
-    from diffusers.training_utils import EMAModel
-
-    def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process:
-            ema_unet.save_pretrained(os.path.join(output_dir, "unet_ema"))
-            for i, model in enumerate(models):
-                model.save_pretrained(os.path.join(output_dir, "unet"))
-                # make sure to pop weight so that corresponding model is not saved again
-                weights.pop()
-
-    def load_model_hook(models, input_dir):
-        load_model = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DConditionModel)
-        ema_unet.load_state_dict(load_model.state_dict())
-        del load_model
-        for _ in range(len(models)):
-            model = models.pop()
-            load_model = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
-            model.register_to_config(**load_model.config)
-            model.load_state_dict(load_model.state_dict())
-            del load_model
-
-    accelerator.register_save_state_pre_hook(save_model_hook)
-    accelerator.register_load_state_pre_hook(load_model_hook)
 
 
 def text_to_image_run(seed: int):

@@ -15,40 +15,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same_weights, tiny_cond_unet
+from conftest import assert_same_weights, hand_written_hooks, tiny_cond_unet
 
 import statekit
 
 accelerate = pytest.importorskip("accelerate")
-
-
-def register_script_hooks(accelerator, ema_unet):
-    """The two hooks of train_text_to_image.py --use_ema, as the script writes them."""
-    from diffusers import UNet2DConditionModel
-    from diffusers.training_utils import EMAModel
-
-    def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process:
-            ema_unet.save_pretrained(os.path.join(output_dir, "unet_ema"))
-            for i, model in enumerate(models):
-                model.save_pretrained(os.path.join(output_dir, "unet"))
-                # make sure to pop weight so that corresponding model is not saved again
-                weights.pop()
-
-    def load_model_hook(models, input_dir):
-        load_model = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DConditionModel)
-        ema_unet.load_state_dict(load_model.state_dict())
-        del load_model
-        for _ in range(len(models)):
-            # pop models so that they are not loaded again
-            model = models.pop()
-            load_model = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
-            model.register_to_config(**load_model.config)
-            model.load_state_dict(load_model.state_dict())
-            del load_model
-
-    accelerator.register_save_state_pre_hook(save_model_hook)
-    accelerator.register_load_state_pre_hook(load_model_hook)
 
 
 def script_run(seed: int, where: str):
@@ -63,7 +34,7 @@ def script_run(seed: int, where: str):
         statekit.attach(accelerator)
     unet = tiny_cond_unet(seed)
     ema_unet = EMAModel(unet.parameters(), decay=0.9, model_cls=UNet2DConditionModel, model_config=unet.config)
-    register_script_hooks(accelerator, ema_unet)
+    hand_written_hooks(accelerator, ema_unet)
     opt = torch.optim.AdamW(unet.parameters(), lr=1e-2)
     unet, opt = accelerator.prepare(unet, opt)
     if where == "prepare":
