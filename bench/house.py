@@ -76,8 +76,11 @@ def count_lines(source: str) -> Lines:
 
 
 def packages(root: Path) -> dict[str, Path]:
-    """The measured packages: statekit/ and each plugin's source folder."""
+    """The measured packages: statekit/, statekit_replicate/ (the plugin that ships with the
+    core) and each plugin's source folder."""
     found = {"statekit": root / "statekit"}
+    if (root / "statekit_replicate" / "__init__.py").exists():
+        found["statekit_replicate"] = root / "statekit_replicate"
     for src in sorted(root.glob("plugins/*/src/*")):
         if src.is_dir() and (src / "__init__.py").exists():
             found[src.name] = src
