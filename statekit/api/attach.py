@@ -39,7 +39,8 @@ from statekit.api.loading import (
     read_own_states,
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
-from statekit.engine import commit as commits, random_check, state_check
+from statekit.checks import random_check, state_check
+from statekit.engine import commit as commits, live_state
 from statekit.loaders import audit, data, next_batch, own_skip
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
@@ -522,7 +523,7 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
     plugins = plugin_versions(get_plugin_manager(), names - {ACCELERATE_WRITER})
     files = commits.gather_files(checkpoint)
     entries = collect(accelerator)
-    digest = state_check.record(entries, accelerator)  # every rank: DTensors' shards are summed across them
+    digest = state_check.record(live_state.live_tensors(entries, accelerator))  # every rank: DTensors' shards are summed across them
     manifest = None
     if checkpoint.rank == 0:
         objects = {

@@ -45,7 +45,7 @@ import torch
 
 from statekit import distributed
 from statekit._version import __version__
-from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
+from statekit.checks.fingerprint import Difference, compare, describe  # compare, describe: re-exported
 from statekit.devices import current_accelerator_type
 from statekit.engine import gradients
 from statekit.loaders import data, samplers

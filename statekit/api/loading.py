@@ -22,7 +22,8 @@ from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.accelerate_hooks import HOOKS_PLUGIN
 from statekit.api.saveload import context_for
-from statekit.engine import read, state_check
+from statekit.checks import state_check
+from statekit.engine import live_state, read
 from statekit.loaders import audit, data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
@@ -190,7 +191,7 @@ def check_loaded_state(
     url: str, manifest: Manifest, loaded: Manifest | ForeignSummary | None, entries: list[Entry], accelerator: Any,
     strict_resume: bool,
 ) -> None:
-    """The state check of a completed load (:mod:`statekit.engine.state_check`): the live
+    """The state check of a completed load (:mod:`statekit.checks.state_check`): the live
     objects against the saved digests, recorded for the next save's ``resume_audit``
     (every load path calls it: :func:`load_objects`, attach mode's ``load_state``).
 
@@ -217,8 +218,8 @@ def check_loaded_state(
     else:
         param_names = parameter_names(models.values())
     names = {e.key: state_check.optimizer_names(e.obj, param_names) for e in entries if e.kind == "optimizer"}
-    verdict = state_check.check(manifest, entries, url, accelerator=accelerator, strict=strict_resume,
-                                left_out=left_out, names=names)
+    live = live_state.live_tensors(entries, accelerator) if manifest.state_digest is not None else []
+    verdict = state_check.check(manifest, live, url, strict=strict_resume, left_out=left_out, names=names)
     if verdict.verdict != "not recorded":  # recorded first: a raised mismatch still reaches the next save
         audit.state_checked(url, manifest.step, verdict.to_json(), [e.obj for e in entries])
     if strict_resume:

@@ -23,7 +23,8 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
-from statekit.engine import commit as commits, space, state_check, write
+from statekit.checks import state_check
+from statekit.engine import commit as commits, live_state, space, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.incremental import ReuseBase
@@ -167,7 +168,7 @@ def save_objects(
         written = _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
         # the live values, before save() returns (an async save's too); every rank: DTensors' shards are summed across
         # them (rank 0 gets the digest)
-        digest = state_check.record(entries, accelerator, states=written)
+        digest = state_check.record(live_state.live_tensors(entries, accelerator, states=written))
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once

@@ -129,7 +129,7 @@ def build_manifest(
         fingerprint: the resume fingerprint (built by :mod:`statekit.api.fingerprint`;
             the engine only records it); None: none.
         state_digest: the digests of the saved objects' live tensors
-            (:func:`statekit.engine.state_check.record`); None: none.
+            (:func:`statekit.checks.state_check.record`); None: none.
         saved: every object of the save by key (models and what plugins took included),
             whose resume verdict the manifest records; None: ``checkpoint.objects``.
         lineage: run, branch and parent of the checkpoint (given by the manager,

@@ -342,7 +342,7 @@ class Checkpoint:
         checkpoint holds with their committed files on worker threads, all at once, while
         the caller writes other files.
 
-        The comparison (:func:`statekit.format.tensors.compare_file`) is a hash of the
+        The comparison (:func:`statekit.checks.files.compare_file`) is a hash of the
         file's bytes in memory, which XXH3 computes without holding the GIL (or, for
         accelerator tensors, a digest computed on the device): one file per core is hashed
         in parallel (at most two per accelerator, whose digests need temporaries in device

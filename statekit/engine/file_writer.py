@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
+from statekit.checks.files import digest_on_device
 from statekit.engine.incremental import IncrementalReuse, ReuseBase
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitError
@@ -227,7 +228,7 @@ class FileWriter:
         # before the bytes leave the device (the next save compares it there)
         digest = self.reuse.digest_for(rel)
         if digest is None and self.incremental:
-            digest = fmt.digest_on_device(tensors, metadata)
+            digest = digest_on_device(tensors, metadata)
         if self.staging is not None:
             fmt.build_header(tensors, metadata)  # fail now, on the caller's thread, for bad dtypes
             staged = self.staging.stage(rel, tensors)

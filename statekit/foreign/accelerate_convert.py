@@ -32,7 +32,7 @@ from statekit.engine.commit import build_manifest, commit
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import strip_wrapper_prefixes
 from statekit.engine.locking import abandon_save, prepare_target
-from statekit.engine.state_check import StateRecorder
+from statekit.checks.state_check import StateRecorder
 from statekit.errors import CorruptCheckpointError, StatekitError, StatekitWarning
 from statekit.foreign.detect import describe_folder
 from statekit.foreign.accelerate import (

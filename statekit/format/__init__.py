@@ -29,10 +29,8 @@ Submodules, one responsibility each (this package re-exports their public names,
   next-batch record's path (:func:`next_batch_path`).
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
 - :mod:`statekit.format.codec_types`: the codec's type rules.
-- :mod:`statekit.format.device_digest`: a tensor file's digest computed on the accelerator
-  (incremental saves of a state that lives there).
 
-Not here: where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
+Not here: whether two states or files are the same (:mod:`statekit.checks`), where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
 from as file objects), which files a checkpoint holds (:mod:`statekit.engine`).
 
 Call sequences: docs/design-notes.md, "The map: layers, one save, one load".
@@ -68,11 +66,8 @@ from statekit.format.manifest import (
 from statekit.format.tensors import (
     CHUNK_BYTES,
     fresh_buffers,
-    compare_file,
-    digest_on_device,
     read_exactly_into,
     read_tensors,
-    same_stream_bytes,
     tensor_bytes,
     write_tensors,
 )
@@ -124,11 +119,8 @@ __all__ = [
     "rank_path",
     "read_header",
     "read_manifest",
-    "compare_file",
-    "digest_on_device",
     "read_exactly_into",
     "read_tensors",
-    "same_stream_bytes",
     "tensor_bytes",
     "validate_manifest",
     "write_tensors",

@@ -216,7 +216,7 @@ class FileEntry(_JsonRecord):
             this one is (a hard link or server-side copy: not written again); None for a
             file this save wrote.
         digest: incremental saves of tensors on an accelerator: ``"mix64:<16 hex digits>"``
-            (:mod:`statekit.format.device_digest`), which the next save computes on the
+            (:mod:`statekit.checks.digest`), which the next save computes on the
             device to recognise the file unchanged without copying it to the host; None
             elsewhere.
         extra: keys this version does not know (a newer writer's), written back as read.
@@ -473,7 +473,7 @@ class ResumeAudit(_JsonRecord):
         detail: the verdict in words.
         loaders: per data loader (stable key): ``{"verdict", "detail"}``.
         state: the state check of that resume (``{"verdict", "detail", "compared",
-            "sampled"}``: :mod:`statekit.engine.state_check`), or None (not checked, or
+            "sampled"}``: :mod:`statekit.checks.state_check`), or None (not checked, or
             written before it existed).
         extra: keys this version does not know.
         key_order: the parsed object's key order (empty when built in code).
@@ -525,12 +525,12 @@ class ResumeAudit(_JsonRecord):
 @dataclasses.dataclass(frozen=True)
 class StateDigest(_JsonRecord):
     """The digests of the saved objects' live tensors at save (issue 38,
-    :mod:`statekit.format.state_digest`), checked against the live objects after a load
-    (:mod:`statekit.engine.state_check`).
+    :mod:`statekit.checks.digest`), checked against the live objects after a load
+    (:mod:`statekit.checks.state_check`).
 
     Attributes:
         algorithm: the digest's algorithm (``"emix64"``).
-        sampling: which elements were summed (:class:`statekit.format.state_digest.Sampling`
+        sampling: which elements were summed (:class:`statekit.checks.digest.Sampling`
             as JSON: ``block``, ``stride``, ``full_below``).
         objects: per object (stable key), per tensor (its path in the object's state
             dict, ``"layers.0.weight"``, ``"state.0.exp_avg"``): ``"<dtype>:<16 hex digits>"``.

@@ -326,7 +326,7 @@ class ResumeVerdict:
         order: how many resumes this process began up to this one (the newest wins).
         loaders: by checkpoint key.
         state: the state check of the load (``StateVerdict.to_json()`` of
-            :mod:`statekit.engine.state_check`), or None.
+            :mod:`statekit.checks.state_check`), or None.
     """
 
     url: str

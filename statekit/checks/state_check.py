@@ -4,7 +4,7 @@ with the live objects after every load (issue 38; ``docs/concepts.md``, State ch
 A checkpoint's checksums prove its files; they cannot see a load path that leaves an
 optimizer's moments at zero, zero-pads a reshard or skips an adapter: the files were
 fine. At save, :func:`record` digests every tensor of every saved object's state dict
-(:mod:`statekit.format.state_digest`: one number per tensor, the same however the tensor
+(:mod:`statekit.checks.digest`: one number per tensor, the same however the tensor
 is split across ranks); after a load, :func:`check` digests the objects as they now are
 and names each tensor that differs. Deliberate differences are named as such, not
 reported as faults: a tensor loaded into another dtype is compared after a cast back (a
@@ -24,7 +24,7 @@ core writes it or a plugin took it (statekit-fsdp's FSDP2 models and their optim
 statekit-diffusers' models, EMAs and schedulers, statekit-transformers' model, statekit-
 offload's models): the digest is of the live tensors, so a plugin's own layout on disk
 does not matter, and its load path is checked like the core's. A ``DTensor`` is digested
-by the global positions of its shard (:func:`statekit.format.state_digest.shard_sum`),
+by the global positions of its shard (:func:`statekit.checks.digest.shard_sum`),
 each rank's share added in one all-reduce of every DTensor of the save or the load
 (:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
 objects hold DTensors, :func:`check` are collectives, called by every rank at the same
@@ -57,9 +57,8 @@ from typing import Any
 import torch
 
 from statekit import distributed, format as fmt
-from statekit.engine.entries import Entry, unwrap_model
 from statekit.errors import InvalidOptionError, StateCheckWarning, StateMismatchError, warn_user
-from statekit.format import state_digest as sd
+from statekit.checks import digest as sd
 from statekit.format.manifest_types import Manifest, StateDigest
 
 logger = logging.getLogger("statekit")
@@ -70,7 +69,23 @@ full when every digested tensor is on an accelerator, sampled otherwise)."""
 
 MODES = ("sampled", "full", "off")
 
-_DIGESTED_KINDS = frozenset({"model", "optimizer", "scheduler", "scaler", "custom", "tensor", "dict"})
+
+@dataclasses.dataclass(frozen=True)
+class LiveTensors:
+    """One saved or loaded object's tensors as the state check digests them, read from the
+    live object by :func:`statekit.engine.live_state.live_tensors`.
+
+    Attributes:
+        key: the object's key in the checkpoint (``"model"``, ``"optimizer_1"``).
+        kind: its kind (``"model"``, ``"optimizer"``, ...; a model's ties are recorded).
+        per_rank: one copy per rank (digested under ``<key>/rank-<r>``).
+        tensors: ``path in its state dict -> tensor`` (DTensors and meta tensors included).
+    """
+
+    key: str
+    kind: str
+    per_rank: bool
+    tensors: Mapping[str, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -82,7 +97,7 @@ class StateVerdict:
             ``"mismatch"`` (at least one differs) or ``"not recorded"`` (the checkpoint
             holds no state digest: written before it existed, or with the check off).
         compared: tensors compared.
-        sampled: the digests were sampled (:class:`statekit.format.state_digest.Sampling`).
+        sampled: the digests were sampled (:class:`statekit.checks.digest.Sampling`).
         differences: per differing tensor, ``"<object> '<key>': <what differs>"``.
         mismatched: ``"<object key>:<tensor path>" -> "saved digest ..., live ..."``.
         deliberate: the deliberate differences, ``(object, tensor path, what)`` (loaded into
@@ -130,84 +145,21 @@ def mode() -> str | None:
     return value
 
 
-def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
-    """The entries whose tensors the state digest covers: not optimizers when a model is
-    sharded by a collective wrapper (their state is each rank's shard), and (by
-    :func:`digested`) not the sharded models themselves.
-
-    Args:
-        entries: a save's or load's objects.
-        accelerator: the run's Accelerator, or None.
-
-    Returns:
-        The entries to digest, in order.
-    """
-    models = [e.obj for e in entries if e.kind == "model"]
-    sharded = any(_is_collective(m) or _is_collective(unwrap_model(m, accelerator)) for m in models)
-    return [e for e in entries if not (sharded and e.kind == "optimizer")]
-
-
-def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one object that the state digest covers, by their path in its state
-    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``), DTensors included; empty for
-    what is not digested (module docstring). Whether a plugin took the object is
-    :func:`record`'s to judge.
-
-    Args:
-        entry: the object (:class:`statekit.engine.entries.Entry`).
-        accelerator: its Accelerator, to unwrap a prepared model.
-        state: its state dict when the caller has it already (not computed again).
-
-    Returns:
-        ``path -> tensor``.
-    """
-    if entry.kind not in _DIGESTED_KINDS or entry.plugin_only:
-        return {}
-    try:
-        if entry.kind == "model":
-            model = unwrap_model(entry.obj, accelerator)
-            if any(_is_collective(m) for m in (entry.obj, model)):
-                return {}
-            state = model.state_dict() if state is None else state
-        elif state is not None:
-            pass
-        elif entry.kind == "tensor":
-            state = {entry.key: entry.obj}
-        elif entry.kind == "dict":
-            state = entry.obj
-        else:
-            state = entry.obj.state_dict()
-    except Exception:  # noqa: BLE001 - an object whose state cannot be read now is not digested
-        logger.debug("state check: %s has no readable state dict", entry.key, exc_info=True)
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    _flatten(state, "", out)
-    return out
-
-
 def _digestible_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Without meta tensors (shapes only: nothing to digest)."""
     return {path: t for path, t in tensors.items() if t.device.type != "meta"}
 
 
-def _is_collective(model: Any) -> bool:
-    """Whether a model's ``state_dict()`` gathers across ranks (FSDP1 anywhere inside it, a
-    DeepSpeed engine): it cannot be called on one rank alone."""
-    if "DeepSpeed" in type(model).__name__:
-        return True
-    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    return any(type(m).__name__ == "FullyShardedDataParallel" for m in modules)
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    """Add every tensor of a state tree (mappings, lists, tuples) to ``out`` under its dotted path."""
     if isinstance(value, torch.Tensor):
         out[prefix] = value  # (a DTensor too: its shards are summed by their global positions)
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+            flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
 
 
 def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
@@ -222,11 +174,7 @@ def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
     return sd.Sampling() if on_host else sd.Sampling.FULL
 
 
-def record(
-    entries: list[Entry],
-    accelerator: Any = None,
-    states: Mapping[str, Mapping[str, Any]] | None = None,
-) -> StateDigest | None:
+def record(objects: list[LiveTensors]) -> StateDigest | None:
     """The state digest of a save: every digested tensor of every object, now.
 
     Every rank calls it, at the same point of the save: the shards of a ``DTensor`` are
@@ -235,10 +183,7 @@ def record(
     digest; the other ranks only add their shards.
 
     Args:
-        entries: the save's objects.
-        accelerator: the run's Accelerator, or None.
-        states: state dicts the save computed already, by key (the models' weights the
-            core wrote: a model's ``state_dict()`` is not called twice).
+        objects: the save's objects (:func:`statekit.engine.live_state.live_tensors`).
 
     Returns:
         The manifest's ``state_digest`` on rank 0 (None there when nothing is digested or
@@ -249,24 +194,22 @@ def record(
         CollectiveTimeoutError: a rank did not reach the all-reduce of the DTensors.
     """
     if mode() == "off":
-        return None  # (no state dict computed for it)
-    chosen = digestible(entries, accelerator)
-    own = {e.key: _digestible_tensors(digested(e, accelerator)) for e in chosen if e.per_rank}  # this rank's
+        return None
+    own = {o.key: _digestible_tensors(o.tensors) for o in objects if o.per_rank}  # this rank's
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     offloaded: dict[str, dict[str, str]] = {}
     ties: dict[str, list[list[str]]] = {}
-    for e in chosen:
-        if e.per_rank:
+    for o in objects:
+        if o.per_rank:
             continue
-        named = digested(e, accelerator, (states or {}).get(e.key))
-        if e.kind == "model" and (groups := tie_groups(named)):
-            ties[e.key] = groups
-        for path, t in named.items():
+        if o.kind == "model" and (groups := tie_groups(o.tensors)):
+            ties[o.key] = groups
+        for path, t in o.tensors.items():
             if t.device.type == "meta":  # offloaded (Accelerate's hooks hold it elsewhere): nothing here to digest
-                offloaded.setdefault(e.key, {})[path] = "offloaded (meta on the live object)"
-        named = _digestible_tensors(named)
+                offloaded.setdefault(o.key, {})[path] = "offloaded (meta on the live object)"
+        named = _digestible_tensors(o.tensors)
         if named:
-            tensors[e.key] = named
+            tensors[o.key] = named
     sampling = _sampling(t for ts in (*tensors.values(), *own.values()) for t in ts.values())
     per_rank = _per_rank_digests(own, sampling) if own else {}  # (every rank holds them: a collective)
     if sampling is None or not (tensors or offloaded or per_rank):
@@ -359,7 +302,7 @@ class StateRecorder:
         if self.sampling is None:
             return
         named: dict[str, torch.Tensor] = {}
-        _flatten(state, "", named)
+        flatten(state, "", named)
         named = _digestible_tensors(named)
         if named:
             sums = sd.digests(named, self.sampling)
@@ -380,7 +323,7 @@ def _digests(
     tensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling, plain: bool = True
 ) -> tuple[dict[_Name, str], dict[_Name, str]]:
     """The digests of many tensors of many objects: the plain ones batched
-    (:func:`statekit.format.state_digest.digests`; only when ``plain``), the DTensors by
+    (:func:`statekit.checks.digest.digests`; only when ``plain``), the DTensors by
     :func:`_shard_digests` (a collective).
 
     Returns:
@@ -395,7 +338,7 @@ def _digests(
 
 
 def _shard_digests(dtensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling) -> tuple[dict[_Name, str], dict[_Name, str]]:
-    """The digests of DTensors: each rank's share (:func:`statekit.format.state_digest.shard_sum`)
+    """The digests of DTensors: each rank's share (:func:`statekit.checks.digest.shard_sum`)
     summed over the ranks in one all-reduce (every rank calls it with the same DTensors, in
     the same order: their objects' state dicts; none in one process or without a
     DTensor). A DTensor whose mesh is not the whole world, or whose share a rank cannot
@@ -491,10 +434,9 @@ def _cast(saved: str, live: str) -> str | None:
 
 def check(
     manifest: Manifest,
-    entries: list[Entry],
+    objects: list[LiveTensors],
     url: str,
     *,
-    accelerator: Any = None,
     strict: bool = False,
     left_out: Mapping[str, Iterable[str]] | None = None,
     names: Mapping[str, Mapping[str, str]] | None = None,
@@ -508,9 +450,8 @@ def check(
 
     Args:
         manifest: the loaded checkpoint's manifest.
-        entries: the objects the load restored.
+        objects: the objects the load restored (:func:`statekit.engine.live_state.live_tensors`).
         url: the checkpoint, for messages.
-        accelerator: the run's Accelerator, or None.
         strict: do not warn on a mismatch: the caller raises it (:func:`raise_mismatch`).
         left_out: per object key, the state-dict keys a ``strict=False`` load left out
             (deliberately not loaded: skipped and named).
@@ -535,7 +476,7 @@ def check(
         return StateVerdict("not recorded")
     comparison = _Comparison(names or {})
     rank, world = distributed.rank_and_world_size()
-    for index, entry in enumerate(digestible(entries, accelerator)):
+    for index, entry in enumerate(objects):
         what = comparison.whats[entry.key] = f"{entry.kind} {entry.key!r}"
         for path, reason in ((saved.uncompared or {}).get(entry.key) or {}).items():
             comparison.note((index, 0, -1), what, path, f"not digested at save ({reason}), not compared")
@@ -544,7 +485,7 @@ def check(
         recorded = saved.objects.get(fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key)
         if recorded:
             skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
-            live = digested(entry, accelerator)
+            live = entry.tensors
             comparison.read(index, entry.key, recorded, live, skipped)
             groups = (saved.ties or {}).get(entry.key) if entry.kind == "model" and not entry.per_rank else None
             if groups:
@@ -765,5 +706,5 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
     return out
 
 
-__all__ = ["MODES", "MODE_ENV", "StateRecorder", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "raise_mismatch",
-           "record", "tie_groups"]
+__all__ = ["MODES", "MODE_ENV", "LiveTensors", "StateRecorder", "StateVerdict", "check", "flatten", "optimizer_names",
+           "raise_mismatch", "record", "tie_groups"]

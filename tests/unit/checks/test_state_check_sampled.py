@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import statekit
-from statekit.engine.state_check import MODE_ENV
-from statekit.format.state_digest import Sampling
+from statekit.checks.state_check import MODE_ENV
+from statekit.checks.digest import Sampling
 
 WIDTH = 512  # a [512, 512] weight: 262,144 elements, sampled by default
 SAMPLING = Sampling()
