@@ -222,7 +222,14 @@ def box_sum(
             positions.add_(rest.remainder(sizes[d]).mul_(strides[d]))
             rest = rest.div(sizes[d], rounding_mode="floor")
         return _keyed_sum(words, per, None, positions)
-    # sampled: the sampled positions of the span the block covers, those inside the block
+    local, positions = _inside_block(positions, offsets, sizes, shape, strides, local_strides)
+    return _keyed_sum(words, per, local, positions)
+
+
+def _inside_block(positions: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int],
+                  strides: Sequence[int], local_strides: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of the sampled global ``positions`` of the span a block covers, those inside the
+    block: ``(their local positions, their global positions)``."""
     inside = torch.ones_like(positions, dtype=torch.bool)
     local = torch.zeros_like(positions)
     for d in range(len(shape)):
@@ -230,7 +237,7 @@ def box_sum(
         inside.logical_and_(index >= 0).logical_and_(index < sizes[d])
         local.add_(index.mul_(local_strides[d]))
     keep = inside.nonzero().reshape(-1)
-    return _keyed_sum(words, per, torch.index_select(local, 0, keep), torch.index_select(positions, 0, keep))
+    return torch.index_select(local, 0, keep), torch.index_select(positions, 0, keep)
 
 
 def is_dtensor(t: object) -> bool:

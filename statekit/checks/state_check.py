@@ -1,48 +1,16 @@
-"""The state check: the live tensors of every saved object, digested at save and compared
-with the live objects after every load (issue 38; ``docs/concepts.md``, State check).
+"""The state check: the live tensors of every saved object, digested at save
+(:func:`record`) and compared with the live objects after every load (:func:`check`),
+naming each tensor that differs (issue 38).
 
-A checkpoint's checksums prove its files; they cannot see a load path that leaves an
-optimizer's moments at zero, zero-pads a reshard or skips an adapter: the files were
-fine. At save, :func:`record` digests every tensor of every saved object's state dict
-(:mod:`statekit.checks.digest`: one number per tensor, the same however the tensor
-is split across ranks); after a load, :func:`check` digests the objects as they now are
-and names each tensor that differs. Deliberate differences are named as such, not
-reported as faults: a tensor loaded into another dtype is compared after a cast back (a
-widening cast is exact; a narrowing one is not compared), and one a ``strict=False`` load
-left out is skipped.
-
-Structural faults are named even with the values equal (issue 44): a cast that neither
-widens nor narrows (:func:`_cast`: bfloat16 to float16, an integer tensor to a float one:
-the run goes on in other arithmetic), and a tie the load broke: the save records, per
-model, the paths of its state dict that are one tensor (:func:`tie_groups`, the digest's
-``ties``), and the check names each member no longer one tensor with the others (a GPT-2's
-``lm_head.weight`` apart from ``transformer.wte.weight``: they would be updated separately).
-
-What is digested: the state dict of every object saved whole on every rank (models,
-optimizers, schedulers, scalers, custom objects, tensors and dicts of them), whether the
-core writes it or a plugin took it (statekit-fsdp's FSDP2 models and their optimizers,
-statekit-diffusers' models, EMAs and schedulers, statekit-transformers' model, statekit-
-offload's models): the digest is of the live tensors, so a plugin's own layout on disk
-does not matter, and its load path is checked like the core's. A ``DTensor`` is digested
-by the global positions of its shard (:func:`statekit.checks.digest.shard_sum`),
-each rank's share added in one all-reduce of every DTensor of the save or the load
-(:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
-objects hold DTensors, :func:`check` are collectives, called by every rank at the same
-point with the same objects. Per-rank objects (accumulated gradients) are digested on
-every rank under ``<key>/rank-<r>``, gathered to rank 0, and compared by the rank that
-saved them (same world size only). Not digested: data loaders (their positions are the
-resume audit's), and models whose ``state_dict()`` is a collective (FSDP1,
-DeepSpeed engines: it gathers the whole model, on the training's process group), with
-their optimizers (whose state is each rank's shard, without global positions). Recorded
-in the digest's ``uncompared`` and named by the check, never compared: offloaded tensors
-(meta on the live object at save), DTensors whose placements give their local values no
-global positions (``Partial``, ``_StridedShard``) or on a mesh of part of the ranks.
-
-How much is digested: :data:`MODE_ENV` (``STATEKIT_STATE_CHECK``): ``"sampled"`` (the
-default where a tensor is on the CPU: blocks of 16 elements every 4096, and every element
-of tensors under 65,536 elements), ``"full"`` (every element; the default for tensors on
-an accelerator, where it costs a few element-wise kernels) or ``"off"`` (a save records
-no digest and a load compares none). A load compares with what the save recorded.
+Checksums prove a checkpoint's files; this proves the load path (moments left at zero, a
+zero-padded reshard, a skipped adapter). Deliberate differences are named, not faults: a
+widening cast is compared after the cast back, a narrowing one is not compared, what a
+``strict=False`` load left out is skipped. Structural faults are named with equal values:
+a lateral cast (bfloat16 to float16) and a tie the load broke (issue 44). DTensors are
+digested by their shards' global positions, summed in one all-reduce (so :func:`record`
+and, with DTensors, :func:`check` are collectives). What is and is not digested, the
+sampled and full modes (:data:`MODE_ENV`) and what a sampled digest can miss:
+``docs/concepts.md``, "State check".
 """
 
 from __future__ import annotations
@@ -196,39 +164,50 @@ def record(objects: list[LiveTensors]) -> StateDigest | None:
     if mode() == "off":
         return None
     own = {o.key: _digestible_tensors(o.tensors) for o in objects if o.per_rank}  # this rank's
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    offloaded: dict[str, dict[str, str]] = {}
-    ties: dict[str, list[list[str]]] = {}
-    for o in objects:
-        if o.per_rank:
-            continue
-        if o.kind == "model" and (groups := tie_groups(o.tensors)):
-            ties[o.key] = groups
-        for path, t in o.tensors.items():
-            if t.device.type == "meta":  # offloaded (Accelerate's hooks hold it elsewhere): nothing here to digest
-                offloaded.setdefault(o.key, {})[path] = "offloaded (meta on the live object)"
-        named = _digestible_tensors(o.tensors)
-        if named:
-            tensors[o.key] = named
-    sampling = _sampling(t for ts in (*tensors.values(), *own.values()) for t in ts.values())
+    whole = _WholeObjects([o for o in objects if not o.per_rank])
+    sampling = _sampling(t for ts in (*whole.tensors.values(), *own.values()) for t in ts.values())
     per_rank = _per_rank_digests(own, sampling) if own else {}  # (every rank holds them: a collective)
-    if sampling is None or not (tensors or offloaded or per_rank):
+    if sampling is None or not (whole.tensors or whole.offloaded or per_rank):
         return None
     rank = distributed.rank_and_world_size()[0]
-    sums, uncompared = _digests({(key, path): t for key, named in tensors.items() for path, t in named.items()},
+    sums, uncompared = _digests({(key, path): t for key, named in whole.tensors.items() for path, t in named.items()},
                                 sampling, plain=rank == 0)
     if rank != 0:
         return None
-    objects: dict[str, dict[str, str]] = dict(per_rank)
-    not_digested: dict[str, dict[str, str]] = {key: dict(paths) for key, paths in offloaded.items()}
-    for key, named in tensors.items():
-        for path, t in named.items():
-            if (key, path) in sums:
-                objects.setdefault(key, {})[path] = f"{_dtype(t)}:{sums[key, path]}"
-            else:
-                not_digested.setdefault(key, {})[path] = uncompared[key, path]
-    return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects,
-                       uncompared=not_digested or None, ties=ties or None)
+    return whole.digest(sampling, per_rank, sums, uncompared)
+
+
+class _WholeObjects:
+    """The objects saved whole (not per rank), sorted for the digest: their digestible
+    tensors, the offloaded ones (meta: nothing here to digest), and each model's ties."""
+
+    def __init__(self, objects: list[LiveTensors]) -> None:
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.offloaded: dict[str, dict[str, str]] = {}
+        self.ties: dict[str, list[list[str]]] = {}
+        for o in objects:
+            if o.kind == "model" and (groups := tie_groups(o.tensors)):
+                self.ties[o.key] = groups
+            for path, t in o.tensors.items():
+                if t.device.type == "meta":  # offloaded: Accelerate's hooks hold it elsewhere
+                    self.offloaded.setdefault(o.key, {})[path] = "offloaded (meta on the live object)"
+            named = _digestible_tensors(o.tensors)
+            if named:
+                self.tensors[o.key] = named
+
+    def digest(self, sampling: sd.Sampling, per_rank: Mapping[str, dict[str, str]], sums: Mapping[_Name, str],
+               uncompared: Mapping[_Name, str]) -> StateDigest:
+        """The manifest's record: ``"<dtype>:<digest>"`` per tensor, what was not digested and why."""
+        recorded: dict[str, dict[str, str]] = dict(per_rank)
+        not_digested: dict[str, dict[str, str]] = {key: dict(paths) for key, paths in self.offloaded.items()}
+        for key, named in self.tensors.items():
+            for path, t in named.items():
+                if (key, path) in sums:
+                    recorded.setdefault(key, {})[path] = f"{_dtype(t)}:{sums[key, path]}"
+                else:
+                    not_digested.setdefault(key, {})[path] = uncompared[key, path]
+        return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=recorded,
+                           uncompared=not_digested or None, ties=self.ties or None)
 
 
 def tie_groups(named: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -475,21 +454,8 @@ def check(
     except (KeyError, TypeError, ValueError):
         return StateVerdict("not recorded")
     comparison = _Comparison(names or {})
-    rank, world = distributed.rank_and_world_size()
-    for index, entry in enumerate(objects):
-        what = comparison.whats[entry.key] = f"{entry.kind} {entry.key!r}"
-        for path, reason in ((saved.uncompared or {}).get(entry.key) or {}).items():
-            comparison.note((index, 0, -1), what, path, f"not digested at save ({reason}), not compared")
-        if entry.per_rank and manifest.world_size not in (None, world):
-            continue  # another world size: this rank's saved copy is not this rank's state
-        recorded = saved.objects.get(fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key)
-        if recorded:
-            skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
-            live = entry.tensors
-            comparison.read(index, entry.key, recorded, live, skipped)
-            groups = (saved.ties or {}).get(entry.key) if entry.kind == "model" and not entry.per_rank else None
-            if groups:
-                comparison.tied(index, entry.key, list(recorded), groups, live)
+    for index, live in enumerate(objects):
+        comparison.object(index, live, manifest, {str(k) for k in (left_out or {}).get(live.key, ())})
     verdict = comparison.judge(sampling)
     if verdict.differences:
         if not strict:
@@ -526,6 +492,24 @@ class _Comparison:
         """A fault of one tensor (``path`` of object ``key``): ``message`` follows its name
         (``" differs from ..."``); a tensor's faults are one difference, in order."""
         self._faults.setdefault((key, path), []).append((order, value, message))
+
+    def object(self, index: int, live: LiveTensors, manifest: Manifest, skipped: set[str]) -> None:
+        """Read one object against what the save recorded of it: its digests (:meth:`read`),
+        its ties (:meth:`tied`) and what the save could not digest (named)."""
+        what = self.whats[live.key] = f"{live.kind} {live.key!r}"
+        saved = manifest.state_digest
+        for path, reason in ((saved.uncompared or {}).get(live.key) or {}).items():
+            self.note((index, 0, -1), what, path, f"not digested at save ({reason}), not compared")
+        rank, world = distributed.rank_and_world_size()
+        if live.per_rank and manifest.world_size not in (None, world):
+            return  # another world size: this rank's saved copy is not this rank's state
+        recorded = saved.objects.get(fmt.rank_path(live.key, rank) if live.per_rank else live.key)
+        if not recorded:
+            return
+        self.read(index, live.key, recorded, live.tensors, skipped)
+        groups = (saved.ties or {}).get(live.key) if live.kind == "model" and not live.per_rank else None
+        if groups:
+            self.tied(index, live.key, list(recorded), groups, live.tensors)
 
     def read(self, index: int, key: str, recorded: Mapping[str, str], live: Mapping[str, torch.Tensor],
              skipped: set[str]) -> None:
@@ -585,33 +569,50 @@ class _Comparison:
         """Digest every tensor read (DTensors: a collective), compare, and the verdict."""
         sums, uncompared = _digests({name: t[0] for name, t in self._tensors.items()}, sampling)
         differing: dict[_Name, tuple[str, _Order]] = {}
-        for (key, path), (_, live_dtype, dtype, digest, order) in self._tensors.items():
-            what, live = self.whats[key], sums.get((key, path))
-            cast = None if live_dtype == dtype else _cast(dtype, live_dtype)
-            if (key, path) in uncompared:
-                if cast == "lateral":
-                    self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype),
-                                _lateral(dtype, live_dtype, ""))
-                self.note(order, what, path, f"{uncompared[key, path]}, not compared")
+        for name, (_, live_dtype, dtype, digest, order) in self._tensors.items():
+            if name in uncompared:
+                self._uncompared(name, live_dtype, dtype, order, uncompared[name])
             elif live_dtype == dtype:
                 self.compared += 1
-                if live != digest:
-                    differing[key, path] = (digest, (order[0], 1, order[2]))
-            elif cast == "lateral":  # a fault even with the values kept: the run goes on in other arithmetic
+                if sums.get(name) != digest:
+                    differing[name] = (digest, (order[0], 1, order[2]))
+            elif self._cast_back(name, live_dtype, dtype, digest, sums.get(name), order):
                 self.compared += 1
-                values = ", equal values after the cast back" if live == digest else (
-                    f", other values after the cast back (saved digest {digest}, live {live})")
-                self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype),
-                            _lateral(dtype, live_dtype, values))
-            elif live == digest:
-                self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")
-                self.compared += 1
-            elif cast == "widening":  # lossless: the values themselves differ
-                self.differ(order, key, path, f"loaded as {live_dtype} (saved {dtype}), other values",
-                            f" loaded as {live_dtype} (saved {dtype}) differs from the saved state after the cast "
-                            f"back (saved digest {digest}, live {live})")
-            else:
-                self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")
+        return self._verdict(sampling, differing, sums)
+
+    def _uncompared(self, name: _Name, live_dtype: str, dtype: str, order: _Order, why: str) -> None:
+        """A tensor the digest could not compute now (a DTensor's placements): named; a
+        lateral cast is a fault all the same."""
+        key, path = name
+        if live_dtype != dtype and _cast(dtype, live_dtype) == "lateral":
+            self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype), _lateral(dtype, live_dtype, ""))
+        self.note(order, self.whats[key], path, f"{why}, not compared")
+
+    def _cast_back(self, name: _Name, live_dtype: str, dtype: str, digest: str, live: str | None, order: _Order) -> bool:
+        """Judge one tensor loaded into another dtype, compared after the cast back (a fault
+        or a deliberate difference is recorded here); True when it counts as compared."""
+        key, path = name
+        what = self.whats[key]
+        cast = _cast(dtype, live_dtype)
+        if cast == "lateral":  # a fault even with the values kept: the run goes on in other arithmetic
+            values = ", equal values after the cast back" if live == digest else (
+                f", other values after the cast back (saved digest {digest}, live {live})")
+            self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype), _lateral(dtype, live_dtype, values))
+            return True
+        if live == digest:
+            self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")
+            return True
+        if cast == "widening":  # lossless: the values themselves differ
+            self.differ(order, key, path, f"loaded as {live_dtype} (saved {dtype}), other values",
+                        f" loaded as {live_dtype} (saved {dtype}) differs from the saved state after the cast "
+                        f"back (saved digest {digest}, live {live})")
+            return False
+        self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")
+        return False
+
+    def _verdict(self, sampling: sd.Sampling, differing: Mapping[_Name, tuple[str, _Order]],
+                 sums: Mapping[_Name, str]) -> StateVerdict:
+        """The faults of every tensor, each tensor's in order, as one verdict."""
         zeros = _all_zeros({name: self._tensors[name][0] for name in differing})
         for (key, path), (digest, order) in differing.items():
             self.differ(order, key, path, f"saved digest {digest}, live {sums[key, path]}",

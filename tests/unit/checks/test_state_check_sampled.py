@@ -2,7 +2,7 @@
 enough to be sampled (>= 65,536 elements): what it sees and what it may miss is exactly
 what docs/concepts.md ("State check") says, and ``STATEKIT_STATE_CHECK=full`` sees every
 fault. The same faults on small tensors (every element digested) are
-tests/unit/engine/test_state_check.py."""
+tests/unit/checks/test_state_check.py."""
 
 from __future__ import annotations
 
