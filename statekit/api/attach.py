@@ -41,7 +41,8 @@ from statekit.api.loading import (
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.checks import random_check, state_check
 from statekit.engine import commit as commits, live_state
-from statekit.loaders import audit, data, next_batch, own_skip
+from statekit.checks import audit, next_batch
+from statekit.loaders import data, own_skip
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -366,7 +367,7 @@ class _AttachedCalls:
 
     def finish_load(self, checkpoint: Checkpoint) -> None:
         """After Accelerate's load: statekit's loader positions and gradients, then the post-hooks."""
-        # the resume audit's verdict of this resume (statekit.loaders.audit)
+        # the resume audit's verdict of this resume (statekit.checks.audit)
         audit.begin(checkpoint.url, checkpoint.manifest.step if checkpoint.manifest is not None else None)
         apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
         if self.accelerator._models and self.accelerator._optimizers:  # a training run's script may skip batches itself

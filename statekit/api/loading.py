@@ -24,7 +24,8 @@ from statekit.api.accelerate_hooks import HOOKS_PLUGIN
 from statekit.api.saveload import context_for
 from statekit.checks import state_check
 from statekit.engine import live_state, read
-from statekit.loaders import audit, data
+from statekit.checks import audit
+from statekit.loaders import data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.optimizer_fit import parameter_names
@@ -173,7 +174,7 @@ def load_objects(
         if loaders:  # the resume audit: an Accelerate folder holds no record of the next batch
             audit.begin(storage.url, None, strict_resume)
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
-    if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
+    if loaders:  # the resume audit's verdict of this resume (statekit.checks.audit)
         audit.begin(storage.url, manifest.step, strict_resume)
     if compare_fingerprint:
         fingerprints.check(manifest, fingerprints.compute(entries, accelerator), storage.url, strict_resume=strict_resume)

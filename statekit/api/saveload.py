@@ -35,7 +35,7 @@ from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Fingerprint, Lineage, Manifest, StateDigest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
-from statekit.loaders import next_batch
+from statekit.checks import next_batch
 from statekit.progress import human
 from statekit.storage import Storage
 
@@ -239,7 +239,7 @@ def _after_commit_error(exc: Exception, url: str) -> Exception:
 
 
 def record_next_batches(witnesses: list[next_batch.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
-    """The checkpoint committed: each loader's next-batch record (``statekit.loaders.next_batch.Witness``)
+    """The checkpoint committed: each loader's next-batch record (``statekit.checks.next_batch.Witness``)
     may be written beside it, to ``next-batch/<key>/rank-<r>.json``, once its batch is seen.
 
     Args:

@@ -16,7 +16,7 @@ from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit._version import __version__
-from statekit.loaders import audit
+from statekit.checks import audit
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry
 from statekit.engine.incremental import is_frozen_file

@@ -44,7 +44,7 @@ def rank_path(key: str, rank: int) -> str:
 
 def next_batch_path(key: str, rank: int) -> str:
     """Where the record of the first batch a loader yielded after the save lives
-    (``statekit.loaders.next_batch.Witness``): written after the commit, not in the manifest.
+    (``statekit.checks.next_batch.Witness``): written after the commit, not in the manifest.
 
     Returns:
         ``"next-batch/<key>/rank-<rank:05d>.json"``.

@@ -465,7 +465,7 @@ class Fingerprint(_JsonRecord):
 @dataclasses.dataclass(frozen=True)
 class ResumeAudit(_JsonRecord):
     """The verdict of the resume the saving run continued from (``docs/concepts.md``,
-    Resume audit); written by :mod:`statekit.loaders.audit`.
+    Resume audit); written by :mod:`statekit.checks.audit`.
 
     Attributes:
         resumed_from: ``{"url": ..., "step": ...}`` of the checkpoint the run resumed from.

@@ -12,11 +12,11 @@ Modules:
 - :mod:`~statekit.loaders.epoch_rng`: the random states of the epoch's start.
 - :mod:`~statekit.loaders.elastic`: resume on another world size: a layout, a plan, its install.
 - :mod:`~statekit.loaders.elastic_layouts`: the layout models' index arithmetic.
-- :mod:`~statekit.loaders.audit`: the resume audit: the record a save writes, the first batch's check.
-- :mod:`~statekit.loaders.next_batch`: the record of the batch yielded right after a save.
+- :mod:`~statekit.loaders.index_log`: what a tracked loader draws and holds, for the resume audit
+  (:mod:`statekit.checks.audit`).
 
-Imports only :mod:`statekit.errors`, :mod:`statekit.devices` (the one snapshot and restore
-of the global random states) and :mod:`statekit.storage.hashing`; nothing here reads or
+Positions only: what each check concludes from them is :mod:`statekit.checks`' (the resume
+audit, the next-batch record). Nothing here reads or
 writes a file: the engine stores the state these functions return.
 
 Call sequences: docs/design-notes.md, "Call sequences through each package" (loaders).

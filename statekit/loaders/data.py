@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from statekit.loaders import audit, elastic, epoch_rng, fetch_rng, iterable, next_batch, own_skip
+from statekit.checks import audit, next_batch
+from statekit.loaders import elastic, epoch_rng, fetch_rng, index_log, iterable, own_skip
 from statekit.devices import snapshot_random_states
 from statekit.loaders.samplers import (
     SkipBatches,
@@ -73,18 +74,18 @@ class Position:
             (:mod:`statekit.loaders.epoch_rng`); ``resume_rng``: the states a resumed epoch's
             replay puts back once the sampler made its first draws.
         drawn: the sample indices the batch sampler handed out, by fetch number, not
-            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.audit.IndexLog`);
+            consumed yet; ``drawn_all``: the sampler ran out (:class:`statekit.loaders.index_log.IndexLog`);
             ``sampler_epoch_start``: the sampler's epoch when the epoch's iterator took it.
         prebuilt: the epoch runs on the iterator a ``StatefulDataLoader`` built before it
             (:func:`_prebuilt`), as it does without statekit; ``prebuilt_seed``: that
             iterator's workers' base seed.
-        witness: the :class:`statekit.loaders.next_batch.Witness` of the last save, waiting for
+        witness: the :class:`statekit.checks.next_batch.Witness` of the last save, waiting for
             the next batch; ``follow_up``: ``(record, key)`` of the resume audit's check
             of the next epoch's first batch, when the resumed position was its epoch's end.
         parent: the running epoch's underlying iterator (the batch an Accelerate adapter
             holds ahead is read from it for the resume audit).
         resume_verdict: the verdict of the resume that restored this loader
-            (:class:`statekit.loaders.audit.ResumeVerdict`), or None.
+            (:class:`statekit.checks.audit.ResumeVerdict`), or None.
     """
 
     epoch: int = 0
@@ -281,7 +282,7 @@ def _before_yield(loader: Any, inner: Any, position: Position, run: _Pass, batch
         run.started = True
         iterable.started(inner, position)  # a dataset state loaded for this epoch only is forgotten
         if position.sampler_epoch_start is None:  # no IndexLog read it when the iterator took the sampler
-            position.sampler_epoch_start = audit.sampler_epoch(loader, sampler_of(loader))
+            position.sampler_epoch_start = index_log.sampler_epoch(loader, sampler_of(loader))
     if run.restore is not None:
         run.restore()
         run.restore = None
@@ -294,7 +295,7 @@ def _before_yield(loader: Any, inner: Any, position: Position, run: _Pass, batch
     position.batches += 1
     iterable.forget_before(position, position.batches)
     fetch_rng.forget_before(position, position.batches)
-    audit.forget_before(position, position.batches)
+    index_log.forget_before(position, position.batches)
     fetch_rng.settle(position)  # a loader that does not read ahead: the restored states now
     # a rank that builds the iterator but never asks its sampler (the other ranks of
     # Accelerate's DataLoaderDispatcher): the checkpoint's states back at its first batch
@@ -409,7 +410,7 @@ def _abandoned(loader: Any, position: Position) -> None:
 
 
 def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
-    """The :class:`statekit.loaders.audit.IndexLog` wrapper for the loader's batch sampler, or
+    """The :class:`statekit.loaders.index_log.IndexLog` wrapper for the loader's batch sampler, or
     None for an iterable dataset (its batch sampler hands out no sample indices). It asks
     one batch ahead only where nothing else does: a plain loader without worker processes."""
     position.drawn = {}
@@ -418,8 +419,8 @@ def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
     if iterable.is_iterable(inner):
         return None
     read_ahead = inner is loader and iterable.num_workers(inner) == 0
-    epoch_of = lambda: audit.sampler_epoch(loader, sampler_of(loader))  # noqa: E731
-    return lambda batch_sampler: audit.IndexLog(batch_sampler, position, first, read_ahead, epoch_of)
+    epoch_of = lambda: index_log.sampler_epoch(loader, sampler_of(loader))  # noqa: E731
+    return lambda batch_sampler: index_log.IndexLog(batch_sampler, position, first, read_ahead, epoch_of)
 
 
 def _first_batch_check(pending: dict[str, Any] | None, label: str, position: Position) -> Any:
@@ -600,7 +601,7 @@ def _replay_fields(position: Position, batches: int) -> dict[str, Any]:
 
 
 def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_epoch: bool) -> audit.NextBatch:
-    """What the resumed loader must yield next (:mod:`statekit.loaders.audit`)."""
+    """What the resumed loader must yield next (:mod:`statekit.checks.audit`)."""
     record = audit.NextBatch(epoch=epoch, batch=batches)
     if not in_epoch:
         record.missing = audit.AT_EPOCH_BOUNDARY
@@ -609,7 +610,7 @@ def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_ep
     inner = inner_loader(loader)
     if batches in position.drawn:
         record.indices_digest, record.indices_head = audit.indices_digest(position.drawn[batches])
-    held, batch = audit.accelerate_next_batch(position.parent, loader) if position.parent is not None else (False, None)
+    held, batch = index_log.accelerate_next_batch(position.parent, loader) if position.parent is not None else (False, None)
     if held:
         record.content_digest = audit.content_digest(batch)
     if record.indices_digest is None and record.content_digest is None:

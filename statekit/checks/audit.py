@@ -11,7 +11,7 @@ what the saved run was about to yield.
 records a :class:`NextBatch` (saved with the loader's position, per rank):
 
 - the sample indices of the next batch (a digest and the first few, for messages), for a
-  loader with a batch sampler. :class:`IndexLog` records the indices the batch sampler
+  loader with a batch sampler. :class:`statekit.loaders.index_log.IndexLog` records the indices the batch sampler
   hands out, by fetch number; for a loader that does not ask for indices ahead (a plain
   ``DataLoader`` with ``num_workers=0``) it asks for one batch of indices ahead of the
   iterator, which draws nothing the run would not draw anyway (it changes only *when* the
@@ -23,7 +23,7 @@ records a :class:`NextBatch` (saved with the loader's position, per rank):
   iterator took the sampler.
 
 **After every save**, where the loader held no batch, the first batch it yields is digested
-and written beside the committed checkpoint (:mod:`statekit.loaders.next_batch`); a resume
+and written beside the committed checkpoint (:mod:`statekit.checks.next_batch`); a resume
 adds it to the record, so behind any loader the first batch is checked by content.
 
 **On resume**, the first batch each restored loader yields is compared with that record
@@ -54,7 +54,6 @@ from typing import Any
 import torch
 
 from statekit.errors import ResumeAuditError, ResumeAuditWarning, StatekitWarning, warn_user
-from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.storage.hashing import new_hasher
 
 logger = logging.getLogger("statekit")
@@ -84,7 +83,7 @@ class NextBatch:
             ``iteration`` of the loader when the epoch's iterator started, or None.
         missing: why indices or content are not recorded (for the verdict), or None.
         content_after_save: the content digest is that of the batch the saved run yielded
-            right after the save (:class:`statekit.loaders.next_batch.Witness`), not of a batch held at save time.
+            right after the save (:class:`statekit.checks.next_batch.Witness`), not of a batch held at save time.
         ends_epoch: the saved run's epoch ended at this position (the batch it yielded after
             the save was the next epoch's first: ``content_digest`` is that one's).
     """
@@ -200,98 +199,6 @@ def _feed(hasher: Any, value: Any) -> None:
         _feed(hasher, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
         return
     raise _NotHashable
-
-
-# --------------------------------------------------------------------------- index log
-
-
-class IndexLog(BatchSamplerWrapper):
-    """A batch sampler that records the indices it hands out, by fetch number in the epoch,
-    in ``position.drawn`` (consumed ones are dropped by :func:`forget_before`).
-
-    Args:
-        batch_sampler: the batch sampler to wrap (skip and replay wrappers applied).
-        position: the loader's ``Position``.
-        first: fetch number of the first batch this iterator asks for.
-        read_ahead: also ask the wrapped sampler for the next batch's indices, so a save
-            after batch ``k`` knows batch ``k + 1``'s (for loaders that do not ask ahead).
-        epoch_of: returns the sampler's epoch (:func:`sampler_epoch`); it is read when the
-            iterator takes the batch sampler (``position.sampler_epoch_start``), before any
-            draw: a sampler that counts its own epochs counts one more as soon as a
-            read-ahead runs it out, which says nothing about where the run stands.
-    """
-
-    def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool, epoch_of: Any = None) -> None:
-        super().__init__(batch_sampler)
-        self.position = position
-        self.first = first
-        self.read_ahead = read_ahead
-        self.epoch_of = epoch_of
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.epoch_of is not None:
-            self.position.sampler_epoch_start = self.epoch_of()
-        return super().__iter__()
-
-    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
-        drawn: dict[int, Any] = {}
-        self.position.drawn = drawn
-        self.position.drawn_all = False
-        fetched = self.first
-        ahead: list[Any] = []
-        while True:
-            if ahead:
-                indices = ahead.pop()
-            else:
-                try:
-                    indices = next(items)
-                except StopIteration:
-                    self.position.drawn_all = True
-                    return
-                drawn[fetched] = indices
-            if self.read_ahead:
-                try:
-                    ahead.append(next(items))
-                    drawn[fetched + 1] = ahead[0]
-                except StopIteration:
-                    self.position.drawn_all = True
-            fetched += 1
-            yield indices
-
-
-def forget_before(position: Any, batches: int) -> None:
-    """Drop the indices of fetches before ``batches`` (consumed: no record needs them)."""
-    for fetched in [k for k in position.drawn if k < batches]:
-        del position.drawn[fetched]
-
-
-def accelerate_next_batch(parent: Any, loader: Any) -> tuple[bool, Any]:
-    """The batch an Accelerate ``DataLoaderShard`` fetched ahead of the one it yielded last.
-
-    ``DataLoaderShard.__iter__`` holds it in its local ``next_batch`` while the training
-    loop runs (https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py);
-    at the epoch's last batch (``end_of_dataloader``) there is none.
-
-    Returns:
-        ``(True, batch)``, or ``(False, None)`` when the loader holds no next batch.
-    """
-    if getattr(loader, "end_of_dataloader", False):
-        return False, None
-    frame = getattr(parent, "gi_frame", None)
-    if frame is None or type(loader).__mro__[1].__name__ != "DataLoaderShard":
-        return False, None
-    local = frame.f_locals
-    return ("next_batch" in local), local.get("next_batch")
-
-
-def sampler_epoch(loader: Any, sampler: Any) -> int | None:
-    """The epoch the loader's sampler was set to (``sampler.epoch``, as
-    ``DistributedSampler.set_epoch`` sets it), else Accelerate's ``iteration``, else None."""
-    value = getattr(sampler, "epoch", None)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    value = loader.__dict__.get("iteration") if hasattr(loader, "__dict__") else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # --------------------------------------------------------------------------- verdicts
