@@ -39,9 +39,8 @@ from statekit.api.loading import (
     read_own_states,
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
-from statekit.checks import random_check, state_check
+from statekit.checks import audit, next_batch, random_check, state_check
 from statekit.engine import commit as commits, live_state
-from statekit.checks import audit, next_batch
 from statekit.loaders import data, own_skip
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model

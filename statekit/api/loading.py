@@ -22,9 +22,8 @@ from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.accelerate_hooks import HOOKS_PLUGIN
 from statekit.api.saveload import context_for
-from statekit.checks import state_check
+from statekit.checks import audit, state_check
 from statekit.engine import live_state, read
-from statekit.checks import audit
 from statekit.loaders import data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
@@ -578,9 +577,7 @@ def _load_attached(
         accelerate_format.read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
     model_entries = [e for e in entries if e.kind == "model"]
     models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
-    saved_objects = manifest.objects
-    owned = [e for e in model_entries if e.key in saved_objects and saved_objects[e.key].owner not in (CORE, ACCELERATE_WRITER)]
-    _check_owners_took(storage, owned, saved_objects, taken)
+    _check_owners_took(storage, _plugin_owned(model_entries, manifest.objects), manifest.objects, taken)
     left = [e for e in model_entries if e.key not in taken]
     # Accelerate numbers the weights it wrote by position among the models no hook took
     by_position = [Entry(f"model_{i}", "model", e.obj) for i, e in enumerate(left)]
@@ -596,3 +593,8 @@ def _load_attached(
     objects = {key_of.get(k, k): v for k, v in summary.objects.items()}  # the caller's keys, not Accelerate's positions
     objects.update({e.key: ForeignObject(e.kind, owner=taken[e.key]) for e in model_entries if e.key in taken})
     return dataclasses.replace(summary, objects=objects)
+
+
+def _plugin_owned(entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[Entry]:
+    """The entries a plugin saved (neither the core nor Accelerate wrote them)."""
+    return [e for e in entries if e.key in saved_objects and saved_objects[e.key].owner not in (CORE, ACCELERATE_WRITER)]
