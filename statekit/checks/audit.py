@@ -1,43 +1,17 @@
 """The resume audit: every resume checks that its data loaders continue where the saved run stood.
 
-The data position is restored by mechanisms that each cover known setups (generator states,
-index skipping, dataset states, replayed random draws). A setup nobody named can still
-resume on other batches: a sampler that shuffles with its own ``random.Random``, a dataset
-that augments with its own ``np.random.default_rng``, a restored loader replaced by another
-object. Only what the resumed loader *yields* shows it, so the audit compares that with
-what the saved run was about to yield.
-
-**At every save**, for every tracked loader whose epoch is in progress, the position
-records a :class:`NextBatch` (saved with the loader's position, per rank):
-
-- the sample indices of the next batch (a digest and the first few, for messages), for a
-  loader with a batch sampler. :class:`statekit.loaders.index_log.IndexLog` records the indices the batch sampler
-  hands out, by fetch number; for a loader that does not ask for indices ahead (a plain
-  ``DataLoader`` with ``num_workers=0``) it asks for one batch of indices ahead of the
-  iterator, which draws nothing the run would not draw anyway (it changes only *when* the
-  sampler runs, as the read-ahead of Accelerate's ``DataLoaderShard`` and of worker
-  processes already does);
-- a digest of the next batch's content where the loader holds it already: Accelerate's
-  ``DataLoaderShard`` fetches batch ``k + 1`` before it yields batch ``k`` (its ``next_batch``);
-- the sampler's epoch (``set_epoch``) or Accelerate's ``iteration`` when the epoch's
-  iterator took the sampler.
-
-**After every save**, where the loader held no batch, the first batch it yields is digested
-and written beside the committed checkpoint (:mod:`statekit.checks.next_batch`); a resume
-adds it to the record, so behind any loader the first batch is checked by content.
-
-**On resume**, the first batch each restored loader yields is compared with that record
-(:func:`check_first_batch`): a difference is a :class:`statekit.ResumeAuditWarning` naming
-the loader, the step, the expected and the actual indices (or content), or, under
-``strict_resume=True``, a :class:`statekit.ResumeAuditError` raised from the ``for`` loop.
-A restored position that the run never consumes (the next save finds it still waiting) is
-named too.
-
-**Verdicts.** The resume's verdict (:class:`ResumeVerdict`) is ``"verified"`` (every
-restored loader yielded what was recorded), ``"diverged"`` (the first difference), or
-``"unverifiable"`` (why: no record, a save at an epoch boundary, no loader). Every
-checkpoint written after the resume carries it in its manifest (``resume_audit``), which
-``statekit ls`` and ``statekit inspect`` show: a run's history says which resumes were proven.
+Positions are restored by mechanisms that each cover known setups; a setup nobody named (a
+sampler with its own ``random.Random``, a dataset with its own generator, a restored loader
+replaced by another object) shows only in what the resumed loader *yields*. So every save
+records, per tracked loader inside an epoch, a :class:`NextBatch` (the next batch's indices,
+from :class:`statekit.loaders.index_log.IndexLog`; its content digest where the loader holds
+it already; the sampler's epoch), or, where the loader held no batch, the first batch it yields
+after the save (:mod:`statekit.checks.next_batch`). A resume compares the first batch each
+restored loader yields with that record (:func:`check_first_batch`): a difference is a
+:class:`statekit.ResumeAuditWarning` (``strict_resume``: :class:`statekit.ResumeAuditError`)
+naming loader, step, expected and actual. The verdict (:class:`ResumeVerdict`: verified,
+diverged or unverifiable, with why) is recorded in every later manifest's ``resume_audit``.
+``docs/concepts.md`` (Resume audit) says what users see; ``docs/design-notes.md`` the costs.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from statekit.storage.streams import CHUNK_BYTES
 
 
 def digest_on_device(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> str | None:
-    """The :func:`~statekit.checks.digest.file_digest` of the file :func:`~statekit.format.tensors.write_tensors` writes for
+    """The :func:`~statekit.checks.digest.file_digest` of the file ``write_tensors`` writes for
     ``tensors``, computed on the tensors' device, when one of them is on an accelerator;
     None for a file of host tensors (XXH3 of the bytes decides for those).
 
@@ -51,26 +51,15 @@ def compare_file(
     prefixes: Iterable[tuple[int, str]],
     digest: str | None = None,
 ) -> tuple[bool, str | None]:
-    """Whether :func:`~statekit.format.tensors.write_tensors` would write exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
-
-    The would-be file's bytes (the header, then every tensor's bytes, as
-    :func:`~statekit.format.tensors.write_tensors` streams them) are hashed with XXH3-64 and compared with the
-    committed file's running checksums (:class:`~statekit.storage.hashing.PrefixHasher`)
-    at each recorded offset: the first difference stops the hash, so a file whose header
-    or first bytes changed costs almost nothing; an identical file costs one hash of its
-    bytes in memory. The last comparison is the file's own checksum.
-
-    When the committed file has a ``digest`` (it was written from an accelerator) and a
-    tensor of ``tensors`` is on an accelerator, the decision is the digest's, computed on
-    the device (:func:`statekit.checks.digest.file_digest`): no byte crosses to the host. That
-    digest is returned too, so that a changed file's write records it without a second
-    pass over the device's memory.
+    """Whether :func:`~statekit.format.tensors.write_tensors` would write exactly the
+    committed file described by ``size_bytes``, ``checksum`` and ``prefixes``, decided from
+    memory without writing: the would-be bytes are hashed and compared at each recorded
+    offset, stopping at the first difference; with a committed ``digest`` and a tensor on an
+    accelerator, by the file digest computed on the device (the module docstring).
 
     Args:
-        tensors: ``name -> tensor``, as for :func:`~statekit.format.tensors.write_tensors` (an accelerator tensor's
-            bytes pass through the host buffer on the XXH3 path).
-        metadata: extra ``__metadata__`` entries, as for :func:`~statekit.format.tensors.write_tensors`.
+        tensors: ``name -> tensor``, as for ``write_tensors``.
+        metadata: extra ``__metadata__`` entries, as for ``write_tensors``.
         size_bytes: the committed file's size, bytes.
         checksum: its ``"xxh3_64:<hex>"``.
         prefixes: its ``(offset, hex)`` records.
