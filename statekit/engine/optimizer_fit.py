@@ -83,19 +83,24 @@ def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[i
     opt = torch_optimizer(optimizer)
     if opt is None or getattr(opt, "_optimizer_load_state_dict_pre_hooks", None):
         return
-    names = names or {}
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), (list, tuple)) or not isinstance(
         state.get("state"), Mapping
     ):
         raise StateMismatchError(where, reason="the saved state is not an optimizer state dict (no 'state' and 'param_groups')")
-    saved_groups, live_groups = list(state["param_groups"]), opt.param_groups
+    live_name = _namer(opt.param_groups, names or {})
+    _check_group_sizes(where, state, opt.param_groups, live_name)
+    _check_state_shapes(where, state, opt, live_name)
+
+
+def _check_group_sizes(where: str, state: Mapping[str, Any], live_groups: list[dict[str, Any]], live_name: Any) -> None:
+    """The number of parameter groups, then of parameters in each group, as saved."""
+    saved_groups = list(state["param_groups"])
     if len(saved_groups) != len(live_groups):
         raise StateMismatchError(
             where,
             reason=f"{len(saved_groups)} parameter groups saved, the optimizer has {len(live_groups)}; "
             "nothing was loaded (build the optimizer with the parameter groups of the saved run)",
         )
-    live_name = _namer(live_groups, names)
     sizes = []
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         if len(saved.get("params", ())) != len(live["params"]):
@@ -109,8 +114,12 @@ def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[i
             reason="; ".join(sizes) + "; nothing was loaded (a parameter frozen, added or removed since the save? "
             "build the optimizer over the parameters of the saved run)",
         )
+
+
+def _check_state_shapes(where: str, state: Mapping[str, Any], opt: torch.optim.Optimizer, live_name: Any) -> None:
+    """Each compared state tensor (:func:`_expected_shape`) against its parameter's shape."""
     mismatched = {}
-    for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+    for g, (saved, live) in enumerate(zip(state["param_groups"], opt.param_groups)):
         for i, (sid, p) in enumerate(zip(saved["params"], live["params"])):
             per_param = state["state"].get(sid)
             if not isinstance(per_param, Mapping):

@@ -263,10 +263,7 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
     for e, rel in plan:
         if e.kind != "model":
             state = read_pickle(storage, rel, allow_pickle)
-            if e.kind == "optimizer":
-                check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
-            elif e.kind == "scheduler":
-                check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
+            _check_object_fit(storage, e, rel, state, names)
             staged.append((e, rel, state))
             continue
         model = unwrap_model(e.obj, accelerator)
@@ -304,8 +301,7 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
         CorruptCheckpointError: a file cannot be read (truncated; names it); nothing was loaded.
     """
     names_in_dir = set(storage.listdir())
-    models = [e for e in entries if e.kind == "model"]
-    names = parameter_names(unwrap_model(e.obj, accelerator) for e in models)
+    names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
     for e in entries:
         if e.kind not in ("model", "optimizer", "scheduler"):
             continue
@@ -313,23 +309,34 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
         if rel is None or storage.local_path(rel) is None:
             continue
         if e.kind == "model":
-            model = unwrap_model(e.obj, accelerator)
-            targets = model.state_dict()
-            saved = _saved_shapes(storage, rel, targets)
-            if saved is None:
-                continue
-            tied = _tied_to_saved(targets, saved)  # safetensors files keep one name of tied weights
-            targets = {k: t for k, t in targets.items() if k not in tied}
-            if not strict:
-                targets = {k: t for k, t in targets.items() if k in saved}
-                saved = {k: v for k, v in saved.items() if k in targets}
-            check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+            _check_model_file_fit(storage, e, rel, unwrap_model(e.obj, accelerator), strict)
         else:
             state = _peek_pickle(storage, rel)
-            if state is not None and e.kind == "optimizer":
-                check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
-            elif state is not None:
-                check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
+            if state is not None:
+                _check_object_fit(storage, e, rel, state, names)
+
+
+def _check_model_file_fit(storage: Storage, e: Any, rel: str, model: Any, strict: bool) -> None:
+    """The model's shapes and dtypes against its file's, from metadata only (a pickle the
+    restricted unpickler refuses is skipped); with ``strict=False`` shared keys only."""
+    targets = model.state_dict()
+    saved = _saved_shapes(storage, rel, targets)
+    if saved is None:
+        return
+    tied = _tied_to_saved(targets, saved)  # safetensors files keep one name of tied weights
+    targets = {k: t for k, t in targets.items() if k not in tied}
+    if not strict:
+        targets = {k: t for k, t in targets.items() if k in saved}
+        saved = {k: v for k, v in saved.items() if k in targets}
+    check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+
+
+def _check_object_fit(storage: Storage, e: Any, rel: str, state: Any, names: Any) -> None:
+    """An optimizer's or scheduler's saved state against the live object (other kinds pass)."""
+    if e.kind == "optimizer":
+        check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+    elif e.kind == "scheduler":
+        check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
 
 
 def _tied_to_saved(targets: Any, saved: Any) -> dict[str, str]:

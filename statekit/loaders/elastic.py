@@ -246,11 +246,22 @@ def _check(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, 
     for what in (layout, live):
         if what["kind"] == UNSUPPORTED:
             raise _refuse(name, len(saved), live, what["reason"])
+    _check_saved_ranks(saved, layout, live, name, epoch)
+    _check_sampler(saved, layout, live, name)
+
+
+def _check_saved_ranks(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, Any], name: str,
+                       epoch: int) -> None:
+    """The saved ranks agree: one epoch (or its end) and one data layout."""
     for s in saved:
         if int(s["epoch"]) > epoch + 1 or (int(s["epoch"]) == epoch + 1 and int(s["batches"]) != 0):
             raise _refuse(name, len(saved), live, f"the saved ranks are in different epochs ({[int(x['epoch']) for x in saved]})")
         if {k: (s.get("layout") or {}).get(k) for k in _SAME} != {k: layout.get(k) for k in _SAME}:
             raise _refuse(name, len(saved), live, "the saved ranks have different data layouts")
+
+
+def _check_sampler(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, Any], name: str) -> None:
+    """The live sampler can draw the interrupted epoch's permutation, and the batches split."""
     if layout["sampler"]["kind"] != live["sampler"]["kind"]:
         raise _refuse(
             name, len(saved), live, f"sampler {layout['sampler']['class']} -> {live['sampler']['class']}: the permutation "
