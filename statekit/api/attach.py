@@ -40,7 +40,7 @@ from statekit.api.loading import (
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.engine import commit as commits, random_check, state_check
-from statekit.loaders import audit, data, next_batch, own_skip
+from statekit.loaders import audit, data, next_batch, own_skip, tracking
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -174,7 +174,7 @@ def _adopt(attachment: Attachment, table: dict[str, Any]) -> None:
     """Track the loaders among ``table`` and run ``statekit_attach`` for it."""
     for obj in table.values():
         if data.is_loader(obj):
-            data.track(obj)
+            tracking.track(obj)
     attachment.objects.update(table)
     call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": attachment.accelerator, "objects": dict(table)})
 

@@ -331,7 +331,7 @@ class PlannedBatches:
     the first ``iter()``: torch's multi-process iterator (``num_workers > 0``) calls
     ``iter()`` of its batch sampler twice while it is built (its ``__init__`` and
     ``_reset``) and draws only from the second, and the wrappers of
-    :mod:`statekit.loaders.data` pass each call through at once
+    :mod:`statekit.loaders.tracking` pass each call through at once
     (:class:`statekit.loaders.samplers.BatchSamplerWrapper`); spending the plan at the first
     call handed the drawing iterator the original batch sampler, a whole epoch of the new
     world size, so every consumed sample was trained again. An iterator taken once the plan

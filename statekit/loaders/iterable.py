@@ -24,7 +24,7 @@ This module decides how the next iterator of a restored loader continues (:func:
     when the checkpoint is written: Accelerate's adapters fetch a batch ahead of the
     training loop, so at save time the dataset is already past the consumed batches.
 ``"indices"``
-    A map-style dataset without workers: :mod:`statekit.loaders.data` skips indices.
+    A map-style dataset without workers: :mod:`statekit.loaders.tracking` skips indices.
 ``"consume"``
     Anything else: the iterator of the same epoch is re-created (generators at the epoch
     start, a Stateful dataset at its epoch-start state) and the consumed batches are read
@@ -123,7 +123,7 @@ def plan(
 ) -> str | None:
     """Prepare the dataset for the epoch the next iterator starts; say how to skip.
 
-    Called by :mod:`statekit.loaders.data` before the iterator is built, with the
+    Called by :mod:`statekit.loaders.tracking` before the iterator is built, with the
     generators already at the epoch start. Loads a saved dataset state into a Stateful
     dataset (the state after the consumed batches for ``"dataset"``, else the epoch-start
     state), snapshots the epoch-start dataset state into ``position.dataset_start``,
@@ -133,7 +133,7 @@ def plan(
     Args:
         loader: the tracked loader (torch ``DataLoader`` or Accelerate adapter).
         inner: the torch loader that builds iterators (``loader`` or its ``base_dataloader``).
-        position: the loader's ``statekit.loaders.data.Position``.
+        position: the loader's ``statekit.loaders.tracking.Position``.
         pending: the restored position (``epoch``, ``batches``, ``dataset_start``,
             ``dataset_after``, ``workers_epoch``), or None for an epoch that is not a resume.
         skip: batches of this epoch consumed before the checkpoint.
