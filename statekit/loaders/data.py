@@ -20,19 +20,11 @@ logger = logging.getLogger(__name__)
 
 
 def loader_state(loader: Any, name: str | None = None) -> dict[str, Any]:
-    """The position of a loader, as codec-able state (per rank).
-
-    For a tracked loader: ``{"epoch", "batches", "start_states"}``, normalised so a
-    finished epoch is saved as the start of the next one. For an untracked loader: the
-    epoch counter Accelerate keeps (``iteration``) and, for a ``StatefulDataLoader``, its
-    own ``state_dict()`` (resume then depends on that loader's own logic); without one,
-    ``"epoch_only": True`` and a :class:`statekit.StatekitWarning` when the loader may be
-    inside an epoch (its position there is not known, see :func:`_untracked_state`).
-
-    Args:
-        loader: the data loader.
-        name: its checkpoint key (``dataloader_0``), named in warnings.
-    """
+    """The position of ``loader`` as codec-able state (per rank); ``name`` is its checkpoint key
+    (``dataloader_0``) in warnings. Tracked: ``epoch``, ``batches``, ``start_states`` (a finished
+    epoch saved as the next one's start) and the replay fields. Untracked: Accelerate's ``iteration``
+    and a ``StatefulDataLoader``'s own ``state_dict()``; without one, ``"epoch_only": True`` and a
+    :class:`statekit.StatekitWarning` when it may be inside an epoch."""
     if not is_tracked(loader):
         return _untracked_state(loader, name)
     position: Position = loader.__dict__["_statekit_position"]
@@ -152,24 +144,21 @@ def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
 def restore_loader(
     loader: Any, state: dict[str, Any] | None, name: str | None = None, ranks: list[dict[str, Any]] | None = None
 ) -> bool:
-    """Put a loader back at a saved position; the next ``iter(loader)`` continues there
-    (how it skips the consumed batches: :mod:`statekit.loaders.iterable`).
+    """Put a loader (tracked or not) back at a saved position; the next ``iter(loader)`` continues there.
 
     Args:
-        loader: the loader (tracked or not).
-        state: what :func:`loader_state` returned at save time on this rank, or None
-            when the checkpoint has no state for this rank (it was saved by fewer ranks).
+        loader: the loader.
+        state: :func:`loader_state` of this rank at save time, or None (saved by fewer ranks).
         name: the loader's checkpoint key (``dataloader_0``), named in warnings.
-        ranks: the saved states of every saved rank (index = saved rank), when known.
-            With another world size they plan this rank's rest of the interrupted epoch
-            (:mod:`statekit.loaders.elastic`).
+        ranks: the saved states of every saved rank (index = rank), when known: with another
+            world size they plan this rank's rest of the epoch (:mod:`statekit.loaders.elastic`).
 
     Returns:
         False when nothing was restored (``state`` is None and no plan applies).
 
     Raises:
-        StateMismatchError: the world size changed mid-epoch and this loader's setup
-            cannot continue the epoch exactly (see :func:`statekit.loaders.elastic.plan`).
+        StateMismatchError: the world size changed mid-epoch and the epoch cannot continue
+            exactly (:func:`statekit.loaders.elastic.plan`).
     """
     planned = elastic.plan(ranks, state, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), name or "data loader") if ranks else None
     if planned is not None:  # another world size: this rank yields its share of what no saved rank consumed
@@ -278,18 +267,14 @@ def _restore_untracked(loader: Any, state: dict[str, Any], name: str | None) -> 
 
 
 def skip_after_resume(loader: Any, num_batches: int) -> bool:
-    """Decide a ``skip_first_batches(loader, num_batches)`` call (Accelerate's resume idiom).
-
-    Returns:
-        True when ``loader`` is tracked and holds a restored position that skips exactly
-        ``num_batches`` batches (0 included: a resume at an epoch's start): the caller should
-        iterate the loader itself (logged at INFO); False when nothing is restored, or when
-        the restored epoch restarts because the dataset's length changed (the skip then
-        runs as Accelerate's, with a warning that the resume is not exact).
+    """Decide a ``skip_first_batches(loader, num_batches)`` call (Accelerate's resume idiom): True
+    when ``loader`` holds a restored position skipping exactly ``num_batches`` (0 included), so the
+    caller iterates the loader itself (logged at INFO); False when nothing is restored, or the
+    restored epoch restarts because the dataset's length changed (Accelerate's skip runs, warned).
 
     Raises:
-        StateMismatchError: a restored position skips another number of batches: skipping
-            on top of it would skip twice or replay batches, in a redrawn order.
+        StateMismatchError: a restored position skips another number of batches (skipping on top
+            would skip twice, in a redrawn order).
     """
     if not is_tracked(loader) or num_batches < 0:
         return False

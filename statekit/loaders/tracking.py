@@ -101,15 +101,9 @@ def is_tracked(loader: Any) -> bool:
 
 
 def track(loader: Any) -> Position:
-    """Start recording the loader's epoch-start generator states and consumed batches.
-
-    Args:
-        loader: a ``torch.utils.data.DataLoader`` or an Accelerate ``DataLoaderShard`` /
-            ``DataLoaderDispatcher``. Idempotent.
-
-    Returns:
-        The loader's :class:`Position`.
-    """
+    """Start recording ``loader``'s epoch-start generator states and consumed batches (a
+    ``DataLoader`` or an Accelerate ``DataLoaderShard``/``DataLoaderDispatcher``; idempotent).
+    Returns its :class:`Position`."""
     if is_tracked(loader):
         return loader.__dict__["_statekit_position"]
     real = type(loader)
@@ -310,17 +304,12 @@ def _compose(wrappers: list[Any]) -> Any:
 
 
 def _prebuilt(inner: Any) -> Any:
-    """The iterator a torchdata ``StatefulDataLoader`` built before its epoch started and has
-    not handed out yet, or None.
-
-    ``StatefulDataLoader.state_dict()`` builds the next iterator when none exists, and the
-    next ``iter()`` returns that one (``_initial_iter_for_state_dict``); Accelerate's
-    ``DataLoaderAdapter`` calls ``state_dict()`` in ``prepare()``
+    """The iterator a torchdata ``StatefulDataLoader`` built before its epoch started and has not
+    handed out, or None: ``state_dict()`` builds the next iterator (``_initial_iter_for_state_dict``)
+    and Accelerate's ``DataLoaderAdapter`` calls it in ``prepare()``
     (https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/stateful_dataloader.py).
-    Building it drew the workers' base seed from the global generator (and the order, for a
-    batch sampler that draws in ``iter()``); building another would draw again, so the
-    epoch runs on it, as it does without statekit.
-    """
+    Building it drew the workers' base seed (and the order, for a sampler drawing in ``iter()``);
+    another would draw again, so the epoch runs on it, as without statekit."""
     if getattr(inner, "_initial_iter_for_state_dict", False):
         return getattr(inner, "_iterator", None)
     return None
@@ -338,13 +327,11 @@ def _built_before_epoch(pending: dict[str, Any] | None) -> bool:
 
 
 def _record_prebuilt(iterator: Any, position: Position) -> None:
-    """What a resume needs of an epoch that runs on a prebuilt iterator (:func:`_prebuilt`):
-    its workers' base seed (``position.prebuilt_seed``, to recognise the same iterator built
-    by the resumed process's ``prepare()``), and, when its sampler drew the order while it was
-    built (torchdata's stateful ``RandomSampler`` draws in ``iter()``), the sampler
-    generator's state before that draw as the epoch's ``"sampler"`` start state, read from
-    the sampler iterator's own ``state_dict()`` (torchdata's Stateful protocol: the state it
-    would restore from), so that an iterator built again draws the same order."""
+    """What a resume needs of an epoch on a prebuilt iterator (:func:`_prebuilt`): its workers' base
+    seed (``position.prebuilt_seed``, to recognise the same iterator after the resumed ``prepare()``)
+    and, when its sampler drew the order while built (torchdata's ``RandomSampler``), the sampler
+    generator's state before that draw (from the sampler iterator's ``state_dict()``) as the
+    epoch's ``"sampler"`` start state."""
     position.prebuilt_seed = getattr(iterator, "_base_seed", None)
     sampler_iterator = getattr(iterator, "_sampler_iter", None)
     if "sampler" not in position.start_states or not callable(getattr(sampler_iterator, "state_dict", None)):
@@ -355,12 +342,10 @@ def _record_prebuilt(iterator: Any, position: Position) -> None:
 
 
 def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> None:
-    """Put the batch-sampler wrappers around the sampler iterator of a prebuilt iterator
-    (:func:`_prebuilt`), which took its batch sampler before any wrapper was on, as
-    :func:`statekit.loaders.samplers.wrap_batch_sampler` puts them around a batch sampler:
-    ``innermost``, a skip of ``skip`` batches, then ``record``. A batch sampler's iterator
-    draws when its first batch is asked for (torch's ``BatchSampler.__iter__`` is a
-    generator), so the wrappers still see the epoch's first draws."""
+    """Put the batch-sampler wrappers (``innermost``, a skip of ``skip`` batches, ``record``) around a
+    prebuilt iterator's sampler iterator, as :func:`statekit.loaders.samplers.wrap_batch_sampler`
+    does around a batch sampler; its first draw waits for the first batch (``BatchSampler.__iter__``
+    is a generator), so the wrappers still see it."""
     base = iterator._sampler_iter
     if innermost is not None:
         base = innermost(base)
@@ -372,12 +357,10 @@ def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> Non
 
 
 def _abandoned(loader: Any, position: Position) -> None:
-    """The ``for`` loop left the epoch before its end (``break``, an exception, ``zip`` with a
-    shorter loader), and the iterator was closed: the next ``iter()`` starts a new pass from
-    the generators as they are, so a save from now on saves that, not the abandoned epoch's
-    position (a resume would skip batches the next pass yields). Accelerate's adapters do not
-    count an abandoned pass (``iteration`` is raised only at the end of ``__iter__``), so
-    their epoch stays; a plain loader counts it."""
+    """The ``for`` loop left the epoch early (``break``, an exception, a shorter ``zip``) and closed
+    the iterator: the next ``iter()`` starts a new pass from the generators as they are, and a save
+    saves that. Accelerate's adapters do not count an abandoned pass (``iteration`` is raised only at
+    the end of ``__iter__``); a plain loader counts it."""
     if not position.in_epoch:
         return
     position.in_epoch = False
