@@ -30,9 +30,11 @@ from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 @storage_option
 def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...], raw_storage: tuple[str, ...],
        tree: bool) -> None:
-    """List the checkpoints under a manager root URL: step, time, size, bytes written,
-    committed (with --replica, the tiers), foreign folders as what they are; with --tree the
-    branches rollbacks made (``docs/cli.md``)."""
+    """List the checkpoints under a manager root URL: step, time, size, the bytes its save
+    wrote (less than its size when an incremental save reused unchanged files), committed
+    (and with --replica, on which tiers each one is committed). A folder statekit did not
+    write (a Trainer, Accelerate or DCP checkpoint) is listed as what it is. With --tree:
+    the branches a rollback (``resume(step=K)``) made, parent links, the live branch marked."""
     infos, remote = _read_roots(url, storage_options_of(raw_storage), replica, storage_options_of(raw_replica))
     if tree:
         try:
@@ -169,12 +171,10 @@ def _refuse_if_not_a_root(root: Storage) -> None:
 
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
-    """One entry per checkpoint name on either root: the local entry's fields (the remote
-    one's when only the remote root has it), plus ``tiers`` (where it is committed),
-    ``replicated`` (committed remotely) and ``replication``: ``"replicated"``,
-    ``"copying"`` (a live process holds the ``statekit-replicate`` in-use marker of the
-    local copy), ``"incomplete"`` (a remote directory without a manifest, nobody copying:
-    the next manager start redoes it) or ``"not replicated"``."""
+    """One entry per checkpoint name on either root: the local entry's fields (else the remote's),
+    plus ``tiers`` (where committed), ``replicated`` and ``replication``: ``"replicated"``,
+    ``"copying"`` (a live process holds a copy marker of the local copy), ``"incomplete"`` (a remote
+    directory without a manifest, nobody copying) or ``"not replicated"``."""
     by_name: dict[str, dict[str, Any]] = {}
     for tier, infos in (("local", local), ("remote", remote)):
         for info in infos:
