@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import statekit  # noqa: E402
-from statekit.loaders import data  # noqa: E402
+from statekit.loaders import data, tracking  # noqa: E402
 from resume_demo import Net, digits  # noqa: E402
 
 
@@ -73,9 +73,9 @@ def _per_batch(mode: str, prepared: bool, batch_size: int, epochs: int) -> float
     """Seconds per batch of iterating the loader alone (no training step): where the audit's
     per-batch work is, without the step's noise around it."""
     accelerator, _, _, loader = _build(prepared, batch_size)
-    original = data.audit_log
+    original = tracking.audit_log
     if mode == "no audit":
-        data.audit_log = lambda *args, **kwargs: None
+        tracking.audit_log = lambda *args, **kwargs: None
     try:
         _attach(mode, accelerator, loader, prepared)
         started, count = time.perf_counter(), 0
@@ -84,7 +84,7 @@ def _per_batch(mode: str, prepared: bool, batch_size: int, epochs: int) -> float
                 count += 1
         return (time.perf_counter() - started) / count
     finally:
-        data.audit_log = original
+        tracking.audit_log = original
 
 
 def _step_time(prepared: bool, batch_size: int, steps: int) -> float:

@@ -41,7 +41,7 @@ from statekit.api.loading import (
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
 from statekit.checks import audit, next_batch, random_check, state_check
 from statekit.engine import commit as commits, live_state
-from statekit.loaders import data, own_skip
+from statekit.loaders import data, own_skip, tracking
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -175,7 +175,7 @@ def _adopt(attachment: Attachment, table: dict[str, Any]) -> None:
     """Track the loaders among ``table`` and run ``statekit_attach`` for it."""
     for obj in table.values():
         if data.is_loader(obj):
-            data.track(obj)
+            tracking.track(obj)
     attachment.objects.update(table)
     call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": attachment.accelerator, "objects": dict(table)})
 

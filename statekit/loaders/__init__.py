@@ -2,7 +2,8 @@
 
 Modules:
 
-- :mod:`~statekit.loaders.data`: tracking a loader's position, its saved state, its restore.
+- :mod:`~statekit.loaders.tracking`: a tracked loader's iteration (its position, the replay of an epoch).
+- :mod:`~statekit.loaders.data`: a loader's position as saved state, its restore.
 - :mod:`~statekit.loaders.samplers`: the sampler and generator lookup; the batch-sampler
   wrappers that replay an epoch.
 - :mod:`~statekit.loaders.iterable`: iterable datasets and workers (a Stateful dataset's
