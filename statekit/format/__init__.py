@@ -3,12 +3,10 @@
 Tensor files follow the safetensors specification
 (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
 length, a JSON header ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``
-padded with spaces to a multiple of 8 bytes, then the raw little-endian tensor bytes.
-statekit writes that layout itself so that tensor memory streams straight to the file
-(``memoryview`` of each tensor, in chunks) with the checksum computed in the same pass:
-``safetensors.torch.save`` first builds the whole file as one ``bytes`` object.
-Files written here load with ``safetensors.torch.load_file`` (``__metadata__`` carries
-``{"format": "pt"}`` as transformers and diffusers expect).
+padded with spaces, then the raw little-endian tensor bytes (statekit's additions:
+``docs/format.md``). statekit writes and reads that layout itself, the checksum in the same
+pass; the suite checks its files against the ``safetensors`` library both ways
+(``docs/design-notes.md``, Format).
 
 Checksums are xxHash XXH3-64 (https://xxhash.com, package ``xxhash``), written as
 ``"xxh3_64:<16 hex digits>"``; the hasher is owned by :mod:`statekit.storage.hashing`

@@ -80,10 +80,8 @@ def _json_value(value: Any) -> Any:
 class _Record:
     """The JSON form every manifest type shares."""
 
-    _NULLABLE: ClassVar[frozenset[str]] = frozenset()
-    """Fields written as JSON ``null`` when None (others are left out when None)."""
-    _NOT_WRITTEN: ClassVar[frozenset[str]] = frozenset()
-    """Dataclass fields that are not JSON keys."""
+    _NULLABLE: ClassVar[frozenset[str]] = frozenset()  # written as null when None (others: left out)
+    _NOT_WRITTEN: ClassVar[frozenset[str]] = frozenset()  # dataclass fields that are not JSON keys
 
     def to_json(self) -> dict[str, Any]:
         """A new dict of JSON values (nested records too), keys in the canonical order."""
@@ -96,9 +94,7 @@ class _Record:
 
 
 def _built(cls: type, values: dict[str, Any]) -> Any:
-    """An instance of the frozen dataclass ``cls`` with every field in ``values``, made
-    without the frozen ``__init__``'s per-field ``object.__setattr__`` (a manifest of a
-    sharded checkpoint holds tens of thousands of file entries)."""
+    """``cls(**values)`` without the frozen ``__init__``'s per-field ``object.__setattr__`` (speed)."""
     obj = object.__new__(cls)
     obj.__dict__.update(values)
     return obj
@@ -170,8 +166,7 @@ class FileEntry(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class ObjectEntry(_Record):
-    """One saved object (``objects[<stable key>]``); its fields: ``docs/format.md``, Manifest, ``objects``.
-    A field not recorded is None."""
+    """One saved object (``objects[<key>]``; fields: ``docs/format.md``); None: not recorded."""
 
     kind: str
     owner: str
@@ -274,14 +269,12 @@ class ResumeAudit(_Record):
         )
 
 
-def _strings(table: Any) -> bool:
-    """``{object: {path: str}}``."""
+def _strings(table: Any) -> bool:  # {object: {path: str}}
     return isinstance(table, dict) and all(
         isinstance(o, dict) and all(isinstance(d, str) for d in o.values()) for o in table.values())
 
 
-def _groups(table: Any) -> bool:
-    """``{object: [[str, ...], ...]}``."""
+def _groups(table: Any) -> bool:  # {object: [[str, ...], ...]}
     return isinstance(table, dict) and all(
         isinstance(o, list) and all(isinstance(g, list) and all(isinstance(p, str) for p in g) for g in o)
         for o in table.values())
@@ -334,13 +327,11 @@ class Lineage(_Record):
         return cls(run_id=value["run_id"], branch=value["branch"], parent=parent)
 
 
+# the manifest's required fields and their JSON types; its optional records and their parsers
 _REQUIRED: dict[str, type] = {"statekit_version": str, "created": str, "world_size": int, "plugins": dict,
                                "objects": dict, "files": dict, "metadata": dict, "records": dict}
-"""The manifest's required fields and their JSON types."""
-
 _OPTIONAL: dict[str, Any] = {"fingerprint": Fingerprint.from_json, "resume_audit": ResumeAudit.from_json,
                              "state_digest": StateDigest.from_json, "lineage": Lineage.from_json}
-"""The manifest's optional records and their parsers."""
 
 
 def _manifest_object(manifest: Any, source: str) -> dict[str, Any]:
@@ -449,10 +440,16 @@ class Manifest(_Record):
         return cls(**{**_known(cls, manifest), "step": manifest.get("step"), "files": files, "objects": objects, **optional})
 
     def sealed(self) -> tuple[Manifest, bytes]:
-        """``(manifest, data)``: this manifest with :data:`MANIFEST_CHECKSUM` set (over the
-        manifest as a reader parses it back, in canonical form: ``docs/format.md``), and the
-        file's bytes (UTF-8 JSON indented one space per level). Raises ``ValueError`` when it
-        is not strict JSON (NaN or infinity)."""
+        """This manifest sealed: :data:`MANIFEST_CHECKSUM` set over it as a reader parses it
+        back, in canonical form (``docs/format.md``).
+
+        Returns:
+            ``(manifest, data)``: the manifest with its checksum, and the file's bytes (UTF-8
+            JSON indented one space per level).
+
+        Raises:
+            ValueError: the manifest is not strict JSON (NaN or infinity).
+        """
         body = self.to_json()
         parsed = json.loads(json.dumps(body, allow_nan=False))
         checksum = checksum_bytes(canonical_bytes(parsed))
@@ -461,8 +458,14 @@ class Manifest(_Record):
         return dataclasses.replace(self, manifest_checksum=checksum), data
 
     def size_of(self, rel: str) -> int | None:
-        """The size in bytes the manifest records for file ``rel`` (relative to the
-        checkpoint), or None when it does not list it."""
+        """The size the manifest records for one file.
+
+        Args:
+            rel: a path relative to the checkpoint.
+
+        Returns:
+            Its size in bytes, or None when the manifest does not list it.
+        """
         entry = self.files.get(rel)
         return entry.size_bytes if entry is not None else None
 
@@ -489,6 +492,9 @@ class Manifest(_Record):
 
         Args:
             core: the core's owner name (``"statekit"``).
+
+        Returns:
+            The layout name.
         """
         record = self.records.get(core)
         return record.get("layout", "statekit") if isinstance(record, Mapping) else "statekit"

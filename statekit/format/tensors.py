@@ -1,9 +1,9 @@
 """Tensor data to and from safetensors files, streamed in chunks with the checksum in the same pass.
 
-statekit writes the safetensors layout itself so that tensor memory streams straight to
-the file (``memoryview`` of each tensor, in chunks): ``safetensors.torch.save`` first
-builds the whole file as one ``bytes`` object. Reading fills existing tensors in place
-where it can. Headers are built and parsed by :mod:`statekit.format.header`.
+The layout is safetensors' (https://github.com/huggingface/safetensors#format; statekit's
+additions: ``docs/format.md``, Tensor files); why statekit writes and reads it itself, and how
+the suite checks it against the library: ``docs/design-notes.md``, Format. Reading fills
+existing tensors in place where it can. Headers: :mod:`statekit.format.header`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ ALIGN_MIN_BYTES = 1024 * 1024
 :data:`PAGE_BYTES` (format version 1 layout)."""
 
 PAGE_BYTES = 4096
-"""Layout of format version 1: the data section of a file with :data:`ALIGN_MIN_BYTES` of
-tensor data or more starts at a multiple of this many bytes (one page; the header's JSON
-is padded with spaces, which every safetensors reader takes), whatever the file is written
-to, so that a reader that works in whole pages (the storage's ``O_DIRECT`` reader) reads
-the data section in whole pages. Part of the file's bytes: the same for every storage."""
+"""The data section of a file with :data:`ALIGN_MIN_BYTES` of tensor data or more starts at a
+multiple of this many bytes, on every storage (``docs/format.md``, Tensor files)."""
 
 
 # --------------------------------------------------------------------------- writing
@@ -150,20 +147,10 @@ def compare_file(
     digest: str | None = None,
 ) -> tuple[bool, str | None]:
     """Whether :func:`write_tensors` would write exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
-
-    The would-be file's bytes (the header, then every tensor's bytes, as
-    :func:`write_tensors` streams them) are hashed with XXH3-64 and compared with the
-    committed file's running checksums (:class:`~statekit.storage.hashing.PrefixHasher`)
-    at each recorded offset: the first difference stops the hash, so a file whose header
-    or first bytes changed costs almost nothing; an identical file costs one hash of its
-    bytes in memory. The last comparison is the file's own checksum.
-
-    When the committed file has a ``digest`` (it was written from an accelerator) and a
-    tensor of ``tensors`` is on an accelerator, the decision is the digest's, computed on
-    the device (:mod:`statekit.format.device_digest`): no byte crosses to the host. That
-    digest is returned too, so that a changed file's write records it without a second
-    pass over the device's memory.
+    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing: the
+    would-be bytes' running XXH3-64 against the recorded prefixes, the first difference
+    stopping the hash, or, for a committed file with a ``digest`` and tensors on an
+    accelerator, the device digest (``docs/incremental.md``).
 
     Args:
         tensors: ``name -> tensor``, as for :func:`write_tensors` (an accelerator tensor's
@@ -194,12 +181,8 @@ def compare_file(
 def same_stream_bytes(chunks: Iterable[Any], size_bytes: int, checksum: str, prefixes: Iterable[tuple[int, str]]) -> bool:
     """Whether the bytes ``chunks`` yields are exactly the committed file described by
     ``size_bytes``, ``checksum`` and ``prefixes``: the comparison of :func:`compare_file`
-    for bytes that come from elsewhere (a file streamed by a plugin,
-    :meth:`statekit.engine.context.Checkpoint.reuse_if_same`).
-
-    The running XXH3-64 checksum is compared at each recorded offset
-    (:class:`~statekit.storage.hashing.PrefixCheck`); the first difference, or more bytes
-    than ``size_bytes``, stops the iteration (the rest of ``chunks`` is never asked for).
+    for bytes that come from elsewhere (:meth:`statekit.engine.context.Checkpoint.reuse_if_same`);
+    the first difference, or more bytes than ``size_bytes``, stops the iteration.
 
     Args:
         chunks: the bytes in order, as bytes-like pieces of any size.
@@ -232,10 +215,8 @@ def _host_chunks(planned: list[Any], step: int) -> Iterator[memoryview]:
 
     Contiguous tensors on an accelerator pass through one reused host buffer of
     :data:`BOUNCE_BYTES` (blocking copies, so a chunk is complete when yielded and is
-    overwritten only after the caller consumed it): a copy of each whole tensor into fresh
-    pageable memory cost a GPU state's sync save 2.5x a CPU state's on an H200 machine
-    (1.35 s against 0.55 s for 1 GiB: first touch of 1 GiB of new pages and pageable
-    device-to-host copies; docs/benchmark.md, "GPU run"), and peak memory stays one buffer.
+    overwritten only after the caller consumed it; why: ``docs/benchmark.md``, Sync saves of
+    a GPU state).
     """
     bounce: torch.Tensor | None = None
     for p in planned:
