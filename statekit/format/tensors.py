@@ -1,9 +1,9 @@
 """Tensor data to and from safetensors files, streamed in chunks with the checksum in the same pass.
 
-statekit writes the safetensors layout itself so that tensor memory streams straight to
-the file (``memoryview`` of each tensor, in chunks): ``safetensors.torch.save`` first
-builds the whole file as one ``bytes`` object. Reading fills existing tensors in place
-where it can. Headers are built and parsed by :mod:`statekit.format.header`.
+The layout is safetensors' (https://github.com/huggingface/safetensors#format; statekit's
+additions: ``docs/format.md``, Tensor files); why statekit writes and reads it itself, and how
+the suite checks it against the library: ``docs/design-notes.md``, Format. Reading fills
+existing tensors in place where it can. Headers: :mod:`statekit.format.header`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ ALIGN_MIN_BYTES = 1024 * 1024
 :data:`PAGE_BYTES` (format version 1 layout)."""
 
 PAGE_BYTES = 4096
-"""Layout of format version 1: the data section of a file with :data:`ALIGN_MIN_BYTES` of
-tensor data or more starts at a multiple of this many bytes (one page; the header's JSON
-is padded with spaces, which every safetensors reader takes), whatever the file is written
-to, so that a reader that works in whole pages (the storage's ``O_DIRECT`` reader) reads
-the data section in whole pages. Part of the file's bytes: the same for every storage."""
+"""The data section of a file with :data:`ALIGN_MIN_BYTES` of tensor data or more starts at a
+multiple of this many bytes, on every storage (``docs/format.md``, Tensor files)."""
 
 
 # --------------------------------------------------------------------------- writing
@@ -103,7 +100,7 @@ def write_tensors(
     if hasher is not None:
         hasher.update(header)
         if isinstance(hasher, PrefixHasher):
-            hasher.mark()  # a later save with another header stops here (compare_file)
+            hasher.mark()  # a later save with another header stops here (statekit.checks.files.compare_file)
     arena = _one_arena(tensors, planned)
     if arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
         chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), sink.write_stable
@@ -133,10 +130,8 @@ def host_chunks(planned: list[Any], step: int) -> Iterator[memoryview]:
 
     Contiguous tensors on an accelerator pass through one reused host buffer of
     :data:`BOUNCE_BYTES` (blocking copies, so a chunk is complete when yielded and is
-    overwritten only after the caller consumed it): a copy of each whole tensor into fresh
-    pageable memory cost a GPU state's sync save 2.5x a CPU state's on an H200 machine
-    (1.35 s against 0.55 s for 1 GiB: first touch of 1 GiB of new pages and pageable
-    device-to-host copies; docs/benchmark.md, "GPU run"), and peak memory stays one buffer.
+    overwritten only after the caller consumed it; why: ``docs/benchmark.md``, Sync saves of
+    a GPU state).
     """
     bounce: torch.Tensor | None = None
     for p in planned:
