@@ -145,10 +145,8 @@ def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
 def record(objects: list[LiveTensors]) -> StateDigest | None:
     """The state digest of a save: every digested tensor of every object, now.
 
-    Every rank calls it, at the same point of the save: the shards of a ``DTensor`` are
-    summed across the ranks (one all-reduce for every DTensor of the save, on statekit's
-    group; none when there is none). Rank 0 digests the other tensors and returns the
-    digest; the other ranks only add their shards.
+    Every rank calls it at the same point (one all-reduce sums every DTensor's shards);
+    rank 0 digests the other tensors and returns the digest.
 
     Args:
         objects: the save's objects (:func:`statekit.engine.live_state.live_tensors`).
@@ -213,15 +211,9 @@ class _WholeObjects:
 def tie_groups(named: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """The groups of paths of one model's state dict that are one tensor (tied weights: a
     GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``): the same storage, offset,
-    shape, strides and dtype. Tensors whose storage says nothing are left out: meta
-    (offloaded), empty, DTensors (their local shards are the sharding's), tensor subclasses.
-
-    Args:
-        named: ``path -> tensor`` (:func:`digested`), in state dict order.
-
-    Returns:
-        Each group of two or more paths, in state dict order (groups by their first path).
-    """
+    shape, strides and dtype; meta, empty, DTensor and subclass tensors are left out.
+    ``named``: ``path -> tensor`` in state dict order; returns each group of two or more
+    paths, in that order."""
     by_view: dict[tuple[Any, ...], list[str]] = {}
     for path, t in named.items():
         view = _view(t)
@@ -421,11 +413,7 @@ def check(
     names: Mapping[str, Mapping[str, str]] | None = None,
 ) -> StateVerdict:
     """Compare the live objects, as a load left them, with the checkpoint's state digest.
-
-    Every rank calls it, at the same point of the load, with the same objects: the
-    DTensors among the compared tensors are digested with one all-reduce (and, when some
-    differ, one more to tell whether they are all zeros); the other tensors on each rank
-    alone. Tensors the save could not digest (``state_digest.uncompared``) are named.
+    A collective when DTensors are compared (every rank, same point, same objects).
 
     Args:
         manifest: the loaded checkpoint's manifest.
@@ -435,8 +423,7 @@ def check(
         left_out: per object key, the state-dict keys a ``strict=False`` load left out
             (deliberately not loaded: skipped and named).
         names: per object key, its optimizer's parameter names by state path prefix
-            (:func:`optimizer_names`: ``"state.3" -> "layers.3.weight"``, so
-            ``state.3.exp_avg`` is named ``exp_avg of 'layers.3.weight'``), for messages.
+            (:func:`optimizer_names`), for messages.
 
     Returns:
         The verdict (warned with :class:`StateCheckWarning` when it is a mismatch and not
