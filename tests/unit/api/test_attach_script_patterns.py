@@ -410,3 +410,22 @@ def test_saving_again_into_a_checkpoint_folder_does_not_list_its_old_next_batch_
     assert not any(rel.startswith("next-batch/") for rel in manifest.files), sorted(manifest.files)
     resumed, *_ = _run(seed=1)
     resumed.load_state(folder)  # loads, every listed file verified
+
+
+def test_attaching_to_resume_a_checkpoint_written_without_statekit_says_so(tmp_path):
+    """The migration case (complete_nlp_example.py's step_8, saved before statekit was added):
+    attach, then the script's own load_state of a mid-epoch Accelerate folder. Its loader
+    position was never saved, so the resume is Accelerate's, not exact: a named warning, and
+    no file of statekit's is read from a folder no manifest verifies."""
+    accelerator, model, optimizer, loader = _run(attach=None)
+    for step, (x, y) in enumerate(loader):
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            accelerator.save_state(str(tmp_path / "step_3"))
+            break
+    assert not (tmp_path / "step_3" / "statekit.json").exists()
+    resumed, *_ = _run(seed=1, attach="prepare")
+    with pytest.warns(statekit.StatekitWarning, match=r"step_3 holds no statekit\.json: it was written without statekit"):
+        resumed.load_state(str(tmp_path / "step_3"))
