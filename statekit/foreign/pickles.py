@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
