@@ -21,6 +21,7 @@ from typing import Any
 from statekit.api import loading, saveload
 from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
 from statekit.engine.entries import Entry
+from statekit.engine import gradients
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.errors import StatekitWarning, warn_user
 from statekit.foreign.base import ForeignSummary
@@ -51,17 +52,20 @@ class AcceleratorCounters:
         self.accelerator.step = int(state["step"])
 
 
-def collect(accelerator: Any) -> list[Entry]:
+def collect(accelerator: Any, for_load: bool = False) -> list[Entry]:
     """The run's stateful objects under stable keys, in Accelerate's order.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
+        for_load: for a load (or an attachment, which serves both): ``gradients`` is always
+            among the entries (optional: loaded where the checkpoint holds it).
 
     Returns:
         Engine entries: ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``,
         ``dataloader_<i>`` (per rank), ``custom_<i>``, ``scaler`` (if any), ``accelerator``,
-        and with ``gradient_accumulation_steps > 1`` ``gradients`` (per rank: the
-        accumulated gradients when saved between sync points,
+        and with ``gradient_accumulation_steps > 1``, or gradients no optimizer step consumed
+        (accumulation by hand), ``gradients`` (per rank: the accumulated gradients when saved
+        between optimizer steps,
         :class:`statekit.engine.gradients.AccumulatedGradients`).
     """
     entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(accelerator._models)]
@@ -72,7 +76,8 @@ def collect(accelerator: Any) -> list[Entry]:
     if getattr(accelerator, "scaler", None) is not None:
         entries.append(Entry("scaler", "scaler", accelerator.scaler))
     entries.append(Entry("accelerator", "custom", AcceleratorCounters(accelerator)))
-    if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1:
+    gradients.watch_optimizer_steps()  # marks what each optimizer step consumes: pending_by_hand
+    if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1 or for_load or gradients.pending_by_hand(accelerator):
         # optional: a checkpoint saved without accumulation (or by Accelerate) has none
         entries.append(Entry("gradients", "custom", AccumulatedGradients(accelerator), per_rank=True, optional=True))
     return entries
@@ -230,7 +235,7 @@ def load_state(
     warn_if_nothing_prepared(accelerator, url, "loaded")
     return loading.load_objects(
         url,
-        collect(accelerator),
+        collect(accelerator, for_load=True),
         verify=verify,
         storage_options=storage_options,
         options=options,
