@@ -92,7 +92,7 @@ def refuse_unsupported(accelerator: Any, models: list[torch.nn.Module]) -> None:
             sharded model (FSDP: its gradients are shards statekit-fsdp does not save);
             the message names the setting and says to save at a sync point.
     """
-    if accumulating(accelerator):
+    if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1:
         advice = (
             f"a checkpoint between optimizer steps (gradient_accumulation_steps="
             f"{accelerator.gradient_accumulation_steps}, micro-batch {accelerator.step}) needs the accumulated "
