@@ -539,7 +539,8 @@ def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> l
 
 def apply_own_states(states: list[tuple[str, Any, Any, Any]]) -> None:
     """Put back what :func:`read_own_states` read: loader positions (replacing the one
-    Accelerate restored) and accumulated gradients.
+    Accelerate restored) and accumulated gradients. The checkpoint is an attached one: the
+    script resumes as Accelerate's examples do, deriving its epoch from the step.
 
     Raises:
         StateMismatchError: a position or the gradients do not fit this run (see
@@ -547,7 +548,7 @@ def apply_own_states(states: list[tuple[str, Any, Any, Any]]) -> None:
     """
     for key, obj, state, ranks in states:
         if data.is_loader(obj):
-            data.restore_loader(obj, state, name=key, ranks=ranks)
+            data.restore_loader(obj, state, name=key, ranks=ranks, epoch_from_step=True)
         else:
             obj.load_state_dict(state)
 

@@ -143,7 +143,8 @@ def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
 
 
 def restore_loader(
-    loader: Any, state: dict[str, Any] | None, name: str | None = None, ranks: list[dict[str, Any]] | None = None
+    loader: Any, state: dict[str, Any] | None, name: str | None = None, ranks: list[dict[str, Any]] | None = None,
+    epoch_from_step: bool = False,
 ) -> bool:
     """Put a loader (tracked or not) back at a saved position; the next ``iter(loader)`` continues there.
 
@@ -153,6 +154,9 @@ def restore_loader(
         name: the loader's checkpoint key (``dataloader_0``), named in warnings.
         ranks: the saved states of every saved rank (index = rank), when known: with another
             world size they plan this rank's rest of the epoch (:mod:`statekit.loaders.elastic`).
+        epoch_from_step: the loop derives its epoch from the step, as every script written for
+            Accelerate's own resume does (Accelerate saves no loop counter): a save right after
+            an epoch's last batch is then logged, not warned about (:func:`_warn_after_last_batch`).
 
     Returns:
         False when nothing was restored (``state`` is None and no plan applies).
@@ -168,13 +172,13 @@ def restore_loader(
     elif state is None:
         return False
     if state.get("tracked"):
-        _restore_tracked(loader, state, name, planned)
+        _restore_tracked(loader, state, name, planned, epoch_from_step)
     else:
         _restore_untracked(loader, state, name)
     return True
 
 
-def _restore_tracked(loader: Any, state: dict[str, Any], name: str | None, planned: Any) -> None:
+def _restore_tracked(loader: Any, state: dict[str, Any], name: str | None, planned: Any, epoch_from_step: bool) -> None:
     """Put a position statekit tracked back as the loader's pending position (applied by
     the next ``iter()``, :func:`_apply_pending`), and register it with the resume audit;
     ``planned``: this rank's share of the epoch after a world-size change, or None."""
@@ -200,7 +204,7 @@ def _restore_tracked(loader: Any, state: dict[str, Any], name: str | None, plann
     position.epoch = int(state["epoch"])
     position.batches = batches
     if state.get("after_last_batch") and planned is None:
-        _warn_after_last_batch(loader, state, name)
+        _warn_after_last_batch(loader, state, name, epoch_from_step)
     if hasattr(loader, "iteration"):
         loader.iteration = int(state["epoch"])
 
@@ -234,9 +238,15 @@ def _audit_restored(loader: Any, position: Position, state: dict[str, Any], name
     audit.restored(name or describe(loader), position, audit.NextBatch.from_json(state.get("next")), why_not, checked_later=not skipped)
 
 
-def _warn_after_last_batch(loader: Any, state: dict[str, Any], name: str | None) -> None:
+def _warn_after_last_batch(loader: Any, state: dict[str, Any], name: str | None, epoch_from_step: bool) -> None:
     """The save was made inside the ``for`` loop after the epoch's last batch: the loop's
-    epoch-end code must not run again for that epoch."""
+    epoch-end code must not run again for that epoch. Where the loop derives its epoch from
+    the step (``epoch_from_step``) the position is what it expects: an INFO line only."""
+    if epoch_from_step:
+        logger.info("%s: saved right after the last batch of epoch %d; the next `for batch in loader` starts epoch %s "
+                    "(the epoch the script derives from the step)", name or describe(loader), int(state["epoch"]) - 1,
+                    state["epoch"])
+        return
     warn_user(
         f"{name or describe(loader)}: the checkpoint was saved inside the for loop right after the last batch of "
         f"epoch {int(state['epoch']) - 1}, before that loop ended; the next `for batch in loader` starts epoch "

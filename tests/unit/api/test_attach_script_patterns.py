@@ -306,6 +306,31 @@ def test_skip_first_batches_of_zero_after_a_resume_at_an_epoch_start_is_exact(tm
         assert [_step(accelerator2, model2, optimizer2, b) for b in active] == reference
 
 
+def test_a_save_after_an_epochs_last_batch_resumes_the_step_derived_epoch_without_a_warning(
+        tmp_path, installed_plugin_manager, caplog):
+    """diffusers' examples/textual_inversion/textual_inversion.py (58eb52c): ``checkpoint-<global_step>``
+    saved inside the ``for`` after the epoch's last batch; the resume derives ``first_epoch =
+    global_step // num_update_steps_per_epoch`` and iterates the loader from there. The
+    position statekit saved (the next epoch's start) is what it expects: exact, and an INFO
+    line instead of the after-the-last-batch warning (which the manager's loops still get:
+    tests/unit/loaders/test_data_position.py)."""
+    accelerator, model, optimizer, loader = _run()
+    for step, batch in enumerate(loader):
+        _step(accelerator, model, optimizer, batch)
+        if step == STEPS_PER_EPOCH - 1:
+            accelerator.save_state(str(tmp_path / f"checkpoint-{STEPS_PER_EPOCH}"))
+    reference = [_step(accelerator, model, optimizer, b) for b in loader]
+
+    accelerator2, model2, optimizer2, loader2 = _run(seed=1)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="statekit"):
+        warnings.simplefilter("error", statekit.StatekitWarning)
+        accelerator2.load_state(str(tmp_path / f"checkpoint-{STEPS_PER_EPOCH}"))
+        first_epoch = STEPS_PER_EPOCH // len(loader2)
+        assert first_epoch == 1
+        assert [_step(accelerator2, model2, optimizer2, b) for b in loader2] == reference
+    assert "saved right after the last batch of epoch 0" in caplog.text
+
+
 # --------------------------------------------------------------------------- item 5: checksums on every attached load
 
 
