@@ -5,9 +5,8 @@ The manager is built on first use by :func:`get_plugin_manager`, never at import
 
 * ``STATEKIT_DISABLE_PLUGINS=a,b`` blocks plugins by name (entry-point name);
 * ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points of other distributions: the
-  plugins that ship inside the statekit distribution (``replicate``), declared under the
-  same entry-point group, still load (as before they were entry points: they are part of
-  statekit, and ``replicate_to=`` must not depend on the switch);
+  plugins that ship inside the statekit distribution, declared under the same entry-point
+  group, still load (they are part of statekit: their options must not depend on the switch);
 * ``STATEKIT_TRACE_PLUGINS=1`` prints every hook call and its result to stderr.
 """
 
@@ -55,6 +54,25 @@ class PluginSource:
     distribution: str | None = None
     version: str | None = None
     entry_point: str | None = None
+
+
+@dataclass(frozen=True)
+class CopyListing:
+    """How ``statekit ls URL --replica OTHER`` words the copies a tier plugin makes on another
+    root: the plugin attribute ``STATEKIT_COPY_LISTING`` (docs/hooks.md, "Tier plugins").
+
+    Attributes:
+        markers: the ``by`` of the in-use markers the plugin holds on a checkpoint while it
+            copies it (state ``copying``).
+        copied: the JSON's boolean field (committed on the other root) and that state;
+            ``not <copied>`` for a checkpoint only the listed root holds.
+        state_field: the JSON field of the state: ``copied``, ``copying``, ``incomplete`` (an
+            uncommitted copy nobody is copying) or ``not <copied>``.
+    """
+
+    markers: frozenset[str] = frozenset()
+    copied: str = "copied"
+    state_field: str = "copy"
 
 
 @dataclass(frozen=True)
@@ -172,9 +190,8 @@ class PluginManager(pluggy.PluginManager):
         """The manager-level options the registered plugins declare.
 
         A plugin declares the keyword options of ``CheckpointManager(...)`` it owns as
-        ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default value (the
-        ``replicate`` plugin: ``replicate_to``, ``replicate_options``, ``remote_keep_last``,
-        ``delete_unreplicated``); it validates them in ``statekit_manager_options``.
+        ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default value; it
+        validates them in ``statekit_manager_options``.
 
         Returns:
             ``{option: (plugin name, default)}``.
@@ -342,6 +359,14 @@ class PluginManager(pluggy.PluginManager):
                 f"nothing was loaded; fix or reinstall {self.broken[name].source.distribution} to load it",
                 plugin_name=name,
             )
+
+    def copy_listing(self) -> CopyListing:
+        """The :class:`CopyListing` the registered plugins declare: one plugin's as declared;
+        none or several, the generic words (several: with all their markers)."""
+        declared = [c for c in (getattr(p, "STATEKIT_COPY_LISTING", None) for p in self.get_plugins()) if c is not None]
+        if len(declared) == 1:
+            return declared[0]
+        return CopyListing(frozenset().union(*(c.markers for c in declared)))
 
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
