@@ -35,6 +35,7 @@ from typing import Any
 
 from statekit.plugin_api import (
     CheckpointDir,
+    CopyListing,
     InvalidOptionError,
     ManagerView,
     delete_all_but,
@@ -120,7 +121,7 @@ class Replicate:
 
     STATEKIT_OPTIONS: frozenset[str] = frozenset()  # reads no checkpoint.options
     STATEKIT_MANAGER_OPTIONS: Mapping[str, Any] = MANAGER_OPTIONS
-    STATEKIT_COPY_MARKERS: frozenset[str] = frozenset({COPY_MARKER})  # statekit ls --replica: "copying"
+    STATEKIT_COPY_LISTING = CopyListing(frozenset({COPY_MARKER}), copied="replicated", state_field="replication")
 
     @hookimpl
     def statekit_manager_options(self, options: Mapping[str, Any]) -> None:

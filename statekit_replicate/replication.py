@@ -119,7 +119,7 @@ def no_retry_reason(exc: BaseException) -> str | None:
 
 COPY_MARKER = "statekit-replicate"
 """The ``by`` of the in-use marker held on a local checkpoint while it is copied (declared to
-the core as the plugin's ``STATEKIT_COPY_MARKERS``)."""
+the core in the plugin's ``STATEKIT_COPY_LISTING``)."""
 
 
 class Replicator(Tier):

@@ -61,7 +61,7 @@ def convert(
 
 def _missing_plugin_hint(source: Storage, target: str) -> str:
     """When the source checkpoint was saved with a plugin named like the target format that
-    is not available now, what to install (``"; ... pip install statekit-diffusers"``)."""
+    is not available now, what to install (``"; ... pip install statekit-<target>"``)."""
     pm = get_plugin_manager()
     if pm.get_plugin(target) is not None:
         return ""

@@ -14,7 +14,7 @@ from statekit.errors import CheckpointInUseError, CheckpointNotFoundError, State
 from statekit.foreign.detect import describe_folder
 from statekit.format import MANIFEST_NAME
 from statekit.storage import Storage
-from statekit.hooks.registry import get_plugin_manager
+from statekit.hooks.registry import CopyListing, get_plugin_manager
 from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 
 
@@ -22,7 +22,7 @@ from statekit.storage.inuse import in_use_markers, refuse_if_in_use
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--replica", default=None, metavar="URL",
-              help="The remote root the manager replicates to (replicate_to=): show each checkpoint's tiers.")
+              help="The other root a tier plugin copies this root's checkpoints to: show each checkpoint's tiers.")
 @click.option("--replica-option", "raw_replica", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option for --replica (as --storage-option); repeatable.")
 @click.option("--tree", is_flag=True,
@@ -69,9 +69,10 @@ def _read_roots(url: str, options: dict[str, Any] | None, replica: str | None,
 
 def _print_table(payload: list[dict[str, Any]], url: str, tiers: bool) -> None:
     """``ls``'s table: one row per listed checkpoint (and its tiers column with --replica)."""
+    words = get_plugin_manager().copy_listing()
     rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), human(p.get("written_bytes")),
              _committed_text(p), _metrics_text(p["metrics"]),
-             *([_tier_text(p)] if tiers else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
+             *([_tier_text(p, words)] if tiers else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
     columns = ["step", "created", "size", "written", "committed", "metrics", *(["tiers"] if tiers else []), "resume", "url"]
     console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2, 3)))
 
@@ -172,46 +173,36 @@ def _refuse_if_not_a_root(root: Storage) -> None:
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
     """One entry per checkpoint name on either root: the local entry's fields (else the remote's),
-    plus ``tiers`` (where committed), ``replicated`` and ``replication``: ``"replicated"``,
-    ``"copying"`` (a live process holds a copy marker of the local copy), ``"incomplete"`` (a remote
-    directory without a manifest, nobody copying) or ``"not replicated"``."""
+    plus ``tiers`` (where committed), ``urls`` and the copy state in the fields the tier plugin
+    names (:class:`~statekit.hooks.registry.CopyListing`; docs/cli.md)."""
+    words = get_plugin_manager().copy_listing()
     by_name: dict[str, dict[str, Any]] = {}
     for tier, infos in (("local", local), ("remote", remote)):
         for info in infos:
-            name = info.name
-            entry = by_name.setdefault(name, {**_entry(info), "tiers": [], "urls": {}})
+            entry = by_name.setdefault(info.name, {**_entry(info), "tiers": [], "urls": {}})
             entry["urls"][tier] = info.url
             if info.committed:
                 entry["tiers"].append(tier)
                 entry["committed"] = True
-    copy_markers = _copy_markers()
     for entry in by_name.values():
-        entry["replicated"] = "remote" in entry["tiers"]
         local_url = entry["urls"].get("local")
-        if entry["replicated"]:
-            entry["replication"] = "replicated"
-        elif local_url and any(m.by in copy_markers for m in in_use_markers(local_url)):
-            entry["replication"] = "copying"
+        entry[words.copied] = "remote" in entry["tiers"]
+        if entry[words.copied]:
+            entry[words.state_field] = words.copied
+        elif local_url and any(m.by in words.markers for m in in_use_markers(local_url)):
+            entry[words.state_field] = "copying"
         else:
-            entry["replication"] = "incomplete" if "remote" in entry["urls"] else "not replicated"
+            entry[words.state_field] = "incomplete" if "remote" in entry["urls"] else f"not {words.copied}"
     return sorted(by_name.values(), key=lambda e: e["step"])
 
 
-def _copy_markers() -> set[str]:
-    """The in-use marker names tier plugins hold while copying a checkpoint (each registered
-    plugin's ``STATEKIT_COPY_MARKERS``; the replicate plugin's ``statekit-replicate``)."""
-    markers: set[str] = set()
-    for _, plugin in get_plugin_manager().list_name_plugin():
-        markers |= set(getattr(plugin, "STATEKIT_COPY_MARKERS", None) or ())
-    return markers
-
-
-def _tier_text(entry: dict[str, Any]) -> str:
-    tiers = entry["tiers"]
-    if tiers == ["local"]:
-        return {"copying": "local (copying to remote)", "incomplete": "local (remote copy incomplete)"}.get(
-            entry["replication"], "local (not replicated)")
-    return " + ".join(tiers) or "-"
+def _tier_text(entry: dict[str, Any], words: CopyListing) -> str:
+    """The ``tiers`` column: ``local + remote``, ``remote``, or ``local (<its copy state>)``."""
+    if entry["tiers"] != ["local"]:
+        return " + ".join(entry["tiers"]) or "-"
+    state = entry[words.state_field]
+    return {"copying": "local (copying to remote)", "incomplete": "local (remote copy incomplete)"}.get(
+        state, f"local ({state})")
 
 
 @click.command()

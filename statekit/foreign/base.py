@@ -119,7 +119,7 @@ class CheckpointReader:
             tensors ``"file:tensor"``; others by tensor name.
         skipped: files not read (pickle files without ``allow_pickle``).
         superseded: files not read because a load takes their state from another file (an
-            attach-mode directory's ``random_states_<r>.pkl`` next to statekit-rng's ``rng/``).
+            attach-mode directory's ``random_states_<r>.pkl`` next to statekit's own ``rng/``).
         layout: ``"accelerate"`` for a directory an attached accelerator wrote, else the format.
         metadata: format-specific facts (the statekit manifest, the DCP step...), JSON-able.
     """

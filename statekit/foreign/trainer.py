@@ -13,7 +13,7 @@ TRAINER_STATE = "trainer_state.json"
 _MODEL_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)$")
 _STATE_FILE = re.compile(r"^(optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin)$")
 _STATEKIT_NAMES = frozenset({"training_args.json", "optimizer.json", "optimizer.safetensors", "scheduler.json", "rng"})
-"""Names statekit (and statekit-transformers) write in a Trainer-layout checkpoint and Trainer
+"""Names statekit (and its plugins) write in a Trainer-layout checkpoint and Trainer
 never does: Trainer pickles the same state (``training_args.bin``, ``optimizer.pt``...)."""
 _TENSOR_PICKLES = re.compile(r"^(pytorch_model(-\d+-of-\d+)?\.bin|adapter_model\.bin|optimizer\.(pt|bin)|scaler\.pt)$")
 

@@ -1,14 +1,9 @@
 """The plugin manager: entry-point discovery, blocking, tracing, and one-at-a-time hook calls.
 
-The manager is built on first use by :func:`get_plugin_manager`, never at import time
-(pluggy's eggsample pattern). Environment switches, read when it is built:
-
-* ``STATEKIT_DISABLE_PLUGINS=a,b`` blocks plugins by name (entry-point name);
-* ``STATEKIT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points of other distributions: the
-  plugins that ship inside the statekit distribution (``replicate``), declared under the
-  same entry-point group, still load (as before they were entry points: they are part of
-  statekit, and ``replicate_to=`` must not depend on the switch);
-* ``STATEKIT_TRACE_PLUGINS=1`` prints every hook call and its result to stderr.
+Built on first use by :func:`get_plugin_manager`, never at import time. Its switches, read
+when it is built: ``STATEKIT_DISABLE_PLUGINS=a,b`` (names blocked),
+``STATEKIT_DISABLE_PLUGIN_AUTOLOAD=1`` (only the statekit distribution's own entry points),
+``STATEKIT_TRACE_PLUGINS=1`` (every hook call to stderr); docs/hooks.md, "Calling rules".
 """
 
 from __future__ import annotations
@@ -55,6 +50,25 @@ class PluginSource:
     distribution: str | None = None
     version: str | None = None
     entry_point: str | None = None
+
+
+@dataclass(frozen=True)
+class CopyListing:
+    """How ``statekit ls URL --replica OTHER`` words the copies a tier plugin makes on another
+    root: the plugin attribute ``STATEKIT_COPY_LISTING`` (docs/hooks.md, "Tier plugins").
+
+    Attributes:
+        markers: the ``by`` of the in-use markers the plugin holds on a checkpoint while it
+            copies it (state ``copying``).
+        copied: the JSON's boolean field (committed on the other root) and that state;
+            ``not <copied>`` for a checkpoint only the listed root holds.
+        state_field: the JSON field of the state: ``copied``, ``copying``, ``incomplete`` (an
+            uncommitted copy nobody is copying) or ``not <copied>``.
+    """
+
+    markers: frozenset[str] = frozenset()
+    copied: str = "copied"
+    state_field: str = "copy"
 
 
 @dataclass(frozen=True)
@@ -172,9 +186,8 @@ class PluginManager(pluggy.PluginManager):
         """The manager-level options the registered plugins declare.
 
         A plugin declares the keyword options of ``CheckpointManager(...)`` it owns as
-        ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default value (the
-        ``replicate`` plugin: ``replicate_to``, ``replicate_options``, ``remote_keep_last``,
-        ``delete_unreplicated``); it validates them in ``statekit_manager_options``.
+        ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default value; it
+        validates them in ``statekit_manager_options``.
 
         Returns:
             ``{option: (plugin name, default)}``.
@@ -263,13 +276,8 @@ class PluginManager(pluggy.PluginManager):
         )
 
     def check_options(self, options: Mapping[str, Any], caller: Callable[..., Any] | None = None) -> None:
-        """Warn once per name about a plugin option that no registered plugin declares (a
-        misspelled ``keep_last`` would otherwise pass silently into ``checkpoint.options``).
-
-        A plugin declares the ``checkpoint.options`` keys it reads as ``STATEKIT_OPTIONS``
-        (a set of names; empty when it reads none). Options are checked per plugin: a
-        plugin that declares nothing counts as reading none, so it never switches the check
-        off for the others; the warning names it, in case it reads the option undeclared.
+        """Warn once per name about an option that no registered plugin declares in its
+        ``STATEKIT_OPTIONS`` (docs/hooks.md, "Calling rules").
 
         Args:
             options: the keyword options a caller passed through to the plugins.
@@ -342,6 +350,14 @@ class PluginManager(pluggy.PluginManager):
                 f"nothing was loaded; fix or reinstall {self.broken[name].source.distribution} to load it",
                 plugin_name=name,
             )
+
+    def copy_listing(self) -> CopyListing:
+        """The :class:`CopyListing` the registered plugins declare: one plugin's as declared;
+        none or several, the generic words (several: with all their markers)."""
+        declared = [c for c in (getattr(p, "STATEKIT_COPY_LISTING", None) for p in self.get_plugins()) if c is not None]
+        if len(declared) == 1:
+            return declared[0]
+        return CopyListing(frozenset().union(*(c.markers for c in declared)))
 
     def manages_rng(self) -> bool:
         """True if a registered plugin declares ``STATEKIT_MANAGES_RNG = True``."""
@@ -479,20 +495,16 @@ def call_each(
     *,
     guard_rng: bool = True,
 ) -> list[tuple[str, Any]]:
-    """Call every implementation of ``hook_name`` one at a time, attributing each call.
-
-    Implementations run in pluggy's call order (``reversed(get_hookimpls())``: tryfirst,
-    then the last registered first). Before each call ``checkpoint.plugin`` is set to the
-    plugin's name; the call runs under :func:`statekit.devices.rng_guard` unless the
-    plugin declares ``STATEKIT_MANAGES_RNG = True``; afterwards ``after_each(name)`` lets
-    the caller record what the plugin removed from ``models``/``objects``.
+    """Call every implementation of ``hook_name`` one at a time in pluggy's order, each with
+    ``checkpoint.plugin`` set to its name and under the RNG guard (docs/hooks.md, "Calling rules").
 
     Args:
         pm: the plugin manager.
         hook_name: one of the ``statekit_*`` hook names.
         checkpoint: the context passed as ``checkpoint`` (may be None for ``statekit_attach``).
         kwargs: every hook argument by name (``checkpoint`` included where the spec has it).
-        after_each: optional ``callable(plugin_name: str) -> None``.
+        after_each: optional ``callable(plugin_name: str) -> None`` after each call (the caller
+            records what the plugin removed from ``models``/``objects``).
         guard_rng: False runs every implementation without the RNG guard (a hook called
             from a background thread while training runs: ``statekit_checkpoint_committed``).
 
@@ -501,15 +513,11 @@ def call_each(
         than None, in call order.
 
     Raises:
-        PluginError: an implementation raised; ``plugin_name``/``hook_name`` say which,
-            and ``__cause__`` is the original exception. Also, before any
-            ``statekit_load_state_pre`` call, the checkpoint holds state of a plugin that
-            failed to import (:meth:`PluginManager.refuse_broken_writers`).
-        StatekitError: an implementation raised one of statekit's specific errors (a
-            subclass such as ``StateMismatchError``, ``CorruptCheckpointError`` or
-            ``StorageError``): it passes through with its type, with ``plugin_name`` and
-            ``hook_name`` set and a note naming them. A plain ``StatekitError`` (misuse of
-            the context) becomes a ``PluginError``.
+        PluginError: an implementation raised (``plugin_name``, ``hook_name``, ``__cause__``; a plain
+            ``StatekitError`` too); before ``statekit_load_state_pre``, the checkpoint holds state of
+            a plugin that failed to import (:meth:`PluginManager.refuse_broken_writers`).
+        StatekitError: a subclass raised by an implementation (``StateMismatchError``...) keeps its
+            type, with ``plugin_name``/``hook_name`` set and a note naming them.
     """
     trace = _env_flag("STATEKIT_TRACE_PLUGINS")
     hook = getattr(pm.hook, hook_name)

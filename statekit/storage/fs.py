@@ -24,7 +24,7 @@ from statekit.storage.direct_write import DirectWriter
 
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//|:)")
 # "s3:/bucket/run": fsspec resolves it to the local path ./s3:/bucket/run, so a run would
-# "replicate" to the local disk. One-letter schemes are left alone (Windows drives).
+# write its "remote" copies to the local disk. One-letter schemes are left alone (Windows drives).
 
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
 """Object stores whose first path component is a bucket (container) that their fsspec

@@ -1,7 +1,7 @@
 """In-use markers: a checkpoint that a live process reads in place says so, and is not deleted.
 
-A ``CheckpointManager`` marks the checkpoint it resumed from (``"by": "statekit"``), its
-replicator the one it copies (``"statekit-replicate"``), statekit-offload one whose files a
+The marker names its writer in ``"by"``: ``"statekit"`` on the checkpoint a
+``CheckpointManager`` resumed from, a plugin's own name on one it copies or whose files a
 model maps in place. The marker, not listed in the manifest, is ``<checkpoint>/.in-use-<pid>-<token>``
 holding JSON ``{"by", "pid", "host", "pid_start" (process start in clock ticks since boot,
 Linux; or null), "created" (UTC ISO 8601), "model_key", "offload_folder"}``. It is *live* when
@@ -26,10 +26,6 @@ from statekit.storage.fs import Storage
 MARKER_PREFIX = ".in-use-"
 """File-name prefix of a marker inside a checkpoint directory."""
 
-MARKER_WRITER = "statekit-offload"
-"""Value of the marker's ``"by"`` field."""
-
-
 @dataclass(frozen=True)
 class InUseMarker:
     """One marker found in a checkpoint directory (fields as the module docstring's JSON).
@@ -47,7 +43,7 @@ class InUseMarker:
     model_key: str | None
     offload_folder: str | None
     live: bool
-    by: str = MARKER_WRITER
+    by: str
 
 
 def local_dir(url: str) -> str:
@@ -98,11 +94,12 @@ def _is_live(doc: dict[str, Any]) -> bool:
 
 
 def mark_in_use(
-    url: str, *, model_key: str | None = None, offload_folder: str | None = None, by: str = MARKER_WRITER
+    url: str, *, by: str, model_key: str | None = None, offload_folder: str | None = None
 ) -> str:
-    """Write a marker saying that this process (writer ``by``) reads checkpoint ``url`` (local path or
-    ``file://``) in place; ``model_key`` and ``offload_folder`` are recorded for people. Returns the
-    marker's local path (for :func:`release_in_use`).
+    """Write a marker saying that this process (writer ``by``: ``"statekit"`` or a plugin's name)
+    reads checkpoint ``url`` (local path or ``file://``) in place; ``model_key`` and
+    ``offload_folder`` are recorded for people. Returns the marker's local path (for
+    :func:`release_in_use`).
 
     Raises:
         StorageError: the checkpoint is not local, or the marker cannot be written.
@@ -184,7 +181,7 @@ def in_use_markers(url: str, *, include_stale: bool = False) -> list[InUseMarker
             model_key=doc.get("model_key"),
             offload_folder=doc.get("offload_folder"),
             live=live,
-            by=str(doc.get("by", MARKER_WRITER)),
+            by=str(doc.get("by", "")),
         )
         if live or include_stale:
             found.append(marker)

@@ -108,7 +108,7 @@ def test_retention_warning_points_at_the_users_manager_save_line(tmp_path):
 
     manager = statekit.CheckpointManager({"model": torch.nn.Linear(2, 2)}, str(tmp_path / "run"), keep_last=1)
     manager.save(1)
-    marker = mark_in_use(manager.url_for(1))  # a live process reads checkpoint 1 in place
+    marker = mark_in_use(manager.url_for(1), by="a-reader")  # a live process reads checkpoint 1 in place
     try:
         with pytest.warns(statekit.StatekitWarning, match="retention kept") as record:
             manager.save(2)

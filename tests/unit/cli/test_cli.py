@@ -363,3 +363,36 @@ def test_verify_of_a_root_or_another_format_says_what_it_is(tmp_path):
     assert result.exit_code == 3  # not verified: a torch file has no checksums (exit 1 is kept for a problem found)
     assert "is not a statekit checkpoint but a torch.save file" in result.output and "no checksums" in result.output
     assert "torch zip archive readable" in result.output
+
+
+def test_ls_replica_words_the_copies_as_the_tier_plugin_declares(tmp_path):
+    from statekit.hooks.registry import CopyListing, PluginManager, use_plugin_manager
+    from statekit.storage.inuse import mark_in_use
+
+    objects = {"model": torch.nn.Linear(2, 2)}
+    local, other = tmp_path / "local", tmp_path / "other"
+    for step, roots in ((1, (local, other)), (2, (local,)), (3, (other,))):
+        for root in roots:
+            statekit.save(str(root / f"checkpoint-{step:08d}"), objects, step=step)
+
+    def states(pm):
+        with use_plugin_manager(pm):
+            rows = json.loads(_run("ls", str(local), "--replica", str(other), "--json").output)
+            return [(r["step"], r["tiers"], r[copied], r[field]) for r in rows], _run("ls", str(local), "--replica", str(other)).output
+
+    copied, field = "copied", "copy"  # no tier plugin: the generic words
+    rows, text = states(PluginManager())
+    assert rows == [(1, ["local", "remote"], True, "copied"), (2, ["local"], False, "not copied"),
+                    (3, ["remote"], True, "copied")]
+    assert "local (not copied)" in text and "local + remote" in text
+
+    class Mirror:
+        STATEKIT_COPY_LISTING = CopyListing(frozenset({"mirror"}), copied="mirrored", state_field="mirroring")
+
+    pm = PluginManager()
+    pm.register(Mirror(), name="mirror")
+    mark_in_use(str(local / "checkpoint-00000002"), by="mirror")
+    copied, field = "mirrored", "mirroring"
+    rows, text = states(pm)
+    assert rows[1] == (2, ["local"], False, "copying") and rows[0][3] == "mirrored"
+    assert "local (copying to remote)" in text

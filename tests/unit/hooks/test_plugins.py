@@ -1040,3 +1040,20 @@ def test_a_model_a_plugin_took_is_state_checked(plugin_manager, tmp_path):
     assert set(digest.objects["taken"]) == {"weight", "bias"}
     with pytest.warns(statekit.StateCheckWarning, match=r"model 'taken': weight differs from the saved state"):
         statekit.load(url, {"taken": nn.Linear(3, 2)})
+
+
+def test_copy_listing_is_the_one_declared_else_generic():
+    from statekit.hooks.registry import CopyListing, PluginManager
+
+    class Copier:
+        STATEKIT_COPY_LISTING = CopyListing(frozenset({"copier"}), copied="mirrored", state_field="mirroring")
+
+    class Other:
+        STATEKIT_COPY_LISTING = CopyListing(frozenset({"other"}))
+
+    pm = PluginManager()
+    assert pm.copy_listing() == CopyListing()  # nothing declared: the generic words, no markers
+    pm.register(Copier(), name="copier")
+    assert pm.copy_listing() == Copier.STATEKIT_COPY_LISTING
+    pm.register(Other(), name="other")
+    assert pm.copy_listing() == CopyListing(frozenset({"copier", "other"}))  # several: generic words, every marker

@@ -20,7 +20,7 @@ def test_retention_keeps_a_checkpoint_in_use(tmp_path, plugin_manager):
     root = tmp_path / "run"
     manager = statekit.CheckpointManager({"t": torch.zeros(2)}, str(root), keep_last=1)
     manager.save(1)
-    marker = mark_in_use(str(root / checkpoint_name(1)), model_key="model")
+    marker = mark_in_use(str(root / checkpoint_name(1)), by="a-reader", model_key="model")
     with pytest.warns(statekit.StatekitWarning, match="retention kept .*read in place by a live process"):
         manager.save(2)
     assert [i.step for i in list_checkpoints(str(root))] == [1, 2]
@@ -32,7 +32,7 @@ def test_retention_keeps_a_checkpoint_in_use(tmp_path, plugin_manager):
 def test_delete_and_overwrite_refuse_a_live_marker(tmp_path, plugin_manager):
     url = str(tmp_path / "c")
     statekit.save(url, {"t": torch.zeros(2)})
-    marker = mark_in_use(url)
+    marker = mark_in_use(url, by="a-reader")
     with pytest.raises(statekit.CheckpointInUseError, match="read in place"):
         delete_checkpoint(url)
     with pytest.raises(statekit.CheckpointInUseError):
@@ -44,7 +44,7 @@ def test_delete_and_overwrite_refuse_a_live_marker(tmp_path, plugin_manager):
 def test_marker_of_a_dead_process_is_stale(tmp_path, plugin_manager):
     url = str(tmp_path / "c")
     statekit.save(url, {"t": torch.zeros(2)})
-    code = f"from statekit.storage.inuse import mark_in_use; print(mark_in_use({url!r}))"
+    code = f"from statekit.storage.inuse import mark_in_use; print(mark_in_use({url!r}, by='a-reader'))"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     assert in_use_markers(url) == [] and len(in_use_markers(url, include_stale=True)) == 1
     delete_checkpoint(url)  # a stale marker does not protect it
@@ -53,6 +53,6 @@ def test_marker_of_a_dead_process_is_stale(tmp_path, plugin_manager):
 def test_gc_keeps_incomplete_checkpoint_in_use(tmp_path):
     root = tmp_path / "run"
     (root / checkpoint_name(7)).mkdir(parents=True)
-    mark_in_use(str(root / checkpoint_name(7)))
+    mark_in_use(str(root / checkpoint_name(7)), by="a-reader")
     report = json.loads(CliRunner().invoke(main, ["gc", str(root), "--json"]).output)
     assert report["removed"] == [] and report["kept"][0]["url"].endswith(checkpoint_name(7))

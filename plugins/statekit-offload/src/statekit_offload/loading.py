@@ -249,7 +249,7 @@ def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOpti
     if load.info.copied and load.folder is not None:
         _DAT_FOLDERS[load.folder] = weakref.ref(model)
     if load.info.in_place:
-        load.info.marker = mark_in_use(checkpoint.url, model_key=key, offload_folder=load.folder)
+        load.info.marker = mark_in_use(checkpoint.url, by="statekit-offload", model_key=key, offload_folder=load.folder)
         weakref.finalize(model, release_in_use, load.info.marker)
     _INFO[model] = load.info
     return load.info

@@ -38,7 +38,7 @@ def test_stale_marker_of_a_dead_process(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     child = subprocess.run(
-        [sys.executable, "-c", f"from statekit_offload import mark_in_use; print(mark_in_use({str(ckpt)!r}))"],
+        [sys.executable, "-c", f"from statekit_offload import mark_in_use; print(mark_in_use({str(ckpt)!r}, by='statekit-offload'))"],
         capture_output=True, text=True, check=True,
     )
     path = child.stdout.strip()
@@ -60,13 +60,13 @@ def test_markers_of_other_hosts_and_unreadable_markers_count_as_live(tmp_path):
 def test_mark_and_release(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    path = mark_in_use(str(ckpt), model_key="m")
+    path = mark_in_use(str(ckpt), by="statekit-offload", model_key="m")
     assert is_in_use(f"file://{ckpt}")
     release_in_use(path)
     release_in_use(path)  # twice is fine
     assert not is_in_use(str(ckpt))
     with pytest.raises(statekit.StorageError, match="local filesystem"):
-        mark_in_use("memory://somewhere/ckpt")
+        mark_in_use("memory://somewhere/ckpt", by="statekit-offload")
 
 
 def test_entry_point_and_cheap_import():
