@@ -505,7 +505,7 @@ def verify_files(storage: Storage, manifest: Manifest, rank: int | None = None) 
         CorruptCheckpointError: the first file that is missing, or whose size or checksum
             differs; ``.path`` names it.
     """
-    names = sorted(rel for rel, entry in manifest.files.items() if rank is None or not _other_ranks_file(rel, entry, rank))
+    names = sorted(rel for rel in manifest.files if rank is None or not _other_ranks_file(rel, rank))
     reader = FileReader(storage, manifest, verify=True)
     with progress(sum(manifest.files[rel].size_bytes for rel in names), "verify") as advance:
         for rel in names:
@@ -515,7 +515,7 @@ def verify_files(storage: Storage, manifest: Manifest, rank: int | None = None) 
                 f.read()  # end of file: the reader compares size and checksum here
 
 
-def _other_ranks_file(rel: str, entry: Any, rank: int) -> bool:
+def _other_ranks_file(rel: str, rank: int) -> bool:
     """A per-rank file of another rank (``.../rank-00001.json``, Accelerate's ``random_states_1.pkl``)."""
     parsed = fmt.parse_rank_path(rel)
     if parsed is not None:
