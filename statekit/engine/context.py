@@ -155,7 +155,11 @@ class Checkpoint:
         return self._records.setdefault(self.plugin or CORE, {})
 
     def all_records(self) -> dict[str, dict[str, Any]]:
-        """``{plugin name: records}`` of every plugin whose records are not empty, for the manifest."""
+        """Records of every plugin, for the manifest.
+
+        Returns:
+            ``{plugin name: records}`` of every plugin whose records are not empty.
+        """
         return {k: v for k, v in self._records.items() if v}
 
     @property
@@ -164,8 +168,13 @@ class Checkpoint:
         return list(dict.fromkeys(self._model_keys.values()))
 
     def key_of(self, model: torch.nn.Module) -> str:
-        """Stable key of a model of this save/load, matched by identity (``"model_0"`` with
-        Accelerate, ``"model"`` for ``statekit.save(url, {"model": m})``).
+        """Stable key of a model of this save/load.
+
+        Args:
+            model: a model of this save or load (matched by identity).
+
+        Returns:
+            ``"model_0"`` with Accelerate, ``"model"`` for ``statekit.save(url, {"model": m})``.
 
         Raises:
             KeyError: the model is not part of this save/load.
@@ -173,8 +182,15 @@ class Checkpoint:
         return self._model_keys[id(model)]
 
     def owner_of(self, key: str) -> str | None:
-        """On load: the plugin (``"statekit"`` for the core) that saved object ``key``
-        (``"model_0"``, ``"optimizer_0"``...); None when the manifest does not list it, or on save."""
+        """On load: who saved an object.
+
+        Args:
+            key: a stable key (``"model_0"``, ``"optimizer_0"``, a mapping key...).
+
+        Returns:
+            The owner's plugin name, ``"statekit"`` for the core; None when the manifest does
+            not list ``key``, or on save.
+        """
         entry = self.manifest.objects.get(key) if self.manifest is not None else None
         return entry.owner if entry is not None else None
 
@@ -188,6 +204,9 @@ class Checkpoint:
         """Checksum every file written around the checkpoint (not through :meth:`open` or
         ``save_*``: Accelerate's ``save_state`` and its pre-hooks) and record it as written by
         ``writer``; hidden names and the manifest are skipped.
+
+        Args:
+            writer: the ``writer`` recorded for these files (``"accelerate"``...).
 
         Returns:
             The relative paths recorded, sorted.
@@ -209,13 +228,17 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
-        """Open a file of the checkpoint by relative path (no ``..``, no scheme, not absolute).
+        """Open a file of the checkpoint, in binary or UTF-8 text mode (as fsspec's ``open``).
 
-        ``mode`` is ``"wb"`` or ``"w"`` (save only; size and checksum, of the encoded bytes,
-        are recorded when the block ends), ``"rb"`` or ``"r"``; text modes are UTF-8 as in
-        fsspec's ``open``. On load with ``verify`` on, a file read sequentially to its end is
-        checked against the manifest (a :class:`CorruptCheckpointError` from ``read``); after
-        a ``seek`` it is not.
+        Args:
+            rel: relative path (no ``..``, no scheme, not absolute).
+            mode: ``"wb"`` or ``"w"`` (save only; size and checksum, of the encoded bytes,
+                are recorded when the block ends), ``"rb"`` or ``"r"``.
+
+        Yields:
+            A file object. On load with ``verify`` on, a file read sequentially to its end is
+            checked against the manifest (a :class:`CorruptCheckpointError` from ``read``);
+            after a ``seek`` it is not.
 
         Raises:
             ValueError: ``mode`` is none of the four.
@@ -262,8 +285,12 @@ class Checkpoint:
     def save_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
     ) -> WrittenFile:
-        """Write a safetensors file of ``name -> tensor`` (any device; tied views stored once),
-        streaming, checksummed in the same pass; ``metadata`` is extra ``__metadata__`` (str -> str).
+        """Write a safetensors file, streaming, checksummed in the same pass.
+
+        Args:
+            rel: relative path, normally ending in ``.safetensors``.
+            tensors: ``name -> tensor`` (any device; tied views stored once).
+            metadata: extra ``__metadata__`` (str -> str).
 
         Returns:
             A :class:`WrittenFile` (its ``entry`` None during an async save).
@@ -276,12 +303,14 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[frozenset[str]]:
-        """Within the block, an incremental save compares those of ``files``
-        (``relative path -> {name: tensor}``) that the base holds with their committed files
-        on worker threads, while the caller writes others; :meth:`save_tensors` of such a
-        path with the same mapping and no ``metadata`` waits for its comparison
-        (docs/design-notes.md, "Incremental checkpoints"). The block's end returns once no
-        worker reads a tensor any more.
+        """Within the block, an incremental save compares those of ``files`` that the base
+        holds with their committed files on worker threads, while the caller writes others;
+        :meth:`save_tensors` of such a path with the same mapping and no ``metadata`` waits
+        for its comparison (docs/design-notes.md, "Incremental checkpoints"). The block's
+        end returns once no worker reads a tensor any more.
+
+        Args:
+            files: ``relative path -> {name: tensor}`` that the block saves.
 
         Yields:
             The paths compared ahead: save them last, so their hashing overlaps the other writes.
@@ -294,8 +323,12 @@ class Checkpoint:
             yield compared
 
     def save_json(self, rel: str, obj: Any) -> WrittenFile:
-        """Write ``obj`` as a strict JSON file (no NaN; :meth:`save_state` for rich values),
-        indented up to :data:`READABLE_JSON_BYTES`, compact beyond.
+        """Write a strict JSON file (no NaN; :meth:`save_state` for rich values), indented up
+        to :data:`READABLE_JSON_BYTES`, compact beyond.
+
+        Args:
+            rel: relative path (``"mine/config.json"``).
+            obj: a JSON-serialisable value.
 
         Returns:
             A :class:`WrittenFile` (its ``entry`` None during an async save).
@@ -307,9 +340,12 @@ class Checkpoint:
         return self.writer.save_json(rel, obj, self._writer_name)
 
     def save_state(self, base: str, state: Any) -> list[str]:
-        """Store nested state (dicts, lists, tuples, scalars, tensors, NumPy arrays;
-        :mod:`statekit.format.codec`) under ``base``, a relative path without extension:
-        ``<base>.json`` holds the skeleton, ``<base>.safetensors`` the tensors, if any.
+        """Store any codec-able state (:mod:`statekit.format.codec`): ``<base>.json`` holds
+        the skeleton, ``<base>.safetensors`` the tensors, if any.
+
+        Args:
+            base: relative path without extension (``"mine/state"``).
+            state: nested dicts, lists, tuples, scalars, tensors, NumPy arrays.
 
         Returns:
             The relative paths written.
@@ -329,6 +365,9 @@ class Checkpoint:
         :meth:`load_tensors` reads it (docs/plugin-api.md). No tensor data is kept; the
         block's end closes every file still open.
 
+        Yields:
+            None.
+
         Raises:
             StorageError: closing a file failed (the others are closed first; raised only
                 when the block itself did not raise).
@@ -338,17 +377,28 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def fresh_memory_ahead(self, rels: list[str]) -> Iterator[None]:
-        """Within the block, the local tensor files of 16 MiB or more among ``rels`` (read
-        later in the block into fresh memory, in this order) get their buffers made and
-        faulted in ahead on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`).
-        A file that cannot be opened or parsed gets none: its own read reports the fault."""
+        """Within the block, tensor files read later into fresh memory get their buffers made
+        and faulted in ahead on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`);
+        a file that cannot be opened or parsed gets none (its own read reports the fault).
+
+        Args:
+            rels: relative paths, in read order (files under 16 MiB and remote ones skipped).
+
+        Yields:
+            None.
+        """
         with self.reader.fresh_memory_ahead(rels):
             yield
 
     def tensor_header(self, rel: str) -> fmt.TensorHeader:
-        """The parsed header (entries: names, dtypes, shapes, offsets; aliases; metadata) of
-        safetensors file ``rel``; no tensor data is read. Inside :meth:`reading_each_file_once`
-        the file stays open for the read of its data.
+        """The parsed header of a tensor file; no tensor data is read. Inside
+        :meth:`reading_each_file_once` the file stays open for the read of its data.
+
+        Args:
+            rel: relative path of a safetensors file.
+
+        Returns:
+            Its entries (names, dtypes, shapes, offsets), aliases and metadata.
 
         Raises:
             CorruptCheckpointError: missing file or malformed header (names the file).
@@ -358,6 +408,12 @@ class Checkpoint:
 
     def read_bytes(self, rel: str) -> bytes:
         """Read a whole file, verified against the manifest when ``verify`` is on.
+
+        Args:
+            rel: relative path.
+
+        Returns:
+            The file's bytes.
 
         Raises:
             CorruptCheckpointError: missing, or size/checksum mismatch (names the file).
@@ -388,7 +444,13 @@ class Checkpoint:
         return self.reader.load_tensors(rel, into, names)
 
     def load_json(self, rel: str) -> Any:
-        """Read and decode a JSON file (verified when ``verify`` is on).
+        """Read a JSON file (verified when ``verify`` is on).
+
+        Args:
+            rel: relative path.
+
+        Returns:
+            The decoded value.
 
         Raises:
             CorruptCheckpointError: missing, mismatched or not JSON (names the file).
