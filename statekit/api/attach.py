@@ -168,7 +168,7 @@ def _warn_if_owner_never_saves(accelerator: Any) -> None:
 
 
 def _non_models(accelerator: Any) -> dict[str, Any]:
-    return {e.key: e.obj for e in collect(accelerator) if e.kind != "model"}
+    return {e.key: e.obj for e in collect(accelerator, for_load=True) if e.kind != "model"}
 
 
 def _adopt(attachment: Attachment, table: dict[str, Any]) -> None:
@@ -313,7 +313,7 @@ class _AttachedCalls:
         for key, obj in self.attachment.objects.items():  # what Accelerate does not keep: exact positions, gradients
             if data.is_loader(obj):
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), data.loader_state(obj, key))
-            elif isinstance(obj, AccumulatedGradients):
+            elif isinstance(obj, AccumulatedGradients) and any(e.key == key for e in collect(self.accelerator)):
                 checkpoint.save_state(fmt.rank_path(key, checkpoint.rank), obj.state_dict())
         checkpoint.__dict__["next_batch_witnesses"] = next_batch.claim_witnesses()  # recorded once committed
 

@@ -11,6 +11,7 @@ from typing import Any
 from statekit.api import loading, saveload
 from statekit.api.accelerate_hooks import ensure_registered as _ensure_hooks_plugin
 from statekit.engine.entries import Entry
+from statekit.engine import gradients
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.errors import StatekitWarning, warn_user
 from statekit.foreign.base import ForeignSummary
@@ -37,11 +38,13 @@ class AcceleratorCounters:
         self.accelerator.step = int(state["step"])
 
 
-def collect(accelerator: Any) -> list[Entry]:
+def collect(accelerator: Any, for_load: bool = False) -> list[Entry]:
     """The prepared accelerator's stateful objects under stable keys, in Accelerate's order:
     ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``, ``dataloader_<i>`` (per rank),
-    ``custom_<i>``, ``scaler`` (if any), ``accelerator``, and with gradient accumulation
-    ``gradients`` (per rank, :class:`statekit.engine.gradients.AccumulatedGradients`)."""
+    ``custom_<i>``, ``scaler`` (if any), ``accelerator``, and ``gradients`` (per rank,
+    optional, :class:`statekit.engine.gradients.AccumulatedGradients`) with
+    ``gradient_accumulation_steps > 1``, gradients no optimizer step consumed (accumulation
+    by hand), or ``for_load`` (a load, or an attachment, which serves both)."""
     entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(accelerator._models)]
     entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
     entries += [Entry(f"scheduler_{i}", "scheduler", s) for i, s in enumerate(accelerator._schedulers)]
@@ -50,7 +53,8 @@ def collect(accelerator: Any) -> list[Entry]:
     if getattr(accelerator, "scaler", None) is not None:
         entries.append(Entry("scaler", "scaler", accelerator.scaler))
     entries.append(Entry("accelerator", "custom", AcceleratorCounters(accelerator)))
-    if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1:
+    gradients.watch_optimizer_steps()  # marks what each optimizer step consumes: pending_by_hand
+    if int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1) > 1 or for_load or gradients.pending_by_hand(accelerator):
         # optional: a checkpoint saved without accumulation (or by Accelerate) has none
         entries.append(Entry("gradients", "custom", AccumulatedGradients(accelerator), per_rank=True, optional=True))
     return entries
@@ -177,7 +181,7 @@ def load_state(
     warn_if_nothing_prepared(accelerator, url, "loaded")
     return loading.load_objects(
         url,
-        collect(accelerator),
+        collect(accelerator, for_load=True),
         verify=verify,
         storage_options=storage_options,
         options=options,

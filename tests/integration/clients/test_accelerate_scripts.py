@@ -24,4 +24,11 @@ class TestAccelerateScripts(ScriptChecks):
     CASES = {c.name: c for c in [
         Case("checkpointing", "checkpointing.py", lambda a: [t.format(A=a) for t in FLAGS], steps=24, stop_after=18,
              resumed_from=16, own_resume="123 of 164 tensors differ; losses differ from step 17 on (8 steps)", checkpoints="step_", latest=False),
+        # the example's accumulation by hand: --batch_size 4 over --max_gpu_batch_size 2 gives
+        # gradient_accumulation_steps=2 of its own (Accelerate counts none; the example builds its
+        # loaders before it halves the batch, so 6 batches of 4 per epoch) and optimizer.step() at
+        # `step % 2 == 0`: step_8 (the second epoch's batch 1) holds a backward no step consumed
+        Case("checkpointing_by_hand", "checkpointing.py",
+             lambda a: [t.format(A=a) for t in FLAGS] + ["--batch_size", "4", "--max_gpu_batch_size", "2"],
+             steps=12, stop_after=10, resumed_from=8, own_resume="123 of 164 tensors differ; losses differ from step 9 on (4 steps)", checkpoints="step_", latest=False),
     ]}
