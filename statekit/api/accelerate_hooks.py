@@ -1,27 +1,10 @@
-"""Accelerate's registered save/load pre-hooks, run under ``statekit.save_state``/``load_state``.
-
-Code written for Accelerate registers functions with
-``accelerator.register_save_state_pre_hook(fn)`` (called as ``fn(models, weights,
-output_dir)``) and ``register_load_state_pre_hook(fn)`` (``fn(models, input_dir)``):
-diffusers' training scripts save a UNet with ``save_pretrained`` there and pop its
-``weights`` entry, and load it back with ``from_pretrained`` after popping it from
-``models``. So that such code keeps working when the calls are routed to statekit, the
-bridge runs them as one built-in plugin, :data:`HOOKS_PLUGIN`, with Accelerate's
-signatures and semantics (``Accelerator.save_state``/``load_state`` in accelerate 1.x,
-https://github.com/huggingface/accelerate/blob/main/src/accelerate/accelerator.py):
-
-- save: every hook gets ``(models, weights, output_dir)`` in registration order; a
-  ``weights`` entry a hook removes takes its model out of the core path (the manifest
-  records the model as owned by ``accelerate-hooks``); files the hooks write into the
-  directory themselves are checksummed into the manifest at the commit.
-- load: every hook gets ``(models, input_dir)``; a model a hook removes from ``models``
-  is not loaded by the core.
-- Hooks use local paths (``os.path.join``, ``save_pretrained``), so they run only for
-  checkpoints on local disk; for any other URL the save or load is refused before
-  anything is written or loaded.
-
-In attach mode Accelerate calls its hooks itself, so this plugin does nothing there; the
-hooks :func:`statekit.attach` registers are never run by it.
+"""Accelerate's registered save/load pre-hooks (``register_save_state_pre_hook``:
+``fn(models, weights, output_dir)``; ``register_load_state_pre_hook``: ``fn(models,
+input_dir)``), run under ``statekit.save_state``/``load_state`` as the built-in plugin
+:data:`HOOKS_PLUGIN` with the semantics of accelerate 1.x's ``Accelerator.save_state``
+(https://github.com/huggingface/accelerate/blob/main/src/accelerate/accelerator.py); local
+checkpoints only; in attach mode Accelerate runs them itself (docs/design-notes.md,
+"Accelerate conformance").
 """
 
 from __future__ import annotations
@@ -43,26 +26,13 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def accelerate_directory(directory: Any, mode: str) -> Any:
-    """The directory to hand ``Accelerator.save_state``/``load_state`` of an attached
-    accelerator for the one the user passed.
-
-    Accelerate takes its argument as a local path: ``"file:///abs/dir"`` would become
-    ``./file:/abs/dir`` (while statekit's own files went to ``/abs/dir``), and an object
-    store URL a local folder named ``s3:``. So a ``file://`` URL is translated to its local
-    path, and any other URL is refused before anything is written or read.
-
-    Args:
-        directory: the argument given to the attached ``save_state``/``load_state`` (a
-            path, a URL, or None for Accelerate's automatic naming).
-        mode: ``"save"`` or ``"load"`` (for the message).
-
-    Returns:
-        ``directory`` unchanged (None, a path), or the local path of a ``file://`` URL.
+    """The directory to hand an attached accelerator's ``save_state``/``load_state``
+    (``mode``): ``directory`` unchanged (None, a path), or the local path of a ``file://``
+    URL, since Accelerate takes its argument as a local path (docs/migrating.md).
 
     Raises:
         StorageError: a URL of another scheme (``s3://``, ``memory://``...), or one with a
-            single slash (``s3:/bucket``); the message names the URL and the statekit call
-            that saves or loads it.
+            single slash (``s3:/bucket``); the message names the statekit call to use.
     """
     if directory is None:
         return None

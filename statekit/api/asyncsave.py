@@ -1,12 +1,5 @@
-"""Background writes of async saves, and what happens to them at interpreter exit.
-
-``save(..., blocking=False)`` stages the state on the calling thread, then a
-:class:`PendingSave` writes and commits it from a (non-daemon) background thread. The
-next ``save()`` or ``wait()`` joins it: a failure is raised there with the original
-traceback chained and the checkpoint URL in the message; on success the post-hooks run
-there, on the caller's thread. At interpreter exit (where raising can no longer change
-the exit code) pending saves are joined; a failure nobody collected prints its traceback
-and URL and ends the process with exit code 1.
+"""Background writes of async saves (:class:`PendingSave`, a non-daemon thread), and what
+happens to them at interpreter exit (docs/design-notes.md, "Async saves").
 """
 
 from __future__ import annotations
@@ -26,13 +19,8 @@ _pending: weakref.WeakSet[PendingSave] = weakref.WeakSet()
 
 
 class PendingSave:
-    """An async save in flight: ``wait()`` returns the committed manifest or raises.
-
-    Args:
-        url: the checkpoint URL (for messages).
-        finish: ``callable() -> manifest`` writing and committing (run on the thread).
-        post: ``callable(manifest)`` running the post-hooks (run by ``wait()``).
-    """
+    """An async save in flight: ``finish()`` writes and commits on the thread; ``wait()``
+    returns the committed manifest, after running ``post(manifest)`` (the post-hooks) once."""
 
     def __init__(self, url: str, finish: Callable[[], Manifest], post: Callable[[Manifest], None]) -> None:
         self.url = url
@@ -56,15 +44,8 @@ class PendingSave:
         return not self._thread.is_alive()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the background write to end, at most ``timeout`` seconds, without
-        collecting it (no error raised, no post-hooks: :meth:`wait` does that).
-
-        Args:
-            timeout: seconds to wait at most; None waits until it ends.
-
-        Returns:
-            True when the write has ended (committed or failed).
-        """
+        """Wait at most ``timeout`` seconds (None: until it ends) for the background write,
+        without collecting it (no error raised, no post-hooks); True when it has ended."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -92,12 +73,8 @@ class PendingSave:
 
 @atexit.register
 def wait_all_at_exit() -> None:
-    """Wait for every background save not yet collected (registered with ``atexit``); a
-    failed one is printed to stderr and the interpreter exits with status 1.
-
-    A writer thread is not a daemon, so the interpreter joins it before any ``atexit``
-    handler: a tier plugin's exit handler finds the commit (and the copy it queued) done.
-    """
+    """At exit, wait for every background save not yet collected; a failed one is printed
+    to stderr and the interpreter exits with status 1 (raising can no longer change it)."""
     for pending in list(_pending):
         if pending._collected:
             continue

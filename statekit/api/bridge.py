@@ -1,15 +1,5 @@
-"""The Accelerate bridge: ``save_state``/``load_state`` of a whole run (drop-in for
-``Accelerator.save_state``/``load_state``).
-
-``save_state(accelerator, url)`` collects what ``Accelerator.save_state`` saves
-(``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``,
-the GradScaler, the step counter) under stable keys (``model_0``, ``optimizer_0``,
-``scheduler_0``, ``dataloader_0``, ``custom_0``, ``scaler``, ``accelerator``) and runs the
-engine, so a plugin that takes ``model_0`` leaves ``model_1`` its own file name.
-
-Functions registered with Accelerate's ``register_save_state_pre_hook`` /
-``register_load_state_pre_hook`` run too (:mod:`statekit.api.accelerate_hooks`). Attach
-mode, for code that keeps calling ``accelerator.save_state``, is :mod:`statekit.api.attach`.
+"""The Accelerate bridge: ``save_state``/``load_state`` of a whole run, drop-in for
+``Accelerator.save_state``/``load_state`` (docs/design-notes.md, "Accelerate conformance").
 accelerate is never imported here: the accelerator is only used through its attributes.
 """
 
@@ -30,13 +20,9 @@ from statekit.hooks.registry import get_plugin_manager
 
 
 class AcceleratorCounters:
-    """The accelerator's own counters as a Stateful object: ``step`` (gradient accumulation
-    step) and ``project_configuration.iteration`` (automatic checkpoint naming).
-
-    Both are saved; a load restores ``step`` only and leaves ``iteration`` alone, as
-    ``Accelerator.load_state`` does: ``iteration`` counts the saves of *this* process and
-    names its next ``checkpoint_<n>``, so rewinding it would aim the next save at an
-    existing checkpoint.
+    """The accelerator's ``step`` and ``project_configuration.iteration`` as a Stateful
+    object. A load restores ``step`` only, as ``Accelerator.load_state`` does: ``iteration``
+    names this process's next ``checkpoint_<n>``, so rewinding it would aim at an existing one.
     """
 
     def __init__(self, accelerator: Any) -> None:
@@ -48,26 +34,17 @@ class AcceleratorCounters:
         return {"step": int(self.accelerator.step), "iteration": int(getattr(config, "iteration", 0) or 0)}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Set ``step`` back (``iteration`` is left as it is, see the class docstring)."""
+        """Set ``step`` back (``iteration`` is left as it is)."""
         self.accelerator.step = int(state["step"])
 
 
 def collect(accelerator: Any, for_load: bool = False) -> list[Entry]:
-    """The run's stateful objects under stable keys, in Accelerate's order.
-
-    Args:
-        accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
-        for_load: for a load (or an attachment, which serves both): ``gradients`` is always
-            among the entries (optional: loaded where the checkpoint holds it).
-
-    Returns:
-        Engine entries: ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``,
-        ``dataloader_<i>`` (per rank), ``custom_<i>``, ``scaler`` (if any), ``accelerator``,
-        and with ``gradient_accumulation_steps > 1``, or gradients no optimizer step consumed
-        (accumulation by hand), ``gradients`` (per rank: the accumulated gradients when saved
-        between optimizer steps,
-        :class:`statekit.engine.gradients.AccumulatedGradients`).
-    """
+    """The prepared accelerator's stateful objects under stable keys, in Accelerate's order:
+    ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``, ``dataloader_<i>`` (per rank),
+    ``custom_<i>``, ``scaler`` (if any), ``accelerator``, and ``gradients`` (per rank,
+    optional, :class:`statekit.engine.gradients.AccumulatedGradients`) with
+    ``gradient_accumulation_steps > 1``, gradients no optimizer step consumed (accumulation
+    by hand), or ``for_load`` (a load, or an attachment, which serves both)."""
     entries = [Entry(f"model_{i}", "model", m) for i, m in enumerate(accelerator._models)]
     entries += [Entry(f"optimizer_{i}", "optimizer", o) for i, o in enumerate(accelerator._optimizers)]
     entries += [Entry(f"scheduler_{i}", "scheduler", s) for i, s in enumerate(accelerator._schedulers)]
@@ -87,18 +64,9 @@ _PREPARED = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_o
 
 
 def warn_if_nothing_prepared(accelerator: Any, url: str, verb: str) -> None:
-    """Warn (at the user's line) when the accelerator holds no model, optimizer, scheduler,
-    data loader or registered object: a save or load of it is only the step counters, and a
-    resume "succeeds" into a run that then trains from scratch.
-
-    Args:
-        accelerator: the ``accelerate.Accelerator``.
-        url: the checkpoint URL, for the message.
-        verb: ``"saved"`` or ``"loaded"``.
-
-    Warns:
-        StatekitWarning: naming ``accelerator.prepare()``.
-    """
+    """Warn (StatekitWarning, at the user's line) when the accelerator holds nothing
+    prepared or registered: a resume would "succeed" into a run that trains from scratch.
+    ``verb`` is ``"saved"`` or ``"loaded"``, for the message."""
     if not any(getattr(accelerator, name, None) for name in _PREPARED):
         warn_user(
             f"{url}: the accelerator holds no model, optimizer, scheduler or data loader, so only its step "
@@ -132,23 +100,9 @@ def save_state(
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
         url: checkpoint directory URL (local path, ``memory://``, ``s3://``...).
-        step: training step for the manifest (default: None).
-        metadata: JSON-able metadata for the manifest.
-        overwrite: replace a committed checkpoint at ``url``.
-        storage_options: fsspec options.
-        blocking: False: stage to host memory and write in the background (returns a
-            :class:`statekit.api.asyncsave.PendingSave`).
-        staging: a :class:`statekit.engine.staging.StagingPool` to reuse (async saves).
-        exclusive: fail if another saver commits this checkpoint first.
-        after_commit: ``callable(manifest)`` run right after the commit (used by the manager).
-        incremental: an incremental save's layout and running checksums (used by the
-            manager; see :func:`statekit.api.saveload.save_objects`).
-        reuse_from: ``(url, manifest)`` of the committed checkpoint whose unchanged files
-            an incremental save reuses (used by the manager).
-        lineage: the manifest's ``lineage`` (:class:`statekit.format.Lineage`; used by
-            the manager).
-        **options: plugin options (``checkpoint.options``); one that no registered plugin
-            reads warns.
+        step, metadata, overwrite, storage_options, blocking, **options: as :func:`statekit.save`.
+        staging, exclusive, after_commit, incremental, reuse_from, lineage: the manager's
+            (:func:`statekit.api.saveload.save_objects`).
 
     Returns:
         The committed manifest (or a ``PendingSave`` when not ``blocking``).
@@ -204,18 +158,10 @@ def load_state(
     Args:
         accelerator: the ``accelerate.Accelerator`` of the resumed run, after ``prepare()``
             of the same objects in the same order.
-        url: checkpoint directory URL.
-        verify: check sizes and checksums while reading.
-        allow_pickle: allow the pickle files of an Accelerate-format directory.
-        storage_options: fsspec options.
-        strict: False loads what matches (see :func:`statekit.load`); not for a
-            directory written by ``Accelerator.save_state``, which loads all or nothing.
-        strict_resume: raise :class:`ResumeMismatchError` when the checkpoint's resume
-            fingerprint differs from this run (other than versions) instead of warning
-            :class:`ResumeFingerprintWarning` (:mod:`statekit.api.fingerprint`); and a
-            difference the state check finds after the load is a
-            :class:`StateMismatchError` instead of a :class:`StateCheckWarning`.
-        **options: plugin options.
+        url, verify, allow_pickle, storage_options, strict_resume, **options: as
+            :func:`statekit.load`.
+        strict: as :func:`statekit.load`; a directory ``Accelerator.save_state`` wrote
+            loads all or nothing.
 
     Returns:
         The manifest (:class:`statekit.Manifest`); for a directory

@@ -1,10 +1,7 @@
-"""The resume fingerprint of the live run: the settings an exact resume depends on (world
-size, accumulation, precision, RNG kinds, each loader's batching and sampler, the objects,
-versions), read at save (:func:`compute`) and compared at a resume (:func:`check`: a
-:class:`ResumeFingerprintWarning` per difference, or :class:`ResumeMismatchError` with
-``strict_resume``; versions only warn). The comparison is :mod:`statekit.checks.fingerprint`'s.
-What users see: ``docs/concepts.md`` (Resume fingerprint); the fields: ``docs/format.md``.
-The loader settings follow Accelerate's ``prepare_data_loader`` and ``BatchSamplerShard``
+"""The resume fingerprint of the live run, read at save (:func:`compute`) and compared at a
+resume (:func:`check`; the comparison is :mod:`statekit.checks.fingerprint`'s). What users
+see: docs/concepts.md, "Resume fingerprint"; the fields: docs/format.md. The loader
+settings follow Accelerate's ``prepare_data_loader`` and ``BatchSamplerShard``
 (https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py).
 """
 
@@ -21,7 +18,7 @@ import torch
 
 from statekit import distributed
 from statekit._version import __version__
-from statekit.checks.fingerprint import Difference, compare, describe  # compare, describe: re-exported
+from statekit.checks.fingerprint import Difference, compare, describe  # describe: re-exported
 from statekit.devices import current_accelerator_type
 from statekit.engine import gradients
 from statekit.loaders import data, samplers
@@ -43,17 +40,8 @@ as left unrestored."""
 
 
 def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None = None) -> Fingerprint:
-    """The fingerprint of the live run.
-
-    Args:
-        entries: the objects saved or loaded (their data loaders are described by key).
-        accelerator: the run's ``accelerate.Accelerator``, or None (the mapping API:
-            gradient accumulation and mixed precision are then null, not compared).
-        rng: the RNG kinds; None: those the installed plugins restore (:func:`rng_live`).
-
-    Returns:
-        The fingerprint (its JSON form: the module docstring).
-    """
+    """The fingerprint of the live run. Without ``accelerator`` (the mapping API) gradient
+    accumulation and mixed precision are null, not compared; ``rng`` None: :func:`rng_live`."""
     world_size = distributed.rank_and_world_size()[1]
     steps = getattr(accelerator, "gradient_accumulation_steps", None) if accelerator is not None else None
     precision = getattr(accelerator, "mixed_precision", None) if accelerator is not None else None
@@ -70,18 +58,9 @@ def compute(entries: list[Entry], accelerator: Any = None, rng: list[str] | None
 
 
 def loader_fingerprint(loader: Any, accelerator: Any = None, world_size: int = 1) -> LoaderSettings:
-    """What a data loader's position depends on.
-
-    Args:
-        loader: a ``torch.utils.data.DataLoader`` or an Accelerate-prepared one.
-        accelerator: its Accelerator (``even_batches`` when the batch sampler has none).
-        world_size: processes sharing the loader's epoch (Accelerate's ``total_batch_size``
-            spans them all).
-
-    Returns:
-        Its settings (``batch_size`` per device, ``sampler`` the class name); None where
-        the loader does not say.
-    """
+    """What a (possibly Accelerate-prepared) data loader's position depends on:
+    ``batch_size`` per device (Accelerate's ``total_batch_size`` spans ``world_size``
+    processes), ``sampler`` the class name; None where the loader does not say."""
     batch_sampler = _get(loader, "batch_sampler")
     sampler = samplers.sampler_of(loader)
     total = _get(loader, "total_batch_size")  # Accelerate's: every process's batches together
@@ -148,16 +127,8 @@ def rng_live() -> list[str]:
 
 
 def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]:
-    """The RNG kinds a checkpoint holds, from statekit-rng's records (``records["rng"]``:
-    host generators and ``device_type``) or Accelerate's ``random_states_<i>.pkl`` files.
-
-    Args:
-        records: the manifest's records (plugin name -> records).
-        files: the manifest's files (relative path -> entry).
-
-    Returns:
-        Sorted kind names; empty when no random state was saved.
-    """
+    """The RNG kinds (sorted; empty when none) a checkpoint holds, from the manifest's
+    ``records["rng"]`` (statekit-rng) or ``files`` (Accelerate's ``random_states_<i>.pkl``)."""
     rng = records.get("rng")
     if isinstance(rng, Mapping):
         return sorted([*CPU_RNG_KINDS, *([rng["device_type"]] if rng.get("device_type") else [])])
@@ -172,15 +143,8 @@ def rng_saved(records: Mapping[str, Any], files: Mapping[str, Any]) -> list[str]
 def check(manifest: Manifest, live: Fingerprint, url: str, *, strict_resume: bool = False) -> list[Difference]:
     """Compare a checkpoint's fingerprint with the live run: warn, or raise.
 
-    Args:
-        manifest: the checkpoint's manifest; without ``fingerprint`` (written before it
-            existed, or by Accelerate itself) nothing is compared.
-        live: :func:`compute` of the resuming run.
-        url: the checkpoint URL, for messages.
-        strict_resume: raise instead of warning for every difference but versions.
-
-    Returns:
-        The differences found (each warned, unless raised).
+    A manifest without ``fingerprint`` is not compared. Returns the differences found
+    (each warned as :class:`ResumeFingerprintWarning`, unless raised).
 
     Raises:
         ResumeMismatchError: ``strict_resume`` and a setting other than a version

@@ -1,12 +1,6 @@
-"""Load through the hooks: which kind of directory a load reads, and the hooks around it
-(the mapping API's :func:`load`, the Accelerate bridge, the manager's resume).
-
-What a native load reads and in what order is the engine's
-(:class:`statekit.engine.read.LoadPlan`); this module picks the reader of the directory
-(statekit's, attach mode's, :func:`statekit.foreign.accelerate.load` for one
-``Accelerator.save_state`` wrote), checks that the owners of the saved objects are
-installed, and runs the load hooks between the plan's steps. The sequence is drawn in
-``docs/design-notes.md`` ("Where a save and a load live").
+"""Load through the hooks: which reader a directory needs (statekit's, attach mode's,
+Accelerate's), whether the owners of its objects are installed, and the load hooks around
+:class:`statekit.engine.read.LoadPlan` (docs/design-notes.md, "Where a save and a load live").
 """
 
 from __future__ import annotations
@@ -143,28 +137,9 @@ def load_objects(
     compare_fingerprint: bool = True,
     strict_resume: bool = False,
 ) -> Manifest | ForeignSummary:
-    """Load classified entries (the engine behind :func:`load` and the Accelerate bridge).
-
-    A directory written by ``Accelerator.save_state`` (no manifest, or a manifest of
-    attach mode) is read by :func:`statekit.foreign.accelerate.load`, all or nothing.
-    With ``compare_fingerprint`` the manifest's resume fingerprint is compared with the
-    live run before anything is loaded (:func:`statekit.api.fingerprint.check`). The
-    steps of a native load are :func:`_load_native`'s (``docs/design-notes.md``).
-
-    Args:
-        url, verify, storage_options, allow_pickle, strict, strict_resume: as :func:`load`.
-        entries: the classified objects (:func:`statekit.engine.entries.classify`).
-        options: options for plugins (``checkpoint.options``).
-        accelerator: the run's Accelerator (the bridge), or None.
-        compare_fingerprint: compare the resume fingerprint (a training state's resume).
-
-    Returns:
-        The manifest, or a :class:`statekit.ForeignSummary` for a directory Accelerate
-        wrote (as :func:`load`).
-
-    Raises:
-        As :func:`load`.
-    """
+    """:func:`load` of classified entries (also the Accelerate bridge's and the manager's);
+    ``compare_fingerprint`` compares the resume fingerprint first. Returns and raises as
+    :func:`load`."""
     state_check.mode()  # a misspelled STATEKIT_STATE_CHECK is refused before anything is loaded
     storage = Storage.of(url, storage_options)
     loaders = any(data.is_loader(e.obj) for e in entries)
@@ -191,17 +166,9 @@ def check_loaded_state(
     url: str, manifest: Manifest, loaded: Manifest | ForeignSummary | None, entries: list[Entry], accelerator: Any,
     strict_resume: bool,
 ) -> None:
-    """The state check of a completed load (:mod:`statekit.checks.state_check`): the live
-    objects against the saved digests, recorded for the next save's ``resume_audit``
-    (every load path calls it: :func:`load_objects`, attach mode's ``load_state``).
-
-    Args:
-        url: the checkpoint.
-        manifest: its manifest.
-        loaded: what the load returned (a non-strict load's ``incompatible_keys``), or None.
-        entries: the objects the load restored.
-        accelerator: the run's Accelerator, or None.
-        strict_resume: raise a difference instead of warning.
+    """The state check of a completed load (:mod:`statekit.checks.state_check`), recorded
+    for the next save's ``resume_audit``; every load path calls it. ``loaded`` is what the
+    load returned (a non-strict load's ``incompatible_keys``), or None.
 
     Raises:
         StateMismatchError: ``strict_resume`` and a tensor differs (after it was recorded).
@@ -299,19 +266,9 @@ def _load_native(
 
 
 def warn_unbuilt_ddp_buckets(models: list[tuple[str, Any]]) -> None:
-    """Warn about each model whose DDP gradient buckets are still in their first layout
-    (:func:`statekit.distributed.ddp_buckets_unbuilt`): the resumed run's next step sums
-    its gradients in another order than the uninterrupted run did.
-
-    Args:
-        models: ``(key, model as passed)`` of the load. Only a model passed as its DDP
-            wrapper can be checked: Accelerate keeps the unwrapped module in
-            ``accelerator._models`` and hands the wrapper to the caller only, so an
-            Accelerate resume is not checked (docs/concepts.md gives the recipe).
-
-    Warns:
-        StatekitWarning: one per such model, with the remedy.
-    """
+    """Warn (StatekitWarning) about each ``(key, model as passed)`` whose DDP gradient
+    buckets are still in their first layout: the resumed run's next step sums its gradients
+    in another order (docs/concepts.md). Only a model passed as its DDP wrapper is checked."""
     for key, model in models:
         if distributed.ddp_buckets_unbuilt(model):
             world = distributed.rank_and_world_size()[1]
@@ -339,12 +296,8 @@ def _refuse_save_in_progress(storage: Storage) -> None:
 def _run_load_pre_hooks(
     pm: PluginManager, checkpoint: Checkpoint, storage: Storage, entries: list[Entry]
 ) -> tuple[list[Any], dict[str, str]]:
-    """Call ``statekit_load_state_pre`` with the entries' models (a plugin takes a model or
-    object by removing it, :func:`statekit.hooks.claims.track_load_claims`).
-
-    Returns:
-        The models, in the entries' order, and ``{key: plugin}`` of what plugins took.
-    """
+    """Call ``statekit_load_state_pre`` (:func:`statekit.hooks.claims.track_load_claims`);
+    returns the models in the entries' order and ``{key: plugin}`` of what plugins took."""
     models = [e.obj for e in entries if e.kind == "model"]
     hook_models = list(models)
     taken: dict[str, str] = {}
@@ -473,17 +426,9 @@ def check_owners_installed(checkpoint: Checkpoint) -> None:
 
 def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool = True) -> None:
     """Fail before ``Accelerator.load_state`` restores anything (attach mode) if the
-    directory is an attach-mode save not committed (a save lock and no manifest: being
-    written, or failed), or if a model, optimizer or scheduler does not fit Accelerate's files:
-    Accelerate fills the models first, and an optimizer that refuses its state (a
-    parameter frozen since the save) would leave them overwritten
-    (:func:`statekit.foreign.accelerate.check_fit_before_load`).
-
-    Args:
-        checkpoint: the attach-mode load's context (its manifest says which models a
-            plugin saved: Accelerate numbers its files among the others).
-        accelerator: the run's Accelerator.
-        strict: as ``Accelerator.load_state(strict=...)`` for the models.
+    directory's save never committed, or a model, optimizer or scheduler does not fit
+    Accelerate's files (:func:`statekit.foreign.accelerate.check_fit_before_load`);
+    ``strict`` as ``Accelerator.load_state(strict=...)``.
 
     Raises:
         IncompleteCheckpointError: the directory is being saved, or its save failed.
@@ -505,18 +450,13 @@ def check_accelerate_load(checkpoint: Checkpoint, accelerator: Any, strict: bool
 
 
 def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> list[tuple[str, Any, Any, Any]]:
-    """What statekit wrote next to Accelerate's files in attach mode, read before anything is
-    applied: each data loader's position (this rank's and, for an elastic plan with another
-    world size, every saved rank's: :func:`statekit.engine.read.loader_positions`) and the
-    accumulated gradients.
-
-    Args:
-        checkpoint: the attach-mode checkpoint being loaded.
-        objects: ``(key, object)`` of the run (``dataloader_<i>``, ``gradients``...).
+    """What statekit wrote next to Accelerate's files in attach mode (loader positions,
+    :func:`statekit.engine.read.loader_positions`; accumulated gradients) for the run's
+    ``(key, object)`` pairs, read before anything is applied.
 
     Returns:
-        ``(key, object, state, ranks)`` for each object with a saved state (``ranks`` None
-        unless an elastic plan needs them), for :func:`apply_own_states`.
+        ``(key, object, state, ranks)`` for each object with a saved state, for
+        :func:`apply_own_states`.
 
     Raises:
         CorruptCheckpointError: a file fails verification (names it).
@@ -564,10 +504,8 @@ def _load_attached(
     verify: bool,
 ) -> ForeignSummary:
     """A directory an attached accelerator's ``save_state`` wrote, loaded as attach mode's
-    ``accelerator.load_state`` loads it: the load pre-hooks (a model a plugin takes is its
-    to load), Accelerate's files for the rest (all or nothing; the models left keep
-    Accelerate's positional file names), then statekit's own files (exact loader
-    positions, accumulated gradients) and the load post-hooks (statekit-rng's generators)."""
+    ``accelerator.load_state`` does: pre-hooks, Accelerate's files for the rest, statekit's
+    own files, post-hooks."""
     pm = get_plugin_manager()
     checkpoint = context_for(storage, "load", entries, accelerator, options, step=manifest.step, manifest=manifest, verify=verify)
     check_statekit_files(checkpoint)

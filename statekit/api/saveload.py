@@ -1,14 +1,6 @@
-"""Save through the hooks: the orchestration of every save.
-
-``save(url, {"model": m, "optim": o})`` is the mapping API; the Accelerate bridge and the
-manager build their entries and call :func:`save_objects`. The writing and the commit
-themselves are the engine's (:mod:`statekit.engine.write`, :mod:`statekit.engine.commit`);
-this module runs the plugins around them. Loading is :mod:`statekit.api.loading`.
-
-Save sequence (every rank): check the target, run ``statekit_save_state_pre`` one plugin
-at a time, write what no plugin took (replicated state on rank 0 only, per-rank state
-everywhere), agree on success, gather every rank's file entries to rank 0, commit the
-manifest, barrier, run ``statekit_save_state_post``.
+"""Save through the hooks: :func:`save` (the mapping API) and :func:`save_objects`, which
+the Accelerate bridge and the manager call, run the plugins around the engine's write and
+commit (the sequence: docs/design-notes.md, "The map"; docs/format.md, "Commit protocol").
 """
 
 from __future__ import annotations
@@ -114,26 +106,20 @@ def save_objects(
     reuse_from: tuple[str, Manifest] | None = None,
     lineage: Lineage | None = None,
 ) -> Any:
-    """Save classified entries (the engine behind :func:`save` and the Accelerate bridge).
+    """:func:`save` of classified entries (also the Accelerate bridge's and the manager's).
 
     Args: as :func:`save`, plus
-        accelerator: passed to hooks as ``checkpoint.accelerator``.
         exclusive: the commit fails with :class:`CheckpointExistsError` if another saver
-            committed this checkpoint first (the manager sets it).
+            committed this checkpoint first.
         blocking: False stages the state to host memory on this thread and writes from a
-            background thread; returns a :class:`statekit.api.asyncsave.PendingSave`.
-        staging: the :class:`StagingPool` to reuse for an async save.
+            background thread (a :class:`statekit.api.asyncsave.PendingSave`), reusing ``staging``.
         after_commit: ``callable(manifest)`` run on every rank after the commit, on the
-            writing thread (the manager updates ``latest``, applies retention and runs
-            ``statekit_checkpoint_committed`` there).
-        incremental: record running checksums in every tensor file and split models with
-            frozen and trainable parameters into files of each (:mod:`statekit.engine.incremental`).
-        reuse_from: ``(url, manifest)`` of a committed checkpoint on the same storage
-            (the manager's last): a tensor file whose bytes would equal its file of the same
-            path is linked or copied from it instead of written. Ignored when it is ``url``
-            itself (an overwrite) or on another filesystem.
-        lineage: the manifest's ``lineage`` (run, branch, parent; the manager's
-            :mod:`statekit.manager.lineage`); None: none recorded.
+            writing thread.
+        incremental: an incremental save's layout and running checksums
+            (docs/incremental.md); ``reuse_from`` is ``(url, manifest)`` of the committed
+            checkpoint whose unchanged files it reuses (ignored for ``url`` itself or
+            another filesystem).
+        lineage: the manifest's ``lineage`` (:mod:`statekit.manager.lineage`), or None.
 
     Returns:
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
@@ -239,27 +225,17 @@ def _after_commit_error(exc: Exception, url: str) -> Exception:
 
 
 def record_next_batches(witnesses: list[next_batch.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
-    """The checkpoint committed: each loader's next-batch record (``statekit.checks.next_batch.Witness``)
-    may be written beside it, to ``next-batch/<key>/rank-<r>.json``, once its batch is seen.
-
-    Args:
-        witnesses: what this save's loader states made (``next_batch.claim_witnesses()``).
-        storage: the checkpoint's storage; rank: this rank; manifest: the committed manifest.
-    """
+    """After the commit: each loader's next-batch record (:class:`statekit.checks.next_batch.Witness`)
+    is written beside the checkpoint, to ``next-batch/<key>/rank-<r>.json``, once its batch is seen."""
     for witness in witnesses:
         rel = fmt.next_batch_path(witness.key or "dataloader", rank)
         witness.committed(lambda data, rel=rel: storage.write_bytes(rel, data), manifest.manifest_checksum)
 
 
 def log_committed(manifest: Manifest, url: str, started: float, how: str = "") -> None:
-    """Log one INFO line for a committed save: ``saved step 140 to <url> (12.3 MiB, 0.41 s)``.
-
-    Args:
-        manifest: the committed manifest.
-        url: the checkpoint URL.
-        started: ``time.perf_counter()`` when the save began.
-        how: appended inside the parentheses (``", async"``, ``", attached"``).
-    """
+    """Log one INFO line for a committed save: ``saved step 140 to <url> (12.3 MiB, 0.41 s)``;
+    ``started`` is ``time.perf_counter()`` at the save's start, ``how`` goes inside the
+    parentheses (``", async"``)."""
     step = manifest.step
     what = f"step {step}" if step is not None else "checkpoint"
     logger.info("saved %s to %s (%s, %.2f s%s)", what, url, human(manifest.size_bytes), time.perf_counter() - started, how)

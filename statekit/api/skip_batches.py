@@ -1,22 +1,9 @@
-"""``accelerate.skip_first_batches(loader, n)`` (the function) after a statekit resume.
-
-Accelerate's resume idiom skips the consumed batches of the interrupted epoch by building a
-new loader around the old one's batch sampler
-(https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py,
-``skip_first_batches``); transformers' ``Trainer`` calls it too. After a statekit resume the
-restored loader already continues at the saved batch, in the saved order: a new loader
-built around its batch sampler would redraw the order and skip again, and the restored
-position would wait for the next ``for`` over the old loader, which then replays the
-interrupted epoch (10 batches instead of 13 in issue 27's case).
-
-The method ``accelerator.skip_first_batches`` is wrapped per instance by
-:func:`statekit.attach`. The function is imported by name into user code and into
-transformers (``from accelerate import skip_first_batches``) before statekit is attached, so
-rebinding module attributes would miss those names. :func:`install` therefore points the
-function's code at :func:`_trampoline`, once per process: every existing name calls it.
-It decides as the method does (:func:`statekit.loaders.data.skip_after_resume`): a tracked
-loader whose restored position skips exactly ``n`` batches comes back itself (with a
-warning); another ``n`` raises; any other call runs Accelerate's own function unchanged.
+"""``accelerate.skip_first_batches(loader, n)`` (the function,
+https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py) after a
+statekit resume, whose restored loader already continues at the saved batch: the function
+is imported by name before statekit is attached, so :func:`install` points its code at
+:func:`_trampoline`, which decides as the per-instance method wrapper does
+(:func:`statekit.loaders.data.skip_after_resume`; docs/design-notes.md, "The resume audit").
 """
 
 from __future__ import annotations
@@ -43,15 +30,8 @@ def install() -> None:
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-    """``accelerate.skip_first_batches``, except after a resume of a tracked loader.
-
-    Args:
-        dataloader: the loader (an Accelerate adapter or a torch ``DataLoader``).
-        num_batches: batches to skip.
-
-    Returns:
-        ``dataloader`` itself when its restored position skips exactly ``num_batches``
-        batches, else what Accelerate's function returns.
+    """``accelerate.skip_first_batches``, except that a tracked loader whose restored
+    position skips exactly ``num_batches`` batches comes back itself.
 
     Raises:
         StateMismatchError: the restored position skips another number of batches.

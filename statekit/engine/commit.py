@@ -1,11 +1,7 @@
-"""The commit: the one manifest builder and the one commit path of every save.
-
-Used by the save path (:mod:`statekit.api.saveload`), attach mode
-(:mod:`statekit.api.attach`) and ``statekit convert`` (:mod:`statekit.foreign.accelerate`):
-every rank's file entries are gathered to rank 0, the manifest is built there
-(:func:`build_manifest`), written last and atomically (:func:`commit`, see
-``docs/format.md``), and the save lock is released. :func:`agree` makes every rank raise
-when one rank failed, so no rank waits forever in a collective.
+"""The commit: the one manifest builder and the one commit path of every save (native,
+attach mode, ``statekit convert``): file entries gathered to rank 0, the manifest built and
+written last, atomically (docs/format.md, "Commit protocol"); :func:`agree` makes every
+rank raise when one failed, so none waits forever in a collective.
 """
 
 from __future__ import annotations
@@ -27,15 +23,8 @@ from statekit.storage import Storage
 
 
 def agree(fn: Any, url: str, broadcast: bool = False) -> Any:
-    """Run ``fn()`` on this rank; if any rank failed, every rank raises (no rank hangs).
-
-    Args:
-        fn: ``callable() -> result``, run on every rank.
-        url: the checkpoint URL, for the message.
-        broadcast: return rank 0's result on every rank.
-
-    Returns:
-        ``fn()``'s result (rank 0's when ``broadcast``).
+    """Run ``fn()`` on this rank and return its result (rank 0's on every rank when
+    ``broadcast``); if any rank failed, every rank raises.
 
     Raises:
         Exception: this rank's own error, or a :class:`StatekitError` naming the first
@@ -64,15 +53,8 @@ def agree(fn: Any, url: str, broadcast: bool = False) -> Any:
 
 
 def gather_files(checkpoint: Checkpoint) -> dict[str, FileEntry] | None:
-    """Every rank's file entries, merged on rank 0 (None on other ranks). Files written
-    around the checkpoint (``checkpoint.record_unlisted_at_commit``) are recorded here.
-
-    Args:
-        checkpoint: the save's context (its :attr:`~statekit.Checkpoint.files`).
-
-    Returns:
-        Relative path -> typed entry on rank 0; None elsewhere.
-    """
+    """Every rank's :attr:`~statekit.Checkpoint.files`, merged on rank 0 (None on other
+    ranks), with the files written around the checkpoint (``record_unlisted_at_commit``)."""
     gathered = distributed.gather_to_rank0(checkpoint.files)
     if checkpoint.rank != 0:
         return None
@@ -118,25 +100,10 @@ def build_manifest(
     """The manifest of a checkpoint (format 1, ``docs/format.md``; schema
     ``statekit/manifest.schema.json``).
 
-    Args:
-        checkpoint: the save's context (``step`` and ``world_size`` come from it).
-        files: relative path -> the typed entry the save recorded
-            (:attr:`Checkpoint.files`, built by :mod:`statekit.engine.file_writer`).
-        objects: stable key -> object entry (:func:`objects_table`).
-        plugins: plugin name -> version, for every plugin that wrote or owns something.
-        metadata: JSON-able user metadata.
-        records: plugin name -> records (default: the checkpoint's).
-        fingerprint: the resume fingerprint (built by :mod:`statekit.api.fingerprint`;
-            the engine only records it); None: none.
-        state_digest: the digests of the saved objects' live tensors
-            (:func:`statekit.checks.state_check.record`); None: none.
-        saved: every object of the save by key (models and what plugins took included),
-            whose resume verdict the manifest records; None: ``checkpoint.objects``.
-        lineage: run, branch and parent of the checkpoint (given by the manager,
-            :mod:`statekit.manager.lineage`); None: none recorded.
-
-    Returns:
-        The manifest, ready for :func:`commit` (no checksum yet).
+    ``step`` and ``world_size`` come from ``checkpoint``; ``records`` defaults to its
+    records; ``saved`` (every object of the save by key, default ``checkpoint.objects``)
+    carries the resume verdict the manifest records. Returns the manifest for :func:`commit`,
+    not checksummed yet.
     """
     url = checkpoint.storage.url_of(fmt.MANIFEST_NAME)
     # the verdict of the resume this run continues from, carried by its objects
@@ -163,15 +130,8 @@ def build_manifest(
 
 
 def commit(storage: Storage, manifest: Manifest, exclusive: bool) -> Manifest:
-    """Write the manifest last, atomically, and release the save lock.
-
-    Args:
-        storage: the checkpoint directory.
-        manifest: from :func:`build_manifest`; strict JSON (no NaN or infinity).
-        exclusive: fail if another saver committed this checkpoint first.
-
-    Returns:
-        The manifest as committed (with its ``manifest_checksum``).
+    """Write the manifest last, atomically, and release the save lock; returns it as
+    committed (with its ``manifest_checksum``).
 
     Raises:
         CheckpointExistsError: ``exclusive`` and the manifest exists.

@@ -1,13 +1,7 @@
-"""The checkpoint context handed to hooks: one save's or load's identity, over its files.
-
-:class:`Checkpoint` is what a hook is handed as ``checkpoint``: the identity of the save
-or load (URL, rank, step, plugin, records, the objects and model keys) and every method a
-plugin calls, each handed to the half that owns it: writes to the save's
-:class:`~statekit.engine.file_writer.FileWriter` (each file recorded for the manifest;
-incremental reuse in :mod:`statekit.engine.incremental`), reads to the load's
-:class:`~statekit.engine.file_reader.FileReader` (each file checked against the manifest,
-opened once per load). The save and load paths are drawn in ``docs/design-notes.md``
-("Where a save and a load live").
+"""The checkpoint context handed to hooks: one save's or load's identity; writes go to its
+:class:`~statekit.engine.file_writer.FileWriter`, reads to its
+:class:`~statekit.engine.file_reader.FileReader` (docs/design-notes.md, "Where a save and a
+load live").
 """
 
 from __future__ import annotations
@@ -61,13 +55,9 @@ class Checkpoint:
         manifest (Manifest | None): on load, the manifest read; after a save, the committed one.
         mode (str): ``"save"`` or ``"load"``.
         verify (bool): on load, check sizes and checksums while reading.
-        incremental (bool): on save, an incremental save (``CheckpointManager``'s
-            default, docs/incremental.md): :meth:`save_tensors` reuses a file whose bytes
-            equal the run's last committed checkpoint's file of the same path and writer.
-            A plugin may use it to put tensors that rarely change (frozen parameters) in
-            files of their own; it never needs it to decide reuse.
-        reader (FileReader): the load's files, each checked against the manifest and
-            opened once per load (:mod:`statekit.engine.file_reader`; the engine's too).
+        incremental (bool): on save, an incremental save (docs/incremental.md):
+            :meth:`save_tensors` reuses unchanged files by itself.
+        reader (FileReader): the load's files, checked against the manifest.
     """
 
     def __init__(
@@ -165,10 +155,10 @@ class Checkpoint:
         return self._records.setdefault(self.plugin or CORE, {})
 
     def all_records(self) -> dict[str, dict[str, Any]]:
-        """Records of every plugin (non-empty ones), for the manifest.
+        """Records of every plugin, for the manifest.
 
         Returns:
-            ``{plugin name: records}`` for every plugin whose records are not empty.
+            ``{plugin name: records}`` of every plugin whose records are not empty.
         """
         return {k: v for k, v in self._records.items() if v}
 
@@ -178,14 +168,13 @@ class Checkpoint:
         return list(dict.fromkeys(self._model_keys.values()))
 
     def key_of(self, model: torch.nn.Module) -> str:
-        """Stable key of a model of this save/load (``model_0``, or the mapping key).
+        """Stable key of a model of this save/load.
 
         Args:
             model: a model of this save or load (matched by identity).
 
         Returns:
-            The stable key, e.g. ``"model_0"`` with Accelerate or ``"model"`` for
-            ``statekit.save(url, {"model": m})``.
+            ``"model_0"`` with Accelerate, ``"model"`` for ``statekit.save(url, {"model": m})``.
 
         Raises:
             KeyError: the model is not part of this save/load.
@@ -193,14 +182,14 @@ class Checkpoint:
         return self._model_keys[id(model)]
 
     def owner_of(self, key: str) -> str | None:
-        """On load: the plugin (or ``"statekit"``) that saved object ``key``, or None.
+        """On load: who saved an object.
 
         Args:
-            key: a stable key (``model_0``, ``optimizer_0``, a mapping key...).
+            key: a stable key (``"model_0"``, ``"optimizer_0"``, a mapping key...).
 
         Returns:
-            The owner's plugin name, ``"statekit"`` for the core, or None when the
-            manifest does not list ``key`` (or on save).
+            The owner's plugin name, ``"statekit"`` for the core; None when the manifest does
+            not list ``key``, or on save.
         """
         entry = self.manifest.objects.get(key) if self.manifest is not None else None
         return entry.owner if entry is not None else None
@@ -212,13 +201,9 @@ class Checkpoint:
     # ---------------------------------------------------------------- writing
 
     def record_unlisted(self, writer: str) -> list[str]:
-        """Checksum every file under the checkpoint that was written around it (not through
-        :meth:`open`/``save_*``) and record it for the manifest as written by ``writer``.
-
-        Used where foreign code writes into the directory itself: Accelerate's own
-        ``save_state`` in attach mode, functions registered with Accelerate's
-        ``register_save_state_pre_hook``. Hidden names (the save lock, temporary files,
-        in-use markers) and the manifest are skipped. Reads each new file once.
+        """Checksum every file written around the checkpoint (not through :meth:`open` or
+        ``save_*``: Accelerate's ``save_state`` and its pre-hooks) and record it as written by
+        ``writer``; hidden names and the manifest are skipped.
 
         Args:
             writer: the ``writer`` recorded for these files (``"accelerate"``...).
@@ -243,24 +228,17 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
-        """Open a file of the checkpoint by relative path, in binary or text mode.
-
-        Text modes work as fsspec's ``open`` does: the binary file is wrapped in an
-        ``io.TextIOWrapper`` (UTF-8 here, universal newlines); size and checksum are those
-        of the encoded bytes. Every mode works during an async save too (the bytes are
-        written by the background thread).
+        """Open a file of the checkpoint, in binary or UTF-8 text mode (as fsspec's ``open``).
 
         Args:
             rel: relative path (no ``..``, no scheme, not absolute).
-            mode: ``"wb"`` or ``"w"`` (save only: size and checksum are recorded when the
-                block ends), ``"rb"`` or ``"r"``.
+            mode: ``"wb"`` or ``"w"`` (save only; size and checksum, of the encoded bytes,
+                are recorded when the block ends), ``"rb"`` or ``"r"``.
 
         Yields:
-            A binary file object (``"wb"``, ``"rb"``) or a UTF-8 text file object (``"w"``,
-            ``"r"``). On load with ``verify`` on, a file read sequentially to its end is
-            checked against the manifest's size and checksum (a
-            :class:`CorruptCheckpointError` from ``read``); after a ``seek`` it is not.
-            Closing a text file object inside the block only flushes it.
+            A file object. On load with ``verify`` on, a file read sequentially to its end is
+            checked against the manifest (a :class:`CorruptCheckpointError` from ``read``);
+            after a ``seek`` it is not.
 
         Raises:
             ValueError: ``mode`` is none of the four.
@@ -283,33 +261,20 @@ class Checkpoint:
                 text.close()  # flushes into f; f itself is closed (and recorded) by its opener
 
     def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]]) -> WrittenFile | None:
-        """Incremental save of a file the caller streams itself: reuse the run's last
-        committed checkpoint's file ``rel`` when the bytes ``chunks`` yields are exactly its
-        bytes; otherwise leave ``rel`` to be written with :meth:`open` (``"wb"``).
-
-        :meth:`save_tensors` does this by itself; this is for a writer that streams a file
-        from elsewhere (statekit-offload copies offloaded weights from their files on
-        disk). Identity is decided as for :meth:`save_tensors`, from the bytes: they are
-        hashed (XXH3-64) and compared with the committed file's running checksums
-        (``prefixes``, recorded by :meth:`open` and :meth:`save_tensors` in an incremental
-        save) and its checksum, stopping at the first record that differs, so a changed
-        file costs reading up to about 64 MiB past its first difference. The committed
-        file must have been written by the same writer (plugin) at the same path. The
-        reuse is a hard link on local disk, a server-side copy on object stores
-        (docs/incremental.md), recorded with ``reused_from``.
+        """Incremental save of a file the caller streams itself (docs/plugin-api.md): reuse
+        the base checkpoint's file ``rel`` of the same writer when the bytes ``chunks``
+        yields are exactly its bytes (XXH3-64 against its ``prefixes``, docs/incremental.md).
 
         Args:
-            rel: the file's relative path (as it would be given to :meth:`open`).
-            size_bytes: the size the file would have, bytes: a committed file of another
-                size is not compared, and ``chunks`` is not called.
-            chunks: returns the file's bytes, in order, as bytes-like pieces of any size;
-                called at most once, and only when there is a committed file to compare with.
+            rel: the file's relative path, as for :meth:`open`.
+            size_bytes: the size the file would have, bytes; a committed file of another
+                size is not compared and ``chunks`` is not called.
+            chunks: returns the file's bytes in order, as bytes-like pieces of any size;
+                called at most once.
 
         Returns:
-            A :class:`WrittenFile` when the file was reused (its ``entry.reused_from`` set;
-            ``staged`` in an async save, which links it when its writes run), or None:
-            nothing was reused (not an incremental save, no committed file, other bytes),
-            and the caller writes ``rel`` with :meth:`open`.
+            A :class:`WrittenFile` with ``entry.reused_from`` set when reused, or None:
+            the caller writes ``rel`` with :meth:`open`.
 
         Raises:
             StatekitError: not a save, a bad path, or ``rel`` already written in this save.
@@ -339,29 +304,16 @@ class Checkpoint:
     @contextlib.contextmanager
     def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[frozenset[str]]:
         """Within the block, an incremental save compares those of ``files`` that the base
-        checkpoint holds with their committed files on worker threads, all at once, while
-        the caller writes other files.
-
-        The comparison (:func:`statekit.checks.files.compare_file`) is a hash of the
-        file's bytes in memory, which XXH3 computes without holding the GIL (or, for
-        accelerator tensors, a digest computed on the device): one file per core is hashed
-        in parallel (at most two per accelerator, whose digests need temporaries in device
-        memory), while the caller writes. Work queued on the caller's current streams is
-        waited for first, so the workers read what it wrote
-        (:func:`statekit.devices.wait_for_current_streams`). :meth:`save_tensors` of a path
-        compared here, with the same ``tensors`` mapping and no ``metadata``, waits for its
-        comparison instead of hashing; any other call compares as before. Nothing is
-        compared outside an incremental save with a base, or for a file the base does not
-        hold. Comparisons not waited for are cancelled (or finish unread) at the block's
-        end, which returns only once no worker reads a tensor any more.
+        holds with their committed files on worker threads, while the caller writes others;
+        :meth:`save_tensors` of such a path with the same mapping and no ``metadata`` waits
+        for its comparison (docs/design-notes.md, "Incremental checkpoints"). The block's
+        end returns once no worker reads a tensor any more.
 
         Args:
-            files: ``relative path -> {name: tensor}`` that the block saves
-                (:func:`statekit.engine.write.tensor_files_of_model`).
+            files: ``relative path -> {name: tensor}`` that the block saves.
 
         Yields:
-            The paths compared ahead: save them last, so that their hashing overlaps the
-            other writes.
+            The paths compared ahead: save them last, so their hashing overlaps the other writes.
 
         Raises:
             UnsupportedDtypeError: from :meth:`save_tensors` of a compared path, when a
@@ -371,11 +323,11 @@ class Checkpoint:
             yield compared
 
     def save_json(self, rel: str, obj: Any) -> WrittenFile:
-        """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values),
-        indented up to :data:`READABLE_JSON_BYTES`, compact beyond.
+        """Write a strict JSON file (no NaN; :meth:`save_state` for rich values), indented up
+        to :data:`READABLE_JSON_BYTES`, compact beyond.
 
         Args:
-            rel: path relative to the checkpoint (``"mine/config.json"``).
+            rel: relative path (``"mine/config.json"``).
             obj: a JSON-serialisable value.
 
         Returns:
@@ -388,12 +340,12 @@ class Checkpoint:
         return self.writer.save_json(rel, obj, self._writer_name)
 
     def save_state(self, base: str, state: Any) -> list[str]:
-        """Store any codec-able state (see :mod:`statekit.format.codec`): ``<base>.json`` holds the
-        skeleton, ``<base>.safetensors`` the tensors (only if there are any).
+        """Store any codec-able state (:mod:`statekit.format.codec`): ``<base>.json`` holds
+        the skeleton, ``<base>.safetensors`` the tensors, if any.
 
         Args:
             base: relative path without extension (``"mine/state"``).
-            state: nested state (dicts, lists, tuples, scalars, tensors, NumPy arrays).
+            state: nested dicts, lists, tuples, scalars, tensors, NumPy arrays.
 
         Returns:
             The relative paths written.
@@ -408,16 +360,10 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def reading_each_file_once(self) -> Iterator[None]:
-        """Within the block, each file of the checkpoint is opened once and its header parsed
-        once, however many steps of the load look at it.
-
-        A tensor file whose header is read (a fit check: ``load_state(shapes_only=True)``,
-        :meth:`tensor_header`) stays open, positioned at its data section, with its parsed
-        header and (with ``verify``) the checksum of the bytes read so far, until
-        :meth:`load_tensors` reads its data from that same open file; a state file's JSON
-        skeleton read for a fit check is kept until ``load_state`` of the same base. No
-        tensor data is kept. The block's end closes every file still open, also when the
-        load fails half-way (a file whose data was never read).
+        """Within the block, each file of the checkpoint is opened and its header parsed once:
+        a tensor file whose header was read stays open at its data section until
+        :meth:`load_tensors` reads it (docs/plugin-api.md). No tensor data is kept; the
+        block's end closes every file still open.
 
         Yields:
             None.
@@ -431,18 +377,12 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def fresh_memory_ahead(self, rels: list[str]) -> Iterator[None]:
-        """Within the block, the large local tensor files among ``rels`` (read later in
-        the block into fresh memory, in this order) get their buffers made and faulted
-        in ahead, on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`).
-
-        The buffers are made from the files' headers (:meth:`tensor_header`: inside
-        :meth:`reading_each_file_once` the headers the fit checks parsed, or the file
-        opened here and kept open for its read). A file that cannot be opened or parsed
-        gets no buffers: its own read reports the fault.
+        """Within the block, tensor files read later into fresh memory get their buffers made
+        and faulted in ahead on a helper thread (:class:`statekit.engine.read_ahead.FreshAhead`);
+        a file that cannot be opened or parsed gets none (its own read reports the fault).
 
         Args:
-            rels: relative paths of the tensor files read later in the block, in order
-                (files under 16 MiB and remote ones are skipped).
+            rels: relative paths, in read order (files under 16 MiB and remote ones skipped).
 
         Yields:
             None.
@@ -451,16 +391,14 @@ class Checkpoint:
             yield
 
     def tensor_header(self, rel: str) -> fmt.TensorHeader:
-        """The parsed header of a tensor file of the checkpoint (no tensor data is read).
-
-        Inside :meth:`reading_each_file_once` the file stays open for the read of its data
-        and the header is parsed once; outside it the file is closed again.
+        """The parsed header of a tensor file; no tensor data is read. Inside
+        :meth:`reading_each_file_once` the file stays open for the read of its data.
 
         Args:
             rel: relative path of a safetensors file.
 
         Returns:
-            The header: entries (names, dtypes, shapes, offsets), aliases, metadata.
+            Its entries (names, dtypes, shapes, offsets), aliases and metadata.
 
         Raises:
             CorruptCheckpointError: missing file or malformed header (names the file).
@@ -472,7 +410,7 @@ class Checkpoint:
         """Read a whole file, verified against the manifest when ``verify`` is on.
 
         Args:
-            rel: path relative to the checkpoint.
+            rel: relative path.
 
         Returns:
             The file's bytes.
@@ -490,12 +428,9 @@ class Checkpoint:
     ) -> dict[str, torch.Tensor]:
         """Read a safetensors file of the checkpoint (verified when ``verify`` is on).
 
-        Inside :meth:`reading_each_file_once`, a file whose header was read already is read
-        on from where its header ended, through the same open file.
-
         Args:
             rel: relative path.
-            into: tensors to fill in place (see :func:`statekit.format.read_tensors`).
+            into: tensors to fill in place (:func:`statekit.format.read_tensors`).
             names: read only these names (ignored while verifying, which reads every byte).
 
         Returns:
@@ -512,10 +447,10 @@ class Checkpoint:
         """Read a JSON file (verified when ``verify`` is on).
 
         Args:
-            rel: path relative to the checkpoint.
+            rel: relative path.
 
         Returns:
-            The decoded JSON value.
+            The decoded value.
 
         Raises:
             CorruptCheckpointError: missing, mismatched or not JSON (names the file).
@@ -528,12 +463,8 @@ class Checkpoint:
         Args:
             base: the ``base`` given to :meth:`save_state`.
             shapes_only: tensors come back as meta tensors of the saved shapes and dtypes,
-                made from the tensor file's header: no tensor data is read (a load checks
-                that a state fits before it reads it, :mod:`statekit.engine.optimizer_fit`).
-                A value that needs its data to be rebuilt (a NumPy array) raises
-                ``TypeError`` or ``RuntimeError``. Inside :meth:`reading_each_file_once`
-                the skeleton's bytes and the tensor file (open, header parsed) are kept
-                for the full read.
+                from the header, with no tensor data read; a value that needs its data (a
+                NumPy array) raises ``TypeError`` or ``RuntimeError``.
 
         Returns:
             The state, with the same types as saved.

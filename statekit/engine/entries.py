@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.loaders import data
 from statekit.errors import StateMismatchError, UnsupportedValueError
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -48,11 +47,8 @@ class Entry:
 
 
 def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
-    """Decide how an object is stored.
-
-    An object with no ``state_dict``/``load_state_dict`` that is not a tensor or dict is
-    :attr:`Entry.plugin_only`: a plugin may take it; :func:`refuse_unclaimed` raises after
-    the pre-hooks when none did.
+    """Decide how an object is stored (one without ``state_dict``/``load_state_dict`` that is
+    not a tensor or dict is :attr:`Entry.plugin_only`).
 
     Raises:
         UnsupportedValueError: the key is not a safe file name.
@@ -83,12 +79,8 @@ def classify(key: str, obj: Any, per_rank: bool | None = None) -> Entry:
 
 
 def refuse_unclaimed(entries: list[Entry], objects: Any, verb: str) -> None:
-    """Raise for a :attr:`Entry.plugin_only` object no plugin took in its pre-hook.
-
-    Args:
-        entries: the save's or load's entries.
-        objects: ``checkpoint.objects`` after the pre-hooks (what no plugin took).
-        verb: ``"save"`` or ``"load"``, for the message.
+    """Raise for a :attr:`Entry.plugin_only` object still in ``objects`` (``checkpoint.objects``
+    after the pre-hooks); ``verb`` is ``"save"`` or ``"load"``, for the message.
 
     Raises:
         UnsupportedValueError: naming the key and the type; nothing was written (a save
@@ -131,20 +123,9 @@ DDP/DataParallel (``.module``) wrappers, which Accelerate keeps in the files it 
 
 
 def strip_wrapper_prefixes(state: Mapping[str, Any], expected: Any = None) -> dict[str, Any]:
-    """A state dict with the wrapper prefixes removed (see :data:`WRAPPER_PREFIXES`).
-
-    A prefix is removed, as often as wrappers were nested, only while *every* key carries
-    it, and, when ``expected`` keys are given, only while the keys do not already fit them
-    (a model whose own first submodule is named ``module`` keeps its keys).
-
-    Args:
-        state: ``name -> value`` as read from a checkpoint file.
-        expected: the target model's state dict keys, or None (readers without a target:
-            inspect, diff, convert).
-
-    Returns:
-        A new dict in the same order, keys stripped.
-    """
+    """A new dict of ``state`` in the same order with the :data:`WRAPPER_PREFIXES` removed, as
+    often as wrappers were nested, only while *every* key carries one and, with ``expected``
+    (the target's state dict keys), only while the keys do not already fit them."""
     keys = list(state)
     wanted = set(expected) if expected is not None else None
     prefix_len = 0
@@ -165,8 +146,7 @@ def check_fit(where: str, targets: Mapping[str, Any], saved: Mapping[str, tuple[
     Args:
         where: what is being loaded, for the message (``"model 'model_0' (<url>)"``).
         targets: the model's state dict (``name -> Tensor``; non-tensor extra state allowed).
-        saved: ``name -> (shape, dtype)`` of the saved state (every saved key; entries
-            that are not tensors may carry ``(None, None)``).
+        saved: ``name -> (shape, dtype)`` of every saved key (``(None, None)`` for non-tensors).
 
     Raises:
         StateMismatchError: keys missing or unexpected, or a tensor's shape or dtype
@@ -226,16 +206,3 @@ class LazyStateDict(Mapping):
         """True once the state dict has been computed."""
         return self._state is not None
 
-
-def _state_of(entry: Entry) -> Any:
-    if entry.kind == "tensor":
-        return {entry.key: entry.obj}
-    if entry.kind == "dict":
-        return entry.obj
-    if entry.kind == "dataloader":
-        return data.loader_state(entry.obj, entry.key)
-    return entry.obj.state_dict()
-
-
-def _rank_base(entry: Entry, rank: int) -> str:
-    return fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key

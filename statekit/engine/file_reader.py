@@ -1,12 +1,6 @@
-"""The reading half of a checkpoint: every file a load reads, checked against the manifest.
-
-:class:`FileReader` reads each file through the storage and, with ``verify``, checks its
-size and XXH3-64 checksum against the manifest in the same pass as the read (by
-:class:`~statekit.storage.hashing.VerifyingReader`, or by the hasher handed to
-:func:`statekit.format.read_tensors`). Within :meth:`FileReader.session` each file is
-opened once and its header parsed once: a tensor file whose header a fit check read stays
-open at its data section for the read of its data. The load path is drawn in
-``docs/design-notes.md`` ("Where a save and a load live").
+"""The reading half of a checkpoint: every file a load reads, checked (``verify``) against
+the manifest's size and XXH3-64 checksum in the same pass as the read, each opened once per
+session (docs/design-notes.md, "Where a save and a load live").
 """
 
 from __future__ import annotations
@@ -30,15 +24,8 @@ from statekit.storage.hashing import VerifyingReader, check_against
 
 @dataclass
 class _OpenTensorFile:
-    """A tensor file opened for one load: positioned at its data section, header parsed.
-
-    Attributes:
-        file: the open file (from ``Storage.open_read(rel, bulk=True)``).
-        header: its parsed header.
-        hasher: the checksum of the bytes read so far (the header), when verifying; else None.
-        size: the file's size in bytes (the manifest's when verifying).
-        expected: its manifest entry when verifying, else None.
-    """
+    """A tensor file opened for one load, at its data section; ``hasher`` (the bytes read so
+    far) and ``expected`` (its manifest entry) when verifying, else None; ``size`` in bytes."""
 
     file: Any
     header: fmt.TensorHeader
@@ -48,13 +35,8 @@ class _OpenTensorFile:
 
 
 class FileReader:
-    """The files of one load (or of a committed checkpoint read with verification).
-
-    Args:
-        storage: the checkpoint's storage.
-        manifest: its manifest (None: nothing to check against).
-        verify: check every file's size and checksum against the manifest while reading.
-    """
+    """The files of one load (or of a committed checkpoint read with verification); a
+    ``manifest`` of None is nothing to check against."""
 
     def __init__(self, storage: Storage, manifest: Manifest | None, verify: bool) -> None:
         self.storage = storage
@@ -69,9 +51,7 @@ class FileReader:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """Within the block each file is opened once and its header parsed once; the
-        block's end closes every file still open, also after a failure (see
-        :meth:`statekit.Checkpoint.reading_each_file_once`).
+        """:meth:`statekit.Checkpoint.reading_each_file_once`.
 
         Raises:
             StorageError: closing a file failed (raised only when the block did not raise).

@@ -1,13 +1,6 @@
-"""The writing half of a checkpoint: every file a save writes, recorded for the manifest.
-
-:class:`FileWriter` writes each file through the storage and records it as a typed
-:class:`~statekit.format.manifest_types.FileEntry` (size, XXH3-64 checksum, rank, writer)
-in the same pass as the write; the commit (:mod:`statekit.engine.commit`) takes those
-entries as they are. During an async save it copies what it is given and defers the I/O
-to :meth:`FileWriter.flush`. In an incremental save it asks
-:class:`~statekit.engine.incremental.IncrementalReuse` whether a file is unchanged and
-takes the committed one instead. The save path is drawn in ``docs/design-notes.md``
-("Where a save and a load live").
+"""The writing half of a checkpoint: every file a save writes, recorded as a
+:class:`~statekit.format.manifest_types.FileEntry` in the same pass as its write
+(docs/design-notes.md, "Where a save and a load live").
 """
 
 from __future__ import annotations
@@ -36,10 +29,8 @@ from statekit.storage.hashing import HashingWriter, PrefixHasher
 logger = logging.getLogger("statekit")
 
 READABLE_JSON_BYTES = 64 * 1024
-"""JSON files up to this many characters are indented for people to read; larger ones
-(an optimizer skeleton of thousands of parameters) are written compact, because indenting
-takes Python's pure-Python encoder: 0.052 s against 0.008 s for the 1.3 MB skeleton of
-2,500 layers' AdamW state."""
+"""JSON files up to this many characters are indented; larger ones are compact, because
+indenting takes the pure-Python encoder (0.052 s against 0.008 s for a 1.3 MB AdamW skeleton)."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +40,7 @@ class WrittenFile:
 
     Attributes:
         path: the file's path relative to the checkpoint.
-        entry: its manifest entry (``reused_from`` set when the committed file was taken);
-            None during an async save, whose writes run later (the entry is recorded then).
+        entry: its manifest entry; None during an async save, whose writes run later.
     """
 
     path: str
@@ -63,19 +53,9 @@ class WrittenFile:
 
 
 class FileWriter:
-    """The files of one save, each written once and recorded for the manifest.
-
-    Args:
-        storage: the checkpoint's storage.
-        rank: this process's rank (recorded with every file).
-        mode: the checkpoint's mode, ``"save"`` (writable) or ``"load"`` (every write refused).
-        staging: the host staging pool of an async save; None writes at once.
-        incremental: record running checksums in every file (the next save compares with them).
-        reuse_base: the committed checkpoint whose unchanged files are taken instead of written.
-
-    Attributes:
-        files: relative path -> :class:`FileEntry` of every file written (or taken) so far.
-    """
+    """The files of one save, each written once and recorded in :attr:`files` (relative
+    path -> :class:`FileEntry`). ``mode="load"`` refuses every write; ``staging`` (an async
+    save's pool) defers the I/O to :meth:`flush`; ``incremental`` records running checksums."""
 
     def __init__(
         self,
@@ -137,20 +117,8 @@ class FileWriter:
             write()
 
     def record_unlisted(self, writer: str) -> list[str]:
-        """Checksum and record every file under the checkpoint not written through this
-        writer (hidden names, the manifest and the next-batch records skipped: those are
-        written after a commit, a previous save's in a folder saved into again); fsync them
-        on local disk.
-
-        Args:
-            writer: the ``writer`` recorded for these files.
-
-        Returns:
-            The relative paths recorded, sorted.
-
-        Raises:
-            StorageError: a file cannot be listed or read (names the URL).
-        """
+        """:meth:`statekit.Checkpoint.record_unlisted`; the next-batch records are skipped
+        too (written after a commit), and the files are fsynced on local disk."""
         added = []
         for rel in self.storage.find():
             if rel in self.files or rel == fmt.MANIFEST_NAME or rel.rsplit("/", 1)[-1].startswith(".") \
@@ -260,14 +228,8 @@ class FileWriter:
         return self.record(rel, self._entry(size, hasher, writer, digest))
 
     def save_state(self, base: str, state: Any, save_tensors: Callable[[str, Any], Any], save_json: Callable[[str, Any], Any]) -> list[str]:
-        """Store codec-able state as ``<base>.json`` (the skeleton) and ``<base>.safetensors``
-        (the tensors, if any), through the given writers (the checkpoint's, so a plugin's
-        name is recorded). Returns the relative paths written.
-
-        Raises:
-            UnsupportedValueError: a value cannot be stored without pickle (names its key
-                path), before any file is written.
-        """
+        """:meth:`statekit.Checkpoint.save_state`, through the checkpoint's writers (so a
+        plugin's name is recorded)."""
         skeleton, tensors = codec.encode(state, root=base)
         written = []
         if tensors:

@@ -1,26 +1,7 @@
-"""Incremental saves: a tensor file that did not change since the run's last committed
-checkpoint is reused from it (hard link, server-side copy) instead of written again.
-
-The decision is made from the bytes, never from ``requires_grad`` or a flag: a file is
-reused only when :func:`statekit.checks.files.compare_file` finds that every byte the
-save would write equals the committed file's (its running checksums, recorded by the
-writer at the end of the header, 1 MiB later and then every 64 MiB, and its checksum), so a frozen weight
-edited in place is written again. Every checkpoint directory stays complete on its own:
-retention and ``statekit gc`` delete directories as before, and a hard link keeps the
-bytes alive for every checkpoint that lists them.
-
-What the run's layout does for it (:func:`split_model`): a model whose state dict
-interleaves parameters that do not require gradients (a frozen base) and ones that do
-(adapters) is written as two kinds of files, the trainable tensors in ``<key>.safetensors``
-and the rest in ``<key>.frozen-<nnnnn>.safetensors`` of at most
-:data:`FROZEN_FILE_BYTES` each, so the frozen files can be reused. ``requires_grad``
-decides only this placement; a wrong guess costs bytes, never exactness.
-
-This module owns the reuse decision (:class:`IncrementalReuse`: which file of the base is
-byte for byte the file this save would write); the save's
-:class:`~statekit.engine.file_writer.FileWriter` asks it before each tensor file, and
-links (or writes) and records the file. The save path is drawn in ``docs/design-notes.md``
-("Where a save and a load live").
+"""Incremental saves: which file of the base checkpoint is byte for byte the file this save
+would write (:class:`IncrementalReuse`), and the split of a model into trainable and frozen
+files (:func:`split_model`). The design, measured: docs/design-notes.md, "Incremental
+checkpoints"; the user's view: docs/incremental.md.
 """
 
 from __future__ import annotations
@@ -42,11 +23,8 @@ from statekit.format.tensors import is_accelerator
 from statekit.storage import Storage
 
 FROZEN_FILE_BYTES = 512 * 1024**2
-"""Largest frozen-tensor file of a split model, bytes (a tensor larger than this is a file
-of its own): a frozen weight edited in place rewrites one such file, not the whole base,
-and the files of a base are compared with the committed ones in parallel, one per core
-(:meth:`IncrementalReuse.comparing_ahead`): a 1 GiB base is two files,
-hashed on two cores. 2 GiB files (issue 29's first version) hashed a 1 GiB base on one."""
+"""Largest frozen-tensor file of a split model, bytes (a larger tensor is a file of its own);
+why 512 MiB: docs/design-notes.md, "Layout"."""
 
 SPLIT_MIN_BYTES = 1024 * 1024
 """A model is split only when its frozen tensors hold at least this many bytes: below it,
@@ -58,25 +36,12 @@ FROZEN_INFIX = ".frozen-"
 
 @dataclasses.dataclass(frozen=True)
 class ReuseBase:
-    """The committed checkpoint an incremental save compares its tensor files with.
-
-    Attributes:
-        storage: that checkpoint's directory.
-        name: its directory name (``checkpoint-00000100``), recorded in the new
-            checkpoint's entries of the files it reuses (``reused_from``).
-        manifest: its committed manifest.
-    """
+    """The committed checkpoint an incremental save compares its tensor files with; ``name``
+    is its directory name (``checkpoint-00000100``), recorded as ``reused_from``."""
 
     storage: Storage
     name: str
     manifest: Manifest
-
-    def entry_for(self, rel: str, writer: str) -> FileEntry | None:
-        """The committed file ``rel`` when the same writer wrote it, else None."""
-        entry = self.manifest.files.get(rel)
-        if entry is None or (entry.writer or "statekit") != writer:
-            return None
-        return entry
 
 
 def usable_cpus() -> int:
@@ -89,12 +54,7 @@ def usable_cpus() -> int:
 
 
 class IncrementalReuse:
-    """The reuse decision of one incremental save: which of its files the base checkpoint
-    holds byte for byte (compared from the bytes, never from a flag).
-
-    Args:
-        base: the committed checkpoint to compare with; None: nothing is reused.
-    """
+    """The reuse decision of one incremental save against ``base`` (None: nothing is reused)."""
 
     def __init__(self, base: ReuseBase | None) -> None:
         self.base = base
@@ -103,25 +63,13 @@ class IncrementalReuse:
 
     def committed(self, rel: str, writer: str) -> FileEntry | None:
         """The base's file ``rel`` when ``writer`` wrote it there, else None."""
-        return self.base.entry_for(rel, writer) if self.base is not None else None
+        entry = self.base.manifest.files.get(rel) if self.base is not None else None
+        return entry if entry is not None and (entry.writer or "statekit") == writer else None
 
     @contextlib.contextmanager
     def comparing_ahead(self, files: Mapping[str, Mapping[str, torch.Tensor]], writer: str) -> Iterator[frozenset[str]]:
-        """Compare those of ``files`` the base holds with their committed files on worker
-        threads, all at once (one file per core; at most two per accelerator, whose digests
-        need temporaries in device memory), after the work queued on the caller's current
-        streams (:func:`statekit.devices.wait_for_current_streams`). :meth:`unchanged` of
-        such a path with the same mapping and no metadata waits for its comparison.
-        Comparisons not waited for are cancelled (or finish unread) at the block's end,
-        which returns only once no worker reads a tensor any more.
-
-        Args:
-            files: ``relative path -> {name: tensor}`` that the block saves.
-            writer: the writer those files are saved by.
-
-        Yields:
-            The paths compared ahead.
-        """
+        """:meth:`statekit.Checkpoint.comparing_ahead`: one worker per core, at most two
+        per accelerator (their digests need temporaries in device memory)."""
         committed = {rel: self.committed(rel, writer) for rel in files}
         candidates = {rel: entry for rel, entry in committed.items() if entry is not None}
         if not candidates:
@@ -147,10 +95,9 @@ class IncrementalReuse:
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str
     ) -> FileEntry | None:
         """The base's entry of ``rel`` when every byte this save would write for
-        ``tensors`` is the same (:func:`statekit.checks.files.compare_file`: the
-        comparison started by :meth:`comparing_ahead`, or one made now), else None. A
-        device digest computed on the way is kept for the write of a changed file
-        (:meth:`digest_for`)."""
+        ``tensors`` is the same (:func:`statekit.checks.files.compare_file`, or the
+        comparison :meth:`comparing_ahead` started), else None; a device digest computed on
+        the way is kept for the write (:meth:`digest_for`)."""
         committed = self.committed(rel, writer)
         if committed is None:
             return None
@@ -190,23 +137,14 @@ class IncrementalReuse:
 
 
 def split_model(key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None) -> dict[str, dict[str, torch.Tensor]]:
-    """The files of one model's state dict in an incremental save: ``relative path ->
-    tensors``, in state-dict order within each file.
+    """The files of one model's state dict (``weights``, tensors only) in an incremental
+    save: ``{relative path: {name: tensor}}``, ``<key>.safetensors`` first, state-dict order
+    within each file.
 
-    Tensors whose storage belongs to a parameter with ``requires_grad=False`` (and to no
-    parameter that requires gradients) go to ``<key>.frozen-<nnnnn>.safetensors`` files of
-    at most :data:`FROZEN_FILE_BYTES`; the rest (trainable parameters, buffers) to
-    ``<key>.safetensors``. Tensors sharing one storage (tied weights) stay in one file. A
-    model with no trainable parameter, no frozen one, or under :data:`SPLIT_MIN_BYTES` of
-    frozen tensors is one file, ``<key>.safetensors``, as in a full save.
-
-    Args:
-        key: the model's stable key.
-        weights: its state dict (tensors only).
-        model: the unwrapped model (its parameters say what requires gradients); None: one file.
-
-    Returns:
-        ``{relative path: {name: tensor}}``, ``<key>.safetensors`` first.
+    Tensors of storages only frozen parameters of ``model`` hold go to
+    ``<key>.frozen-<nnnnn>.safetensors`` files of at most :data:`FROZEN_FILE_BYTES`, tied
+    ones together; the rest to ``<key>.safetensors``. No ``model``, no trainable or no
+    frozen parameter, or under :data:`SPLIT_MIN_BYTES` of frozen tensors: one file.
     """
     whole = {f"{key}.safetensors": dict(weights)}
     if model is None:

@@ -26,11 +26,7 @@ def live_tensors(
     """The digested objects of a save or a load and their live tensors, in order; none when
     the check is off (:data:`~statekit.checks.state_check.MODE_ENV`: no state dict is computed).
 
-    Args:
-        entries: the save's or load's objects.
-        accelerator: the run's Accelerator (to unwrap a prepared model), or None.
-        states: state dicts the save computed already, by key (a model's ``state_dict()``
-            is not called twice).
+    ``states``: state dicts the save computed already, by key (not computed twice).
 
     Raises:
         InvalidOptionError: :data:`~statekit.checks.state_check.MODE_ENV` holds an unknown mode.
@@ -42,36 +38,18 @@ def live_tensors(
 
 
 def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
-    """The entries whose tensors the state digest covers: not optimizers when a model is
-    sharded by a collective wrapper (their state is each rank's shard), and (by
-    :func:`digested`) not the sharded models themselves.
-
-    Args:
-        entries: a save's or load's objects.
-        accelerator: the run's Accelerator, or None.
-
-    Returns:
-        The entries to digest, in order.
-    """
+    """The entries whose tensors the state digest covers, in order: not optimizers when a
+    model is sharded by a collective wrapper (their state is each rank's shard)."""
     models = [e.obj for e in entries if e.kind == "model"]
     sharded = any(_is_collective(m) or _is_collective(unwrap_model(m, accelerator)) for m in models)
     return [e for e in entries if not (sharded and e.kind == "optimizer")]
 
 
 def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one object that the state digest covers, by their path in its state
-    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``), DTensors included; empty for
-    what is not digested (``docs/concepts.md``, State check). Whether a plugin took the object is
-    :func:`statekit.checks.state_check.record`'s to judge.
-
-    Args:
-        entry: the object (:class:`statekit.engine.entries.Entry`).
-        accelerator: its Accelerator, to unwrap a prepared model.
-        state: its state dict when the caller has it already (not computed again).
-
-    Returns:
-        ``path -> tensor``.
-    """
+    """``path -> tensor`` of one object that the state digest covers, by path in its state
+    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``), DTensors included; empty for what
+    is not digested (sharded models among them). ``state``: its state dict when the caller
+    has it already."""
     if entry.kind not in _DIGESTED_KINDS or entry.plugin_only:
         return {}
     try:

@@ -1,16 +1,6 @@
-"""The save lock: one saver owns a checkpoint directory from its first file to its commit.
-
-``.statekit-lock`` is created exclusively (a hard link of a written temporary file on local
-disk; a conditional PUT on object stores) before any file is written, and removed after
-the commit. A second saver of the same directory gets :class:`CheckpointExistsError`
-instead of clearing the first one's files as "leftovers". A lock is stale when its
-process is gone (same host) or older than :data:`LOCK_TIMEOUT_S` (another host), or when
-it is marked failed (a save that failed, :func:`abandon_save`) or deleting (an interrupted
-:func:`remove_owned`).
-
-The lock is also statekit's proof of ownership: a directory without a manifest is
-statekit's to clear only while it holds the lock; one that holds other files and no lock
-(a Trainer or DCP checkpoint of the same name) is never cleared (:func:`prepare_target`).
+"""The save lock: one saver owns a checkpoint directory from its first file to its commit,
+and the lock is statekit's proof of ownership (docs/design-notes.md, "A save lock";
+docs/format.md, "Commit protocol").
 """
 
 from __future__ import annotations
@@ -40,33 +30,16 @@ namespace gives the same pids again), which is gone."""
 
 
 def is_statekit_bookkeeping(name: str) -> bool:
-    """True for the names statekit keeps in a directory for itself, not as checkpoint content:
-    the save lock (and the temporary file that creates it), in-use markers.
-
-    Args:
-        name: a name directly in a checkpoint directory.
-
-    Returns:
-        Whether it is statekit's bookkeeping.
-    """
+    """Whether ``name`` (directly in a checkpoint directory) is statekit's own bookkeeping:
+    the save lock (and the temporary file that creates it), in-use markers."""
     return name.startswith((LOCK_NAME, MARKER_PREFIX))
 
 
 def prepare_target(storage: Storage, overwrite: bool, describe: Callable[[Storage], str] | None = None) -> None:
     """Own the directory for this save: refuse a committed checkpoint (unless
-    ``overwrite``), take the lock, clear leftovers of a crashed statekit save.
-
-    Only what statekit wrote is ever removed: a committed checkpoint (its manifest) being
-    overwritten, or a directory holding statekit's lock (a save that failed or was killed,
-    a deletion that was interrupted; :func:`abandon_save`, :func:`remove_owned`). A
-    directory with neither that holds anything else (a Trainer or DCP checkpoint of the same
-    name, files of the user) is refused, with or without ``overwrite``: nothing is deleted.
-
-    Args:
-        storage: the checkpoint directory.
-        overwrite: replace a committed statekit checkpoint, or take over a live lock.
-        describe: names what a refused directory holds (``statekit.foreign.detect.describe_folder``,
-            from a layer above); None lists its entries.
+    ``overwrite``: replace it, or take over a live lock), take the lock, clear leftovers of
+    a crashed statekit save. Only what statekit wrote is ever removed. ``describe`` names
+    what a refused directory holds (from a layer above); None lists its entries.
 
     Raises:
         CheckpointExistsError: committed and not ``overwrite``; another live save holds
@@ -127,13 +100,8 @@ def _refuse_foreign(storage: Storage, describe: Callable[[Storage], str] | None)
 
 
 def remove_owned(storage: Storage) -> None:
-    """Delete a directory statekit wrote (a committed checkpoint, or an incomplete save) so
-    that an interruption leaves it recognisably statekit's: a stale lock first (marked
-    ``deleting``), then the manifest (it stops counting as committed), then every other
-    entry, the lock last. A later ``statekit gc`` finds the lock and finishes the job.
-
-    Args:
-        storage: the directory.
+    """Delete a directory statekit wrote: a lock marked ``deleting`` first, then the
+    manifest, every other entry, the lock last, so an interruption leaves it for ``statekit gc``.
 
     Raises:
         StorageError: the storage failed (what was not removed yet stays, under the lock).
@@ -152,15 +120,8 @@ def _clear_owned(storage: Storage) -> None:
 
 
 def abandon_save(storage: Storage, rank: int) -> None:
-    """A save that failed before its commit: rank 0 leaves the lock in place, marked failed
-    (:func:`mark_save_failed`), so what the save wrote stays recognisably statekit's: ``statekit
-    gc`` removes it and the next save into the directory takes it over. A directory another
-    saver committed meanwhile (an exclusive commit this save lost) is left as it is.
-
-    Args:
-        storage: the checkpoint directory.
-        rank: this process's rank (only rank 0 owns the lock).
-    """
+    """A save that failed before its commit: rank 0 (the lock's owner) marks the lock
+    failed (:func:`mark_save_failed`), unless another saver committed the directory meanwhile."""
     if rank != 0:
         return
     try:
@@ -172,35 +133,20 @@ def abandon_save(storage: Storage, rank: int) -> None:
 
 
 def mark_copy_in_progress(storage: Storage) -> None:
-    """Put this process's lock in a directory a copy is filling (a checkpoint replicated to
-    the remote tier): ``statekit gc`` keeps a directory with a live lock, so it does not
-    delete a copy in progress; :func:`release_lock` removes it after the copy's commit.
-    Not exclusive: a copy redone after a failed try rewrites it."""
+    """Put this process's lock (not exclusive) in a directory a copy is filling, so
+    ``statekit gc`` keeps it until :func:`end_copy_in_progress`."""
     storage.write_bytes(LOCK_NAME, _lock_record())
 
 
 def end_copy_in_progress(storage: Storage) -> None:
-    """Remove the lock :func:`mark_copy_in_progress` put in a copy's directory, after the
-    copy's commit (a storage failing now is left alone: a later ``statekit gc`` finds the
-    lock stale).
-
-    Args:
-        storage: the directory the copy filled.
-    """
+    """Remove the lock :func:`mark_copy_in_progress` put, after the copy's commit (as
+    :func:`release_lock`)."""
     release_lock(storage, 0)
 
 
 def lock_accelerate_save(storage: Storage) -> None:
-    """Own a directory that ``Accelerator.save_state`` is about to write (attach mode), as
-    :func:`prepare_target` owns one for a native save: take the save lock, then uncommit
-    a checkpoint an earlier save committed there (Accelerate overwrites its files in
-    place). Until the manifest is committed, a load finds the lock and no manifest and
-    refuses the directory (:class:`IncompleteCheckpointError`), instead of reading it as a
-    plain Accelerate folder with half-written files. Nothing is cleared: the directory
-    is the user's, and Accelerate overwrites what it writes.
-
-    Args:
-        storage: the directory Accelerate writes.
+    """Own a directory ``Accelerator.save_state`` is about to write (attach mode): take the
+    save lock, then uncommit an earlier checkpoint there; nothing is cleared.
 
     Raises:
         CheckpointExistsError: another live save holds the directory's lock.
@@ -219,15 +165,8 @@ def lock_accelerate_save(storage: Storage) -> None:
 
 
 def mark_save_failed(storage: Storage) -> None:
-    """Leave a failed save's lock in place, marked failed (stale at once): the directory
-    (with what the save wrote) stays unloadable and recognisably statekit's, ``statekit gc``
-    removes it, and the next save into it takes the lock over (:func:`prepare_target`,
-    :func:`lock_accelerate_save`). Called by :func:`abandon_save` and by attach mode; a failing storage leaves
-    the lock as it was (stale once this process is gone).
-
-    Args:
-        storage: the checkpoint directory.
-    """
+    """Leave a failed save's lock in place, marked failed (stale at once), for ``statekit
+    gc`` or the next save; a failing storage leaves the lock as it was."""
     try:
         storage.write_bytes(LOCK_NAME, json.dumps({**json.loads(_lock_record()), "failed": True}).encode())
     except StatekitError:
@@ -243,13 +182,7 @@ def _lock_record() -> bytes:
 
 
 def release_lock(storage: Storage, rank: int) -> None:
-    """Remove the lock (rank 0 only), after a commit or a copy's end; a failing storage
-    leaves it, stale once this process is gone.
-
-    Args:
-        storage: the checkpoint directory.
-        rank: this process's rank.
-    """
+    """Remove the lock (rank 0 only); a failing storage leaves it, stale once this process is gone."""
     if rank == 0:
         try:
             storage.remove(LOCK_NAME)
@@ -258,16 +191,8 @@ def release_lock(storage: Storage, rank: int) -> None:
 
 
 def live_save_lock(storage: Storage) -> dict[str, Any] | None:
-    """The holder of ``storage``'s save lock when a save is (or may still be) in progress:
-    a live process on this host, or another host's lock younger than
-    :data:`LOCK_TIMEOUT_S`; None when there is no lock or it is stale.
-
-    Args:
-        storage: a checkpoint directory.
-
-    Returns:
-        The lock's JSON (``host``, ``pid``, ``created``), or None.
-    """
+    """The lock's JSON (``host``, ``pid``, ``created``) when a save is (or may still be) in
+    progress; None when there is no lock or it is stale."""
     holder = _lock_holder(storage)
     return holder if holder is not None and holder.get("alive", True) else None
 

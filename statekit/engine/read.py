@@ -1,10 +1,7 @@
-"""What a load reads and in what order: the one plan of a native load (:class:`LoadPlan`),
-each object's read (models fit-checked before anything is written, per-rank and
-replicated state, data loader positions) and whole-checkpoint verification.
-
-No plugin code runs here: :mod:`statekit.api.loading` runs the hooks between the plan's
-two steps and hands it what no plugin took. The sequence is drawn in
-``docs/design-notes.md`` ("Where a save and a load live").
+"""What a native load reads and in what order (:class:`LoadPlan`), each object's read, and
+whole-checkpoint verification. No plugin code runs here (:mod:`statekit.api.loading` runs
+the hooks); the sequence is in docs/design-notes.md ("The map", "Loads check everything
+before they copy anything").
 """
 
 from __future__ import annotations
@@ -40,22 +37,11 @@ logger = logging.getLogger("statekit")
 
 @dataclass
 class LoadPlan:
-    """The order of a native load of ``entries`` (each in the checkpoint; what plugins take
-    is decided between the two steps):
-
-    1. :meth:`files_open` around everything: each file opened once, its header parsed once
-       (:meth:`statekit.Checkpoint.reading_each_file_once`);
-    2. :meth:`check_before_hooks`: the optimizers, schedulers and tensors the core owns fit
-       (skeletons and headers only), before any plugin or the core loads anything;
-    3. the caller runs ``statekit_load_state_pre``;
-    4. :meth:`read`, for what no plugin took: every model's fit, then the ``early`` objects
-       (all or nothing), the models, the ``late`` ones (:func:`split_for_load`), with fresh
-       memory made ahead for the later tensor files.
+    """A native load of ``entries`` (every key in the manifest): inside :meth:`files_open`,
+    :meth:`check_before_hooks`, then the caller's ``statekit_load_state_pre``, then
+    :meth:`read` of what no plugin took.
 
     Attributes:
-        checkpoint: the load's context (its ``manifest`` read).
-        entries: the objects to load, every key in the manifest.
-        accelerator: the run's Accelerator, or None (models are unwrapped through it).
         strict: as :func:`load_models`.
         incompatible: after :meth:`read`, stable key -> missing and unexpected keys.
         not_restored: after :meth:`read`, what could not be restored (for one warning).
@@ -75,11 +61,8 @@ class LoadPlan:
 
     @contextmanager
     def files_open(self) -> Iterator[None]:
-        """Each file opened once and its header parsed once within the block; every file
-        still open is closed at its end, also after a failure.
-
-        Yields:
-            None.
+        """Each file opened and its header parsed once within the block
+        (:meth:`statekit.Checkpoint.reading_each_file_once`).
 
         Raises:
             StorageError: closing a file failed (only when the block did not raise).
@@ -88,24 +71,15 @@ class LoadPlan:
             yield
 
     def check_before_hooks(self) -> None:
-        """Check that the saved state of every core-owned optimizer, scheduler and tensor
-        fits (:func:`check_entries`), before anything is loaded.
-
-        Raises:
-            StateMismatchError: a state does not fit; nothing was loaded.
-            CorruptCheckpointError: a state file is missing or malformed (names it).
-        """
+        """:func:`check_entries` of every core-owned entry, before anything is loaded."""
         names = parameter_names(unwrap_model(e.obj, self.accelerator) for e in self.entries if e.kind == "model")
         core = [e for e in self.entries if self.saved_objects[e.key].owner == CORE]
         check_entries(self.checkpoint, core, self.saved_objects, names)
 
     def read(self, models: list[Any], taken: Mapping[str, str]) -> None:
-        """Read what no plugin took, in the plan's order (the class docstring, step 4);
-        fills :attr:`incompatible` and :attr:`not_restored`.
-
-        Args:
-            models: the entries' models, in order, as given.
-            taken: ``{key: plugin}`` of what plugins took in their pre-hooks.
+        """Read what no plugin took (``taken``: ``{key: plugin}``): every model's fit, the
+        ``early`` objects all or nothing, the models, the ``late`` ones (:func:`split_for_load`),
+        with fresh memory made ahead for the later tensor files.
 
         Raises:
             StateMismatchError: an object or model does not fit (what was applied before it
@@ -132,16 +106,10 @@ def load_models(
     saved_objects: Mapping[str, ObjectEntry],
     strict: bool = True,
 ) -> dict[str, dict[str, list[str]]]:
-    """Fill every model in place from its ``<key>.safetensors`` (or codec file), each
-    checked against its saved keys, shapes and dtypes first.
-
-    Args:
-        checkpoint: the load's context.
-        core_models: the unwrapped models, parallel to ``keys``.
-        keys: their stable keys.
-        saved_objects: the manifest's ``objects``.
-        strict: False loads the state dict keys the model and the checkpoint share (as
-            ``load_state_dict(strict=False)``); shapes and dtypes must still match.
+    """Fill every model (unwrapped, parallel to ``keys``) in place from its
+    ``<key>.safetensors`` (or codec file), each checked against its saved keys, shapes and
+    dtypes first. ``strict=False`` loads the keys model and checkpoint share, as
+    ``load_state_dict(strict=False)``; shapes and dtypes must still match.
 
     Returns:
         Stable key -> ``{"missing_keys": [...], "unexpected_keys": [...]}`` (empty lists
@@ -161,12 +129,8 @@ def check_models(
     saved_objects: Mapping[str, ObjectEntry],
     strict: bool = True,
 ) -> None:
-    """Check every model against its saved keys, shapes and dtypes (from the tensor
-    file's header) before any model is filled: a load that refuses the second model has
-    not filled the first.
-
-    Args:
-        checkpoint, core_models, keys, saved_objects, strict: as :func:`load_models`.
+    """Check every model against its saved keys, shapes and dtypes (from the headers)
+    before any model is filled; arguments as :func:`load_models`.
 
     Raises:
         StateMismatchError: a model does not fit (every model is untouched).
@@ -180,17 +144,8 @@ def check_entries(
     checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry], names: Mapping[int, str] | None = None
 ) -> None:
     """Check that the saved state of every optimizer, scheduler and tensor among ``entries``
-    fits it, before anything is applied: an optimizer's parameter groups and the shapes of
-    its state tensors (:func:`statekit.engine.optimizer_fit.check_optimizer_fit`), a
-    scheduler's class (:func:`statekit.engine.optimizer_fit.check_scheduler_fit`), a
-    tensor's shape and dtype. Reads the state files' skeletons and the tensor files' headers, no tensor data.
-
-    Args:
-        checkpoint: the load's context.
-        entries: the objects the core loads (entries of other kinds are skipped).
-        saved_objects: the manifest's ``objects``.
-        names: ``id(parameter) -> name`` for the messages
-            (:func:`statekit.engine.optimizer_fit.parameter_names`).
+    fits it (:mod:`statekit.engine.optimizer_fit`; a tensor's shape and dtype), from the
+    skeletons and headers only; ``names`` is ``id(parameter) -> name`` for the messages.
 
     Raises:
         StateMismatchError: a state does not fit (names the object, the file, the
@@ -219,18 +174,9 @@ def check_entries(
 
 
 def split_for_load(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
-    """The order in which a load applies what no plugin took.
-
-    Returns:
-        ``(early, late)``: ``early`` (schedulers, scaler, custom objects, dicts, data
-        loaders, accumulated gradients, in the given order: a loader's restore and the
-        step counters and gradients depend on it) is applied before the models are
-        filled, each object that can be put back with a snapshot
-        (:func:`load_entries_undoable`); ``late`` (optimizers, tensors: their large files
-        are read after the models', into the memory made ahead while the models are read)
-        is checked before anything is applied (:func:`check_entries`) and applied after
-        the models.
-    """
+    """``(early, late)``: what is applied before the models (in the given order, all or
+    nothing: :func:`load_entries_undoable`) and the optimizers and tensors applied after
+    them, into memory made ahead while the models are read."""
     late = [e for e in entries if e.kind in ("optimizer", "tensor")]
     return [e for e in entries if e.kind not in ("optimizer", "tensor")], late
 
@@ -242,19 +188,9 @@ def _undoable(e: Entry) -> bool:
 
 
 def load_entries_undoable(checkpoint: Checkpoint, entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[str]:
-    """Restore ``entries`` (the ``early`` of :func:`split_for_load`) all or nothing: each
-    object's current state is kept before its state is applied, and when one refuses its
-    state the ones already applied are put back before the error is raised.
-
-    Returns:
-        What could not be restored, as :func:`load_entries`.
-
-    Raises:
-        StateMismatchError: an object refused its state (names the object and file); every
-            object of ``entries`` applied before it was put back, except data loader
-            positions and accumulated gradients (they have no snapshot to go back to).
-        CorruptCheckpointError: a file fails verification (names it); as for a refusal.
-    """
+    """Restore ``entries`` as :func:`load_entries`, all or nothing: when one refuses its
+    state (StateMismatchError, CorruptCheckpointError) the ones applied before it are put
+    back from snapshots, except data loader positions and accumulated gradients."""
     not_restored: list[str] = []
     undo: list[tuple[Entry, Any]] = []
     try:
@@ -317,11 +253,9 @@ def tensor_files_of(checkpoint: Checkpoint, entries: list[Entry], saved_objects:
 
 
 def loads_in_place(models: list[torch.nn.Module]) -> bool:
-    """Whether every parameter and buffer of ``models`` is on the CPU, so their files are
-    read into them in place and allocate nothing (then fresh memory made ahead for later
-    files adds nothing to the load's peak; a GPU model's file goes through fresh CPU
-    buffers). Parameters and buffers, not ``state_dict()``: that one is built again by
-    the load, and FSDP1's gathers the whole model."""
+    """Whether every parameter and buffer of ``models`` is on the CPU (their files are read
+    in place, so memory made ahead for later files adds nothing to the peak). Not
+    ``state_dict()``: FSDP1's gathers the whole model."""
     return all(t.device.type == "cpu" for m in models for t in (*m.parameters(), *m.buffers()))
 
 
@@ -363,39 +297,17 @@ def _fit_model(
 
 
 def model_tensor_files(key: str, files: tuple[str, ...] | list[str]) -> list[str]:
-    """A core model's tensor files: ``<key>.safetensors``, then its frozen-tensor files of
-    an incremental save (format ``statekit/2``, :func:`statekit.engine.incremental.split_model`).
-
-    Args:
-        key: the model's stable key.
-        files: the checkpoint's file names (``manifest.files``, or the object's ``files``).
-
-    Returns:
-        The relative paths, ``<key>.safetensors`` first, then the frozen files in name order.
-    """
+    """A core model's tensor files among ``files`` (``manifest.files`` or the object's
+    ``files``): ``<key>.safetensors``, then its frozen files of an incremental save
+    (format ``statekit/2``) in name order."""
     return [f"{key}.safetensors"] + sorted(rel for rel in files if is_frozen_file(key, rel))
 
 
 def custom_load(model: torch.nn.Module) -> str | None:
-    """Why filling ``model``'s tensors in place would skip code of its own that a load
-    runs, or None when it would not.
-
-    A model loads fastest by reading each tensor straight into the one its
-    ``state_dict()`` returns; ``nn.Module.load_state_dict`` would do the same copy, but
-    also runs load hooks (``register_load_state_dict_pre_hook``/``_post_hook``) and the
-    ``_load_from_state_dict`` of modules that override it (transformers' frozen batch
-    norms, peft layers, quantized modules convert what they read). Such a model loads
-    through ``load_state_dict`` instead (one extra copy of its tensors in memory).
-    torch.nn's own overrides (batch and instance norm: compatibility with checkpoints
-    of older torch versions) change nothing for a state dict of the same class and do
-    not count.
-
-    Args:
-        model: the unwrapped model.
-
-    Returns:
-        The first reason found (naming the module and its class), or None.
-    """
+    """Why filling the unwrapped ``model``'s tensors in place would skip load code of its
+    own (load hooks, a ``_load_from_state_dict`` or ``load_state_dict`` override outside
+    torch.nn), naming the module and its class; None when it would not. Such a model loads
+    through ``load_state_dict`` (docs/api.md, "statekit.load")."""
     if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
         return f"{type(model).__name__} overrides load_state_dict"
     for name, module in model.named_modules():
@@ -507,14 +419,9 @@ def _check_tensor(where: str, e: Entry, state: Any) -> torch.Tensor:
 
 
 def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] | None]:
-    """A data loader's saved positions: this rank's (None when it saved none) and, when
-    :mod:`statekit.loaders.elastic` needs them (another world size, a rank that saved
-    nothing, an earlier elastic resume in this epoch, Accelerate's dispatcher), those of
-    every saved rank (index = saved rank); else None.
-
-    Args:
-        checkpoint: a loading checkpoint with its manifest.
-        key: the loader's stable key (``dataloader_0``); its files are ``<key>/rank-<r>.json``.
+    """The saved positions of loader ``key`` (files ``<key>/rank-<r>.json``): this rank's
+    (None when it saved none) and, when :mod:`statekit.loaders.elastic` needs them, every
+    saved rank's (index = saved rank); else None.
 
     Raises:
         CorruptCheckpointError: a position file fails verification (names it).
@@ -554,9 +461,7 @@ def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> 
 
 
 def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> None:
-    """Restore a data loader's position: this rank's, and with another world size (or a
-    rank that saved nothing) those of every saved rank, from which
-    :mod:`statekit.loaders.elastic` plans this rank's rest of the interrupted epoch."""
+    """Restore a data loader's position from :func:`loader_positions`."""
     base = fmt.rank_path(e.key, checkpoint.rank)
     own, ranks = loader_positions(checkpoint, e.key)
     try:
@@ -570,11 +475,8 @@ def _load_loader(checkpoint: Checkpoint, e: Entry, not_restored: list[str]) -> N
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Check every file of a committed checkpoint against its manifest (size and checksum).
-
-    Reads each file once, streaming (the checkpoint's verifying reader checks size and
-    checksum at the end of each file); nothing is loaded into objects. Shows a progress
-    bar on a terminal (:mod:`statekit.progress`).
+    """Check every file of a committed checkpoint against its manifest (size and checksum),
+    reading each once, streaming; nothing is loaded. Shows a progress bar on a terminal.
 
     Args:
         url: checkpoint directory URL.
@@ -596,22 +498,14 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manife
 
 
 def verify_files(storage: Storage, manifest: Manifest, rank: int | None = None) -> None:
-    """Read every file ``manifest`` lists (of every rank, or with ``rank``: the shared ones
-    and ``rank``'s own) and compare its size and checksum, streaming; nothing is loaded.
-
-    This is :func:`verify`'s pass; attach mode runs it before Accelerate, which reads its
-    files itself, restores anything (about one more read of the checkpoint, from the page
-    cache on local disk when Accelerate reads it next).
-
-    Args:
-        storage: the checkpoint's storage; manifest: its manifest.
-        rank: only the files this rank reads (None: all).
+    """:func:`verify`'s pass over the files ``manifest`` lists: every rank's, or with
+    ``rank`` the shared ones and ``rank``'s own.
 
     Raises:
         CorruptCheckpointError: the first file that is missing, or whose size or checksum
             differs; ``.path`` names it.
     """
-    names = sorted(rel for rel, entry in manifest.files.items() if rank is None or not _other_ranks_file(rel, entry, rank))
+    names = sorted(rel for rel in manifest.files if rank is None or not _other_ranks_file(rel, rank))
     reader = FileReader(storage, manifest, verify=True)
     with progress(sum(manifest.files[rel].size_bytes for rel in names), "verify") as advance:
         for rel in names:
@@ -621,7 +515,7 @@ def verify_files(storage: Storage, manifest: Manifest, rank: int | None = None) 
                 f.read()  # end of file: the reader compares size and checksum here
 
 
-def _other_ranks_file(rel: str, entry: Any, rank: int) -> bool:
+def _other_ranks_file(rel: str, rank: int) -> bool:
     """A per-rank file of another rank (``.../rank-00001.json``, Accelerate's ``random_states_1.pkl``)."""
     parsed = fmt.parse_rank_path(rel)
     if parsed is not None:

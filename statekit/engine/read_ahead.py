@@ -1,15 +1,7 @@
-"""Fresh memory for a load's later tensor files, made and faulted in while earlier files are read.
-
-A resume first fills the models' existing parameters (the model files), then reads the
-optimizer state into fresh memory. On the benchmark VM the first touch of fresh memory
-costs 0.2-0.3 s per GiB (the kernel zeroes each page, and the host backs it again where
-the balloon had reported it free), about half the time of reading it, and the model
-files' reads leave a core idle (they wait on the disk). So
-:class:`FreshAhead` allocates the later files' buffers as soon as the load starts, on a
-helper thread, and faults them in (:class:`statekit.storage.prefault.Prefaulter`) while
-the models are read; :meth:`statekit.Checkpoint.load_tensors` then reads into them.
-Nothing else changes: the file is parsed, read and verified as before, and a buffer
-that does not fit what the read finds is not used.
+"""Fresh memory for a load's later tensor files (the optimizer state of a resume), made and
+faulted in on a helper thread while the model files are read: the first touch of fresh
+memory costs about half the time of reading it (docs/design-notes.md, "Reading tensor
+files"). A buffer that does not fit what the read finds is not used.
 """
 
 from __future__ import annotations
@@ -24,17 +16,9 @@ from statekit.storage.prefault import PREFAULT_MIN_BYTES, Prefaulter
 
 
 class FreshAhead:
-    """Buffers for the tensor files whose ``headers`` are given (in the order the load
-    reads them), made on a daemon thread; :meth:`take` hands a file's buffers to its read.
-
-    Args:
-        headers: ``rel -> parsed header`` of the files the load will read into fresh
-            memory (:meth:`statekit.Checkpoint.tensor_header`: the files themselves are
-            not opened here).
-
-    The thread never raises: a file whose buffers cannot be made gets none, and the load's
-    own read of it allocates them. :meth:`close` stops and joins it.
-    """
+    """Buffers for the tensor files of ``headers`` (``rel -> parsed header``, in the order
+    the load reads them), made on a daemon thread that never raises (a file whose buffers
+    cannot be made gets none); :meth:`take` hands a file's buffers to its read."""
 
     def __init__(self, headers: dict[str, fmt.TensorHeader]) -> None:
         self._headers = dict(headers)
@@ -71,9 +55,8 @@ class FreshAhead:
             self._prefaulter.run()
 
     def take(self, rel: str) -> dict[str, torch.Tensor] | None:
-        """The buffers made for ``rel`` (waits until every file's are allocated, not until
-        they are faulted in), or None: not one of the files, or none could be made. Each file's buffers are handed out once; pass each to :meth:`ready` before
-        writing into it."""
+        """The buffers made for ``rel``, handed out once (waits until every file's are
+        allocated, not faulted in), or None; pass each to :meth:`ready` before writing into it."""
         ready = self._ready.get(rel)
         if ready is None:
             return None

@@ -19,19 +19,10 @@ JSON state files, the manifest, RNG state (a few KiB each)."""
 
 
 def tensor_bytes(entries: Iterable[Entry], rank: int) -> int:
-    """Bytes of tensor data this rank writes for ``entries``: its per-rank entries, and on
-    rank 0 the replicated ones. Counted: model parameters and buffers (local shards of
-    distributed tensors; ``meta`` tensors have no data), optimizer state, tensor
-    entries; shared storages once. Other objects (schedulers, data loaders, dicts) hold no bulk data and
-    are left to :data:`RESERVE_BYTES`; their ``state_dict()`` is not called here.
-
-    Args:
-        entries: the save's classified objects.
-        rank: this process's rank.
-
-    Returns:
-        Bytes (an estimate of the tensor files' data sections).
-    """
+    """Estimated bytes of tensor data this rank writes for ``entries`` (its per-rank ones, on
+    rank 0 the replicated ones too): model parameters and buffers (local shards; no ``meta``),
+    optimizer state, tensor entries, shared storages once. Other objects are left to
+    :data:`RESERVE_BYTES`."""
     seen: set[tuple[Any, int]] = set()
     total = 0
     for e in entries:
@@ -62,11 +53,7 @@ def _tensors_of(e: Entry) -> Iterable[Any]:
 def check_free_space(storage: Storage, entries: Iterable[Entry], rank: int, overwrite: bool = False) -> None:
     """Raise before anything is written when this rank's share of the save does not fit.
 
-    Args:
-        storage: the checkpoint directory (remote storage is not checked).
-        entries: the save's classified objects.
-        rank: this process's rank.
-        overwrite: the save replaces the directory's files (their bytes count as free).
+    Remote storage is not checked; with ``overwrite`` the directory's files count as free.
 
     Raises:
         StorageError: needed bytes (tensor bytes + :data:`RESERVE_BYTES`) exceed the free

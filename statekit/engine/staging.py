@@ -1,26 +1,9 @@
-"""Host-memory staging for async saves: copies of tensors, reused from one save to the next.
-
-An async save copies the state it writes into CPU buffers on the calling thread (that is
-all the training loop waits for) and writes the copies from a background thread. The
-buffers are kept by (file, tensor name) and reused when the next save has the same shapes
-and dtypes: the first touch of fresh memory costs far more than a copy on this class of
-machine (0.4-4.8 s/GiB measured), so steady-state saves allocate nothing.
-
-The tensors of one file are staged into one page-aligned arena, back to back in the order
-the file stores them (:func:`statekit.format.tensors.write_tensors` writes a dict's tensors
-in order, tied views once), so the background writer sends the arena to the disk as it is
-(``O_DIRECT`` straight from it: :meth:`statekit.storage.DirectWriter.write_stable`) instead of
-copying every byte once more into its own aligned buffers; that copy was most of the CPU an
-async save takes from training (docs/benchmark.md).
-
-Tensors on an accelerator (CUDA or any ``torch.accelerator`` device) are staged into pinned
-(page-locked) host buffers with non-blocking device-to-host copies. An event per device
-and file, recorded after that file's copies on the stream they were queued on, and all of
-them waited for by :meth:`StagingPool.settle` (once per save, so the next file's copies are
-queued while the earlier ones run), make the save block only for the device-to-host transfer, as DCP's ``DefaultStager`` and torchtitan
-do (https://github.com/pytorch/pytorch/blob/main/torch/distributed/checkpoint/staging.py).
-An H200 async save of 1 GiB blocked 28.2 ms with one wait per file, 24.7 ms with one per
-save (docs/benchmark.md, "GPU runs").
+"""Host-memory staging for async saves: one arena per file, the tensors back to back in the
+file's order, reused while names, shapes and dtypes match (fresh memory costs 0.4-4.8 s/GiB
+to touch); accelerator tensors go to pinned buffers with non-blocking copies, waited for
+once per save, as DCP's ``DefaultStager`` does
+(https://github.com/pytorch/pytorch/blob/main/torch/distributed/checkpoint/staging.py).
+Measured and explained: docs/design-notes.md, "Async saves".
 """
 
 from __future__ import annotations
@@ -76,19 +59,12 @@ class StagingPool:
             self._free.notify_all()
 
     def stage(self, rel: str, tensors: Mapping[str, torch.Tensor]) -> StagedTensors:
-        """Copy ``tensors`` into this pool's arena for file ``rel``.
-
-        Identical views of one storage (tied weights) map to one buffer, so the writer
-        still stores them once.
-
-        Args:
-            rel: the file the tensors go to.
-            tensors: ``name -> tensor`` on any device.
+        """Copy ``tensors`` (``name -> tensor``, any device; tied views to one buffer) into
+        this pool's arena for file ``rel``.
 
         Returns:
-            ``name -> staged CPU tensor`` (contiguous copies owned by the pool, views of
-            the file's arena, ``.arena``): complete when this returns for CPU tensors, once
-            :meth:`settle` returns for accelerator tensors (their copies are queued).
+            ``name -> staged CPU tensor``, views of the file's arena (``.arena``): complete
+            on return for CPU tensors, once :meth:`settle` returns for accelerator tensors.
         """
         refused: dict[str, Any] = {}  # the writer raises the proper error for these
         tied: dict[str, str] = {}  # name -> the name whose buffer it shares
@@ -129,9 +105,7 @@ class StagingPool:
 
     def settle(self) -> None:
         """Wait until every device-to-host copy queued by :meth:`stage` since the last call
-        is done: the events :func:`record_copies` recorded after each file's copies, on
-        the stream each was queued on. An async save calls it once, after its last file is
-        staged and before ``save()`` returns.
+        is done (the events of :func:`record_copies`).
 
         Raises:
             RuntimeError: the accelerator runtime reports an error (torch's own).
@@ -164,11 +138,9 @@ class StagedTensors(dict):
 
 
 def _arena_views(tensors: Mapping[str, torch.Tensor], pin: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One page-aligned host arena holding ``tensors`` back to back (their order; unpinned,
-    it starts on a huge page and asks for huge pages: :mod:`statekit.storage.hugepages`,
-    the background write from it takes about half the time), and a
-    view of each in its shape and dtype (an offset need not suit the dtype's alignment:
-    the file's layout decides it, and the CPU copies to unaligned addresses)."""
+    """One page-aligned host arena holding ``tensors`` back to back (unpinned: on huge pages,
+    :mod:`statekit.storage.hugepages`), and a view of each in its shape and dtype (an offset
+    need not suit the dtype's alignment: the file's layout decides it)."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     align = ARENA_ALIGN if pin else HUGE_PAGE_BYTES  # pinned memory is the runtime's; ours asks for huge pages
     raw = allocate_host(torch.Size([total + align]), torch.uint8, pin)
@@ -208,14 +180,8 @@ def allocate_host(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Ten
 
 
 def record_copies(devices: set[torch.device]) -> list[Any]:
-    """One event per device, recorded on its current stream after the non-blocking
-    device-to-host copies queued there; :meth:`StagingPool.settle` synchronizes them (not
-    the whole device). Recorded where the copies were queued, so copies a caller queued on
-    a side stream (``torch.cuda.stream(s)``) are waited for too.
-
-    Returns:
-        The events (``torch.Event``), not yet waited for.
-    """
+    """One ``torch.Event`` per device, recorded on its current stream (a caller's side
+    stream too) after the copies queued there, for :meth:`StagingPool.settle`."""
     events = []
     for device in devices:
         event = torch.Event(device=device)

@@ -1,7 +1,6 @@
 """Writing what no plugin took: the core's model files (rank 0) and object state
-(replicated state on rank 0, per-rank state on every rank), through the checkpoint.
-
-No plugin code runs here: :mod:`statekit.api.saveload` calls the hooks first.
+(replicated state on rank 0, per-rank state on every rank), through the checkpoint; no
+plugin code runs here.
 """
 
 from __future__ import annotations
@@ -11,9 +10,11 @@ from typing import Any
 
 import torch
 
+from statekit import format as fmt
 from statekit.engine.context import Checkpoint
-from statekit.engine.entries import Entry, LazyStateDict, _rank_base, _state_of
+from statekit.engine.entries import Entry, LazyStateDict
 from statekit.engine.incremental import split_model
+from statekit.loaders import data
 
 
 def write_core_state(
@@ -23,19 +24,10 @@ def write_core_state(
     core_models: list[torch.nn.Module],
     weights: list[Mapping[str, Any] | None],
 ) -> None:
-    """Write (or, during an async save, stage) the core's share of a save.
-
-    In an incremental save, the tensor files that the base checkpoint also holds are
-    compared with it on worker threads from the start (:meth:`Checkpoint.comparing_ahead`)
-    and saved last, so that hashing them overlaps the writes of everything else.
-
-    Args:
-        checkpoint: the save's context; ``checkpoint.objects`` holds the objects no plugin took.
-        entries: every entry of the save.
-        models: the models no plugin took (as given, possibly wrapped).
-        core_models: the same models unwrapped, in the same order.
-        weights: per model, the state dict the hooks left (None: compute it).
-    """
+    """Write (or, during an async save, stage) the core's share of a save: the ``models`` no
+    plugin took (as given; ``core_models`` unwrapped, ``weights`` the state dicts the hooks
+    left, None: compute it) and the entries still in ``checkpoint.objects``. Files the base
+    holds are compared ahead and saved last (:meth:`Checkpoint.comparing_ahead`)."""
     rank = checkpoint.rank
     tensor_files: dict[str, Mapping[str, torch.Tensor]] = {}
     if rank == 0:
@@ -61,17 +53,20 @@ def write_core_state(
 def tensor_files_of_model(
     checkpoint: Checkpoint, key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None = None
 ) -> dict[str, Mapping[str, torch.Tensor]]:
-    """The tensor files of one model's state dict (all tensors): ``<key>.safetensors``, or in
-    an incremental save, with the frozen tensors of a model with trainable ones in files of
-    their own (:func:`statekit.engine.incremental.split_model`).
-
-    Args:
-        checkpoint: the save's context (``checkpoint.incremental`` decides the split).
-        key: the model's stable key.
-        weights: its state dict, tensors only.
-        model: the unwrapped model (what requires gradients); None: one file.
-
-    Returns:
-        ``{relative path: {name: tensor}}``, ``<key>.safetensors`` first.
-    """
+    """``{relative path: {name: tensor}}`` of one model's state dict (tensors only):
+    ``<key>.safetensors``, or in an incremental save :func:`statekit.engine.incremental.split_model`."""
     return split_model(key, weights, model) if checkpoint.incremental else {f"{key}.safetensors": weights}
+
+
+def _state_of(entry: Entry) -> Any:
+    if entry.kind == "tensor":
+        return {entry.key: entry.obj}
+    if entry.kind == "dict":
+        return entry.obj
+    if entry.kind == "dataloader":
+        return data.loader_state(entry.obj, entry.key)
+    return entry.obj.state_dict()
+
+
+def _rank_base(entry: Entry, rank: int) -> str:
+    return fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key
