@@ -39,8 +39,6 @@ PLUGIN_NAME = "fsdp"
 MAX_OPEN_FILES = 64
 """Shard files kept open at once while assembling (least recently used are closed)."""
 
-_CODES = SAFETENSORS_CODES  # safetensors dtype codes, as statekit writes them
-
 
 def consolidate(
     src_url: str, out_url: str, *, storage_options: dict[str, Any] | None = None, verify: bool = True
@@ -228,7 +226,7 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], source: str
     specs = []
     seen: set[str] = set()
     for name, dtype, shape in entries:
-        code = _CODES.get(dtype)
+        code = SAFETENSORS_CODES.get(dtype)
         if code is None:
             raise UnsupportedDtypeError(f"{source}: tensor {name!r} has dtype {dtype}, which safetensors cannot store natively")
         if name in seen or name == "__metadata__":

@@ -85,15 +85,10 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
 
 
 def metadata_from_json(doc: Any, source: str) -> Metadata:
-    """Rebuild DCP's ``Metadata`` from :func:`metadata_to_json`'s output.
-
-    Args:
-        doc: the parsed ``metadata.json``.
-        source: its URL, named in errors.
+    """Rebuild DCP's ``Metadata`` from the parsed ``metadata.json`` at ``source`` (a URL, named in errors).
 
     Returns:
-        ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to
-        ``{"file", "name", "size_bytes"}``.
+        ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to ``{"file", "name", "size_bytes"}``.
 
     Raises:
         CorruptCheckpointError: the document is not statekit-fsdp metadata or is malformed.

@@ -96,11 +96,7 @@ class StatekitStorageWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Write this rank's chunks as one safetensors file.
-
-        Args:
-            plan: the final local plan (its ``items`` are ``WriteItem`` s).
-            planner: resolves each item to its tensor (a local shard or a whole tensor).
+        """Write this rank's chunks as one safetensors file (two with frozen chunks).
 
         Returns:
             A completed future holding one ``WriteResult`` per item, whose
@@ -200,13 +196,8 @@ class StatekitStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        """Read every chunk this rank needs, one shard file at a time.
-
-        Each file is read once (verified against the manifest when verification is on)
-        and the requested regions are copied into the planner's target tensors.
-
-        Returns:
-            A completed future.
+        """Read every chunk this rank needs into the planner's targets, each shard file once
+        (verified when ``checkpoint.verify`` is on); returns a completed future.
 
         Raises:
             CorruptCheckpointError: a file is missing, fails verification, or lacks a chunk.

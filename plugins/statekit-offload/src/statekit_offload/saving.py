@@ -251,14 +251,9 @@ def save_model(
 def _files(
     key: str, placeholders: dict[str, torch.Tensor], sources: dict[str, Any], tied: list[list[str]]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """The files of an offloaded model in an incremental save: ``relative path -> tensors``.
-
-    Tensors held in memory (their source is the tensor itself) go to ``<key>.safetensors``;
-    offloaded ones to ``<key>.offloaded-<nnnnn>.safetensors`` of at most
-    :data:`OFFLOADED_FILE_BYTES`, in state-dict order. A tie group stays in one file (in
-    memory when any of its names is). A model with only one kind is one file,
-    ``<key>.safetensors``.
-    """
+    """The files of an offloaded model in an incremental save: ``relative path -> tensors``,
+    offloaded ones in files of at most :data:`OFFLOADED_FILE_BYTES`; a tie group stays in
+    one file (in memory when any of its names is)."""
     group_of = {n: tuple(g) for g in tied for n in g}
     in_memory = {n for n, src in sources.items() if isinstance(src, torch.Tensor)}
     in_memory |= {n for n in placeholders if any(m in in_memory for m in group_of.get(n, ()))}

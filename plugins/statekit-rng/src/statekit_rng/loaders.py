@@ -46,13 +46,6 @@ def generator_holders(loader: Any) -> dict[str, Any]:
     return holders
 
 
-def new_generator(device: Any = None) -> torch.Generator:
-    """A new ``torch.Generator`` on ``device`` (default: ``torch.get_default_device()``)."""
-    if device is None:
-        device = torch.get_default_device() if hasattr(torch, "get_default_device") else "cpu"
-    return torch.Generator(device=device)
-
-
 def generator_entry(generator: torch.Generator) -> dict[str, Any]:
     """What is saved of one generator: its device and state."""
     return {"device": str(generator.device), "state": generator.get_state()}
@@ -78,7 +71,7 @@ def restore_loaders(saved: Mapping[str, Any], loaders: Mapping[str, Any], not_re
             generator = getattr(holder, "generator", None)
             created = not isinstance(generator, torch.Generator)
             if created:
-                generator = new_generator(entry["device"])
+                generator = torch.Generator(device=entry["device"])
             try:
                 generator.set_state(entry["state"])
             except (RuntimeError, TypeError, ValueError) as exc:
