@@ -100,24 +100,17 @@ def _safetensors_codes() -> frozenset[str]:
         return _SAFETENSORS_FALLBACK_CODES
 
 
-def saved_shapes(header: TensorHeader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``name -> (shape, dtype)`` of every tensor name a header holds, aliases included."""
-    saved = {e.name: (e.shape, e.dtype) for e in header.entries}
-    for alias, name in header.aliases.items():
-        saved[alias] = saved[name]
-    return saved
-
-
-def check_shapes(header: TensorHeader | list[TensorHeader], targets: Mapping[str, torch.Tensor], what: str) -> None:
+def check_shapes(headers: list[TensorHeader], targets: Mapping[str, torch.Tensor], what: str) -> None:
     """statekit's fit check (:func:`statekit.plugin_api.check_fit`) of a model's tensors
-    against a file's header, or the headers of all of a model's files.
+    against the headers of all of its files (aliases included).
 
     Raises:
         StateMismatchError: keys, shapes or dtypes differ (listed); says the model is untouched.
     """
     saved: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for h in header if isinstance(header, list) else [header]:
-        saved.update(saved_shapes(h))
+    for h in headers:
+        saved.update((e.name, (e.shape, e.dtype)) for e in h.entries)
+        saved.update((alias, saved[name]) for alias, name in h.aliases.items())
     check_fit(f"{what}; the model is untouched", targets, saved)
 
 
