@@ -77,17 +77,9 @@ def dat_entry(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> dict[st
 
 
 def safetensors_entry(path: str, weight_name: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Index entry of a tensor read in place from a safetensors file.
-
-    ``OffloadedWeightsLoader`` opens ``path`` with ``safetensors.safe_open`` and calls
-    ``get_tensor(weight_name)``, then ``.to(dtype)`` (a no-op when the stored dtype is
-    ``dtype``).
-
-    Args:
-        path: absolute local path of the safetensors file.
-        weight_name: the tensor's key in that file.
-        dtype: the stored dtype.
-    """
+    """Index entry of tensor ``weight_name`` read in place from the local safetensors file
+    ``path`` (absolute), stored as ``dtype``: ``OffloadedWeightsLoader`` reads it with
+    ``safetensors.safe_open(path).get_tensor(weight_name).to(dtype)``."""
     return {"safetensors_file": path, "weight_name": weight_name, "dtype": str(dtype).removeprefix("torch.")}
 
 

@@ -79,11 +79,8 @@ class LoadOptions:
 
 
 def check_offload_folder(folder: str | os.PathLike[str] | None, *, source: str = "offload_folder") -> str:
-    """Make sure ``folder`` can hold offloaded tensors: create it and write a probe file.
-
-    Args:
-        folder: the ``offload_folder`` option.
-        source: what is being loaded, named in errors.
+    """Make sure ``folder`` (the ``offload_folder`` option) can hold offloaded tensors: create
+    it and write a probe file; ``source`` (what is being loaded) is named in errors.
 
     Returns:
         The folder's absolute path.

@@ -350,11 +350,8 @@ def _pieces(p: Any, source: Any, target: torch.Tensor, key: str) -> Any:
 
 
 def load_plain(checkpoint: Any, key: str, model: torch.nn.Module, rel: str) -> None:
-    """Load ``rel`` (and the model's other files of an incremental save,
-    :func:`statekit_offload.loading.model_files`) into a model with real tensors, in
-    place, as the core does.
-
-    Used when a model this plugin saved is loaded without a device map.
+    """Load ``rel`` (and the model's other files of an incremental save) into a model with
+    real tensors, in place, as the core does: a model this plugin saved, without a device map.
 
     Raises:
         StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.
