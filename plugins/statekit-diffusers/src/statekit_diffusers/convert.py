@@ -1,26 +1,7 @@
 """``statekit convert CKPT OUT --to diffusers``: export a checkpoint as a diffusers pipeline folder.
 
 The output is what ``DiffusionPipeline.save_pretrained`` writes (diffusers
-``pipelines/pipeline_utils.py``): one folder per component and ``model_index.json``::
-
-    OUT/model_index.json            {"_class_name": "DDPMPipeline", "_diffusers_version": "0.42.1",
-                                     "scheduler": ["diffusers", "DDPMScheduler"],
-                                     "unet": ["diffusers", "UNet2DModel"]}
-    OUT/unet/config.json
-    OUT/unet/diffusion_pytorch_model.safetensors
-    OUT/scheduler/scheduler_config.json
-
-Which weights a model folder gets: when the checkpoint holds an EMA of that model, its
-averaged weights (as diffusers' training scripts do before ``save_pretrained`` of the
-final pipeline: ``ema_unet.copy_to(unet.parameters())``); pass ``ema=False`` for the
-trained weights. The config always comes from the model's own folder. Files are copied
-byte for byte, streamed through statekit's verifying reader (``checkpoint.open``), which
-checks them against the manifest's sizes and checksums in the same pass.
-
-The pipeline class: the ``diffusers_pipeline`` option recorded at save time, else the
-``pipeline_class`` argument, else ``DDPMPipeline`` when the checkpoint holds exactly one
-UNet and one noise scheduler. Without one, the component folders are written and no
-``model_index.json`` (a :class:`statekit.StatekitWarning` says so).
+``pipelines/pipeline_utils.py``); which weights and pipeline class: docs/plugins/diffusers.md.
 """
 
 from __future__ import annotations
@@ -65,13 +46,12 @@ def convert(
         src_url: a committed statekit checkpoint (any fsspec URL).
         out_url: the folder to create (any fsspec URL); must not exist or be empty.
         storage_options: fsspec options for both URLs.
-        pipeline_class: pipeline class name for ``model_index.json``; overrides the one
-            recorded at save time (``diffusers_pipeline`` option).
+        pipeline_class: pipeline class name for ``model_index.json``; overrides the recorded one.
         ema: export EMA weights for models that have an EMA in the checkpoint.
         plugin_name: the name statekit-diffusers was registered under when saving.
 
     Returns:
-        The ``model_index.json`` content written (``{}`` when none was written).
+        The ``model_index.json`` content written (``{}`` when none was).
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, FormatVersionError: ``src_url``

@@ -1,21 +1,9 @@
 """The diffusers/transformers folder layout: library detection, folder names, config JSON, shards.
 
-Nothing here imports diffusers or transformers. A model can only be an instance of
-``diffusers.ModelMixin`` (or ``transformers.PreTrainedModel``) if the module defining that
-class has been imported, so detection looks the class up in ``sys.modules`` and answers
-"no" when the module is absent.
-
-File names and the sharded index follow the Hugging Face conventions
-(``diffusers/models/modeling_utils.py`` ``ModelMixin.save_pretrained`` and
-``huggingface_hub.split_torch_state_dict_into_shards``):
-
-* diffusers: ``config.json`` + ``diffusion_pytorch_model.safetensors``, or shards
-  ``diffusion_pytorch_model-00001-of-00003.safetensors`` with
-  ``diffusion_pytorch_model.safetensors.index.json``;
-* transformers: ``config.json`` + ``model.safetensors``, or ``model-00001-of-00003.safetensors``
-  with ``model.safetensors.index.json``.
-
-The index is ``{"metadata": {"total_size": <bytes>}, "weight_map": {tensor name: file}}``.
+Nothing here imports diffusers or transformers: a model can only be a ``ModelMixin`` (or
+``PreTrainedModel``) once its module is imported, so detection looks the class up in
+``sys.modules``. File names and the shard index follow ``ModelMixin.save_pretrained``
+(diffusers ``models/modeling_utils.py``) and ``huggingface_hub.split_torch_state_dict_into_shards``.
 """
 
 from __future__ import annotations
@@ -73,16 +61,8 @@ def _class_in(module_name: str, class_name: str) -> type | None:
 
 
 def library_of(model: Any) -> str | None:
-    """Which Hugging Face library a (unwrapped) model belongs to, without importing any.
-
-    Args:
-        model: an unwrapped ``torch.nn.Module``.
-
-    Returns:
-        ``"diffusers"`` for a ``diffusers.ModelMixin``, ``"transformers"`` for a
-        ``transformers.PreTrainedModel``, else None. Both answers are None while the
-        library's modeling module is not imported (no such model can exist then).
-    """
+    """``"diffusers"`` for a ``ModelMixin``, ``"transformers"`` for a ``PreTrainedModel``,
+    else None (also while the library is not imported), without importing either."""
     return library_of_class(type(model))
 
 
@@ -129,18 +109,8 @@ def _snake(name: str) -> str:
 
 
 def default_folder(class_name: str, library: str) -> str:
-    """The folder name a model gets from its class, as diffusers pipelines name components.
-
-    Args:
-        class_name: the model's class name (``"UNet2DConditionModel"``).
-        library: ``"diffusers"`` or ``"transformers"``.
-
-    Returns:
-        ``unet`` (any ``UNet*``), ``vae`` (``Autoencoder*``, ``VQModel``), ``controlnet``
-        (``*ControlNet*``), ``transformer`` (``*Transformer*``), ``adapter`` (``*Adapter*``);
-        for transformers models ``image_encoder`` (``*Vision*``) or ``text_encoder``;
-        otherwise the class name in snake case without a trailing ``Model``.
-    """
+    """The folder name a model of ``class_name`` gets, as diffusers pipelines name
+    components (``UNet2DConditionModel`` -> ``unet``; the rules: docs/plugins/diffusers.md)."""
     if library == TRANSFORMERS:
         return "image_encoder" if "Vision" in class_name else "text_encoder"
     if class_name.startswith("UNet"):
@@ -217,19 +187,10 @@ def hf_json(obj: Mapping[str, Any]) -> bytes:
 
 
 def diffusers_config(config: Mapping[str, Any], class_name: str) -> dict[str, Any]:
-    """The ``config.json`` content of a diffusers model or scheduler.
+    """The ``config.json`` content (a JSON-able dict) of a diffusers model or scheduler.
 
     Mirrors ``diffusers.configuration_utils.ConfigMixin.to_json_string`` (diffusers 0.42)
-    without mutating the live config: ``_class_name`` and ``_diffusers_version`` added,
-    numpy arrays/paths/objects with ``to_dict`` made JSON values, ``_ignore_files``,
-    ``_use_default_values`` and ``_pre_quantization_dtype`` dropped.
-
-    Args:
-        config: ``model.config`` (a ``FrozenDict``) or a plain dict.
-        class_name: the class name written as ``_class_name``.
-
-    Returns:
-        A JSON-able dict.
+    without mutating the live ``config``; ``class_name`` is written as ``_class_name``.
     """
     out = {k: _json_saveable(v) for k, v in dict(config).items() if k not in _DROPPED_CONFIG_KEYS}
     out["_class_name"] = class_name
@@ -304,20 +265,11 @@ class ShardPlan:
 
 
 def plan_shards(state: Mapping[str, torch.Tensor], weights_name: str, max_shard_bytes: int) -> ShardPlan:
-    """Split a state dict into shards of at most ``max_shard_bytes`` of tensor data.
+    """Split ``state`` into shards of at most ``max_shard_bytes`` (bytes) of tensor data.
 
-    Follows ``huggingface_hub.split_torch_state_dict_into_shards``: tensors in order, a new
-    shard when the next tensor would tip the current one over the limit, a tensor bigger
-    than the limit alone in its shard, and views of one storage (tied weights) in the
-    shard of their first name (the writer stores them once).
-
-    Args:
-        state: ``name -> tensor``.
-        weights_name: unsharded file name (``diffusion_pytorch_model.safetensors``).
-        max_shard_bytes: the limit, bytes.
-
-    Returns:
-        A :class:`ShardPlan`; one file named ``weights_name`` when everything fits.
+    Follows ``huggingface_hub.split_torch_state_dict_into_shards``; a tensor bigger than the
+    limit is alone in its shard, views of one storage go with their first name. One file
+    named ``weights_name`` when everything fits.
     """
     shards: list[dict[str, torch.Tensor]] = []
     current: dict[str, torch.Tensor] = {}

@@ -1,36 +1,7 @@
-"""The statekit-diffusers hooks: diffusers/transformers models, their EMA and noise schedulers.
+"""The statekit-diffusers hooks (entry point ``diffusers`` in group ``statekit``).
 
-Registered from the entry point ``diffusers`` in group ``statekit``. Importing this module
-never imports diffusers or transformers (``python -X importtime`` shows neither): models
-are recognised through ``sys.modules`` (see :mod:`statekit_diffusers.layout`).
-
-Save (``statekit_save_state_pre``), on every rank; files are written by rank 0 only (the
-models are replicated):
-
-* every model in ``models`` that is, once Accelerate/DDP/``torch.compile`` wrappers are
-  stripped, a ``diffusers.ModelMixin`` whose parameters are not sharded (DTensor/FSDP2 or
-  DeepSpeed ZeRO-3 models are left to the sharding plugins) is taken and written as
-  ``<folder>/config.json`` plus ``<folder>/diffusion_pytorch_model.safetensors``, sharded
-  with an index above ``max_shard_size``;
-* so is a ``transformers.PreTrainedModel`` that is a pipeline component (a text encoder
-  beside a UNet): the save holds a diffusers model or a noise scheduler, or a pipeline
-  class is given, or a folder name is given for it in code (``diffusers_names``,
-  :func:`statekit_diffusers.configure`); written with ``model.safetensors``. A
-  transformers model alone (a GPT-2 under key ``model``) is left to the core, which names
-  its files by its key and puts its frozen tensors in files that incremental saves reuse;
-* every ``diffusers.training_utils.EMAModel`` in ``checkpoint.objects`` that can be paired
-  with a model is taken and written as ``<folder>_ema/`` in the same layout (its shadow
-  parameters under the model's parameter names, its counters in ``config.json`` as
-  ``EMAModel.save_pretrained`` does, so ``EMAModel.from_pretrained`` reads the folder);
-* every :class:`statekit_diffusers.NoiseScheduler` is taken and written as
-  ``scheduler/scheduler_config.json``.
-
-``checkpoint.records[<stable key>]`` says where each object went; load routes it back.
-
-Load (``statekit_load_state_pre``): every model and object whose manifest owner is this
-plugin is loaded in place (the optimizer keeps its parameters) after every key, shape and
-dtype was checked; a mismatch raises :class:`statekit.StateMismatchError` before any
-tensor is written.
+What is taken, the folder layout, the records and the load checks: docs/plugins/diffusers.md.
+Importing this module never imports diffusers or transformers (:mod:`statekit_diffusers.layout`).
 """
 
 from __future__ import annotations
@@ -62,11 +33,7 @@ STATEKIT_OPTIONS = frozenset(settings.OPTIONS)
 @hookimpl
 def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: str, checkpoint: Any) -> None:
     """Take diffusers models (and transformers pipeline components), EMAs and noise
-    schedulers; write their folders.
-
-    See the module docstring. Folder names: given in code (``diffusers_names`` option or
-    :func:`statekit_diffusers.configure`), else from the class (``unet``, ``vae``...),
-    made unique with ``_1``, ``_2``.
+    schedulers; write their folders (docs/plugins/diffusers.md).
 
     Raises:
         StatekitError: ambiguous EMA pairing, duplicate folder names given in code, a
@@ -88,10 +55,8 @@ def statekit_save_state_pre(models: list[Any], weights: list[Any], output_dir: s
 
 @hookimpl
 def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Any) -> None:
-    """Load every model, EMA and noise scheduler this plugin saved, in place, and take them.
-
-    Every key, shape and dtype is checked (and every config read) before the first tensor
-    is written, so a mismatch leaves all models untouched.
+    """Load every model, EMA and noise scheduler this plugin saved, in place, and take them;
+    all are checked before the first tensor is written.
 
     Raises:
         StateMismatchError: a model or EMA does not fit its saved weights (keys listed).

@@ -1,7 +1,7 @@
-"""What statekit-diffusers saves: which models, EMAs and schedulers it takes, their folders, their files.
+"""What statekit-diffusers saves: the models, EMAs and schedulers it takes, their folders and files.
 
-See :mod:`statekit_diffusers.plugin` for the layout; the hook there calls, in order,
-:func:`collect`, :func:`reserve_folders`, :func:`pair_emas` and the writers.
+The hook calls :func:`collect`, :func:`reserve_folders`, :func:`pair_emas` and the writers,
+in order; the layout: docs/plugins/diffusers.md.
 """
 
 from __future__ import annotations
@@ -177,18 +177,8 @@ def _ema_from_config(key: str, ema: Any, shapes: list[tuple[int, ...]]) -> _Ema 
 def collect(
     models: list[Any], checkpoint: Any, opts: settings.Settings
 ) -> tuple[list[_Model], list[tuple[str, Any]], list[tuple[str, Any]]]:
-    """The diffusers/transformers models, EMAs and noise schedulers of a save.
-
-    A model is taken when it is not sharded, its state is all tensors, and it is a
-    diffusers ``ModelMixin``, or a transformers ``PreTrainedModel`` that is a pipeline
-    component: the save is a diffusion save (it holds a diffusers model, sharded or not, or
-    a noise scheduler, or a pipeline class is given) or a folder name is given for the
-    model in code (``diffusers_names``, ``configure(names=...)``).
-
-    Args:
-        models: the save's models (as prepared).
-        checkpoint: the save's checkpoint.
-        opts: the save's settings.
+    """The diffusers/transformers models, EMAs and noise schedulers of a save (which models
+    are taken: docs/plugins/diffusers.md).
 
     Returns:
         ``(models taken, [(key, EMAModel)], [(key, NoiseScheduler)])``, the EMAs and

@@ -1,16 +1,7 @@
 """``NoiseScheduler``: a diffusers noise scheduler made checkpointable.
 
-A diffusers scheduler (``DDPMScheduler``, ``DDIMScheduler``...; a ``SchedulerMixin``) has a
-``config`` but no ``state_dict()``, so neither ``accelerator.register_for_checkpointing``
-nor ``statekit.save`` accept it. Its configuration is what a pipeline export needs, so
-wrap it::
-
-    noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
-    accelerator.register_for_checkpointing(statekit_diffusers.NoiseScheduler(noise_scheduler))
-
-With statekit-diffusers installed the plugin writes ``scheduler/scheduler_config.json``
-(the diffusers layout) and ``statekit convert CKPT OUT --to diffusers`` puts it into the
-exported pipeline. Without the plugin the core stores the same configuration as JSON.
+A diffusers scheduler has a ``config`` but no ``state_dict()``; the wrapper's state is its
+configuration (docs/plugins/diffusers.md#the-noise-scheduler).
 """
 
 from __future__ import annotations
@@ -64,9 +55,8 @@ class NoiseScheduler:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Compare a saved configuration with the live scheduler; the scheduler is not changed.
 
-        A scheduler's tables (betas, alphas) are computed from its configuration when it is
-        built, so a different saved configuration cannot be applied in place: build the
-        scheduler from the saved config instead (``DDPMScheduler.from_config(...)``).
+        Its tables (betas, alphas) are built from its configuration, so a different one
+        cannot be applied in place: build it with ``DDPMScheduler.from_config(...)``.
 
         Args:
             state: what :meth:`state_dict` returned at save time.

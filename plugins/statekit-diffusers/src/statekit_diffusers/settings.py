@@ -1,12 +1,7 @@
 """Settings given in code: folder names, EMA pairing, pipeline class, shard size.
 
-Two ways, the per-call one winning over the process-wide one:
-
-* keyword options of the save (``statekit.save(url, state, diffusers_names={...})``,
-  ``statekit.save_state(accelerator, url, diffusers_names={...})``), which reach the
-  plugin as ``checkpoint.options``;
-* :func:`configure`, for code that saves through ``accelerator.save_state(dir)`` after
-  ``statekit.attach(accelerator)`` and so cannot pass options.
+A save's keyword options (``checkpoint.options``) win over the process-wide
+:func:`configure` defaults, for saves that cannot pass options (``accelerator.save_state``).
 """
 
 from __future__ import annotations
@@ -86,23 +81,17 @@ def configure(
 ) -> None:
     """Set process-wide defaults for saves that cannot pass options (``accelerator.save_state``).
 
-    Each call replaces every setting; ``configure()`` with no argument resets them. Options
-    given to a save (``diffusers_names=``, ``diffusers_ema=``, ``diffusers_pipeline=``,
-    ``max_shard_size=``) take precedence, key by key for the mappings.
+    Each call replaces every setting (``configure()`` resets them); a save's options
+    (``diffusers_names=``...) take precedence, key by key. See docs/plugins/diffusers.md.
 
     Args:
-        names: folder name per model, EMA or noise scheduler, keyed by stable key
-            (``"model_1"``, ``"custom_0"``, or the mapping key) or by the object itself
-            (the model as prepared or unwrapped). Example: ``{text_encoder_2: "text_encoder_2"}``.
-            Naming a transformers model makes it a pipeline component even in a save that
-            holds no diffusers model (a text encoder trained alone).
-        ema: the model each ``EMAModel`` averages, when the plugin cannot tell (several
-            models with the same parameter shapes): ``{ema_key_or_object: model_key_or_object}``.
-        pipeline: diffusers pipeline class name written to ``model_index.json`` by
-            ``statekit convert ... --to diffusers`` (``"StableDiffusionPipeline"``); when
-            unset the converter infers ``DDPMPipeline`` for a UNet plus a noise scheduler.
-        max_shard_size: largest weights file, bytes or a string (``"5GB"``, ``"200MiB"``);
-            bigger models are sharded with an index file. Default 5 GB.
+        names: folder name per model, EMA or noise scheduler, keyed by stable key or by
+            the object (as prepared or unwrapped); naming a transformers model makes it a
+            pipeline component.
+        ema: ``{ema_key_or_object: model_key_or_object}``, when the plugin cannot tell.
+        pipeline: pipeline class name for ``model_index.json`` (``"StableDiffusionPipeline"``).
+        max_shard_size: largest weights file, bytes or a string (``"5GB"``, ``"200MiB"``).
+            Default 5 GB.
 
     Raises:
         StatekitError: a folder name is not file-name-safe, or a size cannot be parsed.
@@ -127,13 +116,7 @@ def _check_pipeline(value: Any) -> str | None:
 
 
 def resolve(options: Mapping[str, Any]) -> Settings:
-    """Merge a save's options over the :func:`configure` defaults.
-
-    Args:
-        options: ``checkpoint.options``.
-
-    Returns:
-        The :class:`Settings` of this save.
+    """Merge a save's ``checkpoint.options`` over the :func:`configure` defaults.
 
     Raises:
         StatekitError: a malformed option (names it).

@@ -1,21 +1,8 @@
 """Consolidate a checkpoint's models into plain safetensors files (``statekit convert --to safetensors``).
 
-The sharded models statekit-fsdp wrote (per-rank chunk files plus ``metadata.json``) are
-assembled one tensor at a time: the output header is built from the metadata alone
-(names, dtypes, shapes), then for each tensor a full-size buffer is filled from its
-chunks and streamed to the output before the next one is assembled. Peak memory is one
-full tensor plus one chunk; the model is never held whole.
-
-Output (a directory ``out_url``): ``model.safetensors`` when the checkpoint holds one
-model, else ``<key>.safetensors`` per model. Tensor names are the model's fully qualified
-parameter/buffer names (the keys of the unwrapped model's ``state_dict()``), the header
-carries ``__metadata__ {"format": "pt"}``, so ``safetensors.torch.load_file`` and
-transformers/diffusers ``from_pretrained`` (given the model's ``config.json`` beside it)
-read the file. Models saved by the core (replicated ``<key>.safetensors``) are copied the
-same way, with tied-weight aliases written out as separate tensors.
-
-The layout written follows the safetensors specification
-(https://github.com/huggingface/safetensors#format).
+Tensors are assembled one at a time from their chunks (peak memory: one full tensor plus
+one chunk); the output layout and names: docs/plugins/fsdp.md (Consolidation).
+Format: the safetensors specification (https://github.com/huggingface/safetensors#format).
 """
 
 from __future__ import annotations
@@ -51,8 +38,6 @@ PLUGIN_NAME = "fsdp"
 
 MAX_OPEN_FILES = 64
 """Shard files kept open at once while assembling (least recently used are closed)."""
-
-_CODES = SAFETENSORS_CODES  # safetensors dtype codes, as statekit writes them
 
 
 def consolidate(
@@ -241,7 +226,7 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], source: str
     specs = []
     seen: set[str] = set()
     for name, dtype, shape in entries:
-        code = _CODES.get(dtype)
+        code = SAFETENSORS_CODES.get(dtype)
         if code is None:
             raise UnsupportedDtypeError(f"{source}: tensor {name!r} has dtype {dtype}, which safetensors cannot store natively")
         if name in seen or name == "__metadata__":

@@ -1,22 +1,7 @@
 """DCP's global metadata as JSON: ``<key>/metadata.json`` of a model saved by statekit-fsdp.
 
-DCP's own ``FileSystemWriter``/``FsspecWriter`` pickle the metadata (and torch 2.13
-reads it back with ``pickle.load``); here it is JSON (:func:`metadata_to_json`), so
-loading never unpickles.
-
-``metadata.json`` layout (``"format": "statekit-fsdp/1"``)::
-
-    {"format": "statekit-fsdp/1",
-     "version": <DCP metadata version or null>,
-     "state_dict_metadata": {fqn: {"type": "tensor", "dtype": "float32", "size": [7, 5],
-                                   "chunks": [{"offsets": [0, 0], "sizes": [4, 5]}, ...]}
-                             | {"type": "bytes"}},
-     "storage_data": [{"fqn": ..., "offset": [0, 0], "file": "rank-00000.safetensors",
-                       "name": "model.0.weight", "size_bytes": 80}, ...],
-     "planner_data": {fqn: [path, parts, ...]}}
-
-Each ``storage_data`` row maps one saved chunk (DCP's ``MetadataIndex``: FQN plus chunk
-offsets) to the file (relative to the prefix) and tensor name that hold it.
+DCP's own ``FileSystemWriter``/``FsspecWriter`` pickle the metadata; here it is JSON, so
+loading never unpickles. The layout (``"format": "statekit-fsdp/1"``): docs/plugins/fsdp.md#files.
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
-    """Serialise DCP's global metadata as a JSON-able dict (layout in the module docstring).
+    """Serialise DCP's global metadata as a JSON-able dict (layout: docs/plugins/fsdp.md#files).
 
     Args:
         metadata: the ``Metadata`` DCP hands to ``StorageWriter.finish``, with
@@ -100,15 +85,10 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
 
 
 def metadata_from_json(doc: Any, source: str) -> Metadata:
-    """Rebuild DCP's ``Metadata`` from :func:`metadata_to_json`'s output.
-
-    Args:
-        doc: the parsed ``metadata.json``.
-        source: its URL, named in errors.
+    """Rebuild DCP's ``Metadata`` from the parsed ``metadata.json`` at ``source`` (a URL, named in errors).
 
     Returns:
-        ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to
-        ``{"file", "name", "size_bytes"}``.
+        ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to ``{"file", "name", "size_bytes"}``.
 
     Raises:
         CorruptCheckpointError: the document is not statekit-fsdp metadata or is malformed.

@@ -1,30 +1,10 @@
 """torch.distributed.checkpoint storage over a statekit checkpoint: safetensors shards, JSON metadata.
 
-DCP (``torch.distributed.checkpoint``) splits a save into planning (which rank writes
-which tensor chunk, done by :class:`~torch.distributed.checkpoint.DefaultSavePlanner`) and
-storage (a :class:`~torch.distributed.checkpoint.StorageWriter` that puts bytes
-somewhere, and a :class:`~torch.distributed.checkpoint.StorageReader` that gets them
-back). This module is the storage half, written against the interface documented in
-``torch/distributed/checkpoint/storage.py``:
-
-* :class:`StatekitStorageWriter` writes every chunk a rank was assigned into one
-  safetensors file, ``<prefix>/rank-<rank:05d>.safetensors``, through
-  :meth:`statekit.Checkpoint.save_tensors` (streamed, checksummed in the same pass, and
-  recorded in statekit's manifest with the rank). In an incremental save the chunks of
-  frozen parameters (``requires_grad=False``) go to a file of their own,
-  ``<prefix>/rank-<rank:05d>.frozen.safetensors``, so an unchanged one is reused from the
-  run's last checkpoint while the trainable chunks and the optimizer state change. The
-  coordinator writes DCP's global
-  :class:`~torch.distributed.checkpoint.metadata.Metadata` as ``<prefix>/metadata.json``
-  (which names each chunk's file: a reader needs no naming rule).
-* :class:`StatekitStorageReader` reads the chunks a rank needs, file by file, verified
-  against the manifest.
-
-DCP's own ``FileSystemWriter``/``FsspecWriter`` pickle the metadata; here it is JSON
-(:mod:`statekit_fsdp.dcp_metadata`, which also gives its layout), so loading never
-unpickles. Non-tensor values (DCP's ``BYTE_IO`` items, which DCP pickles
-with ``torch.save``) are refused: the plugin stores non-tensor state as JSON itself and
-hands DCP tensors only.
+The storage half of DCP (the interface of ``torch/distributed/checkpoint/storage.py``):
+:class:`StatekitStorageWriter` writes each rank's chunks to ``<prefix>/rank-<rank:05d>.safetensors``
+(frozen chunks of an incremental save to ``.frozen.safetensors``) and the coordinator
+``metadata.json``; :class:`StatekitStorageReader` reads them back, verified. Non-tensor
+(``BYTE_IO``) items are refused: DCP would pickle them. Files: docs/plugins/fsdp.md#files.
 """
 
 from __future__ import annotations
@@ -49,15 +29,8 @@ FROZEN_SUFFIX = ".frozen"
 
 
 def shard_file(rank: int, frozen: bool = False) -> str:
-    """File name (relative to the model's directory) of one rank's shards.
-
-    Args:
-        rank: the writing rank.
-        frozen: the file of the rank's frozen-parameter chunks (incremental saves).
-
-    Returns:
-        ``"rank-00001.safetensors"``, or ``"rank-00001.frozen.safetensors"`` with ``frozen``.
-    """
+    """``"rank-00001.safetensors"`` (relative to the model's directory), or
+    ``"rank-00001.frozen.safetensors"`` for the rank's frozen-parameter chunks."""
     return f"{rank_name(rank)}{FROZEN_SUFFIX if frozen else ''}.safetensors"
 
 
@@ -88,13 +61,9 @@ def _done(value: Any) -> Future:
 class StatekitStorageWriter(StorageWriter):
     """DCP storage writer that writes into a statekit checkpoint.
 
-    Each rank writes the chunks DCP's planner assigned to it as one safetensors file
-    (``<prefix>/rank-<rank:05d>.safetensors``, tensor names from :func:`chunk_name`)
-    through ``checkpoint.save_tensors``; the coordinator writes ``<prefix>/metadata.json``.
-    The chunks of the flat keys in ``frozen`` go to ``<prefix>/rank-<rank:05d>.frozen.safetensors``
-    instead (when the rank also has other chunks), so that file's bytes stay the same
-    from save to save and an incremental save reuses it. A rank with nothing to write
-    writes no file.
+    Each rank writes its chunks through ``checkpoint.save_tensors`` (tensor names from
+    :func:`chunk_name`); the chunks of the flat keys in ``frozen`` go to the rank's
+    ``.frozen`` file (when it also has other chunks). A rank with nothing to write writes no file.
 
     Args:
         checkpoint: the :class:`statekit.Checkpoint` of the save (open for writing).
@@ -127,11 +96,7 @@ class StatekitStorageWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Write this rank's chunks as one safetensors file.
-
-        Args:
-            plan: the final local plan (its ``items`` are ``WriteItem`` s).
-            planner: resolves each item to its tensor (a local shard or a whole tensor).
+        """Write this rank's chunks as one safetensors file (two with frozen chunks).
 
         Returns:
             A completed future holding one ``WriteResult`` per item, whose
@@ -231,13 +196,8 @@ class StatekitStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        """Read every chunk this rank needs, one shard file at a time.
-
-        Each file is read once (verified against the manifest when verification is on)
-        and the requested regions are copied into the planner's target tensors.
-
-        Returns:
-            A completed future.
+        """Read every chunk this rank needs into the planner's targets, each shard file once
+        (verified when ``checkpoint.verify`` is on); returns a completed future.
 
         Raises:
             CorruptCheckpointError: a file is missing, fails verification, or lacks a chunk.

@@ -1,29 +1,8 @@
 """The statekit-fsdp hooks: sharded save and resharding load of FSDP models and their optimizers.
 
-Registered from the entry point ``fsdp`` (group ``statekit``). Cheap to import:
-``torch.distributed.checkpoint`` and FSDP are imported inside the hooks.
-
-Save (``statekit_save_state_pre``, ``tryfirst``): every model that is sharded (FSDP2
-``fully_shard``, FSDP1 ``FullyShardedDataParallel``, or DTensor parameters), after
-stripping DDP/``torch.compile`` wrappers, is taken from the core together with the
-optimizers over its parameters. Its state comes from DCP's ``get_state_dict`` (keys are
-fully qualified names, independent of the world size) and is written with
-``torch.distributed.checkpoint.save`` and :class:`~statekit_fsdp.dcp_storage.StatekitStorageWriter`
-under ``<key>/`` of the checkpoint::
-
-    <key>/rank-00000.safetensors ...   tensor chunks of each rank (every rank writes its own)
-    <key>/rank-00000.frozen.safetensors ... an incremental save: each rank's frozen-parameter
-                                       chunks (reused while their bytes do not change)
-    <key>/metadata.json                DCP's global metadata as JSON (rank 0)
-    <key>/state.json                   everything that is not a tensor (rank 0, statekit codec)
-
-DCP's collectives run on statekit's own gloo group (:func:`statekit.plugin_api.statekit_group`),
-never on the training's default group.
-
-Load (``statekit_load_state_pre``, ``tryfirst``): every model this plugin saved is taken
-back; ``get_state_dict`` gives the target layout at the *current* world size, DCP reads
-the overlapping chunks of the saved layout (resharding when the world size changed; a
-log line says so), and ``set_state_dict`` installs model and optimizer state.
+Which models are taken, the files under ``<key>/``, the records and the load checks:
+docs/plugins/fsdp.md. ``torch.distributed.checkpoint`` and FSDP are imported inside the
+hooks; DCP's collectives run on statekit's own gloo group, never the training's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Which models are sharded, which optimizers go with them, and the tensor/JSON split of their state.
 
-The plugin hands DCP tensors only: :func:`split_state` walks the nested state of
-``get_state_dict`` (``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}},
-"param_groups": [...]}}``), replaces every tensor leaf with ``{"__dcp__": flat_key}`` and
-returns the flat ``{flat_key: tensor}`` mapping for DCP; the remaining skeleton (learning
-rates, betas tuples, FQN lists, ``None`` momentum buffers...) is stored as JSON through
-statekit's codec. Flat keys join the path with ``.`` as DCP's own ``flatten_state_dict``
-does (``optim.state.0.weight.exp_avg``).
+DCP gets tensors only: :func:`split_state` replaces each tensor leaf with ``{"__dcp__": flat_key}``
+(keys ``.``-joined as DCP's ``flatten_state_dict`` does) and the skeleton is stored as JSON.
 """
 
 from __future__ import annotations
@@ -84,14 +79,9 @@ def inner_optimizer(obj: Any) -> torch.optim.Optimizer | None:
 def optimizers_of(model: torch.nn.Module, objects: Mapping[str, Any], where: str) -> list[tuple[str, torch.optim.Optimizer]]:
     """The optimizers among ``objects`` whose parameters belong to ``model``.
 
-    Args:
-        model: the sharded model.
-        objects: ``checkpoint.objects`` (stable key -> object).
-        where: the model's key, named in errors.
-
     Returns:
-        ``[(key, torch_optimizer)]`` in ``objects`` order (two keys for one optimizer, say
-        the wrapper and the optimizer it wraps, are both listed).
+        ``[(key, torch_optimizer)]`` in ``objects`` order (a wrapper and the optimizer it
+        wraps are both listed).
 
     Raises:
         StatekitError: an optimizer holds parameters of this model *and* other tensors
@@ -120,18 +110,9 @@ def frozen_keys(model: torch.nn.Module, prefix: str) -> frozenset[str]:
     """The flat keys (``<prefix>.<fqn>``, as :func:`split_state` names them) of the model's
     parameters that do not require gradients.
 
-    FQNs are those of DCP's ``get_state_dict`` (FSDP1, DDP and activation-checkpointing
-    wrapper names removed; an FSDP1 ``FlatParameter`` stands for every original parameter
-    inside it), through DCP's own ``_get_fqns``; where this torch lacks it, the known
-    wrapper prefixes are stripped by name. The result only decides which file a chunk is
-    written to (see :class:`statekit_fsdp.dcp_storage.StatekitStorageWriter`).
-
-    Args:
-        model: the sharded model (wrappers stripped by :func:`strip_wrappers`).
-        prefix: the flat-key prefix of the model's state (``"model"``).
-
-    Returns:
-        The flat keys of the frozen parameters (empty when every parameter is trainable).
+    FQNs are those of DCP's ``get_state_dict``, through DCP's own ``_get_fqns`` (where this
+    torch lacks it, the known wrapper prefixes are stripped by name). The result only
+    decides which file a chunk is written to.
     """
     try:
         from torch.distributed.checkpoint.state_dict import _get_fqns as get_fqns

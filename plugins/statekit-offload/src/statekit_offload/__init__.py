@@ -1,18 +1,9 @@
 """statekit-offload: statekit checkpoints in Accelerate's big-model pipeline.
 
-* **Load under a memory budget:** ``statekit.load(url, {"model": model},
-  device_map="auto", max_memory={"cpu": "1GiB"}, offload_folder="offload")`` fills a
-  model built under ``accelerate.init_empty_weights()`` one tensor at a time: weights
-  mapped to a device are loaded there, weights mapped to ``"disk"`` become entries of an
-  Accelerate offload folder (read in place from the checkpoint when it is local, or
-  copied to ``.dat`` files), and the model is dispatched (``accelerate.dispatch_model``)
-  so ``model(x)`` runs.
-* **Save an offloaded model:** ``statekit.save(url, {"model": dispatched_model})``
-  writes the weights tensor by tensor from the offload files.
-* **Export:** ``statekit convert CKPT OUT --to offload`` writes an offload folder.
-
-Importing this package is cheap: the names below are imported on first use. See
-``docs/plugins/offload.md``.
+Load under a memory budget (``statekit.load(..., device_map="auto", max_memory=...,
+offload_folder=...)``), save an offloaded model tensor by tensor, and export an offload
+folder (``statekit convert CKPT OUT --to offload``): docs/plugins/offload.md. Importing
+this package is cheap: the names below are imported on first use.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """One sequential pass over a safetensors file: each tensor's bytes go where they are needed.
 
-A tensor can be read straight into a CPU tensor's memory (no intermediate copy), copied
-in bounded chunks into any number of new files (``.dat`` files of an offload folder),
-both, or skipped. The file comes from ``checkpoint.open(rel, "rb")``: with verification
-on it is statekit's verifying reader, so with ``read_all`` every byte of the file passes
-through the checksum and :func:`verify_to_end` checks size and checksum against the
-manifest in the same pass; without it, skipped tensors are ``seek``-ed over. The header
-is read by statekit's one header reader (:func:`statekit.plugin_api.read_header`).
-Memory beyond the target tensors: one chunk buffer of
-:data:`statekit.plugin_api.CHUNK_BYTES`.
+A tensor is read straight into a CPU tensor's memory, copied in bounded chunks into new
+files (``.dat`` files of an offload folder), both, or skipped. With ``read_all`` every
+byte passes through statekit's verifying reader (``checkpoint.open``), which
+:func:`verify_to_end` then checks. Extra memory: one :data:`statekit.plugin_api.CHUNK_BYTES` buffer.
 """
 
 from __future__ import annotations
@@ -110,11 +105,8 @@ def stream(
 
 
 def verify_to_end(f: BinaryIO, consequence: str) -> None:
-    """After :func:`stream` read every byte (``read_all``): read to the end of ``f``, so
-    statekit's verifying reader compares size and checksum with the file's manifest entry.
-
-    Call it only when ``f`` verifies (``checkpoint.verify`` on): a plain file would just
-    return what follows the data section.
+    """After :func:`stream` read every byte (``read_all``): read to the end of ``f`` (a
+    verifying reader: ``checkpoint.verify`` on), so it checks size and checksum.
 
     Args:
         f: the file from ``checkpoint.open(rel, "rb")``.

@@ -1,15 +1,8 @@
 """``statekit convert CKPT OUT --to offload``: a checkpoint's models as Accelerate offload folders.
 
-The folder holds ``index.json`` and one ``<name>.dat`` per tensor (tied tensors get one
-file per name, as ``accelerate.utils.offload_state_dict`` writes them), in the format of
-:mod:`statekit_offload.offload_format`. It is what ``accelerate.dispatch_model(model,
-device_map, offload_dir=OUT)`` expects for the modules mapped to ``"disk"``, what
-``OffloadedWeightsLoader(save_folder=OUT)`` reads, and what
-``accelerate.utils.load_offloaded_weights(model, index, OUT)`` loads into a model.
-
-One model in the checkpoint: the folder is ``OUT`` itself. Several: ``OUT/<key>/`` per
-model (``OUT/model_0``, ``OUT/unet``...). Each tensor file is read once, sequentially, and
-verified against the manifest's checksum; memory use is one chunk.
+The folder (:mod:`statekit_offload.offload_format`) is what ``accelerate.dispatch_model(...,
+offload_dir=OUT)`` and ``OffloadedWeightsLoader(save_folder=OUT)`` read; one model is ``OUT``
+itself, several are ``OUT/<key>/``. See docs/plugins/offload.md (Export).
 """
 
 from __future__ import annotations

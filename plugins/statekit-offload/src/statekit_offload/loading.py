@@ -1,29 +1,11 @@
 """Fill a model from a statekit tensor file under a device map, one tensor at a time.
 
-The model is usually built under ``accelerate.init_empty_weights()`` (parameters on the
-meta device). Its stored tensor file (``<key>.safetensors``, the core's layout) is read
-once, sequentially, in file order (:mod:`statekit_offload._stream`):
-
-* a tensor whose module is mapped to ``"cpu"`` or an accelerator is read straight into
-  a fresh CPU tensor and set on the module with
-  ``accelerate.utils.set_module_tensor_to_device`` as soon as it is read (moved to the
-  device when it is one, before the next tensor is read);
-* a tensor mapped to ``"disk"`` becomes an entry of an Accelerate offload folder
-  (:mod:`statekit_offload.offload_format`): by default, when the checkpoint is on the
-  local filesystem, an entry that points into the checkpoint's own safetensors file (no
-  copy, and an in-use marker protects the checkpoint, :func:`statekit.plugin_api.mark_in_use`);
-  otherwise, or with ``offload_copy=True``, a ``<name>.dat`` file the bytes are copied
-  into in bounded chunks;
-* with ``verify`` on (statekit's default) every byte passes through the checksum of
-  statekit's verifying reader in the same pass, and a mismatch raises
-  :class:`statekit.CorruptCheckpointError`.
-
-Then ``accelerate.dispatch_model`` attaches the hooks (``AlignDevicesHook``) that bring
-each module's weights in before its forward, so ``model(x)`` runs. Peak CPU memory: the
-tensors placed on the CPU, one tensor bound for an accelerator, and one chunk buffer;
-nothing else of the file is held.
-
-The options and the device map are :mod:`statekit_offload.options`.
+The file is read once, in file order (:mod:`statekit_offload._stream`): device- and
+CPU-mapped tensors are set with ``accelerate.utils.set_module_tensor_to_device`` as they
+are read, ``"disk"`` ones become offload-folder entries (in place in a local checkpoint,
+protected by an in-use marker, else copied to ``.dat`` files), then
+``accelerate.dispatch_model`` attaches the hooks. Peak memory and the steps:
+docs/plugins/offload.md (What happens).
 """
 
 from __future__ import annotations
@@ -118,24 +100,17 @@ def _safetensors_codes() -> frozenset[str]:
         return _SAFETENSORS_FALLBACK_CODES
 
 
-def saved_shapes(header: TensorHeader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``name -> (shape, dtype)`` of every tensor name a header holds, aliases included."""
-    saved = {e.name: (e.shape, e.dtype) for e in header.entries}
-    for alias, name in header.aliases.items():
-        saved[alias] = saved[name]
-    return saved
-
-
-def check_shapes(header: TensorHeader | list[TensorHeader], targets: Mapping[str, torch.Tensor], what: str) -> None:
+def check_shapes(headers: list[TensorHeader], targets: Mapping[str, torch.Tensor], what: str) -> None:
     """statekit's fit check (:func:`statekit.plugin_api.check_fit`) of a model's tensors
-    against a file's header, or the headers of all of a model's files.
+    against the headers of all of its files (aliases included).
 
     Raises:
         StateMismatchError: keys, shapes or dtypes differ (listed); says the model is untouched.
     """
     saved: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for h in header if isinstance(header, list) else [header]:
-        saved.update(saved_shapes(h))
+    for h in headers:
+        saved.update((e.name, (e.shape, e.dtype)) for e in h.entries)
+        saved.update((alias, saved[name]) for alias, name in h.aliases.items())
     check_fit(f"{what}; the model is untouched", targets, saved)
 
 
@@ -195,16 +170,9 @@ def model_file(checkpoint: Any, key: str) -> str:
 
 
 def load_model(checkpoint: Any, key: str, model: torch.nn.Module, opts: LoadOptions) -> OffloadInfo:
-    """Fill ``model`` from ``<key>.safetensors`` of ``checkpoint`` and dispatch it.
-
-    Without a device map (``opts.places`` false) every tensor is loaded on the CPU in
-    place of the model's own (meta or real), one tensor at a time, and no hook is added.
-
-    Args:
-        checkpoint: the :class:`statekit.Checkpoint` of the load.
-        key: the model's stable key.
-        model: the (unwrapped) model, usually built under ``init_empty_weights()``.
-        opts: the load options.
+    """Fill ``model`` (unwrapped, usually built under ``init_empty_weights()``) from
+    ``<key>.safetensors`` of ``checkpoint`` and dispatch it; without a device map
+    (``opts.places`` false) every tensor goes to the CPU and no hook is added.
 
     Returns:
         What was done (also available later from :func:`offload_info`).

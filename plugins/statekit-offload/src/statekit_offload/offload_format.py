@@ -1,28 +1,11 @@
 """Accelerate's disk-offload folder format: ``index.json`` plus one raw ``<name>.dat`` per tensor.
 
-The format is the one ``accelerate.utils.offload`` writes and reads (``offload_weight``,
-``save_offload_index``, ``load_offloaded_weight``, ``OffloadedWeightsLoader``, Accelerate
-1.x), reproduced here so that tensors can be *streamed* into it from a checkpoint file
-(``offload_weight`` needs the whole tensor in memory first):
-
-* ``index.json`` maps each tensor name to either
-  ``{"dtype": <name>, "shape": [...]}`` (a ``.dat`` file) or
-  ``{"safetensors_file": <path>, "weight_name": <name in that file>, "dtype": <name>}``
-  (a tensor read in place from a safetensors file, the entry transformers writes);
-* ``<name>.dat`` holds the tensor's bytes in C order, exactly what ``np.memmap`` of
-  that dtype and shape maps. ``dtype`` is NumPy's name for the dtype, except that
-  bfloat16 is stored as its ``int16`` bit pattern (``"dtype": "bfloat16"``) and every
-  float8 type as its ``int8`` bit pattern (``"dtype": "float8_e4m3fn"``...), because
-  NumPy has neither; a 0-dim tensor is stored as one element with ``"shape": []``.
-
-Writing a tensor's raw little-endian bytes therefore produces the same ``.dat`` file
-as ``offload_weight`` for every dtype NumPy can map (or that Accelerate reinterprets):
-bool, all int and uint widths, float16/32/64, bfloat16, every float8, complex64 and
-complex128. A tensor with no elements is a one-byte file (what ``np.memmap`` writes for
-a zero-size array, and needs to map it back). complex32 and float4 have no NumPy dtype and no Accelerate encoding:
-:func:`offload_dtype_name` returns None for them.
-
-This module never imports accelerate.
+The format ``accelerate.utils.offload`` writes and reads (``offload_weight``,
+``save_offload_index``, ``OffloadedWeightsLoader``, Accelerate 1.x), reproduced so tensors
+can be streamed into it (``offload_weight`` needs the whole tensor in memory). A ``.dat``
+holds the tensor's little-endian bytes in C order, as ``np.memmap`` maps them; the dtype
+names (bfloat16 as ``int16``, float8 as ``int8`` bit patterns, 0-dim and empty tensors):
+docs/plugins/offload.md (dtypes). This module never imports accelerate.
 """
 
 from __future__ import annotations
@@ -60,16 +43,9 @@ for _name in ("uint16", "uint32", "uint64"):
 
 
 def offload_dtype_name(dtype: torch.dtype) -> str | None:
-    """The ``"dtype"`` value Accelerate's ``offload_weight`` writes for a tensor of ``dtype``.
-
-    Args:
-        dtype: a torch dtype.
-
-    Returns:
-        ``"bfloat16"``, the float8 type's name (``"float8_e4m3fn"``...), or NumPy's name for
-        the dtype (``"float32"``, ``"bool"``, ``"complex64"``...); None when Accelerate's
-        offload format cannot hold the dtype (complex32, float4).
-    """
+    """The ``"dtype"`` value Accelerate's ``offload_weight`` writes for a tensor of ``dtype``
+    (``"bfloat16"``, ``"float8_e4m3fn"``, else NumPy's name); None when the format cannot
+    hold it (complex32, float4)."""
     if dtype == torch.bfloat16:
         return "bfloat16"
     name = str(dtype).removeprefix("torch.")
@@ -101,17 +77,9 @@ def dat_entry(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> dict[st
 
 
 def safetensors_entry(path: str, weight_name: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Index entry of a tensor read in place from a safetensors file.
-
-    ``OffloadedWeightsLoader`` opens ``path`` with ``safetensors.safe_open`` and calls
-    ``get_tensor(weight_name)``, then ``.to(dtype)`` (a no-op when the stored dtype is
-    ``dtype``).
-
-    Args:
-        path: absolute local path of the safetensors file.
-        weight_name: the tensor's key in that file.
-        dtype: the stored dtype.
-    """
+    """Index entry of tensor ``weight_name`` read in place from the local safetensors file
+    ``path`` (absolute), stored as ``dtype``: ``OffloadedWeightsLoader`` reads it with
+    ``safetensors.safe_open(path).get_tensor(weight_name).to(dtype)``."""
     return {"safetensors_file": path, "weight_name": weight_name, "dtype": str(dtype).removeprefix("torch.")}
 
 

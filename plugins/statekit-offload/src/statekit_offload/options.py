@@ -1,11 +1,8 @@
 """The options of an offloaded load: validation, the offload folder, and the device map.
 
-``statekit.load(url, {"model": model}, device_map=..., max_memory=..., offload_folder=...)``
-passes these keyword options to the plugin as ``checkpoint.options``. The device map
-follows ``accelerate.load_checkpoint_and_dispatch`` (Accelerate 1.x, ``big_modeling.py``):
-a string (``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``) is resolved
-with ``get_balanced_memory`` and ``infer_auto_device_map`` from ``max_memory`` and
-``no_split_module_classes``.
+The device map follows ``accelerate.load_checkpoint_and_dispatch`` (Accelerate 1.x,
+``big_modeling.py``): a string (``"auto"``, ``"balanced"``...) is resolved with
+``get_balanced_memory`` and ``infer_auto_device_map``. Options: docs/plugins/offload.md (Options).
 """
 
 from __future__ import annotations
@@ -82,11 +79,8 @@ class LoadOptions:
 
 
 def check_offload_folder(folder: str | os.PathLike[str] | None, *, source: str = "offload_folder") -> str:
-    """Make sure ``folder`` can hold offloaded tensors: create it and write a probe file.
-
-    Args:
-        folder: the ``offload_folder`` option.
-        source: what is being loaded, named in errors.
+    """Make sure ``folder`` (the ``offload_folder`` option) can hold offloaded tensors: create
+    it and write a probe file; ``source`` (what is being loaded) is named in errors.
 
     Returns:
         The folder's absolute path.

@@ -1,27 +1,7 @@
 """The statekit-offload hooks: load under a memory budget, save offloaded models, export.
 
-Registered from the entry point ``offload`` in group ``statekit``. Importing this module
-imports neither accelerate nor numpy (``python -X importtime`` shows neither): both are
-imported inside the hooks, and only when a model needs them.
-
-* ``statekit_load_state_pre``: takes the model and fills it itself
-  (:func:`statekit_offload.loading.load_model`) when
-
-  - ``statekit.load(..., device_map=..., max_memory=..., offload_folder=...)`` asks for a
-    device map (the options apply to the only model of the load, or to the only one
-    with meta tensors), or
-  - the model has parameters on the meta device (built under ``init_empty_weights()``):
-    without a device map it is filled on the CPU, one tensor at a time, or
-  - this plugin saved the model (it owns it): then a model with real tensors is
-    loaded in place as the core would.
-
-  Models saved by other plugins are never touched.
-* ``statekit_save_state_pre`` (``tryfirst``, so no other model plugin computes the state
-  dict of an offloaded model first): takes every model with Accelerate offload hooks and
-  writes ``<key>.safetensors`` in the core's layout tensor by tensor
-  (:func:`statekit_offload.saving.save_model`). Its record (``records["offload"]
-  ["models"][key]``) names the file and the tie groups.
-* ``STATEKIT_CONVERTERS["offload"]``: :func:`statekit_offload.export.export`.
+Which models each hook takes, the records and the errors: docs/plugins/offload.md.
+Importing this module imports neither accelerate nor numpy (imported inside the hooks).
 """
 
 from __future__ import annotations
@@ -126,8 +106,7 @@ class _Loaded:
 
 
 def _placed(checkpoint: Checkpoint, entries: list[_Loaded]) -> set[str]:
-    """The key of the one model ``device_map``/``max_memory`` apply to: the only model, or
-    the only one on the meta device.
+    """The key of the one model ``device_map``/``max_memory`` apply to (the only one, or the only meta one).
 
     Raises:
         StatekitError: several models and not exactly one of them on the meta device.

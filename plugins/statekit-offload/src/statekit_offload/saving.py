@@ -1,38 +1,11 @@
 """Save a model whose weights are offloaded (Accelerate hooks) tensor by tensor, in the core's layout.
 
-A model dispatched by ``accelerate.dispatch_model`` / ``load_checkpoint_and_dispatch`` /
-``cpu_offload`` / ``disk_offload`` (or by this plugin) keeps offloaded parameters on the
-meta device; each module's ``AlignDevicesHook`` (``offload=True``) holds a
-``weights_map`` from which ``pre_forward`` fetches them. ``model.state_dict()`` of such
-a model holds meta tensors, so the core cannot save it.
-
-This module writes ``<key>.safetensors`` exactly as the core would (same header: the
-header is built by :func:`statekit.plugin_api.build_header`, tied parameters stored once
-and listed as aliases) but streams each tensor's bytes from where they live:
-
-* a tensor of an ``OffloadedWeightsLoader`` index entry that is a ``.dat`` file, or a
-  safetensors entry (``safetensors_file``/``weight_name``), is copied from that file in
-  chunks of :data:`statekit.plugin_api.CHUNK_BYTES`: nothing of it is held in memory;
-* any other offloaded tensor is fetched with ``weights_map[name]`` (one tensor at a time);
-* a tensor that is not offloaded (on the CPU or a device) is written from its memory.
-
-Peak memory is one chunk, or one tensor for the second case.
-
-Incremental saves (``CheckpointManager``'s default, docs/incremental.md): the offloaded
-tensors (those the model holds on the meta device) go to files of their own,
-``<key>.offloaded-<nnnnn>.safetensors`` of at most :data:`OFFLOADED_FILE_BYTES` each, and
-the tensors in memory stay in ``<key>.safetensors``; a model with only one of the two
-kinds is one file. Before a file is written, its bytes (streamed from the same sources)
-are compared with the run's last checkpoint's file of the same path by
-:meth:`statekit.plugin_api.Checkpoint.reuse_if_same`, which hard-links (or server-side
-copies) an unchanged file instead of writing it. Whether a file is reused is decided from
-the bytes alone: an offloaded weight edited in place (in its ``.dat`` file) is written again.
-
-Tied parameters: ``dispatch_model`` replaces offloaded parameters by per-module meta
-tensors, so ``find_tied_parameters`` no longer sees ties among them. The tie groups used
-are the union of ``find_tied_parameters(model)``, the groups recorded when this plugin
-loaded the model, the ``tied_parameters`` save option, and names whose index entries
-point at the same tensor of the same safetensors file.
+``model.state_dict()`` of a dispatched model holds meta tensors, so the core cannot save
+it. This module writes ``<key>.safetensors`` with the core's header
+(:func:`statekit.plugin_api.build_header`), streaming each tensor from its ``.dat`` or
+safetensors source in :data:`statekit.plugin_api.CHUNK_BYTES` chunks, else from
+``weights_map[name]`` or memory. Incremental saves (``<key>.offloaded-<nnnnn>.safetensors``,
+reuse by bytes) and the tie groups: docs/plugins/offload.md (Save from an offloaded model).
 """
 
 from __future__ import annotations
@@ -206,21 +179,11 @@ def save_model(
     *,
     tied_parameters: Iterable[Iterable[str]] = (),
 ) -> dict[str, Any]:
-    """Write ``<key>.safetensors`` for an offloaded ``model``, tensor by tensor (in an
-    incremental save, the offloaded tensors go to ``<key>.offloaded-<nnnnn>.safetensors``
-    and each unchanged file is reused: see the module docstring).
-
-    Args:
-        checkpoint: the :class:`statekit.Checkpoint` of the save (rank 0 writes).
-        key: the model's stable key.
-        model: the unwrapped model with Accelerate offload hooks.
-        tied_parameters: extra tie groups (lists of parameter names).
+    """Write ``<key>.safetensors`` for an offloaded ``model`` (the unwrapped model with
+    Accelerate hooks), tensor by tensor; ``tied_parameters`` are extra tie groups.
 
     Returns:
-        The record stored for the model: ``{"file", "files", "tensors", "from_files",
-        "reused", "tied"}`` (``files``: every file of the model; ``from_files``: tensors
-        copied from offload files into files written; ``reused``: files reused from the
-        run's last checkpoint).
+        The record stored for the model (its fields: docs/plugins/offload.md).
 
     Raises:
         UnsupportedDtypeError: a tensor's dtype cannot be stored (names it).
@@ -288,14 +251,9 @@ def save_model(
 def _files(
     key: str, placeholders: dict[str, torch.Tensor], sources: dict[str, Any], tied: list[list[str]]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """The files of an offloaded model in an incremental save: ``relative path -> tensors``.
-
-    Tensors held in memory (their source is the tensor itself) go to ``<key>.safetensors``;
-    offloaded ones to ``<key>.offloaded-<nnnnn>.safetensors`` of at most
-    :data:`OFFLOADED_FILE_BYTES`, in state-dict order. A tie group stays in one file (in
-    memory when any of its names is). A model with only one kind is one file,
-    ``<key>.safetensors``.
-    """
+    """The files of an offloaded model in an incremental save: ``relative path -> tensors``,
+    offloaded ones in files of at most :data:`OFFLOADED_FILE_BYTES`; a tie group stays in
+    one file (in memory when any of its names is)."""
     group_of = {n: tuple(g) for g in tied for n in g}
     in_memory = {n for n, src in sources.items() if isinstance(src, torch.Tensor)}
     in_memory |= {n for n in placeholders if any(m in in_memory for m in group_of.get(n, ()))}
@@ -392,11 +350,8 @@ def _pieces(p: Any, source: Any, target: torch.Tensor, key: str) -> Any:
 
 
 def load_plain(checkpoint: Any, key: str, model: torch.nn.Module, rel: str) -> None:
-    """Load ``rel`` (and the model's other files of an incremental save,
-    :func:`statekit_offload.loading.model_files`) into a model with real tensors, in
-    place, as the core does.
-
-    Used when a model this plugin saved is loaded without a device map.
+    """Load ``rel`` (and the model's other files of an incremental save) into a model with
+    real tensors, in place, as the core does: a model this plugin saved, without a device map.
 
     Raises:
         StateMismatchError: keys, shapes or dtypes differ (listed); the model is untouched.

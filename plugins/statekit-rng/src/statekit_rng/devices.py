@@ -1,14 +1,7 @@
 """The device generators of the current accelerator: discovery, and restoring saved states.
 
-Devices are found with the core's ``statekit.plugin_api.accelerator_generators`` (the
-lookup the resume fingerprint and the RNG guard use too: ``torch.get_device_module`` of
-the current accelerator), with no hard-coded list of backends (CUDA, XPU, MPS, HPU, a
-PrivateUse1 backend...).
-:mod:`statekit_rng.plugin` calls :func:`discover_accelerator` through its own namespace,
-so a test can replace it there. A backend needs no replacement: ``torch.accelerator``
-finds PrivateUse1 backends too, and the core's resume fingerprint names the device that
-``current_accelerator_type`` gives, so a replacement that names another device makes every
-resume warn that its random state is not restored.
+Devices are found with the core's :func:`statekit.plugin_api.accelerator_generators`
+(``torch.get_device_module`` of the current accelerator), with no hard-coded list of backends.
 """
 
 from __future__ import annotations
@@ -25,15 +18,8 @@ __all__ = ["DeviceRngModule", "discover_accelerator", "restore_devices"]
 def discover_accelerator() -> tuple[str, DeviceRngModule] | None:
     """Find the accelerator of this process and the module that holds its generators.
 
-    The core's :func:`statekit.plugin_api.accelerator_generators` (the one lookup:
-    ``torch.accelerator`` on torch >= 2.6, earlier versions probe ``cuda``, ``xpu``, ``mps``
-    and the PrivateUse1 backend; the module ``torch.get_device_module(device_type)``, MPS's
-    per-device functions adapted): the device-generic path torch itself documents, instead
-    of Accelerate's per-backend chain (``accelerate.utils.random.set_seed``).
-
-    Hooks look this function up in the module namespace at every call, so a test can
-    replace it (``monkeypatch.setattr(statekit_rng.plugin, "discover_accelerator", fake)``;
-    the core's fingerprint still asks ``current_accelerator_type``).
+    The core's :func:`statekit.plugin_api.accelerator_generators`; the hooks look this
+    function up in :mod:`statekit_rng.plugin` at every call, so a test can replace it there.
 
     Returns:
         ``(device_type, module)`` with ``module`` following :class:`DeviceRngModule`

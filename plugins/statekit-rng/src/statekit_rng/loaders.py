@@ -1,8 +1,6 @@
-"""The generators of data loaders: giving loaders their own, saving and restoring them by key.
+"""The generators of data loaders, by role (its own and its sampler's): saving and restoring them by key.
 
-A data loader has up to two generators, by role: its own (``loader.generator``: seeds the
-worker processes) and its sampler's (draws the shuffling permutation). The sampler is
-found with statekit's one sampler lookup, :func:`statekit.plugin_api.sampler_of`.
+The sampler is found with statekit's one sampler lookup, :func:`statekit.plugin_api.sampler_of`.
 """
 
 from __future__ import annotations
@@ -39,40 +37,13 @@ def _loader_core(loader: Any) -> Any:
     return base if base is not None else loader
 
 
-def find_sampler(loader: Any) -> Any:
-    """Return the sampler that draws a data loader's indices (the one holding its generator).
-
-    statekit's own sampler lookup (:func:`statekit.plugin_api.sampler_of`): looks, in
-    order, at ``loader.batch_sampler.sampler``, ``loader.batch_sampler.batch_sampler.sampler``
-    (Accelerate's ``BatchSamplerShard`` around the original batch sampler) and
-    ``loader.sampler``, looking through a batch sampler found there (a ``BatchSampler``
-    passed as ``sampler=`` with ``batch_size=None``), as ``accelerate.data_loader.get_sampler``
-    does.
-
-    Args:
-        loader: a ``torch.utils.data.DataLoader`` (or an Accelerate ``DataLoaderShard`` /
-            ``DataLoaderDispatcher``).
-
-    Returns:
-        The sampler object, or None if the loader has none.
-    """
-    return sampler_of(loader)
-
-
 def generator_holders(loader: Any) -> dict[str, Any]:
     """``role -> object with a ``generator`` attribute`` for a data loader."""
     holders = {LOADER_ROLE: _loader_core(loader)}
-    sampler = find_sampler(loader)
+    sampler = sampler_of(loader)
     if sampler is not None and hasattr(sampler, "generator"):
         holders[SAMPLER_ROLE] = sampler
     return holders
-
-
-def new_generator(device: Any = None) -> torch.Generator:
-    """A new ``torch.Generator`` on ``device`` (default: ``torch.get_default_device()``)."""
-    if device is None:
-        device = torch.get_default_device() if hasattr(torch, "get_default_device") else "cpu"
-    return torch.Generator(device=device)
 
 
 def generator_entry(generator: torch.Generator) -> dict[str, Any]:
@@ -100,7 +71,7 @@ def restore_loaders(saved: Mapping[str, Any], loaders: Mapping[str, Any], not_re
             generator = getattr(holder, "generator", None)
             created = not isinstance(generator, torch.Generator)
             if created:
-                generator = new_generator(entry["device"])
+                generator = torch.Generator(device=entry["device"])
             try:
                 generator.set_state(entry["state"])
             except (RuntimeError, TypeError, ValueError) as exc:

@@ -1,51 +1,17 @@
-"""statekit-rng: every random-number generator of a run, saved and restored per rank.
+"""statekit-rng hooks: every random-number generator of a run, saved and restored per rank.
 
-What one rank saves, to ``rng/rank-<rank:05d>.json`` (+ ``.safetensors``) through
-``checkpoint.save_state`` (no pickle):
-
-* Python's ``random`` module state (``random.getstate()``);
-* NumPy's global generator (``numpy.random.get_state()``);
-* torch's CPU generator (``torch.get_rng_state()``);
-* the generators of every device of the current accelerator (CUDA, XPU, MPS, HPU, a
-  PrivateUse1 backend...), found with ``torch.accelerator`` and
-  ``torch.get_device_module(device_type)``, with no hard-coded list of backends;
-* the ``torch.Generator`` of each data loader among ``checkpoint.objects`` and of its
-  sampler, by the loader's stable key.
-
-This is the set Accelerate saves in ``Accelerator.save_state``
-(``accelerate/checkpointing.py``: ``save_accelerator_state``, as ``random_states_<i>.pkl``),
-plus the data-loader generators, stored without pickle and restored *last* on load.
-
-The plugin does not give loaders generators of their own (it did before 2026-11-27): that
-changed a run's data order from its first batch the moment statekit was attached. A loader
-or sampler without a generator draws its order from the global generators when an epoch
-starts; statekit's core records those states at each epoch start and replays them on a
-mid-epoch resume (``statekit.loaders.epoch_rng``). A checkpoint of an older run that holds
-loader generators still gets them back (a generator is created where the loader has none).
-
-Ordering: the snapshot is taken first on save (``tryfirst``), and the restore runs last on
-load (``trylast``), after every model and object has been loaded. The module sets
-``STATEKIT_MANAGES_RNG = True``, so the host runs these hooks outside its RNG guard (which
-would otherwise put back the states this plugin restores) and does not warn that random
-state is not saved.
-
-World-size or device changes: the states that match are restored, and one
-:class:`statekit.StatekitWarning` per load lists exactly what was not (ranks, devices,
-data-loader generators). A checkpoint saved without this plugin loads without warnings
-from it.
-
-Device discovery can be replaced: the hooks call :func:`discover_accelerator` through
-this module's namespace at every call, so a test or an exotic backend can substitute a
-function returning ``(device_type, module)`` for any ``module`` that follows
-:class:`DeviceRngModule`.
+What is saved (``rng/rank-<rank:05d>.json`` + ``.safetensors``, no pickle), the data-loader
+policy and the world-size rules: docs/plugins/rng.md. The snapshot runs first on save
+(``tryfirst``) and the restore last on load (``trylast``); ``STATEKIT_MANAGES_RNG`` keeps
+the host's RNG guard from putting back what this plugin restored. The hooks call
+:func:`discover_accelerator` through this module's namespace, so a test can replace it.
 """
 
 from __future__ import annotations
 
-import random
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,30 +27,18 @@ from statekit.plugin_api import (
     snapshot_random_states,
 )
 from statekit_rng.devices import DeviceRngModule, discover_accelerator, restore_devices
-from statekit_rng.loaders import (
-    LOADER_ROLE,
-    SAMPLER_ROLE,
-    data_loaders,
-    find_sampler,
-    generator_entry,
-    generator_holders,
-    new_generator,
-    restore_loaders,
-)
+from statekit_rng.loaders import data_loaders, generator_entry, generator_holders, restore_loaders
 
 if TYPE_CHECKING:
     from statekit.plugin_api import Checkpoint
 
 __all__ = [
-    "LOADER_ROLE",
-    "SAMPLER_ROLE",
     "STATEKIT_MANAGES_RNG",
     "STATEKIT_OPTIONS",
     "STATE_FORMAT",
     "STATE_KEY",
     "DeviceRngModule",
     "discover_accelerator",
-    "find_sampler",
     "restore",
     "snapshot",
     "statekit_load_state_post",
@@ -118,8 +72,7 @@ def snapshot(objects: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Capture this process's random states (what one rank's file holds).
 
     Args:
-        objects: stateful objects by stable key; the generators of data loaders among them
-            are captured too.
+        objects: stateful objects by stable key; their data loaders' generators are captured.
 
     Returns:
         A dict: ``format`` (int), ``python`` (``random.getstate()`` tuple), ``numpy``
@@ -163,16 +116,8 @@ def snapshot(objects: Mapping[str, Any] | None = None) -> dict[str, Any]:
 def statekit_save_state_pre(checkpoint: Checkpoint) -> None:
     """Write this rank's random states to ``rng/rank-<rank:05d>.*``, before any other plugin.
 
-    Runs first (``tryfirst``) so the snapshot is the state the training loop left, on
-    every rank. Records (manifest ``records["rng"]``, from rank 0): ``format``,
-    ``world_size``, ``device_type``, ``device_count`` and the data-loader keys saved.
-
-    Args:
-        checkpoint: the save's context; ``checkpoint.objects`` is read (data loaders) and
-            not changed.
-
-    Returns:
-        None. Sets ``checkpoint.handles_rng = True``.
+    Records (``records["rng"]``): ``format``, ``world_size``, ``device_type``,
+    ``device_count`` and the data-loader keys saved. Sets ``checkpoint.handles_rng``.
 
     Raises:
         UnsupportedValueError: a state cannot be encoded (a NumPy bit generator with an
@@ -221,8 +166,7 @@ def restore(state: Mapping[str, Any], loaders: Mapping[str, Any] | None = None, 
         source: the file the state came from, for error messages.
 
     Returns:
-        What was not restored, one human-readable item per generator group (empty when
-        everything matched).
+        What was not restored, one human-readable item per generator group.
 
     Raises:
         CorruptCheckpointError: the state lacks a field (names ``source``).
@@ -246,16 +190,7 @@ def _ranks_in(files: Mapping[str, Any]) -> list[int]:
 
 @hookimpl(tryfirst=True)
 def statekit_load_state_pre(checkpoint: Checkpoint) -> None:
-    """Note the data loaders of this load before another plugin takes them.
-
-    Restores nothing: the restore runs last, in :func:`statekit_load_state_post`.
-
-    Args:
-        checkpoint: the load's context (``objects`` is read, not changed).
-
-    Returns:
-        None.
-    """
+    """Note the data loaders of this load before another plugin takes them (restores nothing)."""
     _loaders_at_load[checkpoint] = dict(data_loaders(checkpoint.objects))
 
 
@@ -263,24 +198,10 @@ def statekit_load_state_pre(checkpoint: Checkpoint) -> None:
 def statekit_load_state_post(checkpoint: Checkpoint) -> None:
     """Restore this rank's random states, after everything else was loaded.
 
-    Restores Python ``random``, NumPy's global generator, torch's CPU generator, the
-    accelerator's device generators and the generators of the data loaders of this load
-    (the pattern of Accelerate's ``load_accelerator_state``, which restores
-    ``random_states_<process_index>.pkl`` last). When the checkpoint was saved with a
-    different world size, device type or device count, restores what matches and issues
-    one :class:`statekit.StatekitWarning` listing what was not restored: this rank's
-    states when the checkpoint has no file for it; on rank 0, the ranks saved beyond
-    the current world size; device generators by name (``cuda:1``); data-loader
-    generators by key. A checkpoint saved without statekit-rng (no ``records["rng"]``)
-    is left alone, without warning.
-
-    Args:
-        checkpoint: the load's context: ``records`` (saved by
-            :func:`statekit_save_state_pre`), ``manifest.files``, ``rank``,
-            ``world_size``, ``objects``.
-
-    Returns:
-        None. Sets ``checkpoint.handles_rng = True`` when a state was restored.
+    Restores what matches the saved world size, device type and count, and issues one
+    :class:`statekit.StatekitWarning` listing what was not (docs/plugins/rng.md). A
+    checkpoint saved without statekit-rng is left alone. Sets ``checkpoint.handles_rng``
+    when a state was restored.
 
     Raises:
         CorruptCheckpointError: this rank's file fails verification or is malformed.

@@ -12,6 +12,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 import statekit
 import statekit.hooks.registry
 import statekit_rng.plugin as rng_plugin
+from statekit_rng.loaders import generator_holders
 
 
 def _dataset(n: int = 20) -> TensorDataset:
@@ -77,10 +78,10 @@ def test_attach_keeps_existing_generators(pm) -> None:
     assert loader.generator is loader_generator
 
 
-def test_find_sampler_reaches_sampler_inside_batch_sampler() -> None:
+def test_sampler_generator_found_inside_batch_sampler() -> None:
     sampler = RandomSampler(_dataset())
     loader = DataLoader(_dataset(), batch_size=None, sampler=BatchSampler(sampler, 4, drop_last=False))
-    assert rng_plugin.find_sampler(loader) is sampler
+    assert generator_holders(loader)["sampler"] is sampler
 
 
 def test_loader_generators_round_trip(pm, url: str, fake_devices) -> None:
