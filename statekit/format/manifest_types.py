@@ -344,7 +344,7 @@ def _manifest_object(manifest: Any, source: str) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise _corrupt(source, "manifest is not a JSON object")
     fmt = manifest.get("format")
-    if fmt not in READ_FORMATS:
+    if not isinstance(fmt, str) or fmt not in READ_FORMATS:  # (a list is unhashable: not a set lookup)
         if isinstance(fmt, str) and fmt.startswith("statekit/"):
             raise FormatVersionError(
                 f"{source}: checkpoint format {fmt!r} is not supported by this statekit "
