@@ -15,7 +15,7 @@ Owns three things, each once:
 Users: the RNG guard of plugin calls (:mod:`statekit.hooks.registry`), the data-loader
 position (:mod:`statekit.loaders`: epoch-start and read-ahead states), the resume
 fingerprint (:mod:`statekit.api.fingerprint`), the random states of an Accelerate
-checkpoint (:mod:`statekit.foreign.accelerate_rng`) and statekit-rng (through
+checkpoint (:mod:`statekit.foreign.accelerate`) and statekit-rng (through
 :mod:`statekit.plugin_api`). Each asking torch its own way made them disagree where
 ``torch.accelerator`` is missing (torch 2.4 and 2.5), or where a backend has no
 ``get_rng_state_all`` (MPS). The stored layout of each user's states stays its own (loader

@@ -50,7 +50,7 @@ from statekit.engine.read import verify_files
 from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
-from statekit.hooks.claims import track_save_claims
+from statekit.hooks.registry import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.progress import human
 from statekit.storage import Storage

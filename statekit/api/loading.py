@@ -27,13 +27,13 @@ from statekit.engine.locking import LOCK_NAME, live_save_lock
 from statekit.errors import CorruptCheckpointError, IncompleteCheckpointError, PluginError, StatekitWarning, StateMismatchError, warn_user
 from statekit.foreign import accelerate as accelerate_format
 from statekit.foreign.accelerate_convert import loaders_left_as_they_are
-from statekit.foreign.accelerate_rng import restore_rng
+from statekit.foreign.accelerate import restore_rng
 from statekit.foreign.base import ForeignObject, ForeignSummary
 from statekit.foreign.detect import describe_kind, folder_kind
 from statekit.format.layout import rank_path
 from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
-from statekit.hooks.claims import track_load_claims
+from statekit.hooks.registry import track_load_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.progress import human
 from statekit.storage import Storage

@@ -25,7 +25,7 @@ from statekit.engine.staging import StagingPool
 from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Fingerprint, Lineage, Manifest, StateDigest
-from statekit.hooks.claims import track_save_claims
+from statekit.hooks.registry import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
 from statekit.checks import next_batch
 from statekit.progress import human

@@ -355,7 +355,7 @@ def test_accelerate_device_random_states_of_another_device_count(monkeypatch, ki
 
     import statekit
     from statekit import devices
-    from statekit.foreign import accelerate_rng
+    from statekit.foreign import accelerate as accelerate_rng
 
     calls = []
     module = getattr(torch, kind)
