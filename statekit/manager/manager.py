@@ -28,7 +28,7 @@ from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
 from statekit.manager.backpressure import Backpressure, CheckpointStats, SaveStats
-from statekit.manager.policies import UNSET, AsyncPolicy, PreemptionPolicy, RetentionPolicy, grouped
+from statekit.manager.policies import AsyncPolicy, PreemptionPolicy, RetentionPolicy, manager_policies
 from statekit.manager.preemption import SignalSave
 from statekit.manager import lineage
 from statekit.manager.resume_order import Candidate, resume_candidates
@@ -59,95 +59,39 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    """Numbered checkpoints of one training run under a root URL.
+    """Numbered checkpoints of one training run under a root URL (``docs/concepts.md``).
 
-    Creating a manager attaches statekit to the run (:func:`statekit.attach`): data
-    loaders are tracked for exact mid-epoch resume and the ``statekit_attach`` hooks run.
-
-    Retention: a committed checkpoint is kept if *any* policy keeps it (the last
-    ``keep_last``; the best ``keep_best`` by ``monitor``; every ``keep_every_n_steps``-th
-    step); the others are deleted (manifest first) right after a new checkpoint commits.
-    The newest checkpoint and the one the run resumed from are never deleted. With no
-    policy, every checkpoint is kept. Steps come from directory names, never from listing
-    order, and nothing is renamed, so retention works on object stores.
-
-    Also a context manager: leaving the ``with`` block waits for a pending async save.
-
-    Options come in groups (as Orbax's ``CheckpointManagerOptions`` and Lightning's
-    ``ModelCheckpoint`` group theirs): ``retention=RetentionPolicy(...)``,
-    ``async_policy=AsyncPolicy(...)``, ``preemption=PreemptionPolicy(...)`` (from
-    ``statekit``); each group's flat keywords below build the same object, one or the other
-    per group (``docs/api.md``).
+    Creating a manager attaches statekit to the run (:func:`statekit.attach`). Its options
+    come in three groups, each given by one keyword, as a shortcut or as the group
+    (:mod:`~statekit.manager.policies`, ``docs/api.md``). Also a context manager: leaving
+    the ``with`` block restores the signal handlers and waits for a pending async save.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``; or, without
             Accelerate, a mapping of stateful objects as given to :func:`statekit.save`.
         root_url: directory URL holding ``checkpoint-<step>/`` and ``latest``, or a
             ``statekit.storage.Storage`` (a URL with its fsspec options).
-        keep_last: keep the newest N committed checkpoints (``RetentionPolicy.keep_last``).
-        retention: which checkpoints to keep, grouped
-            (:class:`~statekit.manager.policies.RetentionPolicy`); instead of ``keep_last``,
-            ``keep_best``, ``monitor``, ``mode``, ``keep_every_n_steps``.
-        async_policy: background saves, grouped
-            (:class:`~statekit.manager.policies.AsyncPolicy`: ``enabled``, ``backpressure``,
-            ``max_wait_s``); instead of ``async_save``, ``backpressure``, ``max_wait_s``.
-        preemption: saving on a signal, grouped
-            (:class:`~statekit.manager.policies.PreemptionPolicy`: ``signals``, ``grace_s``,
-            ``on_signal``, ``check_every``); instead of ``save_on_signal``, ``grace_s``,
-            ``on_signal``, ``signal_check_every``.
-        keep_best: keep the best K by ``metrics[monitor]`` given to :meth:`save`
-            (checkpoints without that metric never count as best).
-        monitor: the metric name for ``keep_best`` (default ``"loss"``).
-        mode: ``"min"`` (default) or ``"max"``: which direction is better.
-        keep_every_n_steps: keep checkpoints whose step is a multiple of M.
-        async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``;
-            default False).
-        backpressure: what :meth:`save` does while the previous async save is still
-            writing: ``"wait"`` (default) up to ``max_wait_s``, then skip this save;
-            ``"skip"`` it at once. A skipped save warns with its step and the one still
-            writing, and is counted in :meth:`stats` (``docs/backpressure.md``).
-        max_wait_s: the bound of ``backpressure="wait"``, seconds (default 300, half the
-            NCCL watchdog's 600; None: wait as long as it takes).
-        storage_options: fsspec options of ``root_url`` (not with a ``Storage``, which
-            carries its own).
-        incremental: write a tensor file only when its bytes changed since the run's last
-            committed checkpoint (or the one it resumed from, under this root); an unchanged
-            file is hard-linked (server-side copied on an object store) from it, so every
-            checkpoint stays complete on its own. A model with frozen and trainable
-            parameters is written as two kinds of files so that the frozen ones can be
-            reused (format ``statekit/2``). False: every save writes every byte, one file
-            per model (``docs/incremental.md``).
+        keep_last: keep the newest N committed checkpoints (None: no such policy).
+        retention: a :class:`~statekit.RetentionPolicy` (``keep_last``, ``keep_best`` by
+            ``monitor`` and ``mode``, ``keep_every_n_steps``), not with ``keep_last``. With
+            neither, every checkpoint is kept.
+        async_save: True: :meth:`save` defaults to ``blocking=False``; or an
+            :class:`~statekit.AsyncPolicy` (back-pressure, ``max_wait_s``: ``docs/backpressure.md``).
+        save_on_signal: True: save at the next safe point after SIGTERM or SIGUSR1; or the
+            signals (``"USR1"``, ``signal.SIGUSR2``, a tuple); or a
+            :class:`~statekit.PreemptionPolicy` (``grace_s``, ``on_signal``, ``check_every``:
+            ``docs/clusters.md``). False (default): no handlers.
+        storage_options: fsspec options of ``root_url`` (not with a ``Storage``).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
-            ``checkpoint_<n>`` folders under the root (a run migrating from
-            ``automatic_checkpoint_naming``); without it such a resume raises
+            ``checkpoint_<n>`` folders; without it such a resume raises
             :class:`PickleNotAllowedError` naming the file.
-        save_on_signal: save on a preemption signal (``docs/clusters.md``): True handles
-            SIGTERM and SIGUSR1; or a tuple of signals (``signal.SIGUSR2``, ``"USR1"``).
-            The handlers only record the signal (and call a Python handler installed
-            before); the next safe point (:meth:`step_boundary`, :meth:`save`,
-            ``CheckpointHook.on_step_end``) saves that step blocking, every rank agreeing,
-            and then acts as ``on_signal`` says. Leaving the ``with`` block restores the
-            previous handlers. False (default): no handlers.
-        grace_s: seconds between the signal and the kill (default 30, Kubernetes' default
-            ``terminationGracePeriodSeconds``); a save estimated (from the last save's
-            measured write rate) or a safe point arriving past it warns.
-        on_signal: ``"exit"`` (default): after the commit raise ``SystemExit`` with status
-            ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1); ``"return"``:
-            :meth:`step_boundary` returns True and :attr:`should_stop` is True; the loop ends itself.
-        signal_check_every: with several ranks, agree on the signal flag (one all-reduce of
-            two ints on statekit's gloo group) every N-th step boundary only; None
-            (default): N adapts so that the checks cost under 1 % of the measured step time
-            and a signal waits at most ``grace_s / 10`` for its check (``docs/clusters.md``).
-        step_digits: digits of the step in directory names, zero-padded: 8 (default)
-            names ``checkpoint-00000500``, whose names sort by step; 0 names
-            ``checkpoint-500``, as transformers' ``Trainer`` does (statekit-transformers).
-            Both are listed and resumed whatever the setting.
-        run_id: this run's id, recorded in every checkpoint's ``lineage``: :meth:`resume`
-            then resumes this run's own newest checkpoint, warning
-            (:class:`~statekit.OtherRunWarning`) when another run's is newer, and
-            refuses to continue another run's when this run has none (``other_runs``). None (default): the
-            run id of the checkpoint resumed from, or a new one (``uuid4().hex``) for a
-            run that starts fresh (``docs/concepts.md``, Lineage).
+        incremental: write a tensor file only when its bytes changed since the last committed
+            checkpoint, hard-linking (server-side copying) the others (``docs/incremental.md``);
+            False: every save writes every byte.
+        step_digits: the zero-padded digits of the step in directory names, 0 to 20 (8:
+            ``checkpoint-00000500``; 0: ``checkpoint-500``, as transformers' ``Trainer``).
+        run_id: this run's id, recorded in every checkpoint's lineage (``docs/concepts.md``,
+            Lineage); None: the resumed checkpoint's, or a new ``uuid4().hex``.
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
             ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
             plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
@@ -165,10 +109,10 @@ class CheckpointManager:
             ``keep_last``) warns.
 
     Raises:
-        InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, ``step_digits``
-            is not an integer from 0 to 20, ``run_id`` is not a non-empty string, a group is
-            given with one of its flat keywords (or is not of its class), ``storage_options``
+        InvalidOptionError: (a ``ValueError``) a group's value is invalid, ``keep_last``
+            with ``retention``, a group's field given as a keyword (``keep_best=2``: the
+            message names ``retention=statekit.RetentionPolicy(keep_best=2)``), ``step_digits``
+            or ``run_id`` invalid, ``storage_options``
             with a ``Storage``, ``root_url`` is itself a checkpoint (statekit's or
             Accelerate's), or a plugin refused its manager option (``remote_keep_last``
             not a positive integer, a ``remote_*`` option without ``replicate_to``).
@@ -184,43 +128,27 @@ class CheckpointManager:
         self,
         accelerator: Any,
         root_url: str | os.PathLike[str] | Storage,
-        keep_last: int | None = UNSET,
+        keep_last: int | None = None,
         *,
         retention: RetentionPolicy | None = None,
-        async_policy: AsyncPolicy | None = None,
-        preemption: PreemptionPolicy | None = None,
+        async_save: bool | AsyncPolicy = False,
+        save_on_signal: bool | PreemptionPolicy | Any = False,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         incremental: bool = True,
         step_digits: int = DEFAULT_STEP_DIGITS,
-        keep_best: int | None = UNSET,
-        monitor: str = UNSET,
-        mode: str = UNSET,
-        keep_every_n_steps: int | None = UNSET,
-        async_save: bool = UNSET,
-        backpressure: str = UNSET,
-        max_wait_s: float | None = UNSET,
-        save_on_signal: Any = UNSET,
-        grace_s: float | None = UNSET,
-        on_signal: str = UNSET,
-        signal_check_every: int | None = UNSET,
         run_id: str | None = None,
         **options: Any,
     ) -> None:
-        unset_if_none = lambda value: UNSET if value is None else value  # noqa: E731 - None is these keywords' default
-        self.retention: RetentionPolicy = grouped(RetentionPolicy, "retention", retention, {
-            "keep_last": unset_if_none(keep_last), "keep_best": unset_if_none(keep_best), "monitor": monitor,
-            "mode": mode, "keep_every_n_steps": unset_if_none(keep_every_n_steps)})
+        self.retention: RetentionPolicy
         """Which committed checkpoints are kept (:class:`~statekit.manager.policies.RetentionPolicy`)."""
-        self.async_policy: AsyncPolicy = grouped(AsyncPolicy, "async_policy", async_policy, {
-            "async_save": False if async_save is UNSET and async_policy is None else async_save,
-            "backpressure": backpressure, "max_wait_s": max_wait_s}, {"async_save": "enabled"})
+        self.async_policy: AsyncPolicy
         """How saves run in the background (:class:`~statekit.manager.policies.AsyncPolicy`)."""
-        signal_keywords = {"save_on_signal": save_on_signal, "grace_s": unset_if_none(grace_s),
-                           "on_signal": on_signal, "signal_check_every": unset_if_none(signal_check_every)}
-        self.preemption: PreemptionPolicy | None = _preemption_policy(preemption, signal_keywords)
+        self.preemption: PreemptionPolicy | None
         """What a preemption signal does (:class:`~statekit.manager.policies.PreemptionPolicy`),
         or None: no handlers."""
+        self.retention, self.async_policy, self.preemption = manager_policies(
+            keep_last, retention, async_save, save_on_signal, options)
         self.backpressure = Backpressure(self.async_policy)
         self.save_stats = SaveStats()
         if not isinstance(step_digits, int) or isinstance(step_digits, bool) or not 0 <= step_digits <= 20:
@@ -822,21 +750,3 @@ def _skippable(info: CheckpointDir, exc: StatekitError) -> bool:
         return info.accelerate and bool(exc.missing) and not exc.mismatched
     return True
 
-
-def _preemption_policy(preemption: PreemptionPolicy | None, flat: dict[str, Any]) -> PreemptionPolicy | None:
-    """The manager's preemption group: ``preemption`` as given or built from its flat
-    keywords (``flat``: ``save_on_signal``, ``grace_s``, ``on_signal``,
-    ``signal_check_every``; :data:`UNSET` where not given), or None when no signal is
-    handled (the other flat keywords given then warn: they have no effect).
-
-    Raises:
-        InvalidOptionError: as :func:`~statekit.manager.policies.grouped`.
-    """
-    if preemption is None and any(flat["save_on_signal"] is off for off in (UNSET, False, None)):  # off
-        unused = sorted(k for k, v in flat.items() if v is not UNSET and k != "save_on_signal")
-        if unused:
-            warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
-                      "so they have no effect", StatekitWarning)
-        return None
-    return grouped(PreemptionPolicy, "preemption", preemption, flat,
-                   {"save_on_signal": "signals", "signal_check_every": "check_every"})

@@ -26,7 +26,6 @@ with code ``128 + signal number`` (``on_signal="exit"``) or
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -38,12 +37,6 @@ from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.manager.policies import PreemptionPolicy
 
 logger = logging.getLogger(__name__)
-
-CHECK_COST = 0.01
-"""With several ranks and ``signal_check_every=None``: the share of the step time the
-ranks' agreement on the signal flag may cost (one all-reduce of two ints on the gloo group,
-about 0.1 to 0.5 ms on one host; ``docs/clusters.md``)."""
-
 
 def exit_code(signum: int) -> int:
     """The exit status of a run that saved on a signal and exited: ``128 + signum`` (143 for
@@ -73,10 +66,7 @@ class SignalSave:
         policy: the manager's :class:`~statekit.manager.policies.PreemptionPolicy` (checked
             there): the signals, ``grace_s`` (seconds from the signal to the kill, the
             deadline of the save), ``on_signal`` and ``check_every`` (with several ranks,
-            agree on the flag every N-th safe point only, each check one all-reduce on the
-            gloo group; None: adapt N so that the checks cost under 1 % of the step time,
-            :data:`CHECK_COST`, while a signal waits at most a tenth of ``grace_s`` for its
-            check; one process checks every time).
+            agree on the flag every N-th safe point, one all-reduce on the gloo group).
 
     Raises:
         InvalidOptionError: the manager is created outside the main thread (Python runs
@@ -94,7 +84,6 @@ class SignalSave:
         self.signals: tuple[signal.Signals, ...] = policy.signals  # type: ignore[assignment]
         self.grace_s = policy.grace_s
         self.on_signal = policy.on_signal
-        self.check_every = policy.check_every
         self.received: signal.Signals | None = None
         """The first signal received (this rank), or None."""
         self.received_at: float | None = None
@@ -115,14 +104,7 @@ class SignalSave:
         committed checkpoint, None if there is none)."""
         self.step_seconds: float | None = None
         """The longest time between two safe points seen (seconds)."""
-        self.check_interval = 1
-        """Safe points between two agreements of the ranks (the last one agreed)."""
-        self.check_seconds: float | None = None
-        """The fastest agreement (one all-reduce) seen on this rank, seconds."""
         self._boundaries = 0
-        self._next_check = 1
-        self._checks = 0
-        self._last_step: float | None = None
         self._last_boundary: float | None = None
         self._warned_step = False
         self._rate: float | None = None  # bytes per second of the last committed save
@@ -202,36 +184,20 @@ class SignalSave:
             return False  # between two optimizer steps: the window's end is the safe point
         now = time.monotonic()
         if self._last_boundary is not None:
-            self._last_step = now - self._last_boundary
-            self._note_step_time(self._last_step)
+            self._note_step_time(now - self._last_boundary)
         self._last_boundary = now
         self._boundaries += 1
         if distributed.rank_and_world_size()[1] > 1:
-            if self._boundaries < self._next_check:
+            if self._boundaries % self.policy.check_every:
                 return False
-            flag, self.check_interval = distributed.max_over_ranks([int(self.received or 0), self._interval()])
-            self._agreed = flag  # the signal's number (the highest if ranks got different ones): the exit status
-            took = time.monotonic() - now
-            self._checks += 1
-            # the fastest check seen: the first one also creates statekit's gloo group
-            self.check_seconds = took if self.check_seconds is None else min(self.check_seconds, took)
-            self._next_check = self._boundaries + self.check_interval  # the same on every rank: agreed maxima
-            if not flag:
+            # the signal's number (the highest if ranks got different ones): the exit status
+            self._agreed = distributed.max_over_ranks([int(self.received or 0)])[0]
+            if not self._agreed:
                 return False
         elif self.received is None:
             return False
         self._act(step, save=True)
         return True
-
-    def _interval(self) -> int:
-        """The check interval this rank asks for (the ranks take the largest)."""
-        if self.check_every is not None:
-            return self.check_every
-        if self.check_seconds is None or not self._last_step or self._checks < 3:
-            return 1  # measure a few checks first
-        by_cost = math.ceil(self.check_seconds / (CHECK_COST * self._last_step))
-        by_deadline = math.floor(0.1 * self.grace_s / self._last_step)
-        return max(1, min(by_cost, by_deadline, 2 * self.check_interval, 1000))  # grows at most 2x per check
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.
