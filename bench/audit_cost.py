@@ -2,7 +2,7 @@
 
 The audit adds, per batch, one batch-sampler wrapper that keeps the indices handed out until
 the batch is consumed (a plain loader asks one batch ahead), and, per save, a digest of the
-next batch's indices and content (``statekit/loaders/audit.py``). Its per-batch work is
+next batch's indices and content (``statekit/checks/audit.py``). Its per-batch work is
 measured where it happens, iterating the resume demo's loader alone (scikit-learn's digits,
 shuffled, one thread), alternating in one process:
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import statekit  # noqa: E402
-from statekit.loaders import data  # noqa: E402
+from statekit.loaders import data, tracking  # noqa: E402
 from resume_demo import Net, digits  # noqa: E402
 
 
@@ -73,9 +73,9 @@ def _per_batch(mode: str, prepared: bool, batch_size: int, epochs: int) -> float
     """Seconds per batch of iterating the loader alone (no training step): where the audit's
     per-batch work is, without the step's noise around it."""
     accelerator, _, _, loader = _build(prepared, batch_size)
-    original = data.audit_log
+    original = tracking.audit_log
     if mode == "no audit":
-        data.audit_log = lambda *args, **kwargs: None
+        tracking.audit_log = lambda *args, **kwargs: None
     try:
         _attach(mode, accelerator, loader, prepared)
         started, count = time.perf_counter(), 0
@@ -84,7 +84,7 @@ def _per_batch(mode: str, prepared: bool, batch_size: int, epochs: int) -> float
                 count += 1
         return (time.perf_counter() - started) / count
     finally:
-        data.audit_log = original
+        tracking.audit_log = original
 
 
 def _step_time(prepared: bool, batch_size: int, steps: int) -> float:
@@ -111,7 +111,7 @@ def _index_log_overhead(batch_size: int) -> float:
     figure on a shared machine)."""
     import timeit
 
-    from statekit.loaders import audit
+    from statekit.loaders import index_log
 
     train, _ = digits()
     batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(train, generator=torch.Generator().manual_seed(0)), batch_size, False)
@@ -126,8 +126,8 @@ def _index_log_overhead(batch_size: int) -> float:
 
     def logged() -> None:
         position = _Position()
-        for i, _ in enumerate(audit.IndexLog(batches, position, 0, True)):
-            audit.forget_before(position, i + 1)
+        for i, _ in enumerate(index_log.IndexLog(batches, position, 0, True)):
+            index_log.forget_before(position, i + 1)
 
     per = {f: min(timeit.repeat(f, number=20, repeat=7)) / 20 / len(batches) for f in (plain, logged)}
     return per[logged] - per[plain]
@@ -155,11 +155,11 @@ def _record_time(batch_size: int) -> tuple[float, float]:
 def _next_batch_record_time(batch_size: int) -> float:
     """Seconds of one save's next-batch record (issue 35: the content of the first batch a
     loader yields after the save, digested and written beside the checkpoint on local disk;
-    ``statekit.loaders.next_batch.Witness``), median of 200: one content digest of a batch of the
+    ``statekit.checks.next_batch.Witness``), median of 200: one content digest of a batch of the
     demo's and one small durable file write."""
     import tempfile
 
-    from statekit.loaders import next_batch
+    from statekit.checks import next_batch
     from statekit.storage import Storage
 
     train, _ = digits()

@@ -9,7 +9,7 @@ The state is a model of float32 linear layers of about ``--size`` bytes and its 
 state (twice that again), so a load reads about three times ``--size``. The loads read
 from the page cache (the files were just written), faster than from the disk itself, so
 the overhead printed is an upper bound of the overhead at the disk's speed. The check's
-own seconds (``statekit.engine.state_check.check``, timed around each call) are also
+own seconds (``statekit.checks.state_check.check``, timed around each call) are also
 printed against the load at the disk's read limit: the state's bytes over fio's
 sequential ``O_DIRECT`` read throughput of ``--dir``'s disk (``bench/_fio.py``; fio is
 installed by ``bench/setup.sh`` when missing; ``--no-fio`` skips it).
@@ -92,7 +92,7 @@ def main() -> None:
 
 def _time_checks() -> list[float]:
     """Time every call of the state check from now on (a list the calls' seconds are appended to)."""
-    from statekit.engine import state_check
+    from statekit.checks import state_check
 
     seconds: list[float] = []
     check = state_check.check

@@ -1,9 +1,6 @@
-"""The statekit exception hierarchy: one base, leaves that refine a builtin where one fits.
-
-Every error statekit raises on purpose is a :class:`StatekitError`, so callers can catch
-one type. Each leaf also subclasses the builtin it refines (``FileNotFoundError``,
-``FileExistsError``, ``ValueError``...), following orbax's ``NoEntryError(KeyError)``.
-"""
+"""The statekit exception hierarchy: one base, :class:`StatekitError`, and leaves that also
+subclass the builtin they refine (as orbax's ``NoEntryError(KeyError)``). When each is raised:
+docs/errors.md."""
 
 from __future__ import annotations
 
@@ -62,24 +59,19 @@ class StatekitWarning(UserWarning):
 
 
 class ResumeFingerprintWarning(StatekitWarning):
-    """A setting the exactness of a resume depends on differs between the saved run and
-    the resuming one (the manifest's ``fingerprint``); the message names the setting, the
-    saved and the live value, and what it does to the resume."""
+    """A setting an exact resume depends on differs between the saved run and the resuming one
+    (the manifest's ``fingerprint``); names the setting, both values and the effect."""
 
     __module__ = "statekit"
 
 
 class ResumeMismatchError(StatekitError, ValueError):
-    """The resuming run differs from the saved one in a way that breaks an exact resume,
-    with ``strict_resume=True`` (or, always, a gradient accumulation change while the
-    checkpoint holds gradients saved mid-accumulation). Raised before anything is loaded.
-
-    Args:
-        url: the checkpoint (named first in the message).
-        differences: one message per difference: ``"<setting> <saved> -> <live>: <effect>"``.
+    """The resuming run differs from the saved one so that the resume cannot be exact, with
+    ``strict_resume=True`` (docs/errors.md); raised before anything is loaded.
 
     Attributes:
-        differences: those messages, as a list.
+        differences: one message per difference: ``"<setting> <saved> -> <live>: <effect>"``
+            (``url``, the checkpoint, is named first in the message).
     """
 
     __module__ = "statekit"
@@ -94,40 +86,31 @@ class ResumeMismatchError(StatekitError, ValueError):
 
 
 class ResumeAuditWarning(StatekitWarning):
-    """The resume audit found a restored data loader that does not continue where the
-    saved run stood (``docs/concepts.md``, Resume audit): the message names the loader, the
-    step resumed from, and the expected and actual indices (or content, or epoch)."""
+    """The resume audit found a restored data loader that does not continue where the saved run
+    stood (docs/concepts.md, "Resume audit"); names the loader, the step resumed from, what differs."""
 
     __module__ = "statekit"
 
 
 class OtherRunWarning(StatekitWarning):
-    """A ``statekit.CheckpointManager`` with a ``run_id`` resumed its own newest
-    checkpoint while a newer one of another run (or one written before lineage) is under
-    the same root (a restart of a run sharing its root): the message names both
-    checkpoints and both runs. ``resume(other_runs="ignore")`` resumes the run's own
-    without it; ``other_runs="resume"`` continues the other run's instead."""
+    """A ``CheckpointManager`` with a ``run_id`` resumed its own newest checkpoint while a newer one
+    of another run is under the same root; names both. ``resume(other_runs="ignore")`` silences it,
+    ``other_runs="resume"`` continues the other run."""
 
     __module__ = "statekit"
 
 
 class StateCheckWarning(StatekitWarning):
     """The state check after a load found live tensors that differ from the state saved
-    (``docs/concepts.md``, State check): the message names the object, the tensor and what
-    differs (``"optimizer 'optimizer_0': exp_avg of 'layers.3.weight' is all zeros, ..."``).
-    With ``strict_resume=True`` it is a :class:`StateMismatchError` instead."""
+    (docs/concepts.md, "State check"); a :class:`StateMismatchError` with ``strict_resume=True``."""
 
     __module__ = "statekit"
 
 
 class ResumeAuditError(ResumeMismatchError):
-    """A :class:`ResumeAuditWarning`'s finding under ``strict_resume=True``, raised from the
-    data loader's ``for`` loop (the first batch after the resume) or from the next save (a
-    restored position never consumed). The model and optimizer are loaded already; the
-    batch in question was not handed to the training loop.
-
-    Args:
-        message: the finding (names the loader, the step resumed from, what differs).
+    """A :class:`ResumeAuditWarning`'s finding under ``strict_resume=True``, raised from the loader's
+    ``for`` loop (before the batch reaches the training loop) or from the next save; the model and
+    optimizer are loaded already.
 
     Attributes:
         differences: the finding, as one message.
@@ -153,14 +136,11 @@ class IncompleteCheckpointError(StatekitError):
 
 
 class CorruptCheckpointError(StatekitError, ValueError):
-    """A file of a committed checkpoint does not match its manifest entry or cannot be parsed.
-
-    Args:
-        message: names the file and what is wrong with it.
-        path: the URL or relative path of the file at fault, when there is one.
+    """A file of a committed checkpoint does not match its manifest entry or cannot be parsed;
+    ``message`` names the file and what is wrong.
 
     Attributes:
-        path: the URL or relative path of the file at fault.
+        path: the URL or relative path of the file at fault, when there is one.
     """
 
     __module__ = "statekit"
@@ -177,21 +157,14 @@ class FormatVersionError(StatekitError, ValueError):
 
 
 class StateMismatchError(StatekitError, ValueError):
-    """Saved state does not fit the object it is loaded into.
-
-    Args:
-        what: the object or checkpoint, as the message names it (``"'model' (URL)"``).
-        missing: as the attribute (the message lists it).
-        unexpected: as the attribute.
-        mismatched: as the attribute.
-        reason: as the attribute.
+    """Saved state does not fit the object it is loaded into; ``what`` names the object or checkpoint
+    (``"'model' (URL)"``), and the message lists the attributes.
 
     Attributes:
         missing: keys the object expects and the checkpoint lacks.
         unexpected: keys the checkpoint has and the object does not expect.
         mismatched: ``key -> "saved ... vs expected ..."`` for shape or dtype differences.
-        reason: any other difference, in words (a saved Enum class this process has not
-            imported), or None.
+        reason: any other difference, in words, or None.
     """
 
     __module__ = "statekit"
@@ -224,12 +197,7 @@ class StateMismatchError(StatekitError, ValueError):
 
 
 class PluginError(StatekitError):
-    """A plugin failed, or broke the hook contract.
-
-    Args:
-        message: what happened, naming the plugin and the hook.
-        plugin_name: as the attribute.
-        hook_name: as the attribute.
+    """A plugin failed, or broke the hook contract; the message names the plugin and the hook.
 
     Attributes:
         plugin_name: the name the plugin is registered under (its entry point name).
@@ -245,12 +213,8 @@ class PluginError(StatekitError):
 
 
 class PluginMissingError(PluginError):
-    """A checkpoint needs a plugin that is not installed (or is blocked).
-
-    Args:
-        message: names the object, the plugin and what to install or unblock.
-        plugin_name: the plugin's name.
-        distribution: as the attribute.
+    """A checkpoint needs a plugin that is not installed (or is blocked); the message names the
+    object, ``plugin_name`` and what to install or unblock.
 
     Attributes:
         distribution: the distribution to ``pip install``.
@@ -283,11 +247,8 @@ class CheckpointInUseError(StatekitError, PermissionError):
 
 
 class AsyncSaveError(StatekitError):
-    """A background (async) save failed; ``__cause__`` is the original error, its traceback kept.
-
-    Args:
-        message: names the save (its step and URL) and the failure.
-        url: as the attribute.
+    """A background (async) save failed; the message names its step and URL, ``__cause__`` is the
+    original error with its traceback.
 
     Attributes:
         url: the checkpoint URL.
@@ -301,20 +262,12 @@ class AsyncSaveError(StatekitError):
 
 
 class CollectiveTimeoutError(StatekitError, TimeoutError):
-    """One of statekit's collectives (on its own gloo group, inside a save or a load) did
-    not complete within ``STATEKIT_COLLECTIVE_TIMEOUT`` seconds: a rank never reached it
-    (it crashed, or it is stuck elsewhere). The save or load it was part of did not commit
-    or finish on this rank; statekit's group is unusable afterwards, so end the process.
-
-    Args:
-        message: names the collective, the save or load, and the ranks when known.
-        collective: as the attribute.
-        timeout_s: as the attribute.
-        ranks: as the attribute.
+    """One of statekit's collectives (its own gloo group) did not complete within
+    ``STATEKIT_COLLECTIVE_TIMEOUT`` seconds: a rank never reached it. Nothing was committed; the
+    group is unusable afterwards, so end the process (docs/backpressure.md).
 
     Attributes:
-        collective: the collective's name (``"gather_to_rank0"``, ``"broadcast_from_rank0"``,
-            ``"barrier"``).
+        collective: ``"gather_to_rank0"``, ``"broadcast_from_rank0"``, ``"barrier"``...
         timeout_s: the timeout, seconds.
         ranks: the ranks that did not answer, when gloo said so; None when unknown.
     """
@@ -341,30 +294,20 @@ class UnsupportedDtypeError(UnsupportedValueError):
 
 
 class InvalidOptionError(StatekitError, ValueError):
-    """A setting given to statekit is invalid (a retention count that is not a positive
-    integer, a remote-tier option without ``replicate_to``, a ``CheckpointHook`` that would
-    never save); the message names the option and the value. Raised before anything is
-    created or written."""
+    """A setting given to statekit is invalid (docs/errors.md); the message names the option and
+    the value. Raised before anything is created or written."""
 
     __module__ = "statekit"
 
 
 def seconds_from_env(name: str, default: float, *, what: str, zero_allowed: bool) -> float:
-    """A duration set by an environment variable, checked: the one parser of statekit's
-    ``STATEKIT_*`` seconds (``STATEKIT_COLLECTIVE_TIMEOUT``, ``STATEKIT_REPLICATION_EXIT_TIMEOUT``).
-
-    Args:
-        name: the variable's name.
-        default: seconds when it is unset or empty.
-        what: what the duration is, for the message (``"the timeout of statekit's collectives"``).
-        zero_allowed: whether 0 is valid (>= 0) or not (> 0).
-
-    Returns:
-        Seconds, a finite number.
+    """Seconds from the environment variable ``name`` (``default`` when unset or empty): the one
+    parser of ``STATEKIT_*`` durations. ``what`` names the duration in the message; ``zero_allowed``:
+    >= 0 instead of > 0.
 
     Raises:
-        InvalidOptionError: the value is not a finite number of seconds in range (naming
-            the variable, its value and the default).
+        InvalidOptionError: not a finite number of seconds in range (names the variable, its value
+            and the default).
     """
     import math
     import os
@@ -385,11 +328,7 @@ def seconds_from_env(name: str, default: float, *, what: str, zero_allowed: bool
 
 
 class StorageError(StatekitError, OSError):
-    """An fsspec/OS error during I/O, with the URL it concerned.
-
-    Args:
-        message: names the URL and the operation (reading, writing, listing...).
-        url: as the attribute.
+    """An fsspec/OS error during I/O; the message names the URL and the operation.
 
     Attributes:
         url: the URL of the file or directory.
@@ -409,14 +348,9 @@ hooks), torch (hooks, data loader iteration) and the stdlib's call wrappers."""
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` for a ``warnings.warn`` made by the function calling this one
-    that points at the first frame outside statekit, its plugins, Accelerate and torch:
-    the user's line. ``warnings.warn(msg, cat, stacklevel=user_stacklevel())``.
-
-    Returns:
-        The stack level to give ``warnings.warn``; where every frame is library code (a
-        background thread), the outermost frame's.
-    """
+    """The ``stacklevel`` for a ``warnings.warn`` by the caller of this function that points at the
+    first frame outside statekit, its plugins, Accelerate and torch (the user's line); where every
+    frame is library code (a background thread), the outermost frame's."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(_NOT_USER_CODE):
         frame, level = frame.f_back, level + 1
@@ -424,15 +358,9 @@ def user_stacklevel() -> int:
 
 
 def warn_user(message: str, category: type[Warning] = StatekitWarning) -> None:
-    """Warn with the ``stacklevel`` of the first frame outside statekit, so the warning
-    points at the user's line (their ``save()``/``resume()``/``load_state()`` call, or
-    ``accelerator.save_state()`` in attach mode), however deep inside statekit, a plugin or
-    Accelerate it is raised. Every warning on a path a user calls goes through it.
-
-    Args:
-        message: the warning's text.
-        category: the warning class (a :class:`StatekitWarning` subclass).
-    """
+    """Warn ``message`` as ``category`` (a :class:`StatekitWarning` subclass) with the stacklevel of
+    the first frame outside statekit (:func:`user_stacklevel`), so it points at the user's line
+    however deep it is raised. Every warning on a path a user calls goes through it."""
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 

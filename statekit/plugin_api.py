@@ -23,8 +23,8 @@ The names, by topic:
 
 * hooks: :data:`hookimpl`, the marker of hook implementations;
 * the checkpoint context: :class:`Checkpoint` (I/O through the checkpoint, every file
-  recorded in the manifest and verified on read) and :data:`CORE`, the owner and writer
-  name of the core;
+  recorded in the manifest and verified on read), :class:`WrittenFile` (what its writes
+  return) and :data:`CORE`, the owner and writer name of the core;
 * errors: every statekit error class and :class:`StatekitWarning`;
 * storage: :class:`Storage` (a checkpoint location: any fsspec URL) and
   :func:`storage_errors`;
@@ -87,6 +87,7 @@ from statekit.devices import (
 )
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.file_writer import WrittenFile
 from statekit.engine.read import custom_load, model_tensor_files
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
 from statekit.loaders.samplers import sampler_of
@@ -159,6 +160,7 @@ __all__ = [
     # hooks and the checkpoint context
     "CORE",
     "Checkpoint",
+    "WrittenFile",
     "hookimpl",
     # errors
     "AsyncSaveError",

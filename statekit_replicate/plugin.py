@@ -39,6 +39,7 @@ from statekit.plugin_api import (
     ManagerView,
     delete_all_but,
     hookimpl,
+    Storage,
     rank_and_world_size,
     retention_view,
 )
@@ -163,10 +164,10 @@ class Replicate:
         return unreplicated(replicator, checkpoints)
 
     @hookimpl
-    def statekit_resume_roots(self, manager: ManagerView) -> list[tuple[str, Any]] | None:
+    def statekit_resume_roots(self, manager: ManagerView) -> list[Storage] | None:
         """Offer the remote root to ``resume()``."""
         replicator = replicator_of(manager)
-        return None if replicator is None else [(replicator.remote_url, replicator.storage_options)]
+        return None if replicator is None else [replicator.remote]
 
     @hookimpl
     def statekit_manager_wait(self, manager: ManagerView, timeout: float | None) -> None:

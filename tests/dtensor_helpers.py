@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from statekit import StateCheckWarning, distributed
-from statekit.engine import state_check
+from statekit.checks import state_check
+from statekit.engine import live_state
 from statekit.engine.entries import Entry
-from statekit.format import state_digest as sd
+from statekit.checks import digest as sd
 
 SMALL = sd.Sampling(block=3, stride=11, full_below=0)
 """A sampling of small numbers: blocks of 3 elements every 11, on tensors of any size."""
@@ -127,7 +128,7 @@ def digests_equal_the_whole_tensors(rank: int, world: int) -> None:
         os.environ[state_check.MODE_ENV] = mode
         try:
             calls = counting_collectives()
-            digest = state_check.record(entries)
+            digest = state_check.record(live_state.live_tensors(entries))
         finally:
             del os.environ[state_check.MODE_ENV]
         assert len(calls) == (1 if world > 1 else 0), calls
@@ -163,7 +164,7 @@ def unhandled_placements_are_named_not_compared(world: int) -> None:
         square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         state["part"] = distribute_tensor(t, square["tp"], [Shard(0)])  # a mesh of 2 of the 4 ranks
     entries = [Entry("obj", "dict", state)]
-    digest = distributed.broadcast_from_rank0(state_check.record(entries))
+    digest = distributed.broadcast_from_rank0(state_check.record(live_state.live_tensors(entries)))
     assert set(digest.objects["obj"]) == {"plain", "sharded"}
     reasons = dict(digest.uncompared["obj"])
     assert set(reasons) == {"partial", "strided"} | ({"part"} if world == 4 else set()), reasons
@@ -173,7 +174,7 @@ def unhandled_placements_are_named_not_compared(world: int) -> None:
         assert reasons["part"] == "a DTensor on a mesh of 2 of the 4 ranks"
     with warnings.catch_warnings():
         warnings.simplefilter("error", StateCheckWarning)
-        verdict = state_check.check(types.SimpleNamespace(state_digest=digest), entries, "ckpt")
+        verdict = state_check.check(types.SimpleNamespace(state_digest=digest), live_state.live_tensors(entries), "ckpt")
     assert verdict.verdict == "verified" and verdict.compared == 2, verdict
     named = {path for _, path, reason in verdict.deliberate if "not digested at save" in reason}
     assert named == set(reasons), verdict.deliberate
@@ -186,12 +187,12 @@ def check_names_a_fault_in_one_ranks_shard(rank: int, world: int) -> None:
     one more for "all zeros")."""
     _, dtensors = sharded(world)
     entries = [Entry("obj", "dict", dtensors)]
-    digest = distributed.broadcast_from_rank0(state_check.record(entries))
+    digest = distributed.broadcast_from_rank0(state_check.record(live_state.live_tensors(entries)))
     manifest = types.SimpleNamespace(state_digest=digest)
     calls = counting_collectives()
     with warnings.catch_warnings():
         warnings.simplefilter("error", StateCheckWarning)
-        verdict = state_check.check(manifest, entries, "ckpt")
+        verdict = state_check.check(manifest, live_state.live_tensors(entries), "ckpt")
     assert verdict.verdict == "verified" and verdict.compared == len(dtensors) and not verdict.deliberate
     assert len(calls) == (1 if world > 1 else 0)
     victim = world - 1  # the last rank's shard (s1: columns; uneven)
@@ -202,7 +203,7 @@ def check_names_a_fault_in_one_ranks_shard(rank: int, world: int) -> None:
     calls.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        verdict = state_check.check(manifest, entries, "ckpt")
+        verdict = state_check.check(manifest, live_state.live_tensors(entries), "ckpt")
     assert len(calls) == (2 if world > 1 else 0), calls
     assert verdict.verdict == "mismatch"
     assert set(verdict.mismatched) == {"obj:f32.s1", "obj:i64.s0"}, verdict.mismatched

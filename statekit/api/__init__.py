@@ -8,8 +8,8 @@ Modules:
 - :mod:`~statekit.api.accelerate_hooks`: Accelerate's registered save/load pre-hooks.
 - :mod:`~statekit.api.attach`: attach mode (``statekit.attach(accelerator)``).
 - :mod:`~statekit.api.asyncsave`: background writes (``PendingSave``) and their exit handling.
-- :mod:`~statekit.api.fingerprint`: the resume fingerprint, computed at save, checked at load.
-- :mod:`~statekit.api.fingerprint_compare`: its differences, their messages, its text form.
+- :mod:`~statekit.api.fingerprint`: the resume fingerprint of the live run, computed at save, checked
+  at load (the comparison: :mod:`statekit.checks.fingerprint`).
 - :mod:`~statekit.api.skip_batches`: ``accelerate.skip_first_batches`` after a statekit resume.
 
 Not here: a run's lifetime (:mod:`statekit.manager`, above), the hook contract

@@ -39,8 +39,9 @@ from statekit.api.loading import (
     read_own_states,
 )
 from statekit.api.saveload import log_committed, plugin_versions, record_next_batches
-from statekit.engine import commit as commits, random_check, state_check
-from statekit.loaders import audit, data, next_batch, own_skip
+from statekit.checks import audit, next_batch, random_check, state_check
+from statekit.engine import commit as commits, live_state
+from statekit.loaders import data, own_skip, tracking
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import unwrap_model
 from statekit.engine.gradients import AccumulatedGradients, check_can_save
@@ -174,7 +175,7 @@ def _adopt(attachment: Attachment, table: dict[str, Any]) -> None:
     """Track the loaders among ``table`` and run ``statekit_attach`` for it."""
     for obj in table.values():
         if data.is_loader(obj):
-            data.track(obj)
+            tracking.track(obj)
     attachment.objects.update(table)
     call_each(get_plugin_manager(), "statekit_attach", None, {"accelerator": attachment.accelerator, "objects": dict(table)})
 
@@ -365,7 +366,7 @@ class _AttachedCalls:
 
     def finish_load(self, checkpoint: Checkpoint) -> None:
         """After Accelerate's load: statekit's loader positions and gradients, then the post-hooks."""
-        # the resume audit's verdict of this resume (statekit.loaders.audit)
+        # the resume audit's verdict of this resume (statekit.checks.audit)
         audit.begin(checkpoint.url, checkpoint.manifest.step if checkpoint.manifest is not None else None)
         apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
         if self.accelerator._models and self.accelerator._optimizers:  # a training run's script may skip batches itself
@@ -522,7 +523,7 @@ def _commit_attached(accelerator: Any, checkpoint: Checkpoint) -> Manifest:
     plugins = plugin_versions(get_plugin_manager(), names - {ACCELERATE_WRITER})
     files = commits.gather_files(checkpoint)
     entries = collect(accelerator)
-    digest = state_check.record(entries, accelerator)  # every rank: DTensors' shards are summed across them
+    digest = state_check.record(live_state.live_tensors(entries, accelerator))  # every rank: DTensors' shards are summed across them
     manifest = None
     if checkpoint.rank == 0:
         objects = {

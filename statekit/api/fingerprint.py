@@ -1,35 +1,11 @@
-"""The resume fingerprint: what an exact resume depends on, recorded at save time and
-compared with the resuming run.
-
-A checkpoint restores state, not settings. A run resumed with another per-device batch
-size, dataset length, sampler, world size, gradient accumulation or precision loads
-without an error and then trains differently from the run it continues. The manifest's
-``fingerprint`` (``docs/format.md``) records those settings; a resume
-(``CheckpointManager.resume``, ``statekit.load_state``, and ``statekit.load`` of a
-training state) compares it with the live run and, for each difference, warns with a
-:class:`ResumeFingerprintWarning` naming the setting, the saved and the live value, and
-what it does to the resume; with ``strict_resume=True`` it raises
-:class:`ResumeMismatchError` listing every difference instead, before anything is loaded.
-Version differences (python, torch, accelerate, statekit) are informational: they warn,
-never raise. A gradient accumulation change while the checkpoint holds gradients saved
-mid-accumulation always raises: those gradients cannot be used.
-
-The fingerprint (a JSON object; a value that cannot be determined is null and is not
-compared; a checkpoint without a fingerprint is not compared at all)::
-
-    {"world_size": 2, "gradient_accumulation_steps": 4, "accumulating": false,
-     "mixed_precision": "bf16", "rng": ["numpy", "python", "torch"],
-     "dataloaders": {"dataloader_0": {"batch_size": 8, "dataset_length": 60000,
-         "drop_last": false, "even_batches": true, "num_workers": 2,
-         "sampler": "RandomSampler", "shuffle": true, "seed": null}},
-     "objects": {"model_0": "model", "optimizer_0": "optimizer", "dataloader_0": "dataloader"},
-     "versions": {"python": "3.11.9", "torch": "2.13.0", "accelerate": "1.15.0",
-         "statekit": "0.4.0"}}
-
-The settings follow what Accelerate's ``prepare_data_loader`` and ``BatchSamplerShard``
-use to shard an epoch (``batch_size``, ``drop_last``, ``even_batches``, ``split_batches``:
-https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py) and
-what :mod:`statekit.loaders.data` needs to replay one.
+"""The resume fingerprint of the live run: the settings an exact resume depends on (world
+size, accumulation, precision, RNG kinds, each loader's batching and sampler, the objects,
+versions), read at save (:func:`compute`) and compared at a resume (:func:`check`: a
+:class:`ResumeFingerprintWarning` per difference, or :class:`ResumeMismatchError` with
+``strict_resume``; versions only warn). The comparison is :mod:`statekit.checks.fingerprint`'s.
+What users see: ``docs/concepts.md`` (Resume fingerprint); the fields: ``docs/format.md``.
+The loader settings follow Accelerate's ``prepare_data_loader`` and ``BatchSamplerShard``
+(https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py).
 """
 
 from __future__ import annotations
@@ -45,7 +21,7 @@ import torch
 
 from statekit import distributed
 from statekit._version import __version__
-from statekit.api.fingerprint_compare import Difference, compare, describe  # compare, describe: re-exported
+from statekit.checks.fingerprint import Difference, compare, describe  # compare, describe: re-exported
 from statekit.devices import current_accelerator_type
 from statekit.engine import gradients
 from statekit.loaders import data, samplers

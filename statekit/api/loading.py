@@ -22,8 +22,9 @@ from statekit import distributed
 from statekit.api import fingerprint as fingerprints
 from statekit.api.accelerate_hooks import HOOKS_PLUGIN
 from statekit.api.saveload import context_for
-from statekit.engine import read, state_check
-from statekit.loaders import audit, data
+from statekit.checks import audit, state_check
+from statekit.engine import live_state, read
+from statekit.loaders import data
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import Entry, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.optimizer_fit import parameter_names
@@ -172,7 +173,7 @@ def load_objects(
         if loaders:  # the resume audit: an Accelerate folder holds no record of the next batch
             audit.begin(storage.url, None, strict_resume)
         return accelerate_format.load(storage, entries, allow_pickle=allow_pickle, accelerator=accelerator)
-    if loaders:  # the resume audit's verdict of this resume (statekit.loaders.audit)
+    if loaders:  # the resume audit's verdict of this resume (statekit.checks.audit)
         audit.begin(storage.url, manifest.step, strict_resume)
     if compare_fingerprint:
         fingerprints.check(manifest, fingerprints.compute(entries, accelerator), storage.url, strict_resume=strict_resume)
@@ -190,7 +191,7 @@ def check_loaded_state(
     url: str, manifest: Manifest, loaded: Manifest | ForeignSummary | None, entries: list[Entry], accelerator: Any,
     strict_resume: bool,
 ) -> None:
-    """The state check of a completed load (:mod:`statekit.engine.state_check`): the live
+    """The state check of a completed load (:mod:`statekit.checks.state_check`): the live
     objects against the saved digests, recorded for the next save's ``resume_audit``
     (every load path calls it: :func:`load_objects`, attach mode's ``load_state``).
 
@@ -217,8 +218,8 @@ def check_loaded_state(
     else:
         param_names = parameter_names(models.values())
     names = {e.key: state_check.optimizer_names(e.obj, param_names) for e in entries if e.kind == "optimizer"}
-    verdict = state_check.check(manifest, entries, url, accelerator=accelerator, strict=strict_resume,
-                                left_out=left_out, names=names)
+    live = live_state.live_tensors(entries, accelerator) if manifest.state_digest is not None else []
+    verdict = state_check.check(manifest, live, url, strict=strict_resume, left_out=left_out, names=names)
     if verdict.verdict != "not recorded":  # recorded first: a raised mismatch still reaches the next save
         audit.state_checked(url, manifest.step, verdict.to_json(), [e.obj for e in entries])
     if strict_resume:
@@ -576,9 +577,7 @@ def _load_attached(
         accelerate_format.read_pickle(storage, pickled[0], allow_pickle)  # raises, naming the file
     model_entries = [e for e in entries if e.kind == "model"]
     models, taken = _run_load_pre_hooks(pm, checkpoint, storage, entries)
-    saved_objects = manifest.objects
-    owned = [e for e in model_entries if e.key in saved_objects and saved_objects[e.key].owner not in (CORE, ACCELERATE_WRITER)]
-    _check_owners_took(storage, owned, saved_objects, taken)
+    _check_owners_took(storage, _plugin_owned(model_entries, manifest.objects), manifest.objects, taken)
     left = [e for e in model_entries if e.key not in taken]
     # Accelerate numbers the weights it wrote by position among the models no hook took
     by_position = [Entry(f"model_{i}", "model", e.obj) for i, e in enumerate(left)]
@@ -594,3 +593,8 @@ def _load_attached(
     objects = {key_of.get(k, k): v for k, v in summary.objects.items()}  # the caller's keys, not Accelerate's positions
     objects.update({e.key: ForeignObject(e.kind, owner=taken[e.key]) for e in model_entries if e.key in taken})
     return dataclasses.replace(summary, objects=objects)
+
+
+def _plugin_owned(entries: list[Entry], saved_objects: Mapping[str, ObjectEntry]) -> list[Entry]:
+    """The entries a plugin saved (neither the core nor Accelerate wrote them)."""
+    return [e for e in entries if e.key in saved_objects and saved_objects[e.key].owner not in (CORE, ACCELERATE_WRITER)]

@@ -23,7 +23,8 @@ from typing import Any
 from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
-from statekit.engine import commit as commits, space, state_check, write
+from statekit.checks import state_check
+from statekit.engine import commit as commits, live_state, space, write
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.incremental import ReuseBase
@@ -34,7 +35,7 @@ from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Fingerprint, Lineage, Manifest, StateDigest
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import PluginManager, call_each, get_plugin_manager
-from statekit.loaders import next_batch
+from statekit.checks import next_batch
 from statekit.progress import human
 from statekit.storage import Storage
 
@@ -167,7 +168,7 @@ def save_objects(
         written = _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
         # the live values, before save() returns (an async save's too); every rank: DTensors' shards are summed across
         # them (rank 0 gets the digest)
-        digest = state_check.record(entries, accelerator, states=written)
+        digest = state_check.record(live_state.live_tensors(entries, accelerator, states=written))
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
@@ -238,7 +239,7 @@ def _after_commit_error(exc: Exception, url: str) -> Exception:
 
 
 def record_next_batches(witnesses: list[next_batch.Witness], storage: Storage, rank: int, manifest: Manifest) -> None:
-    """The checkpoint committed: each loader's next-batch record (``statekit.loaders.next_batch.Witness``)
+    """The checkpoint committed: each loader's next-batch record (``statekit.checks.next_batch.Witness``)
     may be written beside it, to ``next-batch/<key>/rank-<r>.json``, once its batch is seen.
 
     Args:

@@ -81,6 +81,21 @@ def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[st
         emit(True, {**manifest.to_json(), "tensors": headers} if tensors else manifest.to_json(), "")
         return
     out = console()
+    out.print("\n".join(_statekit_lines(url, manifest)), markup=False)
+    if manifest.objects:
+        out.print(rich_table([[k, o.kind, o.owner, "per rank" if o.per_rank else "replicated"]
+                              for k, o in manifest.objects.items()], ["object", "kind", "owner", "scope"]))
+    out.print(rich_table([[p, human(f.size_bytes), str(f.rank), f.writer or "-", f.reused_from or "-", f.checksum]
+                          for p, f in sorted(manifest.files.items())],
+                         ["file", "size", "rank", "writer", "reused from", "checksum"], right=(1, 2)))
+    for rel, entries in headers.items():
+        out.print(rich_table([[e["name"], e["dtype"], shape(e["shape"]) if e["dtype"] != "alias" else f"-> {e['shape']}"]
+                              for e in entries], ["tensor", "dtype", "shape"], title=f"{rel}:"))
+
+
+def _statekit_lines(url: str, manifest: Manifest) -> list[str]:
+    """The summary above the tables: format, step, sizes, plugins, metadata, fingerprint,
+    state digest and resume audit."""
     lines = [
         f"checkpoint  {url}",
         f"format      {manifest.format} (statekit {manifest.statekit_version}), created {manifest.created}",
@@ -93,18 +108,7 @@ def _show_statekit(url: str, manifest: Manifest, headers: dict[str, list[dict[st
         lines.append(f"metadata    {json.dumps(manifest.metadata)}")
     for i, line in enumerate(describe_fingerprint(manifest.fingerprint) if manifest.fingerprint is not None else []):
         lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
-    lines += _state_digest_line(manifest)
-    lines += _resume_audit_lines(manifest.resume_audit)
-    out.print("\n".join(lines), markup=False)
-    if manifest.objects:
-        out.print(rich_table([[k, o.kind, o.owner, "per rank" if o.per_rank else "replicated"]
-                              for k, o in manifest.objects.items()], ["object", "kind", "owner", "scope"]))
-    out.print(rich_table([[p, human(f.size_bytes), str(f.rank), f.writer or "-", f.reused_from or "-", f.checksum]
-                          for p, f in sorted(manifest.files.items())],
-                         ["file", "size", "rank", "writer", "reused from", "checksum"], right=(1, 2)))
-    for rel, entries in headers.items():
-        out.print(rich_table([[e["name"], e["dtype"], shape(e["shape"]) if e["dtype"] != "alias" else f"-> {e['shape']}"]
-                              for e in entries], ["tensor", "dtype", "shape"], title=f"{rel}:"))
+    return lines + _state_digest_line(manifest) + _resume_audit_lines(manifest.resume_audit)
 
 
 def _resume_audit_lines(resume_audit: ResumeAudit | None) -> list[str]:

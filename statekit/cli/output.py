@@ -68,13 +68,8 @@ CLI_FLAGS = {"--allow-pickle": "allow_pickle=True", "--overwrite": "overwrite=Tr
 
 
 def fail(exc: Exception, flags: tuple[str, ...] = ()) -> NoReturn:
-    """Print ``error: <exc>`` on standard error and exit with status 1 (a checkpoint problem).
-
-    Args:
-        exc: the error.
-        flags: the command's flags among :data:`CLI_FLAGS`: a message naming the Python
-            argument (``pass overwrite=True``) names the flag instead (``pass --overwrite``).
-    """
+    """Print ``error: <exc>`` on standard error and exit with status 1; ``flags``: the command's flags
+    among :data:`CLI_FLAGS`, named in the message instead of their Python argument."""
     message = str(exc)
     for flag in flags:
         message = message.replace(CLI_FLAGS[flag], flag)
@@ -96,17 +91,12 @@ storage_option = click.option(
 
 
 def parse_key_values(raw: tuple[str, ...], flag: str, nest: bool = False) -> dict[str, Any]:
-    """``KEY=VALUE`` arguments as a dict (VALUE parsed as JSON where it parses, else kept a
-    string); with ``nest``, dotted keys nest (``a.b=1`` -> ``{"a": {"b": 1}}``).
-
-    Args:
-        raw: the repeated option's values.
-        flag: the option's name, for the message.
-        nest: split keys on ``.``.
+    """``KEY=VALUE`` arguments of option ``flag`` as a dict (VALUE parsed as JSON where it parses,
+    else a string); with ``nest``, dotted keys nest (``a.b=1`` -> ``{"a": {"b": 1}}``).
 
     Raises:
-        click.UsageError: an item without ``=`` or with an empty key part, or a key that
-            is both a value and a parent (``a=1`` and ``a.b=2``).
+        click.UsageError: an item without ``=`` or with an empty key part, or a key that is both
+            a value and a parent (``a=1`` and ``a.b=2``).
     """
     options: dict[str, Any] = {}
     for item in raw:

@@ -35,13 +35,7 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
     (and with --replica, on which tiers each one is committed). A folder statekit did not
     write (a Trainer, Accelerate or DCP checkpoint) is listed as what it is. With --tree:
     the branches a rollback (``resume(step=K)``) made, parent links, the live branch marked."""
-    try:
-        infos = list_checkpoints(url, storage_options_of(raw_storage))
-        remote = list_checkpoints(replica, storage_options_of(raw_replica)) if replica else None
-        if not infos and not remote:
-            _refuse_if_not_a_root(Storage(url, storage_options_of(raw_storage)))
-    except StatekitError as exc:
-        fail(exc)
+    infos, remote = _read_roots(url, storage_options_of(raw_storage), replica, storage_options_of(raw_replica))
     if tree:
         try:
             state = lineage.read_state([Storage(url, storage_options_of(raw_storage))])
@@ -50,22 +44,41 @@ def ls(url: str, as_json: bool, replica: str | None, raw_replica: tuple[str, ...
         text = _tree_text([i for i in infos if i.committed and i.kind == "statekit"], state)
         emit(as_json, {"live": state.live if state else None, "lines": text.splitlines()}, text)
         return
-    if remote is None:
-        payload = [_entry(i) for i in infos]
-    else:
-        payload = _with_tiers(infos, remote)
+    payload = [_entry(i) for i in infos] if remote is None else _with_tiers(infos, remote)
     if as_json:
         emit(True, payload, "")
-        return
-    if not payload:
+    elif not payload:
         click.echo(f"no checkpoints under {url}" + (f" or {replica}" if replica else ""))
-        return
+    else:
+        _print_table(payload, url, tiers=remote is not None)
+
+
+def _read_roots(url: str, options: dict[str, Any] | None, replica: str | None,
+                replica_options: dict[str, Any] | None) -> tuple[list[Any], list[Any] | None]:
+    """The checkpoints of the root (and of the replica root, None without one); exits 1 on
+    an error or on an empty listing of something that is not a root."""
+    try:
+        infos = list_checkpoints(url, options)
+        remote = list_checkpoints(replica, replica_options) if replica else None
+        if not infos and not remote:
+            _refuse_if_not_a_root(Storage(url, options))
+    except StatekitError as exc:
+        fail(exc)
+    return infos, remote
+
+
+def _print_table(payload: list[dict[str, Any]], url: str, tiers: bool) -> None:
+    """``ls``'s table: one row per listed checkpoint (and its tiers column with --replica)."""
     rows = [[str(p["step"]), p["created"] or "-", human(p["size_bytes"]), human(p.get("written_bytes")),
-             _committed_text(p),
-             ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (p["metrics"] or {}).items()) or "-",
-             *([_tier_text(p)] if remote is not None else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
-    columns = ["step", "created", "size", "written", "committed", "metrics", *(["tiers"] if remote is not None else []), "resume", "url"]
+             _committed_text(p), _metrics_text(p["metrics"]),
+             *([_tier_text(p)] if tiers else []), _audit_text(p.get("resume_audit")), p["url"]] for p in payload]
+    columns = ["step", "created", "size", "written", "committed", "metrics", *(["tiers"] if tiers else []), "resume", "url"]
     console().print(rich_table(rows, columns, title=f"{len(payload)} checkpoints under {url}", right=(0, 2, 3)))
+
+
+def _metrics_text(metrics: dict[str, Any] | None) -> str:
+    """The ``metrics`` column: ``key=value`` pairs (floats to 6 significant digits), or ``-``."""
+    return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (metrics or {}).items()) or "-"
 
 
 def _entry(info: Any) -> dict[str, Any]:
@@ -158,12 +171,10 @@ def _refuse_if_not_a_root(root: Storage) -> None:
 
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
-    """One entry per checkpoint name on either root: the local entry's fields (the remote
-    one's when only the remote root has it), plus ``tiers`` (where it is committed),
-    ``replicated`` (committed remotely) and ``replication``: ``"replicated"``,
-    ``"copying"`` (a live process holds the ``statekit-replicate`` in-use marker of the
-    local copy), ``"incomplete"`` (a remote directory without a manifest, nobody copying:
-    the next manager start redoes it) or ``"not replicated"``."""
+    """One entry per checkpoint name on either root: the local entry's fields (else the remote's),
+    plus ``tiers`` (where committed), ``replicated`` and ``replication``: ``"replicated"``,
+    ``"copying"`` (a live process holds a copy marker of the local copy), ``"incomplete"`` (a remote
+    directory without a manifest, nobody copying) or ``"not replicated"``."""
     by_name: dict[str, dict[str, Any]] = {}
     for tier, infos in (("local", local), ("remote", remote)):
         for info in infos:

@@ -20,8 +20,10 @@ Modules:
 - :mod:`~statekit.engine.space`: the free-space check before a local save.
 - :mod:`~statekit.engine.locking`: the save lock (and a copy's in-progress mark).
 - :mod:`~statekit.engine.commit`: the one manifest builder and commit path.
+- :mod:`~statekit.engine.live_state`: the live tensors the state check digests.
 
-Not here: data-loader positions (:mod:`statekit.loaders`, below), the byte layout of files
+Not here: data-loader positions (:mod:`statekit.loaders`, below), every check's verdict
+(:mod:`statekit.checks`), the byte layout of files
 (:mod:`statekit.format`), the storage (:mod:`statekit.storage`).
 
 Call sequences: docs/design-notes.md, "The map: layers, one save, one load" and "Where a

@@ -16,7 +16,7 @@ from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit._version import __version__
-from statekit.loaders import audit
+from statekit.checks import audit
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry
 from statekit.engine.incremental import is_frozen_file
@@ -129,7 +129,7 @@ def build_manifest(
         fingerprint: the resume fingerprint (built by :mod:`statekit.api.fingerprint`;
             the engine only records it); None: none.
         state_digest: the digests of the saved objects' live tensors
-            (:func:`statekit.engine.state_check.record`); None: none.
+            (:func:`statekit.checks.state_check.record`); None: none.
         saved: every object of the save by key (models and what plugins took included),
             whose resume verdict the manifest records; None: ``checkpoint.objects``.
         lineage: run, branch and parent of the checkpoint (given by the manager,

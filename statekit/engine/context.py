@@ -21,7 +21,7 @@ import torch
 
 from statekit import format as fmt
 from statekit.engine.file_reader import FileReader
-from statekit.engine.file_writer import FileWriter
+from statekit.engine.file_writer import FileWriter, WrittenFile
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.staging import StagingPool
 from statekit.format.manifest_types import FileEntry, Manifest
@@ -282,7 +282,7 @@ class Checkpoint:
             finally:
                 text.close()  # flushes into f; f itself is closed (and recorded) by its opener
 
-    def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]]) -> dict[str, Any] | None:
+    def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]]) -> WrittenFile | None:
         """Incremental save of a file the caller streams itself: reuse the run's last
         committed checkpoint's file ``rel`` when the bytes ``chunks`` yields are exactly its
         bytes; otherwise leave ``rel`` to be written with :meth:`open` (``"wb"``).
@@ -306,10 +306,10 @@ class Checkpoint:
                 called at most once, and only when there is a committed file to compare with.
 
         Returns:
-            The file's manifest entry when it was reused (``reused_from`` set; an async
-            save returns ``{"staged": True, ...}`` and links it when its writes run), or
-            None: nothing was reused (not an incremental save, no committed file, other
-            bytes), and the caller writes ``rel`` with :meth:`open`.
+            A :class:`WrittenFile` when the file was reused (its ``entry.reused_from`` set;
+            ``staged`` in an async save, which links it when its writes run), or None:
+            nothing was reused (not an incremental save, no committed file, other bytes),
+            and the caller writes ``rel`` with :meth:`open`.
 
         Raises:
             StatekitError: not a save, a bad path, or ``rel`` already written in this save.
@@ -319,7 +319,7 @@ class Checkpoint:
 
     def save_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-    ) -> dict[str, Any]:
+    ) -> WrittenFile:
         """Write a safetensors file, streaming, checksummed in the same pass.
 
         Args:
@@ -328,7 +328,7 @@ class Checkpoint:
             metadata: extra ``__metadata__`` (str -> str).
 
         Returns:
-            The manifest entry (``size_bytes``, ``checksum``, ``rank``, ``writer``).
+            A :class:`WrittenFile` (its ``entry`` None during an async save).
 
         Raises:
             UnsupportedDtypeError: a tensor cannot be stored (names the key).
@@ -342,7 +342,7 @@ class Checkpoint:
         checkpoint holds with their committed files on worker threads, all at once, while
         the caller writes other files.
 
-        The comparison (:func:`statekit.format.tensors.compare_file`) is a hash of the
+        The comparison (:func:`statekit.checks.files.compare_file`) is a hash of the
         file's bytes in memory, which XXH3 computes without holding the GIL (or, for
         accelerator tensors, a digest computed on the device): one file per core is hashed
         in parallel (at most two per accelerator, whose digests need temporaries in device
@@ -370,7 +370,7 @@ class Checkpoint:
         with self.writer.reuse.comparing_ahead(files, self._writer_name) as compared:
             yield compared
 
-    def save_json(self, rel: str, obj: Any) -> dict[str, Any]:
+    def save_json(self, rel: str, obj: Any) -> WrittenFile:
         """Write a JSON file (strict JSON: no NaN; use :meth:`save_state` for rich values),
         indented up to :data:`READABLE_JSON_BYTES`, compact beyond.
 
@@ -379,7 +379,7 @@ class Checkpoint:
             obj: a JSON-serialisable value.
 
         Returns:
-            The manifest entry.
+            A :class:`WrittenFile` (its ``entry`` None during an async save).
 
         Raises:
             StatekitError: ``obj`` is not strict JSON, or the path is not a valid

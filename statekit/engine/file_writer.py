@@ -17,11 +17,13 @@ import io
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from statekit import format as fmt
+from statekit.checks.files import digest_on_device
 from statekit.engine.incremental import IncrementalReuse, ReuseBase
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitError
@@ -39,9 +41,24 @@ takes Python's pure-Python encoder: 0.052 s against 0.008 s for the 1.3 MB skele
 2,500 layers' AdamW state."""
 
 
-def _staged(rank: int, writer: str) -> dict[str, Any]:
-    """What a write returns during an async save: its entry is recorded when it runs."""
-    return {"rank": rank, "writer": writer, "staged": True}
+@dataclass(frozen=True)
+class WrittenFile:
+    """What a write through the checkpoint returns (``save_tensors``, ``save_json``,
+    ``reuse_if_same``).
+
+    Attributes:
+        path: the file's path relative to the checkpoint.
+        entry: its manifest entry (``reused_from`` set when the committed file was taken);
+            None during an async save, whose writes run later (the entry is recorded then).
+    """
+
+    path: str
+    entry: FileEntry | None
+
+    @property
+    def staged(self) -> bool:
+        """True during an async save: the file is written (and recorded) later."""
+        return self.entry is None
 
 
 class FileWriter:
@@ -165,13 +182,13 @@ class FileWriter:
             yield hashing
         self.record(rel, self._entry(hashing.size_bytes, hashing.hasher, writer))
 
-    def save_bytes(self, rel: str, data: bytes, writer: str) -> dict[str, Any]:
-        """Write a whole small file (claimed already); returns its entry's JSON form."""
+    def save_bytes(self, rel: str, data: bytes, writer: str) -> WrittenFile:
+        """Write a whole small file (claimed already)."""
         if self.staging is not None:
             self._defer_bytes(rel, data, writer)
-            return _staged(self.rank, writer)
+            return WrittenFile(rel, None)
         self.storage.write_bytes(rel, data)
-        return self._bytes_entry(rel, data, writer).to_json()
+        return WrittenFile(rel, self._bytes_entry(rel, data, writer))
 
     def _bytes_entry(self, rel: str, data: bytes, writer: str) -> FileEntry:
         entry = FileEntry(size_bytes=len(data), checksum=fmt.checksum_bytes(data), rank=self.rank, writer=writer)
@@ -184,11 +201,8 @@ class FileWriter:
 
         self._deferred.append(write)
 
-    def save_json(self, rel: str, obj: Any, writer: str) -> dict[str, Any]:
+    def save_json(self, rel: str, obj: Any, writer: str) -> WrittenFile:
         """Write a JSON file (strict JSON), indented up to :data:`READABLE_JSON_BYTES`.
-
-        Returns:
-            The entry's JSON form (staged: ``{"rank", "writer", "staged": True}``).
 
         Raises:
             StatekitError: ``obj`` is not strict JSON, or the path is not a valid relative path.
@@ -205,12 +219,9 @@ class FileWriter:
 
     def save_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str
-    ) -> dict[str, Any]:
+    ) -> WrittenFile:
         """Write a safetensors file (or take the base's unchanged one), streaming,
         checksummed in the same pass.
-
-        Returns:
-            The entry's JSON form (staged: ``{"rank", "writer", "staged": True}``).
 
         Raises:
             StatekitError: not writable, a bad path, or ``rel`` written before.
@@ -227,13 +238,13 @@ class FileWriter:
         # before the bytes leave the device (the next save compares it there)
         digest = self.reuse.digest_for(rel)
         if digest is None and self.incremental:
-            digest = fmt.digest_on_device(tensors, metadata)
+            digest = digest_on_device(tensors, metadata)
         if self.staging is not None:
             fmt.build_header(tensors, metadata)  # fail now, on the caller's thread, for bad dtypes
             staged = self.staging.stage(rel, tensors)
             self._deferred.append(lambda: self._write_tensors(rel, staged, metadata, writer, digest))
-            return _staged(self.rank, writer)
-        return self._write_tensors(rel, tensors, metadata, writer, digest).to_json()
+            return WrittenFile(rel, None)
+        return WrittenFile(rel, self._write_tensors(rel, tensors, metadata, writer, digest))
 
     def _write_tensors(
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str,
@@ -265,11 +276,9 @@ class FileWriter:
 
     # ---------------------------------------------------------------- reuse
 
-    def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]], writer: str) -> dict[str, Any] | None:
-        """Take the base's file ``rel`` when ``chunks()`` yields exactly its bytes.
-
-        Returns:
-            The entry's JSON form when reused (staged: ``{"staged": True, ...}``), else None.
+    def reuse_if_same(self, rel: str, size_bytes: int, chunks: Callable[[], Iterable[Any]], writer: str) -> WrittenFile | None:
+        """Take the base's file ``rel`` when ``chunks()`` yields exactly its bytes; None
+        when nothing was reused.
 
         Raises:
             StatekitError: not writable, a bad path, or ``rel`` written before.
@@ -283,23 +292,23 @@ class FileWriter:
         committed = self.reuse.same_stream(rel, size_bytes, chunks, writer)
         if committed is None:
             return None
-        entry = self._take(rel, committed, writer)
-        if entry is not None:
+        taken = self._take(rel, committed, writer)
+        if taken is not None:
             self._planned.add(rel)
-        return entry
+        return taken
 
-    def _take(self, rel: str, committed: FileEntry, writer: str) -> dict[str, Any] | None:
+    def _take(self, rel: str, committed: FileEntry, writer: str) -> WrittenFile | None:
         """Take the base's file ``rel`` (known to hold the bytes this save would write)
         into this checkpoint and record it; None when the base lost the file (write it)."""
         base = self.reuse.base
         entry = self.reuse.reused_entry(committed, self.rank, writer)
         if self.staging is not None:  # the save's files are written later, in order: so is this one
             self._deferred.append(lambda: (self.storage.reuse(rel, base.storage), self.record(rel, entry)))
-            return _staged(self.rank, writer)
+            return WrittenFile(rel, None)
         try:
             how = self.storage.reuse(rel, base.storage)
         except FileNotFoundError:  # the base lost the file meanwhile (a gc): write it
             logger.info("%s/%s: %s/%s is gone, writing the file", self.storage.url, rel, base.storage.url, rel)
             return None
         logger.debug("%s/%s: unchanged since %s (%s)", self.storage.url, rel, base.name, how)
-        return self.record(rel, entry).to_json()
+        return WrittenFile(rel, self.record(rel, entry))

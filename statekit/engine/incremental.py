@@ -2,7 +2,7 @@
 checkpoint is reused from it (hard link, server-side copy) instead of written again.
 
 The decision is made from the bytes, never from ``requires_grad`` or a flag: a file is
-reused only when :func:`statekit.format.tensors.compare_file` finds that every byte the
+reused only when :func:`statekit.checks.files.compare_file` finds that every byte the
 save would write equals the committed file's (its running checksums, recorded by the
 writer at the end of the header, 1 MiB later and then every 64 MiB, and its checksum), so a frozen weight
 edited in place is written again. Every checkpoint directory stays complete on its own:
@@ -36,6 +36,7 @@ import torch
 
 from statekit import devices
 from statekit import format as fmt
+from statekit.checks.files import compare_file, same_stream_bytes
 from statekit.format.manifest_types import FileEntry, Manifest
 from statekit.format.tensors import is_accelerator
 from statekit.storage import Storage
@@ -133,7 +134,7 @@ class IncrementalReuse:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="statekit-compare") as pool:
             for rel, entry in candidates.items():
                 self._compared[rel] = (files[rel], pool.submit(
-                    fmt.compare_file, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or (), entry.digest
+                    compare_file, files[rel], None, entry.size_bytes, entry.checksum, entry.prefixes or (), entry.digest
                 ))
             try:
                 yield frozenset(candidates)
@@ -146,7 +147,7 @@ class IncrementalReuse:
         self, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, writer: str
     ) -> FileEntry | None:
         """The base's entry of ``rel`` when every byte this save would write for
-        ``tensors`` is the same (:func:`statekit.format.tensors.compare_file`: the
+        ``tensors`` is the same (:func:`statekit.checks.files.compare_file`: the
         comparison started by :meth:`comparing_ahead`, or one made now), else None. A
         device digest computed on the way is kept for the write of a changed file
         (:meth:`digest_for`)."""
@@ -157,7 +158,7 @@ class IncrementalReuse:
         if ahead is not None and ahead[0] is tensors and not metadata:
             same, digest = ahead[1].result()
         else:  # (a file of a full save has no prefixes: compared whole, by its checksum)
-            same, digest = fmt.compare_file(
+            same, digest = compare_file(
                 tensors, metadata, committed.size_bytes, committed.checksum, committed.prefixes or (), committed.digest
             )
         if digest is not None and not same:
@@ -171,7 +172,7 @@ class IncrementalReuse:
         committed = self.committed(rel, writer)
         if committed is None or committed.size_bytes != size_bytes:
             return None
-        if not fmt.same_stream_bytes(chunks(), committed.size_bytes, committed.checksum, committed.prefixes or ()):
+        if not same_stream_bytes(chunks(), committed.size_bytes, committed.checksum, committed.prefixes or ()):
             return None
         return committed
 

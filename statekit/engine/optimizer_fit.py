@@ -1,22 +1,11 @@
 """Does a saved optimizer state fit the live optimizer? Checked before anything of a load is applied.
 
-``torch.optim.Optimizer.load_state_dict`` checks only the number of parameter groups and
-of parameters per group, and only when it is called: in a load that has already filled
-the models, its refusal (a parameter frozen and left out of the optimizer since the save)
-leaves a half-restored run. It never compares the state tensors with the parameters: state
-saved for a parameter of another shape (parameters created in another order) loads, and
-the first ``optimizer.step()`` fails with a plain ``RuntimeError``.
-:func:`check_optimizer_fit` is the one check every load path runs first (the statekit
-format, an Accelerate directory, attach mode), from the saved state's structure and tensor
-shapes only: a tensor's data is never needed (the statekit format checks it from the
-tensor file's header, :func:`statekit.engine.read.peek_state`).
-
-Which state tensors must have their parameter's shape: the per-parameter buffers of
-``torch.optim`` (:data:`PARAMETER_SHAPED`); for any key, the shape the live optimizer
-already holds for that parameter (a run that stepped before loading). Other state
-(Adafactor's factored row/column statistics, 8-bit optimizers' quantisation maps) has
-shapes of its own and is not compared.
-"""
+``Optimizer.load_state_dict`` checks only group and parameter counts, only when called (after the
+models were filled: a half-restored run), and never the state tensors' shapes (the first
+``step()`` then fails). :func:`check_optimizer_fit` is the one check every load path runs first,
+from structure and shapes only (meta tensors do). Compared: the ``torch.optim`` per-parameter
+buffers (:data:`PARAMETER_SHAPED`) and any key the live optimizer already holds for the
+parameter; other state (Adafactor's factored statistics, 8-bit quantisation maps) is not."""
 
 from __future__ import annotations
 
@@ -45,15 +34,8 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 
 
 def parameter_names(models: Iterable[torch.nn.Module]) -> dict[int, str]:
-    """``id(parameter) -> name`` over ``models`` (the first name of a shared parameter), for
-    messages that name a parameter the way the user's model does.
-
-    Args:
-        models: the run's (unwrapped) models.
-
-    Returns:
-        The names by parameter identity.
-    """
+    """``id(parameter) -> name`` over the (unwrapped) ``models``, the first name of a shared
+    parameter, so messages name a parameter as the user's model does."""
     names: dict[int, str] = {}
     for model in models:
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -65,37 +47,38 @@ def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[i
     """Refuse a saved optimizer state that ``optimizer`` cannot take, before anything is applied.
 
     Args:
-        where: the optimizer and the file its state comes from, for the message
-            (``"optimizer 'optimizer_0' (<url>/optimizer_0.json)"``).
-        optimizer: the live optimizer (an ``AcceleratedOptimizer`` is unwrapped); one that
-            is not a ``torch.optim.Optimizer``, or has ``load_state_dict`` pre-hooks (they
-            may rewrite the state), is not checked here.
+        where: the optimizer and its file, for the message (``"optimizer 'optimizer_0' (<url>)"``).
+        optimizer: the live optimizer (an ``AcceleratedOptimizer`` is unwrapped); not checked when
+            it is no ``torch.optim.Optimizer`` or has ``load_state_dict`` pre-hooks.
         state: the saved state dict; its tensors may be meta tensors (shapes only).
-        names: ``id(parameter) -> name`` (:func:`parameter_names`); a parameter without a
-            name is named by its group and index.
+        names: :func:`parameter_names`; an unnamed parameter is named by group and index.
 
     Raises:
-        StateMismatchError: not an optimizer state, another number of parameter groups or
-            of parameters in a group (the parameters that differ are named where the saved
-            state tells), or a state tensor whose shape is not its parameter's (names the
-            parameter, the state key and both shapes).
+        StateMismatchError: not an optimizer state, another number of parameter groups or of
+            parameters in a group (naming where the lists part), or a state tensor whose shape is
+            not its parameter's (names the parameter, the state key and both shapes).
     """
     opt = torch_optimizer(optimizer)
     if opt is None or getattr(opt, "_optimizer_load_state_dict_pre_hooks", None):
         return
-    names = names or {}
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), (list, tuple)) or not isinstance(
         state.get("state"), Mapping
     ):
         raise StateMismatchError(where, reason="the saved state is not an optimizer state dict (no 'state' and 'param_groups')")
-    saved_groups, live_groups = list(state["param_groups"]), opt.param_groups
+    live_name = _namer(opt.param_groups, names or {})
+    _check_group_sizes(where, state, opt.param_groups, live_name)
+    _check_state_shapes(where, state, opt, live_name)
+
+
+def _check_group_sizes(where: str, state: Mapping[str, Any], live_groups: list[dict[str, Any]], live_name: Any) -> None:
+    """The number of parameter groups, then of parameters in each group, as saved."""
+    saved_groups = list(state["param_groups"])
     if len(saved_groups) != len(live_groups):
         raise StateMismatchError(
             where,
             reason=f"{len(saved_groups)} parameter groups saved, the optimizer has {len(live_groups)}; "
             "nothing was loaded (build the optimizer with the parameter groups of the saved run)",
         )
-    live_name = _namer(live_groups, names)
     sizes = []
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         if len(saved.get("params", ())) != len(live["params"]):
@@ -109,8 +92,12 @@ def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[i
             reason="; ".join(sizes) + "; nothing was loaded (a parameter frozen, added or removed since the save? "
             "build the optimizer over the parameters of the saved run)",
         )
+
+
+def _check_state_shapes(where: str, state: Mapping[str, Any], opt: torch.optim.Optimizer, live_name: Any) -> None:
+    """Each compared state tensor (:func:`_expected_shape`) against its parameter's shape."""
     mismatched = {}
-    for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+    for g, (saved, live) in enumerate(zip(state["param_groups"], opt.param_groups)):
         for i, (sid, p) in enumerate(zip(saved["params"], live["params"])):
             per_param = state["state"].get(sid)
             if not isinstance(per_param, Mapping):
@@ -132,19 +119,11 @@ def check_optimizer_fit(where: str, optimizer: Any, state: Any, names: Mapping[i
 
 
 def check_scheduler_fit(where: str, scheduler: Any, state: Any) -> None:
-    """Refuse a saved LR scheduler state of another scheduler class, before anything is applied.
-
-    ``LRScheduler.load_state_dict`` is ``__dict__.update``: it never refuses, and a
-    ``StepLR`` state loaded into a ``CosineAnnealingLR`` leaves a scheduler that is neither
-    (the saved run's schedule is not resumed, without a word). The public keys (not
-    starting with ``_``) name a class's settings; they are compared only when each side
-    has keys the other lacks, so a torch version that added or dropped one (``verbose``)
-    still loads.
-
-    Args:
-        where: the scheduler and its file, for the message.
-        scheduler: the live scheduler (Accelerate's ``AcceleratedScheduler`` is unwrapped).
-        state: the saved state dict.
+    """Refuse a saved LR scheduler state of another scheduler class (``where`` names it in the
+    message), before anything is applied: ``LRScheduler.load_state_dict`` is ``__dict__.update`` and
+    never refuses. The public keys are compared only when each side has keys the other lacks, so a
+    torch version that added or dropped one (``verbose``) still loads. Accelerate's
+    ``AcceleratedScheduler`` is unwrapped.
 
     Raises:
         StateMismatchError: the keys differ both ways (names them and the live class).

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from statekit import format as fmt
-from statekit.loaders import data, next_batch
+from statekit.checks import next_batch
+from statekit.loaders import data
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, check_fit, unwrap_model
 from statekit.engine.file_reader import FileReader
@@ -536,7 +537,7 @@ def loader_positions(checkpoint: Checkpoint, key: str) -> tuple[Any, list[Any] |
 
 def _merge_next_batch(checkpoint: Checkpoint, key: str, own: dict[str, Any]) -> None:
     """Add the content of the first batch the saved run yielded after the save (written
-    beside the checkpoint after its commit: :class:`statekit.loaders.next_batch.Witness`) to the
+    beside the checkpoint after its commit: :class:`statekit.checks.next_batch.Witness`) to the
     position's record, so the resume audit checks it; nothing when none was written."""
     if not isinstance(own.get("next"), dict) or own["next"].get("content_digest"):
         return

@@ -1,20 +1,11 @@
-"""Directories written by ``Accelerator.save_state``: their file names, pickle reads, ``load`` (``convert`` is :mod:`statekit.foreign.accelerate_convert`).
+"""Directories written by ``Accelerator.save_state``: the one owner of their file names
+(:func:`accelerate_files`) and pickle gate (:func:`read_pickle`), and :func:`load`.
 
-This module is the one reader of Accelerate directories: the inspection reader
-(:class:`statekit.foreign.readers.AccelerateReader`), :func:`load` and the converter
-(:mod:`statekit.foreign.accelerate_convert`) all take the file names (:func:`accelerate_files`) and the pickle gate
-(:func:`read_pickle`) from here.
-
-File names follow ``accelerate.checkpointing.save_accelerator_state`` and
-``save_custom_state`` (accelerate 1.x): ``model[_i].safetensors`` or
-``pytorch_model[_i].bin``, ``optimizer[_i].bin``, ``scheduler[_i].bin``,
-``sampler[_i].bin``, ``dl_state_dict[_i].bin``, ``scaler.pt``,
-``random_states_<rank>.pkl``, ``custom_checkpoint_<i>.pkl``. Everything but the
-safetensors model files is pickle: it is read only with ``allow_pickle=True``
-(``torch.load(weights_only=True)`` first, the full unpickler only where that fails),
-and without it :class:`statekit.PickleNotAllowedError` names the file before anything
-is loaded.
-"""
+File names follow ``accelerate.checkpointing.save_accelerator_state`` / ``save_custom_state``
+(accelerate 1.x): ``model[_i].safetensors`` or ``pytorch_model[_i].bin``, ``optimizer[_i].bin``,
+``scheduler[_i].bin``, ``sampler[_i].bin``, ``dl_state_dict[_i].bin``, ``scaler.pt``,
+``random_states_<rank>.pkl``, ``custom_checkpoint_<i>.pkl``. All but the safetensors model files
+are pickles, read only with ``allow_pickle=True`` (docs/cli.md, "Formats statekit reads")."""
 
 from __future__ import annotations
 
@@ -53,46 +44,23 @@ _MODEL_FILE = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
 
 
 def accelerate_files(names: Iterable[str]) -> list[str]:
-    """The names, among ``names``, of files ``Accelerator.save_state`` writes (sorted).
-
-    Args:
-        names: file names of a directory.
-
-    Returns:
-        Those matching Accelerate's file names (see the module docstring).
-    """
+    """The names among ``names`` of files ``Accelerator.save_state`` writes, sorted."""
     return sorted(n for n in names if _ACCELERATE_FILE.match(n))
 
 
 def pickle_files(names: Iterable[str]) -> list[str]:
-    """The Accelerate files, among ``names``, that are pickles (all but the safetensors
-    model files): they are read only with ``allow_pickle``.
-
-    Args:
-        names: Accelerate file names (as :func:`accelerate_files` returns them).
-
-    Returns:
-        The pickle files, in the given order.
-    """
+    """The pickles among Accelerate file ``names`` (all but the safetensors model files), in order."""
     return [n for n in names if not n.endswith(".safetensors")]
 
 
 def is_model_file(name: str) -> bool:
-    """True for the files holding a model state dict (``model[_i].safetensors``, ``pytorch_model[_i].bin``).
-
-    Args:
-        name: an Accelerate file name.
-
-    Returns:
-        Whether it is a model file.
-    """
+    """True for a model state dict file (``model[_i].safetensors``, ``pytorch_model[_i].bin``)."""
     return bool(_MODEL_FILE.match(name))
 
 
 def is_accelerate_checkpoint(storage: Storage) -> bool:
-    """True if the directory holds files only ``Accelerator.save_state`` writes. An
-    interrupted statekit save is not one: it has ``model_0.safetensors``, a lock, or a
-    ``model.safetensors`` that statekit wrote (:func:`written_by_statekit`)."""
+    """True if the directory holds files only ``Accelerator.save_state`` writes (not an
+    interrupted statekit save: no lock, no file statekit wrote, :func:`written_by_statekit`)."""
     names = storage.listdir()
     if ".statekit-lock" in names or not any(_ACCELERATE_ONLY.match(name) for name in names):
         return False
@@ -101,17 +69,8 @@ def is_accelerate_checkpoint(storage: Storage) -> bool:
 
 def written_by_statekit(storage: Storage, names: Iterable[str]) -> list[str]:
     """The safetensors files among ``names`` whose header carries statekit's writer mark
-    (``__metadata__[statekit.format.WRITER_KEY]``): in a directory with no manifest, a
-    save that never committed (one that failed or was killed mid-file leaves a
-    preallocated, partly written file; read as Accelerate's, it would load zeros).
-
-    Args:
-        storage: the directory.
-        names: file names in it.
-
-    Returns:
-        Those names (a header that cannot be read counts as not statekit's).
-    """
+    (``__metadata__[statekit.format.WRITER_KEY]``): without a manifest, a save that never committed
+    (read as Accelerate's, a partly written file would load zeros). An unreadable header counts as not statekit's."""
     marked = []
     for name in names:
         if not name.endswith(".safetensors"):
@@ -145,18 +104,8 @@ def file_for(kind: str, index: int, names: set[str], rank: int = 0) -> str | Non
 
 
 def read_pickle(storage: Storage, rel: str, allow_pickle: bool, *, mmap: bool = False) -> Any:
-    """Unpickle one file of an Accelerate checkpoint, only if the caller allowed it (the
-    Accelerate pickle gate, used by :func:`load`, :func:`statekit.foreign.accelerate_convert.convert` and the inspection reader).
-
-    Args:
-        storage: the Accelerate directory.
-        rel: the file's name.
-        allow_pickle: the caller's permission.
-        mmap: memory-map a local file (read-only inspection; see
-            :func:`statekit.foreign.pickles.load_pickle`).
-
-    Returns:
-        The unpickled object.
+    """Unpickle one file of an Accelerate directory if ``allow_pickle`` (``mmap``: memory-map a
+    local file, :func:`statekit.foreign.pickles.load_pickle`).
 
     Raises:
         PickleNotAllowedError: ``allow_pickle`` is False (names the file; nothing is read).
@@ -183,37 +132,28 @@ def _index(key: str) -> int:
 def load(
     storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerator: Any = None, gradients_restored: bool = False
 ) -> ForeignSummary:
-    """Restore entries (stable keys ``model_0``, ``optimizer_0``...) from an Accelerate directory.
-
-    All or nothing: every needed file is located, pickle permission checked, every file
-    read and every model's keys, shapes and dtypes checked before anything is applied;
-    the other objects are then applied with a snapshot each, and if one fails
-    (an optimizer whose parameter groups differ, say) the ones already applied and the
-    random generators are put back before the error is raised. Model state dict keys are
-    matched after removing the ``_orig_mod.``/``module.`` prefixes Accelerate keeps
-    (:func:`statekit.engine.entries.strip_wrapper_prefixes`). Follows
-    ``accelerate.checkpointing.load_accelerator_state`` for what is restored.
+    """Restore ``entries`` (keys ``model_0``, ``optimizer_0``...) from an Accelerate directory, all
+    or nothing: every file is read and every model, optimizer and scheduler checked before anything
+    is applied; an object that fails while applied puts the applied ones and the random generators
+    back. Follows ``accelerate.checkpointing.load_accelerator_state`` (docs/design-notes.md,
+    "Accelerate conformance").
 
     Args:
         storage: the Accelerate directory.
         entries: the run's classified objects (:class:`statekit.engine.entries.Entry`).
         allow_pickle: permit unpickling the directory's pickle files.
-        accelerator: the run's Accelerator (its ``process_index`` picks the random-state
-            file; its ``step`` is set from it), or None.
-        gradients_restored: the caller restores the accumulated gradients itself (an
-            attach-mode directory holds statekit's gradient file); otherwise a ``step``
-            between optimizer steps warns that the resume is not exact.
+        accelerator: the run's Accelerator (its ``process_index`` picks the random-state file;
+            its ``step`` is set from it), or None.
+        gradients_restored: the caller restores the accumulated gradients itself; otherwise a
+            ``step`` between optimizer steps warns that the resume is not exact.
 
     Returns:
-        A :class:`~statekit.foreign.base.ForeignSummary` (``format="accelerate"``; its
-        objects keyed as ``entries`` are, with the file each was read from).
+        A :class:`~statekit.foreign.base.ForeignSummary` (``format="accelerate"``).
 
     Raises:
         PickleNotAllowedError: a needed file is pickle and ``allow_pickle`` is False.
-        StateMismatchError: an object has no file, or its state does not fit (an
-            optimizer's parameter groups or state shapes included); nothing was changed.
-        CorruptCheckpointError: a file cannot be read (a truncated ``optimizer.bin``;
-            names it); nothing was changed.
+        StateMismatchError: an object has no file, or its state does not fit; nothing was changed.
+        CorruptCheckpointError: a file cannot be read (names it); nothing was changed.
     """
     names = set(storage.listdir())
     plan = _plan_load(storage, entries, names)
@@ -263,10 +203,7 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
     for e, rel in plan:
         if e.kind != "model":
             state = read_pickle(storage, rel, allow_pickle)
-            if e.kind == "optimizer":
-                check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
-            elif e.kind == "scheduler":
-                check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
+            _check_object_fit(storage, e, rel, state, names)
             staged.append((e, rel, state))
             continue
         model = unwrap_model(e.obj, accelerator)
@@ -280,32 +217,24 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
 
 
 def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any = None, *, strict: bool = True) -> None:
-    """Check, before ``Accelerator.load_state`` loads anything (attach mode), that the
-    models and optimizers fit Accelerate's files: Accelerate fills the models first and
-    an optimizer that refuses its state afterwards leaves a half-restored run.
-
-    Shapes only: a safetensors model file's header; a pickle file (``.bin``) opened with
-    ``torch.load(mmap=True, weights_only=True)``, which maps the tensor data without
-    reading it. A file the restricted unpickler refuses is left to Accelerate (it is not
-    unpickled here); a file Accelerate does not name this way (FSDP, DeepSpeed) is skipped.
+    """Check, before ``Accelerator.load_state`` loads anything (attach mode), that the models,
+    optimizers and schedulers fit Accelerate's files (it fills models first, so a later refusal
+    would leave a half-restored run). Shapes only: a safetensors header, or a ``.bin`` opened with
+    ``torch.load(mmap=True, weights_only=True)``; a file the restricted unpickler refuses, or one
+    Accelerate does not name this way (FSDP, DeepSpeed), is left to Accelerate.
 
     Args:
         storage: the directory being loaded.
-        entries: model entries keyed by their position among the models Accelerate loads
-            (``model_<i>``), optimizer and scheduler entries (``optimizer_<i>``,
-            ``scheduler_<i>``); others are skipped.
+        entries: entries keyed ``model_<i>``, ``optimizer_<i>``, ``scheduler_<i>``; others skipped.
         accelerator: the run's Accelerator (unwraps its models), or None.
-        strict: False (``accelerator.load_state(dir, strict=False)``): a model's missing
-            and unexpected keys are allowed; shapes and dtypes of shared keys must match.
+        strict: False (``load_state(dir, strict=False)``): missing and unexpected model keys pass.
 
     Raises:
-        StateMismatchError: a model or optimizer does not fit (names it, the file, the
-            parameter and both shapes); nothing was loaded.
-        CorruptCheckpointError: a file cannot be read (truncated; names it); nothing was loaded.
+        StateMismatchError: an object does not fit (names it, the file, the parameter, both shapes).
+        CorruptCheckpointError: a file cannot be read (names it); nothing was loaded.
     """
     names_in_dir = set(storage.listdir())
-    models = [e for e in entries if e.kind == "model"]
-    names = parameter_names(unwrap_model(e.obj, accelerator) for e in models)
+    names = parameter_names(unwrap_model(e.obj, accelerator) for e in entries if e.kind == "model")
     for e in entries:
         if e.kind not in ("model", "optimizer", "scheduler"):
             continue
@@ -313,23 +242,34 @@ def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any
         if rel is None or storage.local_path(rel) is None:
             continue
         if e.kind == "model":
-            model = unwrap_model(e.obj, accelerator)
-            targets = model.state_dict()
-            saved = _saved_shapes(storage, rel, targets)
-            if saved is None:
-                continue
-            tied = _tied_to_saved(targets, saved)  # safetensors files keep one name of tied weights
-            targets = {k: t for k, t in targets.items() if k not in tied}
-            if not strict:
-                targets = {k: t for k, t in targets.items() if k in saved}
-                saved = {k: v for k, v in saved.items() if k in targets}
-            check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+            _check_model_file_fit(storage, e, rel, unwrap_model(e.obj, accelerator), strict)
         else:
             state = _peek_pickle(storage, rel)
-            if state is not None and e.kind == "optimizer":
-                check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
-            elif state is not None:
-                check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
+            if state is not None:
+                _check_object_fit(storage, e, rel, state, names)
+
+
+def _check_model_file_fit(storage: Storage, e: Any, rel: str, model: Any, strict: bool) -> None:
+    """The model's shapes and dtypes against its file's, from metadata only (a pickle the
+    restricted unpickler refuses is skipped); with ``strict=False`` shared keys only."""
+    targets = model.state_dict()
+    saved = _saved_shapes(storage, rel, targets)
+    if saved is None:
+        return
+    tied = _tied_to_saved(targets, saved)  # safetensors files keep one name of tied weights
+    targets = {k: t for k, t in targets.items() if k not in tied}
+    if not strict:
+        targets = {k: t for k, t in targets.items() if k in saved}
+        saved = {k: v for k, v in saved.items() if k in targets}
+    check_fit(f"model {e.key!r} ({storage.url_of(rel)}; nothing was loaded)", targets, saved)
+
+
+def _check_object_fit(storage: Storage, e: Any, rel: str, state: Any, names: Any) -> None:
+    """An optimizer's or scheduler's saved state against the live object (other kinds pass)."""
+    if e.kind == "optimizer":
+        check_optimizer_fit(f"optimizer {e.key!r} ({storage.url_of(rel)})", e.obj, state, names)
+    elif e.kind == "scheduler":
+        check_scheduler_fit(f"scheduler {e.key!r} ({storage.url_of(rel)})", e.obj, state)
 
 
 def _tied_to_saved(targets: Any, saved: Any) -> dict[str, str]:
@@ -365,11 +305,11 @@ def _saved_shapes(storage: Storage, rel: str, targets: Any) -> dict[str, tuple[A
 
 
 def _peek_pickle(storage: Storage, rel: str) -> Any:
-    """A local torch file's object with its tensors memory-mapped (no data read), or None
-    when the restricted unpickler refuses it (Accelerate's own load decides then).
+    """A local torch file's object with its tensors memory-mapped, or None when the restricted
+    unpickler refuses it (or an old non-zip file cannot be mapped): Accelerate's load decides then.
 
     Raises:
-        CorruptCheckpointError: the file cannot be read (truncated, damaged; names it).
+        CorruptCheckpointError: the file cannot be read (names it).
     """
     try:
         return torch.load(storage.path_of(rel), map_location="cpu", mmap=True, weights_only=True)

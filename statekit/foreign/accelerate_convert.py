@@ -1,24 +1,13 @@
 """``statekit convert``: a directory written by ``Accelerator.save_state`` rewritten in the
-statekit format, loading exactly as its source loads.
+statekit format, loading exactly as its source loads (docs/cli.md, ``statekit convert``;
+docs/migrating.md, "Converting old checkpoints").
 
-Two kinds of source:
-
-- a plain Accelerate directory: every Accelerate file becomes a statekit object (models
-  streamed tensor file to tensor file, pickles unpickled with ``allow_pickle`` and stored
-  through the codec, the random states of every rank under :data:`ACCELERATE_RNG`);
-- a directory an attached accelerator wrote (Accelerate's files and a statekit manifest
-  with ``records["statekit"]["layout"] == "accelerate"``): Accelerate's files are converted
-  as above, and every file statekit or a plugin wrote next to them (exact loader
-  positions ``dataloader_<i>/rank-<r>``, accumulated gradients, statekit-rng's ``rng/``
-  files, models a plugin saved) is copied byte for byte (checksums checked against the
-  source manifest) with its records, plugin versions and resume fingerprint. Where both
-  hold a loader's state, statekit's position wins, as in the attached load.
-
-A loader the source kept no state for (plain Accelerate writes ``dl_state_dict`` only for
-a ``StatefulDataLoader``) gets no entry; the converted manifest records
-``records["statekit"]["converted_from"] = "accelerate"`` so a load leaves such a loader
-as it is, as ``load_state`` of the source does (:func:`loaders_left_as_they_are`).
-"""
+A plain Accelerate directory: every file becomes a statekit object (random states of every
+rank under :data:`ACCELERATE_RNG`). An attach-mode directory (a manifest with
+``records["statekit"]["layout"] == "accelerate"``): Accelerate's files likewise, and every file
+statekit or a plugin wrote is copied byte for byte, checksums checked, with its records;
+statekit's loader position wins over Accelerate's. The manifest records
+``records["statekit"]["converted_from"] = "accelerate"`` (:func:`loaders_left_as_they_are`)."""
 
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ from statekit.engine.commit import build_manifest, commit
 from statekit.engine.context import ACCELERATE_WRITER, CORE, Checkpoint
 from statekit.engine.entries import strip_wrapper_prefixes
 from statekit.engine.locking import abandon_save, prepare_target
-from statekit.engine.state_check import StateRecorder
+from statekit.checks.state_check import StateRecorder
 from statekit.errors import CorruptCheckpointError, StatekitError, StatekitWarning
 from statekit.foreign.detect import describe_folder
 from statekit.foreign.accelerate import (
@@ -65,21 +54,9 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Rewrite a directory written by ``Accelerator.save_state`` (with or without statekit
-    attached) in the statekit format.
-
-    The result loads with :func:`statekit.load_state` and ``CheckpointManager.resume()``
-    into the same run and restores exactly what ``statekit.load_state`` of the source
-    restores: models (``model_<i>.safetensors``, the ``_orig_mod.``/``module.`` prefixes
-    removed), optimizers, schedulers, scaler, custom objects, the step counter
-    (``accelerator``), the random states of every rank (``accelerate_rng/rank-<r>``,
-    restored by the core on load), ``StatefulDataLoader`` states (``dl_state_dict``, for
-    every rank, as Accelerate loads the one file on every rank), and for an attach-mode
-    source everything statekit and its plugins wrote there (see the module docstring).
-    ``sampler.bin`` (a pickled sampler object, which ``statekit.load_state`` of the source
-    does not restore either) is not converted. The manifest's ``step`` is None: Accelerate's
-    ``step`` is the gradient accumulation counter (restored through ``accelerator``), and a
-    manager names a converted folder's step by its directory name.
+    """Rewrite a directory written by ``Accelerator.save_state`` (statekit attached or not) in the
+    statekit format; it restores what ``statekit.load_state`` of the source restores (``sampler.bin``
+    is not converted; the manifest's ``step`` is None: docs/migrating.md, "Converting old checkpoints").
 
     Args:
         src_url: the Accelerate directory.
@@ -92,8 +69,7 @@ def convert(
         The committed manifest.
 
     Raises:
-        PickleNotAllowedError: the source has pickle files and not ``allow_pickle``
-            (nothing is written).
+        PickleNotAllowedError: the source has pickle files and not ``allow_pickle`` (nothing written).
         CheckpointExistsError: ``out_url`` holds a committed checkpoint and not ``overwrite``.
         CorruptCheckpointError: a file of an attach-mode source differs from its manifest
             (names it; nothing is committed).
@@ -179,19 +155,9 @@ def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str,
 
 
 def loaders_left_as_they_are(manifest: Manifest, entries: list[Any], url: str) -> list[Any]:
-    """The run's data loaders a checkpoint converted from Accelerate holds no state for
-    (its source kept none: plain Accelerate saves a loader's state only for a
-    ``StatefulDataLoader``). A load leaves them as they are, as ``load_state`` of the
-    source does, and warns naming them: their epoch restarts from its first batch.
-
-    Args:
-        manifest: the checkpoint's manifest.
-        entries: the run's classified objects (:class:`statekit.engine.entries.Entry`).
-        url: the checkpoint, for the warning.
-
-    Returns:
-        Those entries (empty for a checkpoint that was not converted from Accelerate).
-    """
+    """The run's data-loader entries a checkpoint converted from Accelerate holds no state for
+    (plain Accelerate saves one only for a ``StatefulDataLoader``): a load leaves them as they are,
+    as the source's ``load_state`` does, and warns naming them (``url``). Empty when not converted."""
     if (manifest.records.get(CORE) or {}).get(CONVERTED_FROM) != "accelerate":
         return []
     absent = [e for e in entries if e.kind == "dataloader" and e.key not in manifest.objects]

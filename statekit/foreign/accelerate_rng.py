@@ -1,14 +1,8 @@
-"""The random states of an Accelerate checkpoint (``random_states_<rank>.pkl``): restore
-them as ``Accelerator.load_state`` does, and snapshot the live ones to put back on failure.
-
-The keys follow ``accelerate.checkpointing.save_accelerator_state``
-(https://github.com/huggingface/accelerate/blob/main/src/accelerate/checkpointing.py):
-``random_state``, ``numpy_random_seed``, ``torch_manual_seed`` and one
-``torch_<device>_manual_seed`` list per accelerator the saving process saw. This module
-only translates that layout: capturing and setting the generators, and finding the
-accelerator, are :mod:`statekit.devices`'s (:func:`~statekit.devices.snapshot_random_states`,
-:func:`~statekit.devices.restore_random_states`, :func:`~statekit.devices.accelerator_generators`).
-"""
+"""The random states of an Accelerate checkpoint (``random_states_<rank>.pkl``): restored as
+``Accelerator.load_state`` does, snapshot to put back on failure. Keys follow
+``accelerate.checkpointing.save_accelerator_state``
+(https://github.com/huggingface/accelerate/blob/main/src/accelerate/checkpointing.py); the
+generators themselves are :mod:`statekit.devices`'s."""
 
 from __future__ import annotations
 
@@ -24,18 +18,10 @@ def _device_key(device_type: str) -> str:
 
 
 def restore_rng(states: dict[str, Any], source: str = "Accelerate checkpoint") -> None:
-    """Set the global generators from one ``random_states_<rank>.pkl`` dict, as
-    ``accelerate.checkpointing.load_accelerator_state`` does (Python ``random``, NumPy,
-    torch CPU, and this process's accelerator when its states were saved).
-
-    Accelerate saves every device its process sees. Where this process sees another
-    number, the common ones are restored and a :class:`StatekitWarning` naming ``source``
-    says which are not (Accelerate's own ``load_state`` raises there).
-
-    Args:
-        states: the unpickled dict.
-        source: the checkpoint, for the warning.
-    """
+    """Set the global generators from one unpickled ``random_states_<rank>.pkl`` dict, as
+    ``load_accelerator_state`` does (Python, NumPy, torch CPU, this process's accelerator). Where this
+    process sees another number of devices than were saved, the common ones are restored and a
+    :class:`StatekitWarning` naming ``source`` says which are not (Accelerate's ``load_state`` raises)."""
     found = accelerator_generators()
     saved = list(states[_device_key(found[0])]) if found is not None and _device_key(found[0]) in states else None
     restore_random_states(

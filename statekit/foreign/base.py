@@ -1,11 +1,6 @@
 """What every checkpoint reader shares: :class:`TensorInfo`, :class:`CheckpointReader`,
-safetensors access; and what a load of a folder statekit did not write returns
-(:class:`ForeignSummary`).
-
-A reader lists tensors from metadata only and reads one tensor at a time; the safetensors
-helpers here read a header once per file (through :func:`statekit.format.read_header`, the
-one header reader) and one tensor by seeking to its offsets (a ranged read remotely).
-"""
+safetensors access (one header read per file through :func:`statekit.format.read_header`,
+one tensor by a ranged read); and what a load of a foreign folder returns (:class:`ForeignSummary`)."""
 
 from __future__ import annotations
 
@@ -27,9 +22,8 @@ class ForeignObject:
 
     Attributes:
         kind: ``"model"``, ``"optimizer"``, ``"scheduler"``, ``"dataloader"``...
-        file: the file it was read from, relative to the folder; None when a plugin's
-            load hook loaded it.
-        owner: the plugin that loaded it (a load pre-hook took it), or None.
+        file: the file it was read from, relative to the folder; None when a plugin loaded it.
+        owner: the plugin whose load pre-hook took it, or None.
     """
 
     kind: str
@@ -39,16 +33,13 @@ class ForeignObject:
 
 @dataclass(frozen=True)
 class ForeignSummary:
-    """What :func:`statekit.load`/:func:`statekit.load_state` return for a folder
-    statekit did not write (``Accelerator.save_state``'s), in place of a
-    :class:`~statekit.Manifest`: there is no manifest to return.
+    """What :func:`statekit.load`/:func:`statekit.load_state` return for a folder statekit
+    did not write (``Accelerator.save_state``'s), in place of a :class:`~statekit.Manifest`.
 
     Attributes:
         format: the folder's format (``"accelerate"``).
-        step: the step the folder records: Accelerate's ``step`` counter in its random
-            states (optimizer steps taken under ``accumulate()``, else 0), not the number of
-            a ``checkpoint_<n>`` folder (which ``CheckpointManager.resume`` continues from);
-            None without random states.
+        step: Accelerate's ``step`` counter from its random states (optimizer steps under
+            ``accumulate()``, else 0; not the ``checkpoint_<n>`` number); None without them.
         objects: the caller's key -> :class:`ForeignObject`, for every object restored.
     """
 
@@ -62,12 +53,12 @@ class TensorInfo:
     """One tensor of a checkpoint, as listed from metadata (no data read).
 
     Attributes:
-        name: the tensor's name inside its file (``"fc1.weight"``, ``"state.0.exp_avg"``).
+        name: the tensor's name inside its file (``"fc1.weight"``).
         dtype: the torch dtype name (``"float32"``).
         shape: the shape.
         size_bytes: ``numel * itemsize``, bytes.
-        file: the file holding it, relative to the checkpoint (for a single-file
-            checkpoint, the file name; for DCP, the ``.distcp`` file(s), comma-separated).
+        file: the file holding it, relative to the checkpoint (a single file: its name; DCP:
+            the ``.distcp`` files, comma-separated).
     """
 
     name: str
@@ -84,15 +75,7 @@ class TensorInfo:
 
 
 def tensor_infos(tensors: Mapping[str, torch.Tensor], file: str) -> list[TensorInfo]:
-    """:class:`TensorInfo` of in-memory tensors (unpickled files), in mapping order.
-
-    Args:
-        tensors: ``name -> tensor``.
-        file: the file holding them, as listed.
-
-    Returns:
-        One info per tensor.
-    """
+    """:class:`TensorInfo` of in-memory ``name -> tensor`` (unpickled files) held in ``file``, in mapping order."""
     return [TensorInfo(n, fmt.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), file)
             for n, t in tensors.items()]
 
@@ -110,15 +93,8 @@ _DESCRIPTIONS = {
 
 
 def describe_kind(kind: str) -> str:
-    """A format (:data:`statekit.foreign.FORMATS`) or folder kind
-    (:data:`statekit.foreign.detect.FOLDER_KINDS`) in words (``"a transformers Trainer checkpoint"``).
-
-    Args:
-        kind: the format or kind name.
-
-    Returns:
-        The words; the name itself when unknown.
-    """
+    """A format (:data:`statekit.foreign.FORMATS`) or folder kind (:data:`statekit.foreign.detect.FOLDER_KINDS`)
+    in words (``"a transformers Trainer checkpoint"``); an unknown name is returned as it is."""
     return _DESCRIPTIONS.get(kind, kind)
 
 
@@ -139,14 +115,12 @@ class CheckpointReader:
     Attributes:
         url: the checkpoint's URL.
         format: one of :data:`statekit.foreign.FORMATS`.
-        keyed_by_file: True for directory formats with several tensor files
-            (statekit, accelerate): keys are ``"file:tensor"``; else keys are tensor names.
-        skipped: files that were not read (pickle files without ``allow_pickle``).
-        superseded: files not read because a load replaces their state with another file of
-            the checkpoint (an attach-mode directory's ``random_states_<r>.pkl`` next to
-            statekit-rng's ``rng/``).
-        layout: how the directory is laid out: ``"accelerate"`` for one an attached
-            accelerator wrote, else the format.
+        keyed_by_file: directory formats with several tensor files (statekit, accelerate) key
+            tensors ``"file:tensor"``; others by tensor name.
+        skipped: files not read (pickle files without ``allow_pickle``).
+        superseded: files not read because a load takes their state from another file (an
+            attach-mode directory's ``random_states_<r>.pkl`` next to statekit-rng's ``rng/``).
+        layout: ``"accelerate"`` for a directory an attached accelerator wrote, else the format.
         metadata: format-specific facts (the statekit manifest, the DCP step...), JSON-able.
     """
 
@@ -166,27 +140,12 @@ class CheckpointReader:
         self._renamed: dict[str, dict[str, str]] = {}  # rel -> {listed name: stored name}
 
     def key(self, info: TensorInfo) -> str:
-        """The key of a tensor in :meth:`tensors` (``"file:tensor"`` or ``"tensor"``).
-
-        Args:
-            info: a tensor of this checkpoint.
-
-        Returns:
-            Its key.
-        """
+        """The key of a tensor in :meth:`tensors` (``"file:tensor"`` or ``"tensor"``)."""
         return f"{info.file}:{info.name}" if self.keyed_by_file else info.name
 
     def match_key(self, key: str) -> str:
-        """The key under which :func:`statekit.foreign.diff` matches this tensor with one of a
-        checkpoint of another format when the keys differ (the key itself here; an Accelerate
-        directory names its files as a statekit checkpoint of the same run does).
-
-        Args:
-            key: a key of :meth:`tensors`.
-
-        Returns:
-            The key to match on.
-        """
+        """The key :func:`statekit.foreign.diff` matches ``key`` on against a checkpoint of another
+        format (the key itself here; an Accelerate directory names its files as statekit does)."""
         return key
 
     def tensors(self) -> dict[str, TensorInfo]:
@@ -212,9 +171,6 @@ class CheckpointReader:
 
         Args:
             key: a key of :meth:`tensors`; a bare tensor name is accepted when unique.
-
-        Returns:
-            The tensor.
 
         Raises:
             KeyError: no such tensor.
@@ -259,13 +215,7 @@ class CheckpointReader:
     # --------------------------------------------------------- safetensors files
 
     def header(self, rel: str) -> fmt.TensorHeader:
-        """The parsed header of one safetensors file (cached: a diff reads many tensors of one file).
-
-        Args:
-            rel: the file, relative to the checkpoint (``""`` for a single-file checkpoint).
-
-        Returns:
-            Its header, as :func:`statekit.format.read_header` parses it.
+        """The parsed header of one safetensors file ``rel`` (``""`` for a single file), cached.
 
         Raises:
             CorruptCheckpointError: the header is malformed (names the file).

@@ -13,18 +13,13 @@ from statekit.foreign.base import CheckpointReader
 
 
 def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> dict[str, Any]:
-    """Compare two checkpoints tensor by tensor.
+    """Compare two checkpoints tensor by tensor (the report of ``statekit diff --json``, docs/cli.md).
 
-    Tensors are matched by what they are: by key (:meth:`CheckpointReader.key`;
-    ``file:tensor`` for statekit and Accelerate directories), then the keys left over on
-    both sides by :meth:`CheckpointReader.match_key` (``model.safetensors:w`` of an Accelerate
-    directory, plain or attach-mode, and ``model_0.safetensors:w`` of the statekit checkpoint
-    of the same run; ``optimizer.bin:state.0.exp_avg`` and ``optimizer_0.safetensors:...``).
-    For every key in both with the same shape,
-    the maximum absolute difference is computed from one pair of tensors at a time (in
-    float64; ``inf`` where infinities differ, ``nan`` where only one side is NaN; equal
-    infinities and NaN against NaN count as no difference); the two checkpoints are
-    never in memory whole.
+    Tensors are matched by key (:meth:`CheckpointReader.key`), then the keys left on both sides
+    by :meth:`CheckpointReader.match_key` (an Accelerate directory against the statekit checkpoint
+    of the same run). The maximum absolute difference is computed one pair at a time in float64:
+    ``inf`` where infinities differ, ``nan`` where only one side is NaN; equal infinities and NaN
+    against NaN count as equal.
 
     Args:
         a: the old checkpoint.
@@ -32,16 +27,8 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
         advance: ``callable(n_bytes)`` called after each compared pair (progress).
 
     Returns:
-        A JSON-able dict: ``a``/``b`` (url, format, layout, size_bytes, tensor_bytes,
-        skipped, superseded), ``added``/``removed`` (lists of keys), ``changed`` (shape or dtype
-        changes: ``{key, a: {dtype, shape}, b: {...}}``), ``not_compared`` (keys whose
-        counterpart lives in a file the other side did not read: a pickle without
-        ``allow_pickle``, a superseded file), ``tensors`` (per compared key:
-        ``{key, dtype, shape, max_abs_diff, equal}``; ``b_key`` where b names it otherwise),
-        ``files`` (for two directories of one format and layout: files whose size differs, or whose manifest checksum differs for statekit:
-        ``{file, a_bytes, b_bytes, checksum_equal}``; a missing side is None), ``size_delta_bytes``
-        (``b.size_bytes - a.size_bytes``), ``identical`` (no key added, removed,
-        changed, left uncompared, or differing in value).
+        A JSON-able dict: ``a``/``b``, ``added``, ``removed``, ``changed``, ``not_compared``,
+        ``tensors``, ``files``, ``size_delta_bytes`` (``b - a``), ``identical``.
     """
     ta, tb = a.tensors(), b.tensors()
     pairs = _pairs(a, b, ta, tb)

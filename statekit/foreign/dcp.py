@@ -1,9 +1,5 @@
-"""The reader of ``torch.distributed.checkpoint`` (DCP) directories: ``.metadata`` plus ``*.distcp`` files.
-
-``.metadata`` is a pickle: it is read only with ``allow_pickle`` (locally through
-``torch.distributed.checkpoint.FileSystemReader(path).read_metadata()``); tensor chunks
-are read with ranged reads at the offsets the metadata gives and assembled.
-"""
+"""The reader of ``torch.distributed.checkpoint`` (DCP) directories: ``.metadata`` (a pickle,
+only with ``allow_pickle``) plus ``*.distcp`` files, tensor chunks read by ranged reads."""
 
 from __future__ import annotations
 

@@ -67,26 +67,15 @@ def _sniff_file(storage: Storage) -> str:
 
 
 def detect_format(url: str | Storage, storage_options: dict[str, Any] | None = None) -> str:
-    """Name the format of the checkpoint at ``url`` (one of :data:`FORMATS`).
+    """Name the format of the checkpoint at ``url`` (one of :data:`FORMATS`), unpickling nothing.
 
-    A file is sniffed by content (zip or pickle magic: ``torch``; an 8-byte length then
-    ``{``: ``safetensors``), then by extension. A directory is ``statekit`` if it has
-    ``statekit.json``, ``dcp`` if it has ``.metadata``, ``trainer`` if it has
-    ``trainer_state.json`` beside model or training-state files (a transformers Trainer
-    ``checkpoint-<step>``), ``accelerate`` if it has files named as
-    ``Accelerator.save_state`` names them. Nothing is unpickled.
-
-    Args:
-        url: file or directory URL, or a :class:`~statekit.storage.Storage`.
-        storage_options: fsspec options of a URL.
-
-    Returns:
-        The format name.
+    A file is sniffed by content (zip or pickle magic: ``torch``; an 8-byte length then ``{``:
+    ``safetensors``), then by extension; a directory by its file names (docs/cli.md, "Formats
+    statekit reads").
 
     Raises:
         CheckpointNotFoundError: nothing exists at ``url``.
-        IncompleteCheckpointError: a directory of statekit files without a manifest
-            (statekit's save lock, or files statekit wrote).
+        IncompleteCheckpointError: statekit files without a manifest (its save lock, or files it wrote).
         StatekitError: the location is not a checkpoint of a known format.
     """
     return _detect(Storage.of(url, storage_options))
@@ -150,19 +139,14 @@ def open_checkpoint(
 
     Args:
         url: file or directory URL (any fsspec URL), or a :class:`~statekit.storage.Storage`.
-        allow_pickle: permit unpickling (DCP ``.metadata``, torch files, Accelerate
-            ``.bin``/``.pkl`` files). Pickle can run arbitrary code: only for trusted files.
+        allow_pickle: permit unpickling (DCP ``.metadata``, torch files, Accelerate ``.bin``/``.pkl``);
+            pickle can run arbitrary code: only for trusted files.
         storage_options: fsspec options.
         format: skip detection and use this format (one of :data:`FORMATS`).
 
-    Returns:
-        A :class:`~statekit.foreign.CheckpointReader`.
-
     Raises:
-        PickleNotAllowedError: the format needs pickle (DCP, torch file) and not
-            ``allow_pickle``; names the file.
-        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as
-            :func:`detect_format`.
+        PickleNotAllowedError: the format needs pickle and not ``allow_pickle``; names the file.
+        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as :func:`detect_format`.
         CorruptCheckpointError: malformed metadata (names the file).
     """
     storage = Storage.of(url, storage_options)
@@ -173,23 +157,10 @@ def open_checkpoint(
 
 
 def folder_kind(storage: Storage, names: list[str] | None = None) -> str:
-    """What a directory under a root is, by its contents: one of :data:`FOLDER_KINDS`.
-
-    ``statekit`` has ``statekit.json``; ``incomplete`` has statekit's save lock (or the
-    temporary file that creates it) and no manifest: statekit takes that lock before it
-    writes anything, and a failed save or an interrupted deletion leaves it, so it proves
-    statekit wrote what is there. Otherwise the layout is detected as :func:`detect_format`
-    detects it (statekit's own bookkeeping, in-use markers, left out): ``trainer``,
-    ``accelerate``, ``dcp``, or ``unknown`` (files in no known layout, an empty folder, or
-    statekit files without a lock, such as the rank parts of a node-local root). Nothing is
-    unpickled.
-
-    Args:
-        storage: the directory.
-        names: its listing, when the caller has it.
-
-    Returns:
-        The kind.
+    """What a directory under a root is, by its contents: one of :data:`FOLDER_KINDS`
+    (docs/cli.md, ``statekit ls``). ``incomplete``: statekit's save lock (or the temporary file
+    creating it) and no manifest, proof that statekit wrote it; statekit files without a lock (the
+    rank parts of a node-local root) are ``unknown``. Nothing is unpickled.
 
     Raises:
         StorageError: the directory cannot be listed.
@@ -210,17 +181,8 @@ def folder_kind(storage: Storage, names: list[str] | None = None) -> str:
 
 
 def describe_folder(storage: Storage, kind: str | None = None) -> str:
-    """A directory in words, for messages: ``"a transformers Trainer checkpoint"``; for a folder
-    of unknown contents, what it holds (``"a folder statekit cannot name (it holds 'notes.txt')"``,
-    ``"an empty folder"``).
-
-    Args:
-        storage: the directory.
-        kind: its :func:`folder_kind`, when known.
-
-    Returns:
-        The words.
-    """
+    """A directory in words, for messages (``"a transformers Trainer checkpoint"``; for unknown
+    contents what it holds: ``"a folder statekit cannot name (it holds 'notes.txt')"``, ``"an empty folder"``)."""
     names = storage.listdir()
     kind = kind or folder_kind(storage, names)
     if kind != "unknown":
@@ -234,12 +196,11 @@ def describe_folder(storage: Storage, kind: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class FileCheck:
-    """What was checked of one file of a checkpoint without unpickling anything.
+    """What was checked of one file without unpickling anything.
 
     Attributes:
         file: the file, relative to the checkpoint (its name for a single-file checkpoint).
-        ok: True when the check passed, False when it failed, None when the file cannot be
-            checked without unpickling it (a pickle; not read).
+        ok: True passed, False failed, None cannot be checked without unpickling (not read).
         detail: what was checked, or what is wrong.
     """
 
@@ -250,13 +211,11 @@ class FileCheck:
 
 @dataclass(frozen=True)
 class Survey:
-    """A checkpoint of another format than statekit's, as far as it can be checked:
-    there is no manifest, so no checksum to verify. :func:`survey` builds it.
+    """A checkpoint of another format, as far as it can be checked without a manifest (:func:`survey`).
 
     Attributes:
         url: the checkpoint.
-        format: its format (:data:`FORMATS`).
-        description: the format in words (``"a transformers Trainer checkpoint"``).
+        format: its format (:data:`FORMATS`); description: in words.
         files: ``relative path -> size in bytes``.
         checks: one :class:`FileCheck` per model file (and for DCP, the metadata not read).
     """
@@ -284,22 +243,13 @@ class Survey:
 
 
 def survey(url: str | Storage, storage_options: dict[str, Any] | None = None) -> Survey:
-    """What can be checked of a checkpoint of another format, reading no pickle: its files
-    with sizes, and whether its model loads as far as that shows without unpickling (each
-    safetensors model file's header parses and fits the file; a ``pytorch_model.bin`` is a
-    readable torch zip archive; a sharded model's index names only shards that exist).
-
-    Args:
-        url: file or directory URL, or a :class:`~statekit.storage.Storage`.
-        storage_options: fsspec options of a URL.
-
-    Returns:
-        The :class:`Survey`.
+    """What can be checked of a checkpoint of another format, reading no pickle: its files and
+    whether its model loads as far as that shows (safetensors headers parse and fit their files; a
+    ``pytorch_model.bin`` is a readable zip; a sharded index names only existing shards).
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as
-            :func:`detect_format`; also a statekit checkpoint, which is verified against
-            its manifest instead (:func:`statekit.verify`).
+        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as :func:`detect_format`;
+            also for a statekit checkpoint (:func:`statekit.verify` checks those).
     """
     storage = Storage.of(url, storage_options)
     found = _detect(storage)

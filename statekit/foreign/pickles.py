@@ -22,13 +22,8 @@ from statekit.storage import Storage
 
 
 def refuse_pickle(url: str, allow_pickle: bool, what: str | None = None, remedy: str = "--allow-pickle") -> None:
-    """The gate: raise unless the caller allowed unpickling.
-
-    Args:
-        url: the pickle file, named in the error.
-        allow_pickle: the caller's permission.
-        what: what the file is (``"Accelerate format"``, ``"DCP metadata"``), or None.
-        remedy: how to allow it, as the message suggests.
+    """The gate: raise unless the caller allowed unpickling ``url`` (``what`` the file is and
+    the ``remedy`` go into the message).
 
     Raises:
         PickleNotAllowedError: ``allow_pickle`` is False.
@@ -50,20 +45,9 @@ def load_pickle(
     remedy: str = "--allow-pickle",
     mmap: bool = False,
 ) -> Any:
-    """Unpickle one file of a foreign checkpoint, only if the caller allowed it.
-
-    Args:
-        storage: the checkpoint (directory, or the file itself with ``rel=""``).
-        rel: the file, relative to ``storage``.
-        allow_pickle: the caller's permission (see :func:`refuse_pickle`).
-        what: what the file is, for the refusal message.
-        remedy: how to allow it, for the refusal message.
-        mmap: memory-map a local file (``torch.load(mmap=True)``) instead of reading it
-            whole: for read-only inspection only, since the tensors then share the file's
-            pages (a file rewritten in place under them would change or fault them).
-
-    Returns:
-        The unpickled object (tensors on the CPU).
+    """Unpickle one file ``rel`` of a foreign checkpoint (``""``: the file itself), only if
+    ``allow_pickle`` (:func:`refuse_pickle`); tensors on the CPU. ``mmap``: memory-map a local file,
+    for read-only inspection only (the tensors share the file's pages).
 
     Raises:
         PickleNotAllowedError: ``allow_pickle`` is False (names the file; nothing is read).
@@ -90,17 +74,8 @@ def load_pickle(
 
 
 def unreadable_pickle(url: str, exc: BaseException) -> CorruptCheckpointError:
-    """The error for a torch file that cannot be unpickled (truncated by an interrupted
-    copy or save, or damaged): ``torch.load`` says ``negative seek value`` or
-    ``PytorchStreamReader failed reading zip archive``, naming no file.
-
-    Args:
-        url: the file.
-        exc: what ``torch.load`` raised.
-
-    Returns:
-        A :class:`CorruptCheckpointError` naming the file (``.path``) and the cause.
-    """
+    """The :class:`CorruptCheckpointError` naming ``url`` (``.path``) for a torch file that cannot
+    be unpickled: ``torch.load`` says ``negative seek value`` or ``PytorchStreamReader failed ...``, naming no file."""
     return CorruptCheckpointError(
         f"{url}: cannot be read as a torch file (truncated or damaged): {type(exc).__name__}: {exc}",
         path=url,
@@ -108,13 +83,8 @@ def unreadable_pickle(url: str, exc: BaseException) -> CorruptCheckpointError:
 
 
 def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    """Collect the tensors of a nested state into ``out``, named by dotted paths (``state.0.exp_avg``).
-
-    Args:
-        value: the nested state (mappings, lists, tuples, tensors; anything else is skipped).
-        prefix: the dotted path of ``value`` (``""`` at the top).
-        out: filled with ``path -> tensor``.
-    """
+    """Collect the tensors of a nested state (mappings, lists, tuples) into ``out`` by dotted path
+    (``state.0.exp_avg``; ``prefix`` is ``value``'s path, ``""`` at the top; other values skipped)."""
     if isinstance(value, torch.Tensor):
         out[prefix or "tensor"] = value
     elif isinstance(value, Mapping):

@@ -28,18 +28,9 @@ _STATEKIT_NAME = {"pytorch_model": "model", "custom_checkpoint": "custom"}
 
 
 def accelerate_match_key(key: str) -> str:
-    """The key, in a statekit checkpoint of the same run, of a tensor of one of Accelerate's
-    files: ``model.safetensors:w`` -> ``model_0.safetensors:w``, ``optimizer_1.bin:state.0.step``
-    -> ``optimizer_1.safetensors:state.0.step``, ``scaler.pt:x`` -> ``scaler.safetensors:x``,
-    ``random_states_1.pkl:x`` -> ``accelerate_rng/rank-00001.safetensors:x`` (as ``statekit
-    convert`` names them). Other keys are returned as they are.
-
-    Args:
-        key: ``"file:tensor"``.
-
-    Returns:
-        The matching key.
-    """
+    """The key, in a statekit checkpoint of the same run, of ``"file:tensor"`` of an Accelerate
+    file, as ``statekit convert`` names them (``model.safetensors:w`` -> ``model_0.safetensors:w``,
+    ``random_states_1.pkl:x`` -> ``accelerate_rng/rank-00001.safetensors:x``); others unchanged."""
     rel, sep, name = key.partition(":")
     if not sep:
         return key
@@ -71,14 +62,9 @@ class _FolderOfFilesReader(CheckpointReader):
 class StatekitReader(_FolderOfFilesReader):
     """A committed statekit checkpoint (``statekit.json``); metadata is the manifest.
 
-    One written by an attached accelerator (``layout`` ``"accelerate"``) holds Accelerate's
-    files next to statekit's: they are read as :class:`AccelerateReader` reads them (model
-    names without wrapper prefixes, pickles only with ``allow_pickle``) and matched by
-    :meth:`match_key` with the statekit names of the same objects. Accelerate's files that
-    a load replaces with statekit's own (``random_states_<r>.pkl`` where statekit-rng saved
-    ``rng/rank-<r>``, ``dl_state_dict_<i>.bin`` where statekit saved ``dataloader_<i>/``) are
-    listed in :attr:`superseded`, not read.
-    """
+    An attach-mode one (``layout`` ``"accelerate"``) holds Accelerate's files too, read as
+    :class:`AccelerateReader` reads them and matched by :meth:`match_key`; those a load replaces by
+    statekit's own (``random_states_<r>.pkl``, ``dl_state_dict_<i>.bin``) are :attr:`superseded`."""
 
     format = "statekit"
     keyed_by_file = True
@@ -165,14 +151,9 @@ class AccelerateReader(_FolderOfFilesReader):
 
 
 class TrainerReader(_FolderOfFilesReader):
-    """A checkpoint folder of the transformers ``Trainer`` (:mod:`statekit.foreign.trainer`).
-
-    Tensors of the safetensors files are listed from their headers; the pickles that hold
-    tensors (``pytorch_model.bin``, ``optimizer.pt``, ``scaler.pt``) only with
-    ``allow_pickle`` (else in :attr:`skipped`); ``training_args.bin``, ``scheduler.pt`` and
-    ``rng_state*.pth`` are never unpickled here. Metadata is ``trainer_state.json``'s
-    ``global_step``, ``epoch`` and ``max_steps`` (plain JSON).
-    """
+    """A checkpoint folder of the transformers ``Trainer`` (:mod:`statekit.foreign.trainer`):
+    safetensors listed from headers, tensor pickles only with ``allow_pickle`` (else :attr:`skipped`);
+    metadata is ``trainer_state.json``'s ``global_step``, ``epoch`` and ``max_steps``."""
 
     format = "trainer"
     keyed_by_file = True

@@ -1,14 +1,6 @@
-"""Checkpoint folders of the transformers ``Trainer`` (``checkpoint-<step>/``): their file names.
-
-Recognised by layout only, never by importing transformers: ``Trainer._save_checkpoint``
-(transformers 4.x/5.x) writes ``trainer_state.json`` beside the model
-(``model.safetensors``, sharded ``model-00001-of-00002.safetensors`` with
-``model.safetensors.index.json``, ``pytorch_model.bin``, a PEFT ``adapter_model.*``) and
-the training state (``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` or
-``rng_state_<rank>.pth``, ``scaler.pt``, ``training_args.bin``), plus ``config.json`` and
-tokenizer files. Everything but the safetensors files and the JSON is pickle: read only with
-``allow_pickle`` (:mod:`statekit.foreign.pickles`).
-"""
+"""Checkpoint folders of the transformers ``Trainer`` (``checkpoint-<step>/``): their file names,
+as ``Trainer._save_checkpoint`` (transformers 4.x/5.x) writes them; recognised by layout, never
+by importing transformers (docs/cli.md, "Formats statekit reads")."""
 
 from __future__ import annotations
 
@@ -27,31 +19,15 @@ _TENSOR_PICKLES = re.compile(r"^(pytorch_model(-\d+-of-\d+)?\.bin|adapter_model\
 
 
 def is_model_file(name: str) -> bool:
-    """True for a file holding model weights (``model.safetensors``, a shard
-    ``model-00001-of-00002.safetensors``, ``pytorch_model.bin``, ``adapter_model.safetensors``).
-
-    Args:
-        name: a file name of the folder.
-
-    Returns:
-        Whether it holds model weights.
-    """
+    """True for a model weights file (``model.safetensors``, a shard ``model-00001-of-00002.safetensors``,
+    ``pytorch_model.bin``, ``adapter_model.safetensors``)."""
     return bool(_MODEL_FILE.match(name))
 
 
 def is_trainer_checkpoint(names: Iterable[str]) -> bool:
-    """True if a folder's file names are a Trainer checkpoint's: ``trainer_state.json`` and
-    model weights or training state (an optimizer, scheduler, RNG state) beside it, and none
-    of the names statekit writes instead of Trainer's pickles (``training_args.json``,
-    ``optimizer.safetensors``, ``rng/``...): a statekit checkpoint in Trainer's layout whose
-    manifest is gone is not a Trainer checkpoint (nothing resumes it as one).
-
-    Args:
-        names: the names directly in the folder.
-
-    Returns:
-        Whether the layout is a Trainer checkpoint's (by name only; nothing is read).
-    """
+    """True if a folder's names are a Trainer checkpoint's: ``trainer_state.json`` beside model
+    weights or training state, and none of the names statekit writes instead of Trainer's pickles
+    (``training_args.json``, ``optimizer.safetensors``, ``rng/``...). By name only."""
     names = list(names)
     if any(n in _STATEKIT_NAMES for n in names):  # a statekit checkpoint that lost its manifest is not Trainer's
         return False
@@ -59,15 +35,7 @@ def is_trainer_checkpoint(names: Iterable[str]) -> bool:
 
 
 def tensor_pickles(names: Iterable[str]) -> list[str]:
-    """The pickle files among ``names`` that hold tensors (``pytorch_model.bin``,
-    ``optimizer.pt``, ``scaler.pt``): what a reader lists with ``allow_pickle``. The others
-    (``training_args.bin``, ``scheduler.pt``, ``rng_state.pth``) hold no weights and are never
-    unpickled for inspection.
-
-    Args:
-        names: file names of the folder.
-
-    Returns:
-        Those files, sorted.
-    """
+    """The pickles among ``names`` that hold tensors (``pytorch_model.bin``, ``optimizer.pt``,
+    ``scaler.pt``), sorted; the others (``training_args.bin``, ``scheduler.pt``, ``rng_state.pth``)
+    are never unpickled for inspection."""
     return sorted(n for n in names if _TENSOR_PICKLES.match(n))

@@ -3,12 +3,10 @@
 Tensor files follow the safetensors specification
 (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
 length, a JSON header ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``
-padded with spaces to a multiple of 8 bytes, then the raw little-endian tensor bytes.
-statekit writes that layout itself so that tensor memory streams straight to the file
-(``memoryview`` of each tensor, in chunks) with the checksum computed in the same pass:
-``safetensors.torch.save`` first builds the whole file as one ``bytes`` object.
-Files written here load with ``safetensors.torch.load_file`` (``__metadata__`` carries
-``{"format": "pt"}`` as transformers and diffusers expect).
+padded with spaces, then the raw little-endian tensor bytes (statekit's additions:
+``docs/format.md``). statekit writes and reads that layout itself, the checksum in the same
+pass; the suite checks its files against the ``safetensors`` library both ways
+(``docs/design-notes.md``, Format).
 
 Checksums are xxHash XXH3-64 (https://xxhash.com, package ``xxhash``), written as
 ``"xxh3_64:<16 hex digits>"``; the hasher is owned by :mod:`statekit.storage.hashing`
@@ -23,16 +21,14 @@ Submodules, one responsibility each (this package re-exports their public names,
 - :mod:`statekit.format.tensors`: streaming tensor data to and from files.
 - :mod:`statekit.format.manifest_types`: the manifest's dataclasses (:class:`Manifest`,
   :class:`FileEntry`, :class:`ObjectEntry`, :class:`Fingerprint`, :class:`ResumeAudit`),
-  parsed and validated in one place (``Manifest.from_json``), written back by ``to_json``.
+  parsed and validated in one place (``Manifest.from_json``), written in canonical order by ``to_json``.
 - :mod:`statekit.format.manifest`: the manifest file's name, bytes and reading.
 - :mod:`statekit.format.layout`: the per-rank path ``<key>/rank-<r:05d>`` (:func:`rank_path`), the
-  next-batch record's path (:func:`next_batch_path`).
+  next-batch record's path (:func:`next_batch_path`), what a relative path may be (:func:`check_relpath`).
 - :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
 - :mod:`statekit.format.codec_types`: the codec's type rules.
-- :mod:`statekit.format.device_digest`: a tensor file's digest computed on the accelerator
-  (incremental saves of a state that lives there).
 
-Not here: where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
+Not here: whether two states or files are the same (:mod:`statekit.checks`), where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
 from as file objects), which files a checkpoint holds (:mod:`statekit.engine`).
 
 Call sequences: docs/design-notes.md, "The map: layers, one save, one load".
@@ -52,14 +48,11 @@ from statekit.format.dtypes import (
     dtype_name,
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, encode_header, parse_header, read_header
-from statekit.format.layout import next_batch_path, parse_rank_path, rank_name, rank_path
-from statekit.format.manifest_types import FORMAT_SPLIT, READ_FORMATS, FileEntry, Fingerprint, LoaderSettings, Manifest, ObjectEntry, Lineage, ResumeAudit, StateDigest
+from statekit.format.layout import check_relpath, next_batch_path, parse_rank_path, rank_name, rank_path
+from statekit.format.manifest_types import FORMAT, FORMAT_SPLIT, MANIFEST_CHECKSUM, READ_FORMATS, FileEntry, Fingerprint, LoaderSettings, Manifest, ObjectEntry, Lineage, ResumeAudit, StateDigest
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
-    FORMAT,
-    MANIFEST_CHECKSUM,
     MANIFEST_NAME,
-    check_relpath,
     checkpoint_dirs,
     manifest_bytes,
     read_manifest,
@@ -68,11 +61,8 @@ from statekit.format.manifest import (
 from statekit.format.tensors import (
     CHUNK_BYTES,
     fresh_buffers,
-    compare_file,
-    digest_on_device,
     read_exactly_into,
     read_tensors,
-    same_stream_bytes,
     tensor_bytes,
     write_tensors,
 )
@@ -124,11 +114,8 @@ __all__ = [
     "rank_path",
     "read_header",
     "read_manifest",
-    "compare_file",
-    "digest_on_device",
     "read_exactly_into",
     "read_tensors",
-    "same_stream_bytes",
     "tensor_bytes",
     "validate_manifest",
     "write_tensors",

@@ -8,36 +8,9 @@ mapping, which the format layer writes to a safetensors file. ``decode`` reverse
 Every value comes back with its exact type, or is refused at save time with
 :class:`statekit.UnsupportedValueError` naming its key path (``custom_0/config/mode``) and
 its type; a subclass of a stored type is refused, never narrowed (the rules are in
-:mod:`statekit.format.codec_types`). Representation (plain JSON where JSON is exact, a
-one-key tagged object elsewhere; codec version 2 added the tags marked 2):
-
-============================  =====================================================================
-value (exact type)            skeleton
-============================  =====================================================================
-None, bool, str               itself
-int                           itself; beyond 2000 bits ``{"__int__": "-0x1f..."}`` (2)
-float                         itself (``-0.0`` kept); ``{"__float__": "inf" | "-inf" | "nan"}``
-complex                       ``{"__complex__": [real, imag]}`` (2)
-list                          list
-tuple / torch.Size            ``{"__tuple__": [...]}`` / ``{"__size__": [...]}``
-namedtuple                    ``{"__namedtuple__": ["module:qualname", [...]]}`` (2)
-set / frozenset               ``{"__set__": [...]}`` / ``{"__frozenset__": [...]}``
-dict, str keys, no tag key    object (insertion order kept)
-any other dict                ``{"__dict__": [[key, value], ...]}`` (int, float, tuple... keys)
-collections.OrderedDict       ``{"__odict__": [[key, value], ...]}`` (2)
-collections.defaultdict       ``{"__defaultdict__": ["list", [[key, value], ...]]}`` (2)
-enum.Enum member              ``{"__enum__": ["module:qualname", value]}`` (2)
-torch.Tensor                  ``{"__tensor__": name}``; requires_grad: ``{"__gradtensor__": name}`` (2)
-torch.nn.Parameter            ``{"__parameter__": [name, requires_grad]}`` (2)
-numpy.ndarray                 ``{"__ndarray__": name}``; big-endian: ``{"__ndarray_dtype__": [name, ">i4"]}`` (2)
-numpy scalar                  ``{"__npscalar__": name}`` (a 0-dim array)
-torch.dtype / torch.device    ``{"__dtype__": "float32"}`` / ``{"__device__": "cuda:0"}`` (2)
-bytes / bytearray             ``{"__bytes__": base64}`` / ``{"__bytearray__": base64}`` (2)
-fractions.Fraction            ``{"__fraction__": [numerator, denominator]}`` (2)
-decimal.Decimal               ``{"__decimal__": "1.50"}`` (2)
-============================  =====================================================================
-
-Anything else raises :class:`statekit.UnsupportedValueError` naming its key path and type.
+:mod:`statekit.format.codec_types`). The representation, value type by value type (plain
+JSON where JSON is exact, a one-key tagged object elsewhere, and the codec version of each
+tag): ``docs/format.md``, "Everything else: JSON through the codec".
 """
 
 from __future__ import annotations
@@ -57,7 +30,7 @@ from statekit.format import codec_types as ct
 
 VERSION = 2
 """The codec version :func:`encode` writes (``"codec"`` in a state file); 1 (no
-``"codec"`` key) is the version before the tags marked 2 in the module table."""
+``"codec"`` key) is the version before the tags marked 2 in docs/format.md's table."""
 
 _V1_TAGS = frozenset(
     {"__float__", "__tuple__", "__size__", "__set__", "__frozenset__", "__dict__"}

@@ -30,12 +30,8 @@ from statekit.errors import UnsupportedDtypeError, UnsupportedValueError
 from statekit.format.dtypes import BYTE_VIEW_DTYPES, NATIVE_DTYPES
 
 PLAIN_INT_BITS = 2000
-"""Ints up to this many bits are JSON numbers; larger ones are stored as hex strings.
-
-2000 bits is about 602 decimal digits, below the smallest limit Python allows for
-int <-> decimal str conversion (``sys.set_int_max_str_digits``, at least 640; default 4300),
-so neither the writer's ``json.dumps`` nor the reader's ``json.loads`` can hit the limit.
-Hex conversion has no such limit."""
+"""Ints up to this many bits (about 602 digits, below the smallest ``sys.set_int_max_str_digits``,
+640) are JSON numbers; larger ones are hex strings, which have no such limit (``docs/format.md``)."""
 
 DEFAULT_FACTORIES: dict[str, Any] = {
     "None": None,

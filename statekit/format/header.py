@@ -4,8 +4,8 @@ A safetensors file (https://github.com/huggingface/safetensors#format) starts wi
 8-byte little-endian header length, then a JSON header ``{name: {"dtype", "shape",
 "data_offsets"}, "__metadata__": {...}}`` padded with spaces to a multiple of 8 bytes.
 statekit adds to ``__metadata__`` its writer mark (:data:`WRITER_KEY`), and where needed
-``statekit.aliases`` (tied weights stored once) and ``statekit.dtypes`` (byte-view dtypes,
-see :mod:`statekit.format.dtypes`).
+``statekit.aliases`` (tied weights stored once) and ``statekit.dtypes`` (byte-view dtypes):
+``docs/format.md``, Tensor files; why statekit writes the layout itself: ``docs/design-notes.md``, Format.
 """
 
 from __future__ import annotations
@@ -55,14 +55,9 @@ def _check_storable(name: Any, t: Any) -> None:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for the block (JSON of a large header).
-
-    Encoding or parsing the header of a file of 15,000 tensors allocates enough container
-    objects to run full collections, each of which walks every object of a training
-    process: 0.19 s of 0.65 s for the optimizer file of 2,500 ``Linear(8, 8)`` layers,
-    0.017 s with the collector paused. JSON makes no reference cycles, so nothing is lost;
-    the collector runs again after the block (if it was on before).
-    """
+    """Pause Python's cyclic garbage collector for the block (the JSON of a large header makes
+    no reference cycles, and full collections cost more than the JSON: ``docs/design-notes.md``,
+    Performance); it runs again after the block if it was on before."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -73,21 +68,10 @@ def gc_paused() -> Iterator[None]:
 
 
 def view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same view of the same memory (tied weights): device,
-    address of the first element, shape, strides and dtype; None for an empty,
-    non-strided or ``meta`` tensor (never tied). The one test of the writer's aliases, the
-    staging pool and plugins' shard plans.
-
-    ``data_ptr()`` (storage address + offset) identifies the same elements as storage
-    address and offset together, and costs 0.2 us against 8 us for ``untyped_storage()``,
-    which builds a storage object per tensor: 0.16 s of a 0.5 s save of 20,000 small tensors.
-
-    Args:
-        t: any tensor.
-
-    Returns:
-        A hashable tuple, or None.
-    """
+    """What makes two tensors the same view of the same memory (tied weights): a hashable
+    ``(device, data_ptr(), shape, strides, dtype)``, or None for an empty, non-strided or
+    ``meta`` tensor ``t`` (never tied). The one test of the writer's aliases, the staging pool
+    and plugins' shard plans (why ``data_ptr()``: ``docs/design-notes.md``, Performance)."""
     if t.numel() == 0 or t.layout != torch.strided or t.device.type == "meta":
         return None
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
@@ -123,11 +107,8 @@ def _plan(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Planned], dict[str
 
 
 WRITER_KEY = "statekit.writer"
-"""``__metadata__`` key every tensor file statekit writes carries (value :data:`WRITER`).
-It tells a statekit file from one another tool wrote under the same name: a save that
-failed before its commit can leave ``model.safetensors`` (preallocated, partly written)
-with no manifest, which must not be read as an Accelerate checkpoint
-(:func:`statekit.foreign.accelerate.is_accelerate_checkpoint`)."""
+"""``__metadata__`` key every tensor file statekit writes carries (value :data:`WRITER`): it tells
+a statekit file from another tool's of the same name (``docs/format.md``, Tensor files)."""
 
 WRITER = "statekit"
 
@@ -141,8 +122,7 @@ def build_header(
         tensors: ``name -> tensor`` (any device, any strides).
         metadata: extra ``__metadata__`` entries (str -> str).
         data_align: the JSON is padded with spaces so that the data starts at a multiple
-            of this many bytes (8, safetensors' own padding; 4096,
-            :data:`statekit.format.tensors.PAGE_BYTES`, for large files). Trailing spaces are valid JSON: every safetensors reader takes them.
+            of this many bytes (8, safetensors' own; :data:`statekit.format.tensors.PAGE_BYTES`).
 
     Returns:
         ``(header_bytes, plan)``: the 8-byte length + padded JSON, and the write plan.
@@ -167,15 +147,13 @@ def encode_header(
     the order given), padded with spaces.
 
     :func:`build_header` calls it for tensors in memory; a writer that knows only names,
-    dtypes and shapes (statekit-fsdp's consolidation, which builds the header from DCP
-    metadata before any tensor is read) calls it directly.
+    dtypes and shapes (statekit-fsdp's consolidation) calls it directly.
 
     Args:
         entries: ``(name, safetensors dtype code, stored shape, size in bytes)`` per tensor,
             in the order their bytes follow the header.
         metadata: the ``__metadata__`` entries (str -> str), as written (nothing added).
-        data_align: pad so that the data starts at a multiple of this many bytes (8,
-            safetensors' own padding).
+        data_align: as for :func:`build_header`.
 
     Returns:
         The header bytes: length prefix + padded JSON.

@@ -1,4 +1,5 @@
-"""Names inside a checkpoint directory that follow a rule: the per-rank path.
+"""Names inside a checkpoint directory that follow a rule: the per-rank path, and what a
+checkpoint-relative path may be (:func:`check_relpath`).
 
 State that every rank writes for itself (a data loader's position, accumulated gradients,
 statekit-rng's random states, an FSDP model's shards, Accelerate's converted random states)
@@ -12,6 +13,8 @@ through them (plugins through :mod:`statekit.plugin_api`), so the rule is writte
 from __future__ import annotations
 
 import re
+
+from statekit.errors import CorruptCheckpointError
 
 _RANK_PATH = re.compile(r"^(?P<key>.+)/rank-(?P<rank>\d{5,})(?P<suffix>\..*)?$")
 
@@ -44,7 +47,7 @@ def rank_path(key: str, rank: int) -> str:
 
 def next_batch_path(key: str, rank: int) -> str:
     """Where the record of the first batch a loader yielded after the save lives
-    (``statekit.loaders.next_batch.Witness``): written after the commit, not in the manifest.
+    (``statekit.checks.next_batch.Witness``): written after the commit, not in the manifest.
 
     Returns:
         ``"next-batch/<key>/rank-<rank:05d>.json"``.
@@ -65,3 +68,30 @@ def parse_rank_path(rel: str) -> tuple[str, int] | None:
     if match is None:
         return None
     return match.group("key"), int(match.group("rank"))
+
+
+def check_relpath(path: str, source: str = "manifest", error: type[Exception] = CorruptCheckpointError) -> str:
+    """Validate a checkpoint-relative path: no scheme, no absolute path, no ``..``.
+
+    Args:
+        path: the relative path.
+        source: what holds it (a manifest URL), named in the error.
+        error: the error class to raise (writers pass ``StatekitError``: a caller bug).
+
+    Returns:
+        ``path`` unchanged.
+
+    Raises:
+        CorruptCheckpointError: (or ``error``) the path escapes the checkpoint or is malformed.
+    """
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        not parts
+        or "://" in path
+        or path.startswith("/")
+        or "\\" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        message = f"{source}: invalid relative path {path!r} (must stay inside the checkpoint)"
+        raise error(message, path=source) if error is CorruptCheckpointError else error(message)
+    return path

@@ -16,17 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from statekit.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from statekit.format.manifest_types import (  # noqa: F401 (re-exported: the names' old home)
-    FORMAT,
-    MANIFEST_CHECKSUM,
-    FileEntry,
-    Fingerprint,
-    Manifest,
-    ObjectEntry,
-    ResumeAudit,
-    canonical_bytes,
-    check_relpath,
-)
+from statekit.format.manifest_types import MANIFEST_CHECKSUM, Manifest, canonical_bytes
 from statekit.storage import Storage
 from statekit.storage.hashing import checksum_bytes
 
@@ -43,14 +33,9 @@ checkpoint-root message use."""
 
 
 def manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
-    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set.
-
-    Every file of a checkpoint is checksummed in the manifest; the manifest checksums
-    itself, so one flipped bit in it (a ``step`` of 9 instead of 8, a metric that steers
-    ``keep_best``) is a :class:`CorruptCheckpointError` at read, not a silent wrong resume.
-    The checksum is taken over the manifest as a reader parses it back (JSON turns integer
-    keys into strings), in canonical form. A :class:`Manifest` gives the same bytes as its
-    ``to_json()`` dict; :meth:`Manifest.sealed` also returns the manifest with its checksum.
+    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set (``docs/format.md``,
+    ``manifest_checksum``). A :class:`Manifest` gives the same bytes as its ``to_json()``
+    dict (:meth:`Manifest.sealed`, which also returns the manifest with its checksum).
 
     Args:
         manifest: the manifest, typed or as its JSON dict (strict JSON: no NaN or
@@ -70,7 +55,7 @@ def manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
 
 
 def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
-    """Check a parsed manifest (a JSON dict) against format version 1: what
+    """Check a parsed manifest (a JSON dict) against the format: what
     :meth:`Manifest.from_json`, the one validator, checks.
 
     Args:
@@ -81,10 +66,8 @@ def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
         The manifest, unchanged.
 
     Raises:
-        FormatVersionError: ``format`` is not ``statekit/1`` (a newer or foreign format).
-        CorruptCheckpointError: a required field is missing or has the wrong type, the
-            optional ``fingerprint`` is not an object, or the manifest does not match its
-            own checksum (:data:`MANIFEST_CHECKSUM`; edited or damaged after its commit).
+        FormatVersionError: ``format`` is a ``statekit/N`` this version does not read.
+        CorruptCheckpointError: what :meth:`Manifest.from_json` raises it for.
     """
     Manifest.from_json(manifest, source)
     return manifest
@@ -102,8 +85,8 @@ def read_manifest(storage: Storage) -> Manifest:
     Raises:
         CheckpointNotFoundError: nothing exists at the URL.
         IncompleteCheckpointError: the directory exists without a manifest.
-        CorruptCheckpointError: the manifest is not valid JSON or not format 1.
-        FormatVersionError: the manifest is of a newer format.
+        CorruptCheckpointError: the manifest is not valid JSON or not a valid manifest.
+        FormatVersionError: the manifest is of a format this version does not read (a newer major).
     """
     url = storage.url_of(MANIFEST_NAME)
     storage.invalidate()
@@ -141,19 +124,27 @@ def _why_no_manifest(storage: Storage) -> str:
         return f"{url} is empty (no {MANIFEST_NAME}): nothing was saved there, or the save that created it never committed"
     if any(n == _LOCK_NAME or n.endswith(_SAVED_SUFFIXES) for n in names):  # a save's files (or Accelerate's)
         return f"{url} has no {MANIFEST_NAME}: the save that wrote it never committed"
+    return _why_not_a_checkpoint(storage, names)
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''}"
+
+
+def _why_not_a_checkpoint(storage: Storage, names: list[str]) -> str:
+    """What a directory that holds none of a save's files is: a folder of checkpoints, of
+    manager roots, or something else."""
+    url = storage.url
     looked_at = names[:_NESTED_LOOKED_AT]
     nested = [n for n in looked_at if storage.child(n).exists(MANIFEST_NAME)]
     if nested:
-        return (f"{url} is a folder of checkpoints, not a checkpoint: it holds {', '.join(repr(n) for n in nested[:5])}"
-                f"{', ...' if len(nested) > 5 else ''}; load one of them ({url}/{nested[-1]})")
+        return f"{url} is a folder of checkpoints, not a checkpoint: it holds {_listed(nested)}; load one of them ({url}/{nested[-1]})"
     roots = [n for n in looked_at if checkpoint_dirs(storage.child(n).listdir())]
     if roots:
-        return (f"{url} is a folder of checkpoint roots, not a checkpoint: it holds {', '.join(repr(n) for n in roots[:5])}"
-                f"{', ...' if len(roots) > 5 else ''}; load a checkpoint inside one, or resume with "
-                f"CheckpointManager(..., {url + '/' + roots[-1]!r}).resume()")
+        return (f"{url} is a folder of checkpoint roots, not a checkpoint: it holds {_listed(roots)}; load a checkpoint "
+                f"inside one, or resume with CheckpointManager(..., {url + '/' + roots[-1]!r}).resume()")
     return (f"{url} is not a checkpoint: it has no {MANIFEST_NAME} and none of the files a save writes (it holds "
-            f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''}); pass a checkpoint's "
-            "own folder")
+            f"{_listed(names)}); pass a checkpoint's own folder")
 
 
 def checkpoint_dirs(names: Iterable[str]) -> list[str]:

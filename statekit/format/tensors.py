@@ -1,24 +1,22 @@
 """Tensor data to and from safetensors files, streamed in chunks with the checksum in the same pass.
 
-statekit writes the safetensors layout itself so that tensor memory streams straight to
-the file (``memoryview`` of each tensor, in chunks): ``safetensors.torch.save`` first
-builds the whole file as one ``bytes`` object. Reading fills existing tensors in place
-where it can. Headers are built and parsed by :mod:`statekit.format.header`.
+The layout is safetensors' (https://github.com/huggingface/safetensors#format; statekit's
+additions: ``docs/format.md``, Tensor files); why statekit writes and reads it itself, and how
+the suite checks it against the library: ``docs/design-notes.md``, Format. Reading fills
+existing tensors in place where it can. Headers: :mod:`statekit.format.header`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import torch
 
 from statekit.errors import CorruptCheckpointError
-from statekit.format import device_digest
 from statekit.format.dtypes import DTYPE_FROM_CODE, NATIVE_DTYPES
 from statekit.format.header import TensorEntry, TensorHeader, build_header, read_header
-from statekit.storage.hashing import PrefixCheck, PrefixHasher
+from statekit.storage.hashing import PrefixHasher
 from statekit.storage.prefault import Prefaulter
 from statekit.storage.streams import CACHE_STEP_BYTES, CHUNK_BYTES, bulk_writer, fill
 
@@ -27,11 +25,8 @@ ALIGN_MIN_BYTES = 1024 * 1024
 :data:`PAGE_BYTES` (format version 1 layout)."""
 
 PAGE_BYTES = 4096
-"""Layout of format version 1: the data section of a file with :data:`ALIGN_MIN_BYTES` of
-tensor data or more starts at a multiple of this many bytes (one page; the header's JSON
-is padded with spaces, which every safetensors reader takes), whatever the file is written
-to, so that a reader that works in whole pages (the storage's ``O_DIRECT`` reader) reads
-the data section in whole pages. Part of the file's bytes: the same for every storage."""
+"""The data section of a file with :data:`ALIGN_MIN_BYTES` of tensor data or more starts at a
+multiple of this many bytes, on every storage (``docs/format.md``, Tensor files)."""
 
 
 # --------------------------------------------------------------------------- writing
@@ -67,27 +62,6 @@ def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     """
     planned_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
     return build_header(tensors, metadata, data_align=PAGE_BYTES if planned_bytes >= ALIGN_MIN_BYTES else 8)
-
-
-def digest_on_device(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> str | None:
-    """The :mod:`~statekit.format.device_digest` of the file :func:`write_tensors` writes for
-    ``tensors``, computed on the tensors' device, when one of them is on an accelerator;
-    None for a file of host tensors (XXH3 of the bytes decides for those).
-
-    Args:
-        tensors: ``name -> tensor``, as for :func:`write_tensors`.
-        metadata: extra ``__metadata__`` entries (str -> str), or None.
-
-    Returns:
-        ``"mix64:<16 hex digits>"``, or None.
-
-    Raises:
-        UnsupportedDtypeError: a tensor cannot be stored (names the key).
-    """
-    if not device_digest.on_accelerator(tensors):
-        return None
-    header, planned = plan_file(tensors, metadata)
-    return device_digest.file_digest(header, [p.tensor for p in planned])
 
 
 def write_tensors(
@@ -126,12 +100,12 @@ def write_tensors(
     if hasher is not None:
         hasher.update(header)
         if isinstance(hasher, PrefixHasher):
-            hasher.mark()  # a later save with another header stops here (compare_file)
+            hasher.mark()  # a later save with another header stops here (statekit.checks.files.compare_file)
     arena = _one_arena(tensors, planned)
     if arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
         chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), sink.write_stable
     else:  # each write copies: hash what was just copied while it is in cache
-        chunks, write = _host_chunks(planned, CACHE_STEP_BYTES if hasher is not None else CHUNK_BYTES), sink.write
+        chunks, write = host_chunks(planned, CACHE_STEP_BYTES if hasher is not None else CHUNK_BYTES), sink.write
     size = len(header)
     for chunk in chunks:
         write(chunk)
@@ -139,82 +113,6 @@ def write_tensors(
             hasher.update(chunk)
         size += len(chunk)
     return size
-
-
-def compare_file(
-    tensors: Mapping[str, torch.Tensor],
-    metadata: Mapping[str, str] | None,
-    size_bytes: int,
-    checksum: str,
-    prefixes: Iterable[tuple[int, str]],
-    digest: str | None = None,
-) -> tuple[bool, str | None]:
-    """Whether :func:`write_tensors` would write exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``, decided from memory without writing.
-
-    The would-be file's bytes (the header, then every tensor's bytes, as
-    :func:`write_tensors` streams them) are hashed with XXH3-64 and compared with the
-    committed file's running checksums (:class:`~statekit.storage.hashing.PrefixHasher`)
-    at each recorded offset: the first difference stops the hash, so a file whose header
-    or first bytes changed costs almost nothing; an identical file costs one hash of its
-    bytes in memory. The last comparison is the file's own checksum.
-
-    When the committed file has a ``digest`` (it was written from an accelerator) and a
-    tensor of ``tensors`` is on an accelerator, the decision is the digest's, computed on
-    the device (:mod:`statekit.format.device_digest`): no byte crosses to the host. That
-    digest is returned too, so that a changed file's write records it without a second
-    pass over the device's memory.
-
-    Args:
-        tensors: ``name -> tensor``, as for :func:`write_tensors` (an accelerator tensor's
-            bytes pass through the host buffer on the XXH3 path).
-        metadata: extra ``__metadata__`` entries, as for :func:`write_tensors`.
-        size_bytes: the committed file's size, bytes.
-        checksum: its ``"xxh3_64:<hex>"``.
-        prefixes: its ``(offset, hex)`` records.
-        digest: its ``"mix64:<hex>"`` device digest, or None.
-
-    Returns:
-        ``(same, digest)``: True when every byte would be the same; the device digest of
-        the would-be file when one was computed, else None.
-
-    Raises:
-        UnsupportedDtypeError: a tensor cannot be stored (names the key), as the write would.
-    """
-    header, planned = plan_file(tensors, metadata)
-    if len(header) + sum(p.nbytes for p in planned) != size_bytes:
-        return False, None
-    if digest is not None and device_digest.on_accelerator(tensors):
-        mine = device_digest.file_digest(header, [p.tensor for p in planned])
-        return mine == digest, mine
-    chunks = itertools.chain([header], _host_chunks(planned, CHUNK_BYTES))
-    return same_stream_bytes(chunks, size_bytes, checksum, prefixes), None
-
-
-def same_stream_bytes(chunks: Iterable[Any], size_bytes: int, checksum: str, prefixes: Iterable[tuple[int, str]]) -> bool:
-    """Whether the bytes ``chunks`` yields are exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``: the comparison of :func:`compare_file`
-    for bytes that come from elsewhere (a file streamed by a plugin,
-    :meth:`statekit.engine.context.Checkpoint.reuse_if_same`).
-
-    The running XXH3-64 checksum is compared at each recorded offset
-    (:class:`~statekit.storage.hashing.PrefixCheck`); the first difference, or more bytes
-    than ``size_bytes``, stops the iteration (the rest of ``chunks`` is never asked for).
-
-    Args:
-        chunks: the bytes in order, as bytes-like pieces of any size.
-        size_bytes: the committed file's size, bytes.
-        checksum: its ``"xxh3_64:<hex>"``.
-        prefixes: its ``(offset, hex)`` records (none: compared by the checksum alone).
-
-    Returns:
-        True when every byte is the same and there are exactly ``size_bytes`` of them.
-    """
-    check = PrefixCheck(tuple(tuple(p) for p in prefixes))
-    for chunk in chunks:
-        if not check.update(chunk) or check.size_bytes > size_bytes:
-            return False
-    return check.size_bytes == size_bytes and check.checksum() == checksum
 
 
 BOUNCE_BYTES = CHUNK_BYTES
@@ -227,15 +125,13 @@ def _pieces(view: memoryview, step: int) -> Iterator[memoryview]:
         yield view[start : start + step]
 
 
-def _host_chunks(planned: list[Any], step: int) -> Iterator[memoryview]:
+def host_chunks(planned: list[Any], step: int) -> Iterator[memoryview]:
     """The planned tensors' bytes in order, as CPU memoryviews of at most ``step`` bytes.
 
     Contiguous tensors on an accelerator pass through one reused host buffer of
     :data:`BOUNCE_BYTES` (blocking copies, so a chunk is complete when yielded and is
-    overwritten only after the caller consumed it): a copy of each whole tensor into fresh
-    pageable memory cost a GPU state's sync save 2.5x a CPU state's on an H200 machine
-    (1.35 s against 0.55 s for 1 GiB: first touch of 1 GiB of new pages and pageable
-    device-to-host copies; docs/benchmark.md, "GPU run"), and peak memory stays one buffer.
+    overwritten only after the caller consumed it; why: ``docs/benchmark.md``, Sync saves of
+    a GPU state).
     """
     bounce: torch.Tensor | None = None
     for p in planned:

@@ -374,8 +374,8 @@ def statekit_resume_roots(manager: ManagerView) -> Any:
         manager: the :class:`statekit.CheckpointManager` (as a :class:`ManagerView`).
 
     Returns:
-        A list of ``(root_url, storage_options)`` pairs (``storage_options`` a dict of
-        fsspec options, or None), or None.
+        A list of :class:`statekit.plugin_api.Storage` (each carries its fsspec options),
+        or None.
 
     Raises:
         PluginError: anything the plugin raises, or a result that is not such pairs,

@@ -2,7 +2,8 @@
 
 Modules:
 
-- :mod:`~statekit.loaders.data`: tracking a loader's position, its saved state, its restore.
+- :mod:`~statekit.loaders.tracking`: a tracked loader's iteration (its position, the replay of an epoch).
+- :mod:`~statekit.loaders.data`: a loader's position as saved state, its restore.
 - :mod:`~statekit.loaders.samplers`: the sampler and generator lookup; the batch-sampler
   wrappers that replay an epoch.
 - :mod:`~statekit.loaders.iterable`: iterable datasets and workers (a Stateful dataset's
@@ -12,11 +13,11 @@ Modules:
 - :mod:`~statekit.loaders.epoch_rng`: the random states of the epoch's start.
 - :mod:`~statekit.loaders.elastic`: resume on another world size: a layout, a plan, its install.
 - :mod:`~statekit.loaders.elastic_layouts`: the layout models' index arithmetic.
-- :mod:`~statekit.loaders.audit`: the resume audit: the record a save writes, the first batch's check.
-- :mod:`~statekit.loaders.next_batch`: the record of the batch yielded right after a save.
+- :mod:`~statekit.loaders.index_log`: what a tracked loader draws and holds, for the resume audit
+  (:mod:`statekit.checks.audit`).
 
-Imports only :mod:`statekit.errors`, :mod:`statekit.devices` (the one snapshot and restore
-of the global random states) and :mod:`statekit.storage.hashing`; nothing here reads or
+Positions only: what each check concludes from them is :mod:`statekit.checks`' (the resume
+audit, the next-batch record). Nothing here reads or
 writes a file: the engine stores the state these functions return.
 
 Call sequences: docs/design-notes.md, "Call sequences through each package" (loaders).

@@ -1,53 +1,17 @@
-"""Elastic data position: finish an epoch interrupted with world size N on M ranks.
+"""Elastic data position: finish an epoch interrupted with world size N on M ranks, every
+sample seen exactly once over all ranks (plus the M-rank run's end padding): the failure of
+Megatron-Bridge PR#5637 and SimpleTuner PR#2986. User documentation and the exact rule:
+docs/concepts.md, "Changing the world size".
 
-A run saved mid-epoch with N ranks and resumed with M must, over all ranks, see every
-sample of the interrupted epoch exactly once (plus the padding an M-rank run adds at the
-end of an epoch), not skip or repeat what the N ranks consumed (the failure of
-Megatron-Bridge PR#5637 and SimpleTuner PR#2986). The data loader's position
-(:mod:`statekit.loaders.data`) saves, per rank, the epoch, the batches consumed and the
-generator states at the epoch start; :func:`describe` adds the loader's **layout**: how its
-sampler's permutation is split over ranks. With the positions of all N saved ranks this
-module computes which samples were consumed and what each of the M live ranks yields for
-the rest of the epoch. All functions are pure (positions are ints) except
-:class:`PlannedBatches`, which maps positions to dataset indices at iteration time.
-
-``P`` is the epoch's permutation (what the base sampler yields in one epoch); position
-``p`` stands for ``P[p]``, so padding and repeats are positions and "seen" is a set.
-
-"As an uninterrupted M-rank run would", precisely: the remaining positions ``R`` (those of
-``0..L-1`` no rank consumed, in order) are handed to the M-rank layout as if ``R`` were a
-whole epoch, except that padding takes the epoch's first positions (as the uninterrupted
-run pads with the start of ``P``):
-
-- ``shard`` (Accelerate's ``BatchSamplerShard``; one process: no sharding): ``R`` in
-  batches of the per-device batch size ``B`` (the last short one dropped with
-  ``drop_last``); batch ``i`` goes to rank ``i % M``; with ``even_batches`` the last step
-  is completed from the epoch's first ``M`` batches, as ``BatchSamplerShard`` does;
-  ``split_batches``: every batch of ``B`` is cut into ``M`` slices of ``B / M``.
-- ``dispatch`` (``DataLoaderDispatcher``): rank 0's base loader yields ``R`` in batches of
-  ``B``; the dispatcher concatenates ``M`` of them per step (one with ``split_batches``) and
-  slices. Its last-step padding is Accelerate's own: the first ``M`` samples its iterator
-  yielded, which after a resume are the first of ``R``, not of ``P`` (as for a resume with
-  the same world size).
-- ``distributed`` (torch ``DistributedSampler``): ``R`` padded to a multiple of ``M`` from
-  the epoch's start (or cut with the sampler's ``drop_last``); rank ``r`` takes
-  ``R[r::M]`` in batches of ``B``.
-
-The next epochs are plain M-rank epochs: the sampler's generator ends the interrupted
-epoch where an uninterrupted run's does (the whole permutation is drawn once, when the
-first batch is fetched). Sources followed (tests/unit/loaders/test_elastic.py checks the models against
-the real classes): ``BatchSamplerShard._iter_with_no_split`` / ``_iter_with_split`` and
-``DataLoaderDispatcher._fetch_batches`` / ``__iter__`` of Accelerate 1.x,
-https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py, and
-``DistributedSampler.__iter__``,
-https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py.
-User documentation: docs/concepts.md, "Changing the world size".
-The layout models (:func:`~statekit.loaders.elastic_layouts.shard`,
-:func:`~statekit.loaders.elastic_layouts.remaining`,
-:func:`~statekit.loaders.elastic_layouts.permutation`) are
-:mod:`statekit.loaders.elastic_layouts`'s (pure index arithmetic, tested against the real
-classes); this module reads loaders, plans and installs.
-"""
+``P`` is the epoch's permutation; position ``p`` stands for ``P[p]``, so padding and repeats
+are positions and "seen" is a set. :func:`describe` saves a loader's layout; :func:`plan`
+computes this rank's rest of the epoch from all saved positions (pure index arithmetic, the
+models in :mod:`statekit.loaders.elastic_layouts`); :func:`install` and :class:`PlannedBatches`
+map it to dataset indices at iteration time. Sources followed (tests/unit/loaders/test_elastic.py
+checks the models against the real classes): ``BatchSamplerShard`` and ``DataLoaderDispatcher``
+of Accelerate 1.x, https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py,
+and ``DistributedSampler.__iter__``,
+https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py."""
 
 from __future__ import annotations
 
@@ -75,20 +39,14 @@ _SAME = ("kind", "world_size", "batch_size", "drop_last", "even_batches", "split
 
 
 def describe(loader: Any, inner: Any, sampler: Any) -> dict[str, Any]:
-    """The layout of a data loader: how its sampler's permutation is split over ranks.
-
-    Args:
-        loader: the data loader (torch ``DataLoader`` or Accelerate adapter).
-        inner: the torch loader that builds iterators (``loader.base_dataloader`` for an
-            Accelerate adapter, else ``loader``).
-        sampler: the sampler that draws the indices (:func:`statekit.loaders.samplers.sampler_of`).
+    """The layout of a data loader (``inner``: the torch loader that builds iterators; ``sampler``:
+    :func:`statekit.loaders.samplers.sampler_of`): how its sampler's permutation is split over ranks.
 
     Returns:
-        Codec-able dict: ``kind`` (``shard``/``dispatch``/``distributed``, or
-        ``unsupported`` with a ``reason``), ``world_size``, ``rank``, ``batch_size``,
-        ``drop_last``, ``even_batches``, ``split_batches``, ``length`` (samples per
-        epoch) and ``sampler`` (``kind`` ``generator`` or ``distributed`` with its
-        ``seed``, ``epoch``, ``shuffle``, ``drop_last``).
+        Codec-able dict: ``kind`` (``shard``/``dispatch``/``distributed``, or ``unsupported`` with
+        a ``reason``), ``world_size``, ``rank``, ``batch_size``, ``drop_last``, ``even_batches``,
+        ``split_batches``, ``length`` (samples per epoch) and ``sampler`` (``kind`` ``generator``
+        or ``distributed`` with its ``seed``, ``epoch``, ``shuffle``, ``drop_last``).
     """
     name = type(loader).__name__
     dataset = getattr(inner, "dataset", None)
@@ -150,13 +108,11 @@ class Plan:
     Attributes:
         epoch: the interrupted epoch (epochs completed before it).
         start_states: generator role -> epoch-start state to restore before iterating.
-        batches: position batches the live loader's batch sampler yields (for ``dispatch``:
-            the base batches rank 0 fetches; on every rank).
+        batches: the positions the live batch sampler yields, by batch (``dispatch``: rank 0's base batches).
         steps: batches this rank yields to the training loop.
         source: the epoch's sampler info (how ``P`` is drawn), from the first segment.
         length: ``L``, samples in the epoch.
-        segments: the layouts and per-rank consumed batches so far, saved while the epoch
-            lasts so a later resume (any world size) continues from all of them.
+        segments: the layouts and per-rank consumed batches so far (saved while the epoch lasts).
     """
 
     epoch: int
@@ -169,25 +125,17 @@ class Plan:
 
 
 def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str, Any], name: str) -> Plan | None:
-    """Plan the rest of an interrupted epoch from the positions of all saved ranks.
-
-    Args:
-        saved: what :func:`statekit.loaders.data.loader_state` returned on each saved rank
-            (index = saved rank).
-        own: this rank's saved position, or None when the checkpoint has none (the world grew).
-        live: :func:`describe` of the live loader.
-        name: the loader's key, for messages.
+    """Plan the rest of an interrupted epoch from ``saved`` (:func:`statekit.loaders.data.loader_state`
+    of each saved rank, index = rank), ``own`` (this rank's, None when the world grew) and ``live``
+    (:func:`describe`); ``name`` is the loader's key in messages.
 
     Returns:
-        The plan, or None when the saved positions resume as they are (same layout, no
-        earlier elastic resume in this epoch, or no epoch in progress, or positions of
-        independent per-rank loaders).
+        The plan, or None when the saved positions resume as they are (same layout, no epoch in
+        progress, or independent per-rank loaders).
 
     Raises:
-        StateMismatchError: the epoch is in progress and cannot be mapped: the loader is
-            unsupported (IterableDataset, custom batch sampler...), the sampler kind or
-            the dataset length changed, the permutation's generator was not saved, or the
-            saved ranks disagree.
+        StateMismatchError: the epoch is in progress and cannot be mapped (an unsupported loader,
+            another sampler kind or dataset length, no saved generator, ranks that disagree).
     """
     if not saved or not all(s.get("tracked") for s in saved):
         return None
@@ -201,12 +149,10 @@ def plan(saved: list[dict[str, Any]], own: dict[str, Any] | None, live: dict[str
 
 
 def _needs_plan(saved: list[dict[str, Any]], live: dict[str, Any], name: str, history: list[dict[str, Any]]) -> bool:
-    """Whether the saved positions must be mapped onto the live layout: False when they
-    resume as they are (see :func:`plan`'s Returns).
+    """Whether the saved positions must be mapped onto the live layout (:func:`plan`'s Returns).
 
     Raises:
-        StateMismatchError: a mid-epoch checkpoint without a data layout, resumed with
-            another world size.
+        StateMismatchError: a mid-epoch checkpoint without a data layout, resumed with another world size.
     """
     if not history and all(int(s["batches"]) == 0 for s in saved):
         return False  # every rank at an epoch start: nothing to map
@@ -246,11 +192,22 @@ def _check(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, 
     for what in (layout, live):
         if what["kind"] == UNSUPPORTED:
             raise _refuse(name, len(saved), live, what["reason"])
+    _check_saved_ranks(saved, layout, live, name, epoch)
+    _check_sampler(saved, layout, live, name)
+
+
+def _check_saved_ranks(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, Any], name: str,
+                       epoch: int) -> None:
+    """The saved ranks agree: one epoch (or its end) and one data layout."""
     for s in saved:
         if int(s["epoch"]) > epoch + 1 or (int(s["epoch"]) == epoch + 1 and int(s["batches"]) != 0):
             raise _refuse(name, len(saved), live, f"the saved ranks are in different epochs ({[int(x['epoch']) for x in saved]})")
         if {k: (s.get("layout") or {}).get(k) for k in _SAME} != {k: layout.get(k) for k in _SAME}:
             raise _refuse(name, len(saved), live, "the saved ranks have different data layouts")
+
+
+def _check_sampler(saved: list[dict[str, Any]], layout: dict[str, Any], live: dict[str, Any], name: str) -> None:
+    """The live sampler can draw the interrupted epoch's permutation, and the batches split."""
     if layout["sampler"]["kind"] != live["sampler"]["kind"]:
         raise _refuse(
             name, len(saved), live, f"sampler {layout['sampler']['class']} -> {live['sampler']['class']}: the permutation "
@@ -276,16 +233,9 @@ def _refuse(name: str, saved_world: int, live: dict[str, Any], reason: str) -> S
 
 
 def install(loader: Any, inner: Any, planned: Plan, sampler: Any) -> None:
-    """Make the loader's next epoch (only) yield ``planned``'s batches.
-
-    Args:
-        loader: the data loader; keeps the plan (``__dict__["_statekit_elastic"]``) for
-            :func:`saved_fields`.
-        inner: the torch loader that builds iterators; its ``batch_sampler`` is replaced by
-            a :class:`PlannedBatches` that puts the original back when an iterator takes it.
-        planned: from :func:`plan`.
-        sampler: the live sampler (draws the permutation).
-    """
+    """Make the loader's next epoch (only) yield ``planned``'s batches: ``inner``'s
+    ``batch_sampler`` becomes a :class:`PlannedBatches` drawing from ``sampler``, and ``loader`` keeps
+    the plan (``__dict__["_statekit_elastic"]``) for :func:`saved_fields`."""
     loader.__dict__["_statekit_elastic"] = planned
     original = inner.__dict__.get("batch_sampler")
     if isinstance(original, PlannedBatches):  # restored twice before iterating
@@ -294,18 +244,9 @@ def install(loader: Any, inner: Any, planned: Plan, sampler: Any) -> None:
 
 
 def saved_fields(loader: Any, layout: dict[str, Any], epoch: int, in_epoch: bool) -> dict[str, Any]:
-    """What a loader's saved position adds for another world size: its ``layout`` and,
-    while an epoch planned by :func:`plan` lasts, the ``history`` of what earlier world
-    sizes consumed of it.
-
-    Args:
-        loader: the data loader.
-        layout: :func:`describe` of it.
-        epoch: the epoch the position is saved in; in_epoch: whether it is in progress.
-
-    Returns:
-        ``{"layout": ...}`` or ``{"layout": ..., "history": [segments]}``.
-    """
+    """What a loader's saved position adds for another world size: ``{"layout": layout}`` and,
+    while an epoch planned by :func:`plan` lasts (``epoch``, ``in_epoch``), ``"history"``: what
+    earlier world sizes consumed of it."""
     planned = loader.__dict__.get("_statekit_elastic")
     if planned is not None and in_epoch and planned.epoch == epoch:
         return {"layout": layout, "history": planned.segments}
@@ -315,26 +256,12 @@ def saved_fields(loader: Any, layout: dict[str, Any], epoch: int, in_epoch: bool
 class PlannedBatches:
     """A batch sampler that yields a :class:`Plan`'s batches as dataset indices, once.
 
-    Taking an iterator puts the original batch sampler back on ``owner`` (the next epochs
-    are plain ones). The plan goes to the first iterator that is asked for a batch, not to
-    the first ``iter()``: torch's multi-process iterator (``num_workers > 0``) calls
-    ``iter()`` of its batch sampler twice while it is built (its ``__init__`` and
-    ``_reset``) and draws only from the second, and the wrappers of
-    :mod:`statekit.loaders.data` pass each call through at once
-    (:class:`statekit.loaders.samplers.BatchSamplerWrapper`); spending the plan at the first
-    call handed the drawing iterator the original batch sampler, a whole epoch of the new
-    world size, so every consumed sample was trained again. An iterator taken once the plan
-    was drawn from (a later epoch of persistent workers, or a second iterator that starts
-    drawing after the first) yields the original's batches. The permutation is drawn when
-    the first batch is fetched, where an uninterrupted run draws it. Other attributes are
-    the original batch sampler's.
-
-    Args:
-        original: the loader's batch sampler, put back once an iterator takes this one.
-        planned: the plan (:func:`plan`).
-        sampler: the live sampler, which draws the permutation (:func:`~statekit.loaders.elastic_layouts.permutation`).
-        owner: the torch loader whose ``batch_sampler`` this is.
-    """
+    Taking an iterator puts ``original`` back on ``owner`` (the torch loader). The plan goes to the
+    first iterator asked for a batch, not the first ``iter()``: torch's multi-process iterator calls
+    ``iter()`` twice while built and draws from the second, so spending the plan at the first call
+    would train every consumed sample again. Later iterators yield the original's batches. The
+    permutation is drawn from ``sampler`` at the first batch, as an uninterrupted run draws it
+    (:func:`~statekit.loaders.elastic_layouts.permutation`). Other attributes are the original's."""
 
     def __init__(self, original: Any, planned: Plan, sampler: Any, owner: Any) -> None:
         self.original, self.planned, self.draw_from, self.owner = original, planned, sampler, owner

@@ -10,7 +10,7 @@ states at save time).
 
 statekit does not give loaders generators of their own for this (that would change the
 data order of a run the moment statekit is attached, against a run without it). Instead
-:mod:`statekit.loaders.data` snapshots the global states (:func:`statekit.devices.snapshot_random_states`)
+:mod:`statekit.loaders.tracking` snapshots the global states (:func:`statekit.devices.snapshot_random_states`)
 right before each epoch's iterator is built, and saves them with the position. A resume
 replays the epoch start (:func:`replay`): it sets those states back, lets the iterator and
 the sampler make the draws they made in the saved run, and puts back the states the
@@ -44,7 +44,7 @@ class ReplayEpochStart(BatchSamplerWrapper):
         position: the loader's ``Position``.
         at_first_batch: set the states when the first batch is asked for, not at ``iter()``,
             and put back those found at ``iter()``: the saved epoch ran on an iterator built
-            before it (``statekit.loaders.data._prebuilt``, or persistent workers started in
+            before it (``statekit.loaders.tracking._prebuilt``, or persistent workers started in
             an earlier epoch), which drew no base seed at the recorded start; the iterator
             built now draws one between ``iter()`` and the first batch, and that draw must
             not shift the replay or the run after it.

@@ -1,44 +1,15 @@
-"""Data position of iterable datasets and of loaders with worker processes.
+"""Data position of iterable datasets and of loaders with worker processes, where skipping
+indices is not exact (an ``IterableDataset`` ignores them; a worker's generators, seeded from
+``base_seed + worker_id``, advance with every sample it loads: ``torch.utils.data._utils.worker._worker_loop``).
 
-:mod:`statekit.loaders.data` resumes a loader mid-epoch by setting its generators back to
-the epoch start and skipping the consumed batches at the index level. Index skipping is
-exact only for a map-style dataset read in the main process:
-
-- an ``IterableDataset`` ignores indices (its loader's batch sampler draws from
-  ``_InfiniteConstantSampler``, Accelerate's prepared loaders included), so skipping
-  indices skips nothing and the epoch would restart;
-- with worker processes (``num_workers > 0``) every worker seeds its torch, ``random``
-  and NumPy generators from ``base_seed + worker_id`` when it starts and advances them with
-  every sample it loads, and batches go to the workers round robin
-  (``torch.utils.data._utils.worker._worker_loop``); skipped samples would shift both.
-
-This module decides how the next iterator of a restored loader continues (:func:`plan`):
-
-``"dataset"``
-    An iterable dataset with torchdata's Stateful protocol (``state_dict()`` and
-    ``load_state_dict()``, loaded before ``iter(dataset)``:
-    https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/README.md),
-    read in the main process: its state *after the consumed batches* is loaded and
-    nothing is re-read. That state is recorded while the epoch runs, each time the
-    loader's iterator asks its batch sampler for the next batch (:func:`recorder`), not
-    when the checkpoint is written: Accelerate's adapters fetch a batch ahead of the
-    training loop, so at save time the dataset is already past the consumed batches.
-``"indices"``
-    A map-style dataset without workers: :mod:`statekit.loaders.data` skips indices.
-``"consume"``
-    Anything else: the iterator of the same epoch is re-created (generators at the epoch
-    start, a Stateful dataset at its epoch-start state) and the consumed batches are read
-    and discarded, in batches of the loader the training loop iterates (for Accelerate
-    the prepared loader's), so the workers draw exactly what they drew before. Runs under
-    :func:`statekit.devices.rng_guard`: a dataset that draws from the global RNG
-    in the main process does not shift it. A :class:`statekit.StatekitWarning` reports
-    how many batches were re-read and how long it took.
-
-What cannot be exact is reported with a :class:`statekit.StatekitWarning` naming the
-loader: a re-created iterator that ends before the consumed batches (the dataset's order
-is not reproducible), persistent workers started in an earlier epoch than the resumed
-one (their generators carry draws of earlier epochs), ``in_order=False`` with workers.
-"""
+:func:`plan` picks how a restored loader's next iterator continues: ``"dataset"`` (a Stateful
+iterable dataset in the main process: its state after the consumed batches, recorded by
+:func:`recorder` when the iterator asks for the next batch, since Accelerate's adapters fetch
+ahead; torchdata's protocol,
+https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/README.md), ``"indices"``
+(map-style without workers: :mod:`statekit.loaders.tracking` skips indices) or ``"consume"``
+(re-read and discard under :func:`statekit.devices.rng_guard`). What each covers and what is
+not exact (warned): docs/concepts.md, "Iterable datasets and workers"."""
 
 from __future__ import annotations
 
@@ -121,27 +92,19 @@ def records_dataset(loader: Any, inner: Any) -> bool:
 def plan(
     loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None, skip: int, name: str, prebuilt: bool = False
 ) -> str | None:
-    """Prepare the dataset for the epoch the next iterator starts; say how to skip.
-
-    Called by :mod:`statekit.loaders.data` before the iterator is built, with the
-    generators already at the epoch start. Loads a saved dataset state into a Stateful
-    dataset (the state after the consumed batches for ``"dataset"``, else the epoch-start
-    state), snapshots the epoch-start dataset state into ``position.dataset_start``,
-    notes in ``position.workers_epoch`` the epoch in which persistent workers start, and
-    warns (:class:`statekit.StatekitWarning`) about what keeps a resume from being exact.
+    """Prepare the dataset for the epoch the next iterator starts (generators already at the epoch
+    start) and say how to skip: load a saved Stateful dataset state, snapshot the epoch-start state
+    into ``position.dataset_start``, note ``position.workers_epoch``, warn about what keeps the
+    resume from being exact.
 
     Args:
-        loader: the tracked loader (torch ``DataLoader`` or Accelerate adapter).
-        inner: the torch loader that builds iterators (``loader`` or its ``base_dataloader``).
-        position: the loader's ``statekit.loaders.data.Position``.
-        pending: the restored position (``epoch``, ``batches``, ``dataset_start``,
-            ``dataset_after``, ``workers_epoch``), or None for an epoch that is not a resume.
+        loader: the tracked loader; inner: the torch loader that builds iterators.
+        position: the loader's :class:`statekit.loaders.tracking.Position`.
+        pending: the restored position, or None for an epoch that is not a resume.
         skip: batches of this epoch consumed before the checkpoint.
         name: the loader's name in messages.
-        prebuilt: the epoch runs on an iterator built before it (a ``StatefulDataLoader``'s,
-            built by ``state_dict()`` in Accelerate's ``prepare()``): its dataset iterator
-            exists already, so a dataset state cannot position it (``"dataset"`` becomes
-            ``"consume"``).
+        prebuilt: the epoch runs on an iterator built before it (a ``StatefulDataLoader``'s in
+            Accelerate's ``prepare()``): a dataset state cannot position it (``"consume"``).
 
     Returns:
         ``"dataset"``, ``"indices"`` or ``"consume"`` when ``skip > 0``, else None.
@@ -199,17 +162,10 @@ def _warn_workers(inner: Any, pending: dict[str, Any], name: str) -> None:
 
 
 def recorder(loader: Any, inner: Any, position: Any, first: int) -> Any:
-    """A wrapper for ``inner``'s batch sampler that records the dataset's state after each
-    batch into ``position.dataset_log`` (``{batches of the epoch fetched: state}``), or None
-    when the state is not recorded (see :func:`records_dataset`).
-
-    With ``num_workers=0`` the iterator asks for batch ``j``'s indices right after it
-    fetched batch ``j - 1``, so the state recorded there is the state after ``j`` batches.
-
-    Args:
-        first: batches of the epoch fetched before the iterator starts (a ``"dataset"``
-            resume starts after the consumed batches without fetching them).
-    """
+    """A wrapper for ``inner``'s batch sampler that records the dataset's state after each batch
+    into ``position.dataset_log`` (``{batches fetched: state}``; with ``num_workers=0`` batch ``j``'s
+    indices are asked right after batch ``j - 1`` was fetched), or None when not recorded
+    (:func:`records_dataset`). ``first``: batches of the epoch fetched before the iterator starts."""
     if not records_dataset(loader, inner):
         return None
     position.dataset_fetched = first
@@ -240,26 +196,13 @@ def forget_before(position: Any, batches: int) -> None:
 
 
 def consume(iterator: Iterator[Any], count: int, epoch: int, name: str, inner: Any, after: dict[str, Any] | None = None) -> int:
-    """Read and discard the first ``count`` batches of a re-created epoch iterator.
-
-    Args:
-        iterator: the iterator of the loader the training loop iterates.
-        count: batches consumed before the checkpoint.
-        epoch: the epoch (for messages).
-        name: the loader's name in messages.
-        inner: the torch loader (for the reason given in the message).
-        after: the global random states to put back once the batches are read (the
-            checkpoint's, kept by :mod:`statekit.loaders.epoch_rng` when the iterator was
-            built from the epoch start's); None: those found on entry.
-
-    Returns:
-        The batches discarded (``count``, or fewer if the iterator ended first).
+    """Read and discard the first ``count`` batches of a re-created epoch ``iterator`` (the loader
+    the training loop iterates); ``after``: the global random states to put back afterwards (None:
+    those on entry). Returns the batches discarded (fewer if the iterator ended first).
 
     Warns:
-        StatekitWarning: always: how many batches were re-read and in how many seconds,
-        and why; when the iterator ends before ``count`` batches, that the dataset's order
-        is not reproducible and the epoch ends there.
-    """
+        StatekitWarning: always, with the count, the seconds and why; when the iterator ends
+            first, that the dataset's order is not reproducible."""
     started = time.perf_counter()
     with rng_guard():
         done = sum(1 for _ in itertools.islice(iterator, count))
@@ -299,18 +242,9 @@ def _reason(inner: Any) -> str:
 
 
 def saved_fields(inner: Any, position: Any, batches: int, in_epoch: bool) -> dict[str, Any]:
-    """What :func:`plan` needs at the next resume, for a loader state saved now.
-
-    Args:
-        inner: the torch loader.
-        position: the loader's ``Position``.
-        batches: consumed batches of the saved epoch (0: saved at the start of an epoch).
-        in_epoch: whether the saved epoch is the one running now (False: the next one).
-
-    Returns:
-        ``dataset_start`` and ``dataset_after`` (Stateful datasets: the state at the saved
-        epoch's start, and after ``batches`` batches when recorded), ``workers_epoch``.
-    """
+    """What :func:`plan` needs at the next resume for a state saved now (``batches`` consumed;
+    ``in_epoch``: the saved epoch is the running one): ``dataset_start``, ``dataset_after`` (Stateful
+    datasets: at the epoch start, and after ``batches`` when recorded) and ``workers_epoch``."""
     dataset = stateful_dataset(inner)
     fields: dict[str, Any] = {"workers_epoch": position.workers_epoch}
     if dataset is None:

@@ -1,5 +1,5 @@
 """What a data loader samples with: its torch loader, sampler and generators, and the
-batch-sampler wrappers :mod:`statekit.loaders.data` uses to replay an epoch.
+batch-sampler wrappers :mod:`statekit.loaders.tracking` uses to replay an epoch.
 
 The one place statekit looks into a loader's sampling machinery (statekit-rng and the
 resume fingerprint use :func:`sampler_of` too): Accelerate's adapters wrap a torch
@@ -115,7 +115,7 @@ def run_sampler_out(parent: Iterator[Any], position: Any, length: int | None) ->
 def wrap_batch_sampler(inner: Any, skip: int, record: Any, innermost: Any = None) -> Any:
     """Wrap the inner loader's batch sampler so its next iterator starts ``skip`` batches
     in and/or passes through ``record`` (the composed wrappers of
-    :mod:`statekit.loaders.data`: dataset states, random states, indices); returns a function
+    :mod:`statekit.loaders.tracking`: dataset states, random states, indices); returns a function
     that puts the original back (None if nothing was wrapped). ``innermost`` wraps the
     original itself, inside the skip wrapper (it sees the sampler's own first draw). A
     loader without automatic batching (``batch_size=None``) has its ``sampler`` wrapped

@@ -293,14 +293,7 @@ def lineage_roots(manager: Any) -> list[Storage]:
         PluginError: a ``statekit_resume_roots`` implementation failed.
     """
     offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
-    roots = [manager.root]
-    for _name, pairs in offered:
-        for url, options in pairs or []:
-            try:
-                roots.append(Storage(url, options))
-            except StatekitError:  # an unusable offered root: resume_order warns about it, the others decide
-                continue
-    return roots
+    return [manager.root, *(root for _name, roots in offered for root in roots or [] if isinstance(root, Storage))]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ class CheckpointDir:
             mode) or Accelerate's files.
         resume_audit: the verdict of the resume the saving run continued from (the
             manifest's ``resume_audit``: ``verdict``, ``detail``, ``resumed_from``,
-            ``loaders``; :mod:`statekit.loaders.audit`), or None when it did not resume.
+            ``loaders``; :mod:`statekit.checks.audit`), or None when it did not resume.
         written_bytes: bytes its save wrote: ``size_bytes`` less the files an incremental
             save reused from an earlier checkpoint (None if not committed).
         kind: what the folder is, by its contents (:data:`statekit.foreign.detect.FOLDER_KINDS`):

@@ -33,7 +33,7 @@ from statekit.manager.preemption import SignalSave
 from statekit.manager import lineage
 from statekit.manager.resume_order import Candidate, resume_candidates
 from statekit.manager.retention import after_commit, write_latest
-from statekit.engine import state_check
+from statekit.checks import state_check
 from statekit.engine.entries import classify
 from statekit.manager.listing import DEFAULT_STEP_DIGITS, CheckpointDir, checkpoint_name, list_checkpoints, refuse_checkpoint_as_root
 from statekit.errors import (

@@ -50,7 +50,7 @@ def resume_candidates(manager: Any) -> list[Candidate]:
     def decide() -> list[tuple[CheckpointDir, int, dict[str, Any] | None]]:
         shared = local if everywhere is None else [i for i in local if i.name in set.intersection(*everywhere)]
         offered = call_each(get_plugin_manager(), "statekit_resume_roots", None, {"manager": manager})
-        return _ordered(shared, manager.storage_options, [root for name, pairs in offered for root in _roots(name, pairs)],
+        return _ordered(shared, manager.storage_options, [root for name, roots in offered for root in _roots(name, roots)],
                         _latest_name(manager.root))
 
     if world == 1:
@@ -64,20 +64,16 @@ def resume_candidates(manager: Any) -> list[Candidate]:
     ]
 
 
-def _roots(plugin: str, pairs: Any) -> list[tuple[str, dict[str, Any] | None]]:
-    """A ``statekit_resume_roots`` result, checked: ``(root_url, storage_options)`` pairs."""
-    try:
-        roots = [(url, options) for url, options in pairs]
-    except (TypeError, ValueError):
-        roots = None
-    if roots is None or not all(isinstance(u, str) and (o is None or isinstance(o, dict)) for u, o in roots):
+def _roots(plugin: str, offered: Any) -> list[Storage]:
+    """A ``statekit_resume_roots`` result, checked: a list of :class:`Storage`, or None."""
+    roots = [] if offered is None else offered
+    if not isinstance(roots, (list, tuple)) or not all(isinstance(root, Storage) for root in roots):
         raise PluginError(
-            f"plugin {plugin!r}: statekit_resume_roots must return a list of (root_url, storage_options) pairs, "
-            f"got {pairs!r}",
+            f"plugin {plugin!r}: statekit_resume_roots must return a list of Storage, got {offered!r}",
             plugin_name=plugin,
             hook_name="statekit_resume_roots",
         )
-    return roots
+    return list(roots)
 
 
 def _latest_name(root: Storage) -> str | None:
@@ -89,19 +85,19 @@ def _latest_name(root: Storage) -> str | None:
 
 
 def _ordered(
-    local: list[CheckpointDir], local_options: dict[str, Any] | None, roots: list[tuple[str, dict[str, Any] | None]],
-    latest: str | None = None,
+    local: list[CheckpointDir], local_options: dict[str, Any] | None, roots: list[Storage], latest: str | None = None,
 ) -> list[tuple[CheckpointDir, int, dict[str, Any] | None]]:
     """``(info, tier, storage_options)``, best first; tier 0 is the manager's root, tier k
     the k-th root offered; in one root, of one step, the checkpoint the ``latest`` hint
     names, then the one committed last."""
     tiers = [(i, 0, local_options) for i in local]
     newest = local[-1] if local else None
-    for k, (url, options) in enumerate(roots, start=1):
+    for k, root in enumerate(roots, start=1):
+        options = root.storage_options
         try:
-            infos = [i for i in list_checkpoints(url, options) if i.committed and not i.accelerate]
+            infos = [i for i in list_checkpoints(root) if i.committed and not i.accelerate]
         except StatekitError as exc:
-            warn_user(f"cannot list {url} ({exc}); resuming without it", StatekitWarning)
+            warn_user(f"cannot list {root.url} ({exc}); resuming without it", StatekitWarning)
             continue
         for twin in infos:
             if newest is not None and twin.name == newest.name and not _same_manifest(

@@ -46,27 +46,15 @@ def buffer_address(view: memoryview) -> int:
 
 
 class DirectReader:
-    """A read-only local file read sequentially below the page cache (``O_DIRECT``).
+    """A read-only local file read sequentially below the page cache (``O_DIRECT``), opened by
+    ``Storage.open_read(rel, bulk=True)``.
 
-    :meth:`fill` reads a whole destination (a tensor's bytes) from the current position.
-    The file is read as a stream of aligned :data:`BOUNCE_PIECE_BYTES` pieces with
-    ``O_DIRECT`` into huge-page bounce buffers used in turn
-    (:class:`statekit.storage.hugepages.IOBuffer`) on helper threads, always
-    :data:`READS_AHEAD` pieces ahead, across :meth:`fill` calls; the caller's thread copies each piece out
-    (``ctypes.memmove``, GIL released) in :data:`CACHE_STEP_BYTES` steps and hands each
-    step to ``on_chunk`` (the checksum) while it is still in cache.
-    Why bounce every byte instead of reading straight into the destination: an
-    ``O_DIRECT`` read into ordinary (4 KiB-page) memory ran at 2.3 GB/s on the benchmark
-    VM against 3.2-3.5 GB/s into huge pages, and the copy (0.06 s per GiB) overlaps the
-    next read; and destinations need not agree with the file's alignment (a model's
-    parameters sit 64 bytes past a page). A seek outside the stream restarts it; a small
-    read that does not continue it goes through the page cache, as does every read where
-    ``O_DIRECT`` is refused (tmpfs, some network file systems). ``read``/``readinto``/
-    ``seek``/``tell`` make it usable as a binary file for header parsing. Opened by
-    ``Storage.open_read(rel, bulk=True)``; :func:`statekit.storage.streams.fill` calls :meth:`fill`.
-
-    Args:
-        path: the local file to read.
+    :meth:`fill` streams aligned :data:`BOUNCE_PIECE_BYTES` pieces into huge-page bounce buffers on
+    helper threads, :data:`READS_AHEAD` pieces ahead across calls, and copies each out in
+    :data:`CACHE_STEP_BYTES` steps, handing each to ``on_chunk`` while in cache. A seek outside the
+    stream restarts it; a small read off the stream, or any read where ``O_DIRECT`` is refused
+    (tmpfs), uses the page cache. ``read``/``readinto``/``seek``/``tell`` serve header parsing.
+    Why bounce every byte, with measurements: docs/design-notes.md, "Reading tensor files".
 
     Raises:
         FileNotFoundError: no such file.
@@ -126,16 +114,9 @@ class DirectReader:
         return self.fill(memoryview(buffer).cast("B"))
 
     def fill(self, view: memoryview, on_chunk: Callable[[memoryview], Any] | None = None) -> int:
-        """Read ``len(view)`` bytes from the current position into ``view``.
-
-        Args:
-            view: the destination bytes (e.g. a tensor's storage as ``uint8``).
-            on_chunk: called on the caller's thread with each step copied out (at most
-                :data:`CACHE_STEP_BYTES`), in file order, while the next piece is read
-                (the checksum update), or None.
-
-        Returns:
-            Bytes read: ``len(view)``, or fewer where the file ends first.
+        """Read ``len(view)`` bytes (a tensor's storage as ``uint8``) from the current position;
+        ``on_chunk`` gets each step copied out (at most :data:`CACHE_STEP_BYTES`), in file order, on the
+        caller's thread. Returns the bytes read (fewer where the file ends first).
 
         Raises:
             OSError: a read failed.

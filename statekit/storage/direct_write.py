@@ -59,30 +59,15 @@ def _address(view: memoryview) -> int:
 
 
 class DirectWriter:
-    """A write-only local file that bypasses the page cache (``O_DIRECT``) where allowed.
+    """A write-only local file (``path``, truncated if it exists) that bypasses the page cache
+    (``O_DIRECT``) where allowed, through the page cache where refused (tmpfs).
 
-    Bytes given to :meth:`write` are copied into huge-page-backed buffers
-    (:class:`statekit.storage.hugepages.IOBuffer`, :data:`DIRECT_BUFFER_BYTES` each, reused
-    across files; where the pool has none, the writer makes its first one itself and the
-    others on a helper thread while it writes). Each full buffer goes to the disk with
-    ``os.pwrite`` at its own offset on a writer thread (the GIL is released), up to
-    :data:`DIRECT_DEPTH` writes at once, while the caller fills the next buffer: the copy
-    overlaps the I/O, and the disk always has a request queued behind the one it is
-    serving. The file is preallocated by the caller (:meth:`preallocate`), so ext4 runs
-    these writes side by side rather than one after another (a direct write that extends
-    the file takes its lock exclusively).
-    The last, partial block is written padded to 4 KiB and the file truncated to its true
-    size. Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems)
-    the same code writes through the page cache. On this VM buffered writes of 1 GiB ran
-    at 0.11-0.29 GB/s (dirty-page throttling), ``O_DIRECT`` at about 4 GB/s (see
-    docs/benchmark.md).
-
-    After a failed write no further write is started; the error is raised by the next
-    :meth:`write`, :meth:`write_stable` or :meth:`close`. The file's content is then
-    undefined (writes already in flight may land): the caller removes or ignores it.
-
-    Args:
-        path: the file to create (truncated if it exists).
+    :meth:`write` copies into reused huge-page buffers (:data:`DIRECT_BUFFER_BYTES` each); each full
+    buffer goes out with ``os.pwrite`` at its offset on a writer thread, up to :data:`DIRECT_DEPTH` at
+    once, into a file the caller preallocated (:meth:`preallocate`); the last partial block is padded
+    to 4 KiB and the file truncated. Design and measurements: docs/design-notes.md, "Performance".
+    After a failed write none is started; the next :meth:`write`, :meth:`write_stable` or
+    :meth:`close` raises it, and the file's content is undefined (the caller removes it).
 
     Raises:
         OSError: the file cannot be created.
@@ -132,14 +117,8 @@ class DirectWriter:
         return self._size
 
     def write(self, data: Any) -> int:
-        """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk.
-
-        The copy is ``ctypes.memmove``, which releases the GIL for the writer threads (1 GiB
-        saves: 0.945 of the time of a slice assignment), except for read-only data
-        (``bytes``: headers), which is copied by slicing.
-
-        Returns:
-            ``len(data)`` in bytes.
+        """Copy ``data`` (any bytes-like) into the buffers (``ctypes.memmove``, GIL released; read-only
+        ``bytes`` by slicing); full buffers go to the disk. Returns ``len(data)`` in bytes.
 
         Raises:
             OSError: an earlier write failed (the first failure).
@@ -165,14 +144,9 @@ class DirectWriter:
         return n
 
     def write_stable(self, data: Any) -> int:
-        """:meth:`write` without the copy where it can: the page-aligned part of ``data``
-        goes to the disk straight from the caller's memory (``O_DIRECT``) when that memory
-        is page-aligned and the file position is too; the rest is copied as by
-        :meth:`write`. The caller keeps ``data`` alive and unchanged until :meth:`close`
-        (a staging arena does: it is reused only by the next save).
-
-        Returns:
-            ``len(data)`` in bytes.
+        """:meth:`write` without the copy where it can: the page-aligned part of ``data`` goes to the
+        disk straight from the caller's memory when it and the file position are page-aligned. The
+        caller keeps ``data`` alive and unchanged until :meth:`close`. Returns ``len(data)`` in bytes.
 
         Raises:
             OSError: an earlier write failed (the first failure).

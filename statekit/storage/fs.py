@@ -1,15 +1,7 @@
-"""fsspec URLs, file I/O with fsync and checksums, and the commit of a checkpoint.
-
-Every location is a URL understood by fsspec (``/local/path``, ``file://``, ``memory://``,
-``s3://``...): fsspec is the backend registry (``fsspec.core.url_to_fs``). Local files
-are opened with the builtin ``open`` so they can be fsynced; remote files are streamed
-through fsspec (s3fs uploads in multipart blocks: no local staging copy).
-
-Commit protocol (DESIGN.md section 5): data files first (fsynced on local disk), then the
-manifest: on local disk written to a temporary name, fsynced, moved into place with
-``os.replace`` (or ``os.link`` for an exclusive create) and the directory fsynced; on an
-object store one single PUT.
-"""
+"""fsspec URLs (``/local/path``, ``file://``, ``memory://``, ``s3://``...), file I/O with fsync,
+and the commit of a checkpoint: data files first, then the manifest (local: temporary file,
+fsync, ``os.replace`` or ``os.link``, directory fsync; object store: one PUT). Local files are
+fsynced; remote ones streamed through fsspec. docs/concepts.md and docs/design-notes.md, "Storage"."""
 
 from __future__ import annotations
 
@@ -49,20 +41,12 @@ endpoint would stall a save for many minutes before the error reaches the traini
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Resolve a URL to ``(filesystem, path)`` with ``fsspec.core.url_to_fs``.
-
-    Args:
-        url: any fsspec URL or a plain local path.
-        storage_options: keyword arguments for the filesystem (``{"key": ..., "client_kwargs": ...}``);
-            for ``s3://`` without ``config_kwargs``, :data:`S3_CLIENT_DEFAULTS` are applied.
-
-    Returns:
-        The filesystem and the path within it.
+    """Resolve a URL (any fsspec URL or local path) to ``(filesystem, path)`` with
+    ``fsspec.core.url_to_fs``; ``s3://`` without ``config_kwargs`` gets :data:`S3_CLIENT_DEFAULTS`.
 
     Raises:
-        StorageError: unknown scheme, the backend package is missing (the message names
-            it), or a scheme with one slash (``s3:/bucket``), which fsspec would take for a
-            local directory named ``s3:``.
+        StorageError: unknown scheme, the backend package is missing (named), or a scheme with one
+            slash (``s3:/bucket``), which fsspec would take for a local directory ``s3:``.
     """
     if not isinstance(url, (str, os.PathLike)):
         raise StorageError(f"checkpoint location must be a URL or path string, got {type(url).__name__}", url=str(url))
@@ -85,11 +69,8 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
 
 @contextlib.contextmanager
 def storage_errors(url: str, action: str) -> Iterator[None]:
-    """Re-raise non-statekit errors of the block as :class:`StorageError` naming ``url``.
-
-    ``FileNotFoundError`` passes through unchanged (callers turn it into the right
-    statekit error), as do statekit's own errors.
-    """
+    """Re-raise the block's errors as :class:`StorageError` naming ``url``, except
+    ``FileNotFoundError`` (callers turn it into the right statekit error) and statekit's own."""
     try:
         yield
     except (StatekitError, FileNotFoundError):
@@ -99,12 +80,8 @@ def storage_errors(url: str, action: str) -> Iterator[None]:
 
 
 class Storage:
-    """One directory (checkpoint or manager root) on an fsspec filesystem.
-
-    Args:
-        url: the directory's URL.
-        storage_options: passed to fsspec.
-        fs: an existing filesystem to reuse (then ``url`` must be on it).
+    """One directory (checkpoint or manager root) on an fsspec filesystem: ``url``, its
+    ``storage_options``, or an existing ``fs`` to reuse (``url`` must be on it).
 
     Raises:
         StorageError: as :func:`url_to_fs`.
@@ -131,16 +108,8 @@ class Storage:
 
     @classmethod
     def of(cls, url: str | os.PathLike[str] | Storage, storage_options: dict[str, Any] | None = None) -> Storage:
-        """The :class:`Storage` of a location given either way: a URL with its fsspec
-        options, or a ``Storage`` (which carries its own), so that the two never travel
-        apart through statekit's functions.
-
-        Args:
-            url: a URL or local path, or a ``Storage``.
-            storage_options: fsspec options of a URL; must be None with a ``Storage``.
-
-        Returns:
-            ``url`` itself when it is a ``Storage``, else a new one.
+        """The :class:`Storage` of a URL with its fsspec options, or ``url`` itself when it is a
+        ``Storage`` (which carries its own options, so the two never travel apart).
 
         Raises:
             InvalidOptionError: a ``Storage`` and ``storage_options`` both given.
@@ -158,16 +127,8 @@ class Storage:
     # is_local or a protocol name to decide how to do I/O.
 
     def local_path(self, rel: str = "") -> str | None:
-        """The operating system's path of ``rel`` when this location is on the local
-        filesystem (what ``mmap``, ``os.fsync``, the page cache and libraries that take a
-        path need), else None (an object store, ``memory://``).
-
-        Args:
-            rel: a path relative to this directory ("" for the directory itself).
-
-        Returns:
-            The path, or None.
-        """
+        """The OS path of ``rel`` (``""``: the directory) on the local filesystem (for ``mmap``,
+        ``os.fsync``, path-taking libraries), else None (object stores, ``memory://``)."""
         return self.path_of(rel) if self.is_local else None
 
     @property
@@ -177,14 +138,8 @@ class Storage:
         return self.protocol != "memory"
 
     def make_durable(self, rels: list[str]) -> None:
-        """Make files written by someone else (a library's own writer, which does not
-        fsync) durable before a commit names them: fsync each file and then each of their
-        directories on the local filesystem; nothing elsewhere (an object store's write is
-        durable when it returns).
-
-        Args:
-            rels: paths relative to this directory.
-        """
+        """Fsync files someone else wrote (``rels``, relative paths), then their directories, before
+        a commit names them; locally only (an object store's write is durable when it returns)."""
         if not self.is_local:
             return
         directories = set()
@@ -215,14 +170,9 @@ class Storage:
             return self.fs.exists(self.path_of(rel))
 
     def free_bytes(self) -> tuple[int, str] | None:
-        """Bytes an unprivileged writer may still use on the file system of this local
-        directory (``statvfs``: ``f_bavail * f_frsize``), measured at the directory or its
-        nearest existing ancestor (a save creates the directory later), with that path.
-
-        Returns:
-            ``(bytes, path measured)``, or None for remote storage (object stores report
-            no free space) and where ``statvfs`` is unavailable.
-        """
+        """``(bytes, path measured)``: what an unprivileged writer may still use on this local
+        directory's file system (``statvfs``: ``f_bavail * f_frsize``, at the directory or its nearest
+        existing ancestor); None for remote storage or without ``statvfs``."""
         if not self.is_local or not hasattr(os, "statvfs"):
             return None
         path = os.path.abspath(self.path)
@@ -271,21 +221,10 @@ class Storage:
     # ---------------------------------------------------------------- reading
 
     def open_read(self, rel: str, *, bulk: bool = False) -> BinaryIO:
-        """Open a file for reading (binary), with the I/O method that suits the read: the
-        storage layer chooses it for reads as :meth:`open_write` does for writes.
-
-        Args:
-            rel: path relative to this directory.
-            bulk: the file is large and read mostly front to back (tensor data): a local
-                one is opened as a :class:`~statekit.storage.direct.DirectReader`
-                (``O_DIRECT`` through huge-page bounce buffers, reading ahead; through the
-                page cache where the file system refuses ``O_DIRECT``), or as a plain file
-                where even that cannot be opened. Remote files are the same either way
-                (the fsspec file: ranged reads of one open file).
-
-        Returns:
-            A binary file object: ``read``, ``readinto``, ``seek``, ``tell``, ``close``
-            (a :class:`~statekit.storage.direct.DirectReader` also has ``fill``).
+        """Open ``rel`` for binary reading. ``bulk`` (large, read front to back: tensor data): a local
+        file is a :class:`~statekit.storage.direct.DirectReader` (``O_DIRECT`` with read-ahead; through
+        the page cache where refused), or a plain file where even that fails; remote files are the
+        fsspec file either way (docs/design-notes.md, "Reading tensor files").
 
         Raises:
             FileNotFoundError: no such file.
@@ -321,10 +260,8 @@ class Storage:
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
-        """Open a file for writing; on success it is flushed and (locally) fsynced.
-
-        Local files are written with a :class:`DirectWriter` (``O_DIRECT`` where the
-        file system allows it, large aligned writes, fsync on close).
+        """Open ``rel`` for writing; on success flushed and (locally) fsynced. Local files are written
+        with a :class:`DirectWriter` (``O_DIRECT`` where allowed, large aligned writes).
 
         Raises:
             StorageError: the file cannot be created or written (names its URL).
@@ -341,25 +278,15 @@ class Storage:
                     yield f
 
     def reuse(self, rel: str, source: Storage) -> str:
-        """Make ``rel`` here the same bytes as ``rel`` in ``source`` (a committed checkpoint
-        of the same root) without sending the bytes again: the incremental save's way of
-        keeping a file that did not change.
-
-        Local: a hard link (both directories list the file; deleting one leaves the other
-        whole), or a copy where the file system refuses the link (another device, no
-        links, the link count at its limit). Same fsspec filesystem: ``fs.copy``, which is
-        a server-side copy on S3 (``CopyObject``: no upload) and a copy in ``memory://``.
-
-        Args:
-            rel: relative path, the same in both checkpoints.
-            source: the committed checkpoint's storage.
+        """Make ``rel`` here the same bytes as ``rel`` in ``source`` (a committed checkpoint of the same
+        root) without sending them again, for an incremental save: a hard link locally (a copy where
+        refused), ``fs.copy`` on one fsspec filesystem (S3 ``CopyObject``). docs/incremental.md.
 
         Returns:
-            How: ``"link"``, ``"copy"`` (local, link refused) or ``"server-copy"``.
+            ``"link"``, ``"copy"`` (local, link refused) or ``"server-copy"``.
 
         Raises:
-            FileNotFoundError: ``source`` has no such file (deleted meanwhile): the caller
-                writes the file instead.
+            FileNotFoundError: ``source`` has no such file: the caller writes it instead.
             StorageError: the link or copy failed otherwise (names both URLs).
         """
         src, dst = source.path_of(rel), self.path_of(rel)
@@ -382,23 +309,14 @@ class Storage:
 
     @property
     def writes_whole_files(self) -> bool:
-        """True on object stores (:data:`BUCKET_PROTOCOLS`), where a file appears under its
-        name only once written whole (a PUT, or a multipart upload once completed), so two
-        writers of the same bytes cannot leave a mix of both; False on file systems
-        (local, NFS, fsspec's memory filesystem...), where a reader sees a file grow."""
+        """True on object stores (:data:`BUCKET_PROTOCOLS`), where a file appears only once written
+        whole (so two writers of the same bytes cannot leave a mix); False on file systems."""
         return self.protocol in BUCKET_PROTOCOLS
 
     def rename(self, rel: str, to: str) -> None:
-        """Give a finished file its final name in one step, replacing a file of that name:
-        the way a file written under a temporary name is published.
-
-        Local: ``os.replace`` (atomic), then the directory is fsynced. Other filesystems:
-        ``fs.mv``, which on object stores is a server-side copy (``CopyObject``: no upload)
-        followed by a delete of ``rel``, so the final key appears whole or not at all.
-
-        Args:
-            rel: the finished file, relative to this directory.
-            to: its final relative path (same directory tree).
+        """Publish the finished file ``rel`` under ``to`` in one step, replacing a file of that name:
+        ``os.replace`` and a directory fsync locally; ``fs.mv`` elsewhere (object stores: server-side
+        copy then delete, so ``to`` appears whole or not at all).
 
         Raises:
             FileNotFoundError: ``rel`` does not exist.
@@ -430,9 +348,8 @@ class Storage:
         self._made_dirs.add(path)
 
     def check_bucket(self) -> None:
-        """On an object store, refuse a URL whose bucket does not exist: listing it finds
-        nothing, which reads like an empty root (a resume would start a fresh run). Does
-        nothing on other filesystems.
+        """On an object store, refuse a URL whose bucket does not exist (it would list as an empty
+        root, and a resume start a fresh run); nothing elsewhere.
 
         Raises:
             StorageError: the bucket does not exist (names it), or the check itself failed.
@@ -441,9 +358,8 @@ class Storage:
             self._check_bucket(self.path)
 
     def _check_bucket(self, path: str) -> None:
-        """Refuse to write into a bucket that does not exist: s3fs's ``makedirs`` (and so
-        any "create the directory" step) would create it, turning a typo in a bucket name
-        into a new bucket. statekit never creates buckets.
+        """Refuse to write into a missing bucket: s3fs's ``makedirs`` would create it (statekit
+        never creates buckets).
 
         Raises:
             StorageError: the bucket does not exist (names it), or the check itself failed.
@@ -459,12 +375,8 @@ class Storage:
             )
 
     def commit(self, rel: str, data: bytes, exclusive: bool = False) -> None:
-        """Write the commit marker (the manifest) atomically, after all data files.
-
-        Args:
-            rel: the manifest's relative path.
-            data: its bytes.
-            exclusive: fail if it exists already (two savers racing for one step).
+        """Write the manifest ``data`` at ``rel`` atomically, after all data files; ``exclusive``:
+        fail if it exists (two savers racing for one step).
 
         Raises:
             CheckpointExistsError: ``exclusive`` and the manifest exists.
@@ -501,13 +413,8 @@ class Storage:
                 self.fs.pipe_file(path, data)
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
-        """Create a small file only if it does not exist (``O_EXCL`` locally; a conditional
-        PUT, ``If-None-Match: *``, on stores that support it through fsspec's
-        ``pipe_file(mode="create")``).
-
-        Returns:
-            True if this call created it, False if it existed.
-        """
+        """Create a small file only if it does not exist (``O_EXCL`` locally; a conditional PUT,
+        ``If-None-Match: *``, through fsspec's ``pipe_file(mode="create")``); True if this call created it."""
         path = self.path_of(rel)
         with storage_errors(self.url_of(rel), "creating"):
             self._makedirs(path.rsplit("/", 1)[0])

@@ -276,7 +276,7 @@ class PrefixHasher:
     ``n`` bytes at chosen offsets, in the same pass (no byte is hashed twice).
 
     The records are the evidence of content identity for incremental saves
-    (:func:`statekit.format.tensors.compare_file`): a later save hashes the bytes it
+    (:func:`statekit.checks.files.compare_file`): a later save hashes the bytes it
     would write and compares at each recorded offset, stopping at the first difference.
     XXH3's streaming state gives the digest of the bytes so far at any point without
     ending the stream (https://github.com/Cyan4973/xxHash, ``XXH3_64bits_digest``).
@@ -322,43 +322,3 @@ class PrefixHasher:
     def hexdigest(self) -> str:
         """The checksum of every byte so far (16 hex digits)."""
         return self._hasher.hexdigest()
-
-
-class PrefixCheck:
-    """Hashes bytes and compares the running checksum with a committed file's records,
-    for :func:`statekit.format.tensors.compare_file`.
-
-    Args:
-        prefixes: the committed file's ``(offset, hex)`` records (:class:`PrefixHasher`).
-
-    Attributes:
-        differs (bool): a record did not match (the caller stops hashing).
-    """
-
-    def __init__(self, prefixes: list[tuple[int, str]] | tuple[tuple[int, str], ...]) -> None:
-        self._hasher = new_hasher()
-        self._marks = list(prefixes)
-        self._i = 0
-        self.size_bytes = 0
-        self.differs = False
-
-    def update(self, data: Any) -> bool:
-        """Hash ``data``; returns False as soon as a record passed differs."""
-        view = memoryview(data).cast("B")
-        while self._i < len(self._marks) and self.size_bytes + len(view) >= self._marks[self._i][0]:
-            offset, expected = self._marks[self._i]
-            cut = offset - self.size_bytes
-            self._hasher.update(view[:cut])
-            self.size_bytes += cut
-            view = view[cut:]
-            self._i += 1
-            if self._hasher.hexdigest() != expected:
-                self.differs = True
-                return False
-        self._hasher.update(view)
-        self.size_bytes += len(view)
-        return True
-
-    def checksum(self) -> str:
-        """``"xxh3_64:<hex>"`` of every byte hashed, as the manifest stores a file's checksum."""
-        return checksum_string(self._hasher)

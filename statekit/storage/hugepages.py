@@ -1,17 +1,7 @@
-"""Host memory for ``O_DIRECT`` I/O, backed by transparent huge pages where the kernel allows.
-
-An ``O_DIRECT`` request hands the device a list of the memory's physical pages. On the
-benchmark VM (virtio disk, Linux 6.18, transparent huge pages in ``madvise`` mode) the
-same 16 MiB requests moved 1.2-1.5 GB/s to or from memory in 4 KiB pages and 3.4-3.5
-GB/s (reads) and about 2x faster (writes) with memory in 2 MiB pages, where each page is
-one contiguous piece for the host to map (docs/benchmark.md, "Huge pages"). So every
-buffer statekit reads or writes through (the writer's buffers, the reader's bounce
-buffers, a staging arena) asks for huge pages with
-``madvise(MADV_HUGEPAGE)`` before it is first touched
-(https://docs.kernel.org/admin-guide/mm/transhuge.html). Where the kernel has no
-transparent huge pages, or they are off, the advice is refused or ignored and the memory
-is ordinary pages: nothing else changes.
-"""
+"""Host memory for ``O_DIRECT`` I/O, backed by transparent huge pages where the kernel allows
+(``madvise(MADV_HUGEPAGE)`` before first touch, https://docs.kernel.org/admin-guide/mm/transhuge.html):
+on the benchmark VM 16 MiB requests from 2 MiB pages ran 2-3x faster than from 4 KiB pages
+(docs/benchmark.md, "Huge pages"). Without them the memory is ordinary pages; nothing else changes."""
 
 from __future__ import annotations
 
@@ -52,19 +42,9 @@ _madvise = _libc_madvise()
 
 
 def advise_huge(address: int, nbytes: int) -> bool:
-    """Ask for transparent huge pages for ``[address, address + nbytes)`` with
-    ``madvise(2)`` (https://man7.org/linux/man-pages/man2/madvise.2.html, GIL released by
-    ``ctypes``): untouched memory gets them on its first fault, where a 2 MiB-aligned
-    page fits inside the range.
-
-    Args:
-        address: first byte (any alignment; rounded down to its page).
-        nbytes: length in bytes.
-
-    Returns:
-        True when the kernel took the advice; False where it refused it, where there is
-        no ``madvise`` (not Linux, no libc), or for an empty range.
-    """
+    """Ask for transparent huge pages for ``[address, address + nbytes)`` (any alignment, rounded
+    down) with ``madvise(2)``; True when the kernel took the advice, False where refused, without
+    ``madvise`` (not Linux), or for an empty range."""
     if _madvise is None or nbytes < 1:
         return False
     start = address - address % _PAGE
@@ -72,10 +52,8 @@ def advise_huge(address: int, nbytes: int) -> bool:
 
 
 class IOBuffer:
-    """``nbytes`` of private anonymous memory starting on a huge-page boundary (so also
-    page-aligned, as ``O_DIRECT`` needs), advised to use huge pages, for reuse across
-    requests. The mapping is :data:`HUGE_PAGE_BYTES` larger than asked for, to place
-    the start; the unused part is never touched and takes no memory.
+    """``nbytes`` of private anonymous memory starting on a huge-page boundary (so page-aligned, as
+    ``O_DIRECT`` needs), advised to use huge pages, for reuse across requests.
 
     Attributes:
         view: a writable ``memoryview`` of the ``nbytes`` bytes.

@@ -1,30 +1,13 @@
 """In-use markers: a checkpoint that a live process reads in place says so, and is not deleted.
 
-A :class:`~statekit.CheckpointManager` marks the checkpoint it resumed from (``"by":
-"statekit"``) for as long as it lives, and its replicator the checkpoint it is copying to
-the remote tier (``"statekit-replicate"``).
-
-When a plugin maps weights onto a checkpoint's own files (statekit-offload reads a local
-safetensors file in place instead of copying it), deleting that checkpoint would break the
-model at its next forward pass. While such a model lives, the plugin keeps a marker file in
-the checkpoint directory::
-
-    <checkpoint>/.in-use-<pid>-<token>
-
-holding JSON ``{"by": "statekit-offload", "pid": <int>, "host": <hostname>,
-"pid_start": <process start time in clock ticks since boot, Linux; or null>,
-"created": <UTC ISO 8601>, "model_key": <str | null>, "offload_folder": <str | null>}``.
-
-A marker is *live* when its host is another machine (it cannot be checked from here), or
-when it is this host and process ``pid`` exists and, where recorded, started at
-``pid_start`` (so a recycled pid does not keep a marker alive). The marker is removed
-when the model is garbage-collected, at interpreter exit, or by :func:`release_in_use`;
-a marker left by a killed process is stale and :func:`remove_stale_markers` deletes it.
-
-``statekit.manager.listing.delete_checkpoint`` (so retention and ``statekit gc``) and saving with
-``overwrite=True`` refuse a checkpoint with a live marker (:class:`CheckpointInUseError`).
-The marker is not listed in the manifest, so ``statekit verify`` ignores it.
-"""
+A ``CheckpointManager`` marks the checkpoint it resumed from (``"by": "statekit"``), its
+replicator the one it copies (``"statekit-replicate"``), statekit-offload one whose files a
+model maps in place. The marker, not listed in the manifest, is ``<checkpoint>/.in-use-<pid>-<token>``
+holding JSON ``{"by", "pid", "host", "pid_start" (process start in clock ticks since boot,
+Linux; or null), "created" (UTC ISO 8601), "model_key", "offload_folder"}``. It is *live* when
+its host is another machine, or its ``pid`` exists here and (where recorded) started at
+``pid_start``; a killed process's is stale (:func:`remove_stale_markers`). Deleting
+(retention, ``statekit gc``) or ``overwrite=True`` refuse a live one (:class:`CheckpointInUseError`)."""
 
 from __future__ import annotations
 
@@ -49,19 +32,11 @@ MARKER_WRITER = "statekit-offload"
 
 @dataclass(frozen=True)
 class InUseMarker:
-    """One marker found in a checkpoint directory.
+    """One marker found in a checkpoint directory (fields as the module docstring's JSON).
 
     Attributes:
         path: the marker file's local path.
-        pid: the process that uses the checkpoint.
-        host: that process's host name.
-        pid_start: its start time (clock ticks since boot, from ``/proc/<pid>/stat``), or None.
-        created: when the marker was written (UTC ISO 8601).
-        model_key: the stable key of the model that reads the checkpoint, if known.
-        offload_folder: the offload folder whose ``index.json`` points into the checkpoint.
-        live: see the module docstring.
-        by: the distribution that wrote it (``statekit-offload``; ``statekit`` for a
-            manager's resumed-from checkpoint; ``statekit-replicate`` while it is copied).
+        live: whether it holds (see the module docstring).
     """
 
     path: str
@@ -125,16 +100,9 @@ def _is_live(doc: dict[str, Any]) -> bool:
 def mark_in_use(
     url: str, *, model_key: str | None = None, offload_folder: str | None = None, by: str = MARKER_WRITER
 ) -> str:
-    """Write a marker saying that this process reads checkpoint ``url`` in place.
-
-    Args:
-        url: the checkpoint directory (local path or ``file://`` URL).
-        model_key: the stable key of the model that uses it (recorded for people).
-        offload_folder: the offload folder that points into it (recorded for people).
-        by: the distribution writing the marker.
-
-    Returns:
-        The marker's local path (give it to :func:`release_in_use`).
+    """Write a marker saying that this process (writer ``by``) reads checkpoint ``url`` (local path or
+    ``file://``) in place; ``model_key`` and ``offload_folder`` are recorded for people. Returns the
+    marker's local path (for :func:`release_in_use`).
 
     Raises:
         StorageError: the checkpoint is not local, or the marker cannot be written.
@@ -160,19 +128,9 @@ def mark_in_use(
 
 
 def hold_in_use(owner: Any, url: str, *, by: str) -> Any:
-    """Mark the local checkpoint ``url`` in use for as long as ``owner`` lives (the marker
-    is removed when ``owner`` is garbage-collected, at interpreter exit, or by calling the
-    result). A checkpoint that is not local, or whose directory is not writable, gets no
-    marker.
-
-    Args:
-        owner: the object whose lifetime the marker follows.
-        url: the checkpoint directory.
-        by: the writer recorded in the marker (``"statekit"``, ``"statekit-replicate"``).
-
-    Returns:
-        A ``weakref.finalize`` that removes the marker when called, or None.
-    """
+    """Mark the local checkpoint ``url`` in use (writer ``by``) for as long as ``owner`` lives: a
+    ``weakref.finalize`` removes it when ``owner`` is collected, at exit, or when called. None (no
+    marker) for a checkpoint that is not local or not writable."""
     if not Storage(url).is_local:
         return None
     try:
@@ -234,11 +192,7 @@ def in_use_markers(url: str, *, include_stale: bool = False) -> list[InUseMarker
 
 
 def refuse_if_in_use(url: str, action: str) -> None:
-    """Refuse to delete or overwrite a checkpoint a live process reads in place.
-
-    Args:
-        url: the checkpoint directory.
-        action: what was about to happen (``"delete"``, ``"overwrite"``), for the message.
+    """Refuse to ``action`` (``"delete"``, ``"overwrite"``) a checkpoint a live process reads in place.
 
     Raises:
         CheckpointInUseError: a live in-use marker is present; names host, pid and model.

@@ -1,22 +1,7 @@
-"""Faulting in freshly allocated host memory ahead of the reads that fill it.
-
-A resume reads most of its bytes (the optimizer state) into tensors allocated for the
-load. The first write to each page of such memory costs a page fault (the kernel zeroes
-and maps the page; on a virtual machine the host backs it too): 0.14-0.22 s per 685 MiB
-on the benchmark VM, and a read pays it inside its copy, in series with the disk.
-:class:`Prefaulter` faults the buffers in on a helper thread while the reads run, by
-writing zeros into them (``ctypes.memset``, GIL released).
-
-Why zeros and not ``madvise(MADV_POPULATE_WRITE)`` (which faults pages in without writing
-them, so it may run under a concurrent read): on the benchmark VM writing the pages
-faulted 685 MiB in 0.12-0.18 s against 0.22 s for the kernel's populate, and a cold 1 GiB
-load took 0.414 s against 0.428 s at the median (``bench/compare_commits.py``, 10+10
-alternating fresh-process runs; 0.96-0.97x in two more). Writing needs a
-hand-off so a zero never lands on bytes a read already wrote: the reader claims a buffer
-(:meth:`Prefaulter.ready`) before writing into it; the helper skips a claimed buffer, and
-stops zeroing one it is on after the current piece of :data:`PIECE_BYTES` (the reader
-waits for that piece, then faults the rest in itself).
-"""
+"""Faulting in freshly allocated host memory (a resume's optimizer state) on a helper thread
+while the reads that fill it run, by writing zeros (``ctypes.memset``, GIL released), with a
+hand-off so a zero never lands on bytes a read wrote. Why zeros and not
+``MADV_POPULATE_WRITE``, with measurements: docs/design-notes.md, "Reading tensor files"."""
 
 from __future__ import annotations
 
@@ -37,19 +22,10 @@ _PENDING, _FAULTING, _CLAIMED, _HANDED_OVER = 0, 1, 2, 3  # _CLAIMED: faulting, 
 
 
 class Prefaulter:
-    """Context manager: faults in the pages of ``buffers``, in order, on a daemon thread,
-    handing each buffer over to the reader when it asks (:meth:`ready`).
-
-    A reader must call :meth:`ready` with a buffer before writing into it. Leaving the
-    context stops the thread (after at most one piece of :data:`PIECE_BYTES`) and joins
-    it, so no thread outlives the load (on an error too); a stopped helper hands every
-    buffer over at once.
-
-    Args:
-        buffers: CPU tensors in the order they are read (their storage bytes from
-            ``data_ptr()`` on, ``numel() * element_size()`` of them, must be one range).
-            Their contents are undefined until read into (they are fresh memory).
-    """
+    """Context manager: faults in the pages of ``buffers`` (CPU tensors in read order, each one
+    range of ``numel() * element_size()`` bytes from ``data_ptr()``; contents undefined until read
+    into), in order, on a daemon thread. A reader calls :meth:`ready` with a buffer before writing
+    into it; leaving the context stops and joins the thread (after at most :data:`PIECE_BYTES`)."""
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self._buffers: list[torch.Tensor] | None = list(buffers)  # alive while written: a failed read drops its own

@@ -1,24 +1,9 @@
-"""The file-like interface through which the format writes and reads bulk bytes (tensor data).
-
-:mod:`statekit.format.tensors` streams tensor bytes to and from any binary file object; it
-knows nothing of how the storage moves them (``O_DIRECT``, alignment, bounce buffers,
-preallocation). The storage's own files do that behind three calls, and every other file
-object (an fsspec file, ``io.BytesIO``, a plugin's file) does the plain thing:
-
-- :func:`bulk_writer` ``(f)`` -> an object with ``preallocate(nbytes)`` (a size hint),
-  ``write(data)`` and ``write_stable(data)`` (``data`` stays valid and unchanged until the
-  file is closed, so it may be written without a copy). A
-  :class:`statekit.storage.direct_write.DirectWriter` is returned as it is (contiguous
-  extents, page-aligned writes straight from the caller's memory); any other file gets
-  :class:`PlainWriter` (no hint, both writes are its ``write``).
-- :func:`fill` ``(f, view, on_chunk)`` reads ``len(view)`` bytes into ``view``: a
-  :class:`statekit.storage.direct.DirectReader` by its own ``fill`` (``O_DIRECT`` pieces
-  read ahead, the copy-out and ``on_chunk`` overlapped with the next read); any other file
-  by ``readinto`` (or ``read``) in steps of :data:`CHUNK_BYTES`.
-
-Nothing here imports the rest of statekit: the direct reader and writer import
-:data:`CACHE_STEP_BYTES` from here.
-"""
+"""The file-like interface through which the format streams bulk bytes (tensor data), knowing
+nothing of ``O_DIRECT``, alignment or preallocation: :func:`bulk_writer` (``preallocate``,
+``write``, ``write_stable``: a :class:`~statekit.storage.direct_write.DirectWriter` as it is, any
+other file a :class:`PlainWriter`) and :func:`fill` (a
+:class:`~statekit.storage.direct.DirectReader`'s own ``fill``, else ``readinto`` in
+:data:`CHUNK_BYTES` steps). Imports nothing else of statekit."""
 
 from __future__ import annotations
 
@@ -66,30 +51,15 @@ class PlainWriter:
 
 
 def bulk_writer(f: Any) -> BulkWriter:
-    """The :class:`BulkWriter` for ``f``: ``f`` itself when it is one (the storage's
-    :class:`~statekit.storage.direct_write.DirectWriter`), else a :class:`PlainWriter`.
-
-    Args:
-        f: a binary file open for writing.
-
-    Returns:
-        An object with ``preallocate``, ``write`` and ``write_stable``.
-    """
+    """The :class:`BulkWriter` for the binary file ``f``: ``f`` itself when it is one (a
+    :class:`~statekit.storage.direct_write.DirectWriter`), else a :class:`PlainWriter`."""
     return f if isinstance(f, BulkWriter) else PlainWriter(f)
 
 
 def fill(f: Any, view: memoryview, on_chunk: Callable[[memoryview], Any] | None = None) -> int:
-    """Read ``len(view)`` bytes from ``f``'s position into ``view``, in place.
-
-    Args:
-        f: a binary file (a :class:`~statekit.storage.direct.DirectReader` reads with its
-            own ``fill``; others with ``readinto``, or ``read`` and a copy).
-        view: the destination bytes (a tensor's storage as bytes).
-        on_chunk: called with each part of ``view`` as it is filled, in order (the
-            checksum update), or None.
-
-    Returns:
-        Bytes read: ``len(view)``, or fewer where the file ends first.
+    """Read ``len(view)`` bytes from ``f``'s position into ``view`` in place (a DirectReader by its
+    ``fill``, others by ``readinto`` or ``read``); ``on_chunk`` gets each filled part in order (the
+    checksum update), or None. Returns the bytes read (fewer where the file ends first).
 
     Raises:
         OSError: a read failed (and whatever ``f`` raises).

@@ -67,19 +67,9 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     if type(a) is not type(b):
         return f"{path}: type {_type_name(a)} != {_type_name(b)} ({_short(a)} vs {_short(b)})"
     if isinstance(a, float):
-        if math.isnan(a) and math.isnan(b):
-            return None
-        if a != b or math.copysign(1.0, a) != math.copysign(1.0, b):
-            return f"{path}: {a!r} != {b!r}"
-        return None
+        return _float_difference(a, b, path)
     if isinstance(a, (list, tuple)):  # includes torch.Size (same type checked above)
-        if len(a) != len(b):
-            return f"{path}: length {len(a)} != {len(b)} ({_short(a)} vs {_short(b)})"
-        for i, (x, y) in enumerate(zip(a, b)):
-            problem = _first_difference(x, y, f"{path}[{i}]")
-            if problem is not None:
-                return problem
-        return None
+        return _sequence_difference(a, b, path)
     if isinstance(a, (set, frozenset)):
         if a != b:
             return f"{path}: {_type_name(a)} differs: only in first {_short(a - b)}, only in second {_short(b - a)}"
@@ -89,6 +79,24 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     except Exception as exc:  # an object whose == raises
         return f"{path}: cannot compare {_short(a)} and {_short(b)}: {type(exc).__name__}: {exc}"
     return None if equal else f"{path}: {_short(a)} != {_short(b)}"
+
+
+def _float_difference(a: float, b: float, path: str) -> str | None:
+    if math.isnan(a) and math.isnan(b):
+        return None
+    if a != b or math.copysign(1.0, a) != math.copysign(1.0, b):
+        return f"{path}: {a!r} != {b!r}"
+    return None
+
+
+def _sequence_difference(a: list[Any] | tuple[Any, ...], b: Any, path: str) -> str | None:
+    if len(a) != len(b):
+        return f"{path}: length {len(a)} != {len(b)} ({_short(a)} vs {_short(b)})"
+    for i, (x, y) in enumerate(zip(a, b)):
+        problem = _first_difference(x, y, f"{path}[{i}]")
+        if problem is not None:
+            return problem
+    return None
 
 
 def _mapping_difference(a: Mapping[Any, Any], b: Mapping[Any, Any], path: str) -> str | None:

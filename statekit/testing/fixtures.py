@@ -35,13 +35,9 @@ __all__ = [
 
 @pytest.fixture
 def plugin_manager() -> Iterator[PluginManager]:
-    """A fresh :class:`statekit.hooks.registry.PluginManager` with no entry points loaded,
-    installed as the process-wide manager for the duration of the test.
-
-    Register throwaway plugins on it (``plugin_manager.register(Plugin(), name="x")``);
-    ``statekit.save``/``load`` use it. The environment switches
-    (``STATEKIT_DISABLE_PLUGINS``, ``STATEKIT_TRACE_PLUGINS``) are read when it is built.
-    """
+    """A fresh :class:`statekit.hooks.registry.PluginManager` with no entry points, installed as
+    the process-wide manager for the test (``plugin_manager.register(Plugin(), name="x")``); the
+    ``STATEKIT_DISABLE_PLUGINS``/``STATEKIT_TRACE_PLUGINS`` switches are read when it is built."""
     pm = build_plugin_manager(autoload=False)
     with use_plugin_manager(pm):
         yield pm
@@ -61,13 +57,8 @@ def installed_plugin_manager() -> Iterator[PluginManager]:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    """Start ``python -m moto.server`` on a free local port for the test session
-    (:func:`statekit.testing.start_moto_server`).
-
-    Sets ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID=testing``,
-    ``AWS_SECRET_ACCESS_KEY=testing``, ``AWS_DEFAULT_REGION=us-east-1`` (and clears
-    ``AWS_SESSION_TOKEN``/``AWS_PROFILE``/``AWS_ENDPOINT_URL_S3``), restoring the previous
-    environment at the end. Creates no bucket (see ``s3_bucket``).
+    """A moto S3 server on a free local port for the session (:func:`statekit.testing.start_moto_server`,
+    with the ``AWS_*`` environment pointed at it and restored at the end); creates no bucket.
 
     Yields:
         An :class:`S3Server` with ``.endpoint_url``.
@@ -86,14 +77,11 @@ def s3_server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def s3_bucket(s3_server: S3Server) -> Iterator[str]:
-    """A fresh, empty bucket on the moto server, as ``"s3://<bucket>"``.
-
-    s3fs's instance cache is cleared before and after, so every test starts with a new
-    filesystem object (no stale listings); the bucket is deleted afterwards.
+    """A fresh, empty bucket on the moto server, as ``"s3://<bucket>"``, deleted afterwards; s3fs's
+    instance cache is cleared before and after (no stale listings).
 
     Skips:
-        When s3fs is not installed (``pip install "statekit[s3]"``).
-    """
+        When s3fs is not installed (``pip install "statekit[s3]"``)."""
     s3fs = pytest.importorskip("s3fs", reason='s3fs is not installed (pip install "statekit[s3]")')
     s3fs.S3FileSystem.clear_instance_cache()
     bucket = f"statekit-test-{uuid.uuid4().hex[:16]}"
@@ -153,12 +141,8 @@ def assert_state_equal_fixture() -> Callable[..., None]:
 
 @pytest.fixture
 def tiny_accelerate() -> Iterator[TinyAccelerate]:
-    """A prepared CPU Accelerate run: tiny model, AdamW, shuffled loader, ``LambdaLR``
-    (:func:`statekit.testing.training.build_tiny_accelerate`).
-
-    Seeded (``accelerate.utils.set_seed(0)``), so two uses in one test build identical
-    runs. Accelerate's process-wide state is reset before and after, so each test gets a
-    fresh ``Accelerator``. accelerate is imported here, not at module import.
+    """A prepared, seeded CPU Accelerate run (:func:`statekit.testing.training.build_tiny_accelerate`),
+    Accelerate's process-wide state reset before and after.
 
     Yields:
         A :class:`TinyAccelerate`.

@@ -11,18 +11,9 @@ __all__ = ["rewrite_manifest"]
 
 
 def rewrite_manifest(directory: str | os.PathLike[str], edit: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
-    """Apply ``edit(manifest)`` to a local checkpoint's ``statekit.json`` and write it back
-    with a valid self-checksum, as if another setup had committed it (a checkpoint saved by
-    another world size, another statekit version, another fingerprint). An edit written
-    back without this fails the manifest's checksum, as real damage does.
-
-    Args:
-        directory: the checkpoint directory (a local path).
-        edit: changes the parsed manifest in place.
-
-    Returns:
-        The manifest as written.
-    """
+    """Apply ``edit(manifest)`` (in place) to the local checkpoint ``directory``'s ``statekit.json``
+    and write it back with a valid self-checksum, as if another setup had committed it (without
+    this the edit fails the checksum, as real damage does). Returns the manifest as written."""
     from statekit.format.manifest import MANIFEST_NAME, manifest_bytes  # format imports torch: not at import time
 
     path = os.path.join(os.fspath(directory), MANIFEST_NAME)

@@ -51,11 +51,7 @@ class S3Server:
     _saved_env: dict[str, str | None] | None = field(repr=False, default=None)
 
     def filesystem(self) -> Any:
-        """An ``s3fs.S3FileSystem`` on this server, created once and kept out of s3fs's
-        instance cache (so clearing that cache does not cost a new client here).
-
-        Returns:
-            The ``s3fs.S3FileSystem``.
+        """An ``s3fs.S3FileSystem`` on this server, made once and kept out of s3fs's instance cache.
 
         Raises:
             ImportError: s3fs is not installed.
@@ -102,33 +98,20 @@ class S3Server:
 
 
 def start_moto_server(*, environment: bool = True, startup_seconds: float = S3_STARTUP_SECONDS) -> S3Server:
-    """Start ``python -m moto.server -H 127.0.0.1 -p <free port>`` and wait until it answers.
+    """Start ``python -m moto.server -H 127.0.0.1 -p <free port>`` and wait up to
+    ``startup_seconds`` until it answers; creates no bucket, clears s3fs's instance cache on start
+    and stop. A context manager, or call :meth:`S3Server.stop`.
 
-    With ``environment`` (the default) the process environment points at the server, so
-    ``fsspec``/``statekit`` calls on ``s3://`` URLs, and child processes, reach it with no
-    ``storage_options`` (s3fs 2024.6 and later reads ``AWS_ENDPOINT_URL``): it sets
-    ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID=testing``, ``AWS_SECRET_ACCESS_KEY=testing``,
-    ``AWS_DEFAULT_REGION=us-east-1``, clears ``AWS_SESSION_TOKEN``, ``AWS_SECURITY_TOKEN``,
-    ``AWS_PROFILE`` and ``AWS_ENDPOINT_URL_S3``, and adds ``127.0.0.1,localhost`` to
-    ``NO_PROXY``; :meth:`S3Server.stop` restores the previous values. Without it, reach the
-    server with :attr:`S3Server.storage_options`. s3fs's instance cache is cleared on start
-    and stop. Creates no bucket.
-
-    Use it as a context manager (``with start_moto_server() as server: ...``) or call
-    :meth:`S3Server.stop` yourself.
-
-    Args:
-        environment: point the ``AWS_*`` environment at the server until it stops.
-        startup_seconds: how long to wait for the server to answer HTTP.
-
-    Returns:
-        The running :class:`S3Server` (``.endpoint_url``, ``.storage_options``,
-        ``.process``).
+    With ``environment`` the process (and its children) reach the server with no
+    ``storage_options``: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY=testing``,
+    ``AWS_DEFAULT_REGION=us-east-1`` set, ``AWS_SESSION_TOKEN``, ``AWS_SECURITY_TOKEN``,
+    ``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3`` cleared, ``127.0.0.1,localhost`` added to ``NO_PROXY``,
+    all restored by :meth:`S3Server.stop`; without it use :attr:`S3Server.storage_options`.
 
     Raises:
         ModuleNotFoundError: moto is not installed (``pip install "moto[server]"``).
-        RuntimeError: the server exited or did not answer within ``startup_seconds``
-            (its output is in the message); it is stopped.
+        RuntimeError: the server exited or did not answer in time (its output is in the
+            message); it is stopped.
     """
     if importlib.util.find_spec("moto") is None:
         raise ModuleNotFoundError('moto is not installed (pip install "moto[server]"): the S3 test server needs it')

@@ -1,10 +1,5 @@
-"""A tiny, seeded, prepared Accelerate training setup for plugin tests (:class:`TinyAccelerate`).
-
-accelerate is imported inside :func:`build_tiny_accelerate` and
-:func:`reset_accelerate_state`, never at module import: every pytest run in an
-environment with statekit loads ``statekit.testing``, and accelerate is heavy and
-optional. (torch is already loaded by ``import statekit``.)
-"""
+"""A tiny, seeded, prepared Accelerate training setup for plugin tests (:class:`TinyAccelerate`);
+accelerate is imported only inside the functions that need it."""
 
 from __future__ import annotations
 
@@ -36,14 +31,8 @@ class TinyAccelerate:
     scheduler: Any
 
     def train_step(self, batch: Any) -> float:
-        """Run one optimisation step (cross-entropy loss) on a batch of the loader.
-
-        Args:
-            batch: a ``(inputs, targets)`` batch yielded by :attr:`loader`.
-
-        Returns:
-            The loss of the step, as a float.
-        """
+        """Run one optimisation step (cross-entropy) on a ``(inputs, targets)`` batch of
+        :attr:`loader`; returns the loss as a float."""
         x, y = batch
         loss = torch.nn.functional.cross_entropy(self.model(x), y)
         self.accelerator.backward(loss)
@@ -66,12 +55,8 @@ def reset_accelerate_state() -> None:
 
 
 def build_tiny_accelerate() -> TinyAccelerate:
-    """Build the :class:`TinyAccelerate` setup: seeded (``accelerate.utils.set_seed(0)``),
-    so two calls in one test build identical runs. Call :func:`reset_accelerate_state`
-    before and after (the ``tiny_accelerate`` fixture does).
-
-    Returns:
-        A :class:`TinyAccelerate` on the CPU.
+    """Build the :class:`TinyAccelerate` setup on the CPU, seeded (``accelerate.utils.set_seed(0)``):
+    two calls in one test build identical runs. Call :func:`reset_accelerate_state` before and after.
 
     Raises:
         ImportError: accelerate is not installed.

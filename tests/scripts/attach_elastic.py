@@ -16,8 +16,8 @@ if mode in ("attach", "attachacc"):
     statekit.attach(acc)
 else:
     pass
-    from statekit.loaders import data
-    data.track(loader)
+    from statekit.loaders import tracking
+    tracking.track(loader)
 rank = acc.process_index
 rec = {}
 if phase == "save":

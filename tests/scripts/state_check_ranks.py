@@ -16,7 +16,7 @@ fault. That hook runs on every rank after the core restored every object and bef
 state check (``statekit.api.loading.load_objects`` calls ``check_loaded_state`` after
 ``_load_native`` returns), so the check sees exactly what a buggy load path would leave.
 No statekit code is patched for the injection. To read each rank's verdict (not only the
-warnings), ``statekit.engine.state_check.check`` is wrapped to keep what it returns.
+warnings), ``statekit.checks.state_check.check`` is wrapped to keep what it returns.
 
 Each rank writes OUT.rank<r>.json: per case id, the verdict, what it compared and named,
 the deliberate differences, every warning raised during the load and the error, if any;
@@ -38,7 +38,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 from accelerate_helpers import fresh_accelerator  # noqa: E402
 
 import statekit  # noqa: E402
-from statekit.engine import state_check  # noqa: E402
+from statekit.checks import state_check  # noqa: E402
 
 
 class Mlp(nn.Module):

@@ -79,8 +79,8 @@ def assert_full_equal(expected: str | Path | dict, actual: str | Path | dict, *,
 
 def capturing_verdicts() -> tuple[list[Any], Any]:
     """Record the verdict of every state check from now on: ``(verdicts, undo)``, the list
-    filled with each :class:`statekit.engine.state_check.StateVerdict` (``undo()`` ends it)."""
-    from statekit.engine import state_check
+    filled with each :class:`statekit.checks.state_check.StateVerdict` (``undo()`` ends it)."""
+    from statekit.checks import state_check
 
     verdicts: list[Any] = []
     original = state_check.check

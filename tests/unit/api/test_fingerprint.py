@@ -233,16 +233,16 @@ def test_checkpoint_without_fingerprint_resumes_silently(tmp_path):
         assert statekit.CheckpointManager(run[0], root).resume(strict_resume=True) == 3
 
 
-def test_a_loader_setting_a_newer_writer_adds_is_kept_and_a_malformed_loader_is_named(tmp_path):
+def test_a_loader_setting_a_newer_writer_adds_is_ignored_and_a_malformed_loader_is_named(tmp_path):
     """The fingerprint is compared field by field: a loader setting this version does not
-    know is written back unchanged (not compared: no effect is known for it); a loader entry
+    know (a newer minor writer's) is ignored, not compared (no effect is known for it); a loader entry
     that is not an object is a CorruptCheckpointError naming it, not a silent skip."""
     saved_run(tmp_path)
     root = edited_copy(tmp_path, lambda m: m["fingerprint"]["dataloaders"]["dataloader_0"].update(prefetch=4))
     manifest = statekit.verify(str(next(p for p in (tmp_path / "edited").iterdir())))
     loader = manifest.fingerprint.dataloaders["dataloader_0"]
-    assert loader.batch_size == 8 and loader.extra == {"prefetch": 4}
-    assert manifest.fingerprint.to_json()["dataloaders"]["dataloader_0"]["prefetch"] == 4
+    assert loader.batch_size == 8 and not hasattr(loader, "prefetch")
+    assert "prefetch" not in manifest.fingerprint.to_json()["dataloaders"]["dataloader_0"]
     run, warned = resume(root)
     assert warned == []
     shutil.rmtree(tmp_path / "edited")

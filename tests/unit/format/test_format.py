@@ -15,7 +15,9 @@ import safetensors.torch
 import torch
 import xxhash
 
+import statekit
 from statekit import format as fmt
+from statekit.format.header import WRITER_KEY
 from statekit.errors import CorruptCheckpointError, FormatVersionError, UnsupportedDtypeError
 from statekit.testing import assert_state_equal
 
@@ -139,6 +141,30 @@ def test_native_files_load_with_safetensors(dtype, tmp_path):
     with open(path2, "rb") as f:
         out, _ = fmt.read_tensors(f, str(path2), os.path.getsize(path2))
     assert_state_equal({k: tensors[k] for k in sorted(tensors)}, {k: out[k] for k in sorted(tensors)})
+
+
+def test_a_saved_checkpoint_opens_with_safetensors_and_safetensors_files_read_back_bit_exactly(tmp_path):
+    """statekit writes and reads the safetensors format itself (docs/design-notes.md, Format);
+    the library is the reference both ways: every native dtype in one file, in a page-aligned
+    file (1 MiB of data or more: the header padded to 4096 bytes), written by a save through
+    the storage writer, opens key by key with ``safe_open`` and ``load_file``; a file
+    ``save_file`` writes with every native dtype reads back through statekit bit for bit."""
+    tensors = {f"{dtype_id(d)}.{k}": v for d in NATIVE for k, v in variants(d).items()}
+    tensors["big"] = sample(torch.float32, (512, 1024))  # 2 MiB: the page-aligned layout
+    statekit.save(str(tmp_path / "ckpt"), {"m": tensors})
+    path = tmp_path / "ckpt" / "m.safetensors"
+    assert struct.unpack("<Q", path.read_bytes()[:8])[0] % fmt.tensors.PAGE_BYTES == fmt.tensors.PAGE_BYTES - 8
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        assert_state_equal({k: tensors[k] for k in sorted(tensors)}, {k: f.get_tensor(k) for k in sorted(tensors)})
+    assert_state_equal({k: tensors[k] for k in sorted(tensors)}, dict(sorted(safetensors.torch.load_file(str(path)).items())))
+
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(theirs))
+    with open(theirs, "rb") as f:
+        out, header = fmt.read_tensors(f, str(theirs), os.path.getsize(theirs))
+    assert_state_equal({k: tensors[k] for k in sorted(tensors)}, {k: out[k] for k in sorted(tensors)})
+    assert WRITER_KEY not in header.metadata  # not statekit's: no writer mark
 
 
 def test_byte_view_file_loads_with_safetensors_as_bytes(tmp_path):

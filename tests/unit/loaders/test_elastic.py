@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import statekit
-from statekit.loaders import data, elastic, elastic_layouts, samplers
+from statekit.loaders import data, elastic, elastic_layouts, samplers, tracking
 
 accelerate_data = pytest.importorskip("accelerate.data_loader")
 L, B = 30, 4
@@ -77,13 +77,13 @@ def test_dispatch_model_slices_concatenated_batches_and_pads_from_the_first_samp
 def _accelerate_loader(n: int, r: int, seed: int = 7, even_batches: bool = True):
     loader = DataLoader(DATASET, batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(seed))
     prepared = accelerate_data.prepare_data_loader(loader, num_processes=n, process_index=r, put_on_device=False, even_batches=even_batches)
-    data.track(prepared)
+    tracking.track(prepared)
     return prepared
 
 
 def _torch_loader(n: int, r: int, seed: int = 3):
     loader = DataLoader(DATASET, batch_size=B, sampler=DistributedSampler(DATASET, n, r, shuffle=True, seed=seed))
-    data.track(loader)
+    tracking.track(loader)
     return loader
 
 
@@ -153,7 +153,7 @@ def test_split_batches_epoch_continues_on_another_world_size(n, m):
     def make(world, r, seed=7):
         loader = DataLoader(DATASET, batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(seed))
         prepared = accelerate_data.prepare_data_loader(loader, num_processes=world, process_index=r, put_on_device=False, split_batches=True)
-        data.track(prepared)
+        tracking.track(prepared)
         return prepared
 
     saved, before = _save(make, n, 2)
@@ -261,7 +261,7 @@ def test_sampler_without_generator_resumes_on_another_world_size():
     generator) of another world size draws the same permutation."""
     torch.manual_seed(0)
     loader = DataLoader(DATASET, batch_size=B, shuffle=True)  # RandomSampler drawing its seed from the global RNG
-    data.track(loader)
+    tracking.track(loader)
     it = iter(loader)
     first = _ids(next(it))
     saved = [data.loader_state(loader)]

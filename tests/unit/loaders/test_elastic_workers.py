@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler, TensorDataset
 
-from statekit.loaders import data, elastic
+from statekit.loaders import data, elastic, tracking
 
 accelerate_data = pytest.importorskip("accelerate.data_loader")
 L, B = 36, 4  # 9 batches per epoch
@@ -36,7 +36,7 @@ def _loader(n: int, r: int, workers: int, seed: int = 7, persistent: bool = Fals
     sampler = RandomSampler(DATASET, generator=torch.Generator().manual_seed(seed))
     loader = DataLoader(DATASET, batch_size=B, sampler=sampler, num_workers=workers, persistent_workers=persistent)
     prepared = accelerate_data.prepare_data_loader(loader, num_processes=n, process_index=r, put_on_device=False)
-    data.track(prepared)
+    tracking.track(prepared)
     return prepared
 
 
@@ -81,7 +81,7 @@ def test_resumed_ranks_with_workers_train_every_sample_once(n, m, k, persistent)
 
 def _distributed_loader(n: int, r: int, workers: int) -> DataLoader:
     loader = DataLoader(DATASET, batch_size=B, sampler=DistributedSampler(DATASET, n, r, shuffle=True, seed=3), num_workers=workers)
-    data.track(loader)
+    tracking.track(loader)
     return loader
 
 

@@ -1,5 +1,5 @@
 """statekit.loaders.own_skip: the hold of a resumed pass, driven by the generator shape of
-statekit.loaders.data._tracked_iter (attach-mode resumes through real loaders:
+statekit.loaders.tracking._tracked_iter (attach-mode resumes through real loaders:
 tests/unit/api/test_attach_script_patterns.py, tests/integration/clients)."""
 
 from __future__ import annotations

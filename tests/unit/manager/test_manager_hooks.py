@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 import statekit
 from statekit import format as fmt, hookimpl
 from statekit.manager.listing import CheckpointDir, checkpoint_name
-from statekit.errors import PluginError, PluginMissingError
+from statekit.errors import PluginError, PluginMissingError, StorageError
 from statekit.storage import Storage
 from statekit.testing import assert_state_equal
 
@@ -167,7 +168,7 @@ def test_hook_statekit_resume_roots(plugin_manager, tmp_path, monkeypatch):
         @hookimpl
         def statekit_resume_roots(self, manager):
             offered.append(manager)
-            return [(str(tmp_path / "missing-root" / "x"), None), (other, {"auto_mkdir": False})]
+            return [Storage(str(tmp_path / "missing-root" / "x")), Storage(other, {"auto_mkdir": False})]
 
     plugin_manager.register(Roots(), name="roots")
     seen_options = []
@@ -201,15 +202,22 @@ def test_hook_statekit_resume_roots(plugin_manager, tmp_path, monkeypatch):
 
 
 def test_unlistable_offered_root_warns_and_is_left_out(plugin_manager, tmp_path):
+    unlistable = Storage(str(tmp_path / "elsewhere"))
+
+    def fail():
+        raise StorageError(f"{unlistable.url}: listing failed")
+
+    unlistable.listdir = fail
+
     class Roots:
         @hookimpl
         def statekit_resume_roots(self, manager):
-            return [("nosuchscheme://bucket/run", None)]
+            return [unlistable]
 
     plugin_manager.register(Roots(), name="roots")
     manager = statekit.CheckpointManager(run_state(), str(tmp_path / "run"))
     manager.save(2)
-    with pytest.warns(statekit.StatekitWarning, match=r"cannot list nosuchscheme://bucket/run"):
+    with pytest.warns(statekit.StatekitWarning, match=rf"cannot list {re.escape(unlistable.url)}"):
         assert manager.resume() == 2
 
 

@@ -42,9 +42,12 @@ from statekit.plugin_api import (
     read_tensors,
     tensor_bytes,
 )
-from statekit_fsdp import PLUGIN_NAME
 
 logger = logging.getLogger("statekit_fsdp")
+
+PLUGIN_NAME = "fsdp"
+"""Entry-point name of the plugin; the manifest names it as owner of the models it saved
+(those :func:`consolidate` assembles from shards)."""
 
 MAX_OPEN_FILES = 64
 """Shard files kept open at once while assembling (least recently used are closed)."""

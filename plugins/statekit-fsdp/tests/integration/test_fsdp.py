@@ -158,7 +158,7 @@ parameters and a buffer, ``exp_avg``, ``exp_avg_sq`` and ``step`` of each parame
 def test_fsdp2_state_digest_is_every_ranks_shards_summed(fsdp2_ckpt: dict[str, Path]) -> None:
     """The save digested the sharded model and optimizer the plugin took: each DTensor's
     digest (the 2 ranks' shares, summed) equals the digest of the gathered tensor."""
-    from statekit.format.state_digest import Sampling, tensor_digest
+    from statekit.checks.digest import Sampling, tensor_digest
 
     digest = manifest_of(str(fsdp2_ckpt["url"])).state_digest
     assert digest is not None and digest.uncompared is None

@@ -52,6 +52,7 @@ from statekit.plugin_api import (
     StorageError,
     TensorHeader,
     UnsupportedDtypeError,
+    WrittenFile,
     build_header,
     read_header,
     tensor_bytes,
@@ -269,10 +270,11 @@ def save_model(
         for file_rel, members in files.items():
             header, plan = build_header(members)
             size_bytes = len(header) + sum(p.nbytes for p in plan)
-            if checkpoint.reuse_if_same(
+            taken: WrittenFile | None = checkpoint.reuse_if_same(
                 file_rel, size_bytes, lambda: _file_bytes(header, plan, sources, state, key)
-            ) is not None:
-                reused.append(file_rel)
+            )
+            if taken is not None:
+                reused.append(taken.path)
                 continue
             with checkpoint.open(file_rel, "wb") as out:
                 out.write(header)

@@ -1,4 +1,4 @@
-"""The state check of DTensors (statekit.engine.state_check, statekit.format.state_digest):
+"""The state check of DTensors (statekit.checks.state_check, statekit.checks.digest):
 a DTensor's digest, its ranks' shares summed in one all-reduce, equals the digest of its
 whole tensor for Shard(0), Shard(1), Replicate and 2-D meshes, full and sampled; placements
 without global positions are named, never a false alarm; a fault in one rank's shard is

@@ -1,4 +1,4 @@
-"""The device digest of incremental saves (statekit.format.device_digest): it tells every
+"""The device digest of incremental saves (statekit.checks.digest): it tells every
 change apart, and an incremental save of a state on an accelerator decides reuse with it,
 on the device, without hashing the bytes on the host.
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import statekit
-from statekit.format import device_digest, tensors as tensor_files
+from statekit.checks import digest as device_digest, files as checked_files
+from statekit.format import tensors as tensor_files
 from lora_helpers import lora_run, train_step
 
 
@@ -82,15 +83,15 @@ def test_digest_is_one_chunk_or_many_alike(monkeypatch):
 def as_if_on_an_accelerator(monkeypatch):
     """Treat CPU tensors as an accelerator's for the choice of comparison (the arithmetic is
     the same on every device), and fail any comparison that hashes bytes on the host."""
-    monkeypatch.setattr(device_digest, "on_accelerator", lambda tensors: True)
+    monkeypatch.setattr(checked_files, "on_accelerator", lambda tensors: True)
     host_compares = []
 
-    class NoHostCompare(tensor_files.PrefixCheck):
+    class NoHostCompare(checked_files.PrefixCheck):
         def __init__(self, *args, **kwargs):
             host_compares.append(args)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(tensor_files, "PrefixCheck", NoHostCompare)
+    monkeypatch.setattr(checked_files, "PrefixCheck", NoHostCompare)
     return host_compares
 
 
@@ -113,7 +114,7 @@ def test_an_accelerator_state_is_compared_by_its_device_digest(tmp_path, as_if_o
         model[0].base.weight[5, 5] = -model[0].base.weight[5, 5]  # a frozen weight edited in place
     digests = []
     real_digest = device_digest.file_digest
-    monkeypatch.setattr(device_digest, "file_digest", lambda *a: digests.append(a) or real_digest(*a))
+    monkeypatch.setattr(checked_files, "file_digest", lambda *a: digests.append(a) or real_digest(*a))
     third = manager.save(3)
     tensor_files_saved = [rel for rel in third.files if rel.endswith(".safetensors")]
     assert len(digests) == len(tensor_files_saved)  # one pass per file: a changed file's write reuses its comparison's

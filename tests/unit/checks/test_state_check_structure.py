@@ -1,4 +1,4 @@
-"""The state check's structural faults (statekit.engine.state_check, issue 44): a load that
+"""The state check's structural faults (statekit.checks.state_check, issue 44): a load that
 keeps every value but changes how training goes on from there is named like a value fault.
 A tie broken by the load (a GPT-2's ``lm_head.weight`` no longer ``transformer.wte.weight``:
 the two get separate updates from the next step) and a cast by the load path that neither
@@ -16,7 +16,7 @@ import torch
 
 import statekit
 from statekit.engine import read
-from statekit.engine.state_check import _cast, tie_groups
+from statekit.checks.state_check import _cast, tie_groups
 
 transformers = pytest.importorskip("transformers")
 

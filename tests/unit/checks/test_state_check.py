@@ -1,4 +1,4 @@
-"""The state check after a load (statekit.engine.state_check, issue 38): faults injected
+"""The state check after a load (statekit.checks.state_check, issue 38): faults injected
 into the load path are named by object and tensor; clean loads, deliberate dtype changes,
 strict=False and offloaded tensors are not false alarms; the verdict reaches the next
 save's resume_audit, `statekit ls` and `inspect`."""
@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import statekit
 from statekit.cli import main as cli
 from statekit.engine import read
-from statekit.engine.state_check import MODE_ENV
+from statekit.checks.state_check import MODE_ENV
 
 
 class Net(torch.nn.Module):

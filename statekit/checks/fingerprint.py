@@ -4,8 +4,8 @@ fingerprint as text lines.
 
 Pure functions on typed fingerprints (:class:`statekit.format.Fingerprint` and its
 :class:`statekit.format.LoaderSettings`), compared field by field;
-:mod:`statekit.api.fingerprint` computes the live fingerprint and warns or raises in
-:func:`statekit.api.fingerprint.check`; re-exported there.
+:mod:`statekit.api.fingerprint` reads the live run's fingerprint and warns or raises in
+:func:`statekit.api.fingerprint.check` (it reads live objects of every layer: it stays above).
 """
 
 from __future__ import annotations

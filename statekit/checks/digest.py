@@ -1,51 +1,58 @@
-"""The state digest: one 64-bit number per tensor that does not depend on how the tensor
-is split across ranks, to prove after a load that the live values equal the saved ones.
+"""The keyed-sum digest: one primitive for "are these the same tensors?", in two uses.
 
-The file checksums prove that the bytes on disk are the bytes written; they cannot see a
-load path that drops optimizer moments, zero-pads a reshard or leaves an adapter out. The
-state digest is computed from the *live* tensors at save and again after the load
-(:mod:`statekit.engine.state_check`), so a difference names the tensor that came back
-wrong.
+Every element's bits (a signed integer of its own width widened to 64 bits; ``complex128``:
+two words) are combined with a key derived from its position, passed through the
+splitmix64 finaliser (a bijective avalanche mixer: Steele, Lea and Flood, OOPSLA 2014;
+https://prng.di.unimi.it/splitmix64.c) and summed modulo 2**64 (:func:`_keyed_sum`). Because
+each word is mixed with its position before the sum, zeroed, swapped or shifted elements
+change the sum except by a 64-bit coincidence; it is a checksum against accidental change,
+not a cryptographic hash. It runs as a dozen element-wise kernels on the tensor's own device.
 
-The algorithm (``emix64``) generalises the keyed, mixed word sum of
-:mod:`statekit.format.device_digest` from words of a file to elements of a tensor: each
-element's bits, as a signed integer of its own width widened to 64 bits (an element wider
-than 8 bytes, ``complex128``, is two words), are combined with a key derived from the
-element's *global* position in the whole tensor (row-major), passed through the splitmix64
-finaliser (Steele, Lea and Flood, OOPSLA 2014; https://prng.di.unimi.it/splitmix64.c) and
-summed modulo 2**64. Because the sum is over positions in the whole tensor, a rank holding
-rows 100 to 199 sums its rows with their global positions (:func:`partial_sum`; a block
-that is not one contiguous run, a shard of columns or of a 2-D mesh, element by element:
-:func:`box_sum`; a ``DTensor``'s local shard, counted once per replica group:
-:func:`shard_sum`) and the ranks' partial sums add up (an all-reduce,
-:mod:`statekit.engine.state_check`) to the digest of the whole tensor, whatever the split; because
-each element is mixed with its position, zeroed, swapped or shifted elements change the
-sum except by a 64-bit coincidence. It is a check against accidental change, like the
-file checksums, not a cryptographic hash.
+- **The state digest** (``emix64``, :func:`tensor_digest`, :func:`digests`): keyed by the
+  element's *global* position in the whole tensor, so a shard's sum (:func:`partial_sum`,
+  :func:`box_sum`, :func:`shard_sum`) plus the other ranks' sums is the whole tensor's digest
+  however it is split; optionally sampled (:class:`Sampling`). The state check
+  (:mod:`statekit.checks.state_check`) compares it after a load.
+- **The file digest** (``mix64``, :func:`file_digest`): the state digest of one safetensors
+  file's stored tensors, their bytes as 64-bit words, keyed per tensor, so an incremental
+  save of tensors on an accelerator (:mod:`statekit.checks.files`) tells an unchanged file
+  without copying it to the host.
 
-Sampling: a check of every element costs about a dozen element-wise passes, which on a
-CPU is several times a load at the disk's speed. A sampled digest (:class:`Sampling`)
-sums only the elements whose position ``i`` has ``i % stride < block`` (blocks of
-``block`` consecutive elements, one every ``stride``), and every element of a tensor under
-``full_below`` elements (judged by the whole tensor's size, on every shard). Whether an
-element is summed depends on its global position alone, so sampling keeps the shard
-invariance. What a sampled digest can miss: a change confined to positions
-outside the blocks, so a contiguous run of changed elements is always seen once it is at
-least ``stride - block + 1`` elements long (4,081 with the defaults, 16 KiB of float32),
-and a whole tensor dropped, zeroed or swapped always is; a few scattered elements may not
-be. ``Sampling.FULL`` (``stride=block``) checks every element.
+What a sampled digest can miss, and the costs: ``docs/concepts.md`` (State check) and
+``docs/design-notes.md``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import xxhash
 
-from statekit.format.device_digest import _GOLDEN, _mix_, _signed
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 words (PyTorch's ``>>`` is arithmetic)."""
+    return torch.bitwise_right_shift(x, bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, in place on int64 words (wrapping multiplication)."""
+    x.bitwise_xor_(_shift_right(x, 30)).mul_(_signed(_M1))
+    x.bitwise_xor_(_shift_right(x, 27)).mul_(_signed(_M2))
+    return x.bitwise_xor_(_shift_right(x, 31))
+
 
 ALGORITHM = "emix64"
 """Name of the algorithm, recorded in the manifest's ``state_digest``."""
@@ -150,10 +157,11 @@ def partial_sum(piece: torch.Tensor, offset: int = 0, numel: int | None = None, 
     return _keyed_sum(words, per, pos - offset, pos)  # gather the sampled elements first: only they are mixed
 
 
-def _keyed_sum(words: torch.Tensor, per: int, local: torch.Tensor | None, positions: torch.Tensor) -> int:
-    """The one mixing of the digest: the elements ``local`` of ``words`` (None: all, in
-    order), whose global positions are ``positions`` (consumed), keyed by position, mixed
-    and summed modulo 2**64."""
+def _keyed_sum(words: torch.Tensor, per: int, local: torch.Tensor | None, positions: torch.Tensor,
+               seed: int = _SEED) -> int:
+    """The one mixing of every digest: the elements ``local`` of ``words`` (None: all, in
+    order), whose positions are ``positions`` (consumed), keyed by position and ``seed``,
+    mixed and summed modulo 2**64."""
     if per > 1:  # an element of several words: word j of element i is keyed i * per + j
         word = torch.arange(per, dtype=torch.int64, device=words.device)[None, :]
         positions = (positions[:, None] * per + word).reshape(-1)
@@ -161,7 +169,7 @@ def _keyed_sum(words: torch.Tensor, per: int, local: torch.Tensor | None, positi
             local = (local[:, None] * per + word).reshape(-1)
     # (index_select: advanced indexing takes a slow path here, 400x slower)
     values = words if local is None else torch.index_select(words, 0, local)
-    positions.mul_(_signed(_GOLDEN)).add_(_SEED).bitwise_xor_(values.to(torch.int64))
+    positions.mul_(_signed(_GOLDEN)).add_(seed).bitwise_xor_(values.to(torch.int64))
     return int(_mix_(positions).sum().item()) % (1 << 64)
 
 
@@ -214,7 +222,14 @@ def box_sum(
             positions.add_(rest.remainder(sizes[d]).mul_(strides[d]))
             rest = rest.div(sizes[d], rounding_mode="floor")
         return _keyed_sum(words, per, None, positions)
-    # sampled: the sampled positions of the span the block covers, those inside the block
+    local, positions = _inside_block(positions, offsets, sizes, shape, strides, local_strides)
+    return _keyed_sum(words, per, local, positions)
+
+
+def _inside_block(positions: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int],
+                  strides: Sequence[int], local_strides: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of the sampled global ``positions`` of the span a block covers, those inside the
+    block: ``(their local positions, their global positions)``."""
     inside = torch.ones_like(positions, dtype=torch.bool)
     local = torch.zeros_like(positions)
     for d in range(len(shape)):
@@ -222,7 +237,7 @@ def box_sum(
         inside.logical_and_(index >= 0).logical_and_(index < sizes[d])
         local.add_(index.mul_(local_strides[d]))
     keep = inside.nonzero().reshape(-1)
-    return _keyed_sum(words, per, torch.index_select(local, 0, keep), torch.index_select(positions, 0, keep))
+    return torch.index_select(local, 0, keep), torch.index_select(positions, 0, keep)
 
 
 def is_dtensor(t: object) -> bool:
@@ -343,5 +358,79 @@ def format_sum(total: int) -> str:
     return f"{total % (1 << 64):016x}"
 
 
-__all__ = ["ALGORITHM", "Sampling", "box_sum", "digests", "format_sum", "is_dtensor", "partial_sum", "shard_sum",
-           "tensor_digest"]
+FILE_ALGORITHM = "mix64"
+"""Name recorded before the hex digits of a file's digest (``"mix64:<16 hex digits>"``)."""
+
+DIGEST_CHUNK_WORDS = 8 * 1024 * 1024
+"""Words (8 bytes each) of a file's tensor mixed per step: bounds the temporaries on the
+device to a few times 64 MiB."""
+
+
+def _file_words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as written to the file (row-major, conj/neg bits resolved), as
+    int64 words on its own device, the last padded with zero bytes."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    raw = t.reshape(-1).view(torch.uint8)
+    tail = raw.numel() % 8
+    if tail or raw.storage_offset() % 8:  # (a padded or misaligned tensor: one copy on its device)
+        padded = torch.zeros(raw.numel() + (8 - tail) % 8, dtype=torch.uint8, device=raw.device)
+        padded[: raw.numel()] = raw
+        raw = padded
+    return raw.view(torch.int64)
+
+
+def tensor_sum(t: torch.Tensor, index: int) -> int:
+    """The keyed sum of one stored tensor's bytes, as 64-bit words keyed by their position
+    in the tensor and by ``index`` (its position among the file's stored tensors).
+
+    Args:
+        t: any tensor (any dtype and device).
+        index: its position among the file's stored tensors.
+
+    Returns:
+        The sum modulo 2**64, as an unsigned int.
+    """
+    if t.numel() == 0:
+        return 0
+    words = _file_words(t)
+    seed = _signed((_GOLDEN * (index + 1)) % (1 << 64))
+    total = 0
+    for start in range(0, words.numel(), DIGEST_CHUNK_WORDS):
+        chunk = words[start : start + DIGEST_CHUNK_WORDS]
+        keys = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=words.device)
+        total += _keyed_sum(chunk, 1, None, keys, seed)
+    return total % (1 << 64)
+
+
+def file_digest(header: bytes, tensors: Iterable[torch.Tensor]) -> str:
+    """Digest of a safetensors file from its header and its stored tensors, in file order:
+    XXH3-64 of the header (a few kilobytes, on the host) followed by each tensor's
+    :func:`tensor_sum` and byte count.
+
+    Args:
+        header: the file's header bytes (length prefix and JSON, padding included), as
+            :func:`statekit.format.header.build_header` builds it.
+        tensors: the tensors of the data section in file order (tied views once).
+
+    Returns:
+        ``"mix64:<16 hex digits>"``.
+    """
+    h = xxhash.xxh3_64(header)
+    for index, t in enumerate(tensors):
+        h.update(tensor_sum(t, index).to_bytes(8, "little"))
+        h.update((t.numel() * t.element_size()).to_bytes(8, "little"))
+    return f"{FILE_ALGORITHM}:{h.hexdigest()}"
+
+
+def on_accelerator(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether any tensor of a file lives on an accelerator (then its digest is worth
+    computing: it spares that tensor's copy to the host when the file did not change)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta") for t in tensors.values())
+
+
+__all__ = [
+    "ALGORITHM", "DIGEST_CHUNK_WORDS", "FILE_ALGORITHM", "Sampling", "box_sum", "digests", "file_digest", "format_sum",
+    "is_dtensor", "on_accelerator", "partial_sum", "shard_sum", "tensor_digest", "tensor_sum",
+]

@@ -1,48 +1,16 @@
-"""The state check: the live tensors of every saved object, digested at save and compared
-with the live objects after every load (issue 38; ``docs/concepts.md``, State check).
+"""The state check: the live tensors of every saved object, digested at save
+(:func:`record`) and compared with the live objects after every load (:func:`check`),
+naming each tensor that differs (issue 38).
 
-A checkpoint's checksums prove its files; they cannot see a load path that leaves an
-optimizer's moments at zero, zero-pads a reshard or skips an adapter: the files were
-fine. At save, :func:`record` digests every tensor of every saved object's state dict
-(:mod:`statekit.format.state_digest`: one number per tensor, the same however the tensor
-is split across ranks); after a load, :func:`check` digests the objects as they now are
-and names each tensor that differs. Deliberate differences are named as such, not
-reported as faults: a tensor loaded into another dtype is compared after a cast back (a
-widening cast is exact; a narrowing one is not compared), and one a ``strict=False`` load
-left out is skipped.
-
-Structural faults are named even with the values equal (issue 44): a cast that neither
-widens nor narrows (:func:`_cast`: bfloat16 to float16, an integer tensor to a float one:
-the run goes on in other arithmetic), and a tie the load broke: the save records, per
-model, the paths of its state dict that are one tensor (:func:`tie_groups`, the digest's
-``ties``), and the check names each member no longer one tensor with the others (a GPT-2's
-``lm_head.weight`` apart from ``transformer.wte.weight``: they would be updated separately).
-
-What is digested: the state dict of every object saved whole on every rank (models,
-optimizers, schedulers, scalers, custom objects, tensors and dicts of them), whether the
-core writes it or a plugin took it (statekit-fsdp's FSDP2 models and their optimizers,
-statekit-diffusers' models, EMAs and schedulers, statekit-transformers' model, statekit-
-offload's models): the digest is of the live tensors, so a plugin's own layout on disk
-does not matter, and its load path is checked like the core's. A ``DTensor`` is digested
-by the global positions of its shard (:func:`statekit.format.state_digest.shard_sum`),
-each rank's share added in one all-reduce of every DTensor of the save or the load
-(:func:`statekit.distributed.sum_over_ranks`): so :func:`record` and, when the load's
-objects hold DTensors, :func:`check` are collectives, called by every rank at the same
-point with the same objects. Per-rank objects (accumulated gradients) are digested on
-every rank under ``<key>/rank-<r>``, gathered to rank 0, and compared by the rank that
-saved them (same world size only). Not digested: data loaders (their positions are the
-resume audit's), and models whose ``state_dict()`` is a collective (FSDP1,
-DeepSpeed engines: it gathers the whole model, on the training's process group), with
-their optimizers (whose state is each rank's shard, without global positions). Recorded
-in the digest's ``uncompared`` and named by the check, never compared: offloaded tensors
-(meta on the live object at save), DTensors whose placements give their local values no
-global positions (``Partial``, ``_StridedShard``) or on a mesh of part of the ranks.
-
-How much is digested: :data:`MODE_ENV` (``STATEKIT_STATE_CHECK``): ``"sampled"`` (the
-default where a tensor is on the CPU: blocks of 16 elements every 4096, and every element
-of tensors under 65,536 elements), ``"full"`` (every element; the default for tensors on
-an accelerator, where it costs a few element-wise kernels) or ``"off"`` (a save records
-no digest and a load compares none). A load compares with what the save recorded.
+Checksums prove a checkpoint's files; this proves the load path (moments left at zero, a
+zero-padded reshard, a skipped adapter). Deliberate differences are named, not faults: a
+widening cast is compared after the cast back, a narrowing one is not compared, what a
+``strict=False`` load left out is skipped. Structural faults are named with equal values:
+a lateral cast (bfloat16 to float16) and a tie the load broke (issue 44). DTensors are
+digested by their shards' global positions, summed in one all-reduce (so :func:`record`
+and, with DTensors, :func:`check` are collectives). What is and is not digested, the
+sampled and full modes (:data:`MODE_ENV`) and what a sampled digest can miss:
+``docs/concepts.md``, "State check".
 """
 
 from __future__ import annotations
@@ -57,9 +25,8 @@ from typing import Any
 import torch
 
 from statekit import distributed, format as fmt
-from statekit.engine.entries import Entry, unwrap_model
 from statekit.errors import InvalidOptionError, StateCheckWarning, StateMismatchError, warn_user
-from statekit.format import state_digest as sd
+from statekit.checks import digest as sd
 from statekit.format.manifest_types import Manifest, StateDigest
 
 logger = logging.getLogger("statekit")
@@ -70,7 +37,23 @@ full when every digested tensor is on an accelerator, sampled otherwise)."""
 
 MODES = ("sampled", "full", "off")
 
-_DIGESTED_KINDS = frozenset({"model", "optimizer", "scheduler", "scaler", "custom", "tensor", "dict"})
+
+@dataclasses.dataclass(frozen=True)
+class LiveTensors:
+    """One saved or loaded object's tensors as the state check digests them, read from the
+    live object by :func:`statekit.engine.live_state.live_tensors`.
+
+    Attributes:
+        key: the object's key in the checkpoint (``"model"``, ``"optimizer_1"``).
+        kind: its kind (``"model"``, ``"optimizer"``, ...; a model's ties are recorded).
+        per_rank: one copy per rank (digested under ``<key>/rank-<r>``).
+        tensors: ``path in its state dict -> tensor`` (DTensors and meta tensors included).
+    """
+
+    key: str
+    kind: str
+    per_rank: bool
+    tensors: Mapping[str, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -82,7 +65,7 @@ class StateVerdict:
             ``"mismatch"`` (at least one differs) or ``"not recorded"`` (the checkpoint
             holds no state digest: written before it existed, or with the check off).
         compared: tensors compared.
-        sampled: the digests were sampled (:class:`statekit.format.state_digest.Sampling`).
+        sampled: the digests were sampled (:class:`statekit.checks.digest.Sampling`).
         differences: per differing tensor, ``"<object> '<key>': <what differs>"``.
         mismatched: ``"<object key>:<tensor path>" -> "saved digest ..., live ..."``.
         deliberate: the deliberate differences, ``(object, tensor path, what)`` (loaded into
@@ -130,84 +113,21 @@ def mode() -> str | None:
     return value
 
 
-def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
-    """The entries whose tensors the state digest covers: not optimizers when a model is
-    sharded by a collective wrapper (their state is each rank's shard), and (by
-    :func:`digested`) not the sharded models themselves.
-
-    Args:
-        entries: a save's or load's objects.
-        accelerator: the run's Accelerator, or None.
-
-    Returns:
-        The entries to digest, in order.
-    """
-    models = [e.obj for e in entries if e.kind == "model"]
-    sharded = any(_is_collective(m) or _is_collective(unwrap_model(m, accelerator)) for m in models)
-    return [e for e in entries if not (sharded and e.kind == "optimizer")]
-
-
-def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one object that the state digest covers, by their path in its state
-    dict (``"layers.0.weight"``, ``"state.0.exp_avg"``), DTensors included; empty for
-    what is not digested (module docstring). Whether a plugin took the object is
-    :func:`record`'s to judge.
-
-    Args:
-        entry: the object (:class:`statekit.engine.entries.Entry`).
-        accelerator: its Accelerator, to unwrap a prepared model.
-        state: its state dict when the caller has it already (not computed again).
-
-    Returns:
-        ``path -> tensor``.
-    """
-    if entry.kind not in _DIGESTED_KINDS or entry.plugin_only:
-        return {}
-    try:
-        if entry.kind == "model":
-            model = unwrap_model(entry.obj, accelerator)
-            if any(_is_collective(m) for m in (entry.obj, model)):
-                return {}
-            state = model.state_dict() if state is None else state
-        elif state is not None:
-            pass
-        elif entry.kind == "tensor":
-            state = {entry.key: entry.obj}
-        elif entry.kind == "dict":
-            state = entry.obj
-        else:
-            state = entry.obj.state_dict()
-    except Exception:  # noqa: BLE001 - an object whose state cannot be read now is not digested
-        logger.debug("state check: %s has no readable state dict", entry.key, exc_info=True)
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    _flatten(state, "", out)
-    return out
-
-
 def _digestible_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Without meta tensors (shapes only: nothing to digest)."""
     return {path: t for path, t in tensors.items() if t.device.type != "meta"}
 
 
-def _is_collective(model: Any) -> bool:
-    """Whether a model's ``state_dict()`` gathers across ranks (FSDP1 anywhere inside it, a
-    DeepSpeed engine): it cannot be called on one rank alone."""
-    if "DeepSpeed" in type(model).__name__:
-        return True
-    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    return any(type(m).__name__ == "FullyShardedDataParallel" for m in modules)
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    """Add every tensor of a state tree (mappings, lists, tuples) to ``out`` under its dotted path."""
     if isinstance(value, torch.Tensor):
         out[prefix] = value  # (a DTensor too: its shards are summed by their global positions)
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+            flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
 
 
 def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
@@ -222,23 +142,14 @@ def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
     return sd.Sampling() if on_host else sd.Sampling.FULL
 
 
-def record(
-    entries: list[Entry],
-    accelerator: Any = None,
-    states: Mapping[str, Mapping[str, Any]] | None = None,
-) -> StateDigest | None:
+def record(objects: list[LiveTensors]) -> StateDigest | None:
     """The state digest of a save: every digested tensor of every object, now.
 
-    Every rank calls it, at the same point of the save: the shards of a ``DTensor`` are
-    summed across the ranks (one all-reduce for every DTensor of the save, on statekit's
-    group; none when there is none). Rank 0 digests the other tensors and returns the
-    digest; the other ranks only add their shards.
+    Every rank calls it at the same point (one all-reduce sums every DTensor's shards);
+    rank 0 digests the other tensors and returns the digest.
 
     Args:
-        entries: the save's objects.
-        accelerator: the run's Accelerator, or None.
-        states: state dicts the save computed already, by key (the models' weights the
-            core wrote: a model's ``state_dict()`` is not called twice).
+        objects: the save's objects (:func:`statekit.engine.live_state.live_tensors`).
 
     Returns:
         The manifest's ``state_digest`` on rank 0 (None there when nothing is digested or
@@ -249,57 +160,60 @@ def record(
         CollectiveTimeoutError: a rank did not reach the all-reduce of the DTensors.
     """
     if mode() == "off":
-        return None  # (no state dict computed for it)
-    chosen = digestible(entries, accelerator)
-    own = {e.key: _digestible_tensors(digested(e, accelerator)) for e in chosen if e.per_rank}  # this rank's
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    offloaded: dict[str, dict[str, str]] = {}
-    ties: dict[str, list[list[str]]] = {}
-    for e in chosen:
-        if e.per_rank:
-            continue
-        named = digested(e, accelerator, (states or {}).get(e.key))
-        if e.kind == "model" and (groups := tie_groups(named)):
-            ties[e.key] = groups
-        for path, t in named.items():
-            if t.device.type == "meta":  # offloaded (Accelerate's hooks hold it elsewhere): nothing here to digest
-                offloaded.setdefault(e.key, {})[path] = "offloaded (meta on the live object)"
-        named = _digestible_tensors(named)
-        if named:
-            tensors[e.key] = named
-    sampling = _sampling(t for ts in (*tensors.values(), *own.values()) for t in ts.values())
+        return None
+    own = {o.key: _digestible_tensors(o.tensors) for o in objects if o.per_rank}  # this rank's
+    whole = _WholeObjects([o for o in objects if not o.per_rank])
+    sampling = _sampling(t for ts in (*whole.tensors.values(), *own.values()) for t in ts.values())
     per_rank = _per_rank_digests(own, sampling) if own else {}  # (every rank holds them: a collective)
-    if sampling is None or not (tensors or offloaded or per_rank):
+    if sampling is None or not (whole.tensors or whole.offloaded or per_rank):
         return None
     rank = distributed.rank_and_world_size()[0]
-    sums, uncompared = _digests({(key, path): t for key, named in tensors.items() for path, t in named.items()},
+    sums, uncompared = _digests({(key, path): t for key, named in whole.tensors.items() for path, t in named.items()},
                                 sampling, plain=rank == 0)
     if rank != 0:
         return None
-    objects: dict[str, dict[str, str]] = dict(per_rank)
-    not_digested: dict[str, dict[str, str]] = {key: dict(paths) for key, paths in offloaded.items()}
-    for key, named in tensors.items():
-        for path, t in named.items():
-            if (key, path) in sums:
-                objects.setdefault(key, {})[path] = f"{_dtype(t)}:{sums[key, path]}"
-            else:
-                not_digested.setdefault(key, {})[path] = uncompared[key, path]
-    return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=objects,
-                       uncompared=not_digested or None, ties=ties or None)
+    return whole.digest(sampling, per_rank, sums, uncompared)
+
+
+class _WholeObjects:
+    """The objects saved whole (not per rank), sorted for the digest: their digestible
+    tensors, the offloaded ones (meta: nothing here to digest), and each model's ties."""
+
+    def __init__(self, objects: list[LiveTensors]) -> None:
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.offloaded: dict[str, dict[str, str]] = {}
+        self.ties: dict[str, list[list[str]]] = {}
+        for o in objects:
+            if o.kind == "model" and (groups := tie_groups(o.tensors)):
+                self.ties[o.key] = groups
+            for path, t in o.tensors.items():
+                if t.device.type == "meta":  # offloaded: Accelerate's hooks hold it elsewhere
+                    self.offloaded.setdefault(o.key, {})[path] = "offloaded (meta on the live object)"
+            named = _digestible_tensors(o.tensors)
+            if named:
+                self.tensors[o.key] = named
+
+    def digest(self, sampling: sd.Sampling, per_rank: Mapping[str, dict[str, str]], sums: Mapping[_Name, str],
+               uncompared: Mapping[_Name, str]) -> StateDigest:
+        """The manifest's record: ``"<dtype>:<digest>"`` per tensor, what was not digested and why."""
+        recorded: dict[str, dict[str, str]] = dict(per_rank)
+        not_digested: dict[str, dict[str, str]] = {key: dict(paths) for key, paths in self.offloaded.items()}
+        for key, named in self.tensors.items():
+            for path, t in named.items():
+                if (key, path) in sums:
+                    recorded.setdefault(key, {})[path] = f"{_dtype(t)}:{sums[key, path]}"
+                else:
+                    not_digested.setdefault(key, {})[path] = uncompared[key, path]
+        return StateDigest(algorithm=sd.ALGORITHM, sampling=sampling.to_json(), objects=recorded,
+                           uncompared=not_digested or None, ties=self.ties or None)
 
 
 def tie_groups(named: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """The groups of paths of one model's state dict that are one tensor (tied weights: a
     GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``): the same storage, offset,
-    shape, strides and dtype. Tensors whose storage says nothing are left out: meta
-    (offloaded), empty, DTensors (their local shards are the sharding's), tensor subclasses.
-
-    Args:
-        named: ``path -> tensor`` (:func:`digested`), in state dict order.
-
-    Returns:
-        Each group of two or more paths, in state dict order (groups by their first path).
-    """
+    shape, strides and dtype; meta, empty, DTensor and subclass tensors are left out.
+    ``named``: ``path -> tensor`` in state dict order; returns each group of two or more
+    paths, in that order."""
     by_view: dict[tuple[Any, ...], list[str]] = {}
     for path, t in named.items():
         view = _view(t)
@@ -359,7 +273,7 @@ class StateRecorder:
         if self.sampling is None:
             return
         named: dict[str, torch.Tensor] = {}
-        _flatten(state, "", named)
+        flatten(state, "", named)
         named = _digestible_tensors(named)
         if named:
             sums = sd.digests(named, self.sampling)
@@ -380,7 +294,7 @@ def _digests(
     tensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling, plain: bool = True
 ) -> tuple[dict[_Name, str], dict[_Name, str]]:
     """The digests of many tensors of many objects: the plain ones batched
-    (:func:`statekit.format.state_digest.digests`; only when ``plain``), the DTensors by
+    (:func:`statekit.checks.digest.digests`; only when ``plain``), the DTensors by
     :func:`_shard_digests` (a collective).
 
     Returns:
@@ -395,7 +309,7 @@ def _digests(
 
 
 def _shard_digests(dtensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling) -> tuple[dict[_Name, str], dict[_Name, str]]:
-    """The digests of DTensors: each rank's share (:func:`statekit.format.state_digest.shard_sum`)
+    """The digests of DTensors: each rank's share (:func:`statekit.checks.digest.shard_sum`)
     summed over the ranks in one all-reduce (every rank calls it with the same DTensors, in
     the same order: their objects' state dicts; none in one process or without a
     DTensor). A DTensor whose mesh is not the whole world, or whose share a rank cannot
@@ -491,32 +405,25 @@ def _cast(saved: str, live: str) -> str | None:
 
 def check(
     manifest: Manifest,
-    entries: list[Entry],
+    objects: list[LiveTensors],
     url: str,
     *,
-    accelerator: Any = None,
     strict: bool = False,
     left_out: Mapping[str, Iterable[str]] | None = None,
     names: Mapping[str, Mapping[str, str]] | None = None,
 ) -> StateVerdict:
     """Compare the live objects, as a load left them, with the checkpoint's state digest.
-
-    Every rank calls it, at the same point of the load, with the same objects: the
-    DTensors among the compared tensors are digested with one all-reduce (and, when some
-    differ, one more to tell whether they are all zeros); the other tensors on each rank
-    alone. Tensors the save could not digest (``state_digest.uncompared``) are named.
+    A collective when DTensors are compared (every rank, same point, same objects).
 
     Args:
         manifest: the loaded checkpoint's manifest.
-        entries: the objects the load restored.
+        objects: the objects the load restored (:func:`statekit.engine.live_state.live_tensors`).
         url: the checkpoint, for messages.
-        accelerator: the run's Accelerator, or None.
         strict: do not warn on a mismatch: the caller raises it (:func:`raise_mismatch`).
         left_out: per object key, the state-dict keys a ``strict=False`` load left out
             (deliberately not loaded: skipped and named).
         names: per object key, its optimizer's parameter names by state path prefix
-            (:func:`optimizer_names`: ``"state.3" -> "layers.3.weight"``, so
-            ``state.3.exp_avg`` is named ``exp_avg of 'layers.3.weight'``), for messages.
+            (:func:`optimizer_names`), for messages.
 
     Returns:
         The verdict (warned with :class:`StateCheckWarning` when it is a mismatch and not
@@ -534,21 +441,8 @@ def check(
     except (KeyError, TypeError, ValueError):
         return StateVerdict("not recorded")
     comparison = _Comparison(names or {})
-    rank, world = distributed.rank_and_world_size()
-    for index, entry in enumerate(digestible(entries, accelerator)):
-        what = comparison.whats[entry.key] = f"{entry.kind} {entry.key!r}"
-        for path, reason in ((saved.uncompared or {}).get(entry.key) or {}).items():
-            comparison.note((index, 0, -1), what, path, f"not digested at save ({reason}), not compared")
-        if entry.per_rank and manifest.world_size not in (None, world):
-            continue  # another world size: this rank's saved copy is not this rank's state
-        recorded = saved.objects.get(fmt.rank_path(entry.key, rank) if entry.per_rank else entry.key)
-        if recorded:
-            skipped = {str(k) for k in (left_out or {}).get(entry.key, ())}
-            live = digested(entry, accelerator)
-            comparison.read(index, entry.key, recorded, live, skipped)
-            groups = (saved.ties or {}).get(entry.key) if entry.kind == "model" and not entry.per_rank else None
-            if groups:
-                comparison.tied(index, entry.key, list(recorded), groups, live)
+    for index, live in enumerate(objects):
+        comparison.object(index, live, manifest, {str(k) for k in (left_out or {}).get(live.key, ())})
     verdict = comparison.judge(sampling)
     if verdict.differences:
         if not strict:
@@ -585,6 +479,24 @@ class _Comparison:
         """A fault of one tensor (``path`` of object ``key``): ``message`` follows its name
         (``" differs from ..."``); a tensor's faults are one difference, in order."""
         self._faults.setdefault((key, path), []).append((order, value, message))
+
+    def object(self, index: int, live: LiveTensors, manifest: Manifest, skipped: set[str]) -> None:
+        """Read one object against what the save recorded of it: its digests (:meth:`read`),
+        its ties (:meth:`tied`) and what the save could not digest (named)."""
+        what = self.whats[live.key] = f"{live.kind} {live.key!r}"
+        saved = manifest.state_digest
+        for path, reason in ((saved.uncompared or {}).get(live.key) or {}).items():
+            self.note((index, 0, -1), what, path, f"not digested at save ({reason}), not compared")
+        rank, world = distributed.rank_and_world_size()
+        if live.per_rank and manifest.world_size not in (None, world):
+            return  # another world size: this rank's saved copy is not this rank's state
+        recorded = saved.objects.get(fmt.rank_path(live.key, rank) if live.per_rank else live.key)
+        if not recorded:
+            return
+        self.read(index, live.key, recorded, live.tensors, skipped)
+        groups = (saved.ties or {}).get(live.key) if live.kind == "model" and not live.per_rank else None
+        if groups:
+            self.tied(index, live.key, list(recorded), groups, live.tensors)
 
     def read(self, index: int, key: str, recorded: Mapping[str, str], live: Mapping[str, torch.Tensor],
              skipped: set[str]) -> None:
@@ -644,33 +556,50 @@ class _Comparison:
         """Digest every tensor read (DTensors: a collective), compare, and the verdict."""
         sums, uncompared = _digests({name: t[0] for name, t in self._tensors.items()}, sampling)
         differing: dict[_Name, tuple[str, _Order]] = {}
-        for (key, path), (_, live_dtype, dtype, digest, order) in self._tensors.items():
-            what, live = self.whats[key], sums.get((key, path))
-            cast = None if live_dtype == dtype else _cast(dtype, live_dtype)
-            if (key, path) in uncompared:
-                if cast == "lateral":
-                    self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype),
-                                _lateral(dtype, live_dtype, ""))
-                self.note(order, what, path, f"{uncompared[key, path]}, not compared")
+        for name, (_, live_dtype, dtype, digest, order) in self._tensors.items():
+            if name in uncompared:
+                self._uncompared(name, live_dtype, dtype, order, uncompared[name])
             elif live_dtype == dtype:
                 self.compared += 1
-                if live != digest:
-                    differing[key, path] = (digest, (order[0], 1, order[2]))
-            elif cast == "lateral":  # a fault even with the values kept: the run goes on in other arithmetic
+                if sums.get(name) != digest:
+                    differing[name] = (digest, (order[0], 1, order[2]))
+            elif self._cast_back(name, live_dtype, dtype, digest, sums.get(name), order):
                 self.compared += 1
-                values = ", equal values after the cast back" if live == digest else (
-                    f", other values after the cast back (saved digest {digest}, live {live})")
-                self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype),
-                            _lateral(dtype, live_dtype, values))
-            elif live == digest:
-                self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")
-                self.compared += 1
-            elif cast == "widening":  # lossless: the values themselves differ
-                self.differ(order, key, path, f"loaded as {live_dtype} (saved {dtype}), other values",
-                            f" loaded as {live_dtype} (saved {dtype}) differs from the saved state after the cast "
-                            f"back (saved digest {digest}, live {live})")
-            else:
-                self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")
+        return self._verdict(sampling, differing, sums)
+
+    def _uncompared(self, name: _Name, live_dtype: str, dtype: str, order: _Order, why: str) -> None:
+        """A tensor the digest could not compute now (a DTensor's placements): named; a
+        lateral cast is a fault all the same."""
+        key, path = name
+        if live_dtype != dtype and _cast(dtype, live_dtype) == "lateral":
+            self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype), _lateral(dtype, live_dtype, ""))
+        self.note(order, self.whats[key], path, f"{why}, not compared")
+
+    def _cast_back(self, name: _Name, live_dtype: str, dtype: str, digest: str, live: str | None, order: _Order) -> bool:
+        """Judge one tensor loaded into another dtype, compared after the cast back (a fault
+        or a deliberate difference is recorded here); True when it counts as compared."""
+        key, path = name
+        what = self.whats[key]
+        cast = _cast(dtype, live_dtype)
+        if cast == "lateral":  # a fault even with the values kept: the run goes on in other arithmetic
+            values = ", equal values after the cast back" if live == digest else (
+                f", other values after the cast back (saved digest {digest}, live {live})")
+            self.differ((order[0], 1, order[2]), key, path, _dtypes(dtype, live_dtype), _lateral(dtype, live_dtype, values))
+            return True
+        if live == digest:
+            self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), equal after the cast back")
+            return True
+        if cast == "widening":  # lossless: the values themselves differ
+            self.differ(order, key, path, f"loaded as {live_dtype} (saved {dtype}), other values",
+                        f" loaded as {live_dtype} (saved {dtype}) differs from the saved state after the cast "
+                        f"back (saved digest {digest}, live {live})")
+            return False
+        self.note(order, what, path, f"loaded as {live_dtype} (saved {dtype}), a narrowing cast, not compared")
+        return False
+
+    def _verdict(self, sampling: sd.Sampling, differing: Mapping[_Name, tuple[str, _Order]],
+                 sums: Mapping[_Name, str]) -> StateVerdict:
+        """The faults of every tensor, each tensor's in order, as one verdict."""
         zeros = _all_zeros({name: self._tensors[name][0] for name in differing})
         for (key, path), (digest, order) in differing.items():
             self.differ(order, key, path, f"saved digest {digest}, live {sums[key, path]}",
@@ -765,5 +694,5 @@ def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[
     return out
 
 
-__all__ = ["MODES", "MODE_ENV", "StateRecorder", "StateVerdict", "check", "digestible", "digested", "optimizer_names", "raise_mismatch",
-           "record", "tie_groups"]
+__all__ = ["MODES", "MODE_ENV", "LiveTensors", "StateRecorder", "StateVerdict", "check", "flatten", "optimizer_names",
+           "raise_mismatch", "record", "tie_groups"]

@@ -2,7 +2,7 @@
 
 Written by the save paths once the checkpoint committed (:class:`Witness`,
 :func:`claim_witnesses`), read by a resume into the loader's saved position
-(:func:`merge_next_batch`), and checked there by :mod:`statekit.loaders.audit`. Format:
+(:func:`merge_next_batch`), and checked there by :mod:`statekit.checks.audit`. Format:
 docs/format.md, "Next-batch records"; design: docs/design-notes.md.
 """
 
@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from statekit.loaders.audit import content_digest
+from statekit.checks.audit import content_digest
 from statekit.storage.hashing import new_hasher
 
 logger = logging.getLogger("statekit")

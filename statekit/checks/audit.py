@@ -1,43 +1,17 @@
 """The resume audit: every resume checks that its data loaders continue where the saved run stood.
 
-The data position is restored by mechanisms that each cover known setups (generator states,
-index skipping, dataset states, replayed random draws). A setup nobody named can still
-resume on other batches: a sampler that shuffles with its own ``random.Random``, a dataset
-that augments with its own ``np.random.default_rng``, a restored loader replaced by another
-object. Only what the resumed loader *yields* shows it, so the audit compares that with
-what the saved run was about to yield.
-
-**At every save**, for every tracked loader whose epoch is in progress, the position
-records a :class:`NextBatch` (saved with the loader's position, per rank):
-
-- the sample indices of the next batch (a digest and the first few, for messages), for a
-  loader with a batch sampler. :class:`IndexLog` records the indices the batch sampler
-  hands out, by fetch number; for a loader that does not ask for indices ahead (a plain
-  ``DataLoader`` with ``num_workers=0``) it asks for one batch of indices ahead of the
-  iterator, which draws nothing the run would not draw anyway (it changes only *when* the
-  sampler runs, as the read-ahead of Accelerate's ``DataLoaderShard`` and of worker
-  processes already does);
-- a digest of the next batch's content where the loader holds it already: Accelerate's
-  ``DataLoaderShard`` fetches batch ``k + 1`` before it yields batch ``k`` (its ``next_batch``);
-- the sampler's epoch (``set_epoch``) or Accelerate's ``iteration`` when the epoch's
-  iterator took the sampler.
-
-**After every save**, where the loader held no batch, the first batch it yields is digested
-and written beside the committed checkpoint (:mod:`statekit.loaders.next_batch`); a resume
-adds it to the record, so behind any loader the first batch is checked by content.
-
-**On resume**, the first batch each restored loader yields is compared with that record
-(:func:`check_first_batch`): a difference is a :class:`statekit.ResumeAuditWarning` naming
-the loader, the step, the expected and the actual indices (or content), or, under
-``strict_resume=True``, a :class:`statekit.ResumeAuditError` raised from the ``for`` loop.
-A restored position that the run never consumes (the next save finds it still waiting) is
-named too.
-
-**Verdicts.** The resume's verdict (:class:`ResumeVerdict`) is ``"verified"`` (every
-restored loader yielded what was recorded), ``"diverged"`` (the first difference), or
-``"unverifiable"`` (why: no record, a save at an epoch boundary, no loader). Every
-checkpoint written after the resume carries it in its manifest (``resume_audit``), which
-``statekit ls`` and ``statekit inspect`` show: a run's history says which resumes were proven.
+Positions are restored by mechanisms that each cover known setups; a setup nobody named (a
+sampler with its own ``random.Random``, a dataset with its own generator, a restored loader
+replaced by another object) shows only in what the resumed loader *yields*. So every save
+records, per tracked loader inside an epoch, a :class:`NextBatch` (the next batch's indices,
+from :class:`statekit.loaders.index_log.IndexLog`; its content digest where the loader holds
+it already; the sampler's epoch), or, where the loader held no batch, the first batch it yields
+after the save (:mod:`statekit.checks.next_batch`). A resume compares the first batch each
+restored loader yields with that record (:func:`check_first_batch`): a difference is a
+:class:`statekit.ResumeAuditWarning` (``strict_resume``: :class:`statekit.ResumeAuditError`)
+naming loader, step, expected and actual. The verdict (:class:`ResumeVerdict`: verified,
+diverged or unverifiable, with why) is recorded in every later manifest's ``resume_audit``.
+``docs/concepts.md`` (Resume audit) says what users see; ``docs/design-notes.md`` the costs.
 """
 
 from __future__ import annotations
@@ -54,7 +28,6 @@ from typing import Any
 import torch
 
 from statekit.errors import ResumeAuditError, ResumeAuditWarning, StatekitWarning, warn_user
-from statekit.loaders.samplers import BatchSamplerWrapper
 from statekit.storage.hashing import new_hasher
 
 logger = logging.getLogger("statekit")
@@ -84,7 +57,7 @@ class NextBatch:
             ``iteration`` of the loader when the epoch's iterator started, or None.
         missing: why indices or content are not recorded (for the verdict), or None.
         content_after_save: the content digest is that of the batch the saved run yielded
-            right after the save (:class:`statekit.loaders.next_batch.Witness`), not of a batch held at save time.
+            right after the save (:class:`statekit.checks.next_batch.Witness`), not of a batch held at save time.
         ends_epoch: the saved run's epoch ended at this position (the batch it yielded after
             the save was the next epoch's first: ``content_digest`` is that one's).
     """
@@ -202,98 +175,6 @@ def _feed(hasher: Any, value: Any) -> None:
     raise _NotHashable
 
 
-# --------------------------------------------------------------------------- index log
-
-
-class IndexLog(BatchSamplerWrapper):
-    """A batch sampler that records the indices it hands out, by fetch number in the epoch,
-    in ``position.drawn`` (consumed ones are dropped by :func:`forget_before`).
-
-    Args:
-        batch_sampler: the batch sampler to wrap (skip and replay wrappers applied).
-        position: the loader's ``Position``.
-        first: fetch number of the first batch this iterator asks for.
-        read_ahead: also ask the wrapped sampler for the next batch's indices, so a save
-            after batch ``k`` knows batch ``k + 1``'s (for loaders that do not ask ahead).
-        epoch_of: returns the sampler's epoch (:func:`sampler_epoch`); it is read when the
-            iterator takes the batch sampler (``position.sampler_epoch_start``), before any
-            draw: a sampler that counts its own epochs counts one more as soon as a
-            read-ahead runs it out, which says nothing about where the run stands.
-    """
-
-    def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool, epoch_of: Any = None) -> None:
-        super().__init__(batch_sampler)
-        self.position = position
-        self.first = first
-        self.read_ahead = read_ahead
-        self.epoch_of = epoch_of
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.epoch_of is not None:
-            self.position.sampler_epoch_start = self.epoch_of()
-        return super().__iter__()
-
-    def iterate(self, items: Iterator[Any]) -> Iterator[Any]:
-        drawn: dict[int, Any] = {}
-        self.position.drawn = drawn
-        self.position.drawn_all = False
-        fetched = self.first
-        ahead: list[Any] = []
-        while True:
-            if ahead:
-                indices = ahead.pop()
-            else:
-                try:
-                    indices = next(items)
-                except StopIteration:
-                    self.position.drawn_all = True
-                    return
-                drawn[fetched] = indices
-            if self.read_ahead:
-                try:
-                    ahead.append(next(items))
-                    drawn[fetched + 1] = ahead[0]
-                except StopIteration:
-                    self.position.drawn_all = True
-            fetched += 1
-            yield indices
-
-
-def forget_before(position: Any, batches: int) -> None:
-    """Drop the indices of fetches before ``batches`` (consumed: no record needs them)."""
-    for fetched in [k for k in position.drawn if k < batches]:
-        del position.drawn[fetched]
-
-
-def accelerate_next_batch(parent: Any, loader: Any) -> tuple[bool, Any]:
-    """The batch an Accelerate ``DataLoaderShard`` fetched ahead of the one it yielded last.
-
-    ``DataLoaderShard.__iter__`` holds it in its local ``next_batch`` while the training
-    loop runs (https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py);
-    at the epoch's last batch (``end_of_dataloader``) there is none.
-
-    Returns:
-        ``(True, batch)``, or ``(False, None)`` when the loader holds no next batch.
-    """
-    if getattr(loader, "end_of_dataloader", False):
-        return False, None
-    frame = getattr(parent, "gi_frame", None)
-    if frame is None or type(loader).__mro__[1].__name__ != "DataLoaderShard":
-        return False, None
-    local = frame.f_locals
-    return ("next_batch" in local), local.get("next_batch")
-
-
-def sampler_epoch(loader: Any, sampler: Any) -> int | None:
-    """The epoch the loader's sampler was set to (``sampler.epoch``, as
-    ``DistributedSampler.set_epoch`` sets it), else Accelerate's ``iteration``, else None."""
-    value = getattr(sampler, "epoch", None)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    value = loader.__dict__.get("iteration") if hasattr(loader, "__dict__") else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 # --------------------------------------------------------------------------- verdicts
 
 
@@ -326,7 +207,7 @@ class ResumeVerdict:
         order: how many resumes this process began up to this one (the newest wins).
         loaders: by checkpoint key.
         state: the state check of the load (``StateVerdict.to_json()`` of
-            :mod:`statekit.engine.state_check`), or None.
+            :mod:`statekit.checks.state_check`), or None.
     """
 
     url: str

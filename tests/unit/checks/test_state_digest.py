@@ -1,4 +1,4 @@
-"""The state digest (statekit.format.state_digest, issue 38): one number per tensor that
+"""The state digest (statekit.checks.digest, issue 38): one number per tensor that
 does not depend on how the tensor is split, full or sampled, with what sampling can miss
 exactly as documented."""
 
@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from statekit.format.state_digest import Sampling, box_sum, digests, format_sum, partial_sum, tensor_digest
+from statekit.checks.digest import Sampling, box_sum, digests, format_sum, partial_sum, tensor_digest
 
 SAMPLED = Sampling(block=4, stride=64, full_below=0)  # small numbers: the same arithmetic, small tensors
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8,

@@ -2,7 +2,7 @@
 enough to be sampled (>= 65,536 elements): what it sees and what it may miss is exactly
 what docs/concepts.md ("State check") says, and ``STATEKIT_STATE_CHECK=full`` sees every
 fault. The same faults on small tensors (every element digested) are
-tests/unit/engine/test_state_check.py."""
+tests/unit/checks/test_state_check.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import statekit
-from statekit.engine.state_check import MODE_ENV
-from statekit.format.state_digest import Sampling
+from statekit.checks.state_check import MODE_ENV
+from statekit.checks.digest import Sampling
 
 WIDTH = 512  # a [512, 512] weight: 262,144 elements, sampled by default
 SAMPLING = Sampling()
