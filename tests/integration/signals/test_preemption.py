@@ -351,8 +351,8 @@ def test_handlers_chain_to_the_previous_python_handler_and_are_restored_on_exit(
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:
         installed = signal.getsignal(signal.SIGUSR1)
-        with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=("USR1",),
-                                        on_signal="return") as manager:
+        with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(
+                                            signals=("USR1",), on_signal="return")) as manager:
             assert signal.getsignal(signal.SIGTERM) is not manager  # only the signals asked for
             os.kill(os.getpid(), signal.SIGUSR1)
             os.kill(os.getpid(), signal.SIGUSR1)  # a second signal: counted, nothing else
@@ -369,8 +369,8 @@ def test_handlers_chain_to_the_previous_python_handler_and_are_restored_on_exit(
 
 
 def test_a_save_call_is_a_safe_point_and_becomes_the_signals_save(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
-                                    async_save=True) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), async_save=True,
+                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return")) as manager:
         assert manager.step_boundary(1) is False
         os.kill(os.getpid(), signal.SIGTERM)
         manifest = manager.save(2)  # blocking despite async_save: committed on return
@@ -387,8 +387,7 @@ def test_save_on_signal_exit_raises_systemexit_with_128_plus_the_signal(tmp_path
 
 
 def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
-                                    grace_s=1e-9) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(on_signal="return", grace_s=1e-9)) as manager:
         manager.step_boundary(1)
         with pytest.warns(statekit.StatekitWarning, match=r"passed between two safe points .* more than grace_s=1e-09"):
             manager.step_boundary(2)
@@ -414,8 +413,7 @@ def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, options, messa
 
 
 def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
-                                    grace_s=1e-9) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(on_signal="return", grace_s=1e-9)) as manager:
         manager.save(1)  # measures the write rate
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.warns(statekit.StatekitWarning) as record:
