@@ -48,7 +48,7 @@ from statekit.engine.gradients import AccumulatedGradients, check_can_save
 from statekit.engine.locking import lock_accelerate_save, mark_save_failed
 from statekit.engine.read import verify_files
 from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
-from statekit.format.manifest import read_manifest
+from statekit.format.manifest import MANIFEST_NAME, read_manifest
 from statekit.format.manifest_types import Manifest, ObjectEntry
 from statekit.hooks.claims import track_save_claims
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -368,6 +368,12 @@ class _AttachedCalls:
         """After Accelerate's load: statekit's loader positions and gradients, then the post-hooks."""
         # the resume audit's verdict of this resume (statekit.checks.audit)
         audit.begin(checkpoint.url, checkpoint.manifest.step if checkpoint.manifest is not None else None)
+        if checkpoint.manifest is None and any(data.is_loader(obj) for obj in self.attachment.objects.values()):
+            warn_user(
+                f"{checkpoint.url} holds no {MANIFEST_NAME}: it was written without statekit (or its manifest was "
+                "removed), so no data-loader position of statekit's is read: each loader resumes as Accelerate "
+                "restores it (a save inside an epoch: that epoch restarts from its first batch, in a new order, and "
+                "this resume is not bit-exact); the checkpoints saved from now on resume exactly", StatekitWarning)
         apply_own_states(read_own_states(checkpoint, list(self.attachment.objects.items())))
         if self.accelerator._models and self.accelerator._optimizers:  # a training run's script may skip batches itself
             for obj in self.attachment.objects.values():

@@ -521,16 +521,15 @@ def read_own_states(checkpoint: Checkpoint, objects: list[tuple[str, Any]]) -> l
     Raises:
         CorruptCheckpointError: a file fails verification (names it).
     """
-    files = checkpoint.manifest.files if checkpoint.manifest is not None else None
+    if checkpoint.manifest is None:  # no manifest lists (and verifies) a file of statekit's: none is used
+        return []
+    files = checkpoint.manifest.files
     states = []
     for key, obj in objects:
         base = rank_path(key, checkpoint.rank)
-        saved = f"{base}.json" in files if files is not None else checkpoint.storage.exists(f"{base}.json")
+        saved = f"{base}.json" in files
         if data.is_loader(obj):
-            if files is not None:
-                own, ranks = read.loader_positions(checkpoint, key)
-            else:  # no manifest: this rank's file only, as written
-                own, ranks = (checkpoint.load_state(base) if saved else None), None
+            own, ranks = read.loader_positions(checkpoint, key)
             if own is not None or ranks is not None:
                 states.append((key, obj, own, ranks))
         elif isinstance(obj, AccumulatedGradients) and saved:

@@ -119,9 +119,11 @@ def _digestible_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
 
 
 def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    """Add every tensor of a state tree (mappings, lists, tuples) to ``out`` under its dotted path."""
+    """Add every tensor of a state tree (mappings, lists, tuples; other values skipped) to
+    ``out`` under its dotted path (``prefix``: the tree's own, ``""`` at the top; a bare tensor
+    is ``"tensor"``)."""
     if isinstance(value, torch.Tensor):
-        out[prefix] = value  # (a DTensor too: its shards are summed by their global positions)
+        out[prefix or "tensor"] = value  # (a DTensor too: its shards are summed by their global positions)
     elif isinstance(value, Mapping):
         for k, v in value.items():
             flatten(v, f"{prefix}.{k}" if prefix else str(k), out)

@@ -28,6 +28,7 @@ from statekit.engine.incremental import IncrementalReuse, ReuseBase
 from statekit.engine.staging import StagingPool
 from statekit.errors import StatekitError
 from statekit.format import codec
+from statekit.format.layout import NEXT_BATCH_DIR
 from statekit.format.manifest_types import FileEntry
 from statekit.storage import Storage, storage_errors
 from statekit.storage.hashing import HashingWriter, PrefixHasher
@@ -137,7 +138,9 @@ class FileWriter:
 
     def record_unlisted(self, writer: str) -> list[str]:
         """Checksum and record every file under the checkpoint not written through this
-        writer (hidden names and the manifest skipped); fsync them on local disk.
+        writer (hidden names, the manifest and the next-batch records skipped: those are
+        written after a commit, a previous save's in a folder saved into again); fsync them
+        on local disk.
 
         Args:
             writer: the ``writer`` recorded for these files.
@@ -150,7 +153,8 @@ class FileWriter:
         """
         added = []
         for rel in self.storage.find():
-            if rel in self.files or rel == fmt.MANIFEST_NAME or rel.rsplit("/", 1)[-1].startswith("."):
+            if rel in self.files or rel == fmt.MANIFEST_NAME or rel.rsplit("/", 1)[-1].startswith(".") \
+                    or rel.startswith(f"{NEXT_BATCH_DIR}/"):
                 continue
             hasher = fmt.new_hasher()
             size = 0

@@ -61,7 +61,7 @@ def digestible(entries: list[Entry], accelerator: Any = None) -> list[Entry]:
 def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one object that the state digest covers, by their path in its state
     dict (``"layers.0.weight"``, ``"state.0.exp_avg"``), DTensors included; empty for
-    what is not digested (module docstring). Whether a plugin took the object is
+    what is not digested (``docs/concepts.md``, State check). Whether a plugin took the object is
     :func:`statekit.checks.state_check.record`'s to judge.
 
     Args:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from statekit.engine.entries import strip_wrapper_prefixes
+from statekit.checks.state_check import flatten
 from statekit.errors import CorruptCheckpointError, PickleNotAllowedError
 from statekit.storage import Storage
 
@@ -80,19 +81,6 @@ def unreadable_pickle(url: str, exc: BaseException) -> CorruptCheckpointError:
         f"{url}: cannot be read as a torch file (truncated or damaged): {type(exc).__name__}: {exc}",
         path=url,
     )
-
-
-def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    """Collect the tensors of a nested state (mappings, lists, tuples) into ``out`` by dotted path
-    (``state.0.exp_avg``; ``prefix`` is ``value``'s path, ``""`` at the top; other values skipped)."""
-    if isinstance(value, torch.Tensor):
-        out[prefix or "tensor"] = value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
 
 
 class PickleFiles:

@@ -45,6 +45,11 @@ def rank_path(key: str, rank: int) -> str:
     return f"{key}/{rank_name(rank)}"
 
 
+NEXT_BATCH_DIR = "next-batch"
+"""The folder of the next-batch records beside a checkpoint: written after its commit, never
+listed in a manifest (a save into the folder again must not list the previous save's)."""
+
+
 def next_batch_path(key: str, rank: int) -> str:
     """Where the record of the first batch a loader yielded after the save lives
     (``statekit.checks.next_batch.Witness``): written after the commit, not in the manifest.
@@ -52,7 +57,7 @@ def next_batch_path(key: str, rank: int) -> str:
     Returns:
         ``"next-batch/<key>/rank-<rank:05d>.json"``.
     """
-    return f"next-batch/{rank_path(key, rank)}.json"
+    return f"{NEXT_BATCH_DIR}/{rank_path(key, rank)}.json"
 
 
 def parse_rank_path(rel: str) -> tuple[str, int] | None:

@@ -522,36 +522,10 @@ def call_each(
         name = impl.plugin_name
         if checkpoint is not None:
             checkpoint.plugin = name
-        args = [kwargs[arg] for arg in impl.argnames]
         if trace:
             print(f"statekit: {hook_name} -> plugin {name!r}", file=sys.stderr)
-        unguarded = not guard_rng or getattr(impl.plugin, "STATEKIT_MANAGES_RNG", False)
-        guard = contextlib.nullcontext() if unguarded else rng_guard()
         try:
-            with guard:
-                result = impl.function(*args)
-        except StatekitError as exc:
-            if type(exc) is StatekitError:  # misuse of the context: the plugin's fault
-                raise PluginError(
-                    f"plugin {name!r} failed in {hook_name}: {exc}", plugin_name=name, hook_name=hook_name
-                ) from exc
-            # statekit's specific errors (StateMismatchError, CorruptCheckpointError,
-            # StorageError...) keep their type so callers can catch them, attributed here.
-            if isinstance(exc, PluginError):
-                exc.plugin_name = exc.plugin_name or name
-                exc.hook_name = exc.hook_name or hook_name
-            else:
-                exc.plugin_name, exc.hook_name = name, hook_name  # type: ignore[attr-defined]
-                exc.add_note(f"raised by plugin {name!r} in {hook_name}")
-            raise
-        except (KeyboardInterrupt, SystemExit, GeneratorExit):
-            raise
-        except BaseException as exc:  # also DCP's CheckpointException, a BaseException
-            raise PluginError(
-                f"plugin {name!r} failed in {hook_name}: {type(exc).__name__}: {exc}",
-                plugin_name=name,
-                hook_name=hook_name,
-            ) from exc
+            result = _call_one(impl, hook_name, [kwargs[arg] for arg in impl.argnames], guard_rng)
         finally:
             if checkpoint is not None:
                 checkpoint.plugin = None
@@ -562,3 +536,30 @@ def call_each(
         if result is not None:
             results.append((name, result))
     return results
+
+
+def _call_one(impl: Any, hook_name: str, args: list[Any], guard_rng: bool) -> Any:
+    """One implementation's call, under the RNG guard unless it manages the RNG itself;
+    what it raises attributed to it (see :func:`call_each`)."""
+    name = impl.plugin_name
+    unguarded = not guard_rng or getattr(impl.plugin, "STATEKIT_MANAGES_RNG", False)
+    try:
+        with contextlib.nullcontext() if unguarded else rng_guard():
+            return impl.function(*args)
+    except StatekitError as exc:
+        if type(exc) is StatekitError:  # misuse of the context: the plugin's fault
+            raise PluginError(f"plugin {name!r} failed in {hook_name}: {exc}", plugin_name=name, hook_name=hook_name) from exc
+        # statekit's specific errors keep their type so callers can catch them, attributed here
+        if isinstance(exc, PluginError):
+            exc.plugin_name = exc.plugin_name or name
+            exc.hook_name = exc.hook_name or hook_name
+        else:
+            exc.plugin_name, exc.hook_name = name, hook_name  # type: ignore[attr-defined]
+            exc.add_note(f"raised by plugin {name!r} in {hook_name}")
+        raise
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # also DCP's CheckpointException, a BaseException
+        raise PluginError(
+            f"plugin {name!r} failed in {hook_name}: {type(exc).__name__}: {exc}", plugin_name=name, hook_name=hook_name
+        ) from exc

@@ -297,9 +297,10 @@ def skip_after_resume(loader: Any, num_batches: int) -> bool:
         return False
     if restored != num_batches:
         raise StateMismatchError(
-            f"{describe(loader)}: skip_first_batches({num_batches}) after a statekit resume that already "
-            f"continues epoch {position.pending.get('epoch')} at batch {restored}: skipping on top of it would "
-            "skip twice and redraw the order; iterate the loader itself (no skip_first_batches needed)"
+            describe(loader),
+            reason=f"skip_first_batches({num_batches}) after a statekit resume that already continues epoch "
+            f"{position.pending.get('epoch')} at batch {restored}: skipping on top of it would skip twice and redraw "
+            "the order; iterate the loader itself (no skip_first_batches needed)",
         )
     # the script's idiom for Accelerate's resume, served exactly: a log line, not a warning
     logger.info(

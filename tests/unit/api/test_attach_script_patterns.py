@@ -388,3 +388,44 @@ def test_attached_manifests_record_the_checkpoints_step(tmp_path, installed_plug
     for step, epoch in saved.items():
         assert statekit.verify(str(tmp_path / f"checkpoint-{step}")).step == step
         assert statekit.verify(str(tmp_path / f"epoch_{epoch}_{step}")).step == step  # optimizer steps counted
+
+
+def test_saving_again_into_a_checkpoint_folder_does_not_list_its_old_next_batch_record(tmp_path):
+    """textual_inversion.py resumed from an older checkpoint (and complete_nlp_example.py's step
+    names after a resume) save into a folder that holds a committed checkpoint: the previous
+    save's next-batch record (written after its commit, beside it) must not be listed in the
+    new manifest, or the record rewritten after the new commit fails every later load."""
+    accelerator, model, optimizer, loader = _run()
+    folder = str(tmp_path / "checkpoint-6")
+    for epoch in range(2):
+        for step, (x, y) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == STEPS_PER_EPOCH - 1:  # an epoch's last batch: the record is written at the next batch
+                accelerator.save_state(folder)
+    assert os.path.isdir(os.path.join(folder, "next-batch")), "the first save's record was written after its commit"
+    manifest = statekit.verify(folder)
+    assert not any(rel.startswith("next-batch/") for rel in manifest.files), sorted(manifest.files)
+    resumed, *_ = _run(seed=1)
+    resumed.load_state(folder)  # loads, every listed file verified
+
+
+def test_attaching_to_resume_a_checkpoint_written_without_statekit_says_so(tmp_path):
+    """The migration case (complete_nlp_example.py's step_8, saved before statekit was added):
+    attach, then the script's own load_state of a mid-epoch Accelerate folder. Its loader
+    position was never saved, so the resume is Accelerate's, not exact: a named warning, and
+    no file of statekit's is read from a folder no manifest verifies."""
+    accelerator, model, optimizer, loader = _run(attach=None)
+    for step, (x, y) in enumerate(loader):
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            accelerator.save_state(str(tmp_path / "step_3"))
+            break
+    assert not (tmp_path / "step_3" / "statekit.json").exists()
+    resumed, *_ = _run(seed=1, attach="prepare")
+    with pytest.warns(statekit.StatekitWarning, match=r"step_3 holds no statekit\.json: it was written without statekit"):
+        resumed.load_state(str(tmp_path / "step_3"))

@@ -85,30 +85,13 @@ def convert(
     manifest = read_manifest(src)
     records = manifest.records.get(plugin_name) or {}
     entries = {k: r for k, r in records.items() if isinstance(r, dict) and isinstance(r.get("folder"), str)}
-    models = {k: r for k, r in entries.items() if r.get("kind") == "model"}
-    if not models:
+    if not any(r.get("kind") == "model" for r in entries.values()):
         raise StatekitError(f"{src.url}: no diffusers or transformers model was saved by statekit-diffusers in this checkpoint")
     out = Storage(out_url, storage_options)
     out.invalidate()
     if out.listdir():
         raise CheckpointExistsError(f"{out.url} exists and is not empty; choose a new folder for the export")
-
-    emas = {r.get("model_key"): r for r in entries.values() if r.get("kind") == "ema" and r.get("model_key")}
-    checkpoint = Checkpoint(src, mode="load", manifest=manifest, verify=True)
-    index: dict[str, Any] = {}
-    for key, rec in sorted(models.items(), key=lambda kv: kv[1]["folder"]):
-        folder = rec["folder"]
-        weights_from = emas[key]["folder"] if ema and key in emas else folder
-        _copy(checkpoint, out, f"{folder}/{layout.CONFIG_NAME}", f"{folder}/{layout.CONFIG_NAME}")
-        for rel in _weight_files(manifest, weights_from, rec["library"]):
-            _copy(checkpoint, out, rel, f"{folder}/{rel.split('/', 1)[1]}")
-        index[folder] = [rec["library"], rec["class"]]
-    for rec in entries.values():
-        if rec.get("kind") == "scheduler":
-            rel = f"{rec['folder']}/{layout.SCHEDULER_CONFIG_NAME}"
-            _copy(checkpoint, out, rel, rel)
-            index[rec["folder"]] = [rec.get("library", layout.DIFFUSERS), rec["class"]]
-
+    index = _copy_components(Checkpoint(src, mode="load", manifest=manifest, verify=True), out, entries, ema)
     pipeline = pipeline_class or records.get(PIPELINE_RECORD) or _infer_pipeline(entries)
     if pipeline is None:
         warn_user(
@@ -121,6 +104,28 @@ def convert(
     model_index = {"_class_name": pipeline, "_diffusers_version": layout.library_version(layout.DIFFUSERS), **index}
     out.write_bytes("model_index.json", layout.hf_json(model_index))
     return model_index
+
+
+def _copy_components(checkpoint: Checkpoint, out: Storage, entries: dict[str, dict[str, Any]], ema: bool) -> dict[str, Any]:
+    """Copy each model's config and weights (its EMA's with ``ema``) and each scheduler's
+    config into their folders under ``out``; returns ``model_index.json``'s components
+    (``folder -> [library, class]``)."""
+    models = {k: r for k, r in entries.items() if r.get("kind") == "model"}
+    emas = {r.get("model_key"): r for r in entries.values() if r.get("kind") == "ema" and r.get("model_key")}
+    index: dict[str, Any] = {}
+    for key, rec in sorted(models.items(), key=lambda kv: kv[1]["folder"]):
+        folder = rec["folder"]
+        weights_from = emas[key]["folder"] if ema and key in emas else folder
+        _copy(checkpoint, out, f"{folder}/{layout.CONFIG_NAME}", f"{folder}/{layout.CONFIG_NAME}")
+        for rel in _weight_files(checkpoint.manifest, weights_from, rec["library"]):
+            _copy(checkpoint, out, rel, f"{folder}/{rel.split('/', 1)[1]}")
+        index[folder] = [rec["library"], rec["class"]]
+    for rec in entries.values():
+        if rec.get("kind") == "scheduler":
+            rel = f"{rec['folder']}/{layout.SCHEDULER_CONFIG_NAME}"
+            _copy(checkpoint, out, rel, rel)
+            index[rec["folder"]] = [rec.get("library", layout.DIFFUSERS), rec["class"]]
+    return index
 
 
 def _infer_pipeline(entries: dict[str, dict[str, Any]]) -> str | None:

@@ -112,27 +112,7 @@ def _pair_ema(key: str, ema: Any, taken: list[_Model], opts: settings.Settings) 
     if any(type(t).__name__ == "DTensor" for t in shadow):
         return None
     shapes = [tuple(t.shape) for t in shadow]
-    model_cls = getattr(ema, "model_cls", None)
-    explicit = opts.ema_target(key, ema)
-    if explicit is not None:
-        found = _find_model(explicit, taken)
-        if found is None:
-            raise StatekitError(
-                f"statekit-diffusers: {settings.OPTION_EMA} pairs EMA {key!r} with {explicit!r}, "
-                "which is not a model this plugin takes in this save (a diffusers model, or a transformers "
-                f"model beside one or named in {settings.OPTION_NAMES})"
-            )
-        if found.param_shapes() != shapes:
-            raise StatekitError(
-                f"statekit-diffusers: EMA {key!r} has {len(shapes)} shadow parameters whose shapes do not match "
-                f"the parameters of {found.key!r} ({found.class_name})"
-            )
-        candidates = [found]
-    else:
-        candidates = [m for m in taken if m.param_shapes() == shapes]
-        if isinstance(model_cls, type):
-            narrowed = [m for m in candidates if isinstance(m.core, model_cls)]
-            candidates = narrowed or candidates
+    candidates = _ema_candidates(key, ema, taken, opts, shapes)
     if len(candidates) > 1:
         raise StatekitError(
             f"statekit-diffusers: EMA {key!r} matches several models ({', '.join(m.key for m in candidates)}); "
@@ -143,12 +123,44 @@ def _pair_ema(key: str, ema: Any, taken: list[_Model], opts: settings.Settings) 
         m = candidates[0]
         names = [n for n, _ in m.core.named_parameters()]
         return _Ema(key, ema, names, _config_of(m), m.library, m.class_name, m.folder, model_key=m.key)
+    return _ema_from_config(key, ema, shapes)
+
+
+def _ema_candidates(key: str, ema: Any, taken: list[_Model], opts: settings.Settings, shapes: list[tuple[int, ...]]) -> list[_Model]:
+    """The taken models an EMA may average: the one the options name (checked), else those
+    whose parameter shapes match its shadow parameters (narrowed by its ``model_cls``)."""
+    model_cls = getattr(ema, "model_cls", None)
+    explicit = opts.ema_target(key, ema)
+    if explicit is None:
+        candidates = [m for m in taken if m.param_shapes() == shapes]
+        if isinstance(model_cls, type):
+            candidates = [m for m in candidates if isinstance(m.core, model_cls)] or candidates
+        return candidates
+    found = _find_model(explicit, taken)
+    if found is None:
+        raise StatekitError(
+            f"statekit-diffusers: {settings.OPTION_EMA} pairs EMA {key!r} with {explicit!r}, "
+            "which is not a model this plugin takes in this save (a diffusers model, or a transformers "
+            f"model beside one or named in {settings.OPTION_NAMES})"
+        )
+    if found.param_shapes() != shapes:
+        raise StatekitError(
+            f"statekit-diffusers: EMA {key!r} has {len(shapes)} shadow parameters whose shapes do not match "
+            f"the parameters of {found.key!r} ({found.class_name})"
+        )
+    return [found]
+
+
+def _ema_from_config(key: str, ema: Any, shapes: list[tuple[int, ...]]) -> _Ema | None:
+    """An EMA of no live model of this save, described by its diffusers ``model_cls`` and
+    ``model_config`` (a model built on the meta device gives the parameter names); None
+    when it has neither (the core saves it)."""
+    model_cls = getattr(ema, "model_cls", None)
     model_config = getattr(ema, "model_config", None)
     # Only a diffusers class builds from its config (transformers classes have no
     # from_config): an EMA of a transformers model that was not taken stays with the core.
     if layout.library_of_class(model_cls) != layout.DIFFUSERS or model_config is None:
         return None
-    # No live model of this save: build one on the meta device for its parameter names.
     with torch.device("meta"):
         shell = model_cls.from_config(model_config)
     names = [n for n, _ in shell.named_parameters()]

@@ -120,33 +120,8 @@ def metadata_from_json(doc: Any, source: str) -> Metadata:
     if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
         raise bad(f"not statekit-fsdp metadata (format={doc.get('format') if isinstance(doc, dict) else None!r}, expected {METADATA_FORMAT!r})")
     try:
-        sdm: dict[str, Any] = {}
-        for fqn, md in doc["state_dict_metadata"].items():
-            if md["type"] == "bytes":
-                sdm[fqn] = BytesStorageMetadata()
-                continue
-            if md["type"] != "tensor":
-                raise bad(f"entry {fqn!r} has unknown type {md['type']!r}")
-            dtype = _DTYPES.get(md["dtype"])
-            if dtype is None:
-                raise bad(f"entry {fqn!r} has unknown dtype {md['dtype']!r}")
-            sdm[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype),
-                size=torch.Size(int(s) for s in md["size"]),
-                chunks=[
-                    ChunkStorageMetadata(offsets=torch.Size(int(o) for o in c["offsets"]), sizes=torch.Size(int(s) for s in c["sizes"]))
-                    for c in md["chunks"]
-                ],
-            )
-        storage: dict[MetadataIndex, dict[str, Any]] = {}
-        for row in doc["storage_data"]:
-            if not isinstance(row["file"], str) or not isinstance(row["name"], str):
-                raise bad(f"storage row for {row.get('fqn')!r} is malformed")
-            storage[MetadataIndex(row["fqn"], row["offset"])] = {
-                "file": row["file"],
-                "name": row["name"],
-                "size_bytes": int(row["size_bytes"]),
-            }
+        sdm = {fqn: _entry_from_json(fqn, md, bad) for fqn, md in doc["state_dict_metadata"].items()}
+        storage = _storage_from_json(doc["storage_data"], bad)
         planner = {fqn: tuple(path) for fqn, path in doc["planner_data"].items()}
     except CorruptCheckpointError:
         raise
@@ -158,6 +133,37 @@ def metadata_from_json(doc: Any, source: str) -> Metadata:
                 if MetadataIndex(fqn, c.offsets) not in storage:
                     raise bad(f"chunk of {fqn!r} at offsets {list(c.offsets)} has no storage entry")
     return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage, version=doc.get("version"))
+
+
+def _entry_from_json(fqn: str, md: Any, bad: Any) -> BytesStorageMetadata | TensorStorageMetadata:
+    """One ``state_dict_metadata`` entry; ``bad(why)`` builds the error to raise."""
+    if md["type"] == "bytes":
+        return BytesStorageMetadata()
+    if md["type"] != "tensor":
+        raise bad(f"entry {fqn!r} has unknown type {md['type']!r}")
+    dtype = _DTYPES.get(md["dtype"])
+    if dtype is None:
+        raise bad(f"entry {fqn!r} has unknown dtype {md['dtype']!r}")
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=dtype),
+        size=torch.Size(int(s) for s in md["size"]),
+        chunks=[
+            ChunkStorageMetadata(offsets=torch.Size(int(o) for o in c["offsets"]), sizes=torch.Size(int(s) for s in c["sizes"]))
+            for c in md["chunks"]
+        ],
+    )
+
+
+def _storage_from_json(rows: Any, bad: Any) -> dict[MetadataIndex, dict[str, Any]]:
+    """The ``storage_data`` rows: ``MetadataIndex -> {"file", "name", "size_bytes"}``."""
+    storage: dict[MetadataIndex, dict[str, Any]] = {}
+    for row in rows:
+        if not isinstance(row["file"], str) or not isinstance(row["name"], str):
+            raise bad(f"storage row for {row.get('fqn')!r} is malformed")
+        storage[MetadataIndex(row["fqn"], row["offset"])] = {
+            "file": row["file"], "name": row["name"], "size_bytes": int(row["size_bytes"]),
+        }
+    return storage
 
 
 def read_metadata(checkpoint: Any, prefix: str) -> Metadata:

@@ -26,6 +26,7 @@ imported inside the hooks, and only when a model needs them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from statekit.plugin_api import CORE, StatekitError, hookimpl, unwrap_model
@@ -92,35 +93,52 @@ def statekit_load_state_pre(models: list[Any], input_dir: str, checkpoint: Check
     for model in models:
         key = checkpoint.key_of(model)
         owner = checkpoint.owner_of(key)
-        if owner not in (CORE, checkpoint.plugin):
+        if owner in (CORE, checkpoint.plugin):
+            core = unwrap_model(model, checkpoint.accelerator)
+            entries.append(_Loaded(model, key, owner == checkpoint.plugin, core, has_meta_tensors(core)))
+    placed = _placed(checkpoint, entries) if opts.places else set()
+    for e in entries:
+        place = e.key in placed
+        if not (place or e.meta or e.ours):
             continue
-        core = unwrap_model(model, checkpoint.accelerator)
-        entries.append((model, key, owner, core, has_meta_tensors(core)))
-    placed: set[str] = set()
-    if opts.places and entries:
-        if len(entries) > 1:
-            meta = [e for e in entries if e[4]]
-            if len(meta) != 1:
-                keys = ", ".join(e[1] for e in (meta or entries))
-                raise StatekitError(
-                    f"{checkpoint.url}: device_map/max_memory apply to one model, and this load has several "
-                    f"({keys}); load the offloaded model in a statekit.load call of its own"
-                )
-            entries_placed = meta
-        else:
-            entries_placed = entries
-        placed = {e[1] for e in entries_placed}
-    for model, key, owner, core, meta in entries:
-        place = key in placed
-        if not (place or meta or owner == checkpoint.plugin):
-            continue
-        if is_offloaded(core):
+        if is_offloaded(e.core):
             raise StatekitError(
-                f"{checkpoint.url}: model {key!r} is already dispatched with offloaded weights; load into a fresh "
+                f"{checkpoint.url}: model {e.key!r} is already dispatched with offloaded weights; load into a fresh "
                 "model built under accelerate.init_empty_weights() (with device_map=... to offload it again)"
             )
-        if place or meta:
-            load_model(checkpoint, key, core, opts if place else LoadOptions())
+        if place or e.meta:
+            load_model(checkpoint, e.key, e.core, opts if place else LoadOptions())
         else:
-            load_plain(checkpoint, key, core, model_file(checkpoint, key))
-        models.remove(model)
+            load_plain(checkpoint, e.key, e.core, model_file(checkpoint, e.key))
+        models.remove(e.model)
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """A model of the load this plugin may fill: its key, whether this plugin saved it,
+    the unwrapped model and whether it holds meta tensors."""
+
+    model: Any
+    key: str
+    ours: bool
+    core: Any
+    meta: bool
+
+
+def _placed(checkpoint: Checkpoint, entries: list[_Loaded]) -> set[str]:
+    """The key of the one model ``device_map``/``max_memory`` apply to: the only model, or
+    the only one on the meta device.
+
+    Raises:
+        StatekitError: several models and not exactly one of them on the meta device.
+    """
+    if len(entries) <= 1:
+        return {e.key for e in entries}
+    meta = [e for e in entries if e.meta]
+    if len(meta) != 1:
+        keys = ", ".join(e.key for e in (meta or entries))
+        raise StatekitError(
+            f"{checkpoint.url}: device_map/max_memory apply to one model, and this load has several "
+            f"({keys}); load the offloaded model in a statekit.load call of its own"
+        )
+    return {meta[0].key}
