@@ -259,8 +259,8 @@ def test_a_signal_during_replication_commits_locally_and_resumes_from_either_tie
 @pytest.mark.slow
 def test_a_signal_to_one_rank_then_one_to_the_torchrun_launcher_each_stop_both_ranks_at_one_step(tmp_path, reference):
     # one chain of 2-rank runs (accumulation 2). First: SIGTERM to rank 1 only; the ranks agree at
-    # their next check (signal_check_every=None: every N steps, N chosen so that the checks cost
-    # under 1 % of the step time) and save the same step. Second: SIGTERM to torchrun's launcher,
+    # their next check (every step boundary: PreemptionPolicy(check_every=1), the default) and
+    # save the same step. Second: SIGTERM to torchrun's launcher,
     # which forwards it to each worker a moment later, so the step they agree on is the first
     # optimizer step end both reach after it. Third: resumes exactly.
     accum = {"STATEKIT_TEST_ACCUM": "2"}
@@ -397,18 +397,18 @@ def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_p
     assert manager.latest().endswith("checkpoint-00000003")
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"save_on_signal": ("SIGKILL",)}, "save_on_signal: SIGKILL cannot be handled by any process"),
-    ({"save_on_signal": ("SIGNOPE",)}, "save_on_signal: 'SIGNOPE' is not a signal"),
-    ({"save_on_signal": 3.5}, "save_on_signal must be True, False or a tuple of signals, got 3.5"),
-    ({"save_on_signal": True, "on_signal": "quit"}, "on_signal must be 'exit' or 'return', got 'quit'"),
-    ({"save_on_signal": True, "grace_s": 0}, "grace_s must be a positive number of seconds, got 0"),
-    ({"save_on_signal": True, "signal_check_every": 0}, "(signal_check_every=) must be a positive integer or None, got 0"),
+@pytest.mark.parametrize("save_on_signal, message", [
+    (lambda: ("SIGKILL",), "save_on_signal: SIGKILL cannot be handled by any process"),
+    (lambda: ("SIGNOPE",), "save_on_signal: 'SIGNOPE' is not a signal"),
+    (lambda: 3.5, "save_on_signal must be True, False or a tuple of signals, got 3.5"),
+    (lambda: statekit.PreemptionPolicy(on_signal="quit"), "on_signal must be 'exit' or 'return', got 'quit'"),
+    (lambda: statekit.PreemptionPolicy(grace_s=0), "grace_s must be a positive number of seconds, got 0"),
+    (lambda: statekit.PreemptionPolicy(check_every=0), "PreemptionPolicy.check_every must be a positive integer, got 0"),
 ])
-def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, options, message):
+def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, save_on_signal, message):
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(InvalidOptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        statekit.CheckpointManager(_objects(), str(tmp_path / "root"), **options)
+    with pytest.raises(InvalidOptionError, match=re.escape(message)):
+        statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=save_on_signal())
     assert signal.getsignal(signal.SIGTERM) == before
 
 
@@ -427,8 +427,8 @@ def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(t
 def test_a_hook_based_trainer_saves_on_a_signal_at_its_step_end_and_resumes_there(tmp_path):
     objects = _objects()
     progress = statekit.TrainerProgress()
-    with statekit.CheckpointManager({**objects, "trainer": progress}, str(tmp_path / "root"), save_on_signal=True,
-                                    on_signal="return") as manager:
+    with statekit.CheckpointManager({**objects, "trainer": progress}, str(tmp_path / "root"),
+                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return")) as manager:
         hook = statekit.CheckpointHook(manager, progress, every_n_steps=5)
         hook.on_loop_begin()
         while not manager.should_stop:  # the trainer's loop checks should_stop after each step end
