@@ -16,8 +16,8 @@ Modules:
 - :mod:`~statekit.manager.preemption`: the save on a signal (``save_on_signal``).
 - :mod:`~statekit.manager.trainer_hook`: ``CheckpointHook``, ``TrainerProgress`` for hook-based trainers.
 
-Not here: one save or one load (:mod:`statekit.api`), two-tier storage (the ``replicate``
-plugin, package :mod:`statekit_replicate`, registered by its entry point).
+Not here: one save or one load (:mod:`statekit.api`), another tier or any other manager
+extension (plugins, on the manager hooks: ``docs/hooks.md``).
 
 Call sequences: docs/design-notes.md, "Call sequences through each package" (manager).
 """

@@ -8,8 +8,8 @@ grouping follows Orbax's ``CheckpointManagerOptions`` and Lightning's ``ModelChe
 (https://orbax.readthedocs.io/en/latest/api_reference/checkpoint.checkpoint_manager.html);
 the manager takes one keyword per group, its shortcut or the group (``keep_last=3`` or
 ``retention=``, ``async_save=True`` or ``AsyncPolicy``, ``save_on_signal=True`` or
-``PreemptionPolicy``: :func:`manager_policies`). Two-tier storage's options (``replicate_to``...) are the replicate
-plugin's own (``docs/tiers.md``).
+``PreemptionPolicy``: :func:`manager_policies`). A plugin's manager options are its own
+(``docs/hooks.md``).
 """
 
 from __future__ import annotations

@@ -92,14 +92,14 @@ class SignalSave:
         self.should_stop = False
         self.deadline: float | None = None
         """Once the signal was acted on: ``time.monotonic()`` of the end of the grace period
-        (the manager's ``__exit__`` and the replication's wait at exit wait no longer)."""
+        (the manager's ``__exit__`` and the tiers' wait at exit wait no longer)."""
         self.result: dict[str, Any] | None = None
         """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved",
         "in_flight", "replicated", "total_seconds"}`` (``seconds``: from the signal, or from
         the safe point on a rank the signal did not reach, to the (local) commit; ``saved``
-        False when the step was committed already; ``replicated``: with ``replicate_to``,
-        whether its remote copy committed within the grace (None without);
-        ``total_seconds``: to the end of the remote wait; ``in_flight``: None, or the step of an async save that was still writing
+        False when the step was committed already; ``replicated``: with a tier plugin,
+        whether every tier's copy committed within the grace (None without);
+        ``total_seconds``: to the end of the tiers' wait; ``in_flight``: None, or the step of an async save that was still writing
         when the grace ran out: then nothing was saved and ``step``/``url`` name the newest
         committed checkpoint, None if there is none)."""
         self.step_seconds: float | None = None
@@ -261,20 +261,20 @@ class SignalSave:
                 signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
                 "" if (saved or not save) else " (committed already)",
             )
-            replicated = None
+            copied = None
             tiers = self.manager.tiers()
             if tiers:  # local copy committed; the tiers' copies until the deadline
                 self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
                 name = url.rstrip("/").rsplit("/", 1)[-1]
-                replicated = all(name in tier.replicated_names() for tier in tiers)
-                logger.warning("save_on_signal: the remote copy of step %d %s, %.2f s after the signal", step,
-                               "committed" if replicated else "did not commit within the grace",
+                copied = all(name in tier.copied_names() for tier in tiers)
+                logger.warning("save_on_signal: the tiers' copies of step %d %s, %.2f s after the signal", step,
+                               "committed" if copied else "did not commit within the grace",
                                time.monotonic() - since)
         finally:
             self._acting = False
         self.result = {"signal": signum.name if signum else None, "step": step, "url": url, "seconds": seconds,
                        "grace_s": self.grace_s, "saved": saved or not save, "in_flight": None,
-                       "replicated": replicated, "total_seconds": time.monotonic() - since}
+                       "replicated": copied, "total_seconds": time.monotonic() - since}
         self._stop(signum)
 
     def remaining(self) -> float | None:
@@ -356,9 +356,10 @@ class SignalSave:
         if estimate is None or estimate <= remaining:
             return
         tier = (
-            "writing to the local root first (replicate_to copies it to the remote tier until the deadline)"
+            "writing to the local root first (the tiers copy it until the deadline)"
             if self.manager.tiers()
-            else "no faster local tier is configured (replicate_to: a local root_url, replicated to the remote one)"
+            else "no faster local tier is configured (a local root_url with a tier plugin copying to the remote one: "
+            "docs/tiers.md)"
         )
         warn_user(
             f"save_on_signal: step {step} needs about {estimate:.1f} s ({self._last_bytes:,} bytes at the measured "

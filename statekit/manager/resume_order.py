@@ -1,6 +1,6 @@
 """The checkpoints ``CheckpointManager.resume()`` tries, in order: those under the
-manager's root and under every root a plugin offers (``statekit_resume_roots``; the
-``replicate`` plugin offers the remote tier).
+manager's root and under every root a plugin offers (``statekit_resume_roots``: a
+tier plugin offers its root).
 
 Order: newest step first; for one step the manager's own root first, then the offered
 roots in the order offered, and in one root the checkpoint committed last first (two
