@@ -93,35 +93,24 @@ class CheckpointManager:
         run_id: this run's id, recorded in every checkpoint's lineage (``docs/concepts.md``,
             Lineage); None: the resumed checkpoint's, or a new ``uuid4().hex``.
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
-            ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
-            plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
-            every committed checkpoint is copied there in the background, verified,
-            manifest last; :meth:`resume` then considers both roots; with several ranks
-            each rank's ``root_url`` may be a disk of its node only), ``replicate_options``
-            (the remote root's fsspec options), ``remote_keep_last`` (keep the newest N
-            committed checkpoints there; None: all), ``delete_unreplicated`` (let local
-            retention delete a checkpoint not replicated yet; default False),
-            ``replicate_max_backlog`` (queued copies beyond which the oldest is dropped;
-            default 16) and ``replicate_hedge_after_s`` (race a stalled upload after that
-            many seconds; default 30), owned by the
-            ``replicate`` plugin (``docs/tiers.md``). The others are plugin options passed
-            to every save and load; one that no registered plugin reads (a misspelled
-            ``keep_last``) warns.
+            ``docs/hooks.md``; two-tier storage's: ``docs/tiers.md``), kept in
+            :attr:`manager_options` and validated by their plugin. The others are plugin
+            options passed to every save and load; one that no registered plugin reads (a
+            misspelled ``keep_last``) warns.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a group's value is invalid, ``keep_last``
             with ``retention``, a group's field given as a keyword (``keep_best=2``: the
             message names ``retention=statekit.RetentionPolicy(keep_best=2)``), ``step_digits``
-            or ``run_id`` invalid, ``storage_options``
-            with a ``Storage``, ``root_url`` is itself a checkpoint (statekit's or
-            Accelerate's), or a plugin refused its manager option (``remote_keep_last``
-            not a positive integer, a ``remote_*`` option without ``replicate_to``).
+            or ``run_id`` invalid, ``storage_options`` with a ``Storage``, ``root_url`` is
+            itself a checkpoint (statekit's or Accelerate's), or a plugin refused its
+            manager option.
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
             ``statekit_manager_start`` hook failed.
-        PluginMissingError: a manager option of an installed plugin (the built-in
-            ``replicate``'s ``replicate_to``, or a third party's) is given while
+        PluginMissingError: a manager option of an installed plugin is given while
             ``STATEKIT_DISABLE_PLUGINS`` blocks that plugin (naming plugin and distribution).
-        StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
+        StorageError: a root a plugin's manager option names cannot be resolved (unknown
+            scheme, backend missing).
     """
 
     def __init__(
@@ -210,32 +199,21 @@ class CheckpointManager:
         return self._lineage.run_id
 
     def tiers(self) -> list[Tier]:
-        """The tier plugins' objects of this manager (found in :attr:`plugin_state` by protocol).
-
-        Returns:
-            Each :class:`statekit.plugin_api.Tier` a plugin keeps there: with
-            ``replicate_to``, the remote tier's; empty without a tier plugin.
-        """
+        """Each :class:`statekit.plugin_api.Tier` a plugin keeps in :attr:`plugin_state`
+        (found by protocol); empty without a tier plugin."""
         return [state for state in self.plugin_state.values() if isinstance(state, Tier)]
 
     # ---------------------------------------------------------------- queries
 
     def list(self) -> list[CheckpointDir]:
-        """Every checkpoint directory under the root (committed or not), oldest first.
-
-        Returns:
-            One :class:`CheckpointDir` per ``checkpoint-<step>`` directory.
-        """
+        """A :class:`CheckpointDir` per checkpoint directory under the root (committed or
+        not), oldest first."""
         return list_checkpoints(self.root)
 
     def latest(self) -> str | None:
-        """URL of the newest committed checkpoint of the live history, or None (scans
-        manifests; the ``latest`` file is only a hint and is not trusted). After a rollback
-        (:meth:`resume` with ``step=``) an abandoned branch's higher steps are not it
-        (``docs/concepts.md``, Lineage).
-
-        Returns:
-            The URL, or None when no checkpoint of the live history under the root is committed.
+        """URL of the newest committed checkpoint of the live history (``docs/concepts.md``,
+        Lineage), or None when there is none (scans manifests; the ``latest`` file is only a
+        hint and is not trusted).
 
         Raises:
             StatekitError: the root's ``lineage.json`` is unreadable.
@@ -247,8 +225,9 @@ class CheckpointManager:
 
     def candidates(self) -> list[tuple[CheckpointDir, dict[str, Any] | None]]:
         """The committed checkpoints :meth:`resume` would try, in its order (newest step
-        first; this root's copy of a step before a plugin's root, e.g. the remote tier of
-        ``replicate_to``). With several ranks every rank calls it (a collective).
+        first; this root's copy of a step before a plugin's root:
+        :mod:`~statekit.manager.resume_order`). With several ranks every rank calls it (a
+        collective).
 
         Returns:
             ``(CheckpointDir, storage_options)`` pairs: the checkpoint and the fsspec
@@ -263,25 +242,11 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def url_for(self, step: int) -> str:
-        """URL of the checkpoint directory of ``step``.
-
-        Args:
-            step: the training step.
-
-        Returns:
-            ``<root>/checkpoint-<step>``, the step zero-padded to ``step_digits``.
-        """
+        """``<root>/checkpoint-<step>``, the step zero-padded to ``step_digits``."""
         return self.url_of(checkpoint_name(step, self.step_digits))
 
     def url_of(self, name: str) -> str:
-        """URL of the directory ``name`` under the root (this rank's root).
-
-        Args:
-            name: a checkpoint directory's name (``CheckpointDir.name``).
-
-        Returns:
-            ``<root>/<name>``.
-        """
+        """``<root>/<name>`` (this rank's root; ``name``: a ``CheckpointDir.name``)."""
         return self.root.url_of(name)
 
     def save(
@@ -295,9 +260,9 @@ class CheckpointManager:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
         A previous async save is waited for first (and its error raised here), within the
-        manager's ``backpressure`` policy: while it is still writing after ``max_wait_s``
-        (at once with ``"skip"``), this save is skipped with a :class:`StatekitWarning`
-        and None is returned (the newest committed checkpoint stays latest).
+        manager's :class:`~statekit.AsyncPolicy` (``docs/backpressure.md``): when it is still
+        writing at the bound, this save is skipped with a :class:`StatekitWarning` and None
+        is returned.
 
         Args:
             step: the training step (names the directory). None: automatic naming, one
@@ -372,18 +337,17 @@ class CheckpointManager:
         return result
 
     def step_boundary(self, step: int) -> bool:
-        """A safe point for the save on a signal (``save_on_signal``); call it after every
-        training step (cheap: a flag check; with several ranks one all-reduce of two ints,
-        the flag and the check interval, every ``signal_check_every``-th call, adaptive by
-        default: ``docs/clusters.md``). Every rank must call it at the same steps.
+        """A safe point for the save on a signal (``save_on_signal``, ``docs/clusters.md``);
+        call it after every training step, on every rank at the same steps (cheap: a flag
+        check; with several ranks one all-reduce of one int every
+        :attr:`PreemptionPolicy.check_every <statekit.PreemptionPolicy.check_every>`-th call).
 
         When any rank has received a signal, every rank commits an async save in flight
         (waited for at most the grace left; still writing then: a warning, nothing saved,
-        the newest committed checkpoint stays latest, the run stops),
-        saves ``step`` blocking (unless ``step`` is committed already) and then exits with
-        status ``128 + signal number`` (``on_signal="exit"``) or returns True. Between two
-        optimizer steps of ``accelerator.accumulate`` (``sync_gradients`` False) it does
-        nothing: the end of the accumulation window is the safe point.
+        the run stops), saves ``step`` blocking (unless it is committed already), then
+        exits with status ``128 + signal number`` (``on_signal="exit"``) or returns True.
+        Between two optimizer steps of ``accelerator.accumulate`` (``sync_gradients``
+        False) it does nothing: the end of the accumulation window is the safe point.
 
         Args:
             step: the training step just finished (names the checkpoint).
@@ -404,8 +368,8 @@ class CheckpointManager:
         return self.signal_save is not None and self.signal_save.should_stop
 
     def wait_for_save(self) -> Manifest | None:
-        """Wait for the pending async save only (not for plugins' background work such as
-        replication, unlike :meth:`wait`) and run its post-hooks.
+        """Wait for the pending async save only (not for plugins' background work, unlike
+        :meth:`wait`) and run its post-hooks.
 
         Returns:
             Its committed manifest, or None if no save was pending.
@@ -436,7 +400,7 @@ class CheckpointManager:
 
     def stats(self) -> CheckpointStats:
         """The time this run lost to checkpoints so far: each :meth:`save` call's blocking
-        seconds, the saves back-pressure skipped, the remote tier's backlog, the steps the
+        seconds, the saves back-pressure skipped, the tiers' backlog, the steps the
         last :meth:`resume` went back (``docs/backpressure.md``).
 
         Returns:
@@ -445,19 +409,17 @@ class CheckpointManager:
         """
         tiers = self.tiers()
         backlog: dict[str, int] | None = None
-        for tier in tiers:  # summed over the tiers (one with replicate_to)
+        for tier in tiers:  # summed over the tiers
             backlog = {k: (backlog or {}).get(k, 0) + v for k, v in tier.backlog().items()}
         return self.save_stats.snapshot(backlog)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Wait for the pending async save (if any) and run its post-hooks; then for the
-        plugins' background work (``statekit_manager_wait``: with ``replicate_to``, the
-        replication of every committed checkpoint).
+        plugins' background work (``statekit_manager_wait``: a tier's copies).
 
         Args:
-            timeout: seconds each plugin waits at most (None: until done); each
-                checkpoint not replicated by then is a :class:`StatekitWarning` naming
-                its remote URL.
+            timeout: seconds each plugin waits at most (None: until done); what a plugin
+                leaves undone by then is its :class:`StatekitWarning`.
 
         Returns:
             The async save's committed manifest, or None if no save was pending.
@@ -507,34 +469,19 @@ class CheckpointManager:
     ) -> int | None:
         """Load the newest committed checkpoint of the live history that loads cleanly;
         return its step. ``resume(step=K)`` rolls back: it loads the committed checkpoint
-        of step ``K`` and starts a new branch there (``docs/concepts.md``, Lineage).
-
-        The live history: without a rollback ever under the root, every checkpoint (the
-        newest step wins, as before lineage). After ``resume(step=K)`` (which writes the
-        root file ``lineage.json``, to the remote tier too), the new branch and what it
-        descends from; the checkpoints of higher steps it abandoned are never resumed
-        again, by this process or a new one, before or after the branch's first save.
-        The run's id and the checkpoint continued are logged (INFO, logger ``statekit``).
+        of step ``K`` and starts a new branch there (the live history, branches and runs:
+        ``docs/concepts.md``, Lineage). The run's id and the checkpoint continued are
+        logged (INFO, logger ``statekit``).
 
         A checkpoint that fails verification or loading is skipped with a
         :class:`StatekitWarning` naming the file, and the previous committed one is tried
-        (a shape or key mismatch is the caller's error and is raised).
-
-        A root of Accelerate's automatic naming (``checkpoint_<n>`` folders, with or
-        without statekit manifests) resumes from its newest complete folder: one whose
-        load fails for a missing file (an interrupted Accelerate save looks like that) is
-        skipped with a warning, like a corrupt checkpoint. Pickle files load only with
-        the manager's ``allow_pickle=True``.
-
-        Candidates come from the root and from every root a plugin offers
-        (``statekit_resume_roots``; with ``replicate_to``, the remote tier): newest step
-        first, the root's own copy of a step before another root's
-        (:mod:`statekit.manager.resume_order`).
-
-        Before loading, the checkpoint's resume fingerprint is compared with the run
-        (``docs/concepts.md``, Resume fingerprint): each difference is a
-        :class:`ResumeFingerprintWarning` naming the setting, the saved and the live value
-        and what it does to the resume.
+        (a shape or key mismatch is the caller's error and is raised); so is an
+        Accelerate ``checkpoint_<n>`` folder whose load fails for a missing file (an
+        interrupted Accelerate save). Candidates come from the root and from every root a
+        plugin offers (``statekit_resume_roots``), in :mod:`statekit.manager.resume_order`'s
+        order. Before loading, the checkpoint's resume fingerprint is compared with the
+        run: each difference is a :class:`ResumeFingerprintWarning` (``docs/concepts.md``,
+        Resume fingerprint).
 
         Args:
             step: None: the newest checkpoint of the live history. An integer: roll back
