@@ -17,7 +17,6 @@ previous save has finished, so no rank enters a save the others skip.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any

@@ -31,7 +31,7 @@ from statekit.manager.backpressure import Backpressure, CheckpointStats, SaveSta
 from statekit.manager.policies import AsyncPolicy, PreemptionPolicy, RetentionPolicy, manager_policies
 from statekit.manager.preemption import SignalSave
 from statekit.manager import lineage
-from statekit.manager.resume_order import Candidate, resume_candidates
+from statekit.manager.resume_order import Candidate, load_first, resume_candidates
 from statekit.manager.retention import after_commit, write_latest
 from statekit.checks import state_check
 from statekit.engine.entries import classify
@@ -40,8 +40,6 @@ from statekit.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidOptionError,
-    PickleNotAllowedError,
-    ResumeMismatchError,
     StatekitError,
     StatekitWarning,
     StateMismatchError,
@@ -199,21 +197,30 @@ class CheckpointManager:
         return self._lineage.run_id
 
     def tiers(self) -> list[Tier]:
-        """Each :class:`statekit.plugin_api.Tier` a plugin keeps in :attr:`plugin_state`
-        (found by protocol); empty without a tier plugin."""
+        """The tier plugins' objects of this manager.
+
+        Returns:
+            Each :class:`statekit.plugin_api.Tier` a plugin keeps in :attr:`plugin_state`
+            (found by protocol); empty without a tier plugin.
+        """
         return [state for state in self.plugin_state.values() if isinstance(state, Tier)]
 
     # ---------------------------------------------------------------- queries
 
     def list(self) -> list[CheckpointDir]:
-        """A :class:`CheckpointDir` per checkpoint directory under the root (committed or
-        not), oldest first."""
+        """Every checkpoint directory under the root (committed or not).
+
+        Returns:
+            One :class:`CheckpointDir` per directory, oldest first.
+        """
         return list_checkpoints(self.root)
 
     def latest(self) -> str | None:
-        """URL of the newest committed checkpoint of the live history (``docs/concepts.md``,
-        Lineage), or None when there is none (scans manifests; the ``latest`` file is only a
-        hint and is not trusted).
+        """The newest committed checkpoint of the live history (``docs/concepts.md``,
+        Lineage; scans manifests: the ``latest`` file is only a hint and is not trusted).
+
+        Returns:
+            Its URL, or None when there is none.
 
         Raises:
             StatekitError: the root's ``lineage.json`` is unreadable.
@@ -242,11 +249,25 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def url_for(self, step: int) -> str:
-        """``<root>/checkpoint-<step>``, the step zero-padded to ``step_digits``."""
+        """URL of the checkpoint directory of ``step``.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            ``<root>/checkpoint-<step>``, the step zero-padded to ``step_digits``.
+        """
         return self.url_of(checkpoint_name(step, self.step_digits))
 
     def url_of(self, name: str) -> str:
-        """``<root>/<name>`` (this rank's root; ``name``: a ``CheckpointDir.name``)."""
+        """URL of the directory ``name`` under this rank's root.
+
+        Args:
+            name: a checkpoint directory's name (``CheckpointDir.name``).
+
+        Returns:
+            ``<root>/<name>``.
+        """
         return self.root.url_of(name)
 
     def save(
@@ -541,8 +562,8 @@ class CheckpointManager:
         infos = [info for info, _ in everything]
         if step is not None:
             return self._rollback(int(step), everything, state, verify, strict, strict_resume)
-        loaded = self._load_newest(self._lineage.live_candidates(everything, state, other_runs),
-                                   verify, strict, strict_resume)
+        loaded = load_first(self._lineage.live_candidates(everything, state, other_runs), self._skip,
+                            lambda url, options: self._load(url, options, verify, strict, strict_resume))
         if loaded is None:
             self._fresh_start()
             return None
@@ -562,31 +583,6 @@ class CheckpointManager:
             self._wait_save()
         finally:
             self.rollback_targets = set()
-
-    def _load_newest(self, candidates: list[Candidate], verify: bool, strict: bool,
-                     strict_resume: bool) -> tuple[CheckpointDir, Manifest | ForeignSummary] | None:
-        """Load the first of ``candidates`` that loads cleanly, skipping (with a warning)
-        each one that is damaged or an incomplete Accelerate folder.
-
-        Returns:
-            The checkpoint loaded and its manifest; None when there is no candidate.
-
-        Raises:
-            StatekitError: every candidate failed (the last one's error); or a failure
-                that is the run's, not the checkpoint's (:func:`_skippable`).
-        """
-        last_error: StatekitError | None = None
-        for info, options in candidates:
-            try:
-                return info, self._load(info.url, options, verify, strict, strict_resume)
-            except StatekitError as exc:
-                if not _skippable(info, exc):
-                    raise
-                self._skip(info, exc)
-                last_error = exc
-        if last_error is not None:
-            raise last_error
-        return None
 
     def _skip(self, info: CheckpointDir, exc: StatekitError) -> None:
         """Warn that ``info`` failed to load and the previous one is tried; a damaged
@@ -684,16 +680,4 @@ class CheckpointManager:
             return load_state(self.accelerator, url, **common, **self.options)
         entries = [classify(k, v) for k, v in self.objects.items()]  # a resume: the fingerprint is always compared
         return loading.load_objects(url, entries, options=self.options, **common)
-
-
-def _skippable(info: CheckpointDir, exc: StatekitError) -> bool:
-    """Whether ``resume()`` skips ``info`` after ``exc`` and tries the previous checkpoint:
-    a damaged checkpoint is skipped; an error of the run's settings is raised (an older
-    checkpoint fits no better), and so is a state mismatch, unless it is an Accelerate
-    folder missing keys only (an interrupted Accelerate save looks like that)."""
-    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError)):
-        return False
-    if isinstance(exc, StateMismatchError):
-        return info.accelerate and bool(exc.missing) and not exc.mismatched
-    return True
 
