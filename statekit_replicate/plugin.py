@@ -186,7 +186,7 @@ def unreplicated(replicator: Replicator, local: list[CheckpointDir]) -> set[str]
     """URLs of the ``local`` checkpoints not known to have a committed remote copy: local
     retention keeps these. Known from the replicator's own record, so a save never waits
     on the remote tier (which may be down or frozen)."""
-    replicated = replicator.replicated_names()
+    replicated = replicator.copied_names()
     return {i.url for i in local if i.name not in replicated}
 
 

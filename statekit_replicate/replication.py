@@ -333,7 +333,7 @@ class Replicator(Tier):
         """
         self._exit_deadline = deadline
 
-    def replicated_names(self) -> set[str]:
+    def copied_names(self) -> set[str]:
         """Names known to have a committed remote copy (a snapshot of :attr:`replicated`)."""
         with self._lock:
             return set(self.replicated)

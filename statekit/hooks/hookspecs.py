@@ -176,8 +176,8 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
 
 # ----------------------------------------------------------------------------------------
 # Manager hooks: a run's checkpoints under a CheckpointManager root, not one checkpoint.
-# They let a plugin extend the manager: the ``replicate`` plugin (two-tier storage, the
-# package statekit_replicate) is built on them and on statekit.plugin_api alone. ``manager``
+# They let a plugin extend the manager (another tier, a background copy of each
+# checkpoint) with them and statekit.plugin_api alone (``docs/hooks.md``). ``manager``
 # is the :class:`statekit.CheckpointManager`; a plugin relies on what :class:`ManagerView`
 # lists and nothing else. No ``checkpoint`` context is passed, and ``checkpoint.plugin``
 # attribution does not apply.
@@ -186,14 +186,13 @@ def statekit_load_state_post(models: list[torch.nn.Module], input_dir: str, chec
 @runtime_checkable
 class Tier(Protocol):
     """What the core asks of a tier plugin: one that copies every committed checkpoint to
-    another root (the built-in ``replicate`` plugin's ``replicate_to``; a third party's the
-    same way). The plugin keeps an object with these three methods in
+    another root (``docs/tiers.md``). The plugin keeps an object with these three methods in
     ``manager.plugin_state[<its name>]`` (from ``statekit_manager_start``); the core finds it
     there by this protocol, never by the plugin's name (``statekit.plugin_api.Tier``).
 
     What the core does with it: :meth:`statekit.CheckpointManager.stats` reports the summed
     :meth:`backlog`; the save on a signal waits (up to the grace period) for the signal's
-    checkpoint to be in :meth:`replicated_names` of every tier, then bounds the tiers' exit
+    checkpoint to be in :meth:`copied_names` of every tier, then bounds the tiers' exit
     wait with :meth:`exit_by`. A class may inherit from it (``class MyTier(Tier)``) or just
     have the methods.
     """
@@ -202,7 +201,7 @@ class Tier(Protocol):
         """What this rank has still to copy: ``{"checkpoints": n, "files": n, "bytes": n, ...}``
         (counts, bytes; more keys allowed). Called from any thread; cheap."""
 
-    def replicated_names(self) -> set[str]:
+    def copied_names(self) -> set[str]:
         """Names (``CheckpointDir.name``) of the checkpoints whose copy on the tier committed."""
 
     def exit_by(self, deadline: float) -> None:
@@ -259,9 +258,8 @@ def statekit_manager_options(options: Mapping[str, Any]) -> None:
     """Validate the manager-level options a plugin declares.
 
     A plugin owns keyword options of ``CheckpointManager(...)`` by declaring them as
-    ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default (the ``replicate``
-    plugin: ``replicate_to``, ``replicate_options``, ``remote_keep_last``,
-    ``delete_unreplicated``). The manager takes them out of its ``**options`` (they are
+    ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default
+    (``docs/hooks.md``). The manager takes them out of its ``**options`` (they are
     not passed to saves and loads) and calls this hook with them before it creates
     anything, on every rank.
 
@@ -282,7 +280,7 @@ def statekit_manager_options(options: Mapping[str, Any]) -> None:
 
 @hookspec
 def statekit_manager_start(manager: ManagerView) -> None:
-    """Start what a plugin runs beside a manager (a background replicator, say) and catch
+    """Start what a plugin runs beside a manager (a background copier, say) and catch
     up on work a killed process left undone.
 
     Called on every rank, once, at the end of ``CheckpointManager(...)`` (after

@@ -17,7 +17,6 @@ previous save has finished, so no rank enters a save the others skip.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -103,11 +102,10 @@ class CheckpointStats:
         skipped_saves: saves back-pressure skipped.
         blocking_s_total: seconds all ``save()`` calls held their caller together.
         blocking_s_max: the longest one, seconds.
-        replication: the remote tier's backlog on this rank (``replicate_to``), or None
-            without one: ``checkpoints``, ``files`` and ``bytes`` queued or being copied,
-            ``dropped``, queued copies given up because the backlog was full, ``hedged``,
-            file uploads raced by a second attempt after a stall, and ``hedges_won``, those
-            the second attempt won.
+        replication: the tiers' backlog on this rank (their :meth:`Tier.backlog
+            <statekit.plugin_api.Tier.backlog>` summed: ``checkpoints``, ``files`` and
+            ``bytes`` queued or being copied, and the counts a tier adds:
+            ``docs/backpressure.md``), or None without a tier plugin.
         resumed_step: the step the last ``resume()`` loaded (None: no resume, or a fresh start).
         reached_step: the highest step of any checkpoint directory under the root when that
             resume ran (committed or not, loadable or not: a save the previous run started),
@@ -205,11 +203,11 @@ class SaveStats:
         self.resumed_step = step
         self.reached_step = None if step is None else max([step, *steps_under_root])
 
-    def snapshot(self, replication: dict[str, int] | None = None) -> CheckpointStats:
+    def snapshot(self, backlog: dict[str, int] | None = None) -> CheckpointStats:
         """The stats now.
 
         Args:
-            replication: the remote tier's backlog (see :class:`CheckpointStats`), or None.
+            backlog: the tiers' backlog (:attr:`CheckpointStats.replication`), or None.
 
         Returns:
             A :class:`CheckpointStats`.
@@ -217,6 +215,6 @@ class SaveStats:
         lost = None if self.resumed_step is None or self.reached_step is None else self.reached_step - self.resumed_step
         return CheckpointStats(
             saves=list(self.records), save_count=self.count, skipped_saves=self.skipped,
-            blocking_s_total=self.total_s, blocking_s_max=self.max_s, replication=replication,
+            blocking_s_total=self.total_s, blocking_s_max=self.max_s, replication=backlog,
             resumed_step=self.resumed_step, reached_step=self.reached_step, steps_lost_on_resume=lost,
         )

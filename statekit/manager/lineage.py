@@ -8,7 +8,7 @@ rollback and for a fresh run; a crash-resume continues the branch it resumed) an
 
 A rollback (``resume(step=K)``) writes one small root file, ``lineage.json``
 (:data:`STATE_NAME`), in one atomic write (:meth:`Storage.commit`) to the manager's root
-and to every root a plugin offers to ``resume()`` (the remote tier of ``replicate_to``):
+and to every root a plugin offers to ``resume()`` (``statekit_resume_roots``):
 the live branch and, for every branch it knows, the branch and step it forked from. The
 live history is the live branch, then its parent branch up to the fork step, and so on:
 a checkpoint is *live* when its branch is on that chain and its step is at most that
@@ -257,8 +257,8 @@ def abandoned_to_delete(state: LineageState | None, committed: list[Any], after:
 
 
 def retention_view(root: Storage, committed: list[Any], keep_last: int | None) -> tuple[list[Any], set[str]]:
-    """What a tier's retention counts under branches (the remote tier's
-    ``remote_keep_last`` as the manager's ``keep_last``): the live history's checkpoints
+    """What a tier's retention counts under branches (a tier plugin's count as the
+    manager's ``keep_last``): the live history's checkpoints
     and the abandoned ones still kept, by ``root``'s own lineage file.
 
     Args:
@@ -281,7 +281,7 @@ def retention_view(root: Storage, committed: list[Any], keep_last: int | None) -
 
 def lineage_roots(manager: Any) -> list[Storage]:
     """Where the root file is written: the manager's root, then every root a plugin offers
-    to ``resume()`` (``statekit_resume_roots``: the remote tier).
+    to ``resume()`` (``statekit_resume_roots``).
 
     Args:
         manager: the :class:`statekit.CheckpointManager` (its ``root``; the hook's argument).

@@ -28,10 +28,10 @@ from statekit.api.attach import attach
 from statekit.api.bridge import load_state, save_state
 from statekit.api.asyncsave import PendingSave
 from statekit.manager.backpressure import Backpressure, CheckpointStats, SaveStats
-from statekit.manager.policies import UNSET, AsyncPolicy, PreemptionPolicy, RetentionPolicy, grouped
+from statekit.manager.policies import AsyncPolicy, PreemptionPolicy, RetentionPolicy, manager_policies
 from statekit.manager.preemption import SignalSave
 from statekit.manager import lineage
-from statekit.manager.resume_order import Candidate, resume_candidates
+from statekit.manager.resume_order import Candidate, load_first, resume_candidates
 from statekit.manager.retention import after_commit, write_latest
 from statekit.checks import state_check
 from statekit.engine.entries import classify
@@ -40,8 +40,6 @@ from statekit.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidOptionError,
-    PickleNotAllowedError,
-    ResumeMismatchError,
     StatekitError,
     StatekitWarning,
     StateMismatchError,
@@ -59,168 +57,85 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    """Numbered checkpoints of one training run under a root URL.
+    """Numbered checkpoints of one training run under a root URL (``docs/concepts.md``).
 
-    Creating a manager attaches statekit to the run (:func:`statekit.attach`): data
-    loaders are tracked for exact mid-epoch resume and the ``statekit_attach`` hooks run.
-
-    Retention: a committed checkpoint is kept if *any* policy keeps it (the last
-    ``keep_last``; the best ``keep_best`` by ``monitor``; every ``keep_every_n_steps``-th
-    step); the others are deleted (manifest first) right after a new checkpoint commits.
-    The newest checkpoint and the one the run resumed from are never deleted. With no
-    policy, every checkpoint is kept. Steps come from directory names, never from listing
-    order, and nothing is renamed, so retention works on object stores.
-
-    Also a context manager: leaving the ``with`` block waits for a pending async save.
-
-    Options come in groups (as Orbax's ``CheckpointManagerOptions`` and Lightning's
-    ``ModelCheckpoint`` group theirs): ``retention=RetentionPolicy(...)``,
-    ``async_policy=AsyncPolicy(...)``, ``preemption=PreemptionPolicy(...)`` (from
-    ``statekit``); each group's flat keywords below build the same object, one or the other
-    per group (``docs/api.md``).
+    Creating a manager attaches statekit to the run (:func:`statekit.attach`). Its options
+    come in three groups, each given by one keyword, as a shortcut or as the group
+    (:mod:`~statekit.manager.policies`, ``docs/api.md``). Also a context manager: leaving
+    the ``with`` block restores the signal handlers and waits for a pending async save.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``; or, without
             Accelerate, a mapping of stateful objects as given to :func:`statekit.save`.
         root_url: directory URL holding ``checkpoint-<step>/`` and ``latest``, or a
             ``statekit.storage.Storage`` (a URL with its fsspec options).
-        keep_last: keep the newest N committed checkpoints (``RetentionPolicy.keep_last``).
-        retention: which checkpoints to keep, grouped
-            (:class:`~statekit.manager.policies.RetentionPolicy`); instead of ``keep_last``,
-            ``keep_best``, ``monitor``, ``mode``, ``keep_every_n_steps``.
-        async_policy: background saves, grouped
-            (:class:`~statekit.manager.policies.AsyncPolicy`: ``enabled``, ``backpressure``,
-            ``max_wait_s``); instead of ``async_save``, ``backpressure``, ``max_wait_s``.
-        preemption: saving on a signal, grouped
-            (:class:`~statekit.manager.policies.PreemptionPolicy`: ``signals``, ``grace_s``,
-            ``on_signal``, ``check_every``); instead of ``save_on_signal``, ``grace_s``,
-            ``on_signal``, ``signal_check_every``.
-        keep_best: keep the best K by ``metrics[monitor]`` given to :meth:`save`
-            (checkpoints without that metric never count as best).
-        monitor: the metric name for ``keep_best`` (default ``"loss"``).
-        mode: ``"min"`` (default) or ``"max"``: which direction is better.
-        keep_every_n_steps: keep checkpoints whose step is a multiple of M.
-        async_save: default of :meth:`save`'s ``blocking`` (True: ``blocking=False``;
-            default False).
-        backpressure: what :meth:`save` does while the previous async save is still
-            writing: ``"wait"`` (default) up to ``max_wait_s``, then skip this save;
-            ``"skip"`` it at once. A skipped save warns with its step and the one still
-            writing, and is counted in :meth:`stats` (``docs/backpressure.md``).
-        max_wait_s: the bound of ``backpressure="wait"``, seconds (default 300, half the
-            NCCL watchdog's 600; None: wait as long as it takes).
-        storage_options: fsspec options of ``root_url`` (not with a ``Storage``, which
-            carries its own).
-        incremental: write a tensor file only when its bytes changed since the run's last
-            committed checkpoint (or the one it resumed from, under this root); an unchanged
-            file is hard-linked (server-side copied on an object store) from it, so every
-            checkpoint stays complete on its own. A model with frozen and trainable
-            parameters is written as two kinds of files so that the frozen ones can be
-            reused (format ``statekit/2``). False: every save writes every byte, one file
-            per model (``docs/incremental.md``).
+        keep_last: keep the newest N committed checkpoints (None: no such policy).
+        retention: a :class:`~statekit.RetentionPolicy` (``keep_last``, ``keep_best`` by
+            ``monitor`` and ``mode``, ``keep_every_n_steps``), not with ``keep_last``. With
+            neither, every checkpoint is kept.
+        async_save: True: :meth:`save` defaults to ``blocking=False``; or an
+            :class:`~statekit.AsyncPolicy` (back-pressure, ``max_wait_s``: ``docs/backpressure.md``).
+        save_on_signal: True: save at the next safe point after SIGTERM or SIGUSR1; or the
+            signals (``"USR1"``, ``signal.SIGUSR2``, a tuple); or a
+            :class:`~statekit.PreemptionPolicy` (``grace_s``, ``on_signal``, ``check_every``:
+            ``docs/clusters.md``). False (default): no handlers.
+        storage_options: fsspec options of ``root_url`` (not with a ``Storage``).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
-            ``checkpoint_<n>`` folders under the root (a run migrating from
-            ``automatic_checkpoint_naming``); without it such a resume raises
+            ``checkpoint_<n>`` folders; without it such a resume raises
             :class:`PickleNotAllowedError` naming the file.
-        save_on_signal: save on a preemption signal (``docs/clusters.md``): True handles
-            SIGTERM and SIGUSR1; or a tuple of signals (``signal.SIGUSR2``, ``"USR1"``).
-            The handlers only record the signal (and call a Python handler installed
-            before); the next safe point (:meth:`step_boundary`, :meth:`save`,
-            ``CheckpointHook.on_step_end``) saves that step blocking, every rank agreeing,
-            and then acts as ``on_signal`` says. Leaving the ``with`` block restores the
-            previous handlers. False (default): no handlers.
-        grace_s: seconds between the signal and the kill (default 30, Kubernetes' default
-            ``terminationGracePeriodSeconds``); a save estimated (from the last save's
-            measured write rate) or a safe point arriving past it warns.
-        on_signal: ``"exit"`` (default): after the commit raise ``SystemExit`` with status
-            ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1); ``"return"``:
-            :meth:`step_boundary` returns True and :attr:`should_stop` is True; the loop ends itself.
-        signal_check_every: with several ranks, agree on the signal flag (one all-reduce of
-            two ints on statekit's gloo group) every N-th step boundary only; None
-            (default): N adapts so that the checks cost under 1 % of the measured step time
-            and a signal waits at most ``grace_s / 10`` for its check (``docs/clusters.md``).
-        step_digits: digits of the step in directory names, zero-padded: 8 (default)
-            names ``checkpoint-00000500``, whose names sort by step; 0 names
-            ``checkpoint-500``, as transformers' ``Trainer`` does (statekit-transformers).
-            Both are listed and resumed whatever the setting.
-        run_id: this run's id, recorded in every checkpoint's ``lineage``: :meth:`resume`
-            then resumes this run's own newest checkpoint, warning
-            (:class:`~statekit.OtherRunWarning`) when another run's is newer, and
-            refuses to continue another run's when this run has none (``other_runs``). None (default): the
-            run id of the checkpoint resumed from, or a new one (``uuid4().hex``) for a
-            run that starts fresh (``docs/concepts.md``, Lineage).
+        incremental: write a tensor file only when its bytes changed since the last committed
+            checkpoint, hard-linking (server-side copying) the others (``docs/incremental.md``);
+            False: every save writes every byte.
+        step_digits: the zero-padded digits of the step in directory names, 0 to 20 (8:
+            ``checkpoint-00000500``; 0: ``checkpoint-500``, as transformers' ``Trainer``).
+        run_id: this run's id, recorded in every checkpoint's lineage (``docs/concepts.md``,
+            Lineage); None: the resumed checkpoint's, or a new ``uuid4().hex``.
         **options: the manager options plugins declare (``STATEKIT_MANAGER_OPTIONS``,
-            ``docs/hooks.md``), kept in :attr:`manager_options` and validated by their
-            plugin: two-tier storage's ``replicate_to`` (a remote root, ``s3://bucket/run``:
-            every committed checkpoint is copied there in the background, verified,
-            manifest last; :meth:`resume` then considers both roots; with several ranks
-            each rank's ``root_url`` may be a disk of its node only), ``replicate_options``
-            (the remote root's fsspec options), ``remote_keep_last`` (keep the newest N
-            committed checkpoints there; None: all), ``delete_unreplicated`` (let local
-            retention delete a checkpoint not replicated yet; default False),
-            ``replicate_max_backlog`` (queued copies beyond which the oldest is dropped;
-            default 16) and ``replicate_hedge_after_s`` (race a stalled upload after that
-            many seconds; default 30), owned by the
-            ``replicate`` plugin (``docs/tiers.md``). The others are plugin options passed
-            to every save and load; one that no registered plugin reads (a misspelled
-            ``keep_last``) warns.
+            ``docs/hooks.md``; two-tier storage's: ``docs/tiers.md``), kept in
+            :attr:`manager_options` and validated by their plugin. The others are plugin
+            options passed to every save and load; one that no registered plugin reads (a
+            misspelled ``keep_last``) warns.
 
     Raises:
-        InvalidOptionError: (a ``ValueError``) a policy value is not a positive integer,
-            ``mode`` is not min/max, ``backpressure``/``max_wait_s`` is invalid, ``step_digits``
-            is not an integer from 0 to 20, ``run_id`` is not a non-empty string, a group is
-            given with one of its flat keywords (or is not of its class), ``storage_options``
-            with a ``Storage``, ``root_url`` is itself a checkpoint (statekit's or
-            Accelerate's), or a plugin refused its manager option (``remote_keep_last``
-            not a positive integer, a ``remote_*`` option without ``replicate_to``).
+        InvalidOptionError: (a ``ValueError``) a group's value is invalid, ``keep_last``
+            with ``retention``, a group's field given as a keyword (``keep_best=2``: the
+            message names ``retention=statekit.RetentionPolicy(keep_best=2)``), ``step_digits``
+            or ``run_id`` invalid, ``storage_options`` with a ``Storage``, ``root_url`` is
+            itself a checkpoint (statekit's or Accelerate's), or a plugin refused its
+            manager option.
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
             ``statekit_manager_start`` hook failed.
-        PluginMissingError: a manager option of an installed plugin (the built-in
-            ``replicate``'s ``replicate_to``, or a third party's) is given while
+        PluginMissingError: a manager option of an installed plugin is given while
             ``STATEKIT_DISABLE_PLUGINS`` blocks that plugin (naming plugin and distribution).
-        StorageError: ``replicate_to`` cannot be resolved (unknown scheme, backend missing).
+        StorageError: a root a plugin's manager option names cannot be resolved (unknown
+            scheme, backend missing).
     """
 
     def __init__(
         self,
         accelerator: Any,
         root_url: str | os.PathLike[str] | Storage,
-        keep_last: int | None = UNSET,
+        keep_last: int | None = None,
         *,
         retention: RetentionPolicy | None = None,
-        async_policy: AsyncPolicy | None = None,
-        preemption: PreemptionPolicy | None = None,
+        async_save: bool | AsyncPolicy = False,
+        save_on_signal: bool | PreemptionPolicy | Any = False,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         incremental: bool = True,
         step_digits: int = DEFAULT_STEP_DIGITS,
-        keep_best: int | None = UNSET,
-        monitor: str = UNSET,
-        mode: str = UNSET,
-        keep_every_n_steps: int | None = UNSET,
-        async_save: bool = UNSET,
-        backpressure: str = UNSET,
-        max_wait_s: float | None = UNSET,
-        save_on_signal: Any = UNSET,
-        grace_s: float | None = UNSET,
-        on_signal: str = UNSET,
-        signal_check_every: int | None = UNSET,
         run_id: str | None = None,
         **options: Any,
     ) -> None:
-        unset_if_none = lambda value: UNSET if value is None else value  # noqa: E731 - None is these keywords' default
-        self.retention: RetentionPolicy = grouped(RetentionPolicy, "retention", retention, {
-            "keep_last": unset_if_none(keep_last), "keep_best": unset_if_none(keep_best), "monitor": monitor,
-            "mode": mode, "keep_every_n_steps": unset_if_none(keep_every_n_steps)})
+        self.retention: RetentionPolicy
         """Which committed checkpoints are kept (:class:`~statekit.manager.policies.RetentionPolicy`)."""
-        self.async_policy: AsyncPolicy = grouped(AsyncPolicy, "async_policy", async_policy, {
-            "async_save": False if async_save is UNSET and async_policy is None else async_save,
-            "backpressure": backpressure, "max_wait_s": max_wait_s}, {"async_save": "enabled"})
+        self.async_policy: AsyncPolicy
         """How saves run in the background (:class:`~statekit.manager.policies.AsyncPolicy`)."""
-        signal_keywords = {"save_on_signal": save_on_signal, "grace_s": unset_if_none(grace_s),
-                           "on_signal": on_signal, "signal_check_every": unset_if_none(signal_check_every)}
-        self.preemption: PreemptionPolicy | None = _preemption_policy(preemption, signal_keywords)
+        self.preemption: PreemptionPolicy | None
         """What a preemption signal does (:class:`~statekit.manager.policies.PreemptionPolicy`),
         or None: no handlers."""
+        self.retention, self.async_policy, self.preemption = manager_policies(
+            keep_last, retention, async_save, save_on_signal, options)
         self.backpressure = Backpressure(self.async_policy)
         self.save_stats = SaveStats()
         if not isinstance(step_digits, int) or isinstance(step_digits, bool) or not 0 <= step_digits <= 20:
@@ -282,32 +197,30 @@ class CheckpointManager:
         return self._lineage.run_id
 
     def tiers(self) -> list[Tier]:
-        """The tier plugins' objects of this manager (found in :attr:`plugin_state` by protocol).
+        """The tier plugins' objects of this manager.
 
         Returns:
-            Each :class:`statekit.plugin_api.Tier` a plugin keeps there: with
-            ``replicate_to``, the remote tier's; empty without a tier plugin.
+            Each :class:`statekit.plugin_api.Tier` a plugin keeps in :attr:`plugin_state`
+            (found by protocol); empty without a tier plugin.
         """
         return [state for state in self.plugin_state.values() if isinstance(state, Tier)]
 
     # ---------------------------------------------------------------- queries
 
     def list(self) -> list[CheckpointDir]:
-        """Every checkpoint directory under the root (committed or not), oldest first.
+        """Every checkpoint directory under the root (committed or not).
 
         Returns:
-            One :class:`CheckpointDir` per ``checkpoint-<step>`` directory.
+            One :class:`CheckpointDir` per directory, oldest first.
         """
         return list_checkpoints(self.root)
 
     def latest(self) -> str | None:
-        """URL of the newest committed checkpoint of the live history, or None (scans
-        manifests; the ``latest`` file is only a hint and is not trusted). After a rollback
-        (:meth:`resume` with ``step=``) an abandoned branch's higher steps are not it
-        (``docs/concepts.md``, Lineage).
+        """The newest committed checkpoint of the live history (``docs/concepts.md``,
+        Lineage; scans manifests: the ``latest`` file is only a hint and is not trusted).
 
         Returns:
-            The URL, or None when no checkpoint of the live history under the root is committed.
+            Its URL, or None when there is none.
 
         Raises:
             StatekitError: the root's ``lineage.json`` is unreadable.
@@ -319,8 +232,9 @@ class CheckpointManager:
 
     def candidates(self) -> list[tuple[CheckpointDir, dict[str, Any] | None]]:
         """The committed checkpoints :meth:`resume` would try, in its order (newest step
-        first; this root's copy of a step before a plugin's root, e.g. the remote tier of
-        ``replicate_to``). With several ranks every rank calls it (a collective).
+        first; this root's copy of a step before a plugin's root:
+        :mod:`~statekit.manager.resume_order`). With several ranks every rank calls it (a
+        collective).
 
         Returns:
             ``(CheckpointDir, storage_options)`` pairs: the checkpoint and the fsspec
@@ -346,7 +260,7 @@ class CheckpointManager:
         return self.url_of(checkpoint_name(step, self.step_digits))
 
     def url_of(self, name: str) -> str:
-        """URL of the directory ``name`` under the root (this rank's root).
+        """URL of the directory ``name`` under this rank's root.
 
         Args:
             name: a checkpoint directory's name (``CheckpointDir.name``).
@@ -367,9 +281,9 @@ class CheckpointManager:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
         A previous async save is waited for first (and its error raised here), within the
-        manager's ``backpressure`` policy: while it is still writing after ``max_wait_s``
-        (at once with ``"skip"``), this save is skipped with a :class:`StatekitWarning`
-        and None is returned (the newest committed checkpoint stays latest).
+        manager's :class:`~statekit.AsyncPolicy` (``docs/backpressure.md``): when it is still
+        writing at the bound, this save is skipped with a :class:`StatekitWarning` and None
+        is returned.
 
         Args:
             step: the training step (names the directory). None: automatic naming, one
@@ -444,18 +358,17 @@ class CheckpointManager:
         return result
 
     def step_boundary(self, step: int) -> bool:
-        """A safe point for the save on a signal (``save_on_signal``); call it after every
-        training step (cheap: a flag check; with several ranks one all-reduce of two ints,
-        the flag and the check interval, every ``signal_check_every``-th call, adaptive by
-        default: ``docs/clusters.md``). Every rank must call it at the same steps.
+        """A safe point for the save on a signal (``save_on_signal``, ``docs/clusters.md``);
+        call it after every training step, on every rank at the same steps (cheap: a flag
+        check; with several ranks one all-reduce of one int every
+        :attr:`PreemptionPolicy.check_every <statekit.PreemptionPolicy.check_every>`-th call).
 
         When any rank has received a signal, every rank commits an async save in flight
         (waited for at most the grace left; still writing then: a warning, nothing saved,
-        the newest committed checkpoint stays latest, the run stops),
-        saves ``step`` blocking (unless ``step`` is committed already) and then exits with
-        status ``128 + signal number`` (``on_signal="exit"``) or returns True. Between two
-        optimizer steps of ``accelerator.accumulate`` (``sync_gradients`` False) it does
-        nothing: the end of the accumulation window is the safe point.
+        the run stops), saves ``step`` blocking (unless it is committed already), then
+        exits with status ``128 + signal number`` (``on_signal="exit"``) or returns True.
+        Between two optimizer steps of ``accelerator.accumulate`` (``sync_gradients``
+        False) it does nothing: the end of the accumulation window is the safe point.
 
         Args:
             step: the training step just finished (names the checkpoint).
@@ -476,8 +389,8 @@ class CheckpointManager:
         return self.signal_save is not None and self.signal_save.should_stop
 
     def wait_for_save(self) -> Manifest | None:
-        """Wait for the pending async save only (not for plugins' background work such as
-        replication, unlike :meth:`wait`) and run its post-hooks.
+        """Wait for the pending async save only (not for plugins' background work, unlike
+        :meth:`wait`) and run its post-hooks.
 
         Returns:
             Its committed manifest, or None if no save was pending.
@@ -508,7 +421,7 @@ class CheckpointManager:
 
     def stats(self) -> CheckpointStats:
         """The time this run lost to checkpoints so far: each :meth:`save` call's blocking
-        seconds, the saves back-pressure skipped, the remote tier's backlog, the steps the
+        seconds, the saves back-pressure skipped, the tiers' backlog, the steps the
         last :meth:`resume` went back (``docs/backpressure.md``).
 
         Returns:
@@ -517,19 +430,17 @@ class CheckpointManager:
         """
         tiers = self.tiers()
         backlog: dict[str, int] | None = None
-        for tier in tiers:  # summed over the tiers (one with replicate_to)
+        for tier in tiers:  # summed over the tiers
             backlog = {k: (backlog or {}).get(k, 0) + v for k, v in tier.backlog().items()}
         return self.save_stats.snapshot(backlog)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Wait for the pending async save (if any) and run its post-hooks; then for the
-        plugins' background work (``statekit_manager_wait``: with ``replicate_to``, the
-        replication of every committed checkpoint).
+        plugins' background work (``statekit_manager_wait``: a tier's copies).
 
         Args:
-            timeout: seconds each plugin waits at most (None: until done); each
-                checkpoint not replicated by then is a :class:`StatekitWarning` naming
-                its remote URL.
+            timeout: seconds each plugin waits at most (None: until done); what a plugin
+                leaves undone by then is its :class:`StatekitWarning`.
 
         Returns:
             The async save's committed manifest, or None if no save was pending.
@@ -579,34 +490,19 @@ class CheckpointManager:
     ) -> int | None:
         """Load the newest committed checkpoint of the live history that loads cleanly;
         return its step. ``resume(step=K)`` rolls back: it loads the committed checkpoint
-        of step ``K`` and starts a new branch there (``docs/concepts.md``, Lineage).
-
-        The live history: without a rollback ever under the root, every checkpoint (the
-        newest step wins, as before lineage). After ``resume(step=K)`` (which writes the
-        root file ``lineage.json``, to the remote tier too), the new branch and what it
-        descends from; the checkpoints of higher steps it abandoned are never resumed
-        again, by this process or a new one, before or after the branch's first save.
-        The run's id and the checkpoint continued are logged (INFO, logger ``statekit``).
+        of step ``K`` and starts a new branch there (the live history, branches and runs:
+        ``docs/concepts.md``, Lineage). The run's id and the checkpoint continued are
+        logged (INFO, logger ``statekit``).
 
         A checkpoint that fails verification or loading is skipped with a
         :class:`StatekitWarning` naming the file, and the previous committed one is tried
-        (a shape or key mismatch is the caller's error and is raised).
-
-        A root of Accelerate's automatic naming (``checkpoint_<n>`` folders, with or
-        without statekit manifests) resumes from its newest complete folder: one whose
-        load fails for a missing file (an interrupted Accelerate save looks like that) is
-        skipped with a warning, like a corrupt checkpoint. Pickle files load only with
-        the manager's ``allow_pickle=True``.
-
-        Candidates come from the root and from every root a plugin offers
-        (``statekit_resume_roots``; with ``replicate_to``, the remote tier): newest step
-        first, the root's own copy of a step before another root's
-        (:mod:`statekit.manager.resume_order`).
-
-        Before loading, the checkpoint's resume fingerprint is compared with the run
-        (``docs/concepts.md``, Resume fingerprint): each difference is a
-        :class:`ResumeFingerprintWarning` naming the setting, the saved and the live value
-        and what it does to the resume.
+        (a shape or key mismatch is the caller's error and is raised); so is an
+        Accelerate ``checkpoint_<n>`` folder whose load fails for a missing file (an
+        interrupted Accelerate save). Candidates come from the root and from every root a
+        plugin offers (``statekit_resume_roots``), in :mod:`statekit.manager.resume_order`'s
+        order. Before loading, the checkpoint's resume fingerprint is compared with the
+        run: each difference is a :class:`ResumeFingerprintWarning` (``docs/concepts.md``,
+        Resume fingerprint).
 
         Args:
             step: None: the newest checkpoint of the live history. An integer: roll back
@@ -666,8 +562,8 @@ class CheckpointManager:
         infos = [info for info, _ in everything]
         if step is not None:
             return self._rollback(int(step), everything, state, verify, strict, strict_resume)
-        loaded = self._load_newest(self._lineage.live_candidates(everything, state, other_runs),
-                                   verify, strict, strict_resume)
+        loaded = load_first(self._lineage.live_candidates(everything, state, other_runs), self._skip,
+                            lambda url, options: self._load(url, options, verify, strict, strict_resume))
         if loaded is None:
             self._fresh_start()
             return None
@@ -687,31 +583,6 @@ class CheckpointManager:
             self._wait_save()
         finally:
             self.rollback_targets = set()
-
-    def _load_newest(self, candidates: list[Candidate], verify: bool, strict: bool,
-                     strict_resume: bool) -> tuple[CheckpointDir, Manifest | ForeignSummary] | None:
-        """Load the first of ``candidates`` that loads cleanly, skipping (with a warning)
-        each one that is damaged or an incomplete Accelerate folder.
-
-        Returns:
-            The checkpoint loaded and its manifest; None when there is no candidate.
-
-        Raises:
-            StatekitError: every candidate failed (the last one's error); or a failure
-                that is the run's, not the checkpoint's (:func:`_skippable`).
-        """
-        last_error: StatekitError | None = None
-        for info, options in candidates:
-            try:
-                return info, self._load(info.url, options, verify, strict, strict_resume)
-            except StatekitError as exc:
-                if not _skippable(info, exc):
-                    raise
-                self._skip(info, exc)
-                last_error = exc
-        if last_error is not None:
-            raise last_error
-        return None
 
     def _skip(self, info: CheckpointDir, exc: StatekitError) -> None:
         """Warn that ``info`` failed to load and the previous one is tried; a damaged
@@ -810,33 +681,3 @@ class CheckpointManager:
         entries = [classify(k, v) for k, v in self.objects.items()]  # a resume: the fingerprint is always compared
         return loading.load_objects(url, entries, options=self.options, **common)
 
-
-def _skippable(info: CheckpointDir, exc: StatekitError) -> bool:
-    """Whether ``resume()`` skips ``info`` after ``exc`` and tries the previous checkpoint:
-    a damaged checkpoint is skipped; an error of the run's settings is raised (an older
-    checkpoint fits no better), and so is a state mismatch, unless it is an Accelerate
-    folder missing keys only (an interrupted Accelerate save looks like that)."""
-    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError)):
-        return False
-    if isinstance(exc, StateMismatchError):
-        return info.accelerate and bool(exc.missing) and not exc.mismatched
-    return True
-
-
-def _preemption_policy(preemption: PreemptionPolicy | None, flat: dict[str, Any]) -> PreemptionPolicy | None:
-    """The manager's preemption group: ``preemption`` as given or built from its flat
-    keywords (``flat``: ``save_on_signal``, ``grace_s``, ``on_signal``,
-    ``signal_check_every``; :data:`UNSET` where not given), or None when no signal is
-    handled (the other flat keywords given then warn: they have no effect).
-
-    Raises:
-        InvalidOptionError: as :func:`~statekit.manager.policies.grouped`.
-    """
-    if preemption is None and any(flat["save_on_signal"] is off for off in (UNSET, False, None)):  # off
-        unused = sorted(k for k, v in flat.items() if v is not UNSET and k != "save_on_signal")
-        if unused:
-            warn_user(f"{', '.join(unused)} given without save_on_signal (or preemption=): no signal is handled, "
-                      "so they have no effect", StatekitWarning)
-        return None
-    return grouped(PreemptionPolicy, "preemption", preemption, flat,
-                   {"save_on_signal": "signals", "signal_check_every": "check_every"})

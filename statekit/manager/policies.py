@@ -6,9 +6,10 @@ Each group is a frozen dataclass that checks its values when built, so a bad val
 :class:`~statekit.InvalidOptionError` at the user's line, before a manager exists. The
 grouping follows Orbax's ``CheckpointManagerOptions`` and Lightning's ``ModelCheckpoint``
 (https://orbax.readthedocs.io/en/latest/api_reference/checkpoint.checkpoint_manager.html);
-the manager's flat keywords (``keep_last=``, ``async_save=``, ``save_on_signal=``...) build
-the same objects. Two-tier storage's options (``replicate_to``...) are the replicate
-plugin's own (``docs/tiers.md``).
+the manager takes one keyword per group, its shortcut or the group (``keep_last=3`` or
+``retention=``, ``async_save=True`` or ``AsyncPolicy``, ``save_on_signal=True`` or
+``PreemptionPolicy``: :func:`manager_policies`). A plugin's manager options are its own
+(``docs/hooks.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from statekit.errors import InvalidOptionError
 
 BACKPRESSURE_POLICIES = ("wait", "skip")
-"""The values of :attr:`AsyncPolicy.backpressure` (``CheckpointManager(backpressure=...)``)."""
+"""The values of :attr:`AsyncPolicy.backpressure`."""
 
 DEFAULT_MAX_WAIT_SECONDS = 300.0
 """Default bound of the ``"wait"`` policy, seconds: half the NCCL watchdog's default (600 s),
@@ -164,19 +165,20 @@ class PreemptionPolicy:
             ``terminationGracePeriodSeconds``); a save estimated to end past it warns.
         on_signal: ``"exit"``: after the commit raise ``SystemExit(128 + signal number)``;
             ``"return"``: ``step_boundary()`` returns True and ``should_stop`` is True.
-        check_every: with several ranks, agree on the signal every N-th step boundary
-            only; None: N adapts so that the checks cost under 1 % of the step time.
+        check_every: with several ranks, agree on the signal (one all-reduce of one int
+            on statekit's gloo group) every N-th step boundary (default 1: every step;
+            ``docs/clusters.md``); every rank must give the same N.
 
     Raises:
         InvalidOptionError: a name or number that is not a signal (or SIGKILL/SIGSTOP),
             a ``grace_s`` that is not a positive number, an unknown ``on_signal``, or a
-            ``check_every`` that is not a positive integer or None.
+            ``check_every`` that is not a positive integer.
     """
 
     signals: bool | int | str | signal.Signals | Iterable[Any] = True
     grace_s: float = DEFAULT_GRACE_S
     on_signal: str = "exit"
-    check_every: int | None = None
+    check_every: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "signals", parse_signals(self.signals))
@@ -187,9 +189,8 @@ class PreemptionPolicy:
         if self.on_signal not in ON_SIGNAL:
             raise InvalidOptionError(f"on_signal must be 'exit' or 'return', got {self.on_signal!r}")
         every = self.check_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise InvalidOptionError(
-                f"PreemptionPolicy.check_every (signal_check_every=) must be a positive integer or None, got {every!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise InvalidOptionError(f"PreemptionPolicy.check_every must be a positive integer, got {every!r}")
 
 
 def parse_signals(value: Any) -> tuple[signal.Signals, ...]:
@@ -235,38 +236,55 @@ def parse_signals(value: Any) -> tuple[signal.Signals, ...]:
     return tuple(out)
 
 
-UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
-"""Default of the manager's flat keywords: tells "not given" from a value equal to the default."""
+MOVED_KEYWORDS: dict[str, tuple[str, str, str | None]] = {
+    **{name: ("retention", "RetentionPolicy", name) for name in ("keep_best", "monitor", "mode", "keep_every_n_steps")},
+    **{name: ("async_save", "AsyncPolicy", name) for name in ("backpressure", "max_wait_s")},
+    **{name: ("save_on_signal", "PreemptionPolicy", name) for name in ("grace_s", "on_signal")},
+    "signal_check_every": ("save_on_signal", "PreemptionPolicy", "check_every"),
+    "async_policy": ("async_save", "AsyncPolicy", None),
+    "preemption": ("save_on_signal", "PreemptionPolicy", None),
+}
+"""Keywords the manager does not take, each a field of a group: ``{name: (the group's
+keyword, its class, the field)}``, for the error that names the fix."""
 
 
-def grouped(cls: type, name: str, group: Any, flat: dict[str, Any], fields: dict[str, str] | None = None) -> Any:
-    """The group a manager uses: ``group`` as given, or one built from the flat keywords.
+def manager_policies(keep_last: int | None, retention: RetentionPolicy | None, async_save: bool | AsyncPolicy,
+                     save_on_signal: Any, options: dict[str, Any]) -> tuple[RetentionPolicy, AsyncPolicy,
+                                                                             PreemptionPolicy | None]:
+    """The manager's three groups from its keywords (``CheckpointManager``'s arguments).
 
     Args:
-        cls: the group's class (:class:`RetentionPolicy`...).
-        name: the group's keyword on the manager (``"retention"``), for messages.
-        group: the value of that keyword (None: not given).
-        flat: the flat keywords of this group, ``{keyword: value}``, where :data:`UNSET`
-            means not given.
-        fields: the field each keyword sets, where the names differ
-            (``{"save_on_signal": "signals"}``).
+        keep_last: the retention shortcut (None: not given).
+        retention: the retention group (None: ``RetentionPolicy(keep_last=keep_last)``).
+        async_save: a bool (``AsyncPolicy(enabled=async_save)``) or the group.
+        save_on_signal: False or None (no handlers), True or signals
+            (``PreemptionPolicy(signals=save_on_signal)``), or the group.
+        options: the manager's ``**options``, checked for a keyword of :data:`MOVED_KEYWORDS`.
 
     Returns:
-        An instance of ``cls``.
+        ``(retention, async_policy, preemption)``; ``preemption`` None when no signal is handled.
 
     Raises:
-        InvalidOptionError: ``group`` is not a ``cls``, or it is given together with a flat
-            keyword of the same group (which one would win is not obvious).
+        InvalidOptionError: ``keep_last`` and ``retention`` both given; ``retention`` not a
+            ``RetentionPolicy``; a keyword of :data:`MOVED_KEYWORDS` (the message names the
+            group to pass it in); a group's own errors.
     """
-    given = {keyword: value for keyword, value in flat.items() if value is not UNSET}
-    if group is None:
-        return cls(**{(fields or {}).get(keyword, keyword): value for keyword, value in given.items()})
-    if not isinstance(group, cls):
-        raise InvalidOptionError(f"{name} must be a statekit.{cls.__name__}, got {type(group).__name__}")
-    if given:
-        raise InvalidOptionError(
-            f"{name}={cls.__name__}(...) and the keyword(s) {', '.join(sorted(given))} set the same options; "
-            f"pass them inside {cls.__name__}(...)"
-        )
-    return group
-
+    for name in sorted(options.keys() & MOVED_KEYWORDS.keys()):
+        keyword, cls, field = MOVED_KEYWORDS[name]
+        inside = "..." if field is None else f"{field}={options[name]!r}"
+        raise InvalidOptionError(f"CheckpointManager takes no {name}=: pass {keyword}=statekit.{cls}({inside})")
+    if retention is None:
+        retention = RetentionPolicy(keep_last=keep_last)
+    elif not isinstance(retention, RetentionPolicy):
+        raise InvalidOptionError(f"retention must be a statekit.RetentionPolicy, got {type(retention).__name__}")
+    elif keep_last is not None:
+        raise InvalidOptionError(f"keep_last={keep_last!r} and retention=RetentionPolicy(...) both set the retention; "
+                                 f"pass RetentionPolicy(keep_last={keep_last!r}, ...) alone")
+    async_policy = async_save if isinstance(async_save, AsyncPolicy) else AsyncPolicy(enabled=async_save)
+    if save_on_signal is False or save_on_signal is None:
+        preemption = None
+    elif isinstance(save_on_signal, PreemptionPolicy):
+        preemption = save_on_signal
+    else:
+        preemption = PreemptionPolicy(signals=save_on_signal)
+    return retention, async_policy, preemption

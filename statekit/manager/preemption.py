@@ -26,7 +26,6 @@ with code ``128 + signal number`` (``on_signal="exit"``) or
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -38,12 +37,6 @@ from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.manager.policies import PreemptionPolicy
 
 logger = logging.getLogger(__name__)
-
-CHECK_COST = 0.01
-"""With several ranks and ``signal_check_every=None``: the share of the step time the
-ranks' agreement on the signal flag may cost (one all-reduce of two ints on the gloo group,
-about 0.1 to 0.5 ms on one host; ``docs/clusters.md``)."""
-
 
 def exit_code(signum: int) -> int:
     """The exit status of a run that saved on a signal and exited: ``128 + signum`` (143 for
@@ -73,10 +66,7 @@ class SignalSave:
         policy: the manager's :class:`~statekit.manager.policies.PreemptionPolicy` (checked
             there): the signals, ``grace_s`` (seconds from the signal to the kill, the
             deadline of the save), ``on_signal`` and ``check_every`` (with several ranks,
-            agree on the flag every N-th safe point only, each check one all-reduce on the
-            gloo group; None: adapt N so that the checks cost under 1 % of the step time,
-            :data:`CHECK_COST`, while a signal waits at most a tenth of ``grace_s`` for its
-            check; one process checks every time).
+            agree on the flag every N-th safe point, one all-reduce on the gloo group).
 
     Raises:
         InvalidOptionError: the manager is created outside the main thread (Python runs
@@ -94,7 +84,6 @@ class SignalSave:
         self.signals: tuple[signal.Signals, ...] = policy.signals  # type: ignore[assignment]
         self.grace_s = policy.grace_s
         self.on_signal = policy.on_signal
-        self.check_every = policy.check_every
         self.received: signal.Signals | None = None
         """The first signal received (this rank), or None."""
         self.received_at: float | None = None
@@ -103,26 +92,19 @@ class SignalSave:
         self.should_stop = False
         self.deadline: float | None = None
         """Once the signal was acted on: ``time.monotonic()`` of the end of the grace period
-        (the manager's ``__exit__`` and the replication's wait at exit wait no longer)."""
+        (the manager's ``__exit__`` and the tiers' wait at exit wait no longer)."""
         self.result: dict[str, Any] | None = None
         """After the signal's save: ``{"signal", "step", "url", "seconds", "grace_s", "saved",
         "in_flight", "replicated", "total_seconds"}`` (``seconds``: from the signal, or from
         the safe point on a rank the signal did not reach, to the (local) commit; ``saved``
-        False when the step was committed already; ``replicated``: with ``replicate_to``,
-        whether its remote copy committed within the grace (None without);
-        ``total_seconds``: to the end of the remote wait; ``in_flight``: None, or the step of an async save that was still writing
+        False when the step was committed already; ``replicated``: with a tier plugin,
+        whether every tier's copy committed within the grace (None without);
+        ``total_seconds``: to the end of the tiers' wait; ``in_flight``: None, or the step of an async save that was still writing
         when the grace ran out: then nothing was saved and ``step``/``url`` name the newest
         committed checkpoint, None if there is none)."""
         self.step_seconds: float | None = None
         """The longest time between two safe points seen (seconds)."""
-        self.check_interval = 1
-        """Safe points between two agreements of the ranks (the last one agreed)."""
-        self.check_seconds: float | None = None
-        """The fastest agreement (one all-reduce) seen on this rank, seconds."""
         self._boundaries = 0
-        self._next_check = 1
-        self._checks = 0
-        self._last_step: float | None = None
         self._last_boundary: float | None = None
         self._warned_step = False
         self._rate: float | None = None  # bytes per second of the last committed save
@@ -202,36 +184,20 @@ class SignalSave:
             return False  # between two optimizer steps: the window's end is the safe point
         now = time.monotonic()
         if self._last_boundary is not None:
-            self._last_step = now - self._last_boundary
-            self._note_step_time(self._last_step)
+            self._note_step_time(now - self._last_boundary)
         self._last_boundary = now
         self._boundaries += 1
         if distributed.rank_and_world_size()[1] > 1:
-            if self._boundaries < self._next_check:
+            if self._boundaries % self.policy.check_every:
                 return False
-            flag, self.check_interval = distributed.max_over_ranks([int(self.received or 0), self._interval()])
-            self._agreed = flag  # the signal's number (the highest if ranks got different ones): the exit status
-            took = time.monotonic() - now
-            self._checks += 1
-            # the fastest check seen: the first one also creates statekit's gloo group
-            self.check_seconds = took if self.check_seconds is None else min(self.check_seconds, took)
-            self._next_check = self._boundaries + self.check_interval  # the same on every rank: agreed maxima
-            if not flag:
+            # the signal's number (the highest if ranks got different ones): the exit status
+            self._agreed = distributed.max_over_ranks([int(self.received or 0)])[0]
+            if not self._agreed:
                 return False
         elif self.received is None:
             return False
         self._act(step, save=True)
         return True
-
-    def _interval(self) -> int:
-        """The check interval this rank asks for (the ranks take the largest)."""
-        if self.check_every is not None:
-            return self.check_every
-        if self.check_seconds is None or not self._last_step or self._checks < 3:
-            return 1  # measure a few checks first
-        by_cost = math.ceil(self.check_seconds / (CHECK_COST * self._last_step))
-        by_deadline = math.floor(0.1 * self.grace_s / self._last_step)
-        return max(1, min(by_cost, by_deadline, 2 * self.check_interval, 1000))  # grows at most 2x per check
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.
@@ -295,20 +261,20 @@ class SignalSave:
                 signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
                 "" if (saved or not save) else " (committed already)",
             )
-            replicated = None
+            copied = None
             tiers = self.manager.tiers()
             if tiers:  # local copy committed; the tiers' copies until the deadline
                 self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
                 name = url.rstrip("/").rsplit("/", 1)[-1]
-                replicated = all(name in tier.replicated_names() for tier in tiers)
-                logger.warning("save_on_signal: the remote copy of step %d %s, %.2f s after the signal", step,
-                               "committed" if replicated else "did not commit within the grace",
+                copied = all(name in tier.copied_names() for tier in tiers)
+                logger.warning("save_on_signal: the tiers' copies of step %d %s, %.2f s after the signal", step,
+                               "committed" if copied else "did not commit within the grace",
                                time.monotonic() - since)
         finally:
             self._acting = False
         self.result = {"signal": signum.name if signum else None, "step": step, "url": url, "seconds": seconds,
                        "grace_s": self.grace_s, "saved": saved or not save, "in_flight": None,
-                       "replicated": replicated, "total_seconds": time.monotonic() - since}
+                       "replicated": copied, "total_seconds": time.monotonic() - since}
         self._stop(signum)
 
     def remaining(self) -> float | None:
@@ -390,9 +356,10 @@ class SignalSave:
         if estimate is None or estimate <= remaining:
             return
         tier = (
-            "writing to the local root first (replicate_to copies it to the remote tier until the deadline)"
+            "writing to the local root first (the tiers copy it until the deadline)"
             if self.manager.tiers()
-            else "no faster local tier is configured (replicate_to: a local root_url, replicated to the remote one)"
+            else "no faster local tier is configured (a local root_url with a tier plugin copying to the remote one: "
+            "docs/tiers.md)"
         )
         warn_user(
             f"save_on_signal: step {step} needs about {estimate:.1f} s ({self._last_bytes:,} bytes at the measured "

@@ -1,6 +1,6 @@
 """The checkpoints ``CheckpointManager.resume()`` tries, in order: those under the
-manager's root and under every root a plugin offers (``statekit_resume_roots``; the
-``replicate`` plugin offers the remote tier).
+manager's root and under every root a plugin offers (``statekit_resume_roots``: a
+tier plugin offers its root).
 
 Order: newest step first; for one step the manager's own root first, then the offered
 roots in the order offered, and in one root the checkpoint committed last first (two
@@ -9,18 +9,28 @@ runs' or branches' checkpoints of one step, ``checkpoint-<step>`` and
 ``created``). With several ranks rank 0 decides for all, and a checkpoint
 under the manager's root is a candidate only where every rank's own root holds it
 committed (roots may be node-local disks: a checkpoint saved across nodes is then
-resumed from another root, or not at all).
+resumed from another root, or not at all). The first candidate that loads is resumed;
+a damaged one is passed over (:func:`load_first`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from statekit import distributed, format as fmt
 from statekit.manager.listing import LATEST_NAME, CheckpointDir, list_checkpoints
 from statekit.engine import commit as commits
-from statekit.errors import PluginError, StatekitError, StatekitWarning, warn_user
+from statekit.errors import (
+    PickleNotAllowedError,
+    PluginError,
+    ResumeMismatchError,
+    StatekitError,
+    StatekitWarning,
+    StateMismatchError,
+    warn_user,
+)
 from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.storage import Storage
 
@@ -115,3 +125,46 @@ def _same_manifest(a: Storage, b: Storage) -> bool:
         return a.read_bytes(fmt.MANIFEST_NAME) == b.read_bytes(fmt.MANIFEST_NAME)
     except (StatekitError, OSError):
         return True  # unreadable: loading it will say what is wrong
+
+
+def load_first(candidates: list[Candidate], skip: Callable[[CheckpointDir, StatekitError], None],
+               load: Callable[[str, dict[str, Any] | None], Any]) -> tuple[CheckpointDir, Any] | None:
+    """Load the first of ``candidates`` that loads cleanly, passing over each one that is
+    damaged or an incomplete Accelerate folder (:func:`skippable`).
+
+    Args:
+        candidates: in the order to try (:func:`resume_candidates`).
+        skip: called with each checkpoint passed over and its error (the manager warns).
+        load: ``load(url, storage_options)``, returning the manifest loaded.
+
+    Returns:
+        The checkpoint loaded and its manifest; None when there is no candidate.
+
+    Raises:
+        StatekitError: every candidate failed (the last one's error); or a failure that is
+            the run's, not the checkpoint's.
+    """
+    last_error: StatekitError | None = None
+    for info, options in candidates:
+        try:
+            return info, load(info.url, options)
+        except StatekitError as exc:
+            if not skippable(info, exc):
+                raise
+            skip(info, exc)
+            last_error = exc
+    if last_error is not None:
+        raise last_error
+    return None
+
+
+def skippable(info: CheckpointDir, exc: StatekitError) -> bool:
+    """Whether ``resume()`` passes over ``info`` after ``exc`` and tries the previous
+    checkpoint: a damaged checkpoint is passed over; an error of the run's settings is
+    raised (an older checkpoint fits no better), and so is a state mismatch, unless it is
+    an Accelerate folder missing keys only (an interrupted Accelerate save looks like that)."""
+    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError)):
+        return False
+    if isinstance(exc, StateMismatchError):
+        return info.accelerate and bool(exc.missing) and not exc.mismatched
+    return True

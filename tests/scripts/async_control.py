@@ -23,8 +23,9 @@ torch.manual_seed(rank)
 model = torch.nn.Linear(2048 if rank == 0 else 8, 1024 if rank == 0 else 8)  # 8 MiB against a few bytes
 optim = torch.optim.SGD(model.parameters(), lr=0.1)
 outcomes = []
-with statekit.CheckpointManager({"model": model, "optim": optim}, root, async_save=True,
-                                backpressure="skip", save_on_signal=True, signal_check_every=1) as manager:
+with statekit.CheckpointManager({"model": model, "optim": optim}, root,
+                                async_save=statekit.AsyncPolicy(backpressure="skip"),
+                                save_on_signal=statekit.PreemptionPolicy(check_every=1)) as manager:
     for step in range(1, 41):
         model(torch.randn(4, model.in_features)).square().mean().backward()
         optim.step()

@@ -121,8 +121,8 @@ try:
     if mode == "run":
         grace = os.environ.get("STATEKIT_TEST_GRACE")
         tiers = {"replicate_to": f"holdfile://{os.path.abspath(remote)}"} if remote else {}
-        manager = statekit.CheckpointManager(accelerator, root, save_on_signal=True, async_save=use_async,
-                                             grace_s=float(grace) if grace else None, **tiers)
+        manager = statekit.CheckpointManager(accelerator, root, async_save=use_async, **tiers,
+                                             save_on_signal=statekit.PreemptionPolicy(grace_s=float(grace)) if grace else True)
         start = step = manager.resume() or 0
     source = batches(loader)
     while step < TOTAL:

@@ -259,8 +259,8 @@ def test_a_signal_during_replication_commits_locally_and_resumes_from_either_tie
 @pytest.mark.slow
 def test_a_signal_to_one_rank_then_one_to_the_torchrun_launcher_each_stop_both_ranks_at_one_step(tmp_path, reference):
     # one chain of 2-rank runs (accumulation 2). First: SIGTERM to rank 1 only; the ranks agree at
-    # their next check (signal_check_every=None: every N steps, N chosen so that the checks cost
-    # under 1 % of the step time) and save the same step. Second: SIGTERM to torchrun's launcher,
+    # their next check (every step boundary: PreemptionPolicy(check_every=1), the default) and
+    # save the same step. Second: SIGTERM to torchrun's launcher,
     # which forwards it to each worker a moment later, so the step they agree on is the first
     # optimizer step end both reach after it. Third: resumes exactly.
     accum = {"STATEKIT_TEST_ACCUM": "2"}
@@ -351,8 +351,8 @@ def test_handlers_chain_to_the_previous_python_handler_and_are_restored_on_exit(
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:
         installed = signal.getsignal(signal.SIGUSR1)
-        with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=("USR1",),
-                                        on_signal="return") as manager:
+        with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(
+                                            signals=("USR1",), on_signal="return")) as manager:
             assert signal.getsignal(signal.SIGTERM) is not manager  # only the signals asked for
             os.kill(os.getpid(), signal.SIGUSR1)
             os.kill(os.getpid(), signal.SIGUSR1)  # a second signal: counted, nothing else
@@ -369,8 +369,8 @@ def test_handlers_chain_to_the_previous_python_handler_and_are_restored_on_exit(
 
 
 def test_a_save_call_is_a_safe_point_and_becomes_the_signals_save(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
-                                    async_save=True) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), async_save=True,
+                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return")) as manager:
         assert manager.step_boundary(1) is False
         os.kill(os.getpid(), signal.SIGTERM)
         manifest = manager.save(2)  # blocking despite async_save: committed on return
@@ -387,8 +387,7 @@ def test_save_on_signal_exit_raises_systemexit_with_128_plus_the_signal(tmp_path
 
 
 def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
-                                    grace_s=1e-9) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(on_signal="return", grace_s=1e-9)) as manager:
         manager.step_boundary(1)
         with pytest.warns(statekit.StatekitWarning, match=r"passed between two safe points .* more than grace_s=1e-09"):
             manager.step_boundary(2)
@@ -398,24 +397,23 @@ def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_p
     assert manager.latest().endswith("checkpoint-00000003")
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"save_on_signal": ("SIGKILL",)}, "save_on_signal: SIGKILL cannot be handled by any process"),
-    ({"save_on_signal": ("SIGNOPE",)}, "save_on_signal: 'SIGNOPE' is not a signal"),
-    ({"save_on_signal": 3.5}, "save_on_signal must be True, False or a tuple of signals, got 3.5"),
-    ({"save_on_signal": True, "on_signal": "quit"}, "on_signal must be 'exit' or 'return', got 'quit'"),
-    ({"save_on_signal": True, "grace_s": 0}, "grace_s must be a positive number of seconds, got 0"),
-    ({"save_on_signal": True, "signal_check_every": 0}, "(signal_check_every=) must be a positive integer or None, got 0"),
+@pytest.mark.parametrize("save_on_signal, message", [
+    (lambda: ("SIGKILL",), "save_on_signal: SIGKILL cannot be handled by any process"),
+    (lambda: ("SIGNOPE",), "save_on_signal: 'SIGNOPE' is not a signal"),
+    (lambda: 3.5, "save_on_signal must be True, False or a tuple of signals, got 3.5"),
+    (lambda: statekit.PreemptionPolicy(on_signal="quit"), "on_signal must be 'exit' or 'return', got 'quit'"),
+    (lambda: statekit.PreemptionPolicy(grace_s=0), "grace_s must be a positive number of seconds, got 0"),
+    (lambda: statekit.PreemptionPolicy(check_every=0), "PreemptionPolicy.check_every must be a positive integer, got 0"),
 ])
-def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, options, message):
+def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, save_on_signal, message):
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(InvalidOptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        statekit.CheckpointManager(_objects(), str(tmp_path / "root"), **options)
+    with pytest.raises(InvalidOptionError, match=re.escape(message)):
+        statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=save_on_signal())
     assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=True, on_signal="return",
-                                    grace_s=1e-9) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(on_signal="return", grace_s=1e-9)) as manager:
         manager.save(1)  # measures the write rate
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.warns(statekit.StatekitWarning) as record:
@@ -429,8 +427,8 @@ def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(t
 def test_a_hook_based_trainer_saves_on_a_signal_at_its_step_end_and_resumes_there(tmp_path):
     objects = _objects()
     progress = statekit.TrainerProgress()
-    with statekit.CheckpointManager({**objects, "trainer": progress}, str(tmp_path / "root"), save_on_signal=True,
-                                    on_signal="return") as manager:
+    with statekit.CheckpointManager({**objects, "trainer": progress}, str(tmp_path / "root"),
+                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return")) as manager:
         hook = statekit.CheckpointHook(manager, progress, every_n_steps=5)
         hook.on_loop_begin()
         while not manager.should_stop:  # the trainer's loop checks should_stop after each step end

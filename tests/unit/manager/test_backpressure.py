@@ -52,7 +52,7 @@ def _skips(caught):
 
 def test_skip_policy_skips_a_save_while_the_previous_one_writes(held, tmp_path):
     model = torch.nn.Linear(8, 8)
-    manager = statekit.CheckpointManager({"model": model}, str(tmp_path), async_save=True, backpressure="skip")
+    manager = statekit.CheckpointManager({"model": model}, str(tmp_path), async_save=statekit.AsyncPolicy(backpressure="skip"))
     manager.save(1)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     assert held.entered.wait(30)
@@ -87,8 +87,7 @@ def test_skip_policy_skips_a_save_while_the_previous_one_writes(held, tmp_path):
 
 
 def test_wait_policy_waits_up_to_its_bound_then_skips(held, tmp_path):
-    manager = statekit.CheckpointManager({"model": torch.nn.Linear(8, 8)}, str(tmp_path), async_save=True,
-                                         max_wait_s=0.2)
+    manager = statekit.CheckpointManager({"model": torch.nn.Linear(8, 8)}, str(tmp_path), async_save=statekit.AsyncPolicy(max_wait_s=0.2))
     manager.save(1)
     assert held.entered.wait(30)
     with warnings.catch_warnings(record=True) as caught:
@@ -104,8 +103,7 @@ def test_wait_policy_waits_up_to_its_bound_then_skips(held, tmp_path):
 
 
 def test_wait_policy_saves_once_the_previous_save_is_done(held, tmp_path):
-    manager = statekit.CheckpointManager({"model": torch.nn.Linear(8, 8)}, str(tmp_path), async_save=True,
-                                         max_wait_s=60)
+    manager = statekit.CheckpointManager({"model": torch.nn.Linear(8, 8)}, str(tmp_path), async_save=statekit.AsyncPolicy(max_wait_s=60))
     manager.save(1)
     assert held.entered.wait(30)
     held.release.set()  # finishes while save(2) waits
@@ -126,7 +124,7 @@ def test_wait_policy_saves_once_the_previous_save_is_done(held, tmp_path):
 )
 def test_bad_backpressure_options_are_refused(plugin_manager, tmp_path, options, message):
     with pytest.raises(statekit.InvalidOptionError) as info:
-        statekit.CheckpointManager({"model": torch.nn.Linear(2, 2)}, str(tmp_path), **options)
+        statekit.CheckpointManager({"model": torch.nn.Linear(2, 2)}, str(tmp_path), async_save=statekit.AsyncPolicy(**options))
     assert str(info.value) == message
 
 

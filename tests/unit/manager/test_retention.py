@@ -14,7 +14,7 @@ def _steps(root: str) -> list[int]:
 
 
 def _run(root, losses: dict[int, float], **policy) -> statekit.CheckpointManager:
-    manager = statekit.CheckpointManager({"t": torch.zeros(3)}, root, **policy)
+    manager = statekit.CheckpointManager({"t": torch.zeros(3)}, root, retention=statekit.RetentionPolicy(**policy))
     for step, loss in losses.items():
         manager.save(step, metrics={"loss": loss, "acc": -loss})
     return manager
@@ -53,7 +53,7 @@ def test_no_policy_keeps_everything(tmp_path, plugin_manager):
 
 def test_checkpoints_without_the_metric_are_never_best(tmp_path, plugin_manager):
     root = str(tmp_path)
-    manager = statekit.CheckpointManager({"t": torch.zeros(1)}, root, keep_best=1)
+    manager = statekit.CheckpointManager({"t": torch.zeros(1)}, root, retention=statekit.RetentionPolicy(keep_best=1))
     manager.save(1)
     manager.save(2, metrics={"loss": 5.0})
     manager.save(3)
@@ -83,4 +83,4 @@ def test_failed_save_deletes_nothing(tmp_path, plugin_manager):
 @pytest.mark.parametrize("bad", [{"keep_last": 0}, {"keep_best": -1}, {"keep_every_n_steps": 1.5}, {"mode": "best"}])
 def test_bad_policy_values(tmp_path, bad):
     with pytest.raises(ValueError):
-        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path), **bad)
+        statekit.CheckpointManager({"t": torch.zeros(1)}, str(tmp_path), retention=statekit.RetentionPolicy(**bad))

@@ -169,7 +169,7 @@ def test_a_stalled_upload_is_raced_and_the_hedge_is_committed(stallfs, plugin_ma
     assert stallfs.stalled_removed.wait(60)
     assert not [p for p in stallfs.store if p.endswith(".tmp")]
     statekit.verify(f"{remote}/checkpoint-00000001")
-    assert manager.plugin_state["replicate"].replicated_names() == {"checkpoint-00000001"}
+    assert manager.plugin_state["replicate"].copied_names() == {"checkpoint-00000001"}
 
 
 def test_the_stalled_attempt_wins_when_the_hedge_fails(stallfs, plugin_manager, tmp_path):

@@ -3,7 +3,7 @@
 The :class:`statekit.CheckpointManager` installs the signal handlers (they only record the
 signal) and owns the save: :meth:`~statekit.CheckpointManager.step_boundary`, called after
 every optimizer step, saves that step on every rank once any rank got a signal, then exits
-with ``128 + signal number`` (143 for SIGTERM) or, with ``on_signal="return"``, stops the
+with ``128 + signal number`` (143 for SIGTERM) or, with ``PreemptionPolicy(on_signal="return")``, stops the
 training loop (``control.should_training_stop``). ``docs/clusters.md`` has the protocol.
 """
 

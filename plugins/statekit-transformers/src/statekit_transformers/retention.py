@@ -11,7 +11,7 @@ end of ``Trainer.train``) keeps, of its ``checkpoint-<step>`` folders sorted old
 * at the end of ``train()`` with ``save_total_limit=1`` and a best, the best alone (Trainer
   deletes the other folders itself, also under :class:`~statekit_transformers.StatekitTrainer`).
 
-statekit's ``keep_last=N`` + ``keep_best=1`` keeps their union instead (N newest *and* the
+statekit's ``RetentionPolicy(keep_last=N, keep_best=1)`` keeps their union instead (N newest *and* the
 best: one folder more than Trainer whenever the best is older than the N newest).
 :class:`TrainerRetention` is Trainer's rule, so a ``StatekitTrainer`` run leaves the folders a
 ``Trainer`` run leaves.
@@ -29,7 +29,8 @@ import statekit
 __all__ = ["TrainerRetention", "trainer_keeps"]
 
 RETENTION_KEYWORDS = ("keep_last", "keep_best", "monitor", "mode", "keep_every_n_steps")
-"""The ``CheckpointManager`` keywords of retention a user may add in ``statekit_options``."""
+"""The :class:`statekit.RetentionPolicy` fields a user may give in ``statekit_options``: the
+trainer builds the manager's ``retention=`` of them (with Trainer's rotation, if any)."""
 
 
 def trainer_keeps(names: Sequence[str], save_total_limit: int, best: str | None) -> set[str]:

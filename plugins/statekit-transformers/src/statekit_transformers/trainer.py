@@ -145,12 +145,14 @@ class StatekitTrainerMixin:
     Args:
         statekit_options: keyword arguments of :class:`statekit.CheckpointManager` beyond
             what ``TrainingArguments`` already says: ``async_save``, ``replicate_to`` (and
-            the other two-tier options), ``save_on_signal``, ``grace_s``, ``incremental``,
-            ``keep_every_n_steps``, ``storage_options``... Retention is Trainer's
-            ``save_total_limit`` rotation (the newest and the best checkpoint,
-            ``state.best_model_checkpoint``, never deleted; the newest others up to the
-            limit: :class:`~statekit_transformers.retention.TrainerRetention`); the
-            retention keywords given here keep more, a ``retention=`` replaces it.
+            the other two-tier options), ``save_on_signal``, ``incremental``,
+            ``storage_options``... Retention is Trainer's ``save_total_limit`` rotation (the
+            newest and the best checkpoint, ``state.best_model_checkpoint``, never deleted;
+            the newest others up to the limit:
+            :class:`~statekit_transformers.retention.TrainerRetention`); the
+            :class:`statekit.RetentionPolicy` fields given here (``keep_every_n_steps``...,
+            :data:`~statekit_transformers.retention.RETENTION_KEYWORDS`) keep more, a
+            ``retention=`` replaces it.
         *args, **kwargs: ``Trainer``'s.
 
     Raises:
@@ -234,11 +236,14 @@ class StatekitTrainerMixin:
         options: dict[str, Any] = {"step_digits": 0, "incremental": True}
         given = dict(self.statekit_options)
         limit = self.args.save_total_limit
-        if limit is not None and limit > 0 and "retention" not in given:
+        if "retention" not in given:
             # Trainer's rotation (the newest and the best, up to the limit), plus the retention
-            # keywords of statekit_options; without a limit Trainer keeps every checkpoint
+            # fields given in statekit_options; without a limit Trainer keeps every checkpoint
             extra = {k: given.pop(k) for k in RETENTION_KEYWORDS if k in given}
-            options["retention"] = TrainerRetention(save_total_limit=limit, trainer=self, **extra)
+            if limit is not None and limit > 0:
+                options["retention"] = TrainerRetention(save_total_limit=limit, trainer=self, **extra)
+            elif extra:
+                options["retention"] = statekit.RetentionPolicy(**extra)
         options.update(given)
         options[OPTION] = self
         os.makedirs(run_dir, exist_ok=True)

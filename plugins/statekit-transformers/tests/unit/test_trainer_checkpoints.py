@@ -295,10 +295,14 @@ def test_the_rotation_rule_is_transformers_own(tmp_path, count):
 
 def test_retention_keywords_in_statekit_options_keep_more_than_trainers_rule(tmp_path):
     """keep_every_n_steps=4 in statekit_options keeps checkpoint-4 on top of what
-    save_total_limit=1 keeps (the newest); a retention= of its own replaces Trainer's rule."""
+    save_total_limit=1 keeps (the newest); a retention= of its own replaces Trainer's rule;
+    without a limit the fields given are the manager's retention."""
     tr.run(str(tmp_path / "more"), max_steps=8, save_steps=2, save_total_limit=1,
            statekit_options={"keep_every_n_steps": 4})
     assert _folders(tmp_path / "more") == ["checkpoint-4", "checkpoint-8"]
     tr.run(str(tmp_path / "own"), max_steps=8, save_steps=2, save_total_limit=1,
            statekit_options={"retention": statekit.RetentionPolicy(keep_last=3)})
     assert _folders(tmp_path / "own") == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    tr.run(str(tmp_path / "alone"), max_steps=8, save_steps=2,  # no save_total_limit: the only retention
+           statekit_options={"keep_last": 1, "keep_every_n_steps": 4})
+    assert _folders(tmp_path / "alone") == ["checkpoint-4", "checkpoint-8"]
