@@ -95,14 +95,14 @@ def save_state(
 ) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
 
-    Call it on every process (as ``accelerator.save_state``).
+    Call it on every process (as ``accelerator.save_state``). ``step``, ``metadata``,
+    ``overwrite``, ``storage_options``, ``blocking`` and ``**options`` are as
+    :func:`statekit.save`; ``staging``, ``exclusive``, ``after_commit``, ``incremental``,
+    ``reuse_from`` and ``lineage`` are the manager's (:func:`statekit.api.saveload.save_objects`).
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
         url: checkpoint directory URL (local path, ``memory://``, ``s3://``...).
-        step, metadata, overwrite, storage_options, blocking, **options: as :func:`statekit.save`.
-        staging, exclusive, after_commit, incremental, reuse_from, lineage: the manager's
-            (:func:`statekit.api.saveload.save_objects`).
 
     Returns:
         The committed manifest (or a ``PendingSave`` when not ``blocking``).
@@ -155,11 +155,12 @@ def load_state(
     """Restore a run saved by :func:`save_state`, or a directory written by
     ``Accelerator.save_state`` (its pickle files only with ``allow_pickle=True``).
 
+    ``url``, ``verify``, ``allow_pickle``, ``storage_options``, ``strict_resume`` and
+    ``**options`` are as :func:`statekit.load`.
+
     Args:
         accelerator: the ``accelerate.Accelerator`` of the resumed run, after ``prepare()``
             of the same objects in the same order.
-        url, verify, allow_pickle, storage_options, strict_resume, **options: as
-            :func:`statekit.load`.
         strict: as :func:`statekit.load`; a directory ``Accelerator.save_state`` wrote
             loads all or nothing.
 
