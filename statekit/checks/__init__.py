@@ -11,6 +11,7 @@ Modules:
 - :mod:`~statekit.checks.audit`: the resume audit: the first batch each restored loader yields
   against the save's record of it, and the resume's verdict.
 - :mod:`~statekit.checks.next_batch`: the record of the batch a loader yielded right after a save.
+- :mod:`~statekit.checks.versions`: is a live tensor unchanged since a moment (its version counter).
 
 Not here: the checksum of bytes as they move (:mod:`statekit.storage.hashing`: computed in the
 same pass by the streams, below the format that records it); the live objects' side of each
