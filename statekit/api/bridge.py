@@ -91,12 +91,13 @@ def save_state(
     incremental: bool = False,
     reuse_from: Any = None,
     lineage: Any = None,
+    host_memory_budget: int | float | None = None,
     **options: Any,
 ) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
 
     Call it on every process (as ``accelerator.save_state``). ``step``, ``metadata``,
-    ``overwrite``, ``storage_options``, ``blocking`` and ``**options`` are as
+    ``overwrite``, ``storage_options``, ``blocking``, ``host_memory_budget`` and ``**options`` are as
     :func:`statekit.save`; ``staging``, ``exclusive``, ``after_commit``, ``incremental``,
     ``reuse_from`` and ``lineage`` are the manager's (:func:`statekit.api.saveload.save_objects`).
 
@@ -134,6 +135,7 @@ def save_state(
         incremental=incremental,
         reuse_from=reuse_from,
         lineage=lineage,
+        host_memory_budget=host_memory_budget,
     )
     config = getattr(accelerator, "project_configuration", None)
     if config is not None:  # as Accelerator.save_state: one more save of this run

@@ -21,6 +21,7 @@ from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.locking import abandon_save, prepare_target
+from statekit.engine.budget import check_host_memory_budget, protected_storages
 from statekit.engine.staging import StagingPool
 from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
@@ -48,8 +49,10 @@ def save(
     overwrite: bool = False,
     per_rank: tuple[str, ...] | list[str] = (),
     storage_options: dict[str, Any] | None = None,
+    blocking: bool = True,
+    host_memory_budget: int | float | None = None,
     **options: Any,
-) -> Manifest:
+) -> Manifest | PendingSave:
     """Save a mapping of stateful objects and tensors as one committed checkpoint.
 
     Call it on every rank when torch.distributed is initialised: every rank writes its
@@ -66,13 +69,23 @@ def save(
             removed first); never a directory statekit did not write.
         per_rank: keys whose state differs per rank (data loaders are per rank by default).
         storage_options: fsspec options for the URL's filesystem.
+        blocking: False: return once the state is staged in host memory and write it on a
+            background thread (a :class:`~statekit.api.asyncsave.PendingSave`; ``wait()``
+            returns the manifest).
+        host_memory_budget: an async save's host buffers, at most: bytes (int, at least
+            64 KiB) or a fraction of the state (float in (0, 1]); None (default): one buffer
+            the size of the state (``docs/concepts.md``, Async saves). Parameters and
+            optimizer state are then staged after the call; ``optimizer.step()`` waits for
+            them, and an in-place write to one before it is staged fails the save.
         **options: options for plugins (``checkpoint.options``); one that no registered
             plugin reads warns (:meth:`~statekit.hooks.registry.PluginManager.check_options`).
 
     Returns:
-        The committed manifest (a :class:`statekit.format.Manifest`, see ``docs/format.md``).
+        The committed manifest (a :class:`statekit.format.Manifest`, see ``docs/format.md``),
+        or a ``PendingSave`` when not ``blocking``.
 
     Raises:
+        InvalidOptionError: a ``host_memory_budget`` that is not one of the above.
         CheckpointExistsError: a committed checkpoint exists at ``url`` and not
             ``overwrite``; or ``url`` holds files statekit did not write (no manifest, no
             statekit lock: a Trainer or DCP checkpoint), with or without ``overwrite``
@@ -84,7 +97,8 @@ def save(
     get_plugin_manager().check_options(options, save)
     entries = [classify(k, v, True if k in per_rank else None) for k, v in state.items()]
     return save_objects(
-        url, entries, step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options, options=options
+        url, entries, step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options, options=options,
+        blocking=blocking, host_memory_budget=host_memory_budget,
     )
 
 
@@ -105,6 +119,7 @@ def save_objects(
     incremental: bool = False,
     reuse_from: tuple[str, Manifest] | None = None,
     lineage: Lineage | None = None,
+    host_memory_budget: int | float | None = None,
 ) -> Any:
     """:func:`save` of classified entries (also the Accelerate bridge's and the manager's).
 
@@ -120,11 +135,14 @@ def save_objects(
             checkpoint whose unchanged files it reuses (ignored for ``url`` itself or
             another filesystem).
         lineage: the manifest's ``lineage`` (:mod:`statekit.manager.lineage`), or None.
+        host_memory_budget: as :func:`save` (ignored by a blocking save, whose writer holds
+            one 16 MiB chunk).
 
     Returns:
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
     """
     started = time.perf_counter()
+    check_host_memory_budget(host_memory_budget)
     state_check.mode()  # a misspelled STATEKIT_STATE_CHECK is refused before anything is created
     rank, world_size = distributed.rank_and_world_size()
     storage = _target(url, storage_options, world_size)
@@ -148,6 +166,10 @@ def save_objects(
     stage_error: Exception | None = None
     if staging is not None:
         staging.hold()  # its buffers are reused: wait until the save that used them last has written them
+        if host_memory_budget is not None:
+            optimizers = [e.obj for e in entries if e.kind == "optimizer"]
+            what = f"async save of step {step}" if step is not None else "async save"
+            staging.begin_budget(host_memory_budget, protected_storages(optimizers), f"{what} to {storage.url}")
     next_batch.claim_witnesses()  # left by a save that failed before it claimed them
     witnesses: list[next_batch.Witness] = []
     try:
@@ -158,6 +180,7 @@ def save_objects(
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
+            staging.stream_rest()  # under a budget: the parameters and optimizer state, staged from now on
     except BaseException as exc:
         if world_size == 1 or not isinstance(exc, Exception):  # (an interrupt too: the pool must not stay held)
             if staging is not None:
@@ -171,6 +194,8 @@ def save_objects(
             if stage_error is not None:
                 raise stage_error
             checkpoint.flush()
+            if staging is not None:
+                staging.staged()  # under a budget: every tensor staged unchanged (else nothing is committed)
 
         try:
             commits.agree(flush, url)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from statekit.engine.budget import BudgetStream, PieceRing
 from statekit.format.header import view_identity
 from statekit.format.tensors import is_accelerator
 from statekit.storage.hugepages import HUGE_PAGE_BYTES, advise_huge
@@ -40,6 +41,10 @@ class StagingPool:
         self._copying: list[Any] = []  # events after the copies staged since the last settle()
         self.allocated_bytes = 0
         """Bytes allocated so far (grows only when shapes or dtypes change)."""
+        self.ring = PieceRing(_aligned_host)
+        """The host buffers of budgeted saves (:class:`~statekit.engine.budget.PieceRing`: its
+        ``high_water_bytes`` is the most they held at once)."""
+        self._stream: BudgetStream | None = None
 
     def hold(self) -> None:
         """Take the pool for one save: waits while another save holds it (its background
@@ -49,9 +54,31 @@ class StagingPool:
                 self._free.wait()
             self._held = True
 
+    def begin_budget(self, budget: int | float, protected: set[int], label: str) -> None:
+        """Stage this save (the pool held) under a host-memory ``budget`` (bytes, or a fraction
+        of the state: :func:`statekit.engine.budget.check_host_memory_budget`): from here,
+        :meth:`stage` copies only what changes without an optimizer step and
+        :meth:`stream_rest` starts the stager of the rest, during which every optimizer step
+        waits (``protected``: :func:`statekit.engine.budget.protected_storages`)."""
+        self._stream = BudgetStream(self.ring, budget, protected, label)
+
+    def stream_rest(self) -> None:
+        """Start staging what a budgeted save left for after its call (nothing otherwise)."""
+        if self._stream is not None:
+            self._stream.start()
+
+    def staged(self) -> None:
+        """After the writes of a budgeted save: raise the stager's error (see
+        :meth:`statekit.engine.budget.BudgetStream.staged`); nothing otherwise."""
+        if self._stream is not None:
+            self._stream.staged()
+
     def release(self) -> None:
         """Give the pool back (the save's writes are done, or it failed), once no copy
         into its buffers is still running (a failed save may not have settled)."""
+        if self._stream is not None:
+            self._stream.stop()
+            self._stream = None
         with contextlib.suppress(Exception):  # a device error: the save that failed reports its own
             self.settle()
         with self._free:
@@ -65,7 +92,11 @@ class StagingPool:
         Returns:
             ``name -> staged CPU tensor``, views of the file's arena (``.arena``): complete
             on return for CPU tensors, once :meth:`settle` returns for accelerator tensors.
+            Under a budget (:meth:`begin_budget`): the file's
+            :class:`~statekit.engine.budget.StreamedTensors`.
         """
+        if self._stream is not None:
+            return self._stream.stage(rel, tensors)  # type: ignore[return-value]
         refused: dict[str, Any] = {}  # the writer raises the proper error for these
         tied: dict[str, str] = {}  # name -> the name whose buffer it shares
         seen: dict[tuple[Any, ...], str] = {}
@@ -177,6 +208,14 @@ def allocate_host(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Ten
         RuntimeError: ``pin`` without an accelerator runtime (torch's own error).
     """
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def _aligned_host(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` starting on an :data:`ARENA_ALIGN` boundary
+    (pinned when ``pin``), through :func:`allocate_host`."""
+    raw = allocate_host(torch.Size([nbytes + ARENA_ALIGN]), torch.uint8, pin)
+    shift = -raw.data_ptr() % ARENA_ALIGN
+    return raw[shift : shift + nbytes]
 
 
 def record_copies(devices: set[torch.device]) -> list[Any]:

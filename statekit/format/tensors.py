@@ -81,7 +81,9 @@ def write_tensors(
             :func:`statekit.storage.streams.bulk_writer`: the storage's own files decide
             how the bytes reach the disk; any other file is written with ``write``).
         tensors: ``name -> tensor``. Identical views of one storage (tied weights) are
-            stored once and listed in ``__metadata__["statekit.aliases"]``.
+            stored once and listed in ``__metadata__["statekit.aliases"]``. A mapping with a
+            ``stream()`` (:class:`statekit.engine.budget.StreamedTensors`) supplies the data
+            section's bytes in order from it (a budgeted async save's ring of pieces).
         metadata: extra ``__metadata__`` entries (str -> str).
         hasher: an :func:`new_hasher` updated with every byte written, or None; a
             :class:`~statekit.storage.hashing.PrefixHasher` also records the checksum at
@@ -102,7 +104,10 @@ def write_tensors(
         if isinstance(hasher, PrefixHasher):
             hasher.mark()  # a later save with another header stops here (statekit.checks.files.compare_file)
     arena = _one_arena(tensors, planned)
-    if arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
+    stream = getattr(tensors, "stream", None)
+    if stream is not None:  # staged under a budget (statekit.engine.budget): each piece is reused once written
+        chunks, write = stream(), sink.write
+    elif arena is not None:  # a staged file: the arena as it is, kept until the file is closed (no second copy)
         chunks, write = _pieces(memoryview(arena.numpy()), CHUNK_BYTES), sink.write_stable
     else:  # each write copies: hash what was just copied while it is in cache
         chunks, write = host_chunks(planned, CACHE_STEP_BYTES if hasher is not None else CHUNK_BYTES), sink.write

@@ -343,7 +343,7 @@ class CheckpointManager:
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
             blocking=blocking, staging=self.staging, exclusive=not overwrite, after_commit=committed,
             incremental=self.incremental, reuse_from=self._reuse_from if self.incremental else None,
-            lineage=record,
+            lineage=record, host_memory_budget=self.async_policy.host_memory_budget,
         )
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from statekit.engine.budget import check_host_memory_budget
 from statekit.errors import InvalidOptionError
 
 BACKPRESSURE_POLICIES = ("wait", "skip")
@@ -129,15 +130,21 @@ class AsyncPolicy:
             once. A skipped save warns with its step and is counted in ``stats()``.
         max_wait_s: the bound of ``"wait"``, seconds (default 300, half the NCCL
             watchdog's 600; None: wait as long as it takes).
+        host_memory_budget: the most host memory an async save's staging holds: bytes
+            (int, at least 64 KiB) or a fraction of the state (float in (0, 1]); None
+            (default): one buffer the size of the state, kept between saves (the shortest
+            save; ``docs/concepts.md``, Async saves).
 
     Raises:
-        InvalidOptionError: ``enabled`` is not a bool, an unknown ``backpressure``, or a
-            bound that is not a finite number >= 0 or None.
+        InvalidOptionError: ``enabled`` is not a bool, an unknown ``backpressure``, a
+            bound that is not a finite number >= 0 or None, or a budget that is not one of
+            the above (the message names the value).
     """
 
     enabled: bool = True
     backpressure: str = "wait"
     max_wait_s: float | None = DEFAULT_MAX_WAIT_SECONDS
+    host_memory_budget: int | float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -148,6 +155,7 @@ class AsyncPolicy:
         if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
                                  or not math.isfinite(wait) or wait < 0):
             raise InvalidOptionError(f"max_wait_s must be a finite number of seconds >= 0 or None, got {wait!r}")
+        check_host_memory_budget(self.host_memory_budget, "AsyncPolicy.host_memory_budget")
 
 
 @dataclass(frozen=True)
