@@ -176,6 +176,35 @@ def test_an_in_place_write_before_staging_fails_the_save_and_keeps_the_last_chec
     _train(model, optim)  # no optimizer step is left waiting
 
 
+def test_a_write_through_data_is_the_blind_spot(tmp_path, plugin_manager, gate):
+    """``.data`` has a version counter of its own: such a write is not seen (docs/design-notes.md,
+    "Async saves"); the checkpoint holds whatever the stager copied."""
+    model, optim = _model()
+    pending = statekit.save(str(tmp_path / "a"), {"model": model, "optim": optim}, blocking=False,
+                            host_memory_budget=MIN_BUDGET_BYTES)
+    model[2].bias.data.fill_(7.0)  # not yet staged (the writer is held): no version bump, no error
+    gate.set()
+    pending.wait()
+    assert torch.equal(load_file(str(tmp_path / "a" / "model.safetensors"))["2.bias"], torch.full((8,), 7.0))
+
+
+def test_a_failed_write_leaves_no_step_waiting(tmp_path, plugin_manager, monkeypatch):
+    from statekit.engine import step_barrier
+    from statekit.engine.file_writer import FileWriter
+
+    def broken(self, rel, *args):
+        raise OSError(f"disk gone while writing {rel}")
+
+    model, optim = _model()
+    monkeypatch.setattr(FileWriter, "_write_tensors", broken)
+    pending = statekit.save(str(tmp_path / "a"), {"model": model, "optim": optim}, blocking=False,
+                            host_memory_budget=MIN_BUDGET_BYTES)
+    with pytest.raises(AsyncSaveError, match="disk gone while writing"):
+        pending.wait()
+    assert step_barrier.wait_for_readers(timeout=WAIT_S)  # the stager ended with the save
+    _train(model, optim)
+
+
 def test_buffers_and_tensors_outside_an_optimizer_are_copied_during_the_call(tmp_path, plugin_manager, gate):
     model, optim = _model()
     extra = torch.arange(10.0)
