@@ -17,7 +17,8 @@ it), then ``--base`` undisturbed steps again. Reported: ``peak_extra_x`` = (VmHW
 whole run, both saves, minus the RSS just before the first save; the peak is reset with
 ``echo 5 > /proc/self/clear_refs``) / state bytes; ``blocking_s`` (the save call);
 ``total_s`` (call to commit, seen by a thread joined on the save); ``step_ratio`` = mean step
-beside the save / median undisturbed step. Targets: peak <= 0.25x with a 0.25x budget,
+beside the save / median undisturbed step; ``lost_s`` = blocking + the steps beside the save
+beyond their undisturbed time (what the save cost the training, seconds). Targets: peak <= 0.25x with a 0.25x budget,
 steps beside the save <= 1.05x, budgeted blocking <= unbudgeted blocking.
 
 Usage::
@@ -196,19 +197,22 @@ def measure(size_bytes: int, runs: int, workdir: str, budgets: tuple[float, ...]
 def table(records: list[dict]) -> list[str]:
     """A markdown table of the medians per configuration, with the ratios to the unbudgeted save."""
     configs = list(dict.fromkeys(r["config"] for r in records))
+    for r in records:  # what the save cost the training: the call, and the steps beside it beyond their usual time
+        r["lost_s"] = (r.get("blocking_s") or 0.0) + r["steps_beside"] * r["step_base_s"] * (r["step_ratio"] - 1)
     med = {c: {k: statistics.median([r[k] for r in records if r["config"] == c and r.get(k) is not None])
-               for k in ("peak_extra_x", "blocking_s", "total_s", "step_ratio", "state_bytes")
+               for k in ("peak_extra_x", "blocking_s", "total_s", "step_ratio", "state_bytes", "lost_s")
                if any(r.get(k) is not None for r in records if r["config"] == c)} for c in configs}
     ref = med.get("statekit", {})
     lines = ["| configuration | peak extra RSS / state | blocking s | blocking / unbudgeted | total s to commit "
-             "| total / unbudgeted | step beside the save / undisturbed |", "|---|---|---|---|---|---|---|"]
+             "| total / unbudgeted | step beside the save / undisturbed | training time lost s |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in configs:
         m = med[c]
         block, total = m.get("blocking_s"), m.get("total_s")
         rb = f"{block / ref['blocking_s']:.2f}x" if block is not None and ref.get("blocking_s") else "-"
         rt = f"{total / ref['total_s']:.2f}x" if total is not None and ref.get("total_s") else "-"
         lines.append(f"| {c} | {m['peak_extra_x']:.3f}x | {block if block is None else f'{block:.3f}'} | {rb} | "
-                     f"{total if total is None else f'{total:.2f}'} | {rt} | {m['step_ratio']:.3f}x |")
+                     f"{total if total is None else f'{total:.2f}'} | {rt} | {m['step_ratio']:.3f}x | {m['lost_s']:.2f} |")
     return lines
 
 

@@ -34,7 +34,14 @@ from statekit.storage.streams import CHUNK_BYTES
 logger = logging.getLogger(__name__)
 
 MIN_BUDGET_BYTES = 64 * 1024
-"""The smallest budget in bytes (four 16 KiB pieces); a fraction of a smaller state is raised to it."""
+"""The smallest budget in bytes (a ring of four 8 KiB pieces); a fraction of a smaller state is raised to it."""
+
+RESERVED_BYTES = 96 * 1024 * 1024
+"""The part of a budget, bytes (at most half of it), left to the save's host memory outside
+the ring: the writer's buffers (``(DIRECT_DEPTH + 1) x 4 MiB`` through ``O_DIRECT``) and its
+transient allocations, measured at 40-90 MiB above the ring on the benchmark VM
+(docs/benchmark.md, "Async saves under a host-memory budget"): so that the budget bounds
+the save's peak extra RSS, not only its staging buffers."""
 
 PIECE_ALIGN = 4096
 """Pieces are multiples of this many bytes and start on such a boundary (``O_DIRECT`` pages)."""
@@ -66,10 +73,16 @@ def budget_bytes(value: int | float, state_bytes: int) -> int:
     return int(value)
 
 
-def piece_bytes(budget: int) -> int:
-    """The size of one ring piece for ``budget`` bytes: a quarter of it (so the stager fills
+def ring_bytes(budget: int) -> int:
+    """The bytes the ring (pieces and copies made during the call) may hold under ``budget``:
+    the budget less :data:`RESERVED_BYTES`, or half of it when it is smaller."""
+    return budget - min(RESERVED_BYTES, budget // 2)
+
+
+def piece_bytes(ring: int) -> int:
+    """The size of one piece of a ring of ``ring`` bytes: a quarter of it (so the stager fills
     pieces while the writer drains others), in whole pages, at most ``CHUNK_BYTES`` (16 MiB)."""
-    return max(PIECE_ALIGN, min(CHUNK_BYTES, budget // 4) // PIECE_ALIGN * PIECE_ALIGN)
+    return max(PIECE_ALIGN, min(CHUNK_BYTES, ring // 4) // PIECE_ALIGN * PIECE_ALIGN)
 
 
 def protected_storages(optimizers: Iterable[Any]) -> set[int]:
@@ -162,7 +175,7 @@ class BudgetStream:
     def start(self) -> None:
         """Size the ring for the budget and start the stager thread (the call returns next)."""
         state = sum(f.data_bytes for f in self.files)
-        self.ring.size_for(budget_bytes(self.budget, state))
+        self.ring.size_for(ring_bytes(budget_bytes(self.budget, state)))
         self._thread = threading.Thread(target=self._stage_all, name=f"statekit-stage {self.label}", daemon=True)
         self._thread.start()
 
@@ -195,6 +208,7 @@ class BudgetStream:
                 for part in file.parts:
                     if part.held is not None:
                         self.ring.put_held(part.held)
+                        part.held = None  # the queue's views keep it until written, no longer
                     elif part.nbytes:
                         self.ring.copy_late(part.tensor, part.nbytes)
                         self._check(file, {part.name: part.tensor}, {part.name: part.version})
@@ -228,8 +242,7 @@ def _changed(rel: str, name: str, label: str) -> StatekitError:
 def _late(t: torch.Tensor, protected: set[int]) -> bool:
     """Whether ``t`` is staged after the call: only an optimizer step writes it, and its
     bytes can be read in place (dense, contiguous, no lazy conjugate or negative bit)."""
-    return (t.is_contiguous() and not t.is_conj() and not t.is_neg() and _storage(t) in protected
-            and (t.device.type == "cpu" or is_accelerator(t.device)))
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg() and _storage(t) in protected
 
 
 class StreamedTensors(dict):
@@ -294,8 +307,9 @@ class PieceRing:
         return copy
 
     def size_for(self, budget: int) -> None:
-        """Set the pieces' size and the bytes they may take for ``budget`` (the copies held
-        now count toward it; one piece at least); pieces of another size are dropped."""
+        """Set the pieces' size and the bytes the ring may hold to ``budget`` (its share of
+        the save's budget: :func:`ring_bytes`; the copies held now count toward it; one
+        piece at least); pieces of another size are dropped."""
         size = piece_bytes(budget)
         with self._cond:
             if size != self._piece_bytes:

@@ -18,7 +18,7 @@ import statekit
 from statekit.api.asyncsave import AsyncSaveError
 from statekit.api.saveload import save_objects
 from statekit.engine import budget
-from statekit.engine.budget import MIN_BUDGET_BYTES, PieceRing, budget_bytes, piece_bytes
+from statekit.engine.budget import MIN_BUDGET_BYTES, RESERVED_BYTES, PieceRing, budget_bytes, piece_bytes, ring_bytes
 from statekit.engine.entries import classify
 from statekit.engine.staging import StagingPool
 from statekit.manager.manager import checkpoint_name
@@ -122,7 +122,7 @@ def test_the_host_buffers_stay_within_the_budget_from_save_to_save(tmp_path, plu
         _train(model, optim)
     state = sum(t.numel() * t.element_size() for f in _files(tmp_path / "c3").values() for t in f.values())
     limit = budget_bytes(0.1, state)  # a fraction of every tensor file's data: model, optimizer state, the rest
-    assert MIN_BUDGET_BYTES < limit < state and 0 < pool.ring.high_water_bytes <= limit
+    assert MIN_BUDGET_BYTES < limit < state and 0 < pool.ring.high_water_bytes <= ring_bytes(limit) < limit
     assert pool.ring.host_bytes <= limit  # what stays between saves: the pieces, reused by the next one
     fresh, _ = _model()
     statekit.load(str(tmp_path / "c3"), {"model": fresh})
@@ -263,8 +263,9 @@ def test_invalid_budgets_are_refused_naming_the_value(tmp_path, plugin_manager, 
     assert not (tmp_path / "x").exists()
 
 
-def test_pieces_are_a_quarter_of_the_budget_in_pages_up_to_16_mib():
-    assert piece_bytes(MIN_BUDGET_BYTES) == 16 * 1024
+def test_the_ring_leaves_part_of_the_budget_to_the_writer_in_pieces_of_a_quarter_up_to_16_mib():
+    assert ring_bytes(MIN_BUDGET_BYTES) == 32 * 1024 and piece_bytes(ring_bytes(MIN_BUDGET_BYTES)) == 8 * 1024
+    assert ring_bytes(2**30) == 2**30 - RESERVED_BYTES
     assert piece_bytes(100_000) == 24 * 1024
     assert piece_bytes(2**33) == 16 * 1024 * 1024
     assert budget_bytes(0.5, 10**9) == 5 * 10**8 and budget_bytes(0.5, 1000) == MIN_BUDGET_BYTES
