@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ the ring: the writer's buffers (``(DIRECT_DEPTH + 1) x 4 MiB`` through ``O_DIREC
 transient allocations, measured at 40-90 MiB above the ring on the benchmark VM
 (docs/benchmark.md, "Async saves under a host-memory budget"): so that the budget bounds
 the save's peak extra RSS, not only its staging buffers."""
+
+STALLED_AFTER_S = 300.0
+"""Seconds the stager waits for the writer to give a piece back before it gives the save up
+(an ``AsyncSaveError``), so that the optimizer steps waiting for it go on: storage that
+stalls never stops training (docs/backpressure.md); half the NCCL watchdog's 600 s."""
 
 PIECE_ALIGN = 4096
 """Pieces are multiples of this many bytes and start on such a boundary (``O_DIRECT`` pages)."""
@@ -324,7 +330,12 @@ class PieceRing:
 
     def _piece(self) -> torch.Tensor:
         """A free piece (a new one while the budget allows, at least one), waiting for the
-        writer to give one back."""
+        writer to give one back.
+
+        Raises:
+            StatekitError: no piece came back within :data:`STALLED_AFTER_S` (stalled storage).
+        """
+        deadline = time.monotonic() + STALLED_AFTER_S
         with self._cond:
             while True:
                 if self._cancelled:
@@ -335,7 +346,10 @@ class PieceRing:
                     self._pieces += 1
                     self._count(self._piece_bytes)
                     break
-                self._cond.wait()
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                    raise StatekitError(
+                        f"the writer wrote nothing back to the staging budget for {STALLED_AFTER_S:g} s (stalled "
+                        "storage?): the save is given up, nothing is committed, so that optimizer steps go on")
         return self._allocate(self._piece_bytes, self.pin)
 
     def copy_late(self, t: torch.Tensor, nbytes: int) -> None:

@@ -205,6 +205,20 @@ def test_a_failed_write_leaves_no_step_waiting(tmp_path, plugin_manager, monkeyp
     _train(model, optim)
 
 
+def test_stalled_storage_gives_the_save_up_and_the_step_goes_on(tmp_path, plugin_manager, gate, monkeypatch):
+    monkeypatch.setattr(budget, "STALLED_AFTER_S", 0.05)  # the bound under test (default 300 s)
+    model, optim = _model()
+    pending = statekit.save(str(tmp_path / "a"), {"model": model, "optim": optim}, blocking=False,
+                            host_memory_budget=MIN_BUDGET_BYTES)
+    before = model[0].weight.clone()
+    _train(model, optim)  # the writer never gives a piece back: the stager gives up, the step runs
+    assert not torch.equal(model[0].weight, before)
+    gate.set()
+    with pytest.raises(AsyncSaveError, match=r"wrote nothing back to the staging budget for 0.05 s \(stalled storage\?\)"):
+        pending.wait()
+    assert not (tmp_path / "a" / "manifest.json").exists()
+
+
 def test_buffers_and_tensors_outside_an_optimizer_are_copied_during_the_call(tmp_path, plugin_manager, gate):
     model, optim = _model()
     extra = torch.arange(10.0)
