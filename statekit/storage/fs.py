@@ -171,8 +171,8 @@ class Storage:
 
     def free_bytes(self) -> tuple[int, str] | None:
         """``(bytes, path measured)``: what an unprivileged writer may still use on this local
-        directory's file system (``statvfs``: ``f_bavail * f_frsize``, at the directory or its nearest
-        existing ancestor); None for remote storage or without ``statvfs``."""
+        directory's file system (``statvfs``, at its nearest existing ancestor); None for remote.
+        """
         if not self.is_local or not hasattr(os, "statvfs"):
             return None
         path = os.path.abspath(self.path)
@@ -221,10 +221,9 @@ class Storage:
     # ---------------------------------------------------------------- reading
 
     def open_read(self, rel: str, *, bulk: bool = False) -> BinaryIO:
-        """Open ``rel`` for binary reading. ``bulk`` (large, read front to back: tensor data): a local
-        file is a :class:`~statekit.storage.direct.DirectReader` (``O_DIRECT`` with read-ahead; through
-        the page cache where refused), or a plain file where even that fails; remote files are the
-        fsspec file either way (docs/design-notes.md, "Reading tensor files").
+        """Open ``rel`` for binary reading; ``bulk`` (tensor data, read front to back): a local file is
+        a :class:`~statekit.storage.direct.DirectReader` where it can be (why: docs/design-notes.md,
+        "Reading tensor files").
 
         Raises:
             FileNotFoundError: no such file.
@@ -278,9 +277,8 @@ class Storage:
                     yield f
 
     def reuse(self, rel: str, source: Storage) -> str:
-        """Make ``rel`` here the same bytes as ``rel`` in ``source`` (a committed checkpoint of the same
-        root) without sending them again, for an incremental save: a hard link locally (a copy where
-        refused), ``fs.copy`` on one fsspec filesystem (S3 ``CopyObject``). docs/incremental.md.
+        """Make ``rel`` here the same bytes as ``rel`` in ``source`` without sending them again: a hard
+        link locally (a copy where refused), ``fs.copy`` on one fsspec filesystem. docs/incremental.md.
 
         Returns:
             ``"link"``, ``"copy"`` (local, link refused) or ``"server-copy"``.
@@ -358,12 +356,7 @@ class Storage:
             self._check_bucket(self.path)
 
     def _check_bucket(self, path: str) -> None:
-        """Refuse to write into a missing bucket: s3fs's ``makedirs`` would create it (statekit
-        never creates buckets).
-
-        Raises:
-            StorageError: the bucket does not exist (names it), or the check itself failed.
-        """
+        """Refuse to write into a missing bucket (s3fs's ``makedirs`` would create it); raises ``StorageError``."""
         bucket = path.lstrip("/").split("/", 1)[0]
         with storage_errors(self.url, f"checking bucket {bucket!r} of"):
             found = self.fs.exists(bucket)
