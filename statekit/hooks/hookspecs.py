@@ -1,22 +1,9 @@
 """The statekit hook contract: the hook specifications, and nothing else.
 
 Each spec is an empty function whose docstring *is* the reference (as in pytest's
-``hookspec.py``). Plugins implement them with :data:`statekit.hookimpl`.
-
-Calling rules common to every hook (see ``docs/hooks.md``):
-
-* The host calls implementations **one at a time** in pluggy's order (``tryfirst``
-  first, then the last registered first), with ``checkpoint.plugin`` set to the name of
-  the plugin being called. Every file written through ``checkpoint`` and every model or
-  object a plugin removes is attributed to that plugin in the manifest.
-* Plugin code runs under an RNG guard: the Python, NumPy and torch random states are put
-  back after each call, so no plugin shifts the training run's random streams. A plugin
-  that manages random state itself sets ``STATEKIT_MANAGES_RNG = True`` (statekit-rng).
-  The one exception is ``statekit_checkpoint_committed``, which may run on a background
-  thread beside training: it runs unguarded and must not draw random numbers.
-* Hook wrappers (``hookwrapper=True`` / ``wrapper=True``) are not supported.
-* An exception raised by an implementation becomes a :class:`statekit.PluginError`
-  naming the plugin and the hook, with the original exception as ``__cause__``.
+``hookspec.py``). Plugins implement them with :data:`statekit.hookimpl`. The calling rules
+common to every hook (one at a time, under an RNG guard, no wrappers, errors become
+:class:`statekit.PluginError`): docs/hooks.md, "Calling rules".
 """
 
 from __future__ import annotations
