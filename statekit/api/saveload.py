@@ -16,9 +16,9 @@ from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
 from statekit.checks import state_check
-from statekit.engine import commit as commits, live_state, space, write
+from statekit.engine import commit as commits, live_state, write
 from statekit.engine.context import CORE, Checkpoint
-from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
+from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, tensor_bytes, unwrap_model
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.staging import StagingPool
@@ -134,7 +134,7 @@ def save_objects(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
-    commits.agree(lambda: space.check_free_space(storage, entries, rank, overwrite), url)
+    commits.agree(lambda: storage.refuse_if_no_space(tensor_bytes(entries, rank), overwrite), url)
     commits.agree(lambda: prepare_target(storage, overwrite, describe_folder) if rank == 0 else None, url)
     staging = None if blocking else (staging if staging is not None else StagingPool())
     checkpoint = context_for(

@@ -21,6 +21,10 @@ from statekit.errors import CheckpointExistsError, InvalidOptionError, StatekitE
 from statekit.storage.direct import DirectReader
 from statekit.storage.direct_write import DirectWriter
 
+SAVE_RESERVE_BYTES = 1024 * 1024
+"""Added by :meth:`Storage.refuse_if_no_space` for what a save's tensor bytes leave out:
+safetensors headers, JSON state files, the manifest, RNG state (a few KiB each)."""
+
 
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//|:)")
 # "s3:/bucket/run": fsspec resolves it to the local path ./s3:/bucket/run, so a run would
@@ -183,6 +187,35 @@ class Storage:
         except OSError:
             return None
         return st.f_bavail * st.f_frsize, path
+
+    def refuse_if_no_space(self, needed: int, overwrite: bool = False) -> None:
+        """Raise before anything is written when ``needed`` bytes do not fit in
+        :meth:`free_bytes` (a save failing half-way on a full disk wastes its time and
+        leaves a half-written directory). Remote storage is not checked; with ``overwrite``
+        the directory's files count as free.
+
+        Args:
+            needed: bytes about to be written (tensor bytes; :data:`SAVE_RESERVE_BYTES` is added).
+            overwrite: the save replaces this directory.
+
+        Raises:
+            StorageError: it does not fit; the message names the URL, the path measured and
+                both numbers.
+        """
+        free = self.free_bytes()
+        if free is None:
+            return
+        available, measured = free
+        reclaimable = sum(self.size(rel) for rel in self.find()) if overwrite and self.exists() else 0
+        needed += SAVE_RESERVE_BYTES
+        if needed > available + reclaimable:
+            raise StorageError(
+                f"{self.url}: No space left for this save: it needs about {needed:,} bytes "
+                f"and {measured} has {available:,} bytes free"
+                + (f" (+{reclaimable:,} bytes of the checkpoint it overwrites)" if reclaimable else "")
+                + "; nothing was written (free space, or save elsewhere)",
+                url=self.url,
+            )
 
     def size(self, rel: str) -> int:
         """Size of a file in bytes.
