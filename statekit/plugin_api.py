@@ -18,6 +18,7 @@ from statekit.devices import (
     snapshot_random_states,
 )
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
+from statekit.api.export import ExportTensor, ModelSource, TensorFiles
 from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.file_writer import WrittenFile
 from statekit.engine.read import custom_load, model_tensor_files
@@ -160,6 +161,9 @@ __all__ = [
     "hold_in_use",
     "mark_copy_in_progress",
     # models and data
+    "ExportTensor",
+    "ModelSource",
+    "TensorFiles",
     "check_fit",
     "custom_load",
     "sampler_of",
