@@ -462,7 +462,7 @@ def test_export_pretrained_assembles_the_shards_into_a_sharded_hf_folder(fsdp2_c
     from safetensors.torch import load_file
 
     out = tmp_path / "hf"
-    result = statekit.export_pretrained(str(fsdp2_ckpt["url"]), str(out), max_shard_size=1024)
+    result = statekit.export_pretrained(str(fsdp2_ckpt["url"]), str(out), max_shard_size=256)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shard_files = sorted(set(index["weight_map"].values()))
     assert len(shard_files) > 1 and list(result.files[: len(shard_files)]) == shard_files
