@@ -306,3 +306,28 @@ def test_retention_keywords_in_statekit_options_keep_more_than_trainers_rule(tmp
     tr.run(str(tmp_path / "alone"), max_steps=8, save_steps=2,  # no save_total_limit: the only retention
            statekit_options={"keep_last": 1, "keep_every_n_steps": 4})
     assert _folders(tmp_path / "alone") == ["checkpoint-4", "checkpoint-8"]
+
+
+def test_a_trainer_checkpoint_exports_as_a_sharded_from_pretrained_folder(tmp_path):
+    """``statekit.export_pretrained`` of ``checkpoint-<step>/`` (this plugin's
+    ``STATEKIT_EXPORT_SOURCE``): the weights resharded, config, generation config and the
+    tokenizer's files as Trainer wrote them; ``from_pretrained`` loads the trained model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = tr.run(str(tmp_path), max_steps=3, save_steps=3)
+    path = str(tmp_path / "checkpoint-3")
+    out = tmp_path / "hf"
+    exported = statekit.export_pretrained(path, str(out), max_shard_size="20KB")
+    names = files_of(out)
+    assert "model.safetensors.index.json" in names and "config.json" in names and "tokenizer.json" in names
+    assert "generation_config.json" in names and not any(n.endswith((".pt", ".bin")) for n in names)
+    assert exported.digests_compared == exported.tensors  # the weights Trainer's folder holds, by their state-dict paths
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (tmp_path / "checkpoint-3" / name).read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    live = result.trainer.model.state_dict()
+    assert model.state_dict().keys() == live.keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, live[name]), name
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert AutoTokenizer.from_pretrained(str(out)).mask_token == "[MASK]"
