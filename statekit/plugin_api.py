@@ -18,8 +18,8 @@ from statekit.devices import (
     snapshot_random_states,
 )
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
-from statekit.api.export import ExportTensor, ModelSource, TensorFiles
 from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.export_source import ExportTensor, ModelSource, TensorFiles
 from statekit.engine.file_writer import WrittenFile
 from statekit.engine.read import custom_load, model_tensor_files
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
