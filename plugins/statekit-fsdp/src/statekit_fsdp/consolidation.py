@@ -27,6 +27,7 @@ from statekit.plugin_api import (
     UnsupportedDtypeError,
     encode_header,
     model_tensor_files,
+    read_header,
     read_manifest,
     read_tensors,
     tensor_bytes,
@@ -176,14 +177,18 @@ class _Assembler:
         covered = 0
         for chunk in md.chunks:
             info = self.metadata.storage_data[MetadataIndex(flat, chunk.offsets)]
-            part = self.reader.read(info["file"], info["name"])
+            target = narrow(full, chunk.offsets, chunk.sizes)
+            part = self.reader.read(info["file"], info["name"], into=target if target.is_contiguous() else None)
+            if part is target:  # read in place (a dim-0 shard: no second copy of the chunk)
+                covered += part.numel()
+                continue
             if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != full.dtype:
                 raise CorruptCheckpointError(
                     f"{self.url}/{self.key}/{info['file']}: {info['name']!r} is {list(part.shape)} {part.dtype}, "
                     f"metadata says {list(chunk.sizes)} {full.dtype}",
                     path=f"{self.url}/{self.key}/{info['file']}",
                 )
-            narrow(full, chunk.offsets, chunk.sizes).copy_(part)
+            target.copy_(part)
             covered += part.numel()
             del part
         if covered != full.numel():
@@ -205,7 +210,10 @@ class _ShardReader:
         self.key = key
         self.files: OrderedDict[str, BinaryIO] = OrderedDict()
 
-    def read(self, rel_file: str, name: str) -> torch.Tensor:
+    def read(self, rel_file: str, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name`` of shard file ``rel_file``; read straight into ``into`` (a CPU,
+        contiguous view of the full tensor) when its stored shape and dtype are those of
+        ``into``, else into a new buffer (the caller checks shape and dtype)."""
         rel = f"{self.key}/{rel_file}"
         f = self.files.get(rel)
         if f is None:
@@ -219,7 +227,11 @@ class _ShardReader:
         self.files.move_to_end(rel)
         f.seek(0)
         url = self.storage.url_of(rel)
-        tensors, _ = read_tensors(f, url, None, names=[name])
+        header = read_header(f, url)
+        entry = next((e for e in header.entries if e.name == name), None)
+        if into is not None and (entry is None or tuple(entry.shape) != tuple(into.shape) or entry.dtype != into.dtype):
+            into = None
+        tensors, _ = read_tensors(f, url, None, names=[name], into={name: into} if into is not None else None, header=header)
         if name not in tensors:
             raise CorruptCheckpointError(f"{url}: tensor {name!r} is missing", path=url)
         return tensors[name]
