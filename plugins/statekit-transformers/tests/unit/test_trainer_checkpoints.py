@@ -331,3 +331,22 @@ def test_a_trainer_checkpoint_exports_as_a_sharded_from_pretrained_folder(tmp_pa
         assert torch.equal(value, live[name]), name
     assert model.lm_head.weight is model.transformer.wte.weight
     assert AutoTokenizer.from_pretrained(str(out)).mask_token == "[MASK]"
+
+
+def test_a_trainer_checkpoint_of_a_peft_model_exports_as_its_adapter_folder(tmp_path):
+    """A peft model's Trainer folder: ``adapter_config.json`` as Trainer wrote it and the
+    adapter's tensors in one ``adapter_model.safetensors`` (peft reads no shards), whatever
+    ``max_shard_size``; ``PeftModel.from_pretrained`` loads the trained adapter."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tr.gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    result = tr.run(str(tmp_path), model=model, max_steps=3, save_steps=3)
+    out = tmp_path / "adapter"
+    statekit.export_pretrained(str(tmp_path / "checkpoint-3"), str(out), max_shard_size=1000)
+    assert "adapter_model.safetensors" in files_of(out) and "adapter_config.json" in files_of(out)
+    assert not any(n.startswith("model") for n in files_of(out))
+    assert (out / "adapter_config.json").read_bytes() == (tmp_path / "checkpoint-3" / "adapter_config.json").read_bytes()
+    loaded = peft.PeftModel.from_pretrained(tr.gpt2(), str(out))
+    live = peft.get_peft_model_state_dict(result.trainer.model)
+    exported = peft.get_peft_model_state_dict(loaded)
+    assert exported.keys() == live.keys()
+    assert all(torch.equal(v, live[k]) for k, v in exported.items())
