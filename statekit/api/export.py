@@ -175,9 +175,10 @@ def model_source(checkpoint: Checkpoint, key: str) -> ModelSource:
     if rels:
         return TensorFiles(checkpoint, rels).source()
     if obj.owner != CORE and plugin is None:
+        distribution = obj.owner_distribution or f"statekit-{obj.owner}"
         raise PluginMissingError(
             f"{checkpoint.url}: model {key!r} was saved by plugin {obj.owner!r}, which is not installed: "
-            f"pip install {obj.owner_distribution or 'statekit-' + obj.owner}"
+            f"pip install {distribution}", obj.owner, distribution,
         )
     raise StatekitError(f"{checkpoint.url}: model {key!r} (saved by {obj.owner!r}) is not stored as tensor files "
                         "statekit can export, and its plugin offers no export")

@@ -271,3 +271,17 @@ def test_statekit_convert_to_hf(tmp_path):
     assert_same_model(model, GPT2LMHeadModel.from_pretrained(out))
     again = CliRunner().invoke(main, ["convert", str(tmp_path / "ckpt"), out, "--to", "hf"])
     assert again.exit_code != 0 and "exists and is not empty" in again.output and "--overwrite" in again.output
+
+
+def test_a_model_of_a_missing_plugin_in_its_own_layout_names_what_to_install(tmp_path):
+    from statekit import PluginMissingError
+
+    statekit.save(str(tmp_path / "ckpt"), {"model": torch.nn.Linear(2, 2)})
+
+    def owned_by_a_missing_plugin(manifest):
+        manifest["objects"]["model"].update(owner="ghost", owner_distribution="statekit-ghost", files=["model/weights.bin"])
+        manifest["files"]["model/weights.bin"] = manifest["files"].pop("model.safetensors")
+
+    rewrite_manifest(tmp_path / "ckpt", owned_by_a_missing_plugin)
+    with pytest.raises(PluginMissingError, match=r"model 'model' was saved by plugin 'ghost', which is not installed: pip install statekit-ghost"):
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
