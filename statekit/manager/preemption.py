@@ -21,6 +21,12 @@ the step is saved blocking
 with code ``128 + signal number`` (``on_signal="exit"``) or
 :attr:`CheckpointManager.should_stop` turns True (``on_signal="return"``). See
 ``docs/clusters.md``.
+
+With ``PreemptionPolicy(watcher=True)`` (the default) each step boundary also records its
+state by reference (:mod:`statekit.engine.moment`, a few microseconds to a millisecond), and
+a watcher thread saves it the moment a signal arrives when nothing has changed it since,
+without waiting for the next safe point (:mod:`statekit.manager.signal_watcher`); the safe
+points above are then the fallback.
 """
 
 from __future__ import annotations
@@ -32,9 +38,15 @@ import time
 from typing import Any
 
 from statekit import distributed
+from statekit.api.bridge import collect
+from statekit.engine import moment as moments
+from statekit.engine.entries import classify
 from statekit.engine.gradients import accumulating
+from statekit.engine.live_state import is_collective
+from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.manager.policies import PreemptionPolicy
+from statekit.manager.signal_watcher import SignalWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +126,17 @@ class SignalSave:
         self._agreed = 0  # the signal number the ranks agreed on at the last check (0: none)
         self._in_flight_wait = 0.0
         self._previous: dict[signal.Signals, Any] = {}
+        self.lock = threading.RLock()
+        """Held by the main thread inside a manager call and by the watcher while it saves:
+        the two never run statekit's collectives at once, and a step boundary waits for the
+        watcher's save."""
+        self.moment: moments.Moment | None = None
+        """The last step boundary's state by reference (with ``watcher``), or None."""
+        self.capture_error: str | None = None
+        """Why the last boundary's state could not be taken (the watcher then falls back)."""
+        self.fallback: str | None = None
+        """The watcher's fallback, a sentence (``"fell back: ... changed since step 7 ..."``), or None."""
+        self.watcher: SignalWatcher | None = SignalWatcher(self) if policy.watcher else None
 
     def install(self) -> None:
         """Install the handlers (the manager does, once it has started: a manager whose
@@ -123,6 +146,9 @@ class SignalSave:
         for sig in self.signals:
             if signal.getsignal(sig) != self._handler:  # a bound method: compare, not identity
                 self._previous[sig] = signal.signal(sig, self._handler)
+        if self.watcher is not None:
+            distributed.signal_group()  # created now, on every rank: never by the watcher thread
+            self.watcher.start()
 
     # ------------------------------------------------------------- handlers
 
@@ -135,7 +161,10 @@ class SignalSave:
             previous(signum, frame)
 
     def restore(self) -> None:
-        """Put back the handlers installed before (where ours is still installed)."""
+        """Put back the handlers installed before (where ours is still installed) and the
+        wakeup fd; the watcher thread ends."""
+        if self.watcher is not None:
+            self.watcher.stop()
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handler:  # a bound method: compare, not identity
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
@@ -157,6 +186,15 @@ class SignalSave:
         if seconds > 0 and size_bytes > 0:
             self._rate = size_bytes / seconds
 
+    @property
+    def last_committed(self) -> int | None:
+        """The step of the newest checkpoint this run committed or resumed from, or None."""
+        return self._last_committed
+
+    @last_committed.setter
+    def last_committed(self, step: int | None) -> None:
+        self._last_committed = step
+
     def resumed(self, step: int) -> None:
         """Record the step the run resumed from (committed: a signal at its boundary saves nothing new).
 
@@ -177,6 +215,10 @@ class SignalSave:
         Raises:
             SystemExit: ``on_signal="exit"``, after the commit.
         """
+        with self.lock:  # after the watcher's save, if one is running
+            return self._at_boundary(step)
+
+    def _at_boundary(self, step: int) -> bool:
         if self.should_stop:
             return True
         accelerator = self.manager.accelerator
@@ -193,11 +235,35 @@ class SignalSave:
             # the signal's number (the highest if ranks got different ones): the exit status
             self._agreed = distributed.max_over_ranks([int(self.received or 0)])[0]
             if not self._agreed:
-                return False
+                return self._capture(step)
         elif self.received is None:
-            return False
+            return self._capture(step)
         self._act(step, save=True)
         return True
+
+    def _capture(self, step: int) -> bool:
+        """Record this boundary's state by reference for the watcher (with ``watcher``);
+        returns False (the run goes on)."""
+        if self.watcher is None or self.received is not None:
+            return False
+        manager = self.manager
+        try:
+            if manager.accelerator is not None:
+                entries = collect(manager.accelerator)
+            else:
+                entries = [classify(k, v) for k, v in manager.objects.items()]
+            sharded = [e.key for e in entries if e.kind == "model" and is_collective(e.obj)]
+            if sharded:
+                self.moment, self.capture_error = None, f"{sharded[0]} is sharded (its state dict is a collective)"
+                return False
+            objects = {e.key: e.obj for e in entries if e.kind != "model"}
+            plugin_states = dict(call_each(get_plugin_manager(), "statekit_boundary_state", None,
+                                           {"objects": objects}, guard_rng=False))
+            self.moment, self.capture_error = moments.capture(step, entries, manager.accelerator, plugin_states), None
+        except Exception as exc:  # noqa: BLE001 - a signal then saves at the next safe point, as without a watcher
+            self.moment, self.capture_error = None, f"{type(exc).__name__}: {exc}"
+            logger.debug("save_on_signal: step %d's boundary state not taken", step, exc_info=True)
+        return False
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.
@@ -217,6 +283,15 @@ class SignalSave:
             step: the step saved.
         """
         self._act(step, save=False)
+
+    def after_plain_save(self, step: int) -> None:
+        """A save that was not the signal's returned: the state now is ``step``'s, the
+        watcher's newest boundary (a signal during the save finds it committed).
+
+        Args:
+            step: the step saved.
+        """
+        self._capture(step)
 
     def _note_step_time(self, seconds: float) -> None:
         self.step_seconds = max(self.step_seconds or 0.0, seconds)
@@ -261,21 +336,38 @@ class SignalSave:
                 signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
                 "" if (saved or not save) else " (committed already)",
             )
-            copied = None
-            tiers = self.manager.tiers()
-            if tiers:  # local copy committed; the tiers' copies until the deadline
-                self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
-                name = url.rstrip("/").rsplit("/", 1)[-1]
-                copied = all(name in tier.copied_names() for tier in tiers)
-                logger.warning("save_on_signal: the tiers' copies of step %d %s, %.2f s after the signal", step,
-                               "committed" if copied else "did not commit within the grace",
-                               time.monotonic() - since)
+            copied = self.wait_for_tiers(step, url, since)
         finally:
             self._acting = False
+        path = "saved at the step boundary" if saved or not save else "committed already at the step boundary"
+        if self.fallback:
+            path = f"{self.fallback.split('; the next step boundary saves')[0]}; {path} {step}"
         self.result = {"signal": signum.name if signum else None, "step": step, "url": url, "seconds": seconds,
                        "grace_s": self.grace_s, "saved": saved or not save, "in_flight": None,
-                       "replicated": copied, "total_seconds": time.monotonic() - since}
+                       "replicated": copied, "total_seconds": time.monotonic() - since, "path": path,
+                       "from_watcher": False}
         self._stop(signum)
+
+    def wait_for_tiers(self, step: int, url: str, since: float) -> bool | None:
+        """After the signal's local commit: wait for the tiers' copies until the deadline.
+
+        Args:
+            step: the step committed.
+            url: its URL.
+            since: ``time.monotonic()`` of the signal.
+
+        Returns:
+            Whether every tier's copy committed; None without a tier plugin.
+        """
+        tiers = self.manager.tiers()
+        if not tiers:
+            return None
+        self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        copied = all(name in tier.copied_names() for tier in tiers)
+        logger.warning("save_on_signal: the tiers' copies of step %d %s, %.2f s after the signal", step,
+                       "committed" if copied else "did not commit within the grace", time.monotonic() - since)
+        return copied
 
     def remaining(self) -> float | None:
         """Seconds left of the grace period once the signal was acted on (>= 0), else None."""
