@@ -125,6 +125,8 @@ class SignalSave:
         self._acting = False
         self._agreed = 0  # the signal number the ranks agreed on at the last check (0: none)
         self._in_flight_wait = 0.0
+        self.watcher_in_flight_wait = 0.0
+        """Seconds the watcher waited for an async save in flight before it fell back."""
         self._previous: dict[signal.Signals, Any] = {}
         self.lock = threading.RLock()
         """Held by the main thread inside a manager call and by the watcher while it saves:
@@ -402,7 +404,8 @@ class SignalSave:
             bound = self.grace_s - (time.monotonic() - since) - (self._estimate() or 0.0)
             started = time.monotonic()
             done = pending.join(max(0.0, bound))
-            self._in_flight_wait = time.monotonic() - started
+            # with the watcher's wait, if it waited for this save before it fell back
+            self._in_flight_wait = time.monotonic() - started + self.watcher_in_flight_wait
         if distributed.rank_and_world_size()[1] > 1:
             done = not distributed.any_rank(not done)
         if done:

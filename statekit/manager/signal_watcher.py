@@ -181,12 +181,18 @@ class SignalWatcher:
             return "no step boundary was recorded yet"
         if s.capture_error is not None:
             return f"the last boundary's state could not be taken ({s.capture_error})"
+        changed = moment.changed(limit=3)
+        if changed:
+            return f"{', '.join(changed)} changed since step {moment.step}"
         pending = s.manager.pending
         if pending is not None:
             bound = s.grace_s - (time.monotonic() - at) - (s._estimate() or 0.0)
-            if not pending.join(max(0.0, bound)):
+            started = time.monotonic()
+            done = pending.join(max(0.0, bound))
+            s.watcher_in_flight_wait = time.monotonic() - started  # the safe point's warning counts it
+            if not done:
                 return f"the async save of step {s.manager.pending_step} is still writing"
-        changed = moment.changed(limit=3)
+        changed = moment.changed(limit=3)  # again: the wait for the save in flight took a while
         if changed:
             return f"{', '.join(changed)} changed since step {moment.step}"
         return None
