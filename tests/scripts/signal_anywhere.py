@@ -36,7 +36,7 @@ from accelerate_helpers import batches, fresh_accelerator  # noqa: E402
 
 import statekit  # noqa: E402
 
-TOTAL, EVAL_AT, STALL_AT, MIDSTEP_AT, EVAL_BATCHES = 14, 6, 9, 11, 30
+TOTAL, EVAL_AT, STALL_AT, MIDSTEP_AT, EVAL_BATCHES = 14, 6, 3, 11, 30
 
 mode, root, out = sys.argv[1:4]
 where = os.environ.get("STATEKIT_TEST_WHERE", "")
