@@ -134,6 +134,9 @@ class SignalSave:
         watcher's save."""
         self.moment: moments.Moment | None = None
         """The last step boundary's state by reference (with ``watcher``), or None."""
+        self.index = moments.TensorIndex()
+        """The models' and optimizers' tensors by path, kept between boundaries."""
+        self._collectives: dict[int, bool] = {}
         self.capture_error: str | None = None
         """Why the last boundary's state could not be taken (the watcher then falls back)."""
         self.fallback: str | None = None
@@ -250,22 +253,32 @@ class SignalSave:
             return False
         manager = self.manager
         try:
-            if manager.accelerator is not None:
-                entries = collect(manager.accelerator)
-            else:
-                entries = [classify(k, v) for k, v in manager.objects.items()]
-            sharded = [e.key for e in entries if e.kind == "model" and is_collective(e.obj)]
+            entries = self.entries()
+            sharded = [e.key for e in entries if e.kind == "model" and self._collective(e.obj)]
             if sharded:
                 self.moment, self.capture_error = None, f"{sharded[0]} is sharded (its state dict is a collective)"
                 return False
             objects = {e.key: e.obj for e in entries if e.kind != "model"}
             plugin_states = dict(call_each(get_plugin_manager(), "statekit_boundary_state", None,
                                            {"objects": objects}, guard_rng=False))
-            self.moment, self.capture_error = moments.capture(step, entries, manager.accelerator, plugin_states), None
+            self.moment = moments.capture(step, entries, self.index, manager.accelerator, plugin_states)
+            self.capture_error = None
         except Exception as exc:  # noqa: BLE001 - a signal then saves at the next safe point, as without a watcher
             self.moment, self.capture_error = None, f"{type(exc).__name__}: {exc}"
             logger.debug("save_on_signal: step %d's boundary state not taken", step, exc_info=True)
         return False
+
+    def entries(self) -> list[Any]:
+        """The entries the manager's save writes (:class:`statekit.engine.entries.Entry`)."""
+        if self.manager.accelerator is not None:
+            return collect(self.manager.accelerator)
+        return [classify(k, v) for k, v in self.manager.objects.items()]
+
+    def _collective(self, model: Any) -> bool:
+        known = self._collectives.get(id(model))
+        if known is None:
+            known = self._collectives[id(model)] = is_collective(model)
+        return known
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.

@@ -44,7 +44,7 @@ from typing import Any
 from statekit import distributed
 from statekit.devices import no_rng_guard
 from statekit.engine import step_barrier
-from statekit.engine.moment import MomentChangedError
+from statekit.engine.moment import Moment, MomentChangedError, resolve
 from statekit.errors import StatekitError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class SignalWatcher:
         self._send: socket.socket | None = None
         self._chained = -1
         self._thread: threading.Thread | None = None
+        self.resolved: Moment | None = None
 
     # ------------------------------------------------------------- lifecycle
 
@@ -163,7 +164,7 @@ class SignalWatcher:
                 self._fall_back(reason or "another rank could not save its boundary (or did not answer in "
                                 f"{distributed.SIGNAL_AGREE_TIMEOUT_SECONDS:g} s)", signum, at)
                 return
-            saved = self._save(moment, signum, at)
+            saved = self._save(self.resolved, signum, at)
         finally:
             reading.done()
             if owned:
@@ -195,6 +196,12 @@ class SignalWatcher:
         changed = moment.changed(limit=3)  # again: the wait for the save in flight took a while
         if changed:
             return f"{', '.join(changed)} changed since step {moment.step}"
+        try:
+            self.resolved = resolve(moment, s.entries(), s.manager.accelerator)
+        except MomentChangedError as exc:
+            if "not the tensor" in str(exc) or "is gone" in str(exc):
+                s.index.stale = True  # the next boundary indexes the tensors again
+            return str(exc)
         return None
 
     def _save(self, moment: Any, signum: signal.Signals, at: float) -> bool:

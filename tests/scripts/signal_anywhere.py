@@ -17,7 +17,10 @@ generator. Environment (effective in a run that starts from scratch only):
                          prints "in-step <rank> <step>" and waits for the signal watcher
                          to act (an event), then finishes the step
   STATEKIT_TEST_WORKERS  num_workers of the training loader (default 0)
-Every rank prints "ready <rank> <pid>", then "step <rank> <n> <loss as float.hex>" after
+  STATEKIT_TEST_EVAL_EVERY  also evaluate before every step after a multiple of N steps
+                         (the reference must be given the same N)
+  STATEKIT_TEST_EVAL_SLEEP  seconds each evaluation batch sleeps in every run (default 0)
+Every rank prints "ready <rank> <pid>", "start <rank> <step>", then "step <rank> <n> <loss as float.hex>" after
 each step. A run that ends normally (or by SystemExit at a safe point) writes
 OUT.rank<r>.pt: {"losses", "start", "stopped", "code", "weights", "result"}.
 """
@@ -41,6 +44,8 @@ TOTAL, EVAL_AT, STALL_AT, MIDSTEP_AT, EVAL_BATCHES = 14, 6, 3, 11, 30
 mode, root, out = sys.argv[1:4]
 where = os.environ.get("STATEKIT_TEST_WHERE", "")
 workers = int(os.environ.get("STATEKIT_TEST_WORKERS", "0"))
+eval_every = int(os.environ.get("STATEKIT_TEST_EVAL_EVERY", "0"))
+eval_sleep = float(os.environ.get("STATEKIT_TEST_EVAL_SLEEP", "0"))
 MAIN_PID = os.getpid()
 STALL_FLAG = f"{out}.stall"
 
@@ -99,8 +104,8 @@ def evaluate(slow: bool) -> None:
         total = 0.0
         for i in range(EVAL_BATCHES):
             total += float(model(eval_x[i] + 0.01 * torch.randn(8, 6)).sum())  # draws from the global RNG
-            if slow:
-                time.sleep(2.0)
+            if slow or eval_sleep:
+                time.sleep(2.0 if slow else eval_sleep)
     if slow:
         say("evaluation done", rank)
     model.train()
@@ -111,9 +116,10 @@ try:
         manager = statekit.CheckpointManager(accelerator, root, save_on_signal=True)
         start = step = manager.resume() or 0
         armed = start == 0 and bool(where)
+    say("start", rank, start)
     source = batches(loader)
     while step < TOTAL:
-        if step == EVAL_AT:
+        if step == EVAL_AT or (eval_every and step and step % eval_every == 0):
             evaluate(armed and where == "eval")
         if armed and where == "stall" and step == STALL_AT:
             Path(STALL_FLAG).touch()
