@@ -171,6 +171,11 @@ class SignalWatcher:
                 s.lock.release()
             self.finished.set()
         if saved and s.on_signal == "exit":
+            if s.policy.before_exit is not None:
+                try:
+                    s.policy.before_exit(dict(s.result))
+                except Exception:  # noqa: BLE001 - the process ends regardless: the checkpoint is committed
+                    logger.exception("save_on_signal: PreemptionPolicy.before_exit failed; exiting anyway")
             _exit_now(s.result["exit_code"])
 
     def _unclean(self, owned: bool, moment: Any, at: float) -> str | None:
