@@ -165,18 +165,18 @@ class SignalWatcher:
                                 f"{distributed.SIGNAL_AGREE_TIMEOUT_SECONDS:g} s)", signum, at)
                 return
             saved = self._save(self.resolved, signum, at)
+            if saved and s.on_signal == "exit":  # still holding the optimizer steps: the run ends at the commit
+                if s.policy.before_exit is not None:
+                    try:
+                        s.policy.before_exit(dict(s.result))
+                    except Exception:  # noqa: BLE001 - the process ends regardless: the checkpoint is committed
+                        logger.exception("save_on_signal: PreemptionPolicy.before_exit failed; exiting anyway")
+                _exit_now(s.result["exit_code"])
         finally:
             reading.done()
             if owned:
                 s.lock.release()
             self.finished.set()
-        if saved and s.on_signal == "exit":
-            if s.policy.before_exit is not None:
-                try:
-                    s.policy.before_exit(dict(s.result))
-                except Exception:  # noqa: BLE001 - the process ends regardless: the checkpoint is committed
-                    logger.exception("save_on_signal: PreemptionPolicy.before_exit failed; exiting anyway")
-            _exit_now(s.result["exit_code"])
 
     def _unclean(self, owned: bool, moment: Any, at: float) -> str | None:
         """Why this rank cannot save the boundary from the watcher, or None."""
