@@ -65,7 +65,8 @@ class SignalWatcher:
         main thread's handler has not run yet)."""
         self.outcome: str | None = None
         """None until the first signal; then ``"saved"`` (from the watcher), ``"committed"``
-        (the boundary's step was committed already) or ``"fell-back"``."""
+        (the boundary's step was committed already), ``"fell-back"``, or ``"safe-point"``
+        (a safe point acted on the signal while the watcher waited for the main thread)."""
         self.reason: str | None = None
         """Why the watcher fell back (a sentence), or None."""
         self.finished = threading.Event()
@@ -152,6 +153,11 @@ class SignalWatcher:
         # the main thread inside a manager call (a save, a resume): its collectives end first; a save
         # records its step's state on the way out, which this save then finds committed
         owned = s.lock.acquire(timeout=max(0.0, s.grace_s - (time.monotonic() - at) - (s._estimate() or 0.0)))
+        if owned and (s.should_stop or s.result is not None):  # a safe point acted on it while the watcher waited
+            s.lock.release()
+            self.outcome = "safe-point"
+            self.finished.set()
+            return
         reading = step_barrier.begin_reading(f"save on {signum.name} from the watcher")
         saved = False
         try:
