@@ -11,7 +11,7 @@ and optimizers' tensors come from a :class:`TensorIndex` built from their state 
 and again when their tensors change (an optimizer creating its state): a boundary then only
 reads ``len(tensors)`` version counters (the cost: ``bench/signal_save.py --boundary``).
 
-A save of the moment first :func:`resolve`\ s it: the models' and optimizers' state dicts,
+A save of the moment first resolves it (:func:`resolve`): the models' and optimizers' state dicts,
 taken again, must hold the very tensors the boundary recorded (same storage, same version)
 and the same ``param_groups``; the data position and random states written are the
 boundary's. The save checks the versions again after the tensor files are written and
