@@ -173,6 +173,9 @@ class Checkpoint:
         ``statekit_boundary_state`` returned at that boundary (save it instead of the live
         state: the main thread has gone on since); None otherwise (save the live state).
 
+        Returns:
+            The plugin's boundary state, or None.
+
         Raises:
             StatekitError: called outside a plugin's hook (``plugin`` is None).
         """

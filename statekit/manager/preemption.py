@@ -113,7 +113,12 @@ class SignalSave:
         whether every tier's copy committed within the grace (None without);
         ``total_seconds``: to the end of the tiers' wait; ``in_flight``: None, or the step of an async save that was still writing
         when the grace ran out: then nothing was saved and ``step``/``url`` name the newest
-        committed checkpoint, None if there is none)."""
+        committed checkpoint, None if there is none; ``from_watcher``: saved by the watcher
+        thread (:mod:`~statekit.manager.signal_watcher`; then also ``exit_code`` and
+        ``boundary_seconds``, the record's cost); ``path``: which way, a sentence: ``"saved
+        from the watcher at step 6 while the main thread was in evaluate (train.py:41)"``,
+        ``"fell back: model.1.num_batches_tracked changed since step 10; saved at the step
+        boundary 11"``)."""
         self.step_seconds: float | None = None
         """The longest time between two safe points seen (seconds)."""
         self._boundaries = 0
@@ -444,7 +449,8 @@ class SignalSave:
         self.result = {"signal": signum.name if signum else None, "step": newest,
                        "url": None if newest is None else self.manager.url_for(newest), "seconds": seconds,
                        "grace_s": self.grace_s, "saved": False, "in_flight": writing, "replicated": None,
-                       "total_seconds": seconds}
+                       "total_seconds": seconds, "from_watcher": False,
+                       "path": f"not saved: the async save of step {writing} was still writing"}
         logger.warning(
             "save_on_signal: %s: step %d not saved (the async save of step %s still writing); %.2f s after the "
             "signal (grace %g s)", signum.name if signum else "signal on another rank", step, writing, seconds,
