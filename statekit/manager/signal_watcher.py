@@ -9,7 +9,8 @@ socket pair: CPython's C-level handler writes the signal's number there at once,
 watcher thread, blocked on the other end, wakes (https://docs.python.org/3/library/signal.html#signal.set_wakeup_fd).
 An fd set before (an asyncio loop's self-pipe) keeps receiving every byte: the watcher
 forwards them (a loop that later resets the wakeup fd turns the watcher off; the next safe
-point still saves).
+point still saves); an earlier manager's watcher's fd is not forwarded to (only the newest
+manager's watcher acts).
 
 On the first signal (:meth:`SignalWatcher.act`):
 
@@ -49,6 +50,8 @@ from statekit.errors import StatekitError
 
 logger = logging.getLogger(__name__)
 
+_OURS: set[int] = set()  # the send ends of the live watchers' socket pairs (wakeup fds statekit set)
+
 
 class SignalWatcher:
     """The watcher thread of one :class:`~statekit.manager.preemption.SignalSave`.
@@ -75,6 +78,7 @@ class SignalWatcher:
         self._recv: socket.socket | None = None
         self._send: socket.socket | None = None
         self._chained = -1
+        self._forward = False
         self._thread: threading.Thread | None = None
         self.resolved: Moment | None = None
 
@@ -91,7 +95,12 @@ class SignalWatcher:
         self._recv, self._send = socket.socketpair()
         self._send.setblocking(False)  # set_wakeup_fd wants a non-blocking fd
         self._chained = signal.set_wakeup_fd(self._send.fileno(), warn_on_full_buffer=False)
-        if self._chained != -1:
+        _OURS.add(self._send.fileno())
+        self._forward = self._chained != -1 and self._chained not in _OURS
+        if self._chained != -1 and not self._forward:  # an earlier manager's watcher: it does not act for this one
+            logger.info("save_on_signal: the wakeup fd was another manager's watcher's; this manager's watcher "
+                        "takes the signals (the other manager's handlers still record them)")
+        elif self._chained != -1:
             logger.info("save_on_signal: a wakeup fd was set already (fd %d, an event loop's?): the watcher forwards "
                         "every signal byte to it", self._chained)
         if self._thread is None:
@@ -106,6 +115,7 @@ class SignalWatcher:
         current = signal.set_wakeup_fd(self._chained, warn_on_full_buffer=False)
         if current != self._send.fileno():  # someone replaced ours since: leave theirs
             signal.set_wakeup_fd(current, warn_on_full_buffer=False)
+        _OURS.discard(self._send.fileno())
         try:
             self._send.send(b"\0")  # byte 0: no signal, the thread's cue to end
         except OSError:
@@ -120,11 +130,11 @@ class SignalWatcher:
                 data = recv.recv(256)
                 if not data:
                     return
-                if self._chained != -1:
+                if self._forward:
                     try:
                         os.write(self._chained, data)
                     except OSError:  # the previous owner closed it
-                        self._chained = -1
+                        self._forward = False
                 for number in data:
                     if number == 0:
                         return
