@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -172,8 +173,12 @@ def _as_python_state(state: Any) -> tuple[Any, ...]:
 def rng_guard() -> Iterator[None]:
     """Snapshot the global random states (:func:`snapshot_random_states`); restore them on exit.
 
-    Cost: a few KiB copied per call (torch's CPU state is 5,056 bytes).
+    Cost: a few KiB copied per call (torch's CPU state is 5,056 bytes). Inside
+    :func:`no_rng_guard` on this thread: nothing (the states are another thread's).
     """
+    if getattr(_unguarded, "on", False):
+        yield
+        return
     states = snapshot_random_states()
     try:
         yield
@@ -200,3 +205,19 @@ def wait_for_current_streams(devices: Iterable[torch.device]) -> None:
             accelerator.synchronize(device)
         else:  # torch < 2.6: the backend's own module
             torch.get_device_module(device.type).synchronize()
+
+
+_unguarded = threading.local()
+
+
+@contextlib.contextmanager
+def no_rng_guard() -> Iterator[None]:
+    """Turn :func:`rng_guard` off on this thread for the block: a save run from a thread
+    other than the training thread (the save on a signal from the watcher) must not put
+    back random states the training thread has drawn from since (the generators are
+    process-wide)."""
+    _unguarded.on = True
+    try:
+        yield
+    finally:
+        _unguarded.on = False

@@ -24,7 +24,13 @@ DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
 
 _group: Any = None
 _control_group: Any = None
+_signal_group: Any = None
 _group_key: Any = None
+
+SIGNAL_AGREE_TIMEOUT_SECONDS = 5.0
+"""Seconds the ranks' signal watchers wait for each other (:func:`watchers_agree`): every
+rank's watcher wakes within milliseconds of a launcher forwarding the signal; a rank that
+does not answer by then makes every rank save at its next safe point instead."""
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -55,7 +61,7 @@ def statekit_group() -> Any:
     Raises:
         InvalidOptionError: :data:`COLLECTIVE_TIMEOUT_ENV` is invalid.
     """
-    global _group, _control_group, _group_key
+    global _group, _control_group, _signal_group, _group_key
     key = id(dist.distributed_c10d._get_default_group())
     if _group is None or _group_key != key:
         timeout = timedelta(seconds=collective_timeout_seconds())
@@ -63,6 +69,7 @@ def statekit_group() -> Any:
             atexit.register(_forget_group)
         _group = dist.new_group(backend="gloo", timeout=timeout)
         _control_group = dist.new_group(backend="gloo", timeout=timeout)
+        _signal_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SIGNAL_AGREE_TIMEOUT_SECONDS))
         _group_key = key
     return _group
 
@@ -77,6 +84,50 @@ def control_group() -> Any:
     """
     statekit_group()
     return _control_group
+
+
+def signal_group() -> Any:
+    """The gloo group the ranks' signal watchers agree on (:func:`watchers_agree`), created
+    with :func:`statekit_group` (same order on every rank), its timeout
+    :data:`SIGNAL_AGREE_TIMEOUT_SECONDS`. A manager with ``save_on_signal`` calls it when
+    created on every rank: a watcher thread must never be the one to create a group.
+
+    Returns:
+        The group (None in one process).
+    """
+    if rank_and_world_size()[1] == 1:
+        return None
+    statekit_group()
+    return _signal_group
+
+
+def watchers_agree(step: int, clean: bool) -> bool:
+    """The ranks' signal watchers agree to save ``step`` from the watcher: one all-reduce
+    (MIN) of ``[step, -step, clean]`` on :func:`signal_group`, bounded by its timeout.
+
+    Args:
+        step: this rank's step boundary (-1: none).
+        clean: this rank can save it (its live state is that boundary's).
+
+    Returns:
+        True when every rank answered in time with the same step and clean; False when one
+        did not, or differs, or did not answer (the group is not used again: a late rank's
+        call times out too).
+    """
+    global _signal_group
+    if rank_and_world_size()[1] == 1:
+        return clean and step >= 0
+    group = _signal_group
+    if group is None:
+        return False
+    box = torch.tensor([step, -step, int(clean)], dtype=torch.int64)
+    try:
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    except RuntimeError:  # gloo: "Timed out", "Connection closed by peer"
+        _signal_group = None  # one round per process: a late rank must not meet a stale one
+        return False
+    low, minus_high, all_clean = (int(v) for v in box.tolist())
+    return bool(all_clean) and low == -minus_high and low >= 0
 
 
 def _collective(name: str, call: Callable[[], Any]) -> Any:
@@ -100,9 +151,9 @@ def _collective(name: str, call: Callable[[], Any]) -> Any:
 
 
 def _forget_group() -> None:
-    """Drop the group at exit: one freed during finalization can abort the process (pytorch PR 179291)."""
-    global _group, _control_group, _group_key
-    _group = _control_group = _group_key = None
+    """Drop the groups at exit: one freed during finalization can abort the process (pytorch PR 179291)."""
+    global _group, _control_group, _signal_group, _group_key
+    _group = _control_group = _signal_group = _group_key = None
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:

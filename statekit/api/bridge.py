@@ -91,6 +91,7 @@ def save_state(
     incremental: bool = False,
     reuse_from: Any = None,
     lineage: Any = None,
+    moment: Any = None,
     **options: Any,
 ) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
@@ -98,7 +99,7 @@ def save_state(
     Call it on every process (as ``accelerator.save_state``). ``step``, ``metadata``,
     ``overwrite``, ``storage_options``, ``blocking`` and ``**options`` are as
     :func:`statekit.save`; ``staging``, ``exclusive``, ``after_commit``, ``incremental``,
-    ``reuse_from`` and ``lineage`` are the manager's (:func:`statekit.api.saveload.save_objects`).
+    ``reuse_from``, ``lineage`` and ``moment`` are the manager's (:func:`statekit.api.saveload.save_objects`).
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
@@ -134,6 +135,7 @@ def save_state(
         incremental=incremental,
         reuse_from=reuse_from,
         lineage=lineage,
+        moment=moment,
     )
     config = getattr(accelerator, "project_configuration", None)
     if config is not None:  # as Accelerator.save_state: one more save of this run

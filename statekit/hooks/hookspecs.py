@@ -90,6 +90,32 @@ def statekit_save_state_pre(
 
 
 @hookspec
+def statekit_boundary_state(objects: Mapping[str, Any]) -> Any:
+    """Capture, at a step boundary, the state this plugin's ``statekit_save_state_pre``
+    would save that does not live in the run's tensors (random states, counters), so that
+    a save of that boundary made later, while training has gone on, writes it.
+
+    Called on the main thread at every safe point of a manager with ``save_on_signal``
+    (``step_boundary``), without the RNG guard: keep it cheap (microseconds) and read-only.
+    A save of the boundary (the save on a signal from the watcher thread,
+    :mod:`statekit.manager.signal_watcher`) runs ``statekit_save_state_pre`` with
+    ``checkpoint.boundary_state()`` returning what this call returned; a plugin that does
+    not implement it saves its live state there (fine for state that only training steps
+    change: the watcher proves none ran).
+
+    Args:
+        objects: the stateful objects of the save by stable key (as ``checkpoint.objects``).
+
+    Returns:
+        Anything (kept by reference: return copies of what changes), or None.
+
+    Raises:
+        PluginError: anything the plugin raises; the boundary's state is not taken (a
+            signal then saves at the next safe point).
+    """
+
+
+@hookspec
 def statekit_save_state_post(models: list[torch.nn.Module], output_dir: str, checkpoint: Checkpoint) -> None:
     """React to a committed checkpoint (upload a copy, log, notify...).
 

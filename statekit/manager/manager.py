@@ -14,6 +14,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import os
@@ -312,13 +313,41 @@ class CheckpointManager:
             SystemExit: ``save_on_signal`` with ``on_signal="exit"`` and a signal received
                 (on any rank): this save was the signal's, committed (status ``128 + signum``).
         """
+        with self._main_call():
+            return self._save(step, metrics, overwrite, blocking)
+
+    def _main_call(self) -> Any:
+        """The main thread inside a manager call: the signal watcher's save waits for it
+        (and it for the watcher's): the two never run statekit's collectives at once."""
+        return self.signal_save.lock if self.signal_save is not None else contextlib.nullcontext()
+
+    def save_moment(self, moment: Any) -> Manifest:
+        """Save a step boundary's state (:class:`statekit.engine.moment.Moment`), blocking:
+        the save on a signal from the watcher thread (:mod:`statekit.manager.signal_watcher`).
+
+        Args:
+            moment: the boundary's state, taken of this manager's objects.
+
+        Returns:
+            The committed manifest.
+
+        Raises:
+            MomentChangedError: a tensor changed since the boundary (nothing committed).
+            StatekitError: as :meth:`save`.
+        """
+        with self._main_call():
+            return self._save(moment.step, None, False, True, moment=moment)
+
+    def _save(self, step: int | None, metrics: Mapping[str, float] | None, overwrite: bool, blocking: bool | None,
+              moment: Any = None) -> Manifest | PendingSave | None:
         started = time.monotonic()
         if not self.backpressure.admit(self.pending):
             self.save_stats.skip(self.next_step() if step is None else step, self.pending, self.backpressure, started)
             return None
         self._wait_save()
         waited = time.monotonic() - started
-        on_signal = self.signal_save is not None and self.signal_save.before_save()  # every rank agrees
+        # every rank agrees (not from the watcher: its save is the signal's)
+        on_signal = moment is None and self.signal_save is not None and self.signal_save.before_save()
         if step is None:
             step = self.next_step()
         blocking = True if on_signal else not self.async_policy.enabled if blocking is None else blocking
@@ -343,7 +372,7 @@ class CheckpointManager:
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
             blocking=blocking, staging=self.staging, exclusive=not overwrite, after_commit=committed,
             incremental=self.incremental, reuse_from=self._reuse_from if self.incremental else None,
-            lineage=record,
+            lineage=record, moment=moment,
         )
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
@@ -354,6 +383,8 @@ class CheckpointManager:
             self.pending, self.pending_step = result, step
         if on_signal:
             self.signal_save.after_save(step)  # logs; exits, or should_stop
+        elif moment is None and self.signal_save is not None:
+            self.signal_save.after_plain_save(step)  # the state now is this step's: the watcher's boundary
         self.save_stats.record(step, started, waited, "writing" if not blocking else "committed")
         return result
 
@@ -381,7 +412,7 @@ class CheckpointManager:
             SystemExit: ``on_signal="exit"``, after the signal's checkpoint committed.
             StatekitError: the signal's save failed (as :meth:`save`).
         """
-        return self.signal_save is not None and self.signal_save.at_boundary(step)
+        return self.signal_save is not None and self.signal_save.at_boundary(step)  # (under the watcher's lock)
 
     @property
     def should_stop(self) -> bool:
@@ -453,6 +484,10 @@ class CheckpointManager:
                 says the checkpoint is committed.
             PluginError: a ``statekit_manager_wait`` implementation failed.
         """
+        with self._main_call():
+            return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> Manifest | None:
         manifest = self._wait_save()
         call_each(get_plugin_manager(), "statekit_manager_wait", None, {"manager": self, "timeout": timeout})
         return manifest
@@ -549,6 +584,13 @@ class CheckpointManager:
             InvalidOptionError: ``other_runs`` is not raise/ignore/resume; ``step`` is not an
                 int (``True``, ``"3"``); ``STATEKIT_STATE_CHECK`` holds an unknown mode.
         """
+        with self._main_call():
+            resumed = self._resume(step, verify, strict, strict_resume, other_runs)
+            if resumed is not None and self.signal_save is not None:
+                self.signal_save.after_plain_save(resumed)  # the state now is the resumed step's
+            return resumed
+
+    def _resume(self, step: int | None, verify: bool, strict: bool, strict_resume: bool, other_runs: str) -> int | None:
         if other_runs not in ("raise", "ignore", "resume"):
             raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
