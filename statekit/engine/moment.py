@@ -234,14 +234,8 @@ def resolve(moment: Moment, entries: list[Entry], accelerator: Any = None) -> Mo
                                                    moment.state_for(entry.key)["param_groups"]):
             raise MomentChangedError(f"{entry.key}'s param_groups changed since step {moment.step}")
         for path, tensor in _flat(entry.key, state).items():
-            old = recorded.get(path)
-            if old is None or old[0].data_ptr() != tensor.data_ptr() or old[0].shape != tensor.shape:
-                raise MomentChangedError(f"{path} is not the tensor step {moment.step}'s boundary recorded (created "
-                                         "or replaced since)")
-            if tensor._version != old[1]:
-                raise MomentChangedError(f"{path} changed since step {moment.step}")
             tensors.append((path, tensor))
-            versions.append(old[1])
+            versions.append(_boundary_version(path, tensor, recorded.get(path), moment.step))
             seen.add(path)
         states[entry.key] = state
     indexed = {e.key for e in entries if e.kind in _INDEXED}
@@ -251,6 +245,19 @@ def resolve(moment: Moment, entries: list[Entry], accelerator: Any = None) -> Mo
     small = [(pt, v) for pt, v in zip(moment.tensors, moment.versions) if pt[0].split(".", 1)[0] not in indexed]
     return replace(moment, states=states, tensors=tuple(tensors) + tuple(pt for pt, _ in small),
                    versions=tuple(versions) + tuple(v for _, v in small), resolved=True)
+
+
+def _boundary_version(path: str, tensor: torch.Tensor, old: tuple[torch.Tensor, int] | None, step: int) -> int:
+    """The version the boundary recorded of ``tensor``, proven unchanged since.
+
+    Raises:
+        MomentChangedError: it is not the recorded tensor (created or replaced), or it changed.
+    """
+    if old is None or old[0].data_ptr() != tensor.data_ptr() or old[0].shape != tensor.shape:
+        raise MomentChangedError(f"{path} is not the tensor step {step}'s boundary recorded (created or replaced since)")
+    if tensor._version != old[1]:
+        raise MomentChangedError(f"{path} changed since step {step}")
+    return old[1]
 
 
 def _flat(key: str, state: Any) -> dict[str, torch.Tensor]:
