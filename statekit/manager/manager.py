@@ -281,10 +281,9 @@ class CheckpointManager:
     ) -> Manifest | PendingSave | None:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
-        A previous async save is waited for first (and its error raised here), within the
-        manager's :class:`~statekit.AsyncPolicy` (``docs/backpressure.md``): when it is still
-        writing at the bound, this save is skipped with a :class:`StatekitWarning` and None
-        is returned.
+        A previous async save is waited for first (its error raised here) within the
+        :class:`~statekit.AsyncPolicy` (``docs/backpressure.md``); still writing at the
+        bound, this save is skipped with a :class:`StatekitWarning` (None returned).
 
         Args:
             step: the training step (names the directory). None: automatic naming, one
@@ -301,15 +300,11 @@ class CheckpointManager:
             ``wait()`` returns it, or None when back-pressure skipped the save.
 
         Raises:
-            CheckpointExistsError: this step is committed already (or another process
-                committed it first) and not ``overwrite``; or its directory holds a folder
-                statekit did not write (a Trainer or DCP checkpoint of that name), which is
-                never replaced, even with ``overwrite``.
+            CheckpointExistsError: this step is committed and not ``overwrite``; or its
+                directory holds a folder statekit did not write (never replaced).
             AsyncSaveError: the previous async save failed (its error is the cause).
-            PluginError, StatekitError: the previous async save committed, but what follows
-                its commit failed (a ``statekit_checkpoint_committed`` hook; ``latest`` or
-                retention), raised here as :meth:`wait` would; the message says it committed.
-            PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
+            PluginError, StatekitError: as :meth:`wait` for the previous async save's
+                after-commit work; or as :func:`statekit.save`.
             SystemExit: ``save_on_signal`` with ``on_signal="exit"`` and a signal received
                 (on any rank): this save was the signal's, committed (status ``128 + signum``).
         """
@@ -394,12 +389,10 @@ class CheckpointManager:
         check; with several ranks one all-reduce of one int every
         :attr:`PreemptionPolicy.check_every <statekit.PreemptionPolicy.check_every>`-th call).
 
-        When any rank has received a signal, every rank commits an async save in flight
-        (waited for at most the grace left; still writing then: a warning, nothing saved,
-        the run stops), saves ``step`` blocking (unless it is committed already), then
-        exits with status ``128 + signal number`` (``on_signal="exit"``) or returns True.
-        Between two optimizer steps of ``accelerator.accumulate`` (``sync_gradients``
-        False) it does nothing: the end of the accumulation window is the safe point.
+        When any rank has received a signal (and the watcher has not saved already), every
+        rank commits an async save in flight, saves ``step`` blocking, then exits with status
+        ``128 + signal number`` or returns True (``on_signal``). Inside an accumulation window
+        (``sync_gradients`` False) it does nothing; the sequence: ``docs/clusters.md``.
 
         Args:
             step: the training step just finished (names the checkpoint).
@@ -524,20 +517,12 @@ class CheckpointManager:
         other_runs: str = "raise",
     ) -> int | None:
         """Load the newest committed checkpoint of the live history that loads cleanly;
-        return its step. ``resume(step=K)`` rolls back: it loads the committed checkpoint
-        of step ``K`` and starts a new branch there (the live history, branches and runs:
-        ``docs/concepts.md``, Lineage). The run's id and the checkpoint continued are
-        logged (INFO, logger ``statekit``).
-
-        A checkpoint that fails verification or loading is skipped with a
-        :class:`StatekitWarning` naming the file, and the previous committed one is tried
-        (a shape or key mismatch is the caller's error and is raised); so is an
-        Accelerate ``checkpoint_<n>`` folder whose load fails for a missing file (an
-        interrupted Accelerate save). Candidates come from the root and from every root a
-        plugin offers (``statekit_resume_roots``), in :mod:`statekit.manager.resume_order`'s
-        order. Before loading, the checkpoint's resume fingerprint is compared with the
-        run: each difference is a :class:`ResumeFingerprintWarning` (``docs/concepts.md``,
-        Resume fingerprint).
+        return its step. ``resume(step=K)`` rolls back to step ``K`` and starts a new branch
+        there. A checkpoint that fails verification or loading is skipped with a
+        :class:`StatekitWarning` naming the file and the previous one is tried (a shape or
+        key mismatch is raised). Candidates, their order (``statekit_resume_roots`` roots
+        too), the fingerprint compared before the load and lineage: ``docs/concepts.md``
+        (Lineage, Resume fingerprint) and :mod:`statekit.manager.resume_order`.
 
         Args:
             step: None: the newest checkpoint of the live history. An integer: roll back
@@ -554,15 +539,11 @@ class CheckpointManager:
                 the state check finds after the load is a :class:`StateMismatchError`
                 instead of a :class:`StateCheckWarning` (``docs/concepts.md``, State check).
             other_runs: with the manager's ``run_id``, what a newest checkpoint of another
-                run (or one written before lineage) does: ``"raise"`` (default): when this
-                run has checkpoints of its own (a restart in a root it shares with another
-                run), its own newest is resumed with an
-                :class:`~statekit.OtherRunWarning` naming the newer one of the other
-                run; when it has none, a :class:`StatekitError` naming both runs (continuing
-                another run, or starting fresh beside it, is the caller's choice);
-                ``"ignore"``: only this run's checkpoints are candidates, without a warning
-                (None when it has none: a fresh start); ``"resume"``: continue the newest,
-                whoever wrote it (the next saves record this ``run_id``).
+                run does: ``"raise"`` (default): this run's own newest is resumed with an
+                :class:`~statekit.OtherRunWarning`, or, with none of its own, a
+                :class:`StatekitError` naming both runs; ``"ignore"``: only this run's
+                checkpoints count (None: a fresh start); ``"resume"``: continue the newest,
+                whoever wrote it (``docs/concepts.md``, Lineage).
 
         Returns:
             The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
