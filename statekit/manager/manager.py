@@ -98,18 +98,13 @@ class CheckpointManager:
             misspelled ``keep_last``) warns.
 
     Raises:
-        InvalidOptionError: (a ``ValueError``) a group's value is invalid, ``keep_last``
-            with ``retention``, a group's field given as a keyword (``keep_best=2``: the
-            message names ``retention=statekit.RetentionPolicy(keep_best=2)``), ``step_digits``
-            or ``run_id`` invalid, ``storage_options`` with a ``Storage``, ``root_url`` is
-            itself a checkpoint (statekit's or Accelerate's), or a plugin refused its
-            manager option.
+        InvalidOptionError: an invalid value or combination (``keep_last`` with
+            ``retention``; a group's field as a keyword, ``keep_best=2``: the message names
+            the group), ``root_url`` is itself a checkpoint, or a plugin refused its option.
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
             ``statekit_manager_start`` hook failed.
-        PluginMissingError: a manager option of an installed plugin is given while
-            ``STATEKIT_DISABLE_PLUGINS`` blocks that plugin (naming plugin and distribution).
-        StorageError: a root a plugin's manager option names cannot be resolved (unknown
-            scheme, backend missing).
+        PluginMissingError: an option of a plugin ``STATEKIT_DISABLE_PLUGINS`` blocks.
+        StorageError: a root a plugin's option names cannot be resolved.
     """
 
     def __init__(
