@@ -82,8 +82,7 @@ class CheckpointManager:
             ``docs/clusters.md``). False (default): no handlers.
         storage_options: fsspec options of ``root_url`` (not with a ``Storage``).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
-            ``checkpoint_<n>`` folders; without it such a resume raises
-            :class:`PickleNotAllowedError` naming the file.
+            ``checkpoint_<n>`` folders (without: :class:`PickleNotAllowedError`).
         incremental: write a tensor file only when its bytes changed since the last committed
             checkpoint, hard-linking (server-side copying) the others (``docs/incremental.md``);
             False: every save writes every byte.
