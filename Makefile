@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 STAMP := $(VENV)/.statekit-installed
 
-.PHONY: demo demo-preempt demo-all demo-trainer test test-fast coverage install clean docs package template-test lint bench-setup house
+.PHONY: demo demo-preempt demo-preempt-eval demo-all demo-trainer test test-fast coverage install clean docs package template-test lint bench-setup house
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
@@ -18,6 +18,11 @@ demo: $(STAMP)
 # (CheckpointManager(save_on_signal=True)), exits 143, and the next start resumes from it.
 demo-preempt: $(STAMP)
 	$(PY) examples/resume_demo.py --preempt
+
+# The SIGTERM lands 1 s into a 60 s evaluation (no step boundary for a minute): the manager's
+# watcher thread saves the last step at once and the run exits 143 mid-evaluation.
+demo-preempt-eval: $(STAMP)
+	$(PY) examples/resume_demo.py --preempt-eval
 
 # The same kill-and-resume proof through transformers' Trainer (statekit-transformers): a
 # small GPT-2 on the digits as token sequences, SIGKILL mid-epoch, train(resume_from_checkpoint=True).

@@ -75,6 +75,10 @@ def demo_parser(
     parser.add_argument("--preempt", action="store_true",
                         help="send SIGTERM instead of SIGKILL: the run saves the step it reached "
                              "(CheckpointManager(save_on_signal=True)) and exits 143; the next start resumes from that step")
+    parser.add_argument("--preempt-eval", action="store_true",
+                        help="as --preempt, the SIGTERM landing 1 s into a 60 s evaluation after the kill step: the "
+                             "manager's watcher thread saves that step at once and the run exits 143 mid-evaluation")
+    parser.add_argument("--eval-at", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--replicate-to", default=None, metavar="URL|moto",
                         help="also replicate every checkpoint to this remote root (moto: a local moto S3 server); "
                              "the resumed run then starts on a fresh node (empty local root) and resumes from it")
@@ -112,6 +116,29 @@ def demo_storage(args: argparse.Namespace, slug: str) -> Iterator[None]:
 # --------------------------------------------------------------------------- the training loop
 
 
+def save_on_signal(args: argparse.Namespace) -> Any:
+    """The manager's ``save_on_signal`` for the demo's options: False without ``--preempt``;
+    else a policy whose ``before_exit`` logs the save from the watcher (that exit is
+    ``os._exit``: nothing after it runs) as the ``signal_save`` event a safe point's
+    ``SystemExit`` logs in :func:`train_steps`."""
+    if not getattr(args, "preempt", False):
+        return False
+    log = jsonl_logger(Path(args.log)) if getattr(args, "log", None) else None
+    return statekit.PreemptionPolicy(before_exit=(lambda result: log({"event": "signal_save", **result})) if log else None)
+
+
+def evaluate_long(evaluate: Callable[[], Any], log: Log, seconds: float = 60.0) -> None:
+    """An evaluation of about ``seconds``: ``evaluate()`` (under ``no_grad``) again and again,
+    logging ``evaluation_started`` first and ``evaluation_done`` last (``--preempt-eval``: the
+    SIGTERM lands inside it)."""
+    log({"event": "evaluation_started"})
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        evaluate()
+        time.sleep(0.5)  # a slow evaluation: mostly outside Python
+    log({"event": "evaluation_done"})
+
+
 def resume_step(manager: statekit.CheckpointManager, log: Log) -> int:
     """Resume from the newest committed checkpoint (step 0 if none), logging how long it took."""
     started = time.perf_counter()
@@ -130,6 +157,7 @@ def train_steps(
     describe_save: Callable[[Any], dict],
     step: int = 0,
     abandon_at: int | None = None,
+    evaluate: Callable[[], Any] | None = None,
 ) -> int:
     """Run ``train_step(batch)`` (which returns the loss) from ``step`` to ``args.steps``,
     epoch after epoch; log every step; save every ``args.save_every`` steps (logging the
@@ -138,6 +166,9 @@ def train_steps(
     After each step ``manager.step_boundary(step)``: with ``save_on_signal`` a signal's
     save of that step (in it, or in the periodic ``save``; logged as a ``signal_save``
     event), then ``SystemExit(143)``.
+
+    With ``args.eval_at`` (``--preempt-eval``'s killed run) and ``evaluate``: after that
+    step's boundary, :func:`evaluate_long`.
 
     Raises:
         Abandon: at step ``abandon_at``, right after logging it.
@@ -161,6 +192,8 @@ def train_steps(
             except SystemExit:
                 log({"event": "signal_save", **manager.signal_save.result})
                 raise
+            if evaluate is not None and getattr(args, "eval_at", None) == step:
+                evaluate_long(evaluate, log)
             if step >= args.steps:
                 break
     return step
@@ -259,12 +292,15 @@ def kill_and_resume(
     preempt = getattr(args, "preempt", False)
     if preempt and args.url.startswith("memory://"):
         raise SystemExit("--preempt needs a URL other processes can read (memory:// is private to each process)")
+    during_eval = getattr(args, "preempt_eval", False)
     runner = _Runner(train, script, worker_flags + (["--preempt"] if preempt else []),
-                     in_process=args.url.startswith("memory://"), sig=signal.SIGTERM if preempt else signal.SIGKILL)
+                     in_process=args.url.startswith("memory://"), sig=signal.SIGTERM if preempt else signal.SIGKILL,
+                     during_eval=during_eval)
     print("1. reference run ...", flush=True)
     runner.run(ref_args, resume=False)
     batch = kill_at % batches_per_epoch
-    how = "sent SIGTERM (preempted)" if preempt else "killed"
+    how = ("sent SIGTERM 1 s into an evaluation" if during_eval else "sent SIGTERM (preempted)") if preempt \
+        else "killed"
     print(f"2. run {how} at step {kill_at} (mid-epoch: batch {batch} of {batches_per_epoch}) ...", flush=True)
     killed_at = runner.run(run_args, resume=False, kill_at=kill_at)
     print(f"   {'saved the step it reached and exited after step' if preempt else 'killed after step'} {killed_at}")
@@ -283,6 +319,7 @@ class _Runner:
     worker_flags: list[str]
     in_process: bool
     sig: int = signal.SIGKILL
+    during_eval: bool = False
 
     def run(self, args: argparse.Namespace, resume: bool, kill_at: int | None = None) -> int | None:
         """Train to the end, or until killed at ``kill_at``; returns the last step seen when killed."""
@@ -294,7 +331,10 @@ class _Runner:
         if kill_at is None:
             run_to_end(command)
             return None
-        return run_and_kill(command, Path(args.log), kill_at, ready=_remote_committed(args), sig=self.sig)
+        if self.during_eval:
+            command += ["--eval-at", str(kill_at)]
+        return run_and_kill(command, Path(args.log), kill_at, ready=_remote_committed(args), sig=self.sig,
+                            during_eval=self.during_eval)
 
     def command(self, args: argparse.Namespace, resume: bool) -> list[str]:
         cmd = [sys.executable, self.script, "--worker", "--url", args.url, "--steps", str(args.steps),
@@ -327,11 +367,12 @@ def run_to_end(cmd: list[str]) -> None:
 
 
 def run_and_kill(cmd: list[str], log: Path, kill_at: int, ready: Callable[[], bool] | None = None,
-                 sig: int = signal.SIGKILL) -> int:
+                 sig: int = signal.SIGKILL, during_eval: bool = False) -> int:
     """Start the worker and send it ``sig`` (SIGKILL) once it reports step >= kill_at (and, if
     given, ``ready()`` holds: with a remote tier, a checkpoint has committed there, so the
     fresh node has something to resume from); returns the last step seen (for a SIGTERM,
     once the worker has saved on the signal and exited 143: the last step it logged).
+    ``during_eval``: the signal is sent 1 s after the worker logged ``evaluation_started``.
 
     Raises:
         SystemExit: the worker finished before it could be killed, or did not exit with
@@ -341,7 +382,13 @@ def run_and_kill(cmd: list[str], log: Path, kill_at: int, ready: Callable[[], bo
     checked = 0.0
     try:
         while child.poll() is None:
-            steps = [r["step"] for r in read_log(log) if r["event"] == "step"]
+            records = read_log(log)
+            steps = [r["step"] for r in records if r["event"] == "step"]
+            if during_eval and not any(r["event"] == "evaluation_started" for r in records):
+                time.sleep(0.002)
+                continue
+            if during_eval and ready is None:
+                time.sleep(1.0)  # 1 s into the evaluation
             if steps and steps[-1] >= kill_at and ready is not None and time.monotonic() - checked > 0.2:
                 checked = time.monotonic()
                 ready = None if ready() else ready

@@ -97,7 +97,7 @@ def build(args: argparse.Namespace):
     accelerator.register_for_checkpointing(ema)
     accelerator.register_for_checkpointing(statekit_diffusers.NoiseScheduler(noise_scheduler))
     manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, replicate_to=args.replicate_to,
-                                         save_on_signal=args.preempt)
+                                         save_on_signal=harness.save_on_signal(args))
     return accelerator, unet, optimizer, loader, lr_schedule, noise_scheduler, ema, manager
 
 
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--samples", type=int, default=25, help="images in the grid")
     args = parser.parse_args(argv)
+    if args.preempt_eval:
+        parser.error("--preempt-eval: examples/resume_demo.py only (make demo-preempt-eval)")
 
     if args.worker:
         train(args, harness.jsonl_logger(Path(args.log)), resume=args.resume)

@@ -24,6 +24,7 @@ Usage::
     python examples/resume_demo.py --url s3://bucket/run # any fsspec URL
     python examples/resume_demo.py --grad-accum 4        # gradient accumulation
     python examples/resume_demo.py --preempt             # SIGTERM instead of SIGKILL (make demo-preempt)
+    python examples/resume_demo.py --preempt-eval        # SIGTERM during an evaluation (make demo-preempt-eval)
 
 With ``--grad-accum N`` each step is a micro-batch inside ``accelerator.accumulate``
 and the optimizer steps every N micro-batches (Accelerate's gradient accumulation);
@@ -33,7 +34,10 @@ resume must carry the accumulated gradients.
 With ``--preempt`` step 2 sends SIGTERM instead of SIGKILL, as a cluster does before
 the kill: the manager (``save_on_signal=True``) saves the step the run reached at the next
 step boundary and exits 143, and step 3 must resume from exactly that step (not from the
-last periodic checkpoint); the report says so, or fails.
+last periodic checkpoint); the report says so, or fails. With ``--preempt-eval`` the run
+starts a 60 s evaluation after the kill step and the SIGTERM lands 1 s into it: the
+manager's watcher thread saves that step at once (the main thread never reaches another
+step boundary) and the process exits 143 mid-evaluation.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def build(args: argparse.Namespace):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     manager = statekit.CheckpointManager(accelerator, args.url, keep_last=args.keep_last, storage_options=args.storage_options,
-                                         replicate_to=args.replicate_to, save_on_signal=args.preempt)
+                                         replicate_to=args.replicate_to, save_on_signal=harness.save_on_signal(args))
     return accelerator, model, optimizer, loader, scheduler, manager, test
 
 
@@ -130,7 +134,14 @@ def train(args: argparse.Namespace, log, resume: bool, abandon_at: int | None = 
 
     step = harness.resume_step(manager, log) if resume else 0
     model.train()
+    def evaluate() -> None:  # under no_grad, in eval mode: nothing of the training state changes
+        model.eval()
+        with torch.no_grad():
+            model(test.tensors[0])
+        model.train()
+
     step = harness.train_steps(args, manager, loader, train_step, log, step=step, abandon_at=abandon_at,
+                               evaluate=evaluate,
                                describe_save=lambda manifest: {
                                    "plugins": dict(manifest.plugins),
                                    "resume_audit": manifest.resume_audit.to_json() if manifest.resume_audit else None})
@@ -188,16 +199,23 @@ def report(args: argparse.Namespace, runs: harness.Runs) -> int:
         ("test accuracy", f"{analysis.done['accuracy']:.4f}"),
     ]
     if args.preempt:
-        signal_save = [r for r in runs.run_events() if r["event"] == "signal_save"]
+        events = runs.run_events()
+        signal_save = [r for r in events if r["event"] == "signal_save"]
+        from_watcher = bool(signal_save) and bool(signal_save[-1].get("from_watcher"))
+        # a save from the watcher is of the last step boundary before the signal (a micro-batch may follow it)
+        expected = signal_save[-1]["step"] if from_watcher else analysis.killed_after
         if not signal_save:
             problems.append("the preempted run logged no save on its SIGTERM")
-        elif analysis.resumed_step != analysis.killed_after or signal_save[-1]["step"] != analysis.resumed_step:
+        elif args.preempt_eval and (not from_watcher or any(r["event"] == "evaluation_done" for r in events)):
+            problems.append(f"the SIGTERM during the evaluation was not saved from the watcher before the "
+                            f"evaluation's end: {signal_save[-1].get('path')}")
+        elif analysis.resumed_step != expected or signal_save[-1]["step"] != analysis.resumed_step:
             problems.append(f"resumed from step {analysis.resumed_step}, not from step {analysis.killed_after} where "
                             "the SIGTERM stopped the run")
         else:
-            rows.insert(4, ("preempted", f"SIGTERM; saved step {signal_save[-1]['step']} "
-                                         f"{signal_save[-1]['seconds']:.3f} s after the signal, exit code 143; "
-                                         f"resumed exactly from step {analysis.resumed_step}"))
+            rows.insert(4, ("preempted", f"SIGTERM; {signal_save[-1].get('path', 'saved')}: step "
+                                         f"{signal_save[-1]['step']} committed {signal_save[-1]['seconds']:.3f} s after "
+                                         f"the signal, exit code 143; resumed exactly from step {analysis.resumed_step}"))
     exact = ["weights, optimizer state and all per-step losses equal the reference bit for bit"]
     return checks.print_report("statekit resume demo report", rows, problems, exact)
 
@@ -238,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="gradient_accumulation_steps (steps are then micro-batches; default 1)")
     args = parser.parse_args(argv)
     args.storage_options = None
+    args.preempt = args.preempt or args.preempt_eval
 
     if args.worker:
         train(args, harness.jsonl_logger(Path(args.log)), resume=args.resume)

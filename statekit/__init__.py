@@ -14,6 +14,7 @@ from statekit._version import __version__
 
 from statekit.api.attach import Attachment, attach
 from statekit.api.bridge import load_state, save_state
+from statekit.api.export import ExportResult, export_pretrained
 from statekit.engine.context import Checkpoint
 from statekit.foreign.base import ForeignObject, ForeignSummary
 from statekit.format.manifest_types import Manifest
@@ -59,6 +60,8 @@ __all__ = [
     "Attachment",
     "Checkpoint",
     "Manifest",
+    "ExportResult",
+    "export_pretrained",
     "ForeignSummary",
     "ForeignObject",
     "CheckpointDir",

@@ -1,26 +1,8 @@
-"""The accelerator of this process and the process's random generators: the one place
-statekit finds them and the one place it snapshots and restores them.
-
-Owns three things, each once:
-
-* which accelerator this process is on (:func:`current_accelerator_type`);
-* the module that holds that accelerator's generators (:func:`accelerator_generators`,
-  ``torch.get_device_module(type)``, with an adapter for backends that only have
-  per-device ``get_rng_state(i)`` such as MPS);
-* the snapshot and restore of the global random states: Python ``random``, NumPy's global
-  generator, torch's CPU generator and the accelerator's generators
-  (:func:`snapshot_random_states`, :func:`restore_random_states`, and :func:`rng_guard`,
-  the context manager that puts them back around plugin calls and re-read batches).
-
-Users: the RNG guard of plugin calls (:mod:`statekit.hooks.registry`), the data-loader
-position (:mod:`statekit.loaders`: epoch-start and read-ahead states), the resume
-fingerprint (:mod:`statekit.api.fingerprint`), the random states of an Accelerate
-checkpoint (:mod:`statekit.foreign.accelerate`) and statekit-rng (through
-:mod:`statekit.plugin_api`). Each asking torch its own way made them disagree where
-``torch.accelerator`` is missing (torch 2.4 and 2.5), or where a backend has no
-``get_rng_state_all`` (MPS). The stored layout of each user's states stays its own (loader
-positions, statekit-rng's files, Accelerate's ``random_states_<r>.pkl`` keys); what
-captures and sets them is here.
+"""The accelerator of this process and the process's random generators: the one place statekit
+finds them (:func:`current_accelerator_type`, :func:`accelerator_generators`) and the one
+place it snapshots and restores them (:func:`snapshot_random_states`,
+:func:`restore_random_states`, :func:`rng_guard`). Users keep their own stored layouts.
+Why one owner: docs/design-notes.md, "Module layout".
 """
 
 from __future__ import annotations
@@ -28,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -36,12 +19,8 @@ import torch
 
 def current_accelerator_type() -> str | None:
     """The device type of this process's accelerator (``"cuda"``, ``"xpu"``, ``"mps"``, a
-    PrivateUse1 backend's name), or None when none is available.
-
-    Follows ``torch.accelerator.current_accelerator()`` (torch >= 2.6:
-    https://pytorch.org/docs/stable/accelerator.html); before it, probes ``cuda``, ``xpu``,
-    ``mps`` and the PrivateUse1 backend through ``torch.get_device_module(type).is_available()``.
-    Does not initialise the device runtime beyond what ``is_available`` does.
+    PrivateUse1 backend's name), or None: ``torch.accelerator.current_accelerator()`` (torch
+    >= 2.6, https://pytorch.org/docs/stable/accelerator.html), else ``is_available`` probes.
     """
     accelerator_api = getattr(torch, "accelerator", None)
     if accelerator_api is not None and hasattr(accelerator_api, "current_accelerator"):  # torch >= 2.6
@@ -63,11 +42,7 @@ def current_accelerator_type() -> str | None:
 
 class DeviceRngModule(Protocol):
     """The part of a torch device module (``torch.cuda``, ``torch.xpu``...) that holds the
-    accelerator's generators.
-
-    ``torch.get_device_module(device_type)`` returns such a module for CUDA, XPU and
-    PrivateUse1 backends; :func:`accelerator_generators` adapts modules that only have
-    per-device ``get_rng_state`` / ``set_rng_state`` (MPS).
+    accelerator's generators (``torch.get_device_module(device_type)``).
     """
 
     def device_count(self) -> int:
@@ -109,20 +84,16 @@ class _PerDeviceRng:
 
 
 def accelerator_generators(initialised_only: bool = False) -> tuple[str, DeviceRngModule] | None:
-    """The accelerator of this process (:func:`current_accelerator_type`) and the module
-    that holds its generators (``torch.get_device_module(device_type)``): the
-    device-generic path torch documents, with no hard-coded list of backends.
+    """The accelerator of this process and the module that holds its generators
+    (``torch.get_device_module(device_type)``, adapted for per-device-only backends such as MPS).
 
     Args:
-        initialised_only: give None for a device runtime not initialised yet (it has
-            nothing to shift, and reading its generators would initialise it): the RNG
-            guard and the data-loader position ask so; statekit-rng and Accelerate's random
-            states read the generators whatever the runtime's state (as Accelerate does).
+        initialised_only: give None for a device runtime not initialised yet (reading its
+            generators would initialise it): the RNG guard and the loaders ask so.
 
     Returns:
         ``(device_type, module)`` (``("cuda", torch.cuda)``) with ``module`` following
-        :class:`DeviceRngModule`, or None when no accelerator is available (or, with
-        ``initialised_only``, none is initialised).
+        :class:`DeviceRngModule`, or None when no accelerator is available (or initialised).
 
     Raises:
         RuntimeError: what torch raises while initialising the device runtime (passed on).
@@ -167,10 +138,8 @@ def snapshot_random_states(accelerator: Any = _FIND) -> dict[str, Any]:
 
 
 def restore_random_states(states: dict[str, Any], accelerator: Any = _FIND) -> None:
-    """Set the states :func:`snapshot_random_states` returned (NumPy's and the
-    accelerator's only where they were taken and are available now; the accelerator's of
-    the devices this process has: states saved by a process that saw more devices are cut
-    to this process's count).
+    """Set the states :func:`snapshot_random_states` returned (NumPy's and the accelerator's only
+    where taken and available; device states cut to this process's device count).
 
     Args:
         states: a :func:`snapshot_random_states` result (``"device"`` may be None).
@@ -204,8 +173,12 @@ def _as_python_state(state: Any) -> tuple[Any, ...]:
 def rng_guard() -> Iterator[None]:
     """Snapshot the global random states (:func:`snapshot_random_states`); restore them on exit.
 
-    Cost: a few KiB copied per call (torch's CPU state is 5,056 bytes).
+    Cost: a few KiB copied per call (torch's CPU state is 5,056 bytes). Inside
+    :func:`no_rng_guard` on this thread: nothing (the states are another thread's).
     """
+    if getattr(_unguarded, "on", False):
+        yield
+        return
     states = snapshot_random_states()
     try:
         yield
@@ -214,14 +187,8 @@ def rng_guard() -> Iterator[None]:
 
 
 def wait_for_current_streams(devices: Iterable[torch.device]) -> None:
-    """Block until the work queued so far on each device's current stream (this thread's)
-    has finished.
-
-    Another thread's kernels run on that thread's default stream, which is not ordered
-    after this thread's current stream: a worker thread that reads tensors this thread
-    (or a training step under ``torch.cuda.stream(s)``) just wrote could read the values
-    from before. :meth:`statekit.engine.context.Checkpoint.comparing_ahead` calls this
-    before its workers digest tensors on the device.
+    """Block until the work queued so far on each device's current stream (this thread's) has
+    finished, so other threads (on their own default streams) read the values written.
 
     Args:
         devices: the devices whose tensors other threads will read; CPU and ``meta``
@@ -238,3 +205,19 @@ def wait_for_current_streams(devices: Iterable[torch.device]) -> None:
             accelerator.synchronize(device)
         else:  # torch < 2.6: the backend's own module
             torch.get_device_module(device.type).synchronize()
+
+
+_unguarded = threading.local()
+
+
+@contextlib.contextmanager
+def no_rng_guard() -> Iterator[None]:
+    """Turn :func:`rng_guard` off on this thread for the block: a save run from a thread
+    other than the training thread (the save on a signal from the watcher) must not put
+    back random states the training thread has drawn from since (the generators are
+    process-wide)."""
+    _unguarded.on = True
+    try:
+        yield
+    finally:
+        _unguarded.on = False

@@ -1,13 +1,7 @@
-"""Rank, world size and the save's own gloo process group.
-
-statekit's collectives (gathering manifest entries, agreeing on success, the commit
-barrier) run on a gloo group created for statekit, so a training barrier on the default
-group can never interleave with them (KempnerForge#104).
-
-The group has its own timeout (:data:`COLLECTIVE_TIMEOUT_ENV`, default 300 s, half the
-NCCL watchdog's 600 s): a rank that never reaches a save makes the others fail with a
-:class:`~statekit.errors.CollectiveTimeoutError` naming the collective, instead of a
-watchdog killing the job with no word about the checkpoint.
+"""Rank, world size and the save's own gloo process groups, so a training barrier on the
+default group never interleaves with statekit's collectives (KempnerForge#104). They time
+out after :data:`COLLECTIVE_TIMEOUT_ENV` (300 s, half the NCCL watchdog's) with a
+:class:`~statekit.errors.CollectiveTimeoutError` naming the collective. docs/backpressure.md.
 """
 
 from __future__ import annotations
@@ -30,7 +24,13 @@ DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
 
 _group: Any = None
 _control_group: Any = None
+_signal_group: Any = None
 _group_key: Any = None
+
+SIGNAL_AGREE_TIMEOUT_SECONDS = 5.0
+"""Seconds the ranks' signal watchers wait for each other (:func:`watchers_agree`): every
+rank's watcher wakes within milliseconds of a launcher forwarding the signal; a rank that
+does not answer by then makes every rank save at its next safe point instead."""
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -41,8 +41,7 @@ def rank_and_world_size() -> tuple[int, int]:
 
 
 def collective_timeout_seconds() -> float:
-    """The timeout of statekit's collectives: :data:`COLLECTIVE_TIMEOUT_ENV`, or 300 s when
-    it is unset or empty.
+    """The timeout of statekit's collectives: :data:`COLLECTIVE_TIMEOUT_ENV`, or 300 s when unset.
 
     Returns:
         Seconds, a finite number > 0.
@@ -56,17 +55,13 @@ def collective_timeout_seconds() -> float:
 
 
 def statekit_group() -> Any:
-    """The gloo group statekit's collectives use (created on first multi-rank call; every
-    rank must reach the first call, as they do at the start of every save and load), with
-    :func:`collective_timeout_seconds` as its timeout.
-
-    Created together with :func:`control_group`, in one order on every rank (``new_group``
-    is itself a collective of the default group).
+    """The gloo group statekit's collectives use, created with :func:`control_group` on the first
+    multi-rank call (every rank, in one order), with :func:`collective_timeout_seconds`.
 
     Raises:
         InvalidOptionError: :data:`COLLECTIVE_TIMEOUT_ENV` is invalid.
     """
-    global _group, _control_group, _group_key
+    global _group, _control_group, _signal_group, _group_key
     key = id(dist.distributed_c10d._get_default_group())
     if _group is None or _group_key != key:
         timeout = timedelta(seconds=collective_timeout_seconds())
@@ -74,18 +69,15 @@ def statekit_group() -> Any:
             atexit.register(_forget_group)
         _group = dist.new_group(backend="gloo", timeout=timeout)
         _control_group = dist.new_group(backend="gloo", timeout=timeout)
+        _signal_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SIGNAL_AGREE_TIMEOUT_SECONDS))
         _group_key = key
     return _group
 
 
 def control_group() -> Any:
-    """A second gloo group, for the agreements the training thread makes while an async
-    save may still be running its own collectives on :func:`statekit_group` on its writer
-    thread (the signal flag at a step boundary, back-pressure's "has every rank's previous
-    save finished"). Collectives of one group must be issued in the same order on every
-    rank; two threads sharing one group would interleave differently on each rank (rank 0's
-    all-reduce matched with rank 1's gather: a hang, or wrong values). Each thread keeping
-    to its own group keeps each group's order.
+    """A second gloo group, for the training thread's agreements while an async save may run
+    collectives on :func:`statekit_group` on its writer thread: two threads sharing one group
+    would issue collectives in different orders on different ranks (a hang).
 
     Raises:
         InvalidOptionError: :data:`COLLECTIVE_TIMEOUT_ENV` is invalid.
@@ -94,10 +86,52 @@ def control_group() -> Any:
     return _control_group
 
 
+def signal_group() -> Any:
+    """The gloo group the ranks' signal watchers agree on (:func:`watchers_agree`), created
+    with :func:`statekit_group` (same order on every rank), its timeout
+    :data:`SIGNAL_AGREE_TIMEOUT_SECONDS`. A manager with ``save_on_signal`` calls it when
+    created on every rank: a watcher thread must never be the one to create a group.
+
+    Returns:
+        The group (None in one process).
+    """
+    if rank_and_world_size()[1] == 1:
+        return None
+    statekit_group()
+    return _signal_group
+
+
+def watchers_agree(step: int, clean: bool) -> bool:
+    """The ranks' signal watchers agree to save ``step`` from the watcher: one all-reduce
+    (MIN) of ``[step, -step, clean]`` on :func:`signal_group`, bounded by its timeout.
+
+    Args:
+        step: this rank's step boundary (-1: none).
+        clean: this rank can save it (its live state is that boundary's).
+
+    Returns:
+        True when every rank answered in time with the same step and clean; False when one
+        did not, or differs, or did not answer (the group is not used again: a late rank's
+        call times out too).
+    """
+    global _signal_group
+    if rank_and_world_size()[1] == 1:
+        return clean and step >= 0
+    group = _signal_group
+    if group is None:
+        return False
+    box = torch.tensor([step, -step, int(clean)], dtype=torch.int64)
+    try:
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    except RuntimeError:  # gloo: "Timed out", "Connection closed by peer"
+        _signal_group = None  # one round per process: a late rank must not meet a stale one
+        return False
+    low, minus_high, all_clean = (int(v) for v in box.tolist())
+    return bool(all_clean) and low == -minus_high and low >= 0
+
+
 def _collective(name: str, call: Callable[[], Any]) -> Any:
-    """Run one collective on statekit's group (creating the group first if needed, itself
-    a rendezvous of every rank); a timeout (or a peer gone) is a
-    :class:`CollectiveTimeoutError` naming it."""
+    """Run one collective on statekit's group; a timeout or a gone peer is a ``CollectiveTimeoutError``."""
     try:
         return call()
     except RuntimeError as exc:  # gloo: DistBackendError / RuntimeError "Timed out ...", "Connection closed by peer"
@@ -117,11 +151,9 @@ def _collective(name: str, call: Callable[[], Any]) -> Any:
 
 
 def _forget_group() -> None:
-    """Drop statekit's reference to its group at exit, while the interpreter is whole: a
-    gloo group first freed during interpreter finalization can abort the process
-    ("terminate called without an active exception", pytorch/pytorch PR 179291)."""
-    global _group, _control_group, _group_key
-    _group = _control_group = _group_key = None
+    """Drop the groups at exit: one freed during finalization can abort the process (pytorch PR 179291)."""
+    global _group, _control_group, _signal_group, _group_key
+    _group = _control_group = _signal_group = _group_key = None
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
@@ -136,8 +168,7 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
-    """Broadcast a picklable object from rank 0 to every rank (a collective on statekit's
-    own gloo group: every rank calls it at the same point).
+    """Broadcast a picklable object from rank 0 to every rank (a collective: every rank calls it).
 
     Args:
         obj: the object on rank 0 (other ranks' values are ignored; pass None).
@@ -160,8 +191,7 @@ def barrier() -> None:
 
 
 def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is True on any rank (:func:`max_over_ranks` of one int; every rank
-    calls it at the same point). In one process: ``flag`` itself, no collective.
+    """Whether ``flag`` is True on any rank (a collective; in one process ``flag`` itself).
 
     Args:
         flag: this rank's value.
@@ -173,16 +203,14 @@ def any_rank(flag: bool) -> bool:
 
 
 def max_over_ranks(values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks: one all-reduce (MAX) of an
-    int64 tensor on statekit's :func:`control_group` (every rank calls it at the same
-    point, with as many values, from the training thread: it may run while an async save's
-    writer thread uses :func:`statekit_group`). In one process: ``values``, no collective.
+    """The element-wise maximum of ``values`` over the ranks: one all-reduce on
+    :func:`control_group`, from the training thread (every rank, as many values).
 
     Args:
         values: this rank's integers.
 
     Returns:
-        The maxima, the same list on every rank.
+        The maxima, the same list on every rank (``values`` in one process).
 
     Raises:
         CollectiveTimeoutError: a rank did not answer within the collective timeout.
@@ -191,17 +219,14 @@ def max_over_ranks(values: list[int]) -> list[int]:
 
 
 def sum_over_ranks(values: list[int]) -> list[int]:
-    """The element-wise sum of ``values`` over the ranks: one all-reduce (SUM) of an int64
-    tensor on :func:`statekit_group` (from the thread that runs the save or the load; every
-    rank calls it at the same point, with as many values). In one process: ``values``, no
-    collective.
+    """The element-wise sum of ``values`` over the ranks: one all-reduce on :func:`statekit_group`,
+    from the thread running the save or load (every rank, as many values).
 
     Args:
-        values: this rank's integers; each sum over the ranks must fit in a signed 64-bit
-            integer (the caller splits wider numbers).
+        values: this rank's integers; each sum must fit in a signed 64-bit integer.
 
     Returns:
-        The sums, the same list on every rank.
+        The sums, the same list on every rank (``values`` in one process).
 
     Raises:
         CollectiveTimeoutError: a rank did not answer within the collective timeout.
@@ -220,16 +245,9 @@ def _all_reduce_ints(name: str, values: list[int], op: Any, group: Callable[[], 
 
 def ddp_buckets_unbuilt(model: Any) -> bool:
     """True for a ``DistributedDataParallel`` model over more than two ranks whose gradient
-    buckets are still in their first layout: it has run no backward pass, does not look for
-    unused parameters, and has not rebuilt its buckets.
-
-    DDP rebuilds its buckets once, after its first iteration, in the order the gradients
-    became ready (``Reducer::rebuild_buckets``,
-    https://github.com/pytorch/pytorch/blob/main/torch/csrc/distributed/c10d/reducer.cpp).
-    With more than two ranks gloo sums a bucket in an order that depends on where each
-    gradient sits in it, so a resumed run whose first step uses the first layout, where the
-    uninterrupted run used the rebuilt one, differs in the last bits from then on (measured
-    in docs/concepts.md). One forward and backward before the resume makes it rebuild first.
+    buckets are still in their first layout (no backward yet, no unused-parameter search, not
+    rebuilt): a resume from there differs in the last bits (``Reducer::rebuild_buckets``; why:
+    docs/concepts.md, "More than two ranks").
 
     Args:
         model: any object (only a ``torch.nn.parallel.DistributedDataParallel`` can be True).

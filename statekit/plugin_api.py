@@ -19,6 +19,7 @@ from statekit.devices import (
 )
 from statekit.distributed import broadcast_from_rank0, rank_and_world_size, statekit_group
 from statekit.engine.context import CORE, Checkpoint
+from statekit.engine.export_source import ExportTensor, ModelSource, TensorFiles
 from statekit.engine.file_writer import WrittenFile
 from statekit.engine.read import custom_load, model_tensor_files
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
@@ -160,6 +161,9 @@ __all__ = [
     "hold_in_use",
     "mark_copy_in_progress",
     # models and data
+    "ExportTensor",
+    "ModelSource",
+    "TensorFiles",
     "check_fit",
     "custom_load",
     "sampler_of",

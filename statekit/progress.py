@@ -1,19 +1,7 @@
-"""Byte progress bars for long operations (verify, convert, diff; saves and loads later).
-
-A bar shows bytes done, bytes/s and the time left (``rich.progress``), on standard error.
-It is drawn only for people: silent when standard error is not a terminal, or when the
-environment variable ``STATEKIT_PROGRESS`` is ``0``; ``STATEKIT_PROGRESS=1`` forces it on
-(for a terminal that Python does not recognise). ``rich`` is imported only when a bar is
-actually drawn, so importing this module costs nothing.
-
-Usage::
-
-    from statekit.progress import progress
-
-    with progress(total_bytes, "verify") as advance:
-        for chunk in chunks:
-            ...
-            advance(len(chunk))
+"""Byte progress bars for long operations (verify, convert, diff): bytes done, bytes/s and
+time left (``rich.progress``) on standard error, drawn only for a terminal;
+``STATEKIT_PROGRESS=0`` turns them off, ``=1`` forces them on. ``rich`` is imported only when
+a bar is drawn. Use: ``with progress(total_bytes, "verify") as advance: advance(len(chunk))``.
 """
 
 from __future__ import annotations
@@ -55,8 +43,7 @@ def progress_enabled(stream: TextIO | None = None) -> bool:
         stream: the stream the bar would be drawn on (default ``sys.stderr``).
 
     Returns:
-        False if ``STATEKIT_PROGRESS=0``; True if ``STATEKIT_PROGRESS=1``; else whether
-        ``stream`` is a terminal (``isatty()``).
+        False if ``STATEKIT_PROGRESS=0``; True if ``=1``; else ``stream.isatty()``.
     """
     setting = os.environ.get(ENV_VAR, "").strip().lower()
     if setting in ("0", "false", "no", "off"):
@@ -84,8 +71,7 @@ def progress(total_bytes: int | None, description: str, *, stream: TextIO | None
         stream: where to draw (default ``sys.stderr``).
 
     Yields:
-        ``advance(n_bytes)``: call it as bytes are processed. The bar is removed when
-        the block exits (``transient``), so it leaves no trace in the output.
+        ``advance(n_bytes)``: call it as bytes are processed; the bar is removed at exit.
     """
     stream = sys.stderr if stream is None else stream
     if not progress_enabled(stream):

@@ -92,6 +92,7 @@ def save_state(
     reuse_from: Any = None,
     lineage: Any = None,
     host_memory_budget: int | float | None = None,
+    moment: Any = None,
     **options: Any,
 ) -> Any:
     """Save everything ``Accelerator.save_state`` saves, in the statekit format, to any URL.
@@ -99,7 +100,7 @@ def save_state(
     Call it on every process (as ``accelerator.save_state``). ``step``, ``metadata``,
     ``overwrite``, ``storage_options``, ``blocking``, ``host_memory_budget`` and ``**options`` are as
     :func:`statekit.save`; ``staging``, ``exclusive``, ``after_commit``, ``incremental``,
-    ``reuse_from`` and ``lineage`` are the manager's (:func:`statekit.api.saveload.save_objects`).
+    ``reuse_from``, ``lineage`` and ``moment`` are the manager's (:func:`statekit.api.saveload.save_objects`).
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare()``.
@@ -136,6 +137,7 @@ def save_state(
         reuse_from=reuse_from,
         lineage=lineage,
         host_memory_budget=host_memory_budget,
+        moment=moment,
     )
     config = getattr(accelerator, "project_configuration", None)
     if config is not None:  # as Accelerator.save_state: one more save of this run

@@ -16,14 +16,15 @@ from statekit import distributed, format as fmt
 from statekit.api import fingerprint as fingerprints
 from statekit.api.asyncsave import PendingSave
 from statekit.checks import state_check
-from statekit.engine import commit as commits, live_state, space, write
+from statekit.engine import commit as commits, live_state, write
 from statekit.engine.context import CORE, Checkpoint
-from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, unwrap_model
+from statekit.engine.entries import Entry, LazyStateDict, classify, refuse_unclaimed, tensor_bytes, unwrap_model
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.locking import abandon_save, prepare_target
 from statekit.engine.budget import check_host_memory_budget, protected_storages
+from statekit.engine.moment import Moment
 from statekit.engine.staging import StagingPool
-from statekit.errors import PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
+from statekit.errors import InvalidOptionError, PluginError, StatekitError, StatekitWarning, StorageError, UnsupportedValueError, warn_user
 from statekit.foreign.detect import describe_folder
 from statekit.format.manifest_types import Fingerprint, Lineage, Manifest, StateDigest
 from statekit.hooks.registry import track_save_claims
@@ -120,6 +121,7 @@ def save_objects(
     reuse_from: tuple[str, Manifest] | None = None,
     lineage: Lineage | None = None,
     host_memory_budget: int | float | None = None,
+    moment: Moment | None = None,
 ) -> Any:
     """:func:`save` of classified entries (also the Accelerate bridge's and the manager's).
 
@@ -137,9 +139,17 @@ def save_objects(
         lineage: the manifest's ``lineage`` (:mod:`statekit.manager.lineage`), or None.
         host_memory_budget: as :func:`save` (ignored by a blocking save, whose writer holds
             one 16 MiB chunk).
+        moment: save this step boundary's state (:class:`statekit.engine.moment.Moment`,
+            taken of the same entries) instead of the live one: its state dicts, tensors by
+            reference, and the plugins' boundary states; blocking only. Its tensors are
+            checked after the files are written, before the commit.
 
     Returns:
         The committed manifest, or a ``PendingSave`` when not ``blocking``.
+
+    Raises:
+        MomentChangedError: (with ``moment``) a tensor changed since its boundary; nothing
+            is committed (on every rank).
     """
     started = time.perf_counter()
     check_host_memory_budget(host_memory_budget)
@@ -152,12 +162,15 @@ def save_objects(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
-    commits.agree(lambda: space.check_free_space(storage, entries, rank, overwrite), url)
+    commits.agree(lambda: storage.refuse_if_no_space(tensor_bytes(entries, rank), overwrite), url)
     commits.agree(lambda: prepare_target(storage, overwrite, describe_folder) if rank == 0 else None, url)
+    if moment is not None and not blocking:
+        raise InvalidOptionError(f"{url}: a save of a step boundary's state (moment=) is blocking only")
     staging = None if blocking else (staging if staging is not None else StagingPool())
     checkpoint = context_for(
         storage, "save", entries, accelerator, options, step=step, staging=staging,
         incremental=incremental, reuse_base=_reuse_base(storage, reuse_from, storage_options) if incremental else None,
+        moment=moment,
     )
     fingerprint = fingerprints.compute(entries, accelerator, rng=[])  # now: an async save writes this moment's state
     digest = None
@@ -176,8 +189,11 @@ def save_objects(
         written = _pre_hooks_then_write(pm, checkpoint, entries, models, accelerator, owners)
         # the live values, before save() returns (an async save's too); every rank: DTensors' shards are summed across
         # them (rank 0 gets the digest)
-        digest = state_check.record(live_state.live_tensors(entries, accelerator, states=written))
+        digest = state_check.record(live_state.live_tensors(
+            entries, accelerator, states=written if moment is None else {**moment.states, **written}))
         witnesses = next_batch.claim_witnesses()  # the loaders' next batches, recorded once this save committed
+        if moment is not None:
+            witnesses = list(moment.witnesses)  # the boundary's loader positions' witnesses
         if staging is not None:
             staging.settle()  # every file's device-to-host copies, waited for once
             staging.stream_rest()  # under a budget: the parameters and optimizer state, staged from now on
@@ -196,6 +212,8 @@ def save_objects(
             checkpoint.flush()
             if staging is not None:
                 staging.staged()  # under a budget: every tensor staged unchanged (else nothing is committed)
+            if moment is not None:  # the files hold the boundary's tensors only if none was written meanwhile
+                moment.check(f"after writing the files of {url}, before its commit")
 
         try:
             commits.agree(flush, url)
@@ -323,7 +341,10 @@ def _pre_hooks_then_write(
     once: the state digest reuses them)."""
     core_models = [unwrap_model(m, accelerator) for m in models]
     hook_models = list(models)
-    weights: list[Mapping[str, Any]] = [LazyStateDict(m) for m in core_models]
+    moment = checkpoint.moment  # a save of a step boundary: the model state dicts taken there
+    weights: list[Mapping[str, Any]] = [
+        LazyStateDict(m) if moment is None else moment.state_for(checkpoint.key_of(model))
+        for model, m in zip(models, core_models)]
     call_each(
         pm,
         "statekit_save_state_pre",

@@ -1,17 +1,11 @@
 """The resume audit: every resume checks that its data loaders continue where the saved run stood.
 
-Positions are restored by mechanisms that each cover known setups; a setup nobody named (a
-sampler with its own ``random.Random``, a dataset with its own generator, a restored loader
-replaced by another object) shows only in what the resumed loader *yields*. So every save
-records, per tracked loader inside an epoch, a :class:`NextBatch` (the next batch's indices,
-from :class:`statekit.loaders.index_log.IndexLog`; its content digest where the loader holds
-it already; the sampler's epoch), or, where the loader held no batch, the first batch it yields
-after the save (:mod:`statekit.checks.next_batch`). A resume compares the first batch each
-restored loader yields with that record (:func:`check_first_batch`): a difference is a
-:class:`statekit.ResumeAuditWarning` (``strict_resume``: :class:`statekit.ResumeAuditError`)
-naming loader, step, expected and actual. The verdict (:class:`ResumeVerdict`: verified,
-diverged or unverifiable, with why) is recorded in every later manifest's ``resume_audit``.
-``docs/concepts.md`` (Resume audit) says what users see; ``docs/design-notes.md`` the costs.
+Every save records, per tracked loader inside an epoch, a :class:`NextBatch` (the next batch's
+indices, content digest where held, the sampler's epoch) or the batch yielded right after the
+save (:mod:`statekit.checks.next_batch`); a resume compares the first batch each restored
+loader yields with it (:func:`check_first_batch`) and records a :class:`ResumeVerdict` in
+later manifests' ``resume_audit``. Users: docs/concepts.md, "Resume audit"; why and costs:
+docs/design-notes.md, "Data loaders" (the resume audit).
 """
 
 from __future__ import annotations
@@ -220,10 +214,9 @@ class ResumeVerdict:
 
     @property
     def verdict(self) -> str:
-        """``"diverged"`` if any loader diverged (or, with no loader restored, the state
-        check found a difference), else ``"pending"`` if one has not yielded, else
-        ``"verified"`` if one was verified (or, with no loader, the state check verified
-        every tensor), else ``"unverifiable"``."""
+        """``"diverged"``, else ``"pending"``, else ``"verified"``, else ``"unverifiable"`` (with no
+        loader restored, the state check decides).
+        """
         if not self.loaders and self.state is not None:
             return {"verified": VERIFIED, "mismatch": DIVERGED}.get(self.state["verdict"], UNVERIFIABLE)
         kinds = {v.verdict for v in self.loaders.values()}
@@ -260,13 +253,13 @@ _resumes = 0  # resumes begun in this process: the newest verdict wins when seve
 
 
 def begin(url: str, step: int | None, strict: bool = False) -> ResumeVerdict:
-    """Start the verdict of a resume: called by every load of a training state, before its
-    loaders are restored. The loaders restored by this load carry it
-    (``position.resume_verdict``), so the checkpoints saved with them record it, and runs
-    of other objects in the same process do not.
+    """Start the verdict of a resume, before its loaders are restored; the loaders restored by
+    this load carry it (``position.resume_verdict``) into the checkpoints saved with them.
 
     Args:
-        url: the checkpoint's URL; step: its step; strict: ``strict_resume``.
+        url: the checkpoint's URL.
+        step: its step.
+        strict: ``strict_resume``.
     """
     global _loading, _resumes
     _resumes += 1
@@ -275,12 +268,12 @@ def begin(url: str, step: int | None, strict: bool = False) -> ResumeVerdict:
 
 
 def state_checked(url: str, step: int | None, state: dict[str, Any], objects: list[Any]) -> None:
-    """Record a load's state check in its resume's verdict, so the checkpoints saved next
-    with the same objects carry it (``resume_audit.state``). A load that restored no data
-    loader began no verdict: one is begun here and carried by the loaded objects themselves.
+    """Record a load's state check in its resume's verdict (``resume_audit.state``); a load that
+    restored no loader begins a verdict carried by the loaded objects.
 
     Args:
-        url: the checkpoint's URL; step: its step.
+        url: the checkpoint's URL.
+        step: its step.
         state: ``StateVerdict.to_json()``.
         objects: the objects the load restored.
     """
@@ -310,12 +303,15 @@ def _carried_by(obj: Any) -> ResumeVerdict | None:
 
 
 def restored(name: str, position: Any, record: NextBatch | None, why_not: str | None, checked_later: bool = False) -> None:
-    """Note that a loader was restored by the running load: its verdict is pending, or
-    unverifiable (``why_not``).
+    """Note that a loader was restored by the running load: pending, or unverifiable (``why_not``).
 
     Args:
-        checked_later: the first batch is still compared with the record (what it holds);
-            False: nothing will be checked, and a :class:`statekit.StatekitWarning` says so now.
+        name: the loader's checkpoint key.
+        position: its ``Position``.
+        record: what the saved run was about to yield, or None.
+        why_not: why it cannot be verified, or None.
+        checked_later: the first batch is still compared with the record; False: nothing
+            will be checked, and a :class:`statekit.StatekitWarning` says so now.
     """
     verdict = _loading
     if verdict is None:
@@ -340,7 +336,8 @@ def check_first_batch(
 
     Args:
         verdict: the resume's verdict the loader carries (None: a restore outside a load).
-        name: the loader's checkpoint key; label: its name in messages.
+        name: the loader's checkpoint key.
+        label: its name in messages.
         record: what the saved run was about to yield.
         indices: the indices the resumed iterator drew for it (when ``has_indices``).
         batch: the batch it yields.
@@ -462,9 +459,8 @@ def _diverged(verdict: ResumeVerdict | None, name: str, label: str, detail: str)
 
 
 def nothing_yielded(verdict: ResumeVerdict | None, name: str, label: str, record: NextBatch) -> None:
-    """A restored loader's resumed epoch ended without yielding a batch, though the saved run
-    was about to yield batch ``record.batch`` of it (a re-created iterator that ends sooner:
-    the dataset does not repeat its order).
+    """A restored loader's resumed epoch ended without yielding the batch ``record.batch`` the
+    saved run was about to yield.
 
     Warns:
         ResumeAuditWarning: always (the verdict becomes ``"diverged"``).
@@ -477,8 +473,8 @@ def nothing_yielded(verdict: ResumeVerdict | None, name: str, label: str, record
 
 
 def never_consumed(verdict: ResumeVerdict, step: int | None) -> None:
-    """At a save: name each loader restored by ``verdict``'s resume whose restored position
-    the run never consumed (it still waits for its next ``iter()`` though the run trained on).
+    """At a save: name each loader restored by ``verdict``'s resume whose position the run never
+    consumed.
 
     Args:
         verdict: the resume's verdict.
@@ -517,10 +513,8 @@ def never_consumed(verdict: ResumeVerdict, step: int | None) -> None:
 
 
 def summary(objects: Mapping[str, Any], step: int | None) -> dict[str, Any] | None:
-    """The manifest's ``resume_audit`` for a checkpoint of ``step`` saved now with
-    ``objects``: the verdict of the newest resume that restored one of its data loaders, or
-    None when none of them was restored. Names never-consumed positions first
-    (:func:`never_consumed`).
+    """The manifest's ``resume_audit`` for a checkpoint saved now: the verdict of the newest
+    resume that restored one of its loaders, or None (never-consumed positions named first).
 
     Args:
         objects: the saved objects by key (data loaders among them carry their resume's verdict).

@@ -1,25 +1,13 @@
 """The keyed-sum digest: one primitive for "are these the same tensors?", in two uses.
 
-Every element's bits (a signed integer of its own width widened to 64 bits; ``complex128``:
-two words) are combined with a key derived from its position, passed through the
-splitmix64 finaliser (a bijective avalanche mixer: Steele, Lea and Flood, OOPSLA 2014;
-https://prng.di.unimi.it/splitmix64.c) and summed modulo 2**64 (:func:`_keyed_sum`). Because
-each word is mixed with its position before the sum, zeroed, swapped or shifted elements
-change the sum except by a 64-bit coincidence; it is a checksum against accidental change,
-not a cryptographic hash. It runs as a dozen element-wise kernels on the tensor's own device.
-
-- **The state digest** (``emix64``, :func:`tensor_digest`, :func:`digests`): keyed by the
-  element's *global* position in the whole tensor, so a shard's sum (:func:`partial_sum`,
-  :func:`box_sum`, :func:`shard_sum`) plus the other ranks' sums is the whole tensor's digest
-  however it is split; optionally sampled (:class:`Sampling`). The state check
-  (:mod:`statekit.checks.state_check`) compares it after a load.
-- **The file digest** (``mix64``, :func:`file_digest`): the state digest of one safetensors
-  file's stored tensors, their bytes as 64-bit words, keyed per tensor, so an incremental
-  save of tensors on an accelerator (:mod:`statekit.checks.files`) tells an unchanged file
-  without copying it to the host.
-
-What a sampled digest can miss, and the costs: ``docs/concepts.md`` (State check) and
-``docs/design-notes.md``.
+Every element's bits (widened to 64-bit words) are keyed by position, passed through the
+splitmix64 finaliser (Steele, Lea and Flood, OOPSLA 2014; https://prng.di.unimi.it/splitmix64.c)
+and summed modulo 2**64 (:func:`_keyed_sum`), on the tensor's own device: a checksum against
+accidental change, not a cryptographic hash. The state digest (:func:`tensor_digest`,
+:func:`digests`) is keyed by global position, so shards' sums (:func:`partial_sum`,
+:func:`box_sum`, :func:`shard_sum`) add up to the whole tensor's; the file digest
+(:func:`file_digest`) covers one safetensors file's stored bytes. What sampling can miss:
+docs/concepts.md, "State check".
 """
 
 from __future__ import annotations
@@ -131,11 +119,9 @@ def _positions(offset: int, length: int, numel: int, sampling: Sampling, device:
 
 
 def partial_sum(piece: torch.Tensor, offset: int = 0, numel: int | None = None, sampling: Sampling = Sampling.FULL) -> int:
-    """The digest sum of a piece of a tensor: the elements of ``piece`` (flattened,
-    row-major) are the whole tensor's elements ``offset`` to ``offset + piece.numel() - 1``.
-    The pieces' sums of one tensor, added modulo 2**64, are the tensor's digest.
-
-    Computed on the piece's device; one integer crosses to the host.
+    """The digest sum of a piece of a tensor: ``piece``'s elements (flattened, row-major) are the
+    whole tensor's elements ``offset`` to ``offset + piece.numel() - 1``; the pieces' sums,
+    added modulo 2**64, are the tensor's digest. One integer crosses to the host.
 
     Args:
         piece: any tensor (any dtype; a shard, or the whole tensor with ``offset=0``).
@@ -176,26 +162,21 @@ def _keyed_sum(words: torch.Tensor, per: int, local: torch.Tensor | None, positi
 def box_sum(
     piece: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], sampling: Sampling = Sampling.FULL
 ) -> int:
-    """The digest sum of a block of a tensor: ``piece`` holds the elements
-    ``offsets[d] <= i_d < offsets[d] + piece.shape[d]`` of every dimension ``d`` of a
-    tensor of shape ``shape`` (a shard of any dimension, or of several). Each element is
-    keyed by its global row-major position, so the blocks' sums of one tensor add up
-    modulo 2**64 to its digest, however it is split; a block that is one contiguous run of
-    the tensor is :func:`partial_sum` itself.
+    """The digest sum of a block of a tensor of shape ``shape``: ``piece`` holds the elements
+    ``offsets[d] <= i_d < offsets[d] + piece.shape[d]``, keyed by global row-major position, so
+    the blocks' sums add up modulo 2**64 to the tensor's digest however it is split.
 
     Args:
         piece: the block (any dtype and device).
         offsets: the global index of its first element, per dimension.
         shape: the whole tensor's shape.
-        sampling: which elements are summed (by global position: a sampled digest stays
-            independent of the split).
+        sampling: which elements are summed (by global position).
 
     Returns:
         The sum modulo 2**64, as an unsigned int.
 
     Raises:
-        ValueError: ``offsets``, ``shape`` and the piece's shape do not describe a block of
-            the tensor.
+        ValueError: ``offsets``, ``shape`` and the piece's shape do not describe a block.
     """
     shape, offsets, sizes = tuple(int(s) for s in shape), tuple(int(o) for o in offsets), tuple(piece.shape)
     if not len(shape) == len(offsets) == len(sizes) or any(
@@ -246,26 +227,20 @@ def is_dtensor(t: object) -> bool:
 
 
 def shard_sum(t: torch.Tensor, sampling: Sampling = Sampling.FULL) -> int:
-    """This rank's share of the digest sum of a ``DTensor``: the :func:`box_sum` of its
-    local shard at the shard's global offsets, counted by one rank only where the mesh
-    replicates it (the rank at coordinate 0 of every ``Replicate`` mesh dimension). The
-    shares of every rank of the mesh, added modulo 2**64, are the digest of the whole
-    tensor (:func:`tensor_digest` of ``t.full_tensor()``), whatever the mesh and the
-    placements; nothing crosses ranks here.
+    """This rank's share of a ``DTensor``'s digest sum: :func:`box_sum` of its local shard, counted
+    by one rank only where the mesh replicates it. The shares of all ranks, added modulo 2**64,
+    are :func:`tensor_digest` of ``t.full_tensor()``; nothing crosses ranks here.
 
     Args:
-        t: a DTensor whose placements are ``Shard`` or ``Replicate`` (any mesh dimensions,
-            several sharding one tensor dimension too; uneven and empty shards).
+        t: a DTensor whose placements are ``Shard`` or ``Replicate`` (uneven and empty shards too).
         sampling: which elements are summed (judged by the global shape).
 
     Returns:
-        The share modulo 2**64, as an unsigned int (0 on a rank outside the mesh or on a
-        replica).
+        The share modulo 2**64, as an unsigned int (0 on a replica or outside the mesh).
 
     Raises:
-        ValueError: a placement whose local elements are not one block of the tensor
-            (``Partial``: the values are not yet summed; ``_StridedShard``), or a local
-            shard whose shape is not the one its placements give; the message names them.
+        ValueError: a placement whose local elements are not one block (``Partial``,
+            ``_StridedShard``), or a local shard of another shape than its placements give.
     """
     try:
         from torch.distributed.tensor import Replicate, Shard
@@ -304,11 +279,8 @@ def tensor_digest(t: torch.Tensor, sampling: Sampling = Sampling.FULL) -> str:
 
 
 def digests(tensors: Mapping[str, torch.Tensor], sampling: Sampling = Sampling.FULL) -> dict[str, str]:
-    """:func:`tensor_digest` of many whole tensors, the same digests in fewer kernels: the
-    tensors summed whole (under ``sampling.full_below`` elements, or every one with a
-    full sampling, up to a bounded batch) are mixed together, one batch per device, and
-    summed per tensor from one cumulative sum (a model's and optimizer's hundreds of small
-    tensors would otherwise cost a dozen kernel launches each).
+    """:func:`tensor_digest` of many whole tensors in fewer kernels (small tensors are mixed
+    together, one batch per device).
 
     Args:
         tensors: ``name -> tensor`` (any dtypes and devices).
@@ -405,9 +377,8 @@ def tensor_sum(t: torch.Tensor, index: int) -> int:
 
 
 def file_digest(header: bytes, tensors: Iterable[torch.Tensor]) -> str:
-    """Digest of a safetensors file from its header and its stored tensors, in file order:
-    XXH3-64 of the header (a few kilobytes, on the host) followed by each tensor's
-    :func:`tensor_sum` and byte count.
+    """Digest of a safetensors file: XXH3-64 of the header, then each stored tensor's
+    :func:`tensor_sum` and byte count, in file order.
 
     Args:
         header: the file's header bytes (length prefix and JSON, padding included), as

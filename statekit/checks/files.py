@@ -1,10 +1,7 @@
 """Is a would-be file the same as a committed one? The incremental save's verdict, decided
-from memory without writing (``docs/design-notes.md``, Incremental saves).
-
-Host tensors are compared by the running XXH3-64 checksums the committed file recorded
-(:class:`~statekit.storage.hashing.PrefixHasher`: the first difference stops the hash);
-tensors on an accelerator by their file digest (:func:`statekit.checks.digest.file_digest`),
-computed on the device, so no unchanged byte crosses to the host.
+from memory without writing: host tensors by the committed file's running XXH3-64 records,
+accelerator tensors by their file digest computed on the device.
+Why: docs/design-notes.md, "Incremental checkpoints".
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ from statekit.storage.streams import CHUNK_BYTES
 
 
 def digest_on_device(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> str | None:
-    """The :func:`~statekit.checks.digest.file_digest` of the file ``write_tensors`` writes for
-    ``tensors``, computed on the tensors' device, when one of them is on an accelerator;
-    None for a file of host tensors (XXH3 of the bytes decides for those).
+    """The file digest of what ``write_tensors`` writes for ``tensors``, computed on their device,
+    when one is on an accelerator; None for host tensors.
 
     Args:
         tensors: ``name -> tensor``, as for :func:`~statekit.format.tensors.write_tensors`.
@@ -51,11 +47,8 @@ def compare_file(
     prefixes: Iterable[tuple[int, str]],
     digest: str | None = None,
 ) -> tuple[bool, str | None]:
-    """Whether :func:`~statekit.format.tensors.write_tensors` would write exactly the
-    committed file described by ``size_bytes``, ``checksum`` and ``prefixes``, decided from
-    memory without writing: the would-be bytes are hashed and compared at each recorded
-    offset, stopping at the first difference; with a committed ``digest`` and a tensor on an
-    accelerator, by the file digest computed on the device (the module docstring).
+    """Whether :func:`~statekit.format.tensors.write_tensors` would write exactly the committed
+    file, decided without writing (stops at the first differing record).
 
     Args:
         tensors: ``name -> tensor``, as for ``write_tensors``.
@@ -83,14 +76,8 @@ def compare_file(
 
 
 def same_stream_bytes(chunks: Iterable[Any], size_bytes: int, checksum: str, prefixes: Iterable[tuple[int, str]]) -> bool:
-    """Whether the bytes ``chunks`` yields are exactly the committed file described by
-    ``size_bytes``, ``checksum`` and ``prefixes``: the comparison of :func:`compare_file`
-    for bytes that come from elsewhere (a file streamed by a plugin,
-    :meth:`statekit.engine.context.Checkpoint.reuse_if_same`).
-
-    The running XXH3-64 checksum is compared at each recorded offset
-    (:class:`PrefixCheck`); the first difference, or more bytes
-    than ``size_bytes``, stops the iteration (the rest of ``chunks`` is never asked for).
+    """Whether the bytes ``chunks`` yields are exactly the committed file (:func:`compare_file` for
+    bytes from elsewhere); the first difference, or a byte past ``size_bytes``, stops the iteration.
 
     Args:
         chunks: the bytes in order, as bytes-like pieces of any size.

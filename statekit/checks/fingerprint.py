@@ -1,11 +1,6 @@
-"""The resume fingerprint's comparison: the differences between a saved fingerprint and
-the live one, their messages (setting, saved and live value, effect on the resume), and a
-fingerprint as text lines.
-
-Pure functions on typed fingerprints (:class:`statekit.format.Fingerprint` and its
-:class:`statekit.format.LoaderSettings`), compared field by field;
-:mod:`statekit.api.fingerprint` reads the live run's fingerprint and warns or raises in
-:func:`statekit.api.fingerprint.check` (it reads live objects of every layer: it stays above).
+"""The resume fingerprint's comparison: pure functions on typed fingerprints
+(:class:`statekit.format.Fingerprint`): the differences and their effects, and a fingerprint
+as text lines. :mod:`statekit.api.fingerprint` reads the live run's and warns or raises.
 """
 
 from __future__ import annotations
@@ -91,10 +86,8 @@ _VERSION_EFFECTS = {
 
 
 def compare(saved: Fingerprint, live: Fingerprint) -> list[Difference]:
-    """Every difference between a saved fingerprint and the live one, field by field.
-
-    A field None on either side is not compared; a data loader only one side has is not
-    compared (``strict=False`` loads may leave it out).
+    """Every difference between a saved fingerprint and the live one, field by field (a field
+    None on either side, or a loader only one side has, is not compared).
 
     Args:
         saved: the manifest's ``fingerprint``.

@@ -24,21 +24,10 @@ NEXT_BATCH_FORMAT = "statekit-next-batch/1"
 
 
 class Witness:
-    """The content of the first batch a tracked loader yields after a save, recorded beside
-    the committed checkpoint.
-
-    At save time a loader behind which no batch is held (a plain ``DataLoader``, a
-    ``StatefulDataLoader``, Accelerate's ``DataLoaderDispatcher``, any iterable dataset)
-    cannot say what it yields next. The run itself shows it a moment later: the next batch
-    it yields. That is known only after the save returned, so it cannot be in the manifest
-    (a checkpoint commits atomically, manifest last); it is written as a small file of its
-    own, ``next-batch/<key>/rank-<r>.json`` (:func:`statekit.format.layout.next_batch_path`),
-    once both the checkpoint has committed and the batch was seen, whichever comes last
-    (an async save commits on its writer thread). It names the committed manifest's
-    checksum, so it never describes another checkpoint saved at the same path. A resume
-    reads it and checks the first batch by content (:func:`merge_next_batch`). A run that
-    dies before its next batch, or leaves the epoch (``break``), writes none: that resume is
-    checked by what the save recorded, or reported unverifiable.
+    """The content of the first batch a tracked loader yields after a save, written beside the
+    committed checkpoint (``next-batch/<key>/rank-<r>.json``) once both the commit and the batch
+    happened, bound to the manifest's checksum. Why: docs/design-notes.md, "Data loaders"
+    (the next-batch record).
 
     Args:
         key: the loader's checkpoint key.

@@ -1,17 +1,9 @@
 """Is the random state after a load the one the saved run continued with?
 
-A resume is exact only if every global generator (Python ``random``, NumPy's, torch's CPU
-generator, the accelerator's) holds, after the load, the state the uninterrupted run had
-when its save returned. Who restores it varies (statekit-rng, or Accelerate's
-``random_states_<rank>.pkl`` in attach mode), and so does when the saved snapshot was taken
-(a user's save hook can draw random numbers: diffusers' ``EMAModel.save_pretrained`` builds a
-throw-away model). So the save records a digest of each generator's state at its very end,
-when the run is about to continue, and the load compares the live states with it once every
-hook has run: a snapshot taken at the wrong moment is named, never "verified".
-
-The digest is XXH3-64 of each generator's state (:func:`statekit.devices.snapshot_random_states`),
-one per generator kind, per rank (``records["statekit"]["random_states"]`` in the manifest, a
-list indexed by rank; optional and additive: older manifests carry none and are not checked).
+The end of a save records XXH3-64 of each global generator's state per rank
+(``records["statekit"]["random_states"]``, optional); the load compares the live states once
+every hook ran, whoever restored them. Why: docs/design-notes.md, "Attach mode under the
+scripts users run" (random state at Accelerate's moment).
 """
 
 from __future__ import annotations
@@ -81,13 +73,14 @@ def check(saved: Sequence[Mapping[str, str]] | None, url: str, rank: int, world_
     """Compare this rank's live generator states with what the save recorded for this rank.
 
     Args:
-        saved: the manifest's record (list by saved rank), or None (not recorded: nothing checked).
-        url: the checkpoint, for the message; rank: this rank; world_size: the load's.
+        saved: the manifest's record (list by saved rank), or None (nothing checked).
+        url: the checkpoint, for the message.
+        rank: this rank.
+        world_size: the load's.
         strict: raise instead of warning (``strict_resume=True``).
 
     Returns:
-        True when checked and equal; False when not checked (no record, another world size:
-        statekit-rng names what it could not restore) or different.
+        True when checked and equal; False when not checked or different.
 
     Warns:
         StateCheckWarning: a generator's state differs (names the generators).

@@ -1,16 +1,10 @@
-"""The state check: the live tensors of every saved object, digested at save
-(:func:`record`) and compared with the live objects after every load (:func:`check`),
-naming each tensor that differs (issue 38).
-
-Checksums prove a checkpoint's files; this proves the load path (moments left at zero, a
-zero-padded reshard, a skipped adapter). Deliberate differences are named, not faults: a
-widening cast is compared after the cast back, a narrowing one is not compared, what a
-``strict=False`` load left out is skipped. Structural faults are named with equal values:
-a lateral cast (bfloat16 to float16) and a tie the load broke (issue 44). DTensors are
-digested by their shards' global positions, summed in one all-reduce (so :func:`record`
-and, with DTensors, :func:`check` are collectives). What is and is not digested, the
-sampled and full modes (:data:`MODE_ENV`) and what a sampled digest can miss:
-``docs/concepts.md``, "State check".
+"""The state check: the live tensors of every saved object, digested at save (:func:`record`)
+and compared with the live objects after every load (:func:`check`), naming each tensor
+that differs (issue 38). Deliberate differences (a cast, a ``strict=False`` omission) are
+named, not faults; a lateral cast and a broken tie are faults. DTensors are digested by
+their shards in one all-reduce (so :func:`record` and :func:`check` are collectives).
+What is digested, the modes (:data:`MODE_ENV`), what sampling can miss: docs/concepts.md,
+"State check".
 """
 
 from __future__ import annotations
@@ -119,9 +113,9 @@ def _digestible_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
 
 
 def flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    """Add every tensor of a state tree (mappings, lists, tuples; other values skipped) to
-    ``out`` under its dotted path (``prefix``: the tree's own, ``""`` at the top; a bare tensor
-    is ``"tensor"``)."""
+    """Add every tensor of a state tree to ``out`` under its dotted path (``prefix``: the tree's
+    own; a bare tensor is ``"tensor"``).
+    """
     if isinstance(value, torch.Tensor):
         out[prefix or "tensor"] = value  # (a DTensor too: its shards are summed by their global positions)
     elif isinstance(value, Mapping):
@@ -145,10 +139,8 @@ def _sampling(tensors: Iterable[torch.Tensor]) -> sd.Sampling | None:
 
 
 def record(objects: list[LiveTensors]) -> StateDigest | None:
-    """The state digest of a save: every digested tensor of every object, now.
-
-    Every rank calls it at the same point (one all-reduce sums every DTensor's shards);
-    rank 0 digests the other tensors and returns the digest.
+    """The state digest of a save: every digested tensor of every object, now. Every rank calls
+    it at the same point; rank 0 returns the digest.
 
     Args:
         objects: the save's objects (:func:`statekit.engine.live_state.live_tensors`).
@@ -211,11 +203,10 @@ class _WholeObjects:
 
 
 def tie_groups(named: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """The groups of paths of one model's state dict that are one tensor (tied weights: a
-    GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``): the same storage, offset,
-    shape, strides and dtype; meta, empty, DTensor and subclass tensors are left out.
-    ``named``: ``path -> tensor`` in state dict order; returns each group of two or more
-    paths, in that order."""
+    """The groups (two or more, in state dict order) of paths of ``named`` that are one tensor
+    (tied weights: same storage, offset, shape, strides, dtype; meta, empty, DTensor and
+    subclass tensors left out).
+    """
     by_view: dict[tuple[Any, ...], list[str]] = {}
     for path, t in named.items():
         view = _view(t)
@@ -239,10 +230,7 @@ def _view(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def _per_rank_digests(own: Mapping[str, Mapping[str, torch.Tensor]], sampling: sd.Sampling) -> dict[str, dict[str, str]]:
-    """The digests of the per-rank objects (accumulated gradients: each rank's own tensors,
-    by object key), each rank's under ``<key>/rank-<r>``, gathered to rank 0 (one gather:
-    every rank holds the same objects; an empty mapping on the other ranks). Digested with
-    the save's ``sampling`` (what the check recomputes); compared on the rank that saved them."""
+    """The per-rank objects' digests under ``<key>/rank-<r>``, gathered to rank 0 in one gather."""
     rank, world = distributed.rank_and_world_size()
     mine: dict[str, dict[str, str]] = {}
     for key, named in own.items():
@@ -256,10 +244,8 @@ def _per_rank_digests(own: Mapping[str, Mapping[str, torch.Tensor]], sampling: s
 
 
 class StateRecorder:
-    """The state digest of a checkpoint written from state dicts read back from files, not
-    from live objects (``statekit convert`` of a plain Accelerate folder): each object's
-    tensors are digested as it is written, so the next load is checked against exactly
-    what the files hold. CPU tensors (sampled by default, :data:`MODE_ENV`), no DTensors.
+    """The state digest of a checkpoint written from state dicts read back from files
+    (``statekit convert``): each object's tensors are digested as written (CPU, no DTensors).
 
     Raises:
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode (on creation).
@@ -295,12 +281,8 @@ _Name = tuple[str, str]
 def _digests(
     tensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling, plain: bool = True
 ) -> tuple[dict[_Name, str], dict[_Name, str]]:
-    """The digests of many tensors of many objects: the plain ones batched
-    (:func:`statekit.checks.digest.digests`; only when ``plain``), the DTensors by
-    :func:`_shard_digests` (a collective).
-
-    Returns:
-        ``(name -> 16 hex digits, name -> why a DTensor is not digested)``.
+    """Digests of many tensors of many objects: the plain ones batched (when ``plain``), the
+    DTensors by :func:`_shard_digests`; returns ``(digests, why not digested)``.
     """
     local = {name: t for name, t in tensors.items() if not sd.is_dtensor(t)} if plain else {}
     batch = sd.digests({str(i): t for i, t in enumerate(local.values())}, sampling)
@@ -311,17 +293,9 @@ def _digests(
 
 
 def _shard_digests(dtensors: Mapping[_Name, torch.Tensor], sampling: sd.Sampling) -> tuple[dict[_Name, str], dict[_Name, str]]:
-    """The digests of DTensors: each rank's share (:func:`statekit.checks.digest.shard_sum`)
-    summed over the ranks in one all-reduce (every rank calls it with the same DTensors, in
-    the same order: their objects' state dicts; none in one process or without a
-    DTensor). A DTensor whose mesh is not the whole world, or whose share a rank cannot
-    compute (a ``Partial`` or ``_StridedShard`` placement), is not digested: named.
-
-    Returns:
-        ``(name -> 16 hex digits, name -> why it is not digested)``.
-
-    Raises:
-        CollectiveTimeoutError: a rank did not reach the all-reduce.
+    """DTensors' digests: each rank's share summed in one all-reduce (same DTensors, same order
+    on every rank); returns ``(digests, why not digested)`` (a mesh not the whole world, a
+    ``Partial`` or ``_StridedShard`` placement). Raises ``CollectiveTimeoutError``.
     """
     world = distributed.rank_and_world_size()[1]
     slots: list[_Name] = []
@@ -375,9 +349,7 @@ _COMPONENT = {torch.complex32: torch.float16, torch.complex64: torch.float32, to
 
 
 def _widens(saved: torch.dtype, live: torch.dtype) -> bool:
-    """Whether every value of ``saved`` is exactly a value of ``live`` (bfloat16 or float16 in
-    float32, float32 in float64, a narrower integer in a wider one of the same signedness, a
-    float or complex number in a complex one of components at least as wide)."""
+    """Whether every value of dtype ``saved`` is exactly a value of dtype ``live``."""
     if saved.is_complex or live.is_complex:
         part, wide = _COMPONENT.get(saved, saved), _COMPONENT.get(live)
         return live.is_complex and wide is not None and part.is_floating_point and (part == wide or _widens(part, wide))
@@ -391,12 +363,9 @@ def _widens(saved: torch.dtype, live: torch.dtype) -> bool:
 
 
 def _cast(saved: str, live: str) -> str | None:
-    """How a tensor saved as ``saved`` and live as ``live`` (dtype names, different) was cast:
-    ``"widening"`` (every saved value is a live one: compared after the cast back),
-    ``"narrowing"`` (every live value is a saved one: a lower precision, deliberate),
-    ``"lateral"`` (neither holds the other's values: bfloat16 and float16, an integer or
-    bool tensor and a float one, signed and unsigned: no precision policy casts so, a fault),
-    or None (a dtype this torch does not know)."""
+    """How a tensor saved as ``saved`` and live as ``live`` was cast: ``"widening"``, ``"narrowing"``,
+    ``"lateral"`` (a fault: bfloat16 and float16, int and float, signed and unsigned), or None.
+    """
     old, new = getattr(torch, saved, None), getattr(torch, live, None)
     if not (isinstance(old, torch.dtype) and isinstance(new, torch.dtype)):
         return None
@@ -414,22 +383,20 @@ def check(
     left_out: Mapping[str, Iterable[str]] | None = None,
     names: Mapping[str, Mapping[str, str]] | None = None,
 ) -> StateVerdict:
-    """Compare the live objects, as a load left them, with the checkpoint's state digest.
-    A collective when DTensors are compared (every rank, same point, same objects).
+    """Compare the live objects, as a load left them, with the checkpoint's state digest
+    (a collective when DTensors are compared).
 
     Args:
         manifest: the loaded checkpoint's manifest.
         objects: the objects the load restored (:func:`statekit.engine.live_state.live_tensors`).
         url: the checkpoint, for messages.
         strict: do not warn on a mismatch: the caller raises it (:func:`raise_mismatch`).
-        left_out: per object key, the state-dict keys a ``strict=False`` load left out
-            (deliberately not loaded: skipped and named).
+        left_out: per object key, the state-dict keys a ``strict=False`` load left out.
         names: per object key, its optimizer's parameter names by state path prefix
             (:func:`optimizer_names`), for messages.
 
     Returns:
-        The verdict (warned with :class:`StateCheckWarning` when it is a mismatch and not
-        ``strict``; :func:`raise_mismatch` raises it when ``strict``).
+        The verdict (a mismatch is warned with :class:`StateCheckWarning` unless ``strict``).
 
     Raises:
         InvalidOptionError: :data:`MODE_ENV` holds an unknown mode.
@@ -461,9 +428,7 @@ digests of every object are computed at once; a tensor's own faults in the same 
 
 
 class _Comparison:
-    """One load's comparison (:func:`check`): the live tensors read against the recorded
-    digests (:meth:`read`) and ties (:meth:`tied`), then digested together and judged
-    (:meth:`judge`)."""
+    """One load's comparison: :meth:`read` and :meth:`tied`, then :meth:`judge`."""
 
     def __init__(self, names: Mapping[str, Mapping[str, str]]) -> None:
         self.names = names
@@ -502,9 +467,9 @@ class _Comparison:
 
     def read(self, index: int, key: str, recorded: Mapping[str, str], live: Mapping[str, torch.Tensor],
              skipped: set[str]) -> None:
-        """Match one object's recorded digests with its live tensors: the missing, the
-        offloaded and those a ``strict=False`` load left out are judged now; the others
-        (cast back to the saved dtype) wait for :meth:`judge`."""
+        """Match one object's recorded digests with its live tensors (missing, offloaded and
+        left-out ones judged now, the rest in :meth:`judge`).
+        """
         what = self.whats[key]
         for i, (path, value) in enumerate(recorded.items()):
             dtype, _, digest = value.partition(":")
@@ -531,11 +496,9 @@ class _Comparison:
 
     def tied(self, index: int, key: str, paths: list[str], groups: Iterable[Iterable[str]],
              live: Mapping[str, torch.Tensor]) -> None:
-        """Judge one model's ties recorded at save (``state_digest.ties``) against its live
-        tensors: in each group, the members that are no longer one tensor with the rest
-        (the largest part still tied, the earliest first, is the rest) are faults. A member
-        missing, left out, offloaded or whose storage says nothing (:func:`tie_groups`) is
-        not judged."""
+        """Judge one model's recorded ties against its live tensors: members no longer one tensor
+        with the largest still-tied part are faults; unknowable members are not judged.
+        """
         position = {path: i for i, path in enumerate(paths)}
         for group in groups:
             parts: dict[tuple[Any, ...], list[str]] = {}
@@ -671,10 +634,8 @@ def _named(path: str, parameters: Mapping[str, str] | None) -> str:
 
 
 def optimizer_names(optimizer: Any, parameter_names: Mapping[int, str]) -> dict[str, str]:
-    """``"state.<i>" -> "<parameter name>"`` for every parameter of one optimizer
-    (``torch.optim.Optimizer.state_dict`` numbers them in group order), whether or not it
-    holds state now: a state the load dropped is named after its parameter too. One
-    optimizer's map: another numbers its own parameters from 0 as well.
+    """``"state.<i>" -> "<parameter name>"`` for every parameter of one optimizer (numbered in
+    group order as ``state_dict`` does), whether or not it holds state now.
 
     Args:
         optimizer: the optimizer (an ``AcceleratedOptimizer`` is unwrapped).

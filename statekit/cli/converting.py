@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from statekit.api.export import DEFAULT_MAX_SHARD_SIZE, export_pretrained
 from statekit.cli.output import fail, parse_key_values, storage_option, storage_options_of
 from statekit.errors import StatekitError
 from statekit.foreign.accelerate_convert import convert as convert_accelerate
@@ -17,19 +18,35 @@ from statekit.storage import Storage
 @click.argument("src")
 @click.argument("out")
 @click.option("--to", "target", default="statekit", show_default=True,
-              help="Output format: statekit (from an Accelerate directory) or one a plugin provides.")
+              help="Output format: statekit (from an Accelerate directory), hf (a from_pretrained folder) or one a plugin provides.")
 @click.option("--allow-pickle", is_flag=True, help="Allow reading pickle files of the source (runs code from it).")
-@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at OUT (statekit output only).")
+@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at OUT (statekit output), or write into a non-empty OUT (hf).")
 @click.option("--option", "raw_options", multiple=True, metavar="KEY=VALUE",
               help="Option for a plugin's converter (VALUE parsed as JSON, else a string); repeatable.")
+@click.option("--model", "model_key", default=None, help="--to hf: the model's key (needed when the checkpoint holds several).")
+@click.option("--config", "configs", multiple=True, metavar="PATH",
+              help="--to hf: a config file or folder (config.json, tokenizer, adapter_config.json) to write beside the weights; repeatable.")
+@click.option("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,
+              help="--to hf: bytes per weight file (an integer, or 5GB / 500MiB).")
 @storage_option
 def convert(
-    src: str, out: str, target: str, allow_pickle: bool, overwrite: bool, raw_options: tuple[str, ...], raw_storage: tuple[str, ...]
+    src: str, out: str, target: str, allow_pickle: bool, overwrite: bool, raw_options: tuple[str, ...],
+    model_key: str | None, configs: tuple[str, ...], max_shard_size: str, raw_storage: tuple[str, ...]
 ) -> None:
-    """Convert a checkpoint: Accelerate directory -> statekit, or statekit -> a plugin's format."""
+    """Convert a checkpoint: Accelerate directory -> statekit, statekit -> a Hugging Face folder, or -> a plugin's format."""
     try:
         storage_options = storage_options_of(raw_storage)
         source = Storage(src, storage_options)
+        if target == "hf":
+            size: int | str = int(max_shard_size) if max_shard_size.isdigit() else max_shard_size
+            total = _source_bytes(source)
+            with progress(total, "convert to hf") as advance:
+                result = export_pretrained(src, out, model_key=model_key, config=list(configs) or None, max_shard_size=size,
+                                           storage_options=storage_options, overwrite=overwrite)
+                advance(total or 0)
+            click.echo(f"wrote {result.url}: model {result.key!r}, {result.tensors} tensors, {result.total_size} bytes in "
+                       f"{', '.join(result.files)}; {result.digests_compared} tensors matched the checkpoint's state digest")
+            return
         if target == "statekit":
             total = _source_bytes(source)
             with progress(total, "convert") as advance:
@@ -44,7 +61,7 @@ def convert(
             converters.update(getattr(plugin, "STATEKIT_CONVERTERS", {}) or {})
         if target not in converters:
             raise click.UsageError(
-                f"unknown format {target!r}; available: {', '.join(['statekit', *sorted(converters)])}"
+                f"unknown format {target!r}; available: {', '.join(['statekit', 'hf', *sorted(converters)])}"
                 + _missing_plugin_hint(source, target)
             )
         options = parse_key_values(raw_options, "--option")

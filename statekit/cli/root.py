@@ -108,10 +108,7 @@ def _tree_text(committed: list[Any], state: Any) -> str:
 
 
 def _by_branch(committed: list[Any], state: Any) -> list[tuple[str, list[Any]]]:
-    """The branches (those of the checkpoints, and those the lineage file knows without a
-    checkpoint yet), each with its checkpoints by step, oldest first: in the order the
-    lineage file recorded them (creation), a branch it does not know (checkpoints from
-    before it) first, by lowest step."""
+    """The branches, each with its checkpoints by step, in the lineage file's order (unknown first)."""
     by_branch: dict[str, list[Any]] = {}
     for info in committed:
         by_branch.setdefault(lineage.branch_of(info), []).append(info)
@@ -172,9 +169,7 @@ def _refuse_if_not_a_root(root: Storage) -> None:
 
 
 def _with_tiers(local: list[Any], remote: list[Any]) -> list[dict[str, Any]]:
-    """One entry per checkpoint name on either root: the local entry's fields (else the remote's),
-    plus ``tiers`` (where committed), ``urls`` and the copy state in the fields the tier plugin
-    names (:class:`~statekit.hooks.registry.CopyListing`; docs/cli.md)."""
+    """One entry per checkpoint name on either root, with ``tiers``, ``urls`` and its copy state."""
     words = get_plugin_manager().copy_listing()
     by_name: dict[str, dict[str, Any]] = {}
     for tier, infos in (("local", local), ("remote", remote)):

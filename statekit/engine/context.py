@@ -19,6 +19,7 @@ from statekit.engine.file_writer import FileWriter, WrittenFile
 from statekit.engine.incremental import ReuseBase
 from statekit.engine.staging import StagingPool
 from statekit.format.manifest_types import FileEntry, Manifest
+from statekit.errors import StatekitError
 from statekit.storage import Storage
 
 CORE = "statekit"
@@ -77,8 +78,13 @@ class Checkpoint:
         staging: StagingPool | None = None,
         incremental: bool = False,
         reuse_base: ReuseBase | None = None,
+        moment: Any = None,
     ) -> None:
         self.storage = storage
+        self.moment = moment
+        """A save of a step boundary's state (:class:`statekit.engine.moment.Moment`: the save on
+        a signal from the watcher thread), or None: the live state. Plugins read theirs with
+        :meth:`boundary_state`."""
         self.url = storage.url
         self.fs = storage.fs
         self.mode = mode
@@ -161,6 +167,23 @@ class Checkpoint:
             ``{plugin name: records}`` of every plugin whose records are not empty.
         """
         return {k: v for k, v in self._records.items() if v}
+
+    def boundary_state(self) -> Any:
+        """In a save of a step boundary's state (:attr:`moment`): what the calling plugin's
+        ``statekit_boundary_state`` returned at that boundary (save it instead of the live
+        state: the main thread has gone on since); None otherwise (save the live state).
+
+        Returns:
+            The plugin's boundary state, or None.
+
+        Raises:
+            StatekitError: called outside a plugin's hook (``plugin`` is None).
+        """
+        if self.moment is None:
+            return None
+        if self.plugin is None:
+            raise StatekitError("checkpoint.boundary_state() is for a plugin's hook (checkpoint.plugin is None)")
+        return self.moment.plugin_states.get(self.plugin)
 
     @property
     def model_keys(self) -> list[str]:

@@ -7,7 +7,7 @@ given to :func:`statekit.save`); see ``docs/format.md``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,3 +206,35 @@ class LazyStateDict(Mapping):
         """True once the state dict has been computed."""
         return self._state is not None
 
+
+
+def tensor_bytes(entries: Iterable[Entry], rank: int) -> int:
+    """Estimated bytes of tensor data this rank writes for ``entries`` (its per-rank ones, on
+    rank 0 the replicated ones too): model parameters and buffers (local shards; no ``meta``),
+    optimizer state, tensor entries, shared storages once; other objects are a few KiB each
+    (the free-space check's ``reserve_bytes``, :meth:`statekit.storage.Storage.refuse_if_no_space`)."""
+    seen: set[tuple[Any, int]] = set()
+    total = 0
+    for e in entries:
+        if rank != 0 and not e.per_rank:
+            continue
+        for t in _tensors_of(e):
+            t = getattr(t, "_local_tensor", t)  # DTensor: this rank's shard
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            key = (t.device, t.data_ptr())  # not untyped_storage(): 8 us a tensor (header.view_identity)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _tensors_of(e: Entry) -> Iterable[Any]:
+    if e.kind == "model":  # parameters, not state_dict(): FSDP1's gathers the full model
+        return [*e.obj.parameters(), *e.obj.buffers()]
+    if e.kind == "optimizer":
+        return [v for state in e.obj.state.values() for v in state.values()]
+    if e.kind == "tensor":
+        return [e.obj]
+    return []

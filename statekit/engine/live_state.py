@@ -74,6 +74,12 @@ def digested(entry: Entry, accelerator: Any = None, state: Mapping[str, Any] | N
     return out
 
 
+def is_collective(model: Any) -> bool:
+    """Whether ``model``'s (or its unwrapped core's) ``state_dict()`` gathers across ranks
+    (FSDP1 anywhere inside it, a DeepSpeed engine): no rank may call it alone."""
+    return _is_collective(model) or _is_collective(unwrap_model(model))
+
+
 def _is_collective(model: Any) -> bool:
     """Whether a model's ``state_dict()`` gathers across ranks (FSDP1 anywhere inside it, a
     DeepSpeed engine): it cannot be called on one rank alone."""

@@ -45,7 +45,8 @@ def write_core_state(
         for entry in entries:
             if entry.kind == "model" or entry.key not in checkpoint.objects or (rank != 0 and not entry.per_rank):
                 continue
-            checkpoint.save_state(_rank_base(entry, rank), _state_of(entry))
+            moment = checkpoint.moment  # a save of a step boundary's state (engine/moment.py)
+            checkpoint.save_state(_rank_base(entry, rank), moment.state_for(entry.key) if moment else state_of(entry))
         for rel in compared:
             checkpoint.save_tensors(rel, tensor_files[rel])
 
@@ -58,7 +59,9 @@ def tensor_files_of_model(
     return split_model(key, weights, model) if checkpoint.incremental else {f"{key}.safetensors": weights}
 
 
-def _state_of(entry: Entry) -> Any:
+def state_of(entry: Entry) -> Any:
+    """The state an entry other than a model is saved as (a tensor's ``{key: tensor}``, a
+    dict itself, a data loader's position, else ``state_dict()``)."""
     if entry.kind == "tensor":
         return {entry.key: entry.obj}
     if entry.kind == "dict":

@@ -1,13 +1,9 @@
 """Directories written by ``Accelerator.save_state``: the one owner of their file names
-(:func:`accelerate_files`) and pickle gate (:func:`read_pickle`), and :func:`load`.
-
-File names follow ``accelerate.checkpointing.save_accelerator_state`` / ``save_custom_state``
-(accelerate 1.x): ``model[_i].safetensors`` or ``pytorch_model[_i].bin``, ``optimizer[_i].bin``,
-``scheduler[_i].bin``, ``sampler[_i].bin``, ``dl_state_dict[_i].bin``, ``scaler.pt``,
-``random_states_<rank>.pkl``, ``custom_checkpoint_<i>.pkl``. All but the safetensors model files
-are pickles, read only with ``allow_pickle=True`` (docs/cli.md, "Formats statekit reads").
-Random states (``random_states_<rank>.pkl``) are restored as ``load_accelerator_state`` does,
-with a snapshot to put back on failure; the generators themselves are :mod:`statekit.devices`'s."""
+(:func:`accelerate_files`, after ``accelerate.checkpointing.save_accelerator_state``,
+accelerate 1.x) and pickle gate (:func:`read_pickle`), and :func:`load`. All but the
+safetensors model files are pickles, read only with ``allow_pickle=True`` (docs/cli.md,
+"Formats statekit reads").
+"""
 
 from __future__ import annotations
 
@@ -37,9 +33,9 @@ def _device_key(device_type: str) -> str:
 
 def restore_rng(states: dict[str, Any], source: str = "Accelerate checkpoint") -> None:
     """Set the global generators from one unpickled ``random_states_<rank>.pkl`` dict, as
-    ``load_accelerator_state`` does (Python, NumPy, torch CPU, this process's accelerator). Where this
-    process sees another number of devices than were saved, the common ones are restored and a
-    :class:`StatekitWarning` naming ``source`` says which are not (Accelerate's ``load_state`` raises)."""
+    ``load_accelerator_state`` does; with another device count than saved, the common ones
+    are restored and a :class:`StatekitWarning` naming ``source`` says which are not.
+    """
     found = accelerator_generators()
     saved = list(states[_device_key(found[0])]) if found is not None and _device_key(found[0]) in states else None
     restore_random_states(
@@ -109,9 +105,9 @@ def is_accelerate_checkpoint(storage: Storage) -> bool:
 
 
 def written_by_statekit(storage: Storage, names: Iterable[str]) -> list[str]:
-    """The safetensors files among ``names`` whose header carries statekit's writer mark
-    (``__metadata__[statekit.format.WRITER_KEY]``): without a manifest, a save that never committed
-    (read as Accelerate's, a partly written file would load zeros). An unreadable header counts as not statekit's."""
+    """The safetensors files among ``names`` whose header carries statekit's writer mark (without a
+    manifest: a save that never committed); an unreadable header counts as not statekit's.
+    """
     marked = []
     for name in names:
         if not name.endswith(".safetensors"):
@@ -174,10 +170,9 @@ def load(
     storage: Storage, entries: list[Any], *, allow_pickle: bool, accelerator: Any = None, gradients_restored: bool = False
 ) -> ForeignSummary:
     """Restore ``entries`` (keys ``model_0``, ``optimizer_0``...) from an Accelerate directory, all
-    or nothing: every file is read and every model, optimizer and scheduler checked before anything
-    is applied; an object that fails while applied puts the applied ones and the random generators
-    back. Follows ``accelerate.checkpointing.load_accelerator_state`` (docs/design-notes.md,
-    "Accelerate conformance").
+    or nothing: every file is read and checked before anything is applied, and a failure while
+    applying puts the applied objects and the generators back. Follows
+    ``accelerate.checkpointing.load_accelerator_state`` (docs/design-notes.md, "Accelerate conformance").
 
     Args:
         storage: the Accelerate directory.
@@ -236,9 +231,9 @@ def _plan_load(storage: Storage, entries: list[Any], names: set[str]) -> list[tu
 
 
 def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle: bool, accelerator: Any) -> list[tuple[Any, str, Any]]:
-    """Read every planned file; check each model's state fits it (the one fit check,
-    :func:`statekit.engine.entries.check_fit`) and each optimizer's
-    (:func:`statekit.engine.optimizer_fit.check_optimizer_fit`). Returns ``(model or entry, file, state)``."""
+    """Read every planned file and check each model's and optimizer's fit; returns
+    ``(model or entry, file, state)``.
+    """
     staged: list[tuple[Any, str, Any]] = []
     names = parameter_names(unwrap_model(e.obj, accelerator) for e, _ in plan if e.kind == "model")
     for e, rel in plan:
@@ -259,10 +254,8 @@ def _read_and_check(storage: Storage, plan: list[tuple[Any, str]], allow_pickle:
 
 def check_fit_before_load(storage: Storage, entries: list[Any], accelerator: Any = None, *, strict: bool = True) -> None:
     """Check, before ``Accelerator.load_state`` loads anything (attach mode), that the models,
-    optimizers and schedulers fit Accelerate's files (it fills models first, so a later refusal
-    would leave a half-restored run). Shapes only: a safetensors header, or a ``.bin`` opened with
-    ``torch.load(mmap=True, weights_only=True)``; a file the restricted unpickler refuses, or one
-    Accelerate does not name this way (FSDP, DeepSpeed), is left to Accelerate.
+    optimizers and schedulers fit Accelerate's files, by shapes only (safetensors headers,
+    ``.bin`` memory-mapped with ``weights_only``); files it cannot read so are left to Accelerate.
 
     Args:
         storage: the directory being loaded.
@@ -314,9 +307,7 @@ def _check_object_fit(storage: Storage, e: Any, rel: str, state: Any, names: Any
 
 
 def _tied_to_saved(targets: Any, saved: Any) -> dict[str, str]:
-    """The model's keys missing from ``saved`` whose tensor shares its memory with one that
-    is saved (tied weights), each with that saved key: Accelerate's safetensors files keep
-    one name of each, and ``safetensors.torch.load_model`` fills the others through it."""
+    """The model's keys missing from ``saved`` that are tied to a saved one, each with that key."""
     groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
     for k, t in targets.items():
         if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
@@ -346,11 +337,8 @@ def _saved_shapes(storage: Storage, rel: str, targets: Any) -> dict[str, tuple[A
 
 
 def _peek_pickle(storage: Storage, rel: str) -> Any:
-    """A local torch file's object with its tensors memory-mapped, or None when the restricted
-    unpickler refuses it (or an old non-zip file cannot be mapped): Accelerate's load decides then.
-
-    Raises:
-        CorruptCheckpointError: the file cannot be read (names it).
+    """A local torch file's object, tensors memory-mapped, or None when the restricted unpickler
+    refuses it; raises ``CorruptCheckpointError`` when it cannot be read.
     """
     try:
         return torch.load(storage.path_of(rel), map_location="cpu", mmap=True, weights_only=True)

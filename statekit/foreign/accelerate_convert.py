@@ -1,13 +1,9 @@
 """``statekit convert``: a directory written by ``Accelerator.save_state`` rewritten in the
-statekit format, loading exactly as its source loads (docs/cli.md, ``statekit convert``;
-docs/migrating.md, "Converting old checkpoints").
-
-A plain Accelerate directory: every file becomes a statekit object (random states of every
-rank under :data:`ACCELERATE_RNG`). An attach-mode directory (a manifest with
-``records["statekit"]["layout"] == "accelerate"``): Accelerate's files likewise, and every file
-statekit or a plugin wrote is copied byte for byte, checksums checked, with its records;
-statekit's loader position wins over Accelerate's. The manifest records
-``records["statekit"]["converted_from"] = "accelerate"`` (:func:`loaders_left_as_they_are`)."""
+statekit format, loading exactly as its source loads: Accelerate's files become statekit
+objects; in an attach-mode source, statekit's and plugins' files are copied byte for byte
+(checksums checked). docs/cli.md, ``statekit convert``; docs/migrating.md, "Converting old
+checkpoints".
+"""
 
 from __future__ import annotations
 
@@ -55,8 +51,8 @@ def convert(
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Rewrite a directory written by ``Accelerator.save_state`` (statekit attached or not) in the
-    statekit format; it restores what ``statekit.load_state`` of the source restores (``sampler.bin``
-    is not converted; the manifest's ``step`` is None: docs/migrating.md, "Converting old checkpoints").
+    statekit format; it restores what ``statekit.load_state`` of the source restores
+    (``sampler.bin`` is not converted; the manifest's ``step`` is None).
 
     Args:
         src_url: the Accelerate directory.
@@ -109,9 +105,9 @@ def _convert_files(
     src: Storage, checkpoint: Checkpoint, names: list[str], allow_pickle: bool, model_keys: dict[int, str], own_keys: set[str],
     recorder: StateRecorder,
 ) -> tuple[dict[str, ObjectEntry], dict[str, int]]:
-    """Write every Accelerate file into ``checkpoint`` (:func:`_convert_file`), in ``names``'
-    order, each object's state digested by ``recorder``; returns the ``objects`` entries of
-    what they hold, and Accelerate's counters."""
+    """Write every Accelerate file into ``checkpoint`` in ``names``' order; returns their
+    ``objects`` entries and Accelerate's counters.
+    """
     objects: dict[str, ObjectEntry] = {}
     counters = {"step": 0, "iteration": 0}  # Accelerate's step: the accumulation counter, not the training step
     for name in names:
@@ -126,9 +122,7 @@ def _copy_own_objects(
     src: Storage, checkpoint: Checkpoint, own: dict[str, FileEntry], own_keys: set[str], attached: Manifest | None,
     objects: dict[str, ObjectEntry],
 ) -> None:
-    """Copy the files statekit and plugins wrote next to Accelerate's (attach mode), and add
-    their objects to ``objects``: the per-rank ones (loader positions, gradients) and the
-    ones a plugin (or a registered hook) owns, with their source entries."""
+    """Copy the files statekit and plugins wrote next to Accelerate's and add their objects."""
     for rel, entry in own.items():
         _copy_file(src, checkpoint, rel, entry)
     for key in sorted(own_keys):
@@ -141,9 +135,8 @@ def _copy_own_objects(
 def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str, ObjectEntry], attached: Manifest | None,
                         state_digest: StateDigest | None) -> Manifest:
     """The converted checkpoint's manifest: the source's records (the core's replaced by
-    :data:`CONVERTED_FROM`), the versions of the plugins that wrote something kept, its
-    metadata with the source named, its resume fingerprint, and ``state_digest`` (the
-    source's, else the digest of what the converted files hold)."""
+    :data:`CONVERTED_FROM`), plugin versions, metadata, fingerprint and ``state_digest``.
+    """
     records = {k: v for k, v in (attached.records if attached else {}).items() if k != CORE}
     records[CORE] = {CONVERTED_FROM: "accelerate"}
     writers = {e.writer for e in checkpoint.files.values()} | {o.owner for o in objects.values()} | set(records)
@@ -155,9 +148,9 @@ def _converted_manifest(src: Storage, checkpoint: Checkpoint, objects: dict[str,
 
 
 def loaders_left_as_they_are(manifest: Manifest, entries: list[Any], url: str) -> list[Any]:
-    """The run's data-loader entries a checkpoint converted from Accelerate holds no state for
-    (plain Accelerate saves one only for a ``StatefulDataLoader``): a load leaves them as they are,
-    as the source's ``load_state`` does, and warns naming them (``url``). Empty when not converted."""
+    """The run's loader entries a converted checkpoint holds no state for: a load leaves them as
+    they are, as the source's ``load_state`` does, and warns naming them. Empty when not converted.
+    """
     if (manifest.records.get(CORE) or {}).get(CONVERTED_FROM) != "accelerate":
         return []
     absent = [e for e in entries if e.kind == "dataloader" and e.key not in manifest.objects]
@@ -229,9 +222,7 @@ def _convert_file(
     counters: dict[str, int],
     recorder: StateRecorder,
 ) -> tuple[str, str] | None:
-    """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of the object
-    it holds, or None (random states, recorded under :data:`ACCELERATE_RNG`, their ``step``
-    going to ``counters``; ``sampler.bin``; a loader state statekit's own position replaces)."""
+    """Write one Accelerate file into ``checkpoint``; returns ``(key, kind)`` of its object, or None."""
     stem = name.partition(".")[0]
     base, _, index = stem.rpartition("_") if re.search(r"_\d+$", stem) else (stem, "", "0")
     if base == "random_states":

@@ -1,6 +1,5 @@
-"""Tensor-by-tensor comparison of two checkpoints of any readable formats (:func:`diff`).
-
-Only one pair of tensors is in memory at a time.
+"""Tensor-by-tensor comparison of two checkpoints of any readable formats (:func:`diff`),
+one pair of tensors in memory at a time.
 """
 
 from __future__ import annotations
@@ -13,13 +12,9 @@ from statekit.foreign.base import CheckpointReader
 
 
 def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> dict[str, Any]:
-    """Compare two checkpoints tensor by tensor (the report of ``statekit diff --json``, docs/cli.md).
-
-    Tensors are matched by key (:meth:`CheckpointReader.key`), then the keys left on both sides
-    by :meth:`CheckpointReader.match_key` (an Accelerate directory against the statekit checkpoint
-    of the same run). The maximum absolute difference is computed one pair at a time in float64:
-    ``inf`` where infinities differ, ``nan`` where only one side is NaN; equal infinities and NaN
-    against NaN count as equal.
+    """Compare two checkpoints tensor by tensor (``statekit diff --json``, docs/cli.md): matched by
+    key, then by :meth:`CheckpointReader.match_key`; the maximum absolute difference in float64
+    (``inf`` where infinities differ, ``nan`` where only one side is NaN).
 
     Args:
         a: the old checkpoint.
@@ -65,9 +60,9 @@ def diff(a: CheckpointReader, b: CheckpointReader, *, advance: Any = None) -> di
 def _unpaired(
     a: CheckpointReader, b: CheckpointReader, ta: dict[str, Any], tb: dict[str, Any], pairs: dict[str, str]
 ) -> tuple[list[str], list[str], list[str]]:
-    """``(added, removed, not_compared)``: the keys without a counterpart, those whose
-    counterpart would live in a file the other side did not read being not compared
-    (neither added nor removed)."""
+    """``(added, removed, not_compared)``: keys without a counterpart (not compared where it would
+    be in a file the other side did not read).
+    """
     paired_b = set(pairs.values())
     unread_a, unread_b = _unread_files(a), _unread_files(b)  # the other side's tensors there are not "added"
     added = [k for k in tb if k not in paired_b and _file_of(b.match_key(k)) not in unread_a]
@@ -87,10 +82,7 @@ def _compare_values(a: CheckpointReader, b: CheckpointReader, key: str, key_b: s
 
 
 def _pairs(a: CheckpointReader, b: CheckpointReader, ta: dict[str, Any], tb: dict[str, Any]) -> dict[str, str]:
-    """``key in a -> key in b`` of the tensors compared: equal keys first, then the keys left
-    over on both sides that match by :meth:`CheckpointReader.match_key` (``model.safetensors:w``
-    of an Accelerate directory, plain or attach-mode, and ``model_0.safetensors:w`` of the
-    statekit checkpoint of the same run)."""
+    """``key in a -> key in b`` of the tensors compared: equal keys, then by ``match_key``."""
     pairs = {k: k for k in ta if k in tb}
     left_b = {b.match_key(k): k for k in tb if k not in pairs}
     for key in ta:
@@ -131,9 +123,9 @@ def _file_changes(a: CheckpointReader, b: CheckpointReader, files_a: dict[str, i
 
 
 def _equal_values(x: torch.Tensor, y: torch.Tensor, max_abs: float | None) -> bool:
-    """Equal values of two tensors of one dtype: bit-equal, or (floating/complex only) equal
-    with NaN at the same places. Integers are never judged by the float64 difference, which
-    rounds values above 2**53 (2**60 and 2**60 + 1 have a float64 difference of 0)."""
+    """Bit-equal, or equal with NaN at the same places (integers never by the float64
+    difference, which rounds above 2**53).
+    """
     if torch.equal(x, y):
         return True
     return (x.is_floating_point() or x.is_complex()) and max_abs == 0.0

@@ -1,9 +1,6 @@
-"""Format detection and opening: :func:`detect_format` names a checkpoint's format,
-:func:`open_checkpoint` reads it, :func:`folder_kind` says what a folder under a root is
-(statekit's or not), :func:`survey` what can be checked of a checkpoint of another format.
-
-Nothing is unpickled to detect a format: files are sniffed by content then extension,
-directories by the files they hold.
+"""Format detection and opening: :func:`detect_format`, :func:`open_checkpoint`,
+:func:`folder_kind` (what a folder under a root is) and :func:`survey` (what can be checked
+of another format). Nothing is unpickled to detect a format.
 """
 
 from __future__ import annotations
@@ -67,10 +64,8 @@ def _sniff_file(storage: Storage) -> str:
 
 
 def detect_format(url: str | Storage, storage_options: dict[str, Any] | None = None) -> str:
-    """Name the format of the checkpoint at ``url`` (one of :data:`FORMATS`), unpickling nothing.
-
-    A file is sniffed by content (zip or pickle magic: ``torch``; an 8-byte length then ``{``:
-    ``safetensors``), then by extension; a directory by its file names (docs/cli.md, "Formats
+    """Name the format of the checkpoint at ``url`` (one of :data:`FORMATS`), unpickling nothing:
+    a file by content then extension, a directory by its file names (docs/cli.md, "Formats
     statekit reads").
 
     Raises:
@@ -146,7 +141,9 @@ def open_checkpoint(
 
     Raises:
         PickleNotAllowedError: the format needs pickle and not ``allow_pickle``; names the file.
-        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as :func:`detect_format`.
+        CheckpointNotFoundError: as :func:`detect_format`.
+        IncompleteCheckpointError: as :func:`detect_format`.
+        StatekitError: as :func:`detect_format`.
         CorruptCheckpointError: malformed metadata (names the file).
     """
     storage = Storage.of(url, storage_options)
@@ -157,10 +154,8 @@ def open_checkpoint(
 
 
 def folder_kind(storage: Storage, names: list[str] | None = None) -> str:
-    """What a directory under a root is, by its contents: one of :data:`FOLDER_KINDS`
-    (docs/cli.md, ``statekit ls``). ``incomplete``: statekit's save lock (or the temporary file
-    creating it) and no manifest, proof that statekit wrote it; statekit files without a lock (the
-    rank parts of a node-local root) are ``unknown``. Nothing is unpickled.
+    """What a directory under a root is, by its contents: one of :data:`FOLDER_KINDS` (docs/cli.md,
+    ``statekit ls``); ``incomplete`` needs statekit's save lock as proof. Nothing is unpickled.
 
     Raises:
         StorageError: the directory cannot be listed.
@@ -215,7 +210,8 @@ class Survey:
 
     Attributes:
         url: the checkpoint.
-        format: its format (:data:`FORMATS`); description: in words.
+        format: its format (:data:`FORMATS`).
+        description: the format in words.
         files: ``relative path -> size in bytes``.
         checks: one :class:`FileCheck` per model file (and for DCP, the metadata not read).
     """
@@ -244,12 +240,12 @@ class Survey:
 
 def survey(url: str | Storage, storage_options: dict[str, Any] | None = None) -> Survey:
     """What can be checked of a checkpoint of another format, reading no pickle: its files and
-    whether its model loads as far as that shows (safetensors headers parse and fit their files; a
-    ``pytorch_model.bin`` is a readable zip; a sharded index names only existing shards).
+    whether its model loads as far as that shows.
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError, StatekitError: as :func:`detect_format`;
-            also for a statekit checkpoint (:func:`statekit.verify` checks those).
+        CheckpointNotFoundError: as :func:`detect_format`.
+        IncompleteCheckpointError: as :func:`detect_format`.
+        StatekitError: as :func:`detect_format`; also for a statekit checkpoint (use :func:`statekit.verify`).
     """
     storage = Storage.of(url, storage_options)
     found = _detect(storage)

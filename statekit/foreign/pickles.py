@@ -1,10 +1,6 @@
-"""Pickle files of foreign checkpoints: the one ``allow_pickle`` gate and the one unpickler.
-
-Pickle can run arbitrary code on load, so a pickle file is read only when the caller
-passed ``allow_pickle=True`` (``--allow-pickle`` on the command line); without it
-:class:`statekit.PickleNotAllowedError` names the file before a byte of it is read.
-Unpickling tries ``torch.load(weights_only=True)`` first and falls back to the full
-unpickler only where the restricted one refuses the file.
+"""Pickle files of foreign checkpoints: the one ``allow_pickle`` gate (without it
+:class:`statekit.PickleNotAllowedError` names the file before a byte is read) and the one
+unpickler (``torch.load(weights_only=True)`` first, the full one where that refuses).
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def load_pickle(
     remedy: str = "--allow-pickle",
     mmap: bool = False,
 ) -> Any:
-    """Unpickle one file ``rel`` of a foreign checkpoint (``""``: the file itself), only if
-    ``allow_pickle`` (:func:`refuse_pickle`); tensors on the CPU. ``mmap``: memory-map a local file,
-    for read-only inspection only (the tensors share the file's pages).
+    """Unpickle one file ``rel`` of a foreign checkpoint (``""``: the file itself) if
+    ``allow_pickle``; tensors on the CPU. ``mmap``: memory-map a local file (read-only use).
 
     Raises:
         PickleNotAllowedError: ``allow_pickle`` is False (names the file; nothing is read).

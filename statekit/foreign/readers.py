@@ -1,8 +1,6 @@
-"""The readers of statekit checkpoints, Accelerate directories, Trainer checkpoint folders, safetensors files and torch files.
-
-The DCP reader is :mod:`statekit.foreign.dcp`. Accelerate file names and the pickle gate
-come from :mod:`statekit.foreign.accelerate`, so inspection and ``load``/``convert`` read
-the same files the same way.
+"""The readers of statekit checkpoints, Accelerate directories, Trainer checkpoint folders,
+safetensors files and torch files (DCP: :mod:`statekit.foreign.dcp`), reading Accelerate's
+files through :mod:`statekit.foreign.accelerate` as ``load`` and ``convert`` do.
 """
 
 from __future__ import annotations
@@ -60,11 +58,9 @@ class _FolderOfFilesReader(CheckpointReader):
 
 
 class StatekitReader(_FolderOfFilesReader):
-    """A committed statekit checkpoint (``statekit.json``); metadata is the manifest.
-
-    An attach-mode one (``layout`` ``"accelerate"``) holds Accelerate's files too, read as
-    :class:`AccelerateReader` reads them and matched by :meth:`match_key`; those a load replaces by
-    statekit's own (``random_states_<r>.pkl``, ``dl_state_dict_<i>.bin``) are :attr:`superseded`."""
+    """A committed statekit checkpoint (``statekit.json``); metadata is the manifest. An
+    attach-mode one's Accelerate files are read as :class:`AccelerateReader` reads them.
+    """
 
     format = "statekit"
     keyed_by_file = True
@@ -115,11 +111,7 @@ def _superseded(rel: str, files: dict) -> bool:
 
 
 class AccelerateReader(_FolderOfFilesReader):
-    """A directory written by ``Accelerator.save_state``.
-
-    Model files are listed without the ``_orig_mod.``/``module.`` prefixes Accelerate
-    keeps for compiled or wrapped models (as ``load`` and ``convert`` read them).
-    """
+    """A directory written by ``Accelerator.save_state`` (model keys without ``_orig_mod.``/``module.``)."""
 
     format = "accelerate"
     keyed_by_file = True
@@ -134,10 +126,7 @@ class AccelerateReader(_FolderOfFilesReader):
             self.skipped = accelerate.pickle_files(self._names)
 
     def match_key(self, key: str) -> str:
-        """``model.safetensors:w`` -> ``model_0.safetensors:w``, ``optimizer_1.bin:state.0.step`` ->
-        ``optimizer_1.safetensors:state.0.step``: the file names of a statekit checkpoint of the
-        same Accelerate run (``statekit.save_state``, ``CheckpointManager``, ``statekit convert``):
-        :func:`accelerate_match_key`."""
+        """The key of the same tensor in a statekit checkpoint of the same run (:func:`accelerate_match_key`)."""
         return accelerate_match_key(key)
 
     def _list(self) -> list[TensorInfo]:

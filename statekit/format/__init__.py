@@ -1,36 +1,12 @@
 """The on-disk format (``statekit/1``; ``statekit/2`` where a model spans several tensor files), as one facade: safetensors tensor files, checksums, the manifest.
 
-Tensor files follow the safetensors specification
-(https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
-length, a JSON header ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``
-padded with spaces, then the raw little-endian tensor bytes (statekit's additions:
-``docs/format.md``). statekit writes and reads that layout itself, the checksum in the same
-pass; the suite checks its files against the ``safetensors`` library both ways
-(``docs/design-notes.md``, Format).
-
-Checksums are xxHash XXH3-64 (https://xxhash.com, package ``xxhash``), written as
-``"xxh3_64:<16 hex digits>"``; the hasher is owned by :mod:`statekit.storage.hashing`
-and re-exported here (:func:`new_hasher`, :func:`checksum_string`, :func:`checksum_bytes`).
-
-Submodules, one responsibility each (this package re-exports their public names, so
-``from statekit import format as fmt; fmt.read_tensors(...)`` keeps working):
-
-- :mod:`statekit.format.dtypes`: torch dtype <-> safetensors code tables, byte-view dtypes.
-- :mod:`statekit.format.header`: building headers, and :func:`parse_header` /
-  :func:`read_header`, the one safetensors header reader.
-- :mod:`statekit.format.tensors`: streaming tensor data to and from files.
-- :mod:`statekit.format.manifest_types`: the manifest's dataclasses (:class:`Manifest`,
-  :class:`FileEntry`, :class:`ObjectEntry`, :class:`Fingerprint`, :class:`ResumeAudit`),
-  parsed and validated in one place (``Manifest.from_json``), written in canonical order by ``to_json``.
-- :mod:`statekit.format.manifest`: the manifest file's name, bytes and reading.
-- :mod:`statekit.format.layout`: the per-rank path ``<key>/rank-<r:05d>`` (:func:`rank_path`), the
-  next-batch record's path (:func:`next_batch_path`), what a relative path may be (:func:`check_relpath`).
-- :mod:`statekit.format.codec`: state trees <-> (tensors, JSON skeleton).
-- :mod:`statekit.format.codec_types`: the codec's type rules.
-
-Not here: whether two states or files are the same (:mod:`statekit.checks`), where the bytes go (:mod:`statekit.storage`, which this layer writes to and reads
-from as file objects), which files a checkpoint holds (:mod:`statekit.engine`).
-
+Tensor files follow https://github.com/huggingface/safetensors#format (statekit's additions:
+docs/format.md), written and read by statekit itself with the checksum in the same pass (why:
+docs/design-notes.md, "Format"). Checksums are XXH3-64 (https://xxhash.com), written
+``"xxh3_64:<16 hex digits>"``, owned by :mod:`statekit.storage.hashing` and re-exported here.
+Submodules (their public names re-exported): ``dtypes``, ``header`` (the one header reader),
+``tensors``, ``manifest_types`` and ``manifest``, ``layout`` (per-rank and relative paths),
+``codec`` and ``codec_types`` (state trees <-> tensors and a JSON skeleton).
 Call sequences: docs/design-notes.md, "The map: layers, one save, one load".
 """
 

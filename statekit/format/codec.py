@@ -1,16 +1,10 @@
 """State tree <-> (flat tensor mapping for safetensors, JSON skeleton). No pickle, ever.
 
-``encode`` walks a nested state (an optimizer or scheduler ``state_dict()``, RNG states,
-a data loader position...) and returns a JSON-able *skeleton* in which every tensor and
-NumPy array is replaced by a reference to an entry of a flat ``{name: torch.Tensor}``
-mapping, which the format layer writes to a safetensors file. ``decode`` reverses it.
-
-Every value comes back with its exact type, or is refused at save time with
-:class:`statekit.UnsupportedValueError` naming its key path (``custom_0/config/mode``) and
-its type; a subclass of a stored type is refused, never narrowed (the rules are in
-:mod:`statekit.format.codec_types`). The representation, value type by value type (plain
-JSON where JSON is exact, a one-key tagged object elsewhere, and the codec version of each
-tag): ``docs/format.md``, "Everything else: JSON through the codec".
+:func:`encode` replaces every tensor and NumPy array of a nested state by a reference to a
+flat ``{name: torch.Tensor}`` mapping; :func:`decode` reverses it. Every value comes back with
+its exact type, or is refused at save time naming its key path (rules:
+:mod:`statekit.format.codec_types`). The representation: docs/format.md, "Everything else:
+JSON through the codec".
 """
 
 from __future__ import annotations
@@ -49,16 +43,14 @@ def encode(state: Any, prefix: str = "", root: str = "") -> tuple[Any, dict[str,
     """Split ``state`` into a JSON-able skeleton and a flat tensor mapping.
 
     Args:
-        state: a nested structure of the types in the module table.
+        state: a nested structure of the types the codec represents.
         prefix: prepended to tensor names (``"state.0.exp_avg"``), for readable files.
         root: the state's own key (the file base, ``"custom_0"``), first in error key paths.
 
     Returns:
-        ``(skeleton, tensors)``: ``skeleton`` is ``json.dumps``-able with
-        ``allow_nan=False`` at any ``sys.set_int_max_str_digits`` setting; ``tensors``
-        maps unique names to the original tensors (not copies; a NumPy array in native
-        byte order shares its memory). A tensor that appears twice (same object) is
-        stored once.
+        ``(skeleton, tensors)``: ``skeleton`` is ``json.dumps``-able with ``allow_nan=False``;
+        ``tensors`` maps unique names to the original tensors (not copies; the same object
+        twice is stored once).
 
     Raises:
         UnsupportedValueError: a value has no exact representation; the message gives its
@@ -80,16 +72,14 @@ def decode(
         source: the file the skeleton came from, for error messages.
         root: the state's own key, first in error key paths.
         version: the codec version that wrote it (a state file's ``"codec"``; 1 without one).
-            Version 1 skeletons know only the version-1 tags: a dict that looks like a newer
-            tag is plain data there.
 
     Returns:
         The state, every value with the type it was saved with.
 
     Raises:
         CorruptCheckpointError: the skeleton is malformed or references a missing tensor.
-        StateMismatchError: a saved Enum or namedtuple class is not imported in this process
-            (statekit never imports while loading), or no longer has the saved value.
+        StateMismatchError: a saved Enum or namedtuple class is not imported in this process,
+            or no longer has the saved value.
         FormatVersionError: ``version`` is newer than this statekit reads.
     """
     if type(version) is not int or version not in _TAGS_BY_VERSION:

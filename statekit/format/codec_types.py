@@ -1,17 +1,9 @@
-"""The codec's type rules: key paths, class names, tensor and NumPy checks, refusals.
-
-:mod:`statekit.format.codec` walks a state tree; this module decides, per value, whether
-it can be stored with its exact type and builds the :class:`statekit.UnsupportedValueError`
-when not. Two rules hold throughout:
-
-- **No narrowing.** A value whose type is a subclass of a stored type (a ``str``
-  subclass, a ``dict`` subclass, a tensor subclass...) but is not itself handled is
-  refused at save time; it never loads as its base type.
-- **No imports while loading.** A class-valued type (an ``Enum``, a ``namedtuple``) is
-  stored as ``"module:qualname"`` and resolved through ``sys.modules`` and the
-  ``__dict__`` of the module and classes (no ``getattr``, so no lazy-import hook runs). A
-  class that cannot be found that way at save time (defined inside a function, shadowed)
-  is refused at save.
+"""The codec's type rules: key paths, class names, tensor and NumPy checks, refusals. Two rules:
+no narrowing (a subclass of a stored type that is not itself handled is refused at save,
+never loaded as its base type), and no imports while loading (an ``Enum`` or ``namedtuple``
+class is stored as ``"module:qualname"`` and found through ``sys.modules`` and ``__dict__``
+only; a class not found so at save is refused). docs/format.md, "Everything else: JSON
+through the codec".
 """
 
 from __future__ import annotations
@@ -90,9 +82,8 @@ def class_name(cls: type) -> str | None:
         cls: an ``Enum`` or ``namedtuple`` class.
 
     Returns:
-        ``"module:qualname"`` when :func:`resolve_class` finds ``cls`` itself under it in
-        this process; None when it cannot (a class defined inside a function, whose
-        qualname holds ``<locals>``, or one shadowed by another object of that name).
+        ``"module:qualname"`` when :func:`resolve_class` finds ``cls`` itself under it; None
+        for a class defined inside a function, or shadowed.
     """
     module, qualname = getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
@@ -102,15 +93,14 @@ def class_name(cls: type) -> str | None:
 
 
 def resolve_class(name: str) -> Any:
-    """Find a class by its stored name without importing anything.
+    """Find a class by its stored name without importing anything (``sys.modules``, then each
+    part of the qualname in the previous one's ``__dict__``: no ``__getattr__`` runs).
 
     Args:
         name: ``"module:qualname"`` as written by :func:`class_name`.
 
     Returns:
-        The object found by looking ``module`` up in ``sys.modules`` and each part of
-        ``qualname`` in the ``__dict__`` of the previous one (so no module ``__getattr__``
-        and no import runs), or None when a step is missing.
+        The object found, or None when a step is missing.
 
     Raises:
         ValueError: ``name`` is not of the form ``module:qualname``.
@@ -149,10 +139,8 @@ def check_nameable(v: Any, what: str, where: str) -> str:
         ``"module:qualname"`` of ``type(v)``.
 
     Raises:
-        UnsupportedValueError: the class cannot be named so that a loading process finds it
-            without importing (defined inside a function, or shadowed); an Enum member is not
-            what its class returns for its value; or a namedtuple instance carries attributes
-            beyond its fields.
+        UnsupportedValueError: the class cannot be found without importing, an Enum member is
+            not what its class returns for its value, or a namedtuple carries extra attributes.
     """
     cls = type(v)
     name = class_name(cls)
@@ -231,10 +219,8 @@ def ndarray_to_tensor(a: Any, where: str, what: str) -> tuple[torch.Tensor, str 
         what: the value's type name for messages (``"numpy.ndarray"``, ``"numpy.str_"``).
 
     Returns:
-        ``(tensor, dtype_str)``: the tensor (sharing memory where NumPy allows) and
-        ``a.dtype.str`` (``">i4"``) when ``a`` is not in native byte order, else None.
-        A non-native array is stored converted to native order (safetensors data is
-        little-endian) and converted back on load.
+        ``(tensor, dtype_str)``: the tensor (sharing memory where NumPy allows; a non-native
+        array converted to native order) and ``a.dtype.str`` (``">i4"``) when not native, else None.
 
     Raises:
         UnsupportedValueError: a structured or object dtype, or one torch has no dtype for
@@ -259,15 +245,15 @@ def ndarray_to_tensor(a: Any, where: str, what: str) -> tuple[torch.Tensor, str 
 
 
 def refusal(v: Any, where: str) -> UnsupportedValueError:
-    """The save-time error for a value the codec does not store, with a hint for its kind.
+    """The save-time :class:`UnsupportedValueError` for a value the codec does not store, naming
+    the position (``where``), the type of ``v`` and what to store instead.
 
     Args:
         v: the value.
         where: its position (:func:`describe`).
 
     Returns:
-        An :class:`UnsupportedValueError` naming the position, the type and what to store
-        instead (a subclass of a stored builtin is never narrowed to that builtin).
+        The error, to raise.
     """
     cls = type(v)
     base = next((b for b in _NARROWABLE if isinstance(v, b)), None)

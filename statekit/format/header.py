@@ -1,11 +1,7 @@
-"""safetensors headers: building one for tensors to write, and the one header parser every reader uses.
-
-A safetensors file (https://github.com/huggingface/safetensors#format) starts with an
-8-byte little-endian header length, then a JSON header ``{name: {"dtype", "shape",
-"data_offsets"}, "__metadata__": {...}}`` padded with spaces to a multiple of 8 bytes.
-statekit adds to ``__metadata__`` its writer mark (:data:`WRITER_KEY`), and where needed
-``statekit.aliases`` (tied weights stored once) and ``statekit.dtypes`` (byte-view dtypes):
-``docs/format.md``, Tensor files; why statekit writes the layout itself: ``docs/design-notes.md``, Format.
+"""safetensors headers: building one for tensors to write, and the one header parser every
+reader uses (https://github.com/huggingface/safetensors#format). statekit's
+``__metadata__`` additions (:data:`WRITER_KEY`, ``statekit.aliases``, ``statekit.dtypes``):
+docs/format.md, "Tensor files".
 """
 
 from __future__ import annotations
@@ -55,9 +51,9 @@ def _check_storable(name: Any, t: Any) -> None:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for the block (the JSON of a large header makes
-    no reference cycles, and full collections cost more than the JSON: ``docs/design-notes.md``,
-    Performance); it runs again after the block if it was on before."""
+    """Pause Python's cyclic garbage collector for the block (why: docs/design-notes.md,
+    "Performance"); it runs again after if it was on.
+    """
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -68,10 +64,9 @@ def gc_paused() -> Iterator[None]:
 
 
 def view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same view of the same memory (tied weights): a hashable
-    ``(device, data_ptr(), shape, strides, dtype)``, or None for an empty, non-strided or
-    ``meta`` tensor ``t`` (never tied). The one test of the writer's aliases, the staging pool
-    and plugins' shard plans (why ``data_ptr()``: ``docs/design-notes.md``, Performance)."""
+    """``(device, data_ptr(), shape, strides, dtype)``: what makes two tensors the same view (tied
+    weights), or None for an empty, non-strided or ``meta`` tensor. The one test of aliases.
+    """
     if t.numel() == 0 or t.layout != torch.strided or t.device.type == "meta":
         return None
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
@@ -143,11 +138,8 @@ def encode_header(
     entries: Iterable[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str], *, data_align: int = 8
 ) -> bytes:
     """The one safetensors header writer: 8-byte little-endian length, then the JSON header
-    (``__metadata__`` first, then each tensor with ``data_offsets`` laid out back to back in
-    the order given), padded with spaces.
-
-    :func:`build_header` calls it for tensors in memory; a writer that knows only names,
-    dtypes and shapes (statekit-fsdp's consolidation) calls it directly.
+    (``__metadata__`` first, then each tensor back to back in the order given), padded with spaces.
+    For writers that know only names, dtypes and shapes (statekit-fsdp's consolidation).
 
     Args:
         entries: ``(name, safetensors dtype code, stored shape, size in bytes)`` per tensor,
@@ -334,9 +326,8 @@ def parse_header(prefix: bytes, read_more: Any, file_size: int | None, source: s
 
 
 def read_header(f: BinaryIO, source: str, file_size: int | None = None, hasher: Any = None) -> TensorHeader:
-    """Read and validate the header of a safetensors file open at offset 0 (through :func:`parse_header`).
-
-    The file is left positioned at the start of the data section.
+    """Read and validate the header of a safetensors file open at offset 0 (through
+    :func:`parse_header`), leaving it at the start of the data section.
 
     Args:
         f: a binary file open for reading at offset 0 (local or fsspec file).

@@ -1,13 +1,7 @@
-"""Names inside a checkpoint directory that follow a rule: the per-rank path, and what a
-checkpoint-relative path may be (:func:`check_relpath`).
-
-State that every rank writes for itself (a data loader's position, accumulated gradients,
-statekit-rng's random states, an FSDP model's shards, Accelerate's converted random states)
-lives under ``<key>/rank-<r:05d>`` (``dataloader_0/rank-00003.json``): the rank, zero-padded
-to five digits (wider for ranks from 100000 on, as ``format(r, "05d")`` writes them).
-:func:`rank_path` builds such a path, :func:`rank_name` its last component, and
-:func:`parse_rank_path` reads one back; every module of the core and every plugin goes
-through them (plugins through :mod:`statekit.plugin_api`), so the rule is written once.
+"""Names inside a checkpoint directory that follow a rule: the per-rank path
+``<key>/rank-<r:05d>`` (:func:`rank_path`, :func:`rank_name`, :func:`parse_rank_path`; every
+module and plugin goes through them) and what a checkpoint-relative path may be
+(:func:`check_relpath`). docs/format.md.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ def rank_name(rank: int) -> str:
 
 
 def rank_path(key: str, rank: int) -> str:
-    """Where one rank's copy of a per-rank state lives, relative to the checkpoint
-    directory and without a suffix (``.json`` / ``.safetensors`` are added by the writer).
+    """Where one rank's copy of a per-rank state lives, relative to the checkpoint directory and
+    without a suffix (the writer adds ``.json`` / ``.safetensors``).
 
     Args:
         key: the state's stable key (``"dataloader_0"``, ``"rng"``).
@@ -51,8 +45,7 @@ listed in a manifest (a save into the folder again must not list the previous sa
 
 
 def next_batch_path(key: str, rank: int) -> str:
-    """Where the record of the first batch a loader yielded after the save lives
-    (``statekit.checks.next_batch.Witness``): written after the commit, not in the manifest.
+    """Where a loader's next-batch record lives (written after the commit, not in the manifest).
 
     Returns:
         ``"next-batch/<key>/rank-<rank:05d>.json"``.

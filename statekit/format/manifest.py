@@ -1,11 +1,7 @@
-"""The manifest file (``statekit.json``, format ``statekit/1`` or ``statekit/2``): its name, its bytes, reading it.
-
-The manifest lists every file of a committed checkpoint with its size and checksum, the
-objects saved and who saved them; its presence marks the checkpoint committed. Its types,
-parsing and validation are :mod:`statekit.format.manifest_types` (:class:`Manifest`); this
-module reads it from storage (:func:`read_manifest`), turns it into the file's bytes
-(:func:`manifest_bytes`) and says what a directory without one is. The schema is
-``statekit/manifest.schema.json``, explained in ``docs/format.md``.
+"""The manifest file (``statekit.json``, format ``statekit/1`` or ``statekit/2``): its name,
+its bytes, reading it; its presence marks the checkpoint committed. Types and validation:
+:mod:`statekit.format.manifest_types`; schema ``statekit/manifest.schema.json``, explained
+in docs/format.md.
 """
 
 from __future__ import annotations
@@ -33,9 +29,7 @@ checkpoint-root message use."""
 
 
 def manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
-    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set (``docs/format.md``,
-    ``manifest_checksum``). A :class:`Manifest` gives the same bytes as its ``to_json()``
-    dict (:meth:`Manifest.sealed`, which also returns the manifest with its checksum).
+    """The bytes of the manifest file, with :data:`MANIFEST_CHECKSUM` set (as :meth:`Manifest.sealed`).
 
     Args:
         manifest: the manifest, typed or as its JSON dict (strict JSON: no NaN or
@@ -55,8 +49,7 @@ def manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
 
 
 def validate_manifest(manifest: Any, source: str) -> dict[str, Any]:
-    """Check a parsed manifest (a JSON dict) against the format: what
-    :meth:`Manifest.from_json`, the one validator, checks.
+    """Check a parsed manifest (a JSON dict) as :meth:`Manifest.from_json`, the one validator, does.
 
     Args:
         manifest: the parsed JSON.
@@ -106,9 +99,7 @@ _NESTED_LOOKED_AT = 100  # subdirectories looked into for a message (an error pa
 
 
 def _why_no_manifest(storage: Storage) -> str:
-    """What a directory without a manifest is, in words: a manager root, a folder of
-    checkpoints (statekit's or Accelerate's) or of manager roots, an empty folder, or a save
-    that never committed; with what to pass instead."""
+    """What a directory without a manifest is, in words, with what to pass instead."""
     url = storage.url
     names = storage.listdir()
     children = checkpoint_dirs(names)
@@ -148,8 +139,6 @@ def _why_not_a_checkpoint(storage: Storage, names: list[str]) -> str:
 
 
 def checkpoint_dirs(names: Iterable[str]) -> list[str]:
-    """The names among ``names`` (a directory listing) that are a manager's checkpoint
-    directories (:data:`CHECKPOINT_DIR_NAME`), sorted by step (``checkpoint-500`` before
-    ``checkpoint-1000``): a listing with any is a checkpoint root."""
+    """The names among ``names`` that are a manager's checkpoint directories, sorted by step."""
     found = [(m, name) for name in names if (m := CHECKPOINT_DIR_NAME.match(name))]
     return [name for m, name in sorted(found, key=lambda f: (int(f[0].group(1)), f[1]))]

@@ -1,11 +1,8 @@
-"""The manifest's types: frozen dataclasses for ``statekit.json``, parsed and validated in one
-place (:meth:`Manifest.from_json`), written by ``to_json()`` in the canonical order (the fields'
-declaration order, the order of the tables of ``docs/format.md``). No I/O (that is
-:mod:`statekit.format.manifest`), modelled on ``torch.distributed.checkpoint.metadata``.
-
-Versioning (``docs/format.md``, Versioning): an unknown ``format`` (a newer major,
-``statekit/3``) is a ``FormatVersionError``; keys a newer minor writer added are ignored (read
-what this version knows), so a manifest rewritten by this version drops them.
+"""The manifest's types: frozen dataclasses for ``statekit.json`` (modelled on
+``torch.distributed.checkpoint.metadata``), parsed and validated in one place
+(:meth:`Manifest.from_json`), written by ``to_json()`` in canonical order; no I/O.
+Versioning: docs/format.md, "Versioning" (a newer major is a ``FormatVersionError``; a
+newer minor's keys are ignored).
 """
 
 from __future__ import annotations
@@ -145,12 +142,11 @@ class FileEntry(_Record):
 
     @classmethod
     def from_json(cls, entry: Any, path: str, source: str) -> FileEntry:
-        """Parse one file entry (``path``, its relative path, validated too; ``path`` and
-        ``source``, the manifest's URL, named in errors).
+        """Parse one file entry (``path``, validated too, and ``source``, the manifest's URL, named
+        in errors).
 
         Raises:
-            CorruptCheckpointError: the path escapes the checkpoint, the entry lacks an integer
-                ``size_bytes``/``rank`` or a string ``checksum``, or an optional field is malformed.
+            CorruptCheckpointError: the path escapes the checkpoint, or a field is missing or malformed.
         """
         check_relpath(path, source)
         if not isinstance(entry, dict) or not isinstance(entry.get("size_bytes"), int) \
@@ -420,16 +416,14 @@ class Manifest(_Record):
 
     @classmethod
     def from_json(cls, manifest: Any, source: str, *, check_checksum: bool = True) -> Manifest:
-        """Parse and validate a manifest (``manifest``: its JSON object or the file's bytes;
-        ``source``: its URL, named in errors), the one place a manifest is checked against the
-        format; keys this version does not know are ignored (``docs/format.md``, Versioning).
-        ``check_checksum``: compare it with its own :data:`MANIFEST_CHECKSUM`, if any.
+        """Parse and validate a manifest (``manifest``: its JSON object or bytes; ``source``: its URL,
+        named in errors); unknown keys are ignored. ``check_checksum``: compare it with its own
+        :data:`MANIFEST_CHECKSUM`, if any.
 
         Raises:
             FormatVersionError: ``format`` is a ``statekit/N`` this version does not read.
-            CorruptCheckpointError: the bytes are not JSON, a required field is missing or
-                has the wrong type, an entry or optional record is malformed, or the
-                manifest does not match its own checksum (edited or damaged after its commit).
+            CorruptCheckpointError: not JSON, a field missing or of the wrong type, a malformed
+                entry, or a manifest that does not match its own checksum.
         """
         manifest = _manifest_object(manifest, source)
         optional = {name: parse(manifest[name], source) for name, parse in _OPTIONAL.items() if name in manifest}
@@ -440,12 +434,10 @@ class Manifest(_Record):
         return cls(**{**_known(cls, manifest), "step": manifest.get("step"), "files": files, "objects": objects, **optional})
 
     def sealed(self) -> tuple[Manifest, bytes]:
-        """This manifest sealed: :data:`MANIFEST_CHECKSUM` set over it as a reader parses it
-        back, in canonical form (``docs/format.md``).
+        """This manifest with :data:`MANIFEST_CHECKSUM` set, in canonical form.
 
         Returns:
-            ``(manifest, data)``: the manifest with its checksum, and the file's bytes (UTF-8
-            JSON indented one space per level).
+            ``(manifest, data)``: the sealed manifest and the file's bytes (UTF-8 JSON).
 
         Raises:
             ValueError: the manifest is not strict JSON (NaN or infinity).
@@ -487,8 +479,8 @@ class Manifest(_Record):
         return self.size_bytes - self.reused_bytes
 
     def layout(self, core: str) -> str:
-        """How the checkpoint's files are laid out: ``records[core]["layout"]``
-        (``"accelerate"`` when an attached accelerator wrote them), else ``"statekit"``.
+        """How the checkpoint's files are laid out: ``records[core]["layout"]`` (``"accelerate"``
+        when an attached accelerator wrote them), else ``"statekit"``.
 
         Args:
             core: the core's owner name (``"statekit"``).

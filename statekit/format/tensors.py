@@ -1,9 +1,6 @@
-"""Tensor data to and from safetensors files, streamed in chunks with the checksum in the same pass.
-
-The layout is safetensors' (https://github.com/huggingface/safetensors#format; statekit's
-additions: ``docs/format.md``, Tensor files); why statekit writes and reads it itself, and how
-the suite checks it against the library: ``docs/design-notes.md``, Format. Reading fills
-existing tensors in place where it can. Headers: :mod:`statekit.format.header`.
+"""Tensor data to and from safetensors files, streamed in chunks with the checksum in the same
+pass; reading fills existing tensors in place where it can. Layout: docs/format.md, "Tensor
+files"; why statekit writes it itself: docs/design-notes.md, "Format".
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, list[Any]]:
     """The header bytes and the stored tensors (in file order, tied views once) of the file
-    :func:`write_tensors` writes for ``tensors`` (the format version 1 layout: the data
-    section page-aligned from :data:`ALIGN_MIN_BYTES` of tensor data).
+    :func:`write_tensors` writes for ``tensors``.
 
     Args:
         tensors: ``name -> tensor``, as for :func:`write_tensors`.
@@ -70,24 +66,19 @@ def write_tensors(
     metadata: Mapping[str, str] | None = None,
     hasher: Any = None,
 ) -> int:
-    """Stream ``tensors`` to ``f`` as a safetensors file, one tensor (chunk) at a time.
-
-    Peak extra memory is one chunk, or one tensor when it must be made contiguous on the
-    CPU; accelerator tensors pass through one reused host buffer (:data:`BOUNCE_BYTES`);
-    no serialised copy of the whole file is built.
+    """Stream ``tensors`` to ``f`` as a safetensors file, one tensor (chunk) at a time: peak extra
+    memory is one chunk (one tensor when it must be made contiguous); accelerator tensors pass
+    through one reused host buffer (:data:`BOUNCE_BYTES`).
 
     Args:
-        f: a binary file open for writing (written through
-            :func:`statekit.storage.streams.bulk_writer`: the storage's own files decide
-            how the bytes reach the disk; any other file is written with ``write``).
+        f: a binary file open for writing (through :func:`statekit.storage.streams.bulk_writer`).
         tensors: ``name -> tensor``. Identical views of one storage (tied weights) are
             stored once and listed in ``__metadata__["statekit.aliases"]``. A mapping with a
             ``stream()`` (:class:`statekit.engine.budget.StreamedTensors`) supplies the data
             section's bytes in order from it (a budgeted async save's ring of pieces).
         metadata: extra ``__metadata__`` entries (str -> str).
         hasher: an :func:`new_hasher` updated with every byte written, or None; a
-            :class:`~statekit.storage.hashing.PrefixHasher` also records the checksum at
-            the end of the header and every ``PREFIX_STEP_BYTES`` after it.
+            :class:`~statekit.storage.hashing.PrefixHasher` also records prefix checksums.
 
     Returns:
         The file size in bytes.
@@ -131,12 +122,8 @@ def _pieces(view: memoryview, step: int) -> Iterator[memoryview]:
 
 
 def host_chunks(planned: list[Any], step: int) -> Iterator[memoryview]:
-    """The planned tensors' bytes in order, as CPU memoryviews of at most ``step`` bytes.
-
-    Contiguous tensors on an accelerator pass through one reused host buffer of
-    :data:`BOUNCE_BYTES` (blocking copies, so a chunk is complete when yielded and is
-    overwritten only after the caller consumed it; why: ``docs/benchmark.md``, Sync saves of
-    a GPU state).
+    """The planned tensors' bytes in order, as CPU memoryviews of at most ``step`` bytes (accelerator
+    tensors through one reused host buffer, blocking copies; why: docs/benchmark.md).
     """
     bounce: torch.Tensor | None = None
     for p in planned:
@@ -172,9 +159,9 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 
 def _one_arena(tensors: Mapping[str, Any], planned: list[Any]) -> torch.Tensor | None:
-    """The planned tensors' bytes as one uint8 CPU tensor when ``tensors`` carries an
-    ``arena`` (:class:`statekit.engine.staging.StagedTensors`) in which they lie back to
-    back, in order (checked); else None."""
+    """The planned tensors' bytes as one uint8 CPU tensor when they lie back to back in the
+    ``arena`` of ``tensors`` (staged tensors); else None.
+    """
     arena = getattr(tensors, "arena", None)
     if not isinstance(arena, torch.Tensor) or arena.device.type != "cpu" or arena.dtype != torch.uint8:
         return None
@@ -204,26 +191,18 @@ def read_tensors(
     """Read a safetensors file sequentially, optionally straight into existing tensors.
 
     Args:
-        f: a binary file open for reading at offset 0 (or, with ``header``, at the start
-            of its data section).
+        f: a binary file open for reading at offset 0 (with ``header``: at its data section).
         source: its URL, named in errors.
         file_size: its size in bytes if known (validates the data section).
-        into: ``name -> tensor`` to fill in place. A CPU, contiguous target of the same
-            dtype and shape receives the bytes directly (no intermediate tensor:
-            :func:`read_exactly_into` reads into it); any other target is filled with
-            ``copy_`` from a one-tensor buffer.
-        names: read only these names (others are skipped with ``seek``); all if None.
-            Ignored when ``hasher`` is given, which needs every byte.
+        into: ``name -> tensor`` to fill in place (a CPU, contiguous target of the same dtype
+            and shape receives the bytes directly; others by ``copy_`` from a buffer).
+        names: read only these names (others skipped with ``seek``); all if None. Ignored
+            when ``hasher`` is given.
         hasher: updated with every byte of the file (for checksum verification).
-        fresh: buffers made ahead for this file by :func:`fresh_buffers` (and being
-            faulted in by the caller's helper thread): used for the entries they fit
-            (same stored dtype and shape), others are allocated here.
-        ready: called with each buffer of ``fresh`` before any byte is read into it (the
-            caller's helper hand-off, e.g. :meth:`statekit.engine.read_ahead.FreshAhead.ready`);
-            None only where no other thread writes into ``fresh``.
-        header: the file's header, parsed already from ``f`` (with ``hasher`` fed its
-            bytes): the read goes on from the data section, and the header is not read
-            again. None: parsed here.
+        fresh: buffers made ahead by :func:`fresh_buffers`, used for the entries they fit.
+        ready: called with each buffer of ``fresh`` before any byte is read into it; None
+            only where no other thread writes into ``fresh``.
+        header: the file's header, parsed already from ``f``; None: parsed here.
 
     Returns:
         ``(tensors, header)``: ``tensors`` maps every (selected) name, aliases included, to
@@ -318,10 +297,8 @@ def _fills_in_place(e: TensorEntry, target: torch.Tensor | None) -> bool:
 def fresh_buffers(
     header: TensorHeader, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """New tensors for the ``entries`` of ``header`` that cannot be read into their
-    ``into`` target, allocated up front and untouched, so that a helper thread
-    (:class:`statekit.storage.prefault.Prefaulter`) can fault their pages in ahead of the
-    reads.
+    """New, untouched tensors for the ``entries`` that cannot be read into their ``into`` target,
+    so a helper thread (:class:`statekit.storage.prefault.Prefaulter`) can fault them in ahead.
 
     Args:
         header: the file's parsed header.
@@ -372,10 +349,7 @@ def _read_one(
 
 
 def read_exactly_into(f: BinaryIO, view: memoryview, source: str, name: str, hasher: Any = None) -> None:
-    """Fill ``view`` from ``f``, in place (no intermediate copy), through the storage's
-    read interface (:func:`statekit.storage.streams.fill`: the storage's ``O_DIRECT``
-    reader with the checksum overlapped with the next read, or ``readinto`` in chunks of
-    :data:`CHUNK_BYTES` for any other file).
+    """Fill ``view`` from ``f`` in place, through :func:`statekit.storage.streams.fill`.
 
     Args:
         f: a binary file positioned at the tensor's first byte.

@@ -1,22 +1,9 @@
 """The statekit hook contract: the hook specifications, and nothing else.
 
 Each spec is an empty function whose docstring *is* the reference (as in pytest's
-``hookspec.py``). Plugins implement them with :data:`statekit.hookimpl`.
-
-Calling rules common to every hook (see ``docs/hooks.md``):
-
-* The host calls implementations **one at a time** in pluggy's order (``tryfirst``
-  first, then the last registered first), with ``checkpoint.plugin`` set to the name of
-  the plugin being called. Every file written through ``checkpoint`` and every model or
-  object a plugin removes is attributed to that plugin in the manifest.
-* Plugin code runs under an RNG guard: the Python, NumPy and torch random states are put
-  back after each call, so no plugin shifts the training run's random streams. A plugin
-  that manages random state itself sets ``STATEKIT_MANAGES_RNG = True`` (statekit-rng).
-  The one exception is ``statekit_checkpoint_committed``, which may run on a background
-  thread beside training: it runs unguarded and must not draw random numbers.
-* Hook wrappers (``hookwrapper=True`` / ``wrapper=True``) are not supported.
-* An exception raised by an implementation becomes a :class:`statekit.PluginError`
-  naming the plugin and the hook, with the original exception as ``__cause__``.
+``hookspec.py``). Plugins implement them with :data:`statekit.hookimpl`. The calling rules
+common to every hook (one at a time, under an RNG guard, no wrappers, errors become
+:class:`statekit.PluginError`): docs/hooks.md, "Calling rules".
 """
 
 from __future__ import annotations
@@ -99,6 +86,32 @@ def statekit_save_state_pre(
         PluginError: anything the plugin raises becomes a :class:`statekit.PluginError`
             naming plugin and hook. Nothing is committed; the previous checkpoint is
             untouched.
+    """
+
+
+@hookspec
+def statekit_boundary_state(objects: Mapping[str, Any]) -> Any:
+    """Capture, at a step boundary, the state this plugin's ``statekit_save_state_pre``
+    would save that does not live in the run's tensors (random states, counters), so that
+    a save of that boundary made later, while training has gone on, writes it.
+
+    Called on the main thread at every safe point of a manager with ``save_on_signal``
+    (``step_boundary``), without the RNG guard: keep it cheap (microseconds) and read-only.
+    A save of the boundary (the save on a signal from the watcher thread,
+    :mod:`statekit.manager.signal_watcher`) runs ``statekit_save_state_pre`` with
+    ``checkpoint.boundary_state()`` returning what this call returned; a plugin that does
+    not implement it saves its live state there (fine for state that only training steps
+    change: the watcher proves none ran).
+
+    Args:
+        objects: the stateful objects of the save by stable key (as ``checkpoint.objects``).
+
+    Returns:
+        Anything (kept by reference: return copies of what changes), or None.
+
+    Raises:
+        PluginError: anything the plugin raises; the boundary's state is not taken (a
+            signal then saves at the next safe point).
     """
 
 

@@ -164,9 +164,8 @@ class PluginManager(pluggy.PluginManager):
                     raise pluggy.PluginValidationError(impl.plugin, problem)
 
     def register_builtin(self, factory: Any, name: str, version: str) -> bool:
-        """Register a plugin that ships inside statekit's core (``accelerate-hooks``)
-        once, recorded as ``built-in``; a name blocked with
-        ``STATEKIT_DISABLE_PLUGINS`` stays blocked.
+        """Register a plugin that ships inside statekit's core once, recorded as ``built-in`` (a name
+        blocked with ``STATEKIT_DISABLE_PLUGINS`` stays blocked).
 
         Args:
             factory: ``callable() -> plugin``, called only when the plugin is registered now.
@@ -184,11 +183,8 @@ class PluginManager(pluggy.PluginManager):
         return True
 
     def manager_option_owners(self) -> dict[str, tuple[str, Any]]:
-        """The manager-level options the registered plugins declare.
-
-        A plugin declares the keyword options of ``CheckpointManager(...)`` it owns as
-        ``STATEKIT_MANAGER_OPTIONS``, a mapping of option name to default value; it
-        validates them in ``statekit_manager_options``.
+        """The manager-level options the registered plugins declare (``STATEKIT_MANAGER_OPTIONS``:
+        option name -> default; validated in ``statekit_manager_options``).
 
         Returns:
             ``{option: (plugin name, default)}``.
@@ -593,11 +589,8 @@ def track_save_claims(
         owners: filled with stable key -> plugin name.
 
     Returns:
-        ``callable(plugin_name)``.
-
-    Raises:
-        PluginError: (from the callback) a plugin left ``models`` and ``weights`` of
-            different lengths.
+        ``callable(plugin_name)``; it raises ``PluginError`` when a plugin left ``models`` and
+        ``weights`` of different lengths.
     """
     state = {"models": {id(m) for m in hook_models}, "objects": set(checkpoint.objects)}
 

@@ -84,9 +84,7 @@ def _saved_position(loader: Any, position: Position) -> tuple[int, int, dict[str
 
 
 def _replay_fields(position: Position, batches: int) -> dict[str, Any]:
-    """What replaying a saved position inside an epoch needs besides its generator states:
-    the random states of batches fetched ahead, and the global states the epoch's order was
-    drawn from (:mod:`statekit.loaders.epoch_rng`) or the prebuilt iterator that drew it."""
+    """What replaying a saved position inside an epoch needs besides its generator states."""
     fields: dict[str, Any] = {}
     ahead = fetch_rng.saved_states(position, batches)  # random states of batches fetched ahead
     if ahead:
@@ -121,9 +119,7 @@ def _next_batch(loader: Any, position: Position, epoch: int, batches: int, in_ep
 
 
 def _untracked_state(loader: Any, name: str | None) -> dict[str, Any]:
-    """The state of a loader statekit never tracked (``statekit.save``/``save_state``
-    without :func:`statekit.attach` or a manager): a position inside an epoch was never
-    recorded, so saying nothing would resume the epoch from its start in a new order."""
+    """The state of a loader statekit never tracked (its position inside an epoch is unknown)."""
     state: dict[str, Any] = {"tracked": False, "epoch": int(getattr(loader, "iteration", 0) or 0)}
     # Accelerate adapters always have state_dict(); it works only for stateful loaders
     if callable(getattr(loader, "state_dict", None)) and getattr(loader, "use_stateful_dataloader", True):
@@ -154,16 +150,14 @@ def restore_loader(
         name: the loader's checkpoint key (``dataloader_0``), named in warnings.
         ranks: the saved states of every saved rank (index = rank), when known: with another
             world size they plan this rank's rest of the epoch (:mod:`statekit.loaders.elastic`).
-        epoch_from_step: the loop derives its epoch from the step, as every script written for
-            Accelerate's own resume does (Accelerate saves no loop counter): a save right after
-            an epoch's last batch is then logged, not warned about (:func:`_warn_after_last_batch`).
+        epoch_from_step: the loop derives its epoch from the step (scripts written for
+            Accelerate's resume): a save after an epoch's last batch is logged, not warned about.
 
     Returns:
         False when nothing was restored (``state`` is None and no plan applies).
 
     Raises:
-        StateMismatchError: the world size changed mid-epoch and the epoch cannot continue
-            exactly (:func:`statekit.loaders.elastic.plan`).
+        StateMismatchError: the world size changed mid-epoch and the epoch cannot continue exactly.
     """
     planned = elastic.plan(ranks, state, elastic.describe(loader, inner_loader(loader), sampler_of(loader)), name or "data loader") if ranks else None
     if planned is not None:  # another world size: this rank yields its share of what no saved rank consumed
@@ -179,9 +173,9 @@ def restore_loader(
 
 
 def _restore_tracked(loader: Any, state: dict[str, Any], name: str | None, planned: Any, epoch_from_step: bool) -> None:
-    """Put a position statekit tracked back as the loader's pending position (applied by
-    the next ``iter()``, :func:`_apply_pending`), and register it with the resume audit;
-    ``planned``: this rank's share of the epoch after a world-size change, or None."""
+    """Set a tracked position as the loader's pending one and register it with the resume audit
+    (``planned``: this rank's share after a world-size change, or None).
+    """
     batches = _batches_to_skip(loader, state)
     restarted = batches != int(state["batches"])
     position = track(loader)
@@ -239,9 +233,7 @@ def _audit_restored(loader: Any, position: Position, state: dict[str, Any], name
 
 
 def _warn_after_last_batch(loader: Any, state: dict[str, Any], name: str | None, epoch_from_step: bool) -> None:
-    """The save was made inside the ``for`` loop after the epoch's last batch: the loop's
-    epoch-end code must not run again for that epoch. Where the loop derives its epoch from
-    the step (``epoch_from_step``) the position is what it expects: an INFO line only."""
+    """Warn about a save after the epoch's last batch (INFO only where ``epoch_from_step``)."""
     if epoch_from_step:
         logger.info("%s: saved right after the last batch of epoch %d; the next `for batch in loader` starts epoch %s "
                     "(the epoch the script derives from the step)", name or describe(loader), int(state["epoch"]) - 1,

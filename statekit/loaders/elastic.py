@@ -1,17 +1,13 @@
 """Elastic data position: finish an epoch interrupted with world size N on M ranks, every
-sample seen exactly once over all ranks (plus the M-rank run's end padding): the failure of
-Megatron-Bridge PR#5637 and SimpleTuner PR#2986. User documentation and the exact rule:
-docs/concepts.md, "Changing the world size".
+sample seen exactly once over all ranks (plus the M-rank run's end padding).
 
-``P`` is the epoch's permutation; position ``p`` stands for ``P[p]``, so padding and repeats
-are positions and "seen" is a set. :func:`describe` saves a loader's layout; :func:`plan`
-computes this rank's rest of the epoch from all saved positions (pure index arithmetic, the
-models in :mod:`statekit.loaders.elastic_layouts`); :func:`install` and :class:`PlannedBatches`
-map it to dataset indices at iteration time. Sources followed (tests/unit/loaders/test_elastic.py
-checks the models against the real classes): ``BatchSamplerShard`` and ``DataLoaderDispatcher``
-of Accelerate 1.x, https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py,
-and ``DistributedSampler.__iter__``,
-https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py."""
+:func:`describe` saves a loader's layout; :func:`plan` computes this rank's rest of the epoch
+(index arithmetic: :mod:`statekit.loaders.elastic_layouts`); :func:`install` and
+:class:`PlannedBatches` map it to dataset indices. Rule and user documentation:
+docs/concepts.md, "Changing the world size". Sources (checked by tests/unit/loaders/test_elastic.py):
+https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py and
+https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py.
+"""
 
 from __future__ import annotations
 
@@ -254,14 +250,11 @@ def saved_fields(loader: Any, layout: dict[str, Any], epoch: int, in_epoch: bool
 
 
 class PlannedBatches:
-    """A batch sampler that yields a :class:`Plan`'s batches as dataset indices, once.
-
-    Taking an iterator puts ``original`` back on ``owner`` (the torch loader). The plan goes to the
-    first iterator asked for a batch, not the first ``iter()``: torch's multi-process iterator calls
-    ``iter()`` twice while built and draws from the second, so spending the plan at the first call
-    would train every consumed sample again. Later iterators yield the original's batches. The
-    permutation is drawn from ``sampler`` at the first batch, as an uninterrupted run draws it
-    (:func:`~statekit.loaders.elastic_layouts.permutation`). Other attributes are the original's."""
+    """A batch sampler that yields a :class:`Plan`'s batches as dataset indices, once: the first
+    iterator asked for a batch takes the plan (torch's multi-process iterator calls ``iter()``
+    twice), later ones yield the original's; the permutation is drawn from ``sampler`` at the
+    first batch. Other attributes are the original's.
+    """
 
     def __init__(self, original: Any, planned: Plan, sampler: Any, owner: Any) -> None:
         self.original, self.planned, self.draw_from, self.owner = original, planned, sampler, owner

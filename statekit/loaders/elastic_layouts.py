@@ -1,14 +1,8 @@
-"""Elastic data position, the layout models: which positions of an epoch each rank of a
-data loader's layout yields, and the epoch's permutation.
-
-Pure functions on positions (ints ``0..L-1`` standing for ``P[p]``, the epoch's
-permutation), used by :mod:`statekit.loaders.elastic` to plan the rest of an interrupted
-epoch: :func:`shard` models Accelerate's ``BatchSamplerShard`` (``shard``) and
-``DataLoaderDispatcher`` (``dispatch``) and torch's ``DistributedSampler``
-(``distributed``) for any world size, :func:`remaining` applies them to the segments an
-epoch was consumed in, :func:`permutation` draws ``P`` again. The precise models and the
-sources they follow are described in :mod:`statekit.loaders.elastic`'s docstring;
-tests/unit/loaders/test_elastic.py checks them against the real classes.
+"""Elastic data position, the layout models: which positions of an epoch (ints ``0..L-1``
+standing for ``P[p]``) each rank of a layout yields (:func:`shard`: Accelerate's
+``BatchSamplerShard`` and ``DataLoaderDispatcher``, torch's ``DistributedSampler``), what the
+consumed segments left (:func:`remaining`), and ``P`` drawn again (:func:`permutation`).
+Sources: :mod:`statekit.loaders.elastic`; tests/unit/loaders/test_elastic.py checks them.
 """
 
 from __future__ import annotations
@@ -156,11 +150,8 @@ def _distributed(positions: list[int], n: int, size: int, drop: bool, sampler_dr
 
 
 def permutation(source: dict[str, Any], sampler: Any, length: int) -> list[int]:
-    """The epoch's permutation ``P``: what the sampler yields in one epoch.
-
-    ``distributed``: ``DistributedSampler.__iter__``'s shuffle with the saved ``seed`` and
-    ``epoch`` (before padding); otherwise the live sampler iterated once (its generator was
-    set to the epoch-start state, so this draws what the interrupted epoch drew).
+    """The epoch's permutation ``P``: ``DistributedSampler``'s shuffle with the saved ``seed`` and
+    ``epoch``, or the live sampler (at its epoch-start state) iterated once.
 
     Raises:
         StateMismatchError: the sampler yields another number of samples than saved.

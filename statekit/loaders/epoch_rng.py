@@ -1,22 +1,11 @@
 """The global random draws that start an epoch: recorded when it starts, replayed on resume.
 
-A ``DataLoader`` without a ``generator`` draws its workers' base seed from the global torch
-generator when an iterator is built (``_BaseDataLoaderIter.__init__``), and a
-``RandomSampler`` without one draws its permutation seed from it when the first batch's
-indices are asked for; a custom sampler may draw from Python's or NumPy's global generator
-in its ``__iter__``. So the order of an epoch is fixed by the global random states *at the
-epoch start*, which a checkpoint saved mid-epoch no longer holds (statekit-rng saves the
-states at save time).
-
-statekit does not give loaders generators of their own for this (that would change the
-data order of a run the moment statekit is attached, against a run without it). Instead
-:mod:`statekit.loaders.tracking` snapshots the global states (:func:`statekit.devices.snapshot_random_states`)
-right before each epoch's iterator is built, and saves them with the position. A resume
-replays the epoch start (:func:`replay`): it sets those states back, lets the iterator and
-the sampler make the draws they made in the saved run, and puts back the states the
-checkpoint restored right after the sampler handed over the first batch's indices, before
-anything is fetched: the iterator takes ``iter(batch_sampler)`` before it draws the base
-seed, and the sampler draws when it is first asked (:class:`ReplayEpochStart`).
+A loader or ``RandomSampler`` without a generator draws the epoch's seeds from the global
+generators, so the epoch's order is fixed by the global states at its start.
+:mod:`statekit.loaders.tracking` snapshots them before each epoch's iterator is built; a
+resume sets them back, lets the sampler draw, then puts the checkpoint's states back before
+the first fetch (:class:`ReplayEpochStart`, :class:`SettleAfterFirst`).
+Why: docs/design-notes.md, "Data loaders" (no generators of statekit's own).
 """
 
 from __future__ import annotations
@@ -31,23 +20,17 @@ from statekit.loaders.samplers import BatchSamplerWrapper
 
 
 class ReplayEpochStart(BatchSamplerWrapper):
-    """The outermost batch sampler (or sampler) wrapper of a resumed epoch's first iterator.
-
-    ``iter()`` of it keeps the global random states found then in ``position.resume_rng``
-    and sets the saved epoch start's; torch's iterator calls it before it draws the base
-    seed, so that draw is replayed too. :class:`SettleAfterFirst`, the innermost wrapper,
-    puts the kept states back as soon as the sampler handed over the first batch.
+    """The outermost wrapper of a resumed epoch's first iterator: ``iter()`` of it keeps the live
+    global states in ``position.resume_rng`` and sets the saved epoch start's (before torch
+    draws the base seed).
 
     Args:
         wrapped: the wrapped batch sampler.
         start: the global states at the saved epoch's start (:func:`~statekit.devices.snapshot_random_states`).
         position: the loader's ``Position``.
-        at_first_batch: set the states when the first batch is asked for, not at ``iter()``,
-            and put back those found at ``iter()``: the saved epoch ran on an iterator built
-            before it (``statekit.loaders.tracking._prebuilt``, or persistent workers started in
-            an earlier epoch), which drew no base seed at the recorded start; the iterator
-            built now draws one between ``iter()`` and the first batch, and that draw must
-            not shift the replay or the run after it.
+        at_first_batch: set the states at the first batch instead, and put back those found at
+            ``iter()``: the saved epoch ran on an iterator built before it (prebuilt, or
+            persistent workers), whose base seed was not drawn at the recorded start.
     """
 
     def __init__(self, wrapped: Any, start: dict[str, Any], position: Any, at_first_batch: bool = False) -> None:
@@ -126,17 +109,10 @@ def wrapper(position: Any, start: dict[str, Any] | None, at_first_batch: bool = 
 
 
 class SeedProbe(BatchSamplerWrapper):
-    """The innermost wrapper for a ``RandomSampler`` without a generator: right before the
-    sampler's first draw of the epoch, work out the generator it is about to seed and keep
-    its state as the epoch's ``"sampler"`` start state.
-
-    ``RandomSampler.__iter__`` without a generator draws ``seed`` from the global torch
-    generator and shuffles with ``torch.Generator().manual_seed(seed)``
-    (https://github.com/pytorch/pytorch/blob/main/torch/utils/data/sampler.py). The same draw
-    on a copy of the global state gives that generator without drawing anything, so a
-    resume with another world size, whose sampler has a generator (Accelerate gives one
-    to a sharded sampler), draws this epoch's permutation again
-    (:mod:`statekit.loaders.elastic`).
+    """The innermost wrapper for a ``RandomSampler`` without a generator: before its first draw,
+    work out the generator it is about to seed (the same draw on a copy of the global state,
+    https://github.com/pytorch/pytorch/blob/main/torch/utils/data/sampler.py) and keep its
+    state as the epoch's ``"sampler"`` start state (for :mod:`statekit.loaders.elastic`).
     """
 
     def __init__(self, wrapped: Any, position: Any) -> None:

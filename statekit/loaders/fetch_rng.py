@@ -1,21 +1,10 @@
 """Random draws of batches a loader fetched ahead: replayed on resume in their first order.
 
-A loader that reads ahead in the training process draws the random numbers of the batches
-it fetched but did not yield yet. Accelerate's ``DataLoaderShard`` fetches batch ``k + 1``
-before it yields batch ``k`` (to know where the epoch ends), so with ``num_workers=0`` the
-dataset's random transforms for batch ``k + 1`` (``torch.rand`` in ``__getitem__``, the
-everyday augmentation) run before the training step of batch ``k``. A checkpoint saved after
-that step holds global random states that already include those draws. A resume fetches
-batch ``k + 1`` again, from those later states: it gets other augmentations, and every draw
-after it shifts (dropout masks too), without a word.
-
-So, while an epoch runs with ``num_workers=0``, the global random states right before each
-fetch are kept (:class:`FetchLog`, a batch-sampler wrapper; states of consumed batches are
-dropped). A save stores those of the batches fetched but not yet consumed
-(:func:`saved_states`). The resumed iterator sets each one back right before it fetches that
-batch again, and puts back the states the checkpoint restored right after the last of them
-(before the next fetch, or at the first batch it yields when it does not read ahead), which is
-where the interrupted run stood.
+With ``num_workers=0`` Accelerate's ``DataLoaderShard`` fetches batch ``k + 1`` (its random
+transforms) before the step of batch ``k``; a resume fetching it again from later states would
+draw other augmentations. :class:`FetchLog` keeps the states before each fetch, a save stores
+those of batches fetched but not consumed (:func:`saved_states`), and the resumed iterator
+sets each back before refetching. Why: docs/design-notes.md, "Data loaders".
 """
 
 from __future__ import annotations
@@ -29,24 +18,16 @@ from statekit.loaders.samplers import BatchSamplerWrapper
 
 class FetchLog(BatchSamplerWrapper):
     """A batch sampler that records the global random states before each fetch in
-    ``position.fetch_states`` (by fetch number in the epoch) and, on a resume, sets the
-    recorded states of batches the interrupted run had fetched ahead before fetching them
-    again.
-
-    With ``num_workers=0`` a ``DataLoader`` iterator fetches a batch right after it asks for
-    its indices, so the states when the indices are handed over are the states the fetch
-    starts from.
+    ``position.fetch_states`` and, on a resume, sets the recorded states of batches fetched
+    ahead before fetching them again.
 
     Args:
         batch_sampler: the batch sampler to wrap (the skip wrapper already applied).
         position: the loader's ``Position`` (``fetch_states``, ``replay_after``).
-        first: fetch number of the first batch this iterator yields (the consumed batches
-            a resume skips are not fetched).
+        first: fetch number of the first batch this iterator yields.
         replay: fetch number -> the states its first fetch started from (empty: none).
-        settle_after: put back the states found at the first replayed fetch once the
-            replayed ones are fetched (False when the fetches run under an RNG guard, which
-            puts them back itself: the consumed batches re-read by
-            :func:`statekit.loaders.iterable.consume`).
+        settle_after: put back the states found at the first replayed fetch once the replayed
+            ones are fetched (False under an RNG guard, which puts them back itself).
     """
 
     def __init__(
@@ -76,16 +57,14 @@ class FetchLog(BatchSamplerWrapper):
 def recorder(
     inner: Any, position: Any, first: int, batches: int, replay: list[dict[str, Any]] | None, settle_after: bool
 ) -> Any:
-    """A wrapper for ``inner``'s batch sampler (:class:`FetchLog`), or None when fetches
-    run in worker processes (``num_workers > 0``: they draw from the workers' own seeds,
-    not from the training process's states).
+    """A wrapper for ``inner``'s batch sampler (:class:`FetchLog`), or None when fetches run in
+    worker processes.
 
     Args:
         inner: the torch ``DataLoader``.
         position: its ``Position``.
         first: fetch number of the first batch the new iterator asks for.
-        batches: the consumed batches of a resumed epoch (the fetch number of the first
-            replayed state); 0 otherwise.
+        batches: the consumed batches of a resumed epoch; 0 otherwise.
         replay: states saved by :func:`saved_states` for this resume, or None.
         settle_after: see :class:`FetchLog`.
     """

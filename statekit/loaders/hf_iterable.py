@@ -1,26 +1,10 @@
-"""What a Hugging Face ``datasets.IterableDataset``'s own state can and cannot restore.
-
-A ``datasets.IterableDataset`` follows torchdata's Stateful protocol in name, with three
-differences that decide how :mod:`statekit.loaders.iterable` resumes it
-(``datasets/iterable_dataset.py``, ``IterableDataset.state_dict``/``load_state_dict``/
-``_prepare_ex_iterable_for_iteration``, datasets 3.0 to 5.x):
-
-- ``load_state_dict(state)`` only stores ``state`` (``_starting_state_dict``); *every* later
-  ``__iter__`` applies it again while ``dataset.epoch == state["epoch"]``. Without a
-  ``set_epoch`` call between epochs (a plain loop), each epoch after a resume would start at
-  the saved position. statekit forgets the state it loaded once the resumed epoch's
-  iterator started (:func:`forget_loaded`), as torchdata's protocol has it (a state applies
-  to the next ``iter()`` only).
-- ``state_dict()`` between epochs is where the last epoch *ended*, not where the next one
-  starts: every ``__iter__`` starts its epoch afresh (the order depends on ``set_epoch``
-  only). So the epoch-start state of such a dataset is "nothing loaded"
-  (:func:`epoch_start_state` is None).
-- The state does not hold a shuffle buffer's content (``.shuffle(seed, buffer_size)``:
-  ``BufferShuffledExamplesIterable``; datasets logs "examples from shuffle buffers are
-  lost" through its own logger): :func:`inexact_state` names it, and the resume re-reads
-  the epoch's stream from its start instead (exact; the cost is the re-read).
-
-``datasets`` is never imported here: its classes are recognised by module and name.
+"""What a Hugging Face ``datasets.IterableDataset``'s own state can and cannot restore
+(datasets 3.0 to 5.x, ``datasets/iterable_dataset.py``): ``load_state_dict`` applies to every
+later ``iter()`` of the same epoch (:func:`forget_loaded` drops it), ``state_dict()`` between
+epochs is the last epoch's end (:func:`epoch_start_state` is None), and a shuffle buffer is
+not in the state (:func:`inexact_state`; the resume re-reads the stream instead).
+User documentation: docs/concepts.md, "Data stacks: what each one gets". ``datasets`` is
+never imported here.
 """
 
 from __future__ import annotations
@@ -56,7 +40,7 @@ def inexact_state(dataset: Any) -> str | None:
 
     Returns:
         A phrase for messages (a shuffle buffer; a batched ``map`` over Arrow-formatted
-        examples, which datasets documents "may skip one batch"), or None.
+        examples), or None.
     """
     if not is_hf_iterable(dataset):
         return None
@@ -81,8 +65,7 @@ def inexact_state(dataset: Any) -> str | None:
 
 
 def epoch_start_state(dataset: Any) -> Any:
-    """The state that restarts ``dataset``'s current epoch, or None when a fresh ``iter()``
-    does (a ``datasets.IterableDataset``: see the module docstring).
+    """The state that restarts ``dataset``'s current epoch, or None when a fresh ``iter()`` does.
 
     Args:
         dataset: a dataset with ``state_dict()`` (torchdata's Stateful protocol).
@@ -93,12 +76,11 @@ def epoch_start_state(dataset: Any) -> Any:
 
 
 def forget_loaded(dataset: Any, loaded: Any) -> None:
-    """Drop a state statekit loaded into a ``datasets.IterableDataset`` once the epoch it
-    positions has started, so the next epochs start afresh (``datasets`` would apply it to
-    every later ``iter()`` of the same ``epoch``). A state someone else loaded is kept.
+    """Drop a state statekit loaded into a ``datasets.IterableDataset`` once its epoch started
+    (a state someone else loaded is kept).
 
     Args:
-        dataset: the dataset (anything: only a ``datasets.IterableDataset`` keeps states).
+        dataset: the dataset (only a ``datasets.IterableDataset`` keeps states).
         loaded: the object statekit passed to ``load_state_dict`` (compared by identity).
     """
     if loaded is not None and is_hf_iterable(dataset) and getattr(dataset, "_starting_state_dict", None) is loaded:

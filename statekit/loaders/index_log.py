@@ -18,12 +18,9 @@ class IndexLog(BatchSamplerWrapper):
         batch_sampler: the batch sampler to wrap (skip and replay wrappers applied).
         position: the loader's ``Position``.
         first: fetch number of the first batch this iterator asks for.
-        read_ahead: also ask the wrapped sampler for the next batch's indices, so a save
-            after batch ``k`` knows batch ``k + 1``'s (for loaders that do not ask ahead).
-        epoch_of: returns the sampler's epoch (:func:`sampler_epoch`); it is read when the
-            iterator takes the batch sampler (``position.sampler_epoch_start``), before any
-            draw: a sampler that counts its own epochs counts one more as soon as a
-            read-ahead runs it out, which says nothing about where the run stands.
+        read_ahead: also ask for the next batch's indices (for loaders that do not ask ahead).
+        epoch_of: returns the sampler's epoch (:func:`sampler_epoch`), read when the iterator
+            takes the batch sampler, before a read-ahead can advance it.
     """
 
     def __init__(self, batch_sampler: Any, position: Any, first: int, read_ahead: bool, epoch_of: Any = None) -> None:
@@ -71,11 +68,9 @@ def forget_before(position: Any, batches: int) -> None:
 
 
 def accelerate_next_batch(parent: Any, loader: Any) -> tuple[bool, Any]:
-    """The batch an Accelerate ``DataLoaderShard`` fetched ahead of the one it yielded last.
-
-    ``DataLoaderShard.__iter__`` holds it in its local ``next_batch`` while the training
-    loop runs (https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py);
-    at the epoch's last batch (``end_of_dataloader``) there is none.
+    """The batch an Accelerate ``DataLoaderShard`` fetched ahead of the one it yielded last (its
+    ``__iter__``'s local ``next_batch``,
+    https://github.com/huggingface/accelerate/blob/main/src/accelerate/data_loader.py).
 
     Returns:
         ``(True, batch)``, or ``(False, None)`` when the loader holds no next batch.

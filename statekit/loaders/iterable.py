@@ -1,15 +1,11 @@
 """Data position of iterable datasets and of loaders with worker processes, where skipping
-indices is not exact (an ``IterableDataset`` ignores them; a worker's generators, seeded from
-``base_seed + worker_id``, advance with every sample it loads: ``torch.utils.data._utils.worker._worker_loop``).
-
-:func:`plan` picks how a restored loader's next iterator continues: ``"dataset"`` (a Stateful
-iterable dataset in the main process: its state after the consumed batches, recorded by
-:func:`recorder` when the iterator asks for the next batch, since Accelerate's adapters fetch
-ahead; torchdata's protocol,
-https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/README.md), ``"indices"``
-(map-style without workers: :mod:`statekit.loaders.tracking` skips indices) or ``"consume"``
-(re-read and discard under :func:`statekit.devices.rng_guard`). What each covers and what is
-not exact (warned): docs/concepts.md, "Iterable datasets and workers"."""
+indices is not exact. :func:`plan` picks how a restored loader's next iterator continues:
+``"dataset"`` (a Stateful iterable dataset's state after the consumed batches, torchdata's
+protocol: https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/README.md),
+``"indices"`` (map-style without workers) or ``"consume"`` (re-read and discard under
+:func:`statekit.devices.rng_guard`). What each covers: docs/concepts.md, "Iterable datasets
+and workers".
+"""
 
 from __future__ import annotations
 
@@ -38,10 +34,9 @@ def is_stateful(dataset: Any) -> bool:
 
 
 def stateful_dataset(inner: Any) -> Any:
-    """The Stateful dataset behind the torch loader ``inner``: its dataset, or the one inside
-    Accelerate's ``IterableDatasetShard`` (with several processes each rank reads the whole
-    stream and keeps its slice, so the wrapped dataset's state is what restarts an epoch);
-    None when neither follows the Stateful protocol."""
+    """The Stateful dataset behind the torch loader ``inner`` (its dataset, or the one inside
+    Accelerate's ``IterableDatasetShard``), or None.
+    """
     dataset = getattr(inner, "dataset", None)
     if is_stateful(dataset):
         return dataset
@@ -76,9 +71,7 @@ def _dispatches(loader: Any) -> bool:
 
 
 def records_dataset(loader: Any, inner: Any) -> bool:
-    """True if the dataset's state after each batch is recorded (the ``"dataset"`` resume):
-    a Stateful iterable dataset whose state is exact (:func:`statekit.loaders.hf_iterable.inexact_state`),
-    read in the main process through a batch sampler, not dispatched from rank 0 to other ranks."""
+    """True if the dataset's state after each batch is recorded (the ``"dataset"`` resume)."""
     return (
         is_iterable(inner)
         and is_stateful(inner.dataset)
@@ -92,19 +85,19 @@ def records_dataset(loader: Any, inner: Any) -> bool:
 def plan(
     loader: Any, inner: Any, position: Any, pending: dict[str, Any] | None, skip: int, name: str, prebuilt: bool = False
 ) -> str | None:
-    """Prepare the dataset for the epoch the next iterator starts (generators already at the epoch
-    start) and say how to skip: load a saved Stateful dataset state, snapshot the epoch-start state
-    into ``position.dataset_start``, note ``position.workers_epoch``, warn about what keeps the
-    resume from being exact.
+    """Prepare the dataset for the epoch the next iterator starts and say how to skip: load a
+    saved Stateful dataset state, snapshot the epoch-start state, note ``position.workers_epoch``,
+    warn about what keeps the resume from being exact.
 
     Args:
-        loader: the tracked loader; inner: the torch loader that builds iterators.
+        loader: the tracked loader.
+        inner: the torch loader that builds iterators.
         position: the loader's :class:`statekit.loaders.tracking.Position`.
         pending: the restored position, or None for an epoch that is not a resume.
         skip: batches of this epoch consumed before the checkpoint.
         name: the loader's name in messages.
-        prebuilt: the epoch runs on an iterator built before it (a ``StatefulDataLoader``'s in
-            Accelerate's ``prepare()``): a dataset state cannot position it (``"consume"``).
+        prebuilt: the epoch runs on an iterator built before it: a dataset state cannot
+            position it (``"consume"``).
 
     Returns:
         ``"dataset"``, ``"indices"`` or ``"consume"`` when ``skip > 0``, else None.
@@ -163,9 +156,9 @@ def _warn_workers(inner: Any, pending: dict[str, Any], name: str) -> None:
 
 def recorder(loader: Any, inner: Any, position: Any, first: int) -> Any:
     """A wrapper for ``inner``'s batch sampler that records the dataset's state after each batch
-    into ``position.dataset_log`` (``{batches fetched: state}``; with ``num_workers=0`` batch ``j``'s
-    indices are asked right after batch ``j - 1`` was fetched), or None when not recorded
-    (:func:`records_dataset`). ``first``: batches of the epoch fetched before the iterator starts."""
+    into ``position.dataset_log``, or None (:func:`records_dataset`). ``first``: batches of the
+    epoch fetched before the iterator starts.
+    """
     if not records_dataset(loader, inner):
         return None
     position.dataset_fetched = first
@@ -242,9 +235,9 @@ def _reason(inner: Any) -> str:
 
 
 def saved_fields(inner: Any, position: Any, batches: int, in_epoch: bool) -> dict[str, Any]:
-    """What :func:`plan` needs at the next resume for a state saved now (``batches`` consumed;
-    ``in_epoch``: the saved epoch is the running one): ``dataset_start``, ``dataset_after`` (Stateful
-    datasets: at the epoch start, and after ``batches`` when recorded) and ``workers_epoch``."""
+    """What :func:`plan` needs at the next resume for a state saved now: ``dataset_start``,
+    ``dataset_after`` and ``workers_epoch``.
+    """
     dataset = stateful_dataset(inner)
     fields: dict[str, Any] = {"workers_epoch": position.workers_epoch}
     if dataset is None:
@@ -262,9 +255,7 @@ def saved_fields(inner: Any, position: Any, batches: int, in_epoch: bool) -> dic
 
 
 def started(inner: Any, position: Any) -> None:
-    """The epoch's iterator has started reading the dataset (its first batch arrived, or it
-    ended): a state loaded for this epoch only must not position the next ones
-    (:func:`statekit.loaders.hf_iterable.forget_loaded`)."""
+    """The epoch's iterator started reading: a state loaded for this epoch only is forgotten."""
     if position.dataset_loaded is not None:
         dataset = stateful_dataset(inner)
         hf_iterable.forget_loaded(dataset, position.dataset_loaded)

@@ -1,44 +1,13 @@
 """A training loop that skips the consumed batches itself, after statekit positioned the loader.
 
-Scripts written for Accelerate's own resume, which restarts the interrupted epoch, skip the
-batches the checkpoint had consumed themselves. diffusers'
-``examples/unconditional_image_generation/train_unconditional.py`` (huggingface/diffusers
-58eb52c) does::
-
-    for step, batch in enumerate(train_dataloader):
-        if args.resume_from_checkpoint and epoch == first_epoch and step < resume_step:
-            continue
-
-With statekit attached the loader already continues after those batches, so that loop would
-skip ``resume_step`` batches *more* (the rest of the epoch, often: a resumed run that trains
-zero steps and exits 0). After an attached ``accelerator.load_state`` of a training run (a
-model and an optimizer prepared), the first pass of each restored loader therefore watches
-what the loop does with what it yields. A batch is *skipped* when the loop asks for the next
-one after executing a ``continue`` statement and without training: no ``torch.nn.Module``
-ran a forward and no optimizer stepped. While the loop skips, the first resumed batch is
-yielded again (the same object: nothing is fetched, no random number drawn), at most as many
-times as the checkpoint had consumed batches; so the loop's own skip lands on exactly the
-batch the uninterrupted run trained next, at the same ``enumerate`` index. A loop that only
-collects batches (``list(loader)``) executes no ``continue`` and is never held.
-
-The ``continue`` is seen through line events of the frames iterating the loader (Python's
-``frame.f_trace``, as ``pdb`` sets it), installed at the first yield and removed at the first
-module forward or optimizer step (before a compiled model runs) or when the pass ends; a
-tracer already installed (a debugger, coverage) is chained, not replaced.
-
-Outcomes, by ``held`` (how many times the loop skipped) against ``consumed``:
-
-- ``held == 0``: the loop does not skip (statekit's own resume idiom): nothing happens;
-- ``held == consumed``: the loop's skip and statekit's position agree: exact, logged at INFO;
-- ``0 < held < consumed``: it skipped fewer batches than were consumed (its own count of the
-  position differs, or a wrapper reads ahead and asked before training): a
-  :class:`statekit.StatekitWarning`, since the second case would train the batch twice;
-- the loop still skips after ``consumed`` holds (it skips more than the checkpoint consumed):
-  a :class:`statekit.StatekitWarning` naming the batches it skips; they are not trained.
-
-The watch (a global module forward pre-hook and an optimizer step pre-hook) is put on at each
-yield of the first pass after the load, until the loop trains, and taken off by the first
-forward it sees, so the training step itself runs without it.
+Scripts written for Accelerate's resume skip in the loop (``continue`` while
+``step < resume_step``: diffusers' ``train_unconditional.py``); statekit's loader already
+continues after those batches. After an attached load of a training run, the first pass of a
+restored loader yields the first resumed batch again while the loop executes ``continue``
+without a module forward or an optimizer step (seen through ``frame.f_trace`` line events,
+chained with a tracer already installed), at most ``consumed`` times. ``held == consumed`` is
+logged at INFO; fewer or more is a :class:`statekit.StatekitWarning`.
+Why: docs/design-notes.md, "Attach mode under the scripts users run".
 """
 
 from __future__ import annotations
@@ -61,10 +30,9 @@ PENDING_KEY = "own_skip"
 
 
 def expect(loader: Any) -> None:
-    """Watch the next pass of ``loader`` (a tracked loader with a restored position, as
-    attach mode's ``load_state`` leaves it): see the module docstring. Does nothing for a loader
-    without a restored position, or whose position was saved between two passes (an
-    evaluation loader: a loop skipping its batches is none of the resume's business)."""
+    """Watch the next pass of ``loader`` (a tracked loader with a restored position inside an
+    epoch; a position saved between two passes is not watched).
+    """
     position = getattr(loader, "__dict__", {}).get("_statekit_position")
     pending = position.pending if position is not None else None
     if pending is not None and (pending.get("batches") or pending.get("epoch_rng") is not None):
@@ -72,10 +40,9 @@ def expect(loader: Any) -> None:
 
 
 class _Activity:
-    """Counts module forwards and optimizer steps between a held pass's yield and the first
-    forward or step after it: the global hooks are put on at a yield (:meth:`arm`) and taken off
-    by the first call they see, so the training step runs without them (a compiled model's
-    graph is the uninterrupted run's)."""
+    """Counts module forwards and optimizer steps after a held pass's yield (hooks on at
+    :meth:`arm`, off at the first call they see).
+    """
 
     def __init__(self) -> None:
         self.count = 0
@@ -148,11 +115,10 @@ class Hold:
         self._global_set = False
 
     def yielded(self, generator_frame: Any) -> None:
-        """The pass is about to yield a batch: mark the activity counter and trace the frames
-        iterating the loader.
+        """The pass is about to yield: mark the activity counter and trace the iterating frames.
 
         Args:
-            generator_frame: the pass's own frame (its ``f_back`` is the frame asking for batches).
+            generator_frame: the pass's own frame (its ``f_back`` asks for batches).
         """
         self._mark = _activity.count
         self._continued = False

@@ -1,10 +1,6 @@
 """What a data loader samples with: its torch loader, sampler and generators, and the
-batch-sampler wrappers :mod:`statekit.loaders.tracking` uses to replay an epoch.
-
-The one place statekit looks into a loader's sampling machinery (statekit-rng and the
-resume fingerprint use :func:`sampler_of` too): Accelerate's adapters wrap a torch
-``DataLoader`` (``base_dataloader``) and its batch sampler (``BatchSamplerShard``), and
-torch lets a batch sampler be passed as ``sampler=``.
+batch-sampler wrappers :mod:`statekit.loaders.tracking` replays an epoch with. The one
+place statekit looks into a loader's sampling machinery.
 """
 
 from __future__ import annotations
@@ -25,11 +21,7 @@ def inner_loader(loader: Any) -> Any:
 
 
 def generators(loader: Any) -> dict[str, torch.Generator]:
-    """The loader's ``torch.Generator`` objects by role: ``"sampler"`` and ``"loader"``.
-
-    The sampler is found as ``batch_sampler.sampler`` or, for Accelerate's
-    ``BatchSamplerShard``, ``batch_sampler.batch_sampler.sampler``.
-    """
+    """The loader's ``torch.Generator`` objects by role: ``"sampler"`` and ``"loader"``."""
     inner = inner_loader(loader)
     found: dict[str, torch.Generator] = {}
     sampler = sampler_of(inner)
@@ -41,14 +33,9 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
 
 
 def sampler_of(loader: Any) -> Any:
-    """The sampler that draws a data loader's indices (the one holding its generator).
-
-    The one sampler lookup of statekit (statekit-rng uses it too). Looks, in order, at
-    ``batch_sampler.sampler``, ``batch_sampler.batch_sampler.sampler`` (Accelerate's
-    ``BatchSamplerShard`` around the original batch sampler) and ``sampler`` of the torch
-    loader (the one an Accelerate adapter wraps), looking through a batch sampler found
-    there (a ``BatchSampler`` passed as ``sampler=`` with ``batch_size=None``), as
-    ``accelerate.data_loader.get_sampler`` does.
+    """The sampler that draws a data loader's indices (the one holding its generator), looked
+    up as ``accelerate.data_loader.get_sampler`` does (through ``BatchSamplerShard`` and a
+    ``BatchSampler`` passed as ``sampler=``).
 
     Args:
         loader: a ``torch.utils.data.DataLoader``, or an Accelerate ``DataLoaderShard`` /
@@ -93,13 +80,8 @@ def sampled_epoch_length(loader: Any) -> int | None:
 
 
 def run_sampler_out(parent: Iterator[Any], position: Any, length: int | None) -> Iterator[Any]:
-    """``parent``'s batches; before yielding the epoch's last one, ask for one more.
-
-    ``RandomSampler`` draws once more from its generator when it is exhausted (the
-    ``randperm`` for ``num_samples % n``, even when that is 0). A save right after the last
-    batch, before the ``for`` loop asks again, would otherwise hold the generator before that
-    draw and start the next epoch of the resumed run in another order. Accelerate's
-    adapters read one batch ahead for the same reason (``end_of_dataloader``).
+    """``parent``'s batches; before yielding the epoch's last one, ask for one more, so that
+    ``RandomSampler``'s draw at exhaustion happens before a save after the last batch.
     """
     batches = iter(parent)
     for batch in batches:
@@ -138,17 +120,9 @@ def wrap_batch_sampler(inner: Any, skip: int, record: Any, innermost: Any = None
 
 
 class BatchSamplerWrapper:
-    """Base of the batch-sampler wrappers the loaders install around a loader's batch sampler
-    while an iterator takes it (skip, replay, records): the wrapped one's length and
-    attributes (``sampler``, ``batch_size``, ``set_epoch``...) show through.
-
-    ``iter(wrapper)`` calls ``iter()`` of the wrapped batch sampler at once and hands the
-    result to :meth:`iterate`: a sampler whose ``__iter__`` draws eagerly (torchdata's
-    stateful ``RandomSampler`` draws its permutation there) draws exactly when and as often
-    as it would unwrapped (torch's multi-process iterator calls ``iter()`` twice while it is
-    built). A wrapper whose ``__iter__`` were a generator function would defer that call to
-    the first batch, and a tracked run would draw other orders than the same run without
-    statekit.
+    """Base of the batch-sampler wrappers (skip, replay, records): the wrapped one's length and
+    attributes show through. ``iter(wrapper)`` calls the wrapped ``iter()`` at once (not in a
+    generator), so an eagerly drawing sampler draws exactly when and as often as unwrapped.
 
     Args:
         batch_sampler: the wrapped batch sampler (or sampler).

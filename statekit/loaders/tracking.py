@@ -120,17 +120,8 @@ def track(loader: Any) -> Position:
 
 @dataclass
 class _Pass:
-    """One pass of a tracked loader over its epoch: what the steps of :func:`_tracked_iter` share.
-
-    Attributes:
-        pending: the restored position this pass resumes, or None.
-        skip: batches of the epoch consumed before it (not yielded again).
-        how: how they are skipped (:func:`statekit.loaders.iterable.plan`).
-        name: the loader's name in messages.
-        length: the whole epoch's length (:func:`statekit.loaders.samplers.sampled_epoch_length`).
-        check: the resume audit's check of the first batch, until it ran (:func:`_first_batch_check`).
-        restore: takes the batch-sampler wrappers off, until it ran (None for a prebuilt iterator).
-        started: the pass yielded its first batch.
+    """One pass of a tracked loader over its epoch: what the steps of :func:`_tracked_iter` share
+    (the restored position, the batches to skip and how, the first-batch check, the wrappers' undo).
     """
 
     pending: dict[str, Any] | None
@@ -149,10 +140,9 @@ class _Pass:
 
 
 def _tracked_iter(self: Any) -> Iterator[Any]:
-    """A tracked loader's ``__iter__``: start the pass at the epoch start (or the restored
-    position), wrap the batch sampler, build the iterator, count each batch it yields, and
-    count the epoch once it ends (everything up to the iterator's build runs at the first
-    ``next()``, as in a plain generator ``__iter__``)."""
+    """A tracked loader's ``__iter__``: start the pass, wrap the batch sampler, build the iterator,
+    count each batch and the epoch's end (the set-up runs at the first ``next()``).
+    """
     position: Position = self.__dict__["_statekit_position"]
     inner = inner_loader(self)
     run = _start_pass(self, position, inner)
@@ -305,22 +295,19 @@ def _compose(wrappers: list[Any]) -> Any:
 
 
 def _prebuilt(inner: Any) -> Any:
-    """The iterator a torchdata ``StatefulDataLoader`` built before its epoch started and has not
-    handed out, or None: ``state_dict()`` builds the next iterator (``_initial_iter_for_state_dict``)
-    and Accelerate's ``DataLoaderAdapter`` calls it in ``prepare()``
-    (https://github.com/pytorch/data/blob/main/torchdata/stateful_dataloader/stateful_dataloader.py).
-    Building it drew the workers' base seed (and the order, for a sampler drawing in ``iter()``);
-    another would draw again, so the epoch runs on it, as without statekit."""
+    """The iterator a torchdata ``StatefulDataLoader`` built before its epoch (``state_dict()`` builds
+    it; Accelerate calls that in ``prepare()``) and has not handed out, or None. Building it drew
+    the workers' base seed, so the epoch runs on it, as without statekit.
+    """
     if getattr(inner, "_initial_iter_for_state_dict", False):
         return getattr(inner, "_iterator", None)
     return None
 
 
 def _built_before_epoch(pending: dict[str, Any] | None) -> bool:
-    """True when the saved epoch ran on an iterator built before it started: a prebuilt one
-    (:func:`_prebuilt`), or persistent workers started in an earlier epoch. Its workers' base
-    seed was drawn before the recorded epoch start, where an iterator built for the resume
-    draws it after: the replay sets the epoch start's states at the first batch instead."""
+    """True when the saved epoch ran on an iterator built before it started (prebuilt, or persistent
+    workers): the replay then sets the epoch start's states at the first batch.
+    """
     if not pending:
         return False
     persistent = pending.get("workers_epoch") is not None and pending["workers_epoch"] != pending["epoch"]
@@ -328,11 +315,9 @@ def _built_before_epoch(pending: dict[str, Any] | None) -> bool:
 
 
 def _record_prebuilt(iterator: Any, position: Position) -> None:
-    """What a resume needs of an epoch on a prebuilt iterator (:func:`_prebuilt`): its workers' base
-    seed (``position.prebuilt_seed``, to recognise the same iterator after the resumed ``prepare()``)
-    and, when its sampler drew the order while built (torchdata's ``RandomSampler``), the sampler
-    generator's state before that draw (from the sampler iterator's ``state_dict()``) as the
-    epoch's ``"sampler"`` start state."""
+    """Record an epoch on a prebuilt iterator: its workers' base seed and, when its sampler drew
+    while built, the sampler generator's state before that draw (the ``"sampler"`` start state).
+    """
     position.prebuilt_seed = getattr(iterator, "_base_seed", None)
     sampler_iterator = getattr(iterator, "_sampler_iter", None)
     if "sampler" not in position.start_states or not callable(getattr(sampler_iterator, "state_dict", None)):
@@ -343,10 +328,9 @@ def _record_prebuilt(iterator: Any, position: Position) -> None:
 
 
 def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> None:
-    """Put the batch-sampler wrappers (``innermost``, a skip of ``skip`` batches, ``record``) around a
-    prebuilt iterator's sampler iterator, as :func:`statekit.loaders.samplers.wrap_batch_sampler`
-    does around a batch sampler; its first draw waits for the first batch (``BatchSampler.__iter__``
-    is a generator), so the wrappers still see it."""
+    """Put the batch-sampler wrappers around a prebuilt iterator's sampler iterator, as
+    :func:`statekit.loaders.samplers.wrap_batch_sampler` does around a batch sampler.
+    """
     base = iterator._sampler_iter
     if innermost is not None:
         base = innermost(base)
@@ -358,10 +342,9 @@ def _wrap_prebuilt(iterator: Any, skip: int, record: Any, innermost: Any) -> Non
 
 
 def _abandoned(loader: Any, position: Position) -> None:
-    """The ``for`` loop left the epoch early (``break``, an exception, a shorter ``zip``) and closed
-    the iterator: the next ``iter()`` starts a new pass from the generators as they are, and a save
-    saves that. Accelerate's adapters do not count an abandoned pass (``iteration`` is raised only at
-    the end of ``__iter__``); a plain loader counts it."""
+    """The ``for`` loop left the epoch early and closed the iterator: the next ``iter()`` starts a
+    new pass (Accelerate's adapters do not count it; a plain loader does).
+    """
     if not position.in_epoch:
         return
     position.in_epoch = False
@@ -388,9 +371,9 @@ def audit_log(loader: Any, inner: Any, position: Position, first: int) -> Any:
 
 
 def _first_batch_check(pending: dict[str, Any] | None, label: str, position: Position) -> Any:
-    """The resume audit's check of the first batch a restored loader yields (or, when the
-    saved position was its epoch's end, of the next epoch's first batch: ``position.follow_up``),
-    or None."""
+    """The resume audit's check of the first batch a restored loader yields (or of the next epoch's
+    first, ``position.follow_up``), or None.
+    """
     if pending is None and position.follow_up is not None:
         record, name = position.follow_up
         position.follow_up = None

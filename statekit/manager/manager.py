@@ -14,6 +14,7 @@ as a hint; a directory without a manifest is never loaded or called latest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import os
@@ -81,8 +82,7 @@ class CheckpointManager:
             ``docs/clusters.md``). False (default): no handlers.
         storage_options: fsspec options of ``root_url`` (not with a ``Storage``).
         allow_pickle: let :meth:`resume` read the pickle files of Accelerate's
-            ``checkpoint_<n>`` folders; without it such a resume raises
-            :class:`PickleNotAllowedError` naming the file.
+            ``checkpoint_<n>`` folders (without: :class:`PickleNotAllowedError`).
         incremental: write a tensor file only when its bytes changed since the last committed
             checkpoint, hard-linking (server-side copying) the others (``docs/incremental.md``);
             False: every save writes every byte.
@@ -97,18 +97,13 @@ class CheckpointManager:
             misspelled ``keep_last``) warns.
 
     Raises:
-        InvalidOptionError: (a ``ValueError``) a group's value is invalid, ``keep_last``
-            with ``retention``, a group's field given as a keyword (``keep_best=2``: the
-            message names ``retention=statekit.RetentionPolicy(keep_best=2)``), ``step_digits``
-            or ``run_id`` invalid, ``storage_options`` with a ``Storage``, ``root_url`` is
-            itself a checkpoint (statekit's or Accelerate's), or a plugin refused its
-            manager option.
+        InvalidOptionError: an invalid value or combination (``keep_last`` with
+            ``retention``; a group's field as a keyword, ``keep_best=2``: the message names
+            the group), ``root_url`` is itself a checkpoint, or a plugin refused its option.
         PluginError: a ``statekit_manager_options``, ``statekit_attach`` or
             ``statekit_manager_start`` hook failed.
-        PluginMissingError: a manager option of an installed plugin is given while
-            ``STATEKIT_DISABLE_PLUGINS`` blocks that plugin (naming plugin and distribution).
-        StorageError: a root a plugin's manager option names cannot be resolved (unknown
-            scheme, backend missing).
+        PluginMissingError: an option of a plugin ``STATEKIT_DISABLE_PLUGINS`` blocks.
+        StorageError: a root a plugin's option names cannot be resolved.
     """
 
     def __init__(
@@ -280,10 +275,9 @@ class CheckpointManager:
     ) -> Manifest | PendingSave | None:
         """Save the run as ``checkpoint-<step>``, commit it, update ``latest``, apply retention.
 
-        A previous async save is waited for first (and its error raised here), within the
-        manager's :class:`~statekit.AsyncPolicy` (``docs/backpressure.md``): when it is still
-        writing at the bound, this save is skipped with a :class:`StatekitWarning` and None
-        is returned.
+        A previous async save is waited for first (its error raised here) within the
+        :class:`~statekit.AsyncPolicy` (``docs/backpressure.md``); still writing at the
+        bound, this save is skipped with a :class:`StatekitWarning` (None returned).
 
         Args:
             step: the training step (names the directory). None: automatic naming, one
@@ -300,25 +294,49 @@ class CheckpointManager:
             ``wait()`` returns it, or None when back-pressure skipped the save.
 
         Raises:
-            CheckpointExistsError: this step is committed already (or another process
-                committed it first) and not ``overwrite``; or its directory holds a folder
-                statekit did not write (a Trainer or DCP checkpoint of that name), which is
-                never replaced, even with ``overwrite``.
+            CheckpointExistsError: this step is committed and not ``overwrite``; or its
+                directory holds a folder statekit did not write (never replaced).
             AsyncSaveError: the previous async save failed (its error is the cause).
-            PluginError, StatekitError: the previous async save committed, but what follows
-                its commit failed (a ``statekit_checkpoint_committed`` hook; ``latest`` or
-                retention), raised here as :meth:`wait` would; the message says it committed.
-            PluginError, UnsupportedValueError, StorageError: as :func:`statekit.save`.
+            PluginError, StatekitError: as :meth:`wait` for the previous async save's
+                after-commit work; or as :func:`statekit.save`.
             SystemExit: ``save_on_signal`` with ``on_signal="exit"`` and a signal received
                 (on any rank): this save was the signal's, committed (status ``128 + signum``).
         """
+        with self._main_call():
+            return self._save(step, metrics, overwrite, blocking)
+
+    def _main_call(self) -> Any:
+        """The main thread inside a manager call: the signal watcher's save waits for it
+        (and it for the watcher's): the two never run statekit's collectives at once."""
+        return self.signal_save.lock if self.signal_save is not None else contextlib.nullcontext()
+
+    def save_moment(self, moment: Any) -> Manifest:
+        """Save a step boundary's state (:class:`statekit.engine.moment.Moment`), blocking:
+        the save on a signal from the watcher thread (:mod:`statekit.manager.signal_watcher`).
+
+        Args:
+            moment: the boundary's state, taken of this manager's objects.
+
+        Returns:
+            The committed manifest.
+
+        Raises:
+            MomentChangedError: a tensor changed since the boundary (nothing committed).
+            StatekitError: as :meth:`save`.
+        """
+        with self._main_call():
+            return self._save(moment.step, None, False, True, moment=moment)
+
+    def _save(self, step: int | None, metrics: Mapping[str, float] | None, overwrite: bool, blocking: bool | None,
+              moment: Any = None) -> Manifest | PendingSave | None:
         started = time.monotonic()
         if not self.backpressure.admit(self.pending):
             self.save_stats.skip(self.next_step() if step is None else step, self.pending, self.backpressure, started)
             return None
         self._wait_save()
         waited = time.monotonic() - started
-        on_signal = self.signal_save is not None and self.signal_save.before_save()  # every rank agrees
+        # every rank agrees (not from the watcher: its save is the signal's)
+        on_signal = moment is None and self.signal_save is not None and self.signal_save.before_save()
         if step is None:
             step = self.next_step()
         blocking = True if on_signal else not self.async_policy.enabled if blocking is None else blocking
@@ -343,7 +361,7 @@ class CheckpointManager:
             step=step, metadata=metadata, overwrite=overwrite, storage_options=self.storage_options,
             blocking=blocking, staging=self.staging, exclusive=not overwrite, after_commit=committed,
             incremental=self.incremental, reuse_from=self._reuse_from if self.incremental else None,
-            lineage=record, host_memory_budget=self.async_policy.host_memory_budget,
+            lineage=record, moment=moment, host_memory_budget=self.async_policy.host_memory_budget,
         )
         if self.accelerator is not None:
             result = save_state(self.accelerator, url, **common, **self.options)
@@ -354,6 +372,8 @@ class CheckpointManager:
             self.pending, self.pending_step = result, step
         if on_signal:
             self.signal_save.after_save(step)  # logs; exits, or should_stop
+        elif moment is None and self.signal_save is not None:
+            self.signal_save.after_plain_save(step)  # the state now is this step's: the watcher's boundary
         self.save_stats.record(step, started, waited, "writing" if not blocking else "committed")
         return result
 
@@ -363,12 +383,10 @@ class CheckpointManager:
         check; with several ranks one all-reduce of one int every
         :attr:`PreemptionPolicy.check_every <statekit.PreemptionPolicy.check_every>`-th call).
 
-        When any rank has received a signal, every rank commits an async save in flight
-        (waited for at most the grace left; still writing then: a warning, nothing saved,
-        the run stops), saves ``step`` blocking (unless it is committed already), then
-        exits with status ``128 + signal number`` (``on_signal="exit"``) or returns True.
-        Between two optimizer steps of ``accelerator.accumulate`` (``sync_gradients``
-        False) it does nothing: the end of the accumulation window is the safe point.
+        When any rank has received a signal (and the watcher has not saved already), every
+        rank commits an async save in flight, saves ``step`` blocking, then exits with status
+        ``128 + signal number`` or returns True (``on_signal``). Inside an accumulation window
+        (``sync_gradients`` False) it does nothing; the sequence: ``docs/clusters.md``.
 
         Args:
             step: the training step just finished (names the checkpoint).
@@ -381,7 +399,7 @@ class CheckpointManager:
             SystemExit: ``on_signal="exit"``, after the signal's checkpoint committed.
             StatekitError: the signal's save failed (as :meth:`save`).
         """
-        return self.signal_save is not None and self.signal_save.at_boundary(step)
+        return self.signal_save is not None and self.signal_save.at_boundary(step)  # (under the watcher's lock)
 
     @property
     def should_stop(self) -> bool:
@@ -453,6 +471,10 @@ class CheckpointManager:
                 says the checkpoint is committed.
             PluginError: a ``statekit_manager_wait`` implementation failed.
         """
+        with self._main_call():
+            return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> Manifest | None:
         manifest = self._wait_save()
         call_each(get_plugin_manager(), "statekit_manager_wait", None, {"manager": self, "timeout": timeout})
         return manifest
@@ -489,20 +511,12 @@ class CheckpointManager:
         other_runs: str = "raise",
     ) -> int | None:
         """Load the newest committed checkpoint of the live history that loads cleanly;
-        return its step. ``resume(step=K)`` rolls back: it loads the committed checkpoint
-        of step ``K`` and starts a new branch there (the live history, branches and runs:
-        ``docs/concepts.md``, Lineage). The run's id and the checkpoint continued are
-        logged (INFO, logger ``statekit``).
-
-        A checkpoint that fails verification or loading is skipped with a
-        :class:`StatekitWarning` naming the file, and the previous committed one is tried
-        (a shape or key mismatch is the caller's error and is raised); so is an
-        Accelerate ``checkpoint_<n>`` folder whose load fails for a missing file (an
-        interrupted Accelerate save). Candidates come from the root and from every root a
-        plugin offers (``statekit_resume_roots``), in :mod:`statekit.manager.resume_order`'s
-        order. Before loading, the checkpoint's resume fingerprint is compared with the
-        run: each difference is a :class:`ResumeFingerprintWarning` (``docs/concepts.md``,
-        Resume fingerprint).
+        return its step. ``resume(step=K)`` rolls back to step ``K`` and starts a new branch
+        there. A checkpoint that fails verification or loading is skipped with a
+        :class:`StatekitWarning` naming the file and the previous one is tried (a shape or
+        key mismatch is raised). Candidates, their order (``statekit_resume_roots`` roots
+        too), the fingerprint compared before the load and lineage: ``docs/concepts.md``
+        (Lineage, Resume fingerprint) and :mod:`statekit.manager.resume_order`.
 
         Args:
             step: None: the newest checkpoint of the live history. An integer: roll back
@@ -519,15 +533,11 @@ class CheckpointManager:
                 the state check finds after the load is a :class:`StateMismatchError`
                 instead of a :class:`StateCheckWarning` (``docs/concepts.md``, State check).
             other_runs: with the manager's ``run_id``, what a newest checkpoint of another
-                run (or one written before lineage) does: ``"raise"`` (default): when this
-                run has checkpoints of its own (a restart in a root it shares with another
-                run), its own newest is resumed with an
-                :class:`~statekit.OtherRunWarning` naming the newer one of the other
-                run; when it has none, a :class:`StatekitError` naming both runs (continuing
-                another run, or starting fresh beside it, is the caller's choice);
-                ``"ignore"``: only this run's checkpoints are candidates, without a warning
-                (None when it has none: a fresh start); ``"resume"``: continue the newest,
-                whoever wrote it (the next saves record this ``run_id``).
+                run does: ``"raise"`` (default): this run's own newest is resumed with an
+                :class:`~statekit.OtherRunWarning`, or, with none of its own, a
+                :class:`StatekitError` naming both runs; ``"ignore"``: only this run's
+                checkpoints count (None: a fresh start); ``"resume"``: continue the newest,
+                whoever wrote it (``docs/concepts.md``, Lineage).
 
         Returns:
             The step resumed from (for an Accelerate ``checkpoint_<n>`` folder: ``n``),
@@ -549,6 +559,13 @@ class CheckpointManager:
             InvalidOptionError: ``other_runs`` is not raise/ignore/resume; ``step`` is not an
                 int (``True``, ``"3"``); ``STATEKIT_STATE_CHECK`` holds an unknown mode.
         """
+        with self._main_call():
+            resumed = self._resume(step, verify, strict, strict_resume, other_runs)
+            if resumed is not None and self.signal_save is not None:
+                self.signal_save.after_plain_save(resumed)  # the state now is the resumed step's
+            return resumed
+
+    def _resume(self, step: int | None, verify: bool, strict: bool, strict_resume: bool, other_runs: str) -> int | None:
         if other_runs not in ("raise", "ignore", "resume"):
             raise InvalidOptionError(f"other_runs must be 'raise', 'ignore' or 'resume', got {other_runs!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):

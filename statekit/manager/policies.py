@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,16 @@ class PreemptionPolicy:
         check_every: with several ranks, agree on the signal (one all-reduce of one int
             on statekit's gloo group) every N-th step boundary (default 1: every step;
             ``docs/clusters.md``); every rank must give the same N.
+        watcher: True (default): a watcher thread, woken by the signal even while the
+            main thread is in an evaluation, a stalled data loader or a compile, saves the
+            last step boundary's state when its version counters prove nothing changed it
+            (:mod:`statekit.manager.signal_watcher`); else, and with False, the next safe
+            point saves. Every rank must give the same value.
+        before_exit: with ``on_signal="exit"``, ``callable(result)`` called with
+            :attr:`SignalSave.result <statekit.manager.preemption.SignalSave.result>` just
+            before a save from the watcher ends the process (``os._exit``: no ``atexit``
+            handler, no ``finally`` of the main thread runs; flush your own logs here);
+            None: nothing. What it raises is logged and the process exits regardless.
 
     Raises:
         InvalidOptionError: a name or number that is not a signal (or SIGKILL/SIGSTOP),
@@ -187,6 +197,8 @@ class PreemptionPolicy:
     grace_s: float = DEFAULT_GRACE_S
     on_signal: str = "exit"
     check_every: int = 1
+    watcher: bool = True
+    before_exit: Callable[[dict[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "signals", parse_signals(self.signals))
@@ -199,6 +211,10 @@ class PreemptionPolicy:
         every = self.check_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise InvalidOptionError(f"PreemptionPolicy.check_every must be a positive integer, got {every!r}")
+        if not isinstance(self.watcher, bool):
+            raise InvalidOptionError(f"PreemptionPolicy.watcher must be True or False, got {self.watcher!r}")
+        if self.before_exit is not None and not callable(self.before_exit):
+            raise InvalidOptionError(f"PreemptionPolicy.before_exit must be a callable or None, got {self.before_exit!r}")
 
 
 def parse_signals(value: Any) -> tuple[signal.Signals, ...]:

@@ -21,6 +21,12 @@ the step is saved blocking
 with code ``128 + signal number`` (``on_signal="exit"``) or
 :attr:`CheckpointManager.should_stop` turns True (``on_signal="return"``). See
 ``docs/clusters.md``.
+
+With ``PreemptionPolicy(watcher=True)`` (the default) each step boundary also records its
+state by reference (:mod:`statekit.engine.moment`, a few microseconds to a millisecond), and
+a watcher thread saves it the moment a signal arrives when nothing has changed it since,
+without waiting for the next safe point (:mod:`statekit.manager.signal_watcher`); the safe
+points above are then the fallback.
 """
 
 from __future__ import annotations
@@ -32,9 +38,15 @@ import time
 from typing import Any
 
 from statekit import distributed
+from statekit.api.bridge import collect
+from statekit.engine import moment as moments
+from statekit.engine.entries import classify
 from statekit.engine.gradients import accumulating
+from statekit.engine.live_state import is_collective
+from statekit.hooks.registry import call_each, get_plugin_manager
 from statekit.errors import InvalidOptionError, StatekitWarning, warn_user
 from statekit.manager.policies import PreemptionPolicy
+from statekit.manager.signal_watcher import SignalWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +113,12 @@ class SignalSave:
         whether every tier's copy committed within the grace (None without);
         ``total_seconds``: to the end of the tiers' wait; ``in_flight``: None, or the step of an async save that was still writing
         when the grace ran out: then nothing was saved and ``step``/``url`` name the newest
-        committed checkpoint, None if there is none)."""
+        committed checkpoint, None if there is none; ``from_watcher``: saved by the watcher
+        thread (:mod:`~statekit.manager.signal_watcher`; then also ``exit_code`` and
+        ``boundary_seconds``, the record's cost); ``path``: which way, a sentence: ``"saved
+        from the watcher at step 6 while the main thread was in evaluate (train.py:41)"``,
+        ``"fell back: model.1.num_batches_tracked changed since step 10; saved at the step
+        boundary 11"``)."""
         self.step_seconds: float | None = None
         """The longest time between two safe points seen (seconds)."""
         self._boundaries = 0
@@ -113,7 +130,23 @@ class SignalSave:
         self._acting = False
         self._agreed = 0  # the signal number the ranks agreed on at the last check (0: none)
         self._in_flight_wait = 0.0
+        self.watcher_in_flight_wait = 0.0
+        """Seconds the watcher waited for an async save in flight before it fell back."""
         self._previous: dict[signal.Signals, Any] = {}
+        self.lock = threading.RLock()
+        """Held by the main thread inside a manager call and by the watcher while it saves:
+        the two never run statekit's collectives at once, and a step boundary waits for the
+        watcher's save."""
+        self.moment: moments.Moment | None = None
+        """The last step boundary's state by reference (with ``watcher``), or None."""
+        self.index = moments.TensorIndex()
+        """The models' and optimizers' tensors by path, kept between boundaries."""
+        self._collectives: dict[int, bool] = {}
+        self.capture_error: str | None = None
+        """Why the last boundary's state could not be taken (the watcher then falls back)."""
+        self.fallback: str | None = None
+        """The watcher's fallback, a sentence (``"fell back: ... changed since step 7 ..."``), or None."""
+        self.watcher: SignalWatcher | None = SignalWatcher(self) if policy.watcher else None
 
     def install(self) -> None:
         """Install the handlers (the manager does, once it has started: a manager whose
@@ -123,6 +156,9 @@ class SignalSave:
         for sig in self.signals:
             if signal.getsignal(sig) != self._handler:  # a bound method: compare, not identity
                 self._previous[sig] = signal.signal(sig, self._handler)
+        if self.watcher is not None:
+            distributed.signal_group()  # created now, on every rank: never by the watcher thread
+            self.watcher.start()
 
     # ------------------------------------------------------------- handlers
 
@@ -135,7 +171,10 @@ class SignalSave:
             previous(signum, frame)
 
     def restore(self) -> None:
-        """Put back the handlers installed before (where ours is still installed)."""
+        """Put back the handlers installed before (where ours is still installed) and the
+        wakeup fd; the watcher thread ends."""
+        if self.watcher is not None:
+            self.watcher.stop()
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handler:  # a bound method: compare, not identity
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
@@ -157,6 +196,15 @@ class SignalSave:
         if seconds > 0 and size_bytes > 0:
             self._rate = size_bytes / seconds
 
+    @property
+    def last_committed(self) -> int | None:
+        """The step of the newest checkpoint this run committed or resumed from, or None."""
+        return self._last_committed
+
+    @last_committed.setter
+    def last_committed(self, step: int | None) -> None:
+        self._last_committed = step
+
     def resumed(self, step: int) -> None:
         """Record the step the run resumed from (committed: a signal at its boundary saves nothing new).
 
@@ -177,6 +225,10 @@ class SignalSave:
         Raises:
             SystemExit: ``on_signal="exit"``, after the commit.
         """
+        with self.lock:  # after the watcher's save, if one is running
+            return self._at_boundary(step)
+
+    def _at_boundary(self, step: int) -> bool:
         if self.should_stop:
             return True
         accelerator = self.manager.accelerator
@@ -193,11 +245,45 @@ class SignalSave:
             # the signal's number (the highest if ranks got different ones): the exit status
             self._agreed = distributed.max_over_ranks([int(self.received or 0)])[0]
             if not self._agreed:
-                return False
+                return self._capture(step)
         elif self.received is None:
-            return False
+            return self._capture(step)
         self._act(step, save=True)
         return True
+
+    def _capture(self, step: int) -> bool:
+        """Record this boundary's state by reference for the watcher (with ``watcher``);
+        returns False (the run goes on)."""
+        if self.watcher is None or self.received is not None:
+            return False
+        manager = self.manager
+        try:
+            entries = self.entries()
+            sharded = [e.key for e in entries if e.kind == "model" and self._collective(e.obj)]
+            if sharded:
+                self.moment, self.capture_error = None, f"{sharded[0]} is sharded (its state dict is a collective)"
+                return False
+            objects = {e.key: e.obj for e in entries if e.kind != "model"}
+            plugin_states = dict(call_each(get_plugin_manager(), "statekit_boundary_state", None,
+                                           {"objects": objects}, guard_rng=False))
+            self.moment = moments.capture(step, entries, self.index, manager.accelerator, plugin_states)
+            self.capture_error = None
+        except Exception as exc:  # noqa: BLE001 - a signal then saves at the next safe point, as without a watcher
+            self.moment, self.capture_error = None, f"{type(exc).__name__}: {exc}"
+            logger.debug("save_on_signal: step %d's boundary state not taken", step, exc_info=True)
+        return False
+
+    def entries(self) -> list[Any]:
+        """The entries the manager's save writes (:class:`statekit.engine.entries.Entry`)."""
+        if self.manager.accelerator is not None:
+            return collect(self.manager.accelerator)
+        return [classify(k, v) for k, v in self.manager.objects.items()]
+
+    def _collective(self, model: Any) -> bool:
+        known = self._collectives.get(id(model))
+        if known is None:
+            known = self._collectives[id(model)] = is_collective(model)
+        return known
 
     def before_save(self) -> bool:
         """Whether the save about to run is the signal's (any rank has one); a collective.
@@ -217,6 +303,15 @@ class SignalSave:
             step: the step saved.
         """
         self._act(step, save=False)
+
+    def after_plain_save(self, step: int) -> None:
+        """A save that was not the signal's returned: the state now is ``step``'s, the
+        watcher's newest boundary (a signal during the save finds it committed).
+
+        Args:
+            step: the step saved.
+        """
+        self._capture(step)
 
     def _note_step_time(self, seconds: float) -> None:
         self.step_seconds = max(self.step_seconds or 0.0, seconds)
@@ -261,21 +356,38 @@ class SignalSave:
                 signum.name if signum else "signal on another rank", step, url, seconds, self.grace_s,
                 "" if (saved or not save) else " (committed already)",
             )
-            copied = None
-            tiers = self.manager.tiers()
-            if tiers:  # local copy committed; the tiers' copies until the deadline
-                self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
-                name = url.rstrip("/").rsplit("/", 1)[-1]
-                copied = all(name in tier.copied_names() for tier in tiers)
-                logger.warning("save_on_signal: the tiers' copies of step %d %s, %.2f s after the signal", step,
-                               "committed" if copied else "did not commit within the grace",
-                               time.monotonic() - since)
+            copied = self.wait_for_tiers(step, url, since)
         finally:
             self._acting = False
+        path = "saved at the step boundary" if saved or not save else "committed already at the step boundary"
+        if self.fallback:
+            path = f"{self.fallback.split('; the next step boundary saves')[0]}; {path} {step}"
         self.result = {"signal": signum.name if signum else None, "step": step, "url": url, "seconds": seconds,
                        "grace_s": self.grace_s, "saved": saved or not save, "in_flight": None,
-                       "replicated": copied, "total_seconds": time.monotonic() - since}
+                       "replicated": copied, "total_seconds": time.monotonic() - since, "path": path,
+                       "from_watcher": False}
         self._stop(signum)
+
+    def wait_for_tiers(self, step: int, url: str, since: float) -> bool | None:
+        """After the signal's local commit: wait for the tiers' copies until the deadline.
+
+        Args:
+            step: the step committed.
+            url: its URL.
+            since: ``time.monotonic()`` of the signal.
+
+        Returns:
+            Whether every tier's copy committed; None without a tier plugin.
+        """
+        tiers = self.manager.tiers()
+        if not tiers:
+            return None
+        self.manager.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - since)))
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        copied = all(name in tier.copied_names() for tier in tiers)
+        logger.warning("save_on_signal: the tiers' copies of step %d %s, %.2f s after the signal", step,
+                       "committed" if copied else "did not commit within the grace", time.monotonic() - since)
+        return copied
 
     def remaining(self) -> float | None:
         """Seconds left of the grace period once the signal was acted on (>= 0), else None."""
@@ -310,7 +422,8 @@ class SignalSave:
             bound = self.grace_s - (time.monotonic() - since) - (self._estimate() or 0.0)
             started = time.monotonic()
             done = pending.join(max(0.0, bound))
-            self._in_flight_wait = time.monotonic() - started
+            # with the watcher's wait, if it waited for this save before it fell back
+            self._in_flight_wait = time.monotonic() - started + self.watcher_in_flight_wait
         if distributed.rank_and_world_size()[1] > 1:
             done = not distributed.any_rank(not done)
         if done:
@@ -336,7 +449,8 @@ class SignalSave:
         self.result = {"signal": signum.name if signum else None, "step": newest,
                        "url": None if newest is None else self.manager.url_for(newest), "seconds": seconds,
                        "grace_s": self.grace_s, "saved": False, "in_flight": writing, "replicated": None,
-                       "total_seconds": seconds}
+                       "total_seconds": seconds, "from_watcher": False,
+                       "path": f"not saved: the async save of step {writing} was still writing"}
         logger.warning(
             "save_on_signal: %s: step %d not saved (the async save of step %s still writing); %.2f s after the "
             "signal (grace %g s)", signum.name if signum else "signal on another rank", step, writing, seconds,

@@ -1,7 +1,6 @@
-"""Local file reads below the page cache: :class:`DirectReader` (``O_DIRECT`` reads into
-huge-page bounce buffers, :data:`READS_AHEAD` reads ahead of the caller's copy and
-checksum). Writes:
-:mod:`statekit.storage.direct_write`."""
+"""Local file reads below the page cache: :class:`DirectReader`. Writes:
+:mod:`statekit.storage.direct_write`.
+"""
 
 from __future__ import annotations
 
@@ -47,14 +46,9 @@ def buffer_address(view: memoryview) -> int:
 
 class DirectReader:
     """A read-only local file read sequentially below the page cache (``O_DIRECT``), opened by
-    ``Storage.open_read(rel, bulk=True)``.
-
-    :meth:`fill` streams aligned :data:`BOUNCE_PIECE_BYTES` pieces into huge-page bounce buffers on
-    helper threads, :data:`READS_AHEAD` pieces ahead across calls, and copies each out in
-    :data:`CACHE_STEP_BYTES` steps, handing each to ``on_chunk`` while in cache. A seek outside the
-    stream restarts it; a small read off the stream, or any read where ``O_DIRECT`` is refused
-    (tmpfs), uses the page cache. ``read``/``readinto``/``seek``/``tell`` serve header parsing.
-    Why bounce every byte, with measurements: docs/design-notes.md, "Reading tensor files".
+    ``Storage.open_read(rel, bulk=True)``: :meth:`fill` streams aligned pieces into huge-page
+    bounce buffers on helper threads, :data:`READS_AHEAD` ahead; small reads off the stream, or
+    where ``O_DIRECT`` is refused, use the page cache. Why: docs/design-notes.md, "Reading tensor files".
 
     Raises:
         FileNotFoundError: no such file.

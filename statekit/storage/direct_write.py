@@ -60,14 +60,10 @@ def _address(view: memoryview) -> int:
 
 class DirectWriter:
     """A write-only local file (``path``, truncated if it exists) that bypasses the page cache
-    (``O_DIRECT``) where allowed, through the page cache where refused (tmpfs).
-
-    :meth:`write` copies into reused huge-page buffers (:data:`DIRECT_BUFFER_BYTES` each); each full
-    buffer goes out with ``os.pwrite`` at its offset on a writer thread, up to :data:`DIRECT_DEPTH` at
-    once, into a file the caller preallocated (:meth:`preallocate`); the last partial block is padded
-    to 4 KiB and the file truncated. Design and measurements: docs/design-notes.md, "Performance".
-    After a failed write none is started; the next :meth:`write`, :meth:`write_stable` or
-    :meth:`close` raises it, and the file's content is undefined (the caller removes it).
+    (``O_DIRECT``) where allowed, through the page cache where refused (tmpfs): :meth:`write`
+    copies into reused huge-page buffers written by up to :data:`DIRECT_DEPTH` threads at once.
+    After a failed write none is started; the next call raises it, and the file's content is
+    undefined. Design and measurements: docs/design-notes.md, "Performance".
 
     Raises:
         OSError: the file cannot be created.
@@ -117,8 +113,8 @@ class DirectWriter:
         return self._size
 
     def write(self, data: Any) -> int:
-        """Copy ``data`` (any bytes-like) into the buffers (``ctypes.memmove``, GIL released; read-only
-        ``bytes`` by slicing); full buffers go to the disk. Returns ``len(data)`` in bytes.
+        """Copy ``data`` (any bytes-like) into the buffers; full buffers go to the disk. Returns
+        ``len(data)`` in bytes.
 
         Raises:
             OSError: an earlier write failed (the first failure).
@@ -144,8 +140,7 @@ class DirectWriter:
         return n
 
     def write_stable(self, data: Any) -> int:
-        """:meth:`write` without the copy where it can: the page-aligned part of ``data`` goes to the
-        disk straight from the caller's memory when it and the file position are page-aligned. The
+        """:meth:`write` without the copy where ``data`` and the file position are page-aligned; the
         caller keeps ``data`` alive and unchanged until :meth:`close`. Returns ``len(data)`` in bytes.
 
         Raises:
@@ -172,10 +167,9 @@ class DirectWriter:
         """No-op: data reaches the file in whole buffers and at :meth:`close`."""
 
     def preallocate(self, size: int) -> None:
-        """Reserve ``size`` bytes on disk up front (``posix_fallocate``; best effort) so the
-        file gets contiguous extents (``O_DIRECT`` writes in pieces otherwise leave a file
-        fragmented enough to read back 2x slower cold on ext4, docs/benchmark.md) and
-        its size covers the writes in flight, which ext4 then runs side by side."""
+        """Reserve ``size`` bytes up front (``posix_fallocate``, best effort): contiguous extents read
+        back faster (docs/benchmark.md), and ext4 runs the writes in flight side by side.
+        """
         if size <= 0 or not hasattr(os, "posix_fallocate"):
             return
         try:
@@ -193,10 +187,9 @@ class DirectWriter:
         self._buf = None  # the next one is taken when bytes come for it
 
     def _next_buffer(self) -> IOBuffer:
-        """A spare buffer; else, while fewer than :data:`DIRECT_DEPTH` + 1 are held or on
-        their way (one being filled while the others are written), one from the pool;
-        else the first buffer whose write ends or that :meth:`_make_buffers` delivers.
-        Only a writer with no write in flight and none on its way makes one here."""
+        """A spare buffer, else one from the pool while fewer than :data:`DIRECT_DEPTH` + 1 are held,
+        else the first one a finished write or :meth:`_make_buffers` hands back.
+        """
         while not self._spare:
             if self._held + self._making <= DIRECT_DEPTH:
                 buf = _pooled_buffer()
@@ -217,10 +210,9 @@ class DirectWriter:
         return self._spare.pop()
 
     def _make_buffers(self, count: int) -> None:
-        """Make ``count`` buffers and fault them in (helper thread), handing each to the
-        writer as a finished write hands back its buffer (None: one that could not be made).
-        Fresh memory is slow to touch on a VM (about 8 ms per 4 MiB on the benchmark VM: a
-        first save made four buffers in line while the disk sat idle for 33 ms)."""
+        """Make ``count`` buffers and fault them in on a helper thread (fresh memory is slow to touch
+        on a VM), handing each over as it is ready (None: one that could not be made).
+        """
         for made in range(count):
             buf: IOBuffer | None = None
             try:
@@ -235,11 +227,9 @@ class DirectWriter:
             self._done.put((buf, False))
 
     def _make_room(self) -> None:
-        """Wait until at most :data:`DIRECT_DEPTH` writes are outstanding: as many as there
-        are writer threads, so one more can wait in the queue, and a thread whose write
-        ends takes it at once instead of waiting for the caller to wake up and hand it
-        over (1 GiB of tensors through :func:`statekit.format.write_tensors`: 0.287 s
-        against 0.317 s with no write queued, medians of 6 alternating runs)."""
+        """Wait until at most :data:`DIRECT_DEPTH` writes are outstanding (one per writer thread plus
+        one queued, so a thread takes the next write at once; measured in docs/design-notes.md).
+        """
         while self._inflight > DIRECT_DEPTH:
             self._finish_one()
 

@@ -21,6 +21,10 @@ from statekit.errors import CheckpointExistsError, InvalidOptionError, StatekitE
 from statekit.storage.direct import DirectReader
 from statekit.storage.direct_write import DirectWriter
 
+SAVE_RESERVE_BYTES = 1024 * 1024
+"""Added by :meth:`Storage.refuse_if_no_space` for what a save's tensor bytes leave out:
+safetensors headers, JSON state files, the manifest, RNG state (a few KiB each)."""
+
 
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//|:)")
 # "s3:/bucket/run": fsspec resolves it to the local path ./s3:/bucket/run, so a run would
@@ -171,8 +175,8 @@ class Storage:
 
     def free_bytes(self) -> tuple[int, str] | None:
         """``(bytes, path measured)``: what an unprivileged writer may still use on this local
-        directory's file system (``statvfs``: ``f_bavail * f_frsize``, at the directory or its nearest
-        existing ancestor); None for remote storage or without ``statvfs``."""
+        directory's file system (``statvfs``, at its nearest existing ancestor); None for remote.
+        """
         if not self.is_local or not hasattr(os, "statvfs"):
             return None
         path = os.path.abspath(self.path)
@@ -183,6 +187,35 @@ class Storage:
         except OSError:
             return None
         return st.f_bavail * st.f_frsize, path
+
+    def refuse_if_no_space(self, needed: int, overwrite: bool = False) -> None:
+        """Raise before anything is written when ``needed`` bytes do not fit in
+        :meth:`free_bytes` (a save failing half-way on a full disk wastes its time and
+        leaves a half-written directory). Remote storage is not checked; with ``overwrite``
+        the directory's files count as free.
+
+        Args:
+            needed: bytes about to be written (tensor bytes; :data:`SAVE_RESERVE_BYTES` is added).
+            overwrite: the save replaces this directory.
+
+        Raises:
+            StorageError: it does not fit; the message names the URL, the path measured and
+                both numbers.
+        """
+        free = self.free_bytes()
+        if free is None:
+            return
+        available, measured = free
+        reclaimable = sum(self.size(rel) for rel in self.find()) if overwrite and self.exists() else 0
+        needed += SAVE_RESERVE_BYTES
+        if needed > available + reclaimable:
+            raise StorageError(
+                f"{self.url}: No space left for this save: it needs about {needed:,} bytes "
+                f"and {measured} has {available:,} bytes free"
+                + (f" (+{reclaimable:,} bytes of the checkpoint it overwrites)" if reclaimable else "")
+                + "; nothing was written (free space, or save elsewhere)",
+                url=self.url,
+            )
 
     def size(self, rel: str) -> int:
         """Size of a file in bytes.
@@ -221,10 +254,9 @@ class Storage:
     # ---------------------------------------------------------------- reading
 
     def open_read(self, rel: str, *, bulk: bool = False) -> BinaryIO:
-        """Open ``rel`` for binary reading. ``bulk`` (large, read front to back: tensor data): a local
-        file is a :class:`~statekit.storage.direct.DirectReader` (``O_DIRECT`` with read-ahead; through
-        the page cache where refused), or a plain file where even that fails; remote files are the
-        fsspec file either way (docs/design-notes.md, "Reading tensor files").
+        """Open ``rel`` for binary reading; ``bulk`` (tensor data, read front to back): a local file is
+        a :class:`~statekit.storage.direct.DirectReader` where it can be (why: docs/design-notes.md,
+        "Reading tensor files").
 
         Raises:
             FileNotFoundError: no such file.
@@ -278,9 +310,8 @@ class Storage:
                     yield f
 
     def reuse(self, rel: str, source: Storage) -> str:
-        """Make ``rel`` here the same bytes as ``rel`` in ``source`` (a committed checkpoint of the same
-        root) without sending them again, for an incremental save: a hard link locally (a copy where
-        refused), ``fs.copy`` on one fsspec filesystem (S3 ``CopyObject``). docs/incremental.md.
+        """Make ``rel`` here the same bytes as ``rel`` in ``source`` without sending them again: a hard
+        link locally (a copy where refused), ``fs.copy`` on one fsspec filesystem. docs/incremental.md.
 
         Returns:
             ``"link"``, ``"copy"`` (local, link refused) or ``"server-copy"``.
@@ -358,12 +389,7 @@ class Storage:
             self._check_bucket(self.path)
 
     def _check_bucket(self, path: str) -> None:
-        """Refuse to write into a missing bucket: s3fs's ``makedirs`` would create it (statekit
-        never creates buckets).
-
-        Raises:
-            StorageError: the bucket does not exist (names it), or the check itself failed.
-        """
+        """Refuse to write into a missing bucket (s3fs's ``makedirs`` would create it); raises ``StorageError``."""
         bucket = path.lstrip("/").split("/", 1)[0]
         with storage_errors(self.url, f"checking bucket {bucket!r} of"):
             found = self.fs.exists(bucket)

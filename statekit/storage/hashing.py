@@ -1,11 +1,6 @@
-"""Checksums while bytes move: the XXH3-64 hasher, a hashing writer and a verifying reader.
-
-Every file of a checkpoint is listed in the manifest with its size and checksum, xxHash
-XXH3-64 (https://xxhash.com, package ``xxhash``) written as ``"xxh3_64:<16 hex digits>"``.
-The checksum is computed in the same pass as the write (:class:`HashingWriter`) and checked
-in the same pass as the read (:class:`VerifyingReader`): no file is read twice. This module
-owns the hasher; :mod:`statekit.format` re-exports :func:`new_hasher`,
-:func:`checksum_string` and :func:`checksum_bytes` as part of the format.
+"""Checksums while bytes move: the XXH3-64 hasher (https://xxhash.com), a hashing writer and a
+verifying reader, so a checksum is computed in the same pass as the write or the read.
+:mod:`statekit.format` re-exports :func:`new_hasher`, :func:`checksum_string`, :func:`checksum_bytes`.
 """
 
 from __future__ import annotations
@@ -18,16 +13,16 @@ from statekit.errors import CorruptCheckpointError
 
 
 def new_hasher() -> Any:
-    """Return a fresh XXH3-64 hasher.
+    """A fresh XXH3-64 hasher (``update(bytes-like)``, ``hexdigest()``).
 
     Returns:
-        An object with ``update(bytes-like)`` and ``hexdigest()``.
+        The hasher.
     """
     return xxhash.xxh3_64()
 
 
 def checksum_string(hasher: Any) -> str:
-    """Format a hasher's digest as the manifest stores it.
+    """A hasher's digest as the manifest stores it.
 
     Args:
         hasher: a hasher from :func:`new_hasher` that has seen the file's bytes.
@@ -78,11 +73,8 @@ def check_against(url: str, expected: Expected, size_bytes: int, hasher: Any) ->
 
 
 class HashingWriter:
-    """File wrapper that checksums and counts what passes through ``write``.
-
-    It answers the ``io`` queries (``writable``, ``readable``, ``seekable``, ``closed``,
-    ``flush``) itself, so ``io.TextIOWrapper`` can wrap it; other attributes are the
-    wrapped file's.
+    """File wrapper that checksums and counts what passes through ``write``; it answers the ``io``
+    queries itself (so ``io.TextIOWrapper`` can wrap it), other attributes are the file's.
 
     Args:
         f: a binary file open for writing.
@@ -98,10 +90,10 @@ class HashingWriter:
         self.size_bytes = 0
 
     def write(self, data: Any) -> int:
-        """Write ``data`` (any bytes-like object) and account for it.
+        """Write ``data`` and account for it.
 
         Args:
-            data: the bytes to write.
+            data: the bytes to write (any bytes-like object).
 
         Returns:
             The number of bytes written.
@@ -140,11 +132,9 @@ class HashingWriter:
 
 
 class VerifyingReader:
-    """File wrapper that checksums sequential reads and checks them against a manifest
-    entry once the whole file has been read; a ``seek`` turns checking off (partial reads).
-
-    The check runs when a read returns no data, or when ``read()`` / ``read(-1)`` reads
-    the rest; reading past the size the manifest gives fails at once.
+    """File wrapper that checksums sequential reads and checks size and checksum against a
+    manifest entry at the end (a read returning nothing, or ``read()``); reading past the size
+    fails at once, and a ``seek`` turns checking off.
 
     Args:
         f: a binary file open for reading at offset 0.
@@ -172,7 +162,7 @@ class VerifyingReader:
                 )
 
     def read(self, n: int = -1) -> bytes:
-        """Read up to ``n`` bytes (all with ``-1``), checking the file at its end.
+        """Read up to ``n`` bytes, checking the file at its end.
 
         Args:
             n: bytes to read, or -1 / None for the rest of the file.
@@ -181,8 +171,8 @@ class VerifyingReader:
             The bytes read (empty at the end of the file).
 
         Raises:
-            CorruptCheckpointError: the file is longer than, or its size or checksum
-                differs from, what the manifest says (names the file).
+            CorruptCheckpointError: the file is longer than, or its size or checksum differs
+                from, what the manifest says (names the file).
         """
         data = self._f.read(n)
         self._account(data)
@@ -272,24 +262,18 @@ compares it stops after hashing this much instead of :data:`PREFIX_STEP_BYTES`."
 
 
 class PrefixHasher:
-    """The XXH3-64 hasher of a file, which also records the checksum of the file's first
-    ``n`` bytes at chosen offsets, in the same pass (no byte is hashed twice).
-
-    The records are the evidence of content identity for incremental saves
-    (:func:`statekit.checks.files.compare_file`): a later save hashes the bytes it
-    would write and compares at each recorded offset, stopping at the first difference.
-    XXH3's streaming state gives the digest of the bytes so far at any point without
-    ending the stream (https://github.com/Cyan4973/xxHash, ``XXH3_64bits_digest``).
+    """The XXH3-64 hasher of a file that also records the checksum of its first ``n`` bytes at
+    chosen offsets, in the same pass (XXH3's streaming digest,
+    https://github.com/Cyan4973/xxHash): the evidence for incremental saves
+    (:func:`statekit.checks.files.compare_file`).
 
     Args:
-        step: a record every ``step`` bytes (:data:`PREFIX_STEP_BYTES`), counted from the
-            last record; :meth:`mark` adds one where the caller knows a boundary (the end
-            of a safetensors header: a file whose header differs is then told apart
-            before any tensor byte is hashed).
+        step: a record every ``step`` bytes (:data:`PREFIX_STEP_BYTES`) after the last one;
+            :meth:`mark` adds one at a boundary the caller knows (the end of a header).
 
     Attributes:
-        prefixes (list[tuple[int, str]]): ``(offset, 16 hex digits)`` per record, in order;
-            the checksum of the whole file is not among them (it is the file's checksum).
+        prefixes (list[tuple[int, str]]): ``(offset, 16 hex digits)`` per record, in order
+            (the whole file's checksum is not among them).
     """
 
     def __init__(self, step: int = PREFIX_STEP_BYTES) -> None:
@@ -301,8 +285,8 @@ class PrefixHasher:
 
     def mark(self) -> None:
         """Record the checksum of the bytes so far; the next record follows after
-        :data:`PREFIX_FIRST_BYTES` (a file whose first tensor changed is told apart after
-        hashing that much), then every ``step`` bytes."""
+        :data:`PREFIX_FIRST_BYTES`, then every ``step`` bytes.
+        """
         self.prefixes.append((self.size_bytes, self._hasher.hexdigest()))
         self._next = self.size_bytes + min(PREFIX_FIRST_BYTES, self._step)
 

@@ -1,7 +1,6 @@
 """Host memory for ``O_DIRECT`` I/O, backed by transparent huge pages where the kernel allows
-(``madvise(MADV_HUGEPAGE)`` before first touch, https://docs.kernel.org/admin-guide/mm/transhuge.html):
-on the benchmark VM 16 MiB requests from 2 MiB pages ran 2-3x faster than from 4 KiB pages
-(docs/benchmark.md, "Huge pages"). Without them the memory is ordinary pages; nothing else changes."""
+(https://docs.kernel.org/admin-guide/mm/transhuge.html; measured: docs/benchmark.md, "Huge pages").
+"""
 
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ _madvise = _libc_madvise()
 
 
 def advise_huge(address: int, nbytes: int) -> bool:
-    """Ask for transparent huge pages for ``[address, address + nbytes)`` (any alignment, rounded
-    down) with ``madvise(2)``; True when the kernel took the advice, False where refused, without
-    ``madvise`` (not Linux), or for an empty range."""
+    """``madvise(MADV_HUGEPAGE)`` for ``[address, address + nbytes)``; True when the kernel took it."""
     if _madvise is None or nbytes < 1:
         return False
     start = address - address % _PAGE

@@ -1,13 +1,11 @@
 """In-use markers: a checkpoint that a live process reads in place says so, and is not deleted.
 
-The marker names its writer in ``"by"``: ``"statekit"`` on the checkpoint a
-``CheckpointManager`` resumed from, a plugin's own name on one it copies or whose files a
-model maps in place. The marker, not listed in the manifest, is ``<checkpoint>/.in-use-<pid>-<token>``
-holding JSON ``{"by", "pid", "host", "pid_start" (process start in clock ticks since boot,
-Linux; or null), "created" (UTC ISO 8601), "model_key", "offload_folder"}``. It is *live* when
-its host is another machine, or its ``pid`` exists here and (where recorded) started at
-``pid_start``; a killed process's is stale (:func:`remove_stale_markers`). Deleting
-(retention, ``statekit gc``) or ``overwrite=True`` refuse a live one (:class:`CheckpointInUseError`)."""
+The marker ``<checkpoint>/.in-use-<pid>-<token>`` (not in the manifest) holds JSON ``{"by",
+"pid", "host", "pid_start", "created", "model_key", "offload_folder"}``; ``by`` is
+``"statekit"`` or a plugin's name. It is live when its host is another machine, or its
+``pid`` exists here and started at ``pid_start``. Deleting or ``overwrite=True`` refuse a
+live one (:class:`CheckpointInUseError`). docs/format.md.
+"""
 
 from __future__ import annotations
 
@@ -96,10 +94,8 @@ def _is_live(doc: dict[str, Any]) -> bool:
 def mark_in_use(
     url: str, *, by: str, model_key: str | None = None, offload_folder: str | None = None
 ) -> str:
-    """Write a marker saying that this process (writer ``by``: ``"statekit"`` or a plugin's name)
-    reads checkpoint ``url`` (local path or ``file://``) in place; ``model_key`` and
-    ``offload_folder`` are recorded for people. Returns the marker's local path (for
-    :func:`release_in_use`).
+    """Write a marker saying that this process (writer ``by``) reads the local checkpoint ``url``
+    in place; returns the marker's local path (for :func:`release_in_use`).
 
     Raises:
         StorageError: the checkpoint is not local, or the marker cannot be written.
@@ -125,9 +121,9 @@ def mark_in_use(
 
 
 def hold_in_use(owner: Any, url: str, *, by: str) -> Any:
-    """Mark the local checkpoint ``url`` in use (writer ``by``) for as long as ``owner`` lives: a
-    ``weakref.finalize`` removes it when ``owner`` is collected, at exit, or when called. None (no
-    marker) for a checkpoint that is not local or not writable."""
+    """Mark the local checkpoint ``url`` in use (writer ``by``) for as long as ``owner`` lives
+    (a ``weakref.finalize``); None for a checkpoint not local or not writable.
+    """
     if not Storage(url).is_local:
         return None
     try:
@@ -146,11 +142,8 @@ def release_in_use(marker: str) -> None:
 
 
 def in_use_markers(url: str, *, include_stale: bool = False) -> list[InUseMarker]:
-    """The markers of checkpoint ``url``, live ones only unless ``include_stale``.
-
-    Unreadable or foreign files with the marker prefix count as live (never delete what
-    cannot be understood). A checkpoint that is not on the local filesystem has none
-    (only local files are read in place).
+    """The markers of checkpoint ``url``, live ones only unless ``include_stale``; unreadable
+    files with the marker prefix count as live, a non-local checkpoint has none.
     """
     try:
         folder = local_dir(url)

@@ -51,13 +51,8 @@ class Prefaulter:
         self._stop.set()
 
     def ready(self, buffer: torch.Tensor) -> None:
-        """Call before writing into ``buffer`` (one of the tensors given, not a view of
-        one): afterwards the helper never writes to it.
-
-        A buffer the helper has not started is handed over at once; one it is zeroing is
-        handed over once the piece in progress is done (at most :data:`PIECE_BYTES`, about
-        2 ms on the benchmark VM). Pages not faulted in yet are faulted by the read
-        itself. A tensor that is not one of the buffers returns at once.
+        """Call before writing into ``buffer`` (one of the tensors given): afterwards the helper never
+        writes to it (a piece in progress finishes first, at most :data:`PIECE_BYTES`).
         """
         address = buffer.data_ptr()
         with self._changed:
@@ -71,10 +66,9 @@ class Prefaulter:
                 self._changed.wait()
 
     def run(self) -> None:
-        """Fault the buffers in, in order, on the calling thread, until done or stopped,
-        skipping or leaving those the reader claims (what the context's thread runs; a
-        caller with a helper thread of its own runs it there). Every buffer is handed over
-        when it returns, however it returns."""
+        """Fault the buffers in, in order, on the calling thread, until done or stopped; every buffer
+        is handed over when it returns.
+        """
         try:
             for address, nbytes in self._ranges:
                 with self._changed:

@@ -1,9 +1,7 @@
-"""The file-like interface through which the format streams bulk bytes (tensor data), knowing
-nothing of ``O_DIRECT``, alignment or preallocation: :func:`bulk_writer` (``preallocate``,
-``write``, ``write_stable``: a :class:`~statekit.storage.direct_write.DirectWriter` as it is, any
-other file a :class:`PlainWriter`) and :func:`fill` (a
-:class:`~statekit.storage.direct.DirectReader`'s own ``fill``, else ``readinto`` in
-:data:`CHUNK_BYTES` steps). Imports nothing else of statekit."""
+"""The file-like interface through which the format streams bulk bytes, knowing nothing of
+``O_DIRECT``: :func:`bulk_writer` (a ``DirectWriter`` as it is, any other file a
+:class:`PlainWriter`) and :func:`fill`. Imports nothing else of statekit.
+"""
 
 from __future__ import annotations
 
@@ -57,9 +55,8 @@ def bulk_writer(f: Any) -> BulkWriter:
 
 
 def fill(f: Any, view: memoryview, on_chunk: Callable[[memoryview], Any] | None = None) -> int:
-    """Read ``len(view)`` bytes from ``f``'s position into ``view`` in place (a DirectReader by its
-    ``fill``, others by ``readinto`` or ``read``); ``on_chunk`` gets each filled part in order (the
-    checksum update), or None. Returns the bytes read (fewer where the file ends first).
+    """Read ``len(view)`` bytes from ``f``'s position into ``view`` in place; ``on_chunk`` gets each
+    filled part in order, or None. Returns the bytes read (fewer where the file ends first).
 
     Raises:
         OSError: a read failed (and whatever ``f`` raises).

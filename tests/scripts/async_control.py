@@ -26,7 +26,12 @@ outcomes = []
 with statekit.CheckpointManager({"model": model, "optim": optim}, root,
                                 async_save=statekit.AsyncPolicy(backpressure="skip"),
                                 save_on_signal=statekit.PreemptionPolicy(check_every=1)) as manager:
-    for step in range(1, 41):
+    step = 0
+    # at least 40 steps, and on until a save after the first committed: a loaded machine's
+    # first write may outlast 40 steps (every later one skipped); the skips are agreed, so
+    # every rank leaves the loop at the same step
+    while step < 40 or (not any(outcomes[1:]) and step < 100_000):
+        step += 1
         model(torch.randn(4, model.in_features)).square().mean().backward()
         optim.step()
         optim.zero_grad()

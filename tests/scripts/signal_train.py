@@ -8,6 +8,9 @@ Environment:
   STATEKIT_TEST_ACCUM      gradient_accumulation_steps (steps are then micro-batches)
   STATEKIT_TEST_ASYNC      "1": async_save=True, and an async save every 4 steps
   STATEKIT_TEST_GRACE      grace_s (default: statekit's)
+  STATEKIT_TEST_WATCHER    "1": PreemptionPolicy(watcher=True) (these tests test the safe points, the
+                           watcher's fallback: off by default; tests/integration/signals/test_signal_anywhere.py
+                           tests the watcher)
   STATEKIT_TEST_HOLD       "<step>": the async save of that step blocks on its writer thread
                            (slow storage: the root is opened through a local filesystem whose
                            first write into checkpoint-<step> waits) until the test writes a
@@ -121,8 +124,9 @@ try:
     if mode == "run":
         grace = os.environ.get("STATEKIT_TEST_GRACE")
         tiers = {"replicate_to": f"holdfile://{os.path.abspath(remote)}"} if remote else {}
-        manager = statekit.CheckpointManager(accelerator, root, async_save=use_async, **tiers,
-                                             save_on_signal=statekit.PreemptionPolicy(grace_s=float(grace)) if grace else True)
+        policy = statekit.PreemptionPolicy(**({"grace_s": float(grace)} if grace else {}),
+                                           watcher=os.environ.get("STATEKIT_TEST_WATCHER") == "1")
+        manager = statekit.CheckpointManager(accelerator, root, async_save=use_async, **tiers, save_on_signal=policy)
         start = step = manager.resume() or 0
     source = batches(loader)
     while step < TOTAL:

@@ -39,6 +39,7 @@ def test_hookspecs_found():
             "statekit_attach",
             "statekit_save_state_pre",
             "statekit_save_state_post",
+            "statekit_boundary_state",
             "statekit_load_state_pre",
             "statekit_load_state_post",
             "statekit_manager_options",

@@ -369,8 +369,9 @@ def test_handlers_chain_to_the_previous_python_handler_and_are_restored_on_exit(
 
 
 def test_a_save_call_is_a_safe_point_and_becomes_the_signals_save(tmp_path):
+    # the safe points' path (watcher=False: else the watcher may save step 1 before save(2) runs)
     with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), async_save=True,
-                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return")) as manager:
+                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return", watcher=False)) as manager:
         assert manager.step_boundary(1) is False
         os.kill(os.getpid(), signal.SIGTERM)
         manifest = manager.save(2)  # blocking despite async_save: committed on return
@@ -387,7 +388,8 @@ def test_save_on_signal_exit_raises_systemexit_with_128_plus_the_signal(tmp_path
 
 
 def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(on_signal="return", grace_s=1e-9)) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(
+            on_signal="return", grace_s=1e-9, watcher=False)) as manager:  # the safe points' warnings
         manager.step_boundary(1)
         with pytest.warns(statekit.StatekitWarning, match=r"passed between two safe points .* more than grace_s=1e-09"):
             manager.step_boundary(2)
@@ -413,7 +415,8 @@ def test_bad_save_on_signal_options_are_refused_by_name(tmp_path, save_on_signal
 
 
 def test_a_save_estimated_past_the_deadline_warns_with_the_measured_write_rate(tmp_path):
-    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(on_signal="return", grace_s=1e-9)) as manager:
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(
+            on_signal="return", grace_s=1e-9, watcher=False)) as manager:  # the safe points' warnings
         manager.save(1)  # measures the write rate
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.warns(statekit.StatekitWarning) as record:

@@ -70,3 +70,15 @@ def test_demo_preempted_by_sigterm_resumes_from_the_step_the_signal_stopped(tmp_
     assert "saved the step it reached and exited after step" in proc.stdout
     assert "exit code 143; resumed exactly from step" in proc.stdout
     assert "resume exact         yes" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_preempted_during_an_evaluation_is_saved_from_the_watcher_and_resumes_exactly(tmp_path):
+    # make demo-preempt-eval: the SIGTERM lands 1 s into a 60 s evaluation after the kill step;
+    # the demo fails unless the watcher saved that step before the evaluation ended and the
+    # resumed run starts there, bit for bit
+    proc = _demo("--url", str(tmp_path / "run"), "--preempt-eval", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sent SIGTERM 1 s into an evaluation at step" in proc.stdout
+    assert "saved from the watcher at step" in proc.stdout and "while the main thread was in evaluate_long" in proc.stdout
+    assert "resume exact         yes" in proc.stdout

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import statekit
-from statekit.engine import space
-from statekit.engine.entries import classify
+from statekit.engine.entries import classify, tensor_bytes
 from statekit.storage import Storage
-from statekit.storage.fs import Storage as FsStorage
+from statekit.storage.fs import SAVE_RESERVE_BYTES, Storage as FsStorage
 
 
 def _model(n: int) -> torch.nn.Module:
@@ -79,7 +78,7 @@ def test_overwrite_counts_the_bytes_it_replaces(tmp_path, plugin_manager, monkey
     model = _model(400)  # 642 KB
     statekit.save(url, {"model": model})
     on_disk = sum(p.stat().st_size for p in (tmp_path / "c").rglob("*") if p.is_file())
-    _pretend_free(monkeypatch, space.RESERVE_BYTES)  # room for the reserve only
+    _pretend_free(monkeypatch, SAVE_RESERVE_BYTES)  # room for the reserve only
     with pytest.raises(statekit.StorageError, match="No space left"):
         statekit.save(str(tmp_path / "other"), {"model": model})
     statekit.save(url, {"model": model}, overwrite=True)  # the old files' bytes are reclaimed
@@ -107,5 +106,5 @@ def test_tensor_bytes_counts_each_rank_share_once():
     per_rank = torch.arange(10.0)
     entries = [classify("model", model), classify("optim", opt), classify("shared", shared), classify("g", per_rank, per_rank=True)]
     weights = (64 * 64 + 64) * 4
-    assert space.tensor_bytes(entries, rank=0) == weights + 2 * weights + 4 + 4 + 40  # + 2 step tensors + per-rank
-    assert space.tensor_bytes(entries, rank=1) == 40
+    assert tensor_bytes(entries, rank=0) == weights + 2 * weights + 4 + 4 + 40  # + 2 step tensors + per-rank
+    assert tensor_bytes(entries, rank=1) == 40

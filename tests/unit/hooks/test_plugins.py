@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import random
+import signal
 import sys
 import textwrap
 import uuid
@@ -43,6 +45,7 @@ HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunct
 def test_every_hook_has_a_test():
     assert HOOKS == [
         "statekit_attach",
+        "statekit_boundary_state",
         "statekit_checkpoint_committed",
         "statekit_load_state_post",
         "statekit_load_state_pre",
@@ -1057,3 +1060,38 @@ def test_copy_listing_is_the_one_declared_else_generic():
     assert pm.copy_listing() == Copier.STATEKIT_COPY_LISTING
     pm.register(Other(), name="other")
     assert pm.copy_listing() == CopyListing(frozenset({"copier", "other"}))  # several: generic words, every marker
+
+
+# --------------------------------------------------------------------------- statekit_boundary_state
+
+
+class Counting:
+    """A plugin with a counter that the training loop changes (non-tensor state)."""
+
+    def __init__(self) -> None:
+        self.counter = 0
+        self.saw: list = []
+
+    @hookimpl
+    def statekit_boundary_state(self, objects):
+        return {"counter": self.counter, "objects": sorted(objects)}
+
+    @hookimpl
+    def statekit_save_state_pre(self, checkpoint):
+        self.saw.append(checkpoint.boundary_state())
+
+
+def test_hook_statekit_boundary_state(plugin_manager, tmp_path):
+    plugin = Counting()
+    plugin_manager.register(plugin, name="counting")
+    model = nn.Linear(2, 2)
+    with statekit.CheckpointManager({"model": model, "extra": {"x": 1}}, tmp_path,
+                                    save_on_signal=statekit.PreemptionPolicy(on_signal="return")) as manager:
+        manager.save(1)  # a save of the live state: boundary_state() is None
+        plugin.counter = 5
+        manager.step_boundary(2)
+        plugin.counter = 9  # after the boundary: not what the signal's save writes
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert manager.signal_save.watcher.finished.wait(30)
+    assert manager.signal_save.result["from_watcher"] and manager.signal_save.result["step"] == 2
+    assert plugin.saw == [None, {"counter": 5, "objects": ["extra"]}]

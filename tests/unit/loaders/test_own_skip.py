@@ -25,14 +25,15 @@ def _held_pass(hold, batches):
 
 
 def _activity_hooks() -> int:
-    """own_skip's global hooks (not the step barrier's one pre-hook, installed for good by the
-    first budgeted async save of the process: statekit.engine.step_barrier)."""
+    """The global hooks own_skip holds now: not the step barrier's one permanent optimizer
+    pre-hook (statekit.engine.step_barrier), which an earlier test on the same worker
+    (tests/unit/engine/test_step_barrier.py) may have installed in this process."""
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     from statekit.engine import step_barrier
 
-    barrier = sum(1 for h in step_barrier._hook if h.id in _global_optimizer_pre_hooks)
-    return len(torch.nn.modules.module._global_forward_pre_hooks) + len(_global_optimizer_pre_hooks) - barrier
+    barrier = {handle.id for handle in step_barrier._hook}
+    return len(torch.nn.modules.module._global_forward_pre_hooks) + len(set(_global_optimizer_pre_hooks) - barrier)
 
 
 def test_an_optimizer_step_without_a_module_forward_counts_as_training():

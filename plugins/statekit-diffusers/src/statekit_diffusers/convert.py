@@ -14,10 +14,12 @@ from statekit.plugin_api import (
     CheckpointExistsError,
     CorruptCheckpointError,
     Manifest,
+    ModelSource,
     StatekitError,
     StatekitWarning,
     Storage,
     read_manifest,
+    TensorFiles,
     storage_errors,
     warn_user,
 )
@@ -139,3 +141,22 @@ def _copy(checkpoint: Checkpoint, out: Storage, rel: str, out_rel: str) -> None:
     except CorruptCheckpointError as exc:
         out.remove(out_rel)
         raise CorruptCheckpointError(f"{exc}; the export at {out.url} is incomplete", path=exc.path) from None
+
+
+def export_source(checkpoint: Checkpoint, key: str) -> ModelSource | None:
+    """The ``STATEKIT_EXPORT_SOURCE`` of this plugin (``statekit.export_pretrained``): model
+    ``key``'s folder, its weight files read one tensor at a time (named as the library
+    names them: ``diffusion_pytorch_model`` or ``model``) and its ``config.json``; the
+    model's own weights, not its EMA's. None for a key this plugin did not save as a model.
+    """
+    manifest = checkpoint.manifest
+    record = ((manifest.records.get(PLUGIN_NAME) if manifest is not None else None) or {}).get(key)
+    if manifest is None or not isinstance(record, dict) or record.get("kind") != "model" or not isinstance(record.get("folder"), str):
+        return None
+    folder, library = record["folder"], record["library"]
+    with checkpoint.open(f"{folder}/{layout.CONFIG_NAME}", "rb") as f:
+        config = f.read()
+    weights = [rel for rel in _weight_files(manifest, folder, library) if rel.endswith(".safetensors")]
+    stem = layout.WEIGHTS_NAME[library].rsplit(".", 1)[0]
+    return TensorFiles(checkpoint, weights).source(files={layout.CONFIG_NAME: config}, weights_name=stem)
+

@@ -11,13 +11,14 @@ from typing import Any
 
 from statekit.plugin_api import hookimpl
 from statekit_diffusers import layout, loading, saving, settings
-from statekit_diffusers.convert import PIPELINE_RECORD, convert
+from statekit_diffusers.convert import PIPELINE_RECORD, convert, export_source
 from statekit_diffusers.saving import EMA_COUNTERS
 
 __all__ = [
     "EMA_COUNTERS",
     "PIPELINE_RECORD",
     "STATEKIT_CONVERTERS",
+    "STATEKIT_EXPORT_SOURCE",
     "STATEKIT_OPTIONS",
     "statekit_load_state_pre",
     "statekit_save_state_pre",
@@ -25,6 +26,9 @@ __all__ = [
 
 STATEKIT_CONVERTERS = {"diffusers": convert}
 """Converters found by ``statekit convert SRC OUT --to diffusers``."""
+
+STATEKIT_EXPORT_SOURCE = export_source
+"""``statekit.export_pretrained`` of a model this plugin saved (:func:`statekit_diffusers.convert.export_source`)."""
 
 STATEKIT_OPTIONS = frozenset(settings.OPTIONS)
 """The ``checkpoint.options`` this plugin reads (:mod:`statekit_diffusers.settings`)."""

@@ -19,12 +19,15 @@ from statekit.plugin_api import (
     SAFETENSORS_CODES,
     Checkpoint,
     CorruptCheckpointError,
+    ExportTensor,
     Manifest,
+    ModelSource,
     StatekitError,
     Storage,
     UnsupportedDtypeError,
     encode_header,
     model_tensor_files,
+    read_header,
     read_manifest,
     read_tensors,
     tensor_bytes,
@@ -91,64 +94,112 @@ def consolidate(
 
 
 def _consolidate_sharded(storage: Storage, manifest: Manifest, key: str, out: Storage, out_name: str, verify: bool) -> None:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    from statekit_fsdp.dcp_metadata import read_metadata
-    from statekit_fsdp.dcp_storage import narrow
-    from statekit_fsdp.state import REF
-
     verified = Checkpoint(storage, mode="load", manifest=manifest, verify=True)
-    metadata = read_metadata(verified, key)
-    skeleton = verified.load_state(f"{key}/state")
-    model_part = skeleton.get("model") if isinstance(skeleton, dict) else None
-    if not isinstance(model_part, dict):
-        raise CorruptCheckpointError(f"{storage.url}/{key}/state.json: no model state", path=f"{storage.url}/{key}/state.json")
-    entries: list[tuple[str, str, Any]] = []
-    for fqn, leaf in model_part.items():
-        if not (isinstance(leaf, dict) and REF in leaf):
-            logger.warning("statekit-fsdp: %s: %r of model %r is not a tensor; not written to %s", storage.url, fqn, key, out_name)
-            continue
-        md = metadata.state_dict_metadata.get(leaf[REF])
-        if md is None or not hasattr(md, "chunks"):
-            raise CorruptCheckpointError(f"{storage.url}/{key}/metadata.json: no tensor entry for {leaf[REF]!r}", path=f"{storage.url}/{key}/metadata.json")
-        entries.append((str(fqn), leaf[REF], md))
-
-    if verify:
-        files = sorted(
-            {metadata.storage_data[MetadataIndex(flat, c.offsets)]["file"] for _, flat, md in entries for c in md.chunks}
-        )
-        for rel_file in files:
-            _verify_file(verified, f"{key}/{rel_file}")
-
-    header = _header([(fqn, md.properties.dtype, tuple(md.size)) for fqn, _, md in entries], f"{storage.url}/{key}")
-    reader = _ShardReader(storage, key)
+    assembler = _Assembler(verified, key)
     try:
+        if verify:
+            assembler.verify()
+        header = _header([(fqn, md.properties.dtype, tuple(md.size)) for fqn, _, md in assembler.entries], f"{storage.url}/{key}")
         with out.open_write(out_name) as f:
             f.write(header)
-            for fqn, flat, md in entries:
-                full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-                covered = 0
-                for chunk in md.chunks:
-                    info = metadata.storage_data[MetadataIndex(flat, chunk.offsets)]
-                    part = reader.read(info["file"], info["name"])
-                    if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != full.dtype:
-                        raise CorruptCheckpointError(
-                            f"{storage.url}/{key}/{info['file']}: {info['name']!r} is {list(part.shape)} {part.dtype}, "
-                            f"metadata says {list(chunk.sizes)} {full.dtype}",
-                            path=f"{storage.url}/{key}/{info['file']}",
-                        )
-                    narrow(full, chunk.offsets, chunk.sizes).copy_(part)
-                    covered += part.numel()
-                    del part
-                if covered != full.numel():
-                    raise CorruptCheckpointError(
-                        f"{storage.url}/{key}/metadata.json: chunks of {flat!r} cover {covered} of {full.numel()} elements",
-                        path=f"{storage.url}/{key}/metadata.json",
-                    )
+            for fqn, _, _ in assembler.entries:
+                full = assembler.read(fqn)
                 _write_tensor(f, full)
                 del full
     finally:
-        reader.close()
+        assembler.close()
+
+
+def export_source(checkpoint: Checkpoint, key: str) -> ModelSource | None:
+    """The ``STATEKIT_EXPORT_SOURCE`` of this plugin (``statekit.export_pretrained``): model
+    ``key``'s full tensors, each assembled from its shards when read (peak: one full
+    tensor plus one shard's chunk); :meth:`ModelSource.verify` checks every shard file.
+    None for a model this plugin did not save sharded (the core reads it)."""
+    manifest = checkpoint.manifest
+    if manifest is None or manifest.objects[key].owner != PLUGIN_NAME:
+        return None
+    assembler = _Assembler(checkpoint, key)
+    return ModelSource(
+        tensors=[ExportTensor(fqn, md.properties.dtype, tuple(md.size)) for fqn, _, md in assembler.entries],
+        read=assembler.read, verify=assembler.verify, close=assembler.close,
+    )
+
+
+class _Assembler:
+    """Model ``key``'s full tensors from DCP's metadata and shard files, one at a time."""
+
+    def __init__(self, checkpoint: Checkpoint, key: str) -> None:
+        from statekit_fsdp.dcp_metadata import read_metadata
+        from statekit_fsdp.state import REF
+
+        storage = checkpoint.storage
+        self.checkpoint, self.key, self.url = checkpoint, key, storage.url
+        self.metadata = read_metadata(checkpoint, key)
+        skeleton = checkpoint.load_state(f"{key}/state")
+        model_part = skeleton.get("model") if isinstance(skeleton, dict) else None
+        if not isinstance(model_part, dict):
+            raise CorruptCheckpointError(f"{storage.url}/{key}/state.json: no model state", path=f"{storage.url}/{key}/state.json")
+        self.entries: list[tuple[str, str, Any]] = []
+        for fqn, leaf in model_part.items():
+            if not (isinstance(leaf, dict) and REF in leaf):
+                logger.warning("statekit-fsdp: %s: %r of model %r is not a tensor; not written", storage.url, fqn, key)
+                continue
+            md = self.metadata.state_dict_metadata.get(leaf[REF])
+            if md is None or not hasattr(md, "chunks"):
+                raise CorruptCheckpointError(f"{storage.url}/{key}/metadata.json: no tensor entry for {leaf[REF]!r}", path=f"{storage.url}/{key}/metadata.json")
+            self.entries.append((str(fqn), leaf[REF], md))
+        self.by_fqn = {fqn: (flat, md) for fqn, flat, md in self.entries}
+        self.reader = _ShardReader(storage, key)
+
+    def verify(self) -> None:
+        """Read every shard file of the model through the verifying reader (size, checksum)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        files = sorted(
+            {self.metadata.storage_data[MetadataIndex(flat, c.offsets)]["file"] for _, flat, md in self.entries for c in md.chunks}
+        )
+        for rel_file in files:
+            _verify_file(self.checkpoint, f"{self.key}/{rel_file}")
+
+    def read(self, fqn: str) -> torch.Tensor:
+        """The full tensor ``fqn``, assembled from its chunks.
+
+        Raises:
+            CorruptCheckpointError: a chunk has another shape or dtype than the metadata
+                says, or the chunks do not cover the tensor (names the file).
+        """
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        from statekit_fsdp.dcp_storage import narrow
+
+        flat, md = self.by_fqn[fqn]
+        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        covered = 0
+        for chunk in md.chunks:
+            info = self.metadata.storage_data[MetadataIndex(flat, chunk.offsets)]
+            target = narrow(full, chunk.offsets, chunk.sizes)
+            part = self.reader.read(info["file"], info["name"], into=target if target.is_contiguous() else None)
+            if part is target:  # read in place (a dim-0 shard: no second copy of the chunk)
+                covered += part.numel()
+                continue
+            if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != full.dtype:
+                raise CorruptCheckpointError(
+                    f"{self.url}/{self.key}/{info['file']}: {info['name']!r} is {list(part.shape)} {part.dtype}, "
+                    f"metadata says {list(chunk.sizes)} {full.dtype}",
+                    path=f"{self.url}/{self.key}/{info['file']}",
+                )
+            target.copy_(part)
+            covered += part.numel()
+            del part
+        if covered != full.numel():
+            raise CorruptCheckpointError(
+                f"{self.url}/{self.key}/metadata.json: chunks of {flat!r} cover {covered} of {full.numel()} elements",
+                path=f"{self.url}/{self.key}/metadata.json",
+            )
+        return full
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 class _ShardReader:
@@ -159,7 +210,10 @@ class _ShardReader:
         self.key = key
         self.files: OrderedDict[str, BinaryIO] = OrderedDict()
 
-    def read(self, rel_file: str, name: str) -> torch.Tensor:
+    def read(self, rel_file: str, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name`` of shard file ``rel_file``; read straight into ``into`` (a CPU,
+        contiguous view of the full tensor) when its stored shape and dtype are those of
+        ``into``, else into a new buffer (the caller checks shape and dtype)."""
         rel = f"{self.key}/{rel_file}"
         f = self.files.get(rel)
         if f is None:
@@ -173,7 +227,11 @@ class _ShardReader:
         self.files.move_to_end(rel)
         f.seek(0)
         url = self.storage.url_of(rel)
-        tensors, _ = read_tensors(f, url, None, names=[name])
+        header = read_header(f, url)
+        entry = next((e for e in header.entries if e.name == name), None)
+        if into is not None and (entry is None or tuple(entry.shape) != tuple(into.shape) or entry.dtype != into.dtype):
+            into = None
+        tensors, _ = read_tensors(f, url, None, names=[name], into={name: into} if into is not None else None, header=header)
         if name not in tensors:
             raise CorruptCheckpointError(f"{url}: tensor {name!r} is missing", path=url)
         return tensors[name]

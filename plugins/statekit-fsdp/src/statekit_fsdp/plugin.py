@@ -37,6 +37,14 @@ def _convert_to_safetensors(src_url: str, out_url: str, *, storage_options: dict
 STATEKIT_CONVERTERS = {"safetensors": _convert_to_safetensors}
 """Converters offered to ``statekit convert`` (name -> ``fn(src_url, out_url, *, storage_options=None)``)."""
 
+def STATEKIT_EXPORT_SOURCE(checkpoint: Any, key: str) -> Any:  # noqa: N802 - the attribute statekit looks up
+    """``statekit.export_pretrained`` of a model saved sharded: see
+    :func:`statekit_fsdp.consolidation.export_source`."""
+    from statekit_fsdp.consolidation import export_source
+
+    return export_source(checkpoint, key)
+
+
 STATEKIT_OPTIONS: frozenset[str] = frozenset()
 """The ``checkpoint.options`` this plugin reads: none."""
 

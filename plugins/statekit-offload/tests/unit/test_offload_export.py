@@ -126,3 +126,22 @@ def test_index_json_schema_matches_accelerate(saved, tmp_path):
         assert json.load(f1) == json.load(f2)
     for name in os.listdir(theirs):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
+def test_an_offloaded_model_exports_as_a_from_pretrained_folder(tmp_path):
+    """``statekit.export_pretrained`` of a model this plugin saved from disk offload: the
+    core's tensor files (``<key>.safetensors``), every tensor equal to the model's."""
+    from accelerate import disk_offload
+    from safetensors.torch import load_file
+
+    net = build_net()
+    want = {k: v.clone() for k, v in net.state_dict().items()}
+    disk_offload(net, str(tmp_path / "offload"))
+    statekit.save(str(tmp_path / "ckpt"), {"model": net})
+    assert statekit.verify(str(tmp_path / "ckpt")).objects["model"].owner == "offload"
+    result = statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert result.files == ("model.safetensors",)
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    stored = {k for k in want if k not in result.dropped_ties}
+    assert set(exported) == stored
+    assert all(torch.equal(exported[k], want[k]) for k in stored)

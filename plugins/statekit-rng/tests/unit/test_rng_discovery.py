@@ -23,6 +23,7 @@ def test_entry_point_registers_plugin_rng(monkeypatch: pytest.MonkeyPatch) -> No
     assert pm.manages_rng()
     hooks = {h.name for h in pm.get_hookcallers(rng_plugin)}
     assert hooks == {
+        "statekit_boundary_state",
         "statekit_save_state_pre",
         "statekit_load_state_pre",
         "statekit_load_state_post",

@@ -29,7 +29,7 @@ import os
 import tempfile
 from typing import Any
 
-from statekit.plugin_api import MANIFEST_NAME, Checkpoint, CorruptCheckpointError, hookimpl, unwrap_model
+from statekit.plugin_api import MANIFEST_NAME, Checkpoint, CorruptCheckpointError, ModelSource, TensorFiles, hookimpl, unwrap_model
 from statekit_transformers import layout
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "MODEL_KEY",
     "OPTION",
     "STATE_KEY",
+    "STATEKIT_EXPORT_SOURCE",
     "STATEKIT_OPTIONS",
     "TRAINER_STATE_NAME",
     "TRAINING_ARGS_NAME",
@@ -52,6 +53,28 @@ MODEL_KEY = "model"
 STATE_KEY = "trainer_state"
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.json"
+
+
+def STATEKIT_EXPORT_SOURCE(checkpoint: Checkpoint, key: str) -> ModelSource | None:  # noqa: N802 - the attribute statekit looks up
+    """``statekit.export_pretrained`` of a Trainer checkpoint's model folder: its weight files
+    read one tensor at a time, and its other files (``config.json``, ``generation_config.json``,
+    the tokenizer's, ``adapter_config.json``) as they are. None for another key.
+
+    Raises:
+        CorruptCheckpointError: the plugin's record of the model is malformed.
+    """
+    records = (checkpoint.manifest.records.get("transformers") if checkpoint.manifest is not None else None) or {}
+    if key != MODEL_KEY or MODEL_KEY not in records:
+        return None
+    record = layout.ModelRecord.from_json(records[MODEL_KEY], checkpoint.url)
+    files = {}
+    for rel in record.files:
+        with checkpoint.open(rel, "rb") as f:
+            files[rel] = f.read()
+    adapter = record.layout == layout.ADAPTER
+    return TensorFiles(checkpoint, list(record.shards)).source(
+        files=files, weights_name="adapter_model" if adapter else "model", state_paths=not adapter
+    )
 
 
 class TrainerStateFile:

@@ -306,3 +306,47 @@ def test_retention_keywords_in_statekit_options_keep_more_than_trainers_rule(tmp
     tr.run(str(tmp_path / "alone"), max_steps=8, save_steps=2,  # no save_total_limit: the only retention
            statekit_options={"keep_last": 1, "keep_every_n_steps": 4})
     assert _folders(tmp_path / "alone") == ["checkpoint-4", "checkpoint-8"]
+
+
+def test_a_trainer_checkpoint_exports_as_a_sharded_from_pretrained_folder(tmp_path):
+    """``statekit.export_pretrained`` of ``checkpoint-<step>/`` (this plugin's
+    ``STATEKIT_EXPORT_SOURCE``): the weights resharded, config, generation config and the
+    tokenizer's files as Trainer wrote them; ``from_pretrained`` loads the trained model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = tr.run(str(tmp_path), max_steps=3, save_steps=3)
+    path = str(tmp_path / "checkpoint-3")
+    out = tmp_path / "hf"
+    exported = statekit.export_pretrained(path, str(out), max_shard_size="20KB")
+    names = files_of(out)
+    assert "model.safetensors.index.json" in names and "config.json" in names and "tokenizer.json" in names
+    assert "generation_config.json" in names and not any(n.endswith((".pt", ".bin")) for n in names)
+    assert exported.digests_compared == exported.tensors  # the weights Trainer's folder holds, by their state-dict paths
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (tmp_path / "checkpoint-3" / name).read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    live = result.trainer.model.state_dict()
+    assert model.state_dict().keys() == live.keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, live[name]), name
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert AutoTokenizer.from_pretrained(str(out)).mask_token == "[MASK]"
+
+
+def test_a_trainer_checkpoint_of_a_peft_model_exports_as_its_adapter_folder(tmp_path):
+    """A peft model's Trainer folder: ``adapter_config.json`` as Trainer wrote it and the
+    adapter's tensors in one ``adapter_model.safetensors`` (peft reads no shards), whatever
+    ``max_shard_size``; ``PeftModel.from_pretrained`` loads the trained adapter."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tr.gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    result = tr.run(str(tmp_path), model=model, max_steps=3, save_steps=3)
+    out = tmp_path / "adapter"
+    statekit.export_pretrained(str(tmp_path / "checkpoint-3"), str(out), max_shard_size=1000)
+    assert "adapter_model.safetensors" in files_of(out) and "adapter_config.json" in files_of(out)
+    assert not any(n.startswith("model") for n in files_of(out))
+    assert (out / "adapter_config.json").read_bytes() == (tmp_path / "checkpoint-3" / "adapter_config.json").read_bytes()
+    loaded = peft.PeftModel.from_pretrained(tr.gpt2(), str(out))
+    live = peft.get_peft_model_state_dict(result.trainer.model)
+    exported = peft.get_peft_model_state_dict(loaded)
+    assert exported.keys() == live.keys()
+    assert all(torch.equal(v, live[k]) for k, v in exported.items())
