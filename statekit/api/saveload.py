@@ -157,11 +157,7 @@ def save_objects(
     rank, world_size = distributed.rank_and_world_size()
     storage = _target(url, storage_options, world_size)
     pm = get_plugin_manager()
-    metadata = dict(metadata or {})
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
+    metadata = _strict_json(url, metadata)
     commits.agree(lambda: storage.refuse_if_no_space(tensor_bytes(entries, rank), overwrite), url)
     commits.agree(lambda: prepare_target(storage, overwrite, describe_folder) if rank == 0 else None, url)
     if moment is not None and not blocking:
@@ -178,11 +174,7 @@ def save_objects(
     owners: dict[str, str] = {}
     stage_error: Exception | None = None
     if staging is not None:
-        staging.hold()  # its buffers are reused: wait until the save that used them last has written them
-        if host_memory_budget is not None:
-            optimizers = [e.obj for e in entries if e.kind == "optimizer"]
-            what = f"async save of step {step}" if step is not None else "async save"
-            staging.begin_budget(host_memory_budget, protected_storages(optimizers), f"{what} to {storage.url}")
+        _hold(staging, host_memory_budget, entries, step, storage)
     next_batch.claim_witnesses()  # left by a save that failed before it claimed them
     witnesses: list[next_batch.Witness] = []
     try:
@@ -250,6 +242,26 @@ def save_objects(
     manifest = finish()
     post(manifest)
     return manifest
+
+
+def _strict_json(url: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of a save's ``metadata``; :class:`UnsupportedValueError` if it is not strict JSON."""
+    metadata = dict(metadata or {})
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"metadata for {url} is not strict JSON: {exc}") from exc
+    return metadata
+
+
+def _hold(staging: StagingPool, budget: int | float | None, entries: list[Entry], step: int | None, storage: Storage) -> None:
+    """Take the pool (its buffers are reused: wait until the save that used them last has
+    written them) and, under a host-memory budget, start streaming through it."""
+    staging.hold()
+    if budget is not None:
+        optimizers = [e.obj for e in entries if e.kind == "optimizer"]
+        what = f"async save of step {step}" if step is not None else "async save"
+        staging.begin_budget(budget, protected_storages(optimizers), f"{what} to {storage.url}")
 
 
 def _after_commit_error(exc: Exception, url: str) -> Exception:
