@@ -35,7 +35,9 @@ from statekit.errors import (
     InvalidOptionError,
     PluginMissingError,
     StatekitError,
+    StatekitWarning,
     UnsupportedDtypeError,
+    warn_user,
 )
 from statekit.format import CHUNK_BYTES, SAFETENSORS_CODES, encode_header, tensor_bytes
 from statekit.format.manifest import read_manifest
@@ -265,9 +267,25 @@ def export_pretrained(
         plan = _plan(source, files, key, adapter_name, storage.url, manifest)
         if verify and source.verify is not None:
             source.verify()
-        return _write(checkpoint, key, source, plan, files, out, shard_bytes, verify)
+        stale = _weight_files(out) if overwrite else set()
+        result = _write(checkpoint, key, source, plan, files, out, shard_bytes, verify)
     finally:
         source.close()
+    for rel in sorted(stale - set(result.files)):  # an earlier export's weights: from_pretrained would read them
+        logger.info("export to %s: removed %s, the weights of an earlier export (overwrite=True)", out.url, rel)
+        out.remove(rel)
+    if config is None and "config.json" not in result.files and "adapter_config.json" not in result.files:
+        warn_user(f"exported {key!r} to {out.url} without a config.json: from_pretrained needs one "
+                  "(pass config=, or --config on the command line)", StatekitWarning)
+    return result
+
+
+_EXPORT_WEIGHTS = re.compile(r"^(model|adapter_model|diffusion_pytorch_model)(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+
+
+def _weight_files(out: Storage) -> set[str]:
+    """The weight files (and index) an export names so, already in ``out``."""
+    return {name for name in out.listdir() if _EXPORT_WEIGHTS.match(name)} if out.exists() else set()
 
 
 def _user_files(config: Any) -> dict[str, bytes]:

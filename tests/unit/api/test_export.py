@@ -227,8 +227,32 @@ def test_a_non_empty_output_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "hf" / "README.md").write_text("mine")
     with pytest.raises(CheckpointExistsError, match=r"hf exists and is not empty"):
         statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
-    statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"), overwrite=True)
+    with pytest.warns(statekit.StatekitWarning, match=r"without a config.json: from_pretrained needs one"):
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"), overwrite=True)
     assert sorted(os.listdir(tmp_path / "hf")) == ["README.md", "model.safetensors"]
+
+
+def test_overwrite_removes_an_earlier_exports_weights_and_keeps_the_users_files(tmp_path):
+    """A sharded export over a one-file one (and back): from_pretrained must read the new
+    weights, not an earlier export's model.safetensors left beside them."""
+    from transformers import GPT2LMHeadModel
+
+    first, config = gpt2(seed=1)
+    second, _ = gpt2(seed=2)
+    statekit.save(str(tmp_path / "a"), {"model": first})
+    statekit.save(str(tmp_path / "b"), {"model": second})
+    out = tmp_path / "hf"
+    statekit.export_pretrained(str(tmp_path / "a"), str(out), config=config)
+    (out / "README.md").write_text("mine")
+    (out / "pytorch_model.bin").write_bytes(b"not statekit's name")
+    statekit.export_pretrained(str(tmp_path / "b"), str(out), config=config, max_shard_size="20KB", overwrite=True)
+    names = sorted(os.listdir(out))
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    assert {"README.md", "pytorch_model.bin", "config.json"} <= set(names)
+    assert_same_model(second, GPT2LMHeadModel.from_pretrained(str(out)))
+    statekit.export_pretrained(str(tmp_path / "a"), str(out), config=config, overwrite=True)
+    assert not [n for n in os.listdir(out) if n.startswith("model-") or n.endswith(".index.json")]
+    assert_same_model(first, GPT2LMHeadModel.from_pretrained(str(out)))
 
 
 def test_a_checkpoint_without_a_model_is_refused(tmp_path):
