@@ -299,4 +299,22 @@ def _exit_now(code: int) -> None:
             stream.flush()
         except Exception:  # noqa: BLE001
             pass
+    _end_daemonic_children()
     os._exit(code)
+
+
+def _end_daemonic_children(join_s: float = 1.0) -> None:
+    """Terminate this process's daemonic ``multiprocessing`` children (DataLoader workers),
+    as ``multiprocessing``'s own exit function does at a normal exit: ``os._exit`` skips it,
+    and a worker stuck in a stalled read would outlive the run, holding its stdout open."""
+    import multiprocessing
+
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    for child in children:
+        try:
+            child.terminate()
+        except Exception:  # noqa: BLE001 - exiting regardless
+            pass
+    deadline = time.monotonic() + join_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))

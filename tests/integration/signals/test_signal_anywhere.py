@@ -124,6 +124,15 @@ def signalled(tmp_path: Path, event: tuple[str, ...], nproc: int = 1, **env: str
     return child
 
 
+def _alive(pid: int) -> bool:
+    """A process that runs (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def committed_step(root: Path) -> int:
     latest = statekit.CheckpointManager({}, str(root)).latest()
     assert latest is not None
@@ -158,6 +167,11 @@ def test_a_sigterm_during_a_60_s_evaluation_is_saved_from_the_watcher_and_resume
 def test_a_sigterm_during_a_data_loader_stall_is_saved_from_the_watcher_and_resumes_exactly(tmp_path, reference,
                                                                                            workers):
     child = signalled(tmp_path, ("stall", "started"), STATEKIT_TEST_WHERE="stall", STATEKIT_TEST_WORKERS=str(workers))
+    assert child.proc.wait(timeout=240) == 143
+    # the stalled DataLoader workers end with the run (os._exit skips multiprocessing's own exit
+    # function): none outlives it holding the job's stdout
+    stalled = {int(line.split()[3]) for line in child.text.splitlines() if line.startswith("stall started")}
+    assert [pid for pid in stalled - set(child.pids.values()) if _alive(pid)] == []
     assert child.finish() == 143
     last = len(child.losses())  # the last completed step (with workers: the batches fetched ahead were trained)
     saved = SAVED.search(child.stderr)
