@@ -42,6 +42,8 @@ plugin API.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import logging
 import os
@@ -245,6 +247,7 @@ class StatekitTrainerMixin:
             elif extra:
                 options["retention"] = statekit.RetentionPolicy(**extra)
         options.update(given)
+        options["save_on_signal"] = _without_watcher(options.get("save_on_signal", False))
         options[OPTION] = self
         os.makedirs(run_dir, exist_ok=True)
         self._statekit_objects = objects
@@ -488,4 +491,17 @@ def statekit_trainer_class(trainer_cls: type) -> type:
         statekit.PluginError: as :class:`StatekitTrainerMixin`, at the first construction.
     """
     return type(f"Statekit{trainer_cls.__name__}", (StatekitTrainerMixin, trainer_cls), {"__module__": __name__})
+
+
+def _without_watcher(save_on_signal: Any) -> Any:
+    """``save_on_signal`` with the signal watcher off: a Trainer run saves at its step ends
+    only. The watcher saves the boundary state of what declares one
+    (``statekit_boundary_state``); Trainer's own state (``TrainerState``, its callbacks) does
+    not yet, so a watcher save during an evaluation could record a later log history than
+    the step's: not provably exact."""
+    if save_on_signal is False or save_on_signal is None:
+        return save_on_signal
+    policy = save_on_signal if isinstance(save_on_signal, statekit.PreemptionPolicy) else (
+        statekit.PreemptionPolicy() if save_on_signal is True else statekit.PreemptionPolicy(signals=save_on_signal))
+    return dataclasses.replace(policy, watcher=False)
 
