@@ -10,9 +10,7 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 import statekit
 from statekit.errors import InvalidOptionError
 
-from accelerate_helpers import SCRIPTS
+from accelerate_helpers import SCRIPTS, script_command
 
 pytest.importorskip("accelerate")
 
@@ -41,14 +39,7 @@ class Worker:
             fifo = Path(f"{out}.rank{rank}.fifo")
             if not fifo.exists():
                 os.mkfifo(fifo)
-        if nproc == 1:
-            cmd = [sys.executable, str(SCRIPT), mode, str(root), str(out)]
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-                   "--master_addr=127.0.0.1", str(SCRIPT), mode, str(root), str(out)]
+        cmd = script_command(SCRIPT, mode, str(root), str(out), nproc=nproc)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.pids: dict[int, int] = {}

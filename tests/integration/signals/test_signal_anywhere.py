@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 
 import statekit
 
-from accelerate_helpers import SCRIPTS
+from accelerate_helpers import SCRIPTS, script_command
 
 pytest.importorskip("accelerate")
 
@@ -38,14 +36,7 @@ class Child:
 
     def __init__(self, mode: str, root: Path, out: Path, nproc: int = 1, **env: str) -> None:
         self.out, self.nproc = out, nproc
-        if nproc == 1:
-            cmd = [sys.executable, str(SCRIPT), mode, str(root), str(out)]
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-                   "--master_addr=127.0.0.1", str(SCRIPT), mode, str(root), str(out)]
+        cmd = script_command(SCRIPT, mode, str(root), str(out), nproc=nproc)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **env})
         self.lines: list[str] = []
