@@ -176,10 +176,10 @@ def train_loop(model, optimizer, loader, steps: int, start: int = 0, on_step=Non
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def script_command(script: Path | str, *args: str, nproc: int = 1) -> list[str]:
-    """The command that runs ``script``: in this interpreter (``nproc`` 1), or under
-    ``torchrun`` with ``nproc`` processes on a free local port."""
-    if nproc == 1:
+def script_command(script: Path | str, *args: str, nproc: int = 1, launcher: bool | None = None) -> list[str]:
+    """The command that runs ``script``: in this interpreter, or (``launcher``; default:
+    ``nproc`` > 1) under ``torchrun`` with ``nproc`` processes on a free local port."""
+    if not (nproc > 1 if launcher is None else launcher):
         return [sys.executable, str(script), *args]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,7 +191,7 @@ def script_command(script: Path | str, *args: str, nproc: int = 1) -> list[str]:
 def torchrun(script: str, *args: str, nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 300) -> None:
     """Run ``tests/scripts/<script>`` under ``torchrun`` with ``nproc`` real gloo processes
     on a free local port (one thread each); fails the test with the output's tail."""
-    cmd = script_command(SCRIPTS / script, *args, nproc=nproc)
+    cmd = script_command(SCRIPTS / script, *args, nproc=nproc, launcher=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
