@@ -21,16 +21,20 @@ from statekit.format.manifest_types import Manifest
 from statekit.api.loading import load
 from statekit.api.saveload import save
 from statekit.engine.read import verify
+from statekit.engine.references import reference_pretrained
+from statekit.api.materialize import materialize
 from statekit.errors import (
     AsyncSaveError,
     CollectiveTimeoutError,
     CheckpointExistsError,
     CheckpointInUseError,
+    ChangedBaseError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
     IncompleteCheckpointError,
     InvalidOptionError,
+    MissingBaseError,
     PickleNotAllowedError,
     PluginError,
     PluginMissingError,
@@ -73,11 +77,13 @@ __all__ = [
     "CheckpointHook",
     "CheckpointExistsError",
     "CheckpointInUseError",
+    "ChangedBaseError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FormatVersionError",
     "IncompleteCheckpointError",
     "InvalidOptionError",
+    "MissingBaseError",
     "PickleNotAllowedError",
     "PluginError",
     "PluginMissingError",
@@ -99,6 +105,8 @@ __all__ = [
     "hookimpl",
     "load",
     "load_state",
+    "materialize",
+    "reference_pretrained",
     "save",
     "save_state",
     "verify",

@@ -14,6 +14,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
+    "BaseReferenceError",
+    "MissingBaseError",
+    "ChangedBaseError",
     "FormatVersionError",
     "StateMismatchError",
     "PluginError",
@@ -148,6 +151,37 @@ class CorruptCheckpointError(StatekitError, ValueError):
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class BaseReferenceError(StatekitError):
+    """A checkpoint references a model's frozen tensors in a pretrained folder
+    (docs/export.md, "A frozen base is referenced") and that folder is gone, or no longer
+    holds the same bytes; the message names the folder, the file and the tensor. Never a
+    silent different base: make checkpoints self-contained with ``statekit convert CKPT OUT
+    --to statekit --materialize`` while the folder exists.
+
+    Attributes:
+        url: the folder, or the file in it, at fault.
+    """
+
+    __module__ = "statekit"
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class MissingBaseError(BaseReferenceError, FileNotFoundError):
+    """The referenced folder, or a file of it, does not exist (moved, deleted, not mounted)."""
+
+    __module__ = "statekit"
+
+
+class ChangedBaseError(BaseReferenceError, ValueError):
+    """A referenced file exists but differs from what the checkpoint recorded: its size, its
+    header (names, dtypes, shapes, offsets) or a referenced tensor's bytes."""
+
+    __module__ = "statekit"
 
 
 class FormatVersionError(StatekitError, ValueError):

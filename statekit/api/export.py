@@ -175,7 +175,7 @@ def model_source(checkpoint: Checkpoint, key: str) -> ModelSource:
             return source
     rels = _core_tensor_files(key, obj.files or (), manifest.files)
     if rels:
-        return TensorFiles(checkpoint, rels).source()
+        return TensorFiles(checkpoint, rels, checkpoint.referenced(key)).source()
     if obj.owner != CORE and plugin is None:
         distribution = obj.owner_distribution or f"statekit-{obj.owner}"
         raise PluginMissingError(

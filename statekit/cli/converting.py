@@ -1,10 +1,12 @@
-"""``statekit convert``: an Accelerate directory to statekit, or statekit to a format a plugin provides."""
+"""``statekit convert``: an Accelerate directory to statekit, a statekit checkpoint to a self-contained one
+(``--materialize``), to a Hugging Face folder, or to a format a plugin provides."""
 
 from __future__ import annotations
 
 import click
 
 from statekit.api.export import DEFAULT_MAX_SHARD_SIZE, export_pretrained
+from statekit.api.materialize import materialize as materialize_checkpoint
 from statekit.cli.output import fail, parse_key_values, storage_option, storage_options_of
 from statekit.errors import StatekitError
 from statekit.foreign.accelerate_convert import convert as convert_accelerate
@@ -26,14 +28,18 @@ from statekit.storage import Storage
 @click.option("--model", "model_key", default=None, help="--to hf: the model's key (needed when the checkpoint holds several).")
 @click.option("--config", "configs", multiple=True, metavar="PATH",
               help="--to hf: a config file or folder (config.json, tokenizer, adapter_config.json) to write beside the weights; repeatable.")
+@click.option("--materialize", is_flag=True,
+              help="--to statekit: copy a statekit checkpoint with its referenced frozen base written into it (self-contained).")
 @click.option("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,
               help="--to hf: bytes per weight file (an integer, or 5GB / 500MiB).")
 @storage_option
 def convert(
     src: str, out: str, target: str, allow_pickle: bool, overwrite: bool, raw_options: tuple[str, ...],
-    model_key: str | None, configs: tuple[str, ...], max_shard_size: str, raw_storage: tuple[str, ...]
+    model_key: str | None, configs: tuple[str, ...], materialize: bool, max_shard_size: str, raw_storage: tuple[str, ...]
 ) -> None:
-    """Convert a checkpoint: Accelerate directory -> statekit, statekit -> a Hugging Face folder, or -> a plugin's format."""
+    """Convert a checkpoint: Accelerate directory -> statekit, statekit -> self-contained statekit (--materialize), -> a Hugging Face folder, or -> a plugin's format."""
+    if materialize and target != "statekit":
+        raise click.UsageError(f"--materialize goes with --to statekit, not --to {target}")
     try:
         storage_options = storage_options_of(raw_storage)
         source = Storage(src, storage_options)
@@ -46,6 +52,10 @@ def convert(
                 advance(total or 0)
             click.echo(f"wrote {result.url}: model {result.key!r}, {result.tensors} tensors, {result.total_size} bytes in "
                        f"{', '.join(result.files)}; {result.digests_compared} tensors matched the checkpoint's state digest")
+            return
+        if target == "statekit" and materialize:
+            manifest = materialize_checkpoint(src, out, storage_options=storage_options, overwrite=overwrite)
+            click.echo(f"wrote {out}: {len(manifest.files)} files, self-contained ({manifest.size_bytes} bytes)")
             return
         if target == "statekit":
             total = _source_bytes(source)

@@ -112,7 +112,7 @@ def build_manifest(
         entry.owner == CORE and any(is_frozen_file(key, rel) for rel in entry.files) for key, entry in objects.items()
     )
     return Manifest(
-        format=fmt.FORMAT_SPLIT if split else fmt.FORMAT,
+        format=fmt.FORMAT_REFERENCED if checkpoint.references else fmt.FORMAT_SPLIT if split else fmt.FORMAT,
         statekit_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         step=checkpoint.step,
@@ -126,6 +126,7 @@ def build_manifest(
         resume_audit=None if resume_audit is None else ResumeAudit.from_json(resume_audit, url),
         state_digest=state_digest,
         lineage=lineage,
+        references=dict(checkpoint.references) or None,
     )
 
 

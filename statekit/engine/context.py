@@ -17,8 +17,9 @@ from statekit import format as fmt
 from statekit.engine.file_reader import FileReader
 from statekit.engine.file_writer import FileWriter, WrittenFile
 from statekit.engine.incremental import ReuseBase
+from statekit.engine.references import ResolvedReference
 from statekit.engine.staging import StagingPool
-from statekit.format.manifest_types import FileEntry, Manifest
+from statekit.format.manifest_types import FileEntry, Manifest, Reference
 from statekit.errors import StatekitError
 from statekit.storage import Storage
 
@@ -100,6 +101,10 @@ class Checkpoint:
         # writer name here makes the commit record files written around the checkpoint.
         self.accelerate_runs_hooks = False
         self.record_unlisted_at_commit: str | None = None
+        self.references: dict[str, Reference] = dict(manifest.references or {}) if manifest is not None else {}
+        """Model key -> the frozen tensors referenced in a pretrained folder, not written
+        (:mod:`statekit.engine.references`): filled by the save, read from the manifest on load."""
+        self._resolved: dict[str, ResolvedReference] = {}
         self._model_keys = dict(model_keys or {})
         self._records: dict[str, dict[str, Any]] = (
             {k: dict(v) for k, v in manifest.records.items()} if manifest is not None else {}
@@ -109,6 +114,22 @@ class Checkpoint:
         self._writer_args = {"staging": staging, "incremental": incremental, "reuse_base": reuse_base}
         if mode == "save":
             self._writer = FileWriter(storage, rank=rank, mode=mode, **self._writer_args)
+
+    def referenced(self, key: str) -> ResolvedReference | None:
+        """On load, the pretrained folder of model ``key``'s referenced frozen tensors
+        (:class:`~statekit.engine.references.ResolvedReference`), found and its headers
+        checked once per load; None when the checkpoint references none for it.
+
+        Raises:
+            MissingBaseError: the folder (and any carried copy) is gone; names it.
+            ChangedBaseError: a file of it differs from the record; names it.
+        """
+        reference = self.references.get(key)
+        if reference is None:
+            return None
+        if key not in self._resolved:
+            self._resolved[key] = ResolvedReference(reference, self.storage, key, self.storage.storage_options)
+        return self._resolved[key]
 
     @property
     def writer(self) -> FileWriter:

@@ -136,6 +136,25 @@ class IncrementalReuse:
         )
 
 
+def frozen_names(weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None) -> set[str]:
+    """The names of ``weights`` whose storage only frozen parameters of ``model`` hold
+    (``requires_grad=False``; a storage a trainable parameter also holds is not frozen): the
+    one test of "frozen" for incremental splits and references. Empty without a model, or
+    when no parameter is trainable or none frozen."""
+    if model is None:
+        return set()
+    frozen_storages, trainable_storages = set(), set()
+    for p in model.parameters():
+        if p.device.type == "meta" or p.numel() == 0:
+            continue
+        (trainable_storages if p.requires_grad else frozen_storages).add(p.untyped_storage().data_ptr())
+    frozen_storages -= trainable_storages
+    if not frozen_storages or not trainable_storages:
+        return set()
+    return {name for name, t in weights.items()
+            if t.device.type != "meta" and t.numel() and t.untyped_storage().data_ptr() in frozen_storages}
+
+
 def split_model(key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None) -> dict[str, dict[str, torch.Tensor]]:
     """The files of one model's state dict (``weights``, tensors only) in an incremental
     save: ``{relative path: {name: tensor}}``, ``<key>.safetensors`` first, state-dict order
@@ -147,23 +166,7 @@ def split_model(key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.M
     frozen parameter, or under :data:`SPLIT_MIN_BYTES` of frozen tensors: one file.
     """
     whole = {f"{key}.safetensors": dict(weights)}
-    if model is None:
-        return whole
-    frozen_storages, trainable_storages = set(), set()
-    for p in model.parameters():
-        if p.device.type == "meta" or p.numel() == 0:
-            continue
-        (trainable_storages if p.requires_grad else frozen_storages).add(p.untyped_storage().data_ptr())
-    frozen_storages -= trainable_storages
-    if not frozen_storages or not trainable_storages:
-        return whole
-
-    def storage_of(t: torch.Tensor) -> int | None:
-        if t.device.type == "meta" or t.numel() == 0:
-            return None
-        return t.untyped_storage().data_ptr()
-
-    frozen = {name for name, t in weights.items() if storage_of(t) in frozen_storages}
+    frozen = frozen_names(weights, model)
     if sum(weights[n].numel() * weights[n].element_size() for n in frozen) < SPLIT_MIN_BYTES:
         return whole
     files: dict[str, dict[str, torch.Tensor]] = {f"{key}.safetensors": {}}
@@ -173,7 +176,7 @@ def split_model(key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.M
         if name not in frozen:
             files[f"{key}.safetensors"][name] = t
             continue
-        storage = storage_of(t)
+        storage = t.untyped_storage().data_ptr()
         rel = file_of_storage.get(storage)
         if rel is None:
             nbytes = t.numel() * t.element_size()
@@ -191,4 +194,4 @@ def is_frozen_file(key: str, rel: str) -> bool:
     return rel.startswith(f"{key}{FROZEN_INFIX}") and rel.endswith(".safetensors")
 
 
-__all__ = ["FROZEN_FILE_BYTES", "IncrementalReuse", "ReuseBase", "is_frozen_file", "split_model", "usable_cpus"]
+__all__ = ["FROZEN_FILE_BYTES", "IncrementalReuse", "ReuseBase", "frozen_names", "is_frozen_file", "split_model", "usable_cpus"]

@@ -24,6 +24,7 @@ from statekit.engine.context import CORE, Checkpoint
 from statekit.engine.entries import Entry, check_fit, unwrap_model
 from statekit.engine.file_reader import FileReader
 from statekit.engine.gradients import AccumulatedGradients
+from statekit.engine import references
 from statekit.engine.incremental import is_frozen_file
 from statekit.engine.optimizer_fit import check_optimizer_fit, check_scheduler_fit, parameter_names
 from statekit.errors import CorruptCheckpointError, StateMismatchError, StorageError
@@ -293,6 +294,9 @@ def _fit_model(
             shapes[e.name] = (e.shape, e.dtype)
         for alias, name in header.aliases.items():
             shapes[alias] = shapes[name]
+    referenced = checkpoint.referenced(key)  # frozen tensors a pretrained folder holds (engine/references.py)
+    if referenced is not None:
+        shapes.update(referenced.shapes())
     return targets, set(shapes), _check_model_state(checkpoint, key, rels[0], targets, shapes, set(shapes), strict)
 
 
@@ -336,6 +340,8 @@ def load_model(
         state: dict[str, torch.Tensor] = {}
         for rel in model_tensor_files(key, saved.files or ()):
             state.update(checkpoint.reader.load_tensors(rel))
+        if checkpoint.referenced(key) is not None:
+            state.update(checkpoint.referenced(key).load())
         model.load_state_dict(state, strict=strict)
         return report
     shared = {k: t for k, t in targets.items() if k in saved_keys}
@@ -343,6 +349,8 @@ def load_model(
         with torch.no_grad():
             for rel in model_tensor_files(key, saved.files or ()):  # each fills the targets it holds
                 checkpoint.reader.load_tensors(rel, into=shared)
+            if checkpoint.referenced(key) is not None:
+                checkpoint.referenced(key).load(into=shared)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(
             f"{exc} (model {key!r} is partly overwritten: load a good checkpoint into it before use)", path=exc.path
@@ -490,10 +498,14 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Manife
             :func:`read_manifest`.
         CorruptCheckpointError: the first file that is missing, or whose size or
             checksum differs; ``.path`` names it.
+        MissingBaseError, ChangedBaseError: a pretrained folder the checkpoint references
+            is gone, or a referenced tensor's bytes differ (names it).
     """
     storage = Storage.of(url, storage_options)
     manifest = read_manifest(storage)
     verify_files(storage, manifest)
+    for resolved in references.resolve_all(manifest.references, storage).values():
+        resolved.verify()  # a referenced frozen base: found, its headers and tensors' bytes as recorded
     return manifest
 
 

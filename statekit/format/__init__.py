@@ -25,7 +25,7 @@ from statekit.format.dtypes import (
 )
 from statekit.format.header import MAX_HEADER_BYTES, WRITER, WRITER_KEY, TensorEntry, TensorHeader, build_header, encode_header, parse_header, read_header
 from statekit.format.layout import check_relpath, next_batch_path, parse_rank_path, rank_name, rank_path
-from statekit.format.manifest_types import FORMAT, FORMAT_SPLIT, MANIFEST_CHECKSUM, READ_FORMATS, FileEntry, Fingerprint, LoaderSettings, Manifest, ObjectEntry, Lineage, ResumeAudit, StateDigest
+from statekit.format.manifest_types import FORMAT, FORMAT_REFERENCED, FORMAT_SPLIT, MANIFEST_CHECKSUM, READ_FORMATS, FileEntry, Fingerprint, LoaderSettings, Manifest, ObjectEntry, Lineage, Reference, ResumeAudit, SourceFile, SourceTensor, StateDigest
 from statekit.format.manifest import (
     CHECKPOINT_DIR_NAME,
     MANIFEST_NAME,
@@ -55,6 +55,7 @@ __all__ = [
     "CODE_ITEMSIZE",
     "DTYPE_FROM_CODE",
     "FORMAT",
+    "FORMAT_REFERENCED",
     "FORMAT_SPLIT",
     "READ_FORMATS",
     "CHECKPOINT_DIR_NAME",
@@ -65,7 +66,10 @@ __all__ = [
     "LoaderSettings",
     "Manifest",
     "ObjectEntry",
+    "Reference",
     "ResumeAudit",
+    "SourceFile",
+    "SourceTensor",
     "MANIFEST_CHECKSUM",
     "MANIFEST_NAME",
     "MAX_HEADER_BYTES",

@@ -24,13 +24,19 @@ FORMAT_SPLIT = "statekit/2"
 """The ``format`` of a checkpoint in which a model's tensors span several files (an
 incremental save's frozen-tensor files): a reader of version 1 only refuses it."""
 
-READ_FORMATS = frozenset({FORMAT, FORMAT_SPLIT})
+FORMAT_REFERENCED = "statekit/3"
+"""The ``format`` of a checkpoint that references a model's frozen tensors in a pretrained
+folder instead of holding them (``references``): a reader of versions 1 and 2 refuses it
+rather than load a model without them."""
+
+READ_FORMATS = frozenset({FORMAT, FORMAT_SPLIT, FORMAT_REFERENCED})
 """The ``format`` values this version reads."""
 
 MANIFEST_CHECKSUM = "manifest_checksum"
 """The field holding the XXH3-64 checksum of the rest of the manifest (:func:`canonical_bytes`)."""
 
-__all__ = ["FORMAT", "FORMAT_SPLIT", "MANIFEST_CHECKSUM", "READ_FORMATS", "FileEntry", "Fingerprint", "StateDigest",
+__all__ = ["FORMAT", "FORMAT_REFERENCED", "FORMAT_SPLIT", "MANIFEST_CHECKSUM", "READ_FORMATS", "FileEntry", "Fingerprint",
+           "Reference", "SourceFile", "SourceTensor", "StateDigest",
            "LoaderSettings", "Lineage", "Manifest", "ObjectEntry", "ResumeAudit", "canonical_bytes"]
 
 
@@ -323,11 +329,89 @@ class Lineage(_Record):
         return cls(run_id=value["run_id"], branch=value["branch"], parent=parent)
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceFile(_Record):
+    """One safetensors file of a referenced pretrained folder (``references[<key>].files[<name>]``).
+
+    Attributes:
+        size_bytes: the file's size, bytes.
+        header_checksum: ``"xxh3_64:<16 hex digits>"`` of its first ``8 + N`` bytes (the
+            length and the JSON header): a file whose tensors were renamed, retyped, reshaped
+            or moved no longer matches.
+    """
+
+    size_bytes: int
+    header_checksum: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceTensor(_Record):
+    """Where one referenced tensor is (``references[<key>].tensors[<state-dict name>]``).
+
+    Attributes:
+        file: the source file, relative to the folder.
+        name: the tensor's name in that file (a peft or compiled model's state-dict name
+            differs: ``base_model.model.x.base_layer.weight`` is ``x.weight`` there).
+        checksum: ``"xxh3_64:<16 hex digits>"`` of the tensor's bytes as stored.
+    """
+
+    file: str
+    name: str
+    checksum: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference(_Record):
+    """A model's frozen tensors kept in a pretrained folder, not in the checkpoint
+    (``references[<key>]``; docs/export.md, "A frozen base is referenced"; the engine:
+    :mod:`statekit.engine.references`).
+
+    Attributes:
+        source: the folder's URL as given or learned (``/models/llama``, ``s3://bucket/base``).
+        base_id: ``xxh3_64`` hex of the files' names, sizes and header checksums: the folder
+            name of a copy carried beside the checkpoints (``<root>/.statekit-bases/<base_id>``).
+        files: file name -> :class:`SourceFile`.
+        tensors: the model's state-dict name -> :class:`SourceTensor`.
+    """
+
+    source: str
+    base_id: str
+    files: Mapping[str, SourceFile]
+    tensors: Mapping[str, SourceTensor]
+
+    @classmethod
+    def from_json(cls, value: Any, source: str, key: str) -> Reference:
+        """Parse ``references[key]``; raises ``CorruptCheckpointError`` (``source`` and ``key``
+        named) when it is not of the documented shape or a file name escapes the folder."""
+        what = f"manifest field 'references' of model {key!r} is malformed"
+        if not isinstance(value, dict) or not isinstance(value.get("source"), str) \
+                or not isinstance(value.get("base_id"), str) or not isinstance(value.get("files"), dict) \
+                or not isinstance(value.get("tensors"), dict):
+            raise _corrupt(source, what)
+        files, tensors = {}, {}
+        for name, f in value["files"].items():
+            check_relpath(name, source)
+            if not isinstance(f, dict) or not _is_int(f.get("size_bytes")) or not isinstance(f.get("header_checksum"), str):
+                raise _corrupt(source, what)
+            files[name] = SourceFile(f["size_bytes"], f["header_checksum"])
+        for name, t in value["tensors"].items():
+            if not isinstance(t, dict) or not all(isinstance(t.get(k), str) for k in ("file", "name", "checksum")) \
+                    or t["file"] not in files:
+                raise _corrupt(source, what)
+            tensors[name] = SourceTensor(t["file"], t["name"], t["checksum"])
+        return cls(source=value["source"], base_id=value["base_id"], files=files, tensors=tensors)
+
+
+def _references(value: Any, source: str) -> dict[str, Reference]:
+    return {key: Reference.from_json(ref, source, key) for key, ref in _need_object(value, "references", source).items()}
+
+
 # the manifest's required fields and their JSON types; its optional records and their parsers
 _REQUIRED: dict[str, type] = {"statekit_version": str, "created": str, "world_size": int, "plugins": dict,
                                "objects": dict, "files": dict, "metadata": dict, "records": dict}
 _OPTIONAL: dict[str, Any] = {"fingerprint": Fingerprint.from_json, "resume_audit": ResumeAudit.from_json,
-                             "state_digest": StateDigest.from_json, "lineage": Lineage.from_json}
+                             "state_digest": StateDigest.from_json, "lineage": Lineage.from_json,
+                             "references": _references}
 
 
 def _manifest_object(manifest: Any, source: str) -> dict[str, Any]:
@@ -387,6 +471,8 @@ class Manifest(_Record):
             (:class:`ResumeAudit`), or None.
         state_digest: the digests of the saved objects' live tensors (:class:`StateDigest`), or None.
         lineage: run, branch and parent of the checkpoint (:class:`Lineage`), or None.
+        references: model key -> :class:`Reference`, the frozen tensors a pretrained folder
+            holds for it (format ``statekit/3``), or None.
         manifest_checksum: XXH3-64 of the rest (:func:`canonical_bytes`); None before the commit.
         incompatible_keys: after a non-strict :func:`statekit.load`, never written: stable key
             -> ``{"missing_keys": [...], "unexpected_keys": [...]}`` of every model the core loaded.
@@ -407,6 +493,7 @@ class Manifest(_Record):
     resume_audit: ResumeAudit | None = None
     state_digest: StateDigest | None = None
     lineage: Lineage | None = None
+    references: Mapping[str, Reference] | None = None
     manifest_checksum: str | None = None
     incompatible_keys: Mapping[str, Mapping[str, list[str]]] | None = dataclasses.field(default=None, compare=False)
     missing_objects: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)

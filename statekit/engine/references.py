@@ -1,0 +1,516 @@
+"""A frozen base referenced, not written: the tensors of a model that equal, byte for byte,
+tensors of a pretrained folder (``from_pretrained``'s, or one the user names) are recorded
+as references (:class:`statekit.format.Reference`: folder, file, name, checksum) instead of
+written; a load reads them from that folder, each tensor checked against its checksum.
+
+The save side is :func:`reference_frozen`; the load side :class:`ResolvedReference`; the
+folder's files and headers :class:`SourceFolder`. Why a reference is safe and what it
+costs: docs/export.md, "A frozen base is referenced"; the format: docs/format.md,
+``references``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from statekit import format as fmt
+from statekit.errors import ChangedBaseError, InvalidOptionError, MissingBaseError, StorageError
+from statekit.format.header import view_identity
+from statekit.engine.incremental import frozen_names
+from statekit.format.manifest_types import Reference, SourceFile, SourceTensor
+from statekit.storage import Storage
+
+logger = logging.getLogger("statekit")
+
+BASES_DIR = ".statekit-bases"
+"""The folder of a checkpoint root that holds carried copies of referenced folders
+(``<root>/.statekit-bases/<base_id>/<file>``: a replica tier's copy, or a materialized one);
+a load looks there when the recorded folder is gone."""
+
+INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+"""The sharded-folder indexes of transformers and diffusers (``weight_map``: name -> file)."""
+
+_HASH_CHUNK = 64 * 1024**2  # bytes read at a time when checksumming a source tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a model's pretrained tensors are: a folder URL and its fsspec options."""
+
+    url: str
+    storage_options: dict[str, Any] | None = None
+
+
+_NOT_REFERENCED = Source("")  # a model the user opted out (reference_pretrained(model, None))
+_declared: weakref.WeakKeyDictionary[torch.nn.Module, Source] = weakref.WeakKeyDictionary()
+
+
+def reference_pretrained(
+    model: torch.nn.Module, source: str | os.PathLike[str] | None, *, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Declare the pretrained folder ``model``'s frozen tensors come from, so that every save
+    references them there instead of writing them (docs/export.md, "A frozen base is
+    referenced"); None: never reference this model's tensors (opt out of what statekit
+    learns from ``from_pretrained``).
+
+    Only tensors that are frozen (``requires_grad=False`` parameters, and what shares their
+    storage) and equal a tensor of the folder byte for byte, with the same dtype and shape,
+    are referenced; anything else is written as usual. A model built by ``from_pretrained``
+    from a local folder needs no declaration (its ``config._name_or_path`` names the folder).
+
+    Args:
+        model: the ``nn.Module`` as passed to the save (a peft or compiled wrapper is fine).
+        source: a folder with ``*.safetensors`` files (and ``model.safetensors.index.json``
+            when sharded): a local path or an fsspec URL (``s3://bucket/llama``); None: opt out.
+        storage_options: fsspec options of ``source``'s filesystem (also used by the load).
+
+    Raises:
+        InvalidOptionError: ``model`` is not an ``nn.Module``, or ``source`` an empty string.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidOptionError(f"reference_pretrained: model must be an nn.Module, not {type(model).__name__}")
+    if source is None:
+        _declared[model] = _NOT_REFERENCED
+        return
+    url = os.fspath(source)
+    if not url:
+        raise InvalidOptionError("reference_pretrained: source is an empty string; pass a folder, or None to opt out")
+    _declared[model] = Source(url, storage_options)
+
+
+def source_of(models: Iterable[torch.nn.Module]) -> Source | None:
+    """The pretrained folder of the first of ``models`` (the model as passed, then what it
+    wraps) that declares or learned one: :func:`reference_pretrained`, else the local
+    folder ``from_pretrained`` recorded in ``config._name_or_path`` (transformers,
+    diffusers, peft's base model) when it holds safetensors files; None when none does."""
+    for m in models:
+        declared = _declared.get(m)
+        if declared is not None:
+            return None if declared is _NOT_REFERENCED else declared
+    for m in models:
+        for inner in (m, getattr(m, "base_model", None), getattr(getattr(m, "base_model", None), "model", None)):
+            path = getattr(getattr(inner, "config", None), "_name_or_path", None)
+            if isinstance(path, str) and path and os.path.isdir(path) and _has_safetensors(path):
+                return Source(os.path.abspath(path))
+    return None
+
+
+def _has_safetensors(path: str) -> bool:
+    try:
+        return any(n.endswith(".safetensors") for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------- the folder
+
+
+@dataclasses.dataclass(frozen=True)
+class _SourceEntry:
+    file: str
+    entry: fmt.TensorEntry
+
+
+class SourceFolder:
+    """A pretrained folder's safetensors files, their headers parsed once: ``files`` (name ->
+    :class:`SourceFile`) and ``tensors`` (a name in the files -> where it is).
+
+    Raises (from the constructor):
+        MissingBaseError: the folder or a file the index names does not exist.
+        CorruptCheckpointError: a header is malformed (names the file).
+        StorageError: the storage failed.
+    """
+
+    def __init__(self, storage: Storage, only: Iterable[str] | None = None) -> None:
+        self.storage = storage
+        self.url = storage.url
+        self.files: dict[str, SourceFile] = {}
+        self.headers: dict[str, fmt.TensorHeader] = {}
+        self.tensors: dict[str, _SourceEntry] = {}
+        for name in sorted(set(only) if only is not None else self._listed()):
+            self._read_header(name)
+
+    def _listed(self) -> list[str]:
+        try:
+            names = self.storage.listdir()
+        except (FileNotFoundError, StorageError) as exc:
+            raise MissingBaseError(f"pretrained folder {self.url} does not exist or cannot be listed ({exc})", self.url) from None
+        for index in INDEX_NAMES:
+            if index in names:
+                import json
+
+                weight_map = json.loads(self.storage.read_bytes(index)).get("weight_map") or {}
+                return sorted(set(weight_map.values()))
+        found = [n for n in names if n.endswith(".safetensors")]
+        if not found and not self.storage.exists():
+            raise MissingBaseError(f"pretrained folder {self.url} does not exist", self.url)
+        return found
+
+    def _read_header(self, name: str) -> None:
+        url = self.storage.url_of(name)
+        try:
+            size = self.storage.size(name)
+            hasher = fmt.new_hasher()
+            with self.storage.open_read(name) as f:
+                header = fmt.read_header(f, url, size, hasher=hasher)
+        except FileNotFoundError:
+            raise MissingBaseError(f"pretrained file {url} does not exist", url) from None
+        self.files[name] = SourceFile(size, fmt.checksum_string(hasher))
+        self.headers[name] = header
+        for e in header.entries:
+            self.tensors.setdefault(e.name, _SourceEntry(name, e))
+        for alias, stored in header.aliases.items():
+            self.tensors.setdefault(alias, _SourceEntry(name, next(e for e in header.entries if e.name == stored)))
+
+    def checksum(self, name: str) -> str:
+        """XXH3-64 of tensor ``name``'s stored bytes, read from the file (cached per folder
+        state: :func:`folder_for`)."""
+        where = self.tensors[name]
+        header, hasher = self.headers[where.file], xxhash.xxh3_64()
+        left = where.entry.end - where.entry.begin
+        with self.storage.open_read(where.file) as f:
+            f.seek(header.data_start + where.entry.begin)
+            while left:
+                chunk = f.read(min(left, _HASH_CHUNK))
+                if not chunk:
+                    raise ChangedBaseError(f"{self.storage.url_of(where.file)}: tensor {name!r} is truncated", self.url)
+                hasher.update(chunk)
+                left -= len(chunk)
+        return f"xxh3_64:{hasher.hexdigest()}"
+
+
+_folders: dict[tuple[str, tuple[tuple[str, int, Any], ...]], tuple[SourceFolder, dict[str, str]]] = {}
+_folders_lock = threading.Lock()
+
+
+def folder_for(source: Source) -> tuple[SourceFolder, dict[str, str]]:
+    """The :class:`SourceFolder` of ``source`` and its cache of tensor checksums (name ->
+    checksum), kept while its files' sizes and modification times stay the same: a second
+    save does not read the base again."""
+    storage = Storage.of(source.url, source.storage_options)
+    folder = SourceFolder(storage)
+    state = tuple(sorted((n, f.size_bytes, f.header_checksum) for n, f in folder.files.items()))
+    key = (storage.url, state + tuple(_mtimes(storage, folder.files)))
+    with _folders_lock:
+        if key not in _folders:
+            _folders.clear()  # one base per run is the common case; a changed folder is a new key
+            _folders[key] = (folder, {})
+        return _folders[key]
+
+
+def _mtimes(storage: Storage, files: Mapping[str, SourceFile]) -> list[tuple[str, int, Any]]:
+    out = []
+    for name in files:
+        try:
+            info = storage.fs.info(storage.path_of(name))
+        except OSError:
+            info = {}
+        out.append((name, 0, info.get("mtime") or info.get("LastModified") or info.get("ETag")))
+    return out
+
+
+def base_id(files: Mapping[str, SourceFile]) -> str:
+    """:attr:`Reference.base_id`: XXH3-64 hex of the files' names, sizes and header checksums."""
+    text = "\n".join(f"{n}\t{f.size_bytes}\t{f.header_checksum}" for n, f in sorted(files.items()))
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------- save side
+
+
+def live_checksum(t: torch.Tensor) -> str:
+    """XXH3-64 of a tensor's bytes as safetensors stores them (row-major, little-endian)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    data = flat.contiguous().view(torch.uint8).numpy() if flat.numel() else b""
+    return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+_WRAPPER_PREFIXES = ("base_model.model.", "_orig_mod.", "module.")
+
+
+def candidate_names(name: str, model: torch.nn.Module | None) -> list[str]:
+    """The names a model's state-dict key ``name`` may have in its pretrained files, most
+    likely first: itself; without wrapper prefixes (peft's ``base_model.model.``, a compiled
+    model's ``_orig_mod.``, DDP's ``module.``) and peft's ``.base_layer``; with and without
+    the model's ``base_model_prefix`` (transformers: a head model loaded from a base
+    model's folder). A candidate is used only when its bytes are equal."""
+    names = [name]
+    plain = name
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if plain.startswith(prefix):
+                plain, changed = plain[len(prefix):], True
+        for infix in (".base_layer.", "._orig_mod."):
+            if infix in plain:
+                plain, changed = plain.replace(infix, "."), True
+    names.append(plain)
+    prefix = _base_model_prefix(model)
+    if prefix:
+        names += [plain[len(prefix) + 1:]] if plain.startswith(prefix + ".") else [f"{prefix}.{plain}"]
+    return list(dict.fromkeys(names))
+
+
+def _base_model_prefix(model: torch.nn.Module | None) -> str | None:
+    for inner in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
+        prefix = getattr(inner, "base_model_prefix", None)
+        if isinstance(prefix, str) and prefix:
+            return prefix
+    return None
+
+
+def reference_frozen(
+    key: str, weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None, source: Source
+) -> tuple[Reference | None, dict[str, torch.Tensor]]:
+    """Split model ``key``'s state dict into the frozen tensors ``source`` holds byte for
+    byte (the reference) and the rest (to write).
+
+    Args:
+        key: the model's stable key (named in logs).
+        weights: its state dict, tensors only.
+        model: the unwrapped model (which parameters are frozen), or None.
+        source: the pretrained folder.
+
+    Returns:
+        ``(reference, rest)``: the :class:`Reference` (None when no tensor is referenced:
+        then ``rest`` is ``weights``) and the tensors still to write, in state-dict order.
+
+    Raises:
+        CorruptCheckpointError: a file of the folder has a malformed header.
+        StorageError: reading the folder failed.
+        A missing folder is not an error here: nothing is referenced (logged).
+    """
+    frozen = frozen_names(weights, model)
+    if not frozen:
+        return None, dict(weights)
+    try:
+        folder, checksums = folder_for(source)
+    except MissingBaseError as exc:
+        logger.warning("model %r: not referencing its frozen tensors: %s; they are written", key, exc)
+        return None, dict(weights)
+    referenced: dict[str, SourceTensor] = {}
+    by_view: dict[Any, SourceTensor] = {}
+    for name in weights:
+        if name not in frozen:
+            continue
+        t = weights[name]
+        tied = by_view.get(_view(t))
+        if tied is not None:  # a tied name (lm_head = wte): the same source tensor
+            referenced[name] = tied
+            continue
+        found = _matching(name, t, model, folder, checksums)
+        if found is not None:
+            referenced[name] = by_view[_view(t)] = found
+    if not referenced:
+        return None, dict(weights)
+    used = {s.file for s in referenced.values()}
+    files = {n: f for n, f in folder.files.items() if n in used}
+    reference = Reference(source=source.url, base_id=base_id(files), files=files, tensors=referenced)
+    nbytes = sum(weights[n].numel() * weights[n].element_size() for n in referenced)
+    logger.info("model %r: %d frozen tensors (%.1f MB) referenced in %s, not written", key, len(referenced), nbytes / 1e6,
+                source.url)
+    return reference, {n: t for n, t in weights.items() if n not in referenced}
+
+
+def _view(t: torch.Tensor) -> Any:
+    return view_identity(t)
+
+
+def _matching(name: str, t: torch.Tensor, model: torch.nn.Module | None, folder: SourceFolder,
+              checksums: dict[str, str]) -> SourceTensor | None:
+    """The source tensor equal to ``t`` byte for byte among ``name``'s candidates, or None."""
+    mine: str | None = None
+    for candidate in candidate_names(name, model):
+        where = folder.tensors.get(candidate)
+        if where is None or where.entry.dtype != t.dtype or tuple(where.entry.shape) != tuple(t.shape):
+            continue
+        if candidate not in checksums:
+            checksums[candidate] = folder.checksum(candidate)
+        mine = mine or live_checksum(t)
+        if checksums[candidate] == mine:
+            return SourceTensor(file=where.file, name=candidate, checksum=mine)
+    return None
+
+
+# ---------------------------------------------------------------------- load side
+
+
+class ResolvedReference:
+    """A checkpoint's reference of one model, its folder found and its files' headers checked
+    (the recorded folder, else a copy carried beside the checkpoints: :data:`BASES_DIR`).
+
+    Args:
+        reference: the manifest's :class:`Reference`.
+        checkpoint: the checkpoint's storage (where a carried copy is looked for: its parent).
+        key: the model's key, named in errors.
+        storage_options: fsspec options for a remote folder (the checkpoint's, when on the
+            same filesystem).
+
+    Raises:
+        MissingBaseError: neither the folder nor a carried copy exists (names the folder).
+        ChangedBaseError: a file's size or header differs from the record (names the file).
+    """
+
+    def __init__(self, reference: Reference, checkpoint: Storage, key: str,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.reference = reference
+        self.key = key
+        problems: list[BaseException] = []
+        for storage in self._places(reference, checkpoint, storage_options):
+            try:
+                self.folder = self._checked(storage)
+                self.url = storage.url
+                return
+            except (MissingBaseError, ChangedBaseError) as exc:
+                problems.append(exc)
+        first = problems[0] if problems else MissingBaseError(f"pretrained folder {reference.source} is not reachable")
+        raise type(first)(
+            f"model {key!r} of {checkpoint.url} references frozen tensors in {reference.source}: {first}"
+            + (f"; no carried copy at {carried_url(checkpoint, reference)} either" if len(problems) < 2 else
+               f"; the carried copy: {problems[1]}")
+            + " (restore the folder, or load a checkpoint made self-contained with "
+              "`statekit convert CKPT OUT --to statekit --materialize`)",
+            getattr(first, "url", reference.source),
+        ) from None
+
+    @staticmethod
+    def _places(reference: Reference, checkpoint: Storage, storage_options: dict[str, Any] | None) -> list[Storage]:
+        places = []
+        try:
+            source = Storage(reference.source, storage_options if _same_protocol(reference.source, checkpoint) else None)
+            places.append(source)
+        except StorageError:
+            pass
+        carried = Storage(carried_url(checkpoint, reference), fs=checkpoint.fs)
+        if carried.exists():
+            places.append(carried)
+        return places
+
+    def _checked(self, storage: Storage) -> SourceFolder:
+        ref = self.reference
+        for name, recorded in ref.files.items():
+            url = storage.url_of(name)
+            try:
+                size = storage.size(name)
+            except (FileNotFoundError, StorageError):
+                raise MissingBaseError(f"{url} does not exist", url) from None
+            if size != recorded.size_bytes:
+                raise ChangedBaseError(f"{url} is {size} bytes, {recorded.size_bytes} when the checkpoint was saved", url)
+        folder = SourceFolder(storage, only=ref.files)
+        for name, recorded in ref.files.items():
+            if folder.files[name].header_checksum != recorded.header_checksum:
+                raise ChangedBaseError(f"{storage.url_of(name)}: its header (tensor names, dtypes, shapes or offsets) "
+                                       "changed since the checkpoint was saved", storage.url_of(name))
+        return folder
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The referenced tensors' shapes and dtypes, by the model's state-dict name."""
+        out = {}
+        for name, src in self.reference.tensors.items():
+            where = self.folder.tensors.get(src.name)
+            if where is None or where.file != src.file:
+                raise ChangedBaseError(f"{self.folder.storage.url_of(src.file)} has no tensor {src.name!r}", self.url)
+            out[name] = (tuple(where.entry.shape), where.entry.dtype)
+        return out
+
+    def load(self, into: Mapping[str, torch.Tensor] | None = None, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Read every referenced tensor, into ``into``'s tensors (by state-dict name) where
+        given, else into fresh CPU tensors; each is checked against its checksum after it is
+        read. ``names``: only these state-dict names (all when None).
+
+        Returns:
+            State-dict name -> tensor (the ``into`` target where one was given).
+
+        Raises:
+            ChangedBaseError: a tensor's bytes differ from the record (names the file and
+                tensor; an ``into`` target is then overwritten with them: the message says so).
+        """
+        from statekit.engine.file_reader import FileReader
+
+        reader = FileReader(self.folder.storage, None, verify=False)
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, dict[str, list[str]]] = {}
+        wanted = set(self.reference.tensors) if names is None else set(names)
+        for name, src in self.reference.tensors.items():
+            if name in wanted:
+                by_file.setdefault(src.file, {}).setdefault(src.name, []).append(name)
+        for file, names in by_file.items():
+            targets = {src: into[own[0]] for src, own in names.items() if into is not None and own[0] in into}
+            read = reader.load_tensors(file, into=targets or None, names=list(names))
+            for src, own in names.items():
+                first = read[src]
+                for name in own:
+                    target = into.get(name) if into is not None else None
+                    if target is not None and target is not first and _view(target) != _view(first):
+                        with torch.no_grad():
+                            target.copy_(first)
+                    out[name] = target if target is not None else first
+        for name in out:
+            self.check(name, out[name], overwritten=into is not None)
+        return out
+
+    def check(self, name: str, tensor: torch.Tensor, overwritten: bool = False) -> None:
+        """Compare a referenced tensor as read (state-dict ``name``) with its recorded checksum.
+
+        Raises:
+            ChangedBaseError: its bytes differ (names the file and tensor; ``overwritten``:
+                the message says the model holds them now).
+        """
+        src = self.reference.tensors[name]
+        if live_checksum(tensor) != src.checksum:
+            url = self.folder.storage.url_of(src.file)
+            raise ChangedBaseError(
+                f"{url}: tensor {src.name!r} (state-dict name {name!r} of model {self.key!r}) differs from the checkpoint's record"
+                + (" (the model is partly overwritten: load a good checkpoint into it before use)" if overwritten else ""),
+                url)
+
+    def verify(self) -> None:
+        """Check every referenced tensor's bytes in the folder against its checksum, reading
+        each once (``statekit verify``); nothing is loaded.
+
+        Raises:
+            ChangedBaseError: the first tensor whose bytes differ (names it).
+        """
+        for name, src in self.reference.tensors.items():
+            if self.folder.checksum(src.name) != src.checksum:
+                url = self.folder.storage.url_of(src.file)
+                raise ChangedBaseError(f"{url}: tensor {src.name!r} (state-dict name {name!r} of model {self.key!r}) differs from the "
+                                       "checkpoint's record", url)
+
+
+def carried_url(checkpoint: Storage, reference: Reference) -> str:
+    """Where a copy of ``reference``'s folder carried beside ``checkpoint`` is:
+    ``<the checkpoint's parent>/.statekit-bases/<base_id>`` (a replica tier, a materialized root)."""
+    parent = checkpoint.url.rstrip("/").rsplit("/", 1)[0]
+    return f"{parent}/{BASES_DIR}/{reference.base_id}"
+
+
+def _same_protocol(url: str, storage: Storage) -> bool:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    return protocol == storage.protocol or (protocol == "file" and storage.is_local)
+
+
+def resolve_all(references: Mapping[str, Reference] | None, checkpoint: Storage,
+                keys: Iterable[str] | None = None) -> dict[str, ResolvedReference]:
+    """:class:`ResolvedReference` of every model of ``keys`` (all when None) the checkpoint
+    references (raises as it does)."""
+    if not references:
+        return {}
+    wanted = set(references) if keys is None else set(keys) & set(references)
+    return {key: ResolvedReference(references[key], checkpoint, key, checkpoint.storage_options) for key in sorted(wanted)}
+
+
+__all__ = ["BASES_DIR", "ResolvedReference", "carried_url", "Source", "SourceFolder", "base_id", "candidate_names", "folder_for",
+           "live_checksum", "reference_frozen", "reference_pretrained", "resolve_all", "source_of"]

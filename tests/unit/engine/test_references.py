@@ -1,0 +1,319 @@
+"""A frozen base referenced, not written (docs/export.md, "A frozen base is referenced";
+statekit/engine/references.py): the first checkpoint of a partly frozen or LoRA fine-tune
+holds only what trains; a load reads the base from its pretrained folder, every tensor
+checked; a moved or edited base is a named error, never a silent different base; a
+checkpoint becomes self-contained with ``materialize``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import statekit
+from statekit import ChangedBaseError, CheckpointExistsError, InvalidOptionError, MissingBaseError
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+
+def config() -> GPT2Config:
+    return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0)
+
+
+def base_folder(path, seed: int = 0, **save_kwargs) -> str:
+    """A pretrained folder of a tiny GPT-2 (``save_pretrained``: safetensors, lm_head tied)."""
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(config()).save_pretrained(str(path), **save_kwargs)
+    return str(path)
+
+
+def fine_tune(folder: str, trainable: str = "h.1") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``from_pretrained`` of ``folder``, every parameter frozen but those named ``trainable``, one step."""
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable in name)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    step(model, optim)
+    return model, optim
+
+
+def step(model, optim) -> None:
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def manifest(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, "statekit.json")) as f:
+        return json.load(f)
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+
+
+def frozen_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+
+
+def test_a_from_pretrained_fine_tune_writes_only_what_trains_and_loads_bit_for_bit(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model, "optim": optim}, step=1)
+    m = manifest(ckpt)
+    assert m["format"] == "statekit/3"
+    ref = m["references"]["model"]
+    assert ref["source"] == os.path.abspath(folder) and list(ref["files"]) == ["model.safetensors"]
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen <= set(ref["tensors"])  # every frozen parameter; lm_head.weight (tied to wte) too
+    assert ref["tensors"]["lm_head.weight"] == ref["tensors"]["transformer.wte.weight"]
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert m["files"]["model.safetensors"]["size_bytes"] < trainable + 64 * 1024  # none of the base's bytes
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+    statekit.verify(ckpt)
+
+
+def test_the_manager_resumes_a_referencing_run_exactly_and_keeps_referencing(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "run"), keep_last=2)
+    for s in range(1, 4):
+        step(model, optim)
+        manager.save(s)
+    manager.wait()
+    names = sorted(os.listdir(tmp_path / "run"))
+    assert [n for n in names if n.startswith("checkpoint-")] == ["checkpoint-00000002", "checkpoint-00000003"]
+    assert all(manifest(str(tmp_path / "run" / n))["format"] == "statekit/3" for n in names if n.startswith("checkpoint-"))
+    model2, optim2 = fine_tune(folder)
+    resumed = statekit.CheckpointManager({"model": model2, "optim": optim2}, str(tmp_path / "run")).resume()
+    assert resumed == 3
+    assert_same(model, model2)
+    step(model, optim), step(model2, optim2)
+    assert_same(model, model2)
+
+
+def test_a_peft_lora_model_references_its_base_under_the_base_layer_names(tmp_path):
+    peft = pytest.importorskip("peft")
+    folder = base_folder(tmp_path / "base")
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(GPT2LMHeadModel.from_pretrained(folder), lora)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    step(model, optim)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model, "optim": optim})
+    tensors = manifest(ckpt)["references"]["model"]["tensors"]
+    name = "base_model.model.transformer.h.0.attn.c_attn.base_layer.weight"
+    assert tensors[name]["name"] == "transformer.h.0.attn.c_attn.weight"
+    assert not any("lora_" in n for n in tensors)
+    fresh = peft.get_peft_model(GPT2LMHeadModel(config()), lora)
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+
+
+def test_reference_pretrained_names_the_folder_of_a_model_built_from_a_config(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config())
+    model.save_pretrained(str(tmp_path / "exported"))  # the same bytes, no from_pretrained
+    for name, p in model.named_parameters():
+        p.requires_grad_("h.1" in name)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    assert "references" not in manifest(ckpt)  # nothing learned: written whole
+    statekit.reference_pretrained(model, tmp_path / "exported")
+    statekit.save(ckpt, {"model": model}, overwrite=True)
+    assert manifest(ckpt)["references"]["model"]["source"] == str(tmp_path / "exported")
+
+
+def test_opting_out_writes_the_whole_model(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    statekit.reference_pretrained(model, None)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    assert manifest(ckpt)["format"] != "statekit/3" and "references" not in manifest(ckpt)
+    shutil.rmtree(folder)
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+    with pytest.raises(InvalidOptionError, match="nn.Module"):
+        statekit.reference_pretrained(torch.zeros(2), folder)
+
+
+def test_a_frozen_tensor_that_no_longer_equals_the_folder_is_written(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(1.0)  # frozen, but changed since from_pretrained
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    tensors = manifest(ckpt)["references"]["model"]["tensors"]
+    assert "transformer.h.0.mlp.c_fc.weight" not in tensors and "transformer.h.0.attn.c_attn.weight" in tensors
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+
+
+def test_a_sharded_folder_is_referenced_across_its_files(tmp_path):
+    folder = base_folder(tmp_path / "base", max_shard_size="100KB")
+    assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model, "optim": optim})
+    assert len(manifest(ckpt)["references"]["model"]["files"]) > 1
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+
+
+# ---------------------------------------------------------------------- failure modes
+
+
+def test_a_moved_base_is_a_missing_base_error_and_the_model_is_untouched(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model, "optim": optim})
+    os.rename(folder, tmp_path / "moved")
+    fresh = GPT2LMHeadModel(config())
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(MissingBaseError, match=r"references frozen tensors in .*base.*model.safetensors does not exist") as info:
+        statekit.load(ckpt, {"model": fresh})
+    assert "--materialize" in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    with pytest.raises(MissingBaseError):
+        statekit.verify(ckpt)
+
+
+def test_an_edited_tensor_in_the_base_is_a_changed_base_error_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["transformer.h.0.attn.c_attn.weight"][0, 0] += 1  # same header, other bytes
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ChangedBaseError, match=r"model.safetensors: tensor 'transformer.h.0.attn.c_attn.weight'.*differs"):
+        statekit.verify(ckpt)
+    with pytest.raises(ChangedBaseError, match="partly overwritten"):
+        statekit.load(ckpt, {"model": GPT2LMHeadModel(config())})
+
+
+def test_a_base_whose_header_changed_is_refused_before_anything_is_loaded(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    save_file({k: v.to(torch.float16) for k, v in tensors.items()}, path, metadata={"format": "pt"})  # retyped
+    fresh = GPT2LMHeadModel(config())
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ChangedBaseError, match=r"model.safetensors is \d+ bytes, \d+ when the checkpoint was saved"):
+        statekit.load(ckpt, {"model": fresh})
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_remote_base_is_referenced_and_its_removal_named(tmp_path):
+    import fsspec
+
+    folder = base_folder(tmp_path / "base")
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(folder):
+        fs.put(os.path.join(folder, name), f"/refbase/{name}")
+    model, optim = fine_tune(folder)
+    statekit.reference_pretrained(model, "memory://refbase")
+    ckpt = "memory://refckpt/checkpoint"
+    try:
+        statekit.save(ckpt, {"model": model, "optim": optim})
+        saved = statekit.verify(ckpt)
+        assert saved.references["model"].source == "memory://refbase"
+        fresh = GPT2LMHeadModel(config())
+        statekit.load(ckpt, {"model": fresh})
+        assert_same(model, fresh)
+        fs.rm("/refbase/model.safetensors")
+        with pytest.raises(MissingBaseError, match="memory://refbase"):
+            statekit.load(ckpt, {"model": GPT2LMHeadModel(config())})
+    finally:
+        for path in ("/refbase", "/refckpt"):
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+
+
+def test_a_copy_carried_beside_the_checkpoints_is_used_when_the_folder_is_gone(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "root" / "checkpoint-00000001")
+    statekit.save(ckpt, {"model": model})
+    base_id = manifest(ckpt)["references"]["model"]["base_id"]
+    shutil.copytree(folder, tmp_path / "root" / ".statekit-bases" / base_id)
+    shutil.rmtree(folder)
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+
+
+# ---------------------------------------------------------------------- self-contained again
+
+
+def test_materialize_makes_a_checkpoint_that_loads_without_its_base(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "whole")
+    statekit.save(ckpt, {"model": model, "optim": optim}, step=5)
+    copy = statekit.materialize(ckpt, out)
+    assert copy.format == "statekit/2" and copy.references is None and copy.step == 5
+    assert "model.frozen-00000.safetensors" in copy.files
+    shutil.rmtree(folder)
+    statekit.verify(out)
+    fresh = GPT2LMHeadModel(config())
+    fresh_optim = torch.optim.AdamW([p for n, p in fresh.named_parameters() if "h.1" in n], lr=1e-2)
+    statekit.load(out, {"model": fresh, "optim": fresh_optim})
+    assert_same(model, fresh)
+    with pytest.raises(CheckpointExistsError):
+        statekit.materialize(ckpt, out)
+
+
+def test_convert_to_statekit_with_materialize_on_the_command_line(tmp_path):
+    from statekit.cli import main
+
+    folder = base_folder(tmp_path / "base")
+    model, _ = fine_tune(folder)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "whole")
+    statekit.save(ckpt, {"model": model})
+    result = CliRunner().invoke(main, ["convert", ckpt, out, "--to", "statekit", "--materialize"])
+    assert result.exit_code == 0, result.output
+    assert "self-contained" in result.output
+    shutil.rmtree(folder)
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(out, {"model": fresh})
+    assert_same(model, fresh)
+    wrong = CliRunner().invoke(main, ["convert", ckpt, str(tmp_path / "x"), "--to", "hf", "--materialize"])
+    assert wrong.exit_code != 0 and "--materialize goes with --to statekit" in wrong.output
+
+
+def test_export_of_a_referencing_checkpoint_writes_the_base_too(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, _ = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    statekit.export_pretrained(ckpt, str(tmp_path / "hf"), config=model.config)
+    assert_same(model, GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")))
