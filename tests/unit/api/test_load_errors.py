@@ -35,9 +35,9 @@ def test_incomplete_checkpoint(tmp_path):
 def test_newer_format_version(tmp_path):
     url = _saved(tmp_path)
     manifest = json.loads((tmp_path / "c" / "statekit.json").read_text())
-    manifest["format"] = "statekit/3"
+    manifest["format"] = "statekit/4"
     (tmp_path / "c" / "statekit.json").write_text(json.dumps(manifest))
-    with pytest.raises(statekit.FormatVersionError, match="statekit/3.*upgrade statekit"):
+    with pytest.raises(statekit.FormatVersionError, match="statekit/4.*upgrade statekit"):
         statekit.load(url, {"model": torch.nn.Linear(4, 2)})
 
 

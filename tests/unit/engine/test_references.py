@@ -317,3 +317,24 @@ def test_export_of_a_referencing_checkpoint_writes_the_base_too(tmp_path):
     statekit.save(ckpt, {"model": model})
     statekit.export_pretrained(ckpt, str(tmp_path / "hf"), config=model.config)
     assert_same(model, GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")))
+
+
+def test_a_referencing_manifest_matches_the_schema_and_round_trips(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    from importlib import resources
+
+    from statekit.format.manifest_types import Manifest
+
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model, "optim": optim})
+    schema = json.loads(resources.files("statekit").joinpath("manifest.schema.json").read_text())
+    data = manifest(ckpt)
+    jsonschema.Draft202012Validator(schema).validate(data)
+    parsed = Manifest.from_json(data, ckpt)
+    assert parsed.to_json() == data
+    broken = json.loads(json.dumps(data))
+    broken["references"]["model"]["tensors"]["transformer.wte.weight"]["file"] = "other.safetensors"
+    with pytest.raises(statekit.CorruptCheckpointError, match="'references' of model 'model' is malformed"):
+        Manifest.from_json(broken, ckpt, check_checksum=False)

@@ -493,7 +493,7 @@ def test_validate_manifest_accepts():
     fmt.validate_manifest(m, "src")
 
 
-@pytest.mark.parametrize("version", ["statekit/3", "statekit/9", "statekit/1.1"])
+@pytest.mark.parametrize("version", ["statekit/4", "statekit/9", "statekit/1.1"])
 def test_validate_manifest_newer_format(version):
     m = manifest()
     m["format"] = version

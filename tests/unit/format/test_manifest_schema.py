@@ -82,7 +82,7 @@ def test_schema_rejects_broken_manifests(schema, tmp_path):
     good = manifest_at(url)
     validate(good, schema)
     broken = []
-    m = copy.deepcopy(good); m["format"] = "statekit/3"; broken.append(m)
+    m = copy.deepcopy(good); m["format"] = "statekit/4"; broken.append(m)
     m = copy.deepcopy(good); del m["files"]; broken.append(m)
     m = copy.deepcopy(good); next(iter(m["files"].values()))["checksum"] = "md5:00"; broken.append(m)
     m = copy.deepcopy(good); m["files"]["../escape.json"] = next(iter(m["files"].values())); broken.append(m)

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import statekit
-from statekit.format import FileEntry, Fingerprint, Lineage, Manifest, ObjectEntry, ResumeAudit
+from statekit.format import FileEntry, Fingerprint, Lineage, Manifest, ObjectEntry, Reference, ResumeAudit, SourceFile, SourceTensor
 from statekit.plugin_api import Storage, read_manifest
 from statekit.format.manifest import manifest_bytes
 
@@ -160,7 +160,7 @@ def test_fields_of_a_newer_minor_writer_are_ignored_and_not_written_back(tmp_pat
          r"manifest entry for object 'k' is malformed"),
         (lambda m: m.update(step="7"), statekit.CorruptCheckpointError, r"manifest field 'step' is not an integer"),
         (lambda m: m.update(resume_audit=[]), statekit.CorruptCheckpointError, r"manifest field 'resume_audit' is not an object"),
-        (lambda m: m.update(format="statekit/3"), statekit.FormatVersionError, r"checkpoint format 'statekit/3' is not supported"),
+        (lambda m: m.update(format="statekit/4"), statekit.FormatVersionError, r"checkpoint format 'statekit/4' is not supported"),
     ],
 )
 def test_a_malformed_manifest_is_refused_naming_the_file_and_the_field(edit, error, message):
@@ -210,8 +210,12 @@ def test_the_schema_and_the_dataclasses_name_the_same_fields():
     assert set(schema["$defs"]["fingerprint"]["properties"]) == json_fields(Fingerprint)
     assert set(schema["properties"]["resume_audit"]["properties"]) == json_fields(ResumeAudit)
     assert set(schema["properties"]["lineage"]["properties"]) == json_fields(Lineage)
-    assert set(schema["required"]) == {f for f in json_fields(Manifest)
-                                       if f not in ("fingerprint", "resume_audit", "state_digest", "lineage", "manifest_checksum")}
+    reference = schema["properties"]["references"]["additionalProperties"]
+    assert set(reference["properties"]) == json_fields(Reference)
+    assert set(reference["properties"]["files"]["additionalProperties"]["properties"]) == json_fields(SourceFile)
+    assert set(reference["properties"]["tensors"]["additionalProperties"]["properties"]) == json_fields(SourceTensor)
+    assert set(schema["required"]) == {f for f in json_fields(Manifest) if f not in
+                                       ("fingerprint", "resume_audit", "state_digest", "lineage", "references", "manifest_checksum")}
 
 
 def test_statekit_itself_never_reads_the_manifest_by_key(tmp_path, tiny_accelerate):
