@@ -116,9 +116,15 @@ class Checkpoint:
             self._writer = FileWriter(storage, rank=rank, mode=mode, **self._writer_args)
 
     def referenced(self, key: str) -> ResolvedReference | None:
-        """On load, the pretrained folder of model ``key``'s referenced frozen tensors
-        (:class:`~statekit.engine.references.ResolvedReference`), found and its headers
-        checked once per load; None when the checkpoint references none for it.
+        """On load, the pretrained folder of model ``key``'s referenced frozen tensors,
+        found and its headers checked once per load.
+
+        Args:
+            key: the model's stable key.
+
+        Returns:
+            Its :class:`~statekit.engine.references.ResolvedReference`, or None when the
+            checkpoint references none for it.
 
         Raises:
             MissingBaseError: the folder (and any carried copy) is gone; names it.
