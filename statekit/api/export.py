@@ -208,6 +208,7 @@ def export_pretrained(
     config: Any = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     adapter_name: str = "default",
+    merge_adapter: bool = False,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
     verify: bool = True,
@@ -235,6 +236,10 @@ def export_pretrained(
             An adapter config turns a saved peft model into its adapter (LoRA only).
         max_shard_size: bytes per weight file, an int or ``"5GB"``-style (10**9; ``"GiB"``: 2**30).
         adapter_name: the peft adapter to export, with an adapter config.
+        merge_adapter: with an adapter config, write the base model with that LoRA adapter
+            merged into its weights (``W + scaling * B @ A``, as peft's ``merge_and_unload()``
+            computes it, bit for bit) under the base model's names, instead of the adapter;
+            ``adapter_config.json`` is then not written (pass the base model's config).
         storage_options: fsspec options for both URLs.
         overwrite: write into a non-empty ``out_url`` (files of the same name replaced).
         verify: check the source files' checksums and the tensors' digests.
@@ -243,7 +248,10 @@ def export_pretrained(
         An :class:`ExportResult`.
 
     Raises:
-        InvalidOptionError: a bad ``max_shard_size``, ``model_key`` or ``config`` (named).
+        InvalidOptionError: a bad ``max_shard_size``, ``model_key`` or ``config`` (named);
+            ``merge_adapter`` without a LoRA adapter config, or with one whose variant
+            (DoRA, ``alpha_pattern``, ``lora_bias``, embedding or convolution layers) it
+            does not merge.
         CheckpointExistsError: ``out_url`` is not empty and ``overwrite`` is False.
         CheckpointNotFoundError, IncompleteCheckpointError: no committed checkpoint.
         CorruptCheckpointError: a source file fails its checksum, or a tensor's digest
@@ -264,7 +272,9 @@ def export_pretrained(
     source = model_source(checkpoint, key)
     try:
         files = {**source.files, **extra}
-        plan = _plan(source, files, key, adapter_name, storage.url, manifest)
+        plan = _plan(source, files, key, adapter_name, storage.url, manifest, merge_adapter)
+        if merge_adapter:
+            files = {name: data for name, data in files.items() if name != "adapter_config.json"}
         if verify and source.verify is not None:
             source.verify()
         stale = _weight_files(out) if overwrite else set()
@@ -318,11 +328,40 @@ class _Plan:
     single_file: bool
     state_paths: bool
     dropped: list[str]
+    merges: dict[str, _Merge] = dataclasses.field(default_factory=dict)  # output name -> the adapter merged into it
 
 
-def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_name: str, url: str, manifest: Any) -> _Plan:
+@dataclasses.dataclass(frozen=True)
+class _Merge:
+    """A LoRA adapter merged into one base weight: ``weight + transpose(B @ A) * scaling``."""
+
+    lora_a: str
+    lora_b: str
+    scaling: float
+    fan_in_fan_out: bool
+
+    def apply(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``weight`` with the adapter added in place, as peft's ``lora.Linear.merge``
+        (``safe_merge=False``) and ``get_delta_weight`` compute it
+        (https://github.com/huggingface/peft/blob/main/src/peft/tuners/lora/layer.py)."""
+        dtype = b.dtype
+        half_on_cpu = dtype in (torch.float16, torch.bfloat16)  # peft casts to fp32 on the CPU
+        if half_on_cpu:
+            a, b = a.float(), b.float()
+        delta = b @ a
+        delta = delta.T if self.fan_in_fan_out else delta
+        delta.mul_(self.scaling)
+        if half_on_cpu:
+            delta = delta.to(dtype)
+        weight += delta
+        return weight
+
+
+def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_name: str, url: str, manifest: Any,
+          merge_adapter: bool = False) -> _Plan:
     """Output names: ties once (which name: transformers' ``_tied_weights_keys`` of the
-    class the config names, else the stored one), an adapter's selection and names."""
+    class the config names, else the stored one), an adapter's selection and names, or
+    the base names with the adapter merged (``merge_adapter``)."""
     keep_as = _tie_targets(files)
     source = _recorded_ties(source, manifest, key)
     names: OrderedDict[str, ExportTensor] = OrderedDict()
@@ -336,6 +375,12 @@ def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_nam
         names[out_name] = t
         dropped += [m for m in members if m != out_name]
     weights_name, single = source.weights_name, source.weights_name == "adapter_model"
+    if merge_adapter:
+        if "adapter_config.json" not in files or source.weights_name != "model":
+            raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url} needs a LoRA adapter config "
+                                     "(config=peft_model.peft_config['default'], or an adapter_config.json)")
+        names, merges = _merged_names(names, files["adapter_config.json"], adapter_name, key, url)
+        return _Plan(names, weights_name, single, source.state_paths, dropped, merges)
     if "adapter_config.json" in files and source.weights_name == "model":
         names = _adapter_names(names, files["adapter_config.json"], adapter_name, key, url)
         weights_name, single = "adapter_model", True
@@ -400,6 +445,48 @@ def _adapter_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter
     if not out:
         raise InvalidOptionError(f"adapter_name={adapter!r}: model {key!r} of {url} has no LoRA tensor of that adapter")
     return out
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _merged_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter: str, key: str,
+                  url: str) -> tuple[OrderedDict[str, ExportTensor], dict[str, _Merge]]:
+    """A saved ``PeftModel``'s base tensors under the base model's names
+    (``base_model.model.x.base_layer.weight`` -> ``x.weight``), each LoRA-adapted weight with
+    the adapter ``adapter`` to merge into it; the adapters' tensors left out."""
+    body = json.loads(config.decode("utf-8"))
+    unsupported = [what for what, bad in (
+        (f"peft_type={body.get('peft_type')!r}", body.get("peft_type") != "LORA"),
+        ("use_dora=True", bool(body.get("use_dora"))), ("alpha_pattern", bool(body.get("alpha_pattern"))),
+        ("lora_bias=True", bool(body.get("lora_bias"))), (f"bias={body.get('bias')!r}", body.get("bias", "none") != "none"),
+        ("modules_to_save", bool(body.get("modules_to_save"))),
+        ("an embedding adapter", any("lora_embedding_" in n for n in names))) if bad]
+    if unsupported:
+        raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url}: merging supports plain LoRA on linear "
+                                 f"layers; this adapter has {', '.join(unsupported)} (export the adapter instead)")
+    alpha, rslora, fan_in_fan_out = body.get("lora_alpha", 8), bool(body.get("use_rslora")), bool(body.get("fan_in_fan_out"))
+    out: OrderedDict[str, ExportTensor] = OrderedDict()
+    merges: dict[str, _Merge] = {}
+    for name, t in names.items():
+        if ".lora_" in name:
+            continue
+        plain = name.removeprefix(_PEFT_PREFIX)
+        module, _, leaf = plain.rpartition(".")
+        if module.endswith(".base_layer"):
+            module = module.removesuffix(".base_layer")
+            a, b = (f"{name.rsplit('.base_layer.', 1)[0]}.lora_{x}.{adapter}.weight" for x in ("A", "B"))
+            if leaf == "weight" and a in names and b in names:
+                ta = names[a]
+                if len(ta.shape) != 2:
+                    raise InvalidOptionError(f"merge_adapter=True: {a} of {url} is a {len(ta.shape)}-d adapter "
+                                             "(a convolution): merging supports linear layers")
+                r = ta.shape[0]
+                merges[f"{module}.{leaf}"] = _Merge(a, b, alpha / (r ** 0.5) if rslora else alpha / r, fan_in_fan_out)
+        out[f"{module}.{leaf}" if module else leaf] = t
+    if not merges:
+        raise InvalidOptionError(f"adapter_name={adapter!r}: model {key!r} of {url} has no LoRA tensor of that adapter to merge")
+    return out, merges
 
 
 def _shards(plan: _Plan, shard_bytes: int) -> list[tuple[str, list[str]]]:
@@ -494,6 +581,12 @@ def _write(checkpoint: Checkpoint, key: str, source: ModelSource, plan: _Plan, f
                             f"{checkpoint.url}: tensor {entry.name!r} of model {key!r} reads as {list(tensor.shape)} "
                             f"{tensor.dtype}, its header says {list(entry.shape)} {entry.dtype}", path=checkpoint.url)
                     digests.check(tensor, entry.name, name, checkpoint.url, key)
+                    merge = plan.merges.get(name)
+                    if merge is not None:
+                        a, b = source.read(merge.lora_a), source.read(merge.lora_b)
+                        digests.check(a, merge.lora_a, name, checkpoint.url, key)
+                        digests.check(b, merge.lora_b, name, checkpoint.url, key)
+                        tensor = merge.apply(tensor, a, b)
                     for chunk in _chunks(tensor):
                         f.write(chunk)
                     total += entry.nbytes

@@ -28,6 +28,8 @@ from statekit.storage import Storage
 @click.option("--model", "model_key", default=None, help="--to hf: the model's key (needed when the checkpoint holds several).")
 @click.option("--config", "configs", multiple=True, metavar="PATH",
               help="--to hf: a config file or folder (config.json, tokenizer, adapter_config.json) to write beside the weights; repeatable.")
+@click.option("--merge-adapter", is_flag=True,
+              help="--to hf: with an adapter config, write the base model with the LoRA adapter merged into it.")
 @click.option("--materialize", is_flag=True,
               help="--to statekit: copy a statekit checkpoint with its referenced frozen base written into it (self-contained).")
 @click.option("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,
@@ -35,9 +37,12 @@ from statekit.storage import Storage
 @storage_option
 def convert(
     src: str, out: str, target: str, allow_pickle: bool, overwrite: bool, raw_options: tuple[str, ...],
-    model_key: str | None, configs: tuple[str, ...], materialize: bool, max_shard_size: str, raw_storage: tuple[str, ...]
+    model_key: str | None, configs: tuple[str, ...], merge_adapter: bool, materialize: bool, max_shard_size: str,
+    raw_storage: tuple[str, ...]
 ) -> None:
     """Convert a checkpoint: Accelerate directory -> statekit, statekit -> self-contained statekit (--materialize), -> a Hugging Face folder, or -> a plugin's format."""
+    if merge_adapter and target != "hf":
+        raise click.UsageError(f"--merge-adapter goes with --to hf, not --to {target}")
     if materialize and target != "statekit":
         raise click.UsageError(f"--materialize goes with --to statekit, not --to {target}")
     try:
@@ -48,7 +53,7 @@ def convert(
             total = _source_bytes(source)
             with progress(total, "convert to hf") as advance:
                 result = export_pretrained(src, out, model_key=model_key, config=list(configs) or None, max_shard_size=size,
-                                           storage_options=storage_options, overwrite=overwrite)
+                                           merge_adapter=merge_adapter, storage_options=storage_options, overwrite=overwrite)
                 advance(total or 0)
             click.echo(f"wrote {result.url}: model {result.key!r}, {result.tensors} tensors, {result.total_size} bytes in "
                        f"{', '.join(result.files)}; {result.digests_compared} tensors matched the checkpoint's state digest")

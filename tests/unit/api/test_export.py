@@ -168,6 +168,63 @@ def test_a_peft_lora_model_exports_as_its_adapter_folder(tmp_path):
     assert_same_model(model, loaded)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rslora", [False, True])
+def test_a_peft_lora_model_exports_merged_into_its_base_as_merge_and_unload_computes_it(tmp_path, dtype, rslora):
+    import copy
+
+    from transformers import GPT2LMHeadModel
+
+    peft = pytest.importorskip("peft")
+    base, config = gpt2()
+    lora = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                           init_lora_weights=False, use_rslora=rslora)
+    model = peft.get_peft_model(base.to(dtype), lora)
+    statekit.save(str(tmp_path / "ckpt"), {"model": model})
+    result = statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "merged"), merge_adapter=True,
+                                        config=[config, model.peft_config["default"]])
+    assert sorted(os.listdir(tmp_path / "merged")) == ["config.json", "model.safetensors"]
+    expected = copy.deepcopy(model).merge_and_unload()
+    assert result.tensors == len(expected.state_dict()) - 1  # lm_head tied: once
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged"), dtype=dtype)
+    assert_same_model(expected, loaded)
+    unmerged = model.base_model.model.transformer.h[0].attn.c_attn.base_layer.weight
+    assert not torch.equal(loaded.transformer.h[0].attn.c_attn.weight, unmerged)  # the adapter is in it
+
+
+def test_merge_adapter_without_an_adapter_config_or_with_dora_is_refused(tmp_path):
+    peft = pytest.importorskip("peft")
+    base, config = gpt2()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"], use_dora=True, fan_in_fan_out=True))
+    statekit.save(str(tmp_path / "ckpt"), {"model": model})
+    with pytest.raises(InvalidOptionError, match="merge_adapter=True: model 'model' .* needs a LoRA adapter config"):
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "a"), merge_adapter=True, config=config)
+    with pytest.raises(InvalidOptionError, match="this adapter has use_dora=True"):
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "b"), merge_adapter=True,
+                                   config=[config, model.peft_config["default"]])
+
+
+def test_convert_merge_adapter_on_the_command_line(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from statekit.cli import main
+
+    peft = pytest.importorskip("peft")
+    base, config = gpt2()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False,
+                                                      fan_in_fan_out=True))
+    statekit.save(str(tmp_path / "ckpt"), {"model": model})
+    config.save_pretrained(str(tmp_path / "cfg"))
+    model.peft_config["default"].save_pretrained(str(tmp_path / "cfg"))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--to", "hf",
+                                       "--config", str(tmp_path / "cfg"), "--merge-adapter"])
+    assert result.exit_code == 0, result.output
+    import copy
+
+    assert_same_model(copy.deepcopy(model).merge_and_unload(), GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged")))
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+
+
 def test_a_damaged_tensor_file_is_named(tmp_path):
     model, config = gpt2()
     statekit.save(str(tmp_path / "ckpt"), {"model": model})
