@@ -95,6 +95,7 @@ def read_manifest(storage: Storage) -> Manifest:
 _ACCELERATE_DIR_NAME = re.compile(r"^checkpoint_(\d+)$")  # Accelerate's automatic_checkpoint_naming
 _SAVED_SUFFIXES = (".safetensors", ".json", ".bin", ".pkl", ".pt", ".distcp")  # files a save (any writer) leaves
 _LOCK_NAME = ".statekit-lock"  # statekit.engine.locking.LOCK_NAME (a layer above): taken before anything is written
+_PRETRAINED_WEIGHTS = ("model.safetensors", "model-0", "pytorch_model", "diffusion_pytorch_model", "adapter_model")
 _NESTED_LOOKED_AT = 100  # subdirectories looked into for a message (an error path: bounded)
 
 
@@ -113,6 +114,9 @@ def _why_no_manifest(storage: Storage) -> str:
                 f"{url!r}, allow_pickle=True).resume()")
     if not names:
         return f"{url} is empty (no {MANIFEST_NAME}): nothing was saved there, or the save that created it never committed"
+    if "config.json" in names and any(n.startswith(_PRETRAINED_WEIGHTS) for n in names) and _LOCK_NAME not in names:
+        return (f"{url} is a Hugging Face pretrained folder (config.json and weights), not a statekit checkpoint: "
+                "from_pretrained loads it as it is; to reference it as a frozen base, see statekit.reference_pretrained")
     if any(n == _LOCK_NAME or n.endswith(_SAVED_SUFFIXES) for n in names):  # a save's files (or Accelerate's)
         return f"{url} has no {MANIFEST_NAME}: the save that wrote it never committed"
     return _why_not_a_checkpoint(storage, names)

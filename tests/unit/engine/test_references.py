@@ -338,3 +338,11 @@ def test_a_referencing_manifest_matches_the_schema_and_round_trips(tmp_path):
     broken["references"]["model"]["tensors"]["transformer.wte.weight"]["file"] = "other.safetensors"
     with pytest.raises(statekit.CorruptCheckpointError, match="'references' of model 'model' is malformed"):
         Manifest.from_json(broken, ckpt, check_checksum=False)
+
+
+def test_a_pretrained_folder_given_as_a_checkpoint_is_named_as_one(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    with pytest.raises(statekit.IncompleteCheckpointError, match="is a Hugging Face pretrained folder"):
+        statekit.verify(folder)
+    with pytest.raises(statekit.IncompleteCheckpointError, match="is a Hugging Face pretrained folder"):
+        statekit.export_pretrained(folder, str(tmp_path / "out"))
