@@ -23,6 +23,7 @@ from statekit.engine.export_source import ExportTensor, ModelSource, TensorFiles
 from statekit.engine.file_writer import WrittenFile
 from statekit.engine.read import custom_load, model_tensor_files
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
+from statekit.engine.references import CarriedCopy, carry_references
 from statekit.loaders.samplers import sampler_of
 from statekit.engine.entries import check_fit, unwrap_model
 from statekit.errors import (
@@ -156,6 +157,8 @@ __all__ = [
     # copying a committed checkpoint to another root
     "MANIFEST_NAME",
     "VerifyingReader",
+    "CarriedCopy",
+    "carry_references",
     "checksum_bytes",
     "end_copy_in_progress",
     "hold_in_use",

@@ -197,6 +197,8 @@ def remote_retention(
     the run resumed from nor one being copied; a copy in use warns and is kept. Under
     branches (the remote's ``lineage.json``) only the live history counts, and abandoned
     copies go once the live branch has ``keep_last`` of its own, as local retention.
+    Pretrained folders carried beside the copies (``.statekit-bases``) stay: ``statekit gc``
+    of the remote root removes the ones no committed copy references.
 
     Args:
         replicator: the remote tier (None: nothing to do).

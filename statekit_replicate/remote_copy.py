@@ -6,6 +6,15 @@ against the manifest's size and XXH3-64 checksum, and the manifest is written la
 the same atomic commit as a save (:meth:`statekit.plugin_api.Storage.commit`): a copy
 interrupted anywhere has no manifest and is never loaded.
 
+A checkpoint that references a pretrained folder's frozen tensors (the manifest's
+``references``) gets that folder's files carried to the destination root's
+``.statekit-bases/<base_id>/``, always and once per ``base_id``, before its manifest is
+committed (:func:`statekit.plugin_api.carry_references`): a replica must load after the
+primary machine, and the folder on it, are gone, and whether the recorded folder is
+reachable from wherever the replica is loaded later cannot be known when it is copied. A
+second checkpoint referencing the same folder finds the files there (the recorded size and
+header checksum) and copies nothing; with several ranks rank 0 carries them.
+
 Several ranks assemble one copy: each copies the files its rank wrote (the manifest's
 ``rank`` field) from its own, possibly node-local, directory and then leaves a marker
 (:data:`MARKER_PREFIX`); rank 0 commits once every rank's marker names the same manifest
@@ -42,9 +51,11 @@ from statekit.plugin_api import (
     FileEntry,
     Manifest,
     StatekitError,
+    CarriedCopy,
     StatekitWarning,
     Storage,
     VerifyingReader,
+    carry_references,
     checksum_bytes,
     end_copy_in_progress,
     mark_copy_in_progress,
@@ -76,6 +87,7 @@ def copy_checkpoint(
     on_file_copied: Callable[[int], None] | None = None,
     hedge_after_s: float | None = None,
     on_hedge: Callable[[str, int | None], None] | None = None,
+    on_carried: Callable[[CarriedCopy], None] | None = None,
 ) -> Manifest:
     """Copy one committed checkpoint: data files streamed and verified at the destination,
     then the manifest, byte for byte (the commit). A destination that already holds the
@@ -101,13 +113,19 @@ def copy_checkpoint(
             written under its final name (one attempt at a time).
         on_hedge: ``callable(rel, winner)`` once a hedged upload's race ended: ``winner``
             is the attempt that was committed (1 or 2), None when both failed.
+        on_carried: ``callable(carried)`` for each referenced folder carried (or found
+            carried already) beside the destination, before the commit (rank 0 only).
 
     Returns:
         The manifest.
 
     Raises:
         IncompleteCheckpointError: ``src`` is not committed (and no ``manifest_bytes``).
-        CorruptCheckpointError: a copied file's size or checksum differs at the destination.
+        CorruptCheckpointError: a copied file's size or checksum differs at the destination
+            (a carried base file: its size or header).
+        MissingBaseError: a referenced folder is reachable neither where recorded nor as a
+            copy carried beside ``src`` (the copy is left uncommitted).
+        ChangedBaseError: a referenced folder's files differ from the record.
         StorageError: reading or writing failed (names the URL).
         StatekitError: ``dst`` holds a committed checkpoint with another manifest (left
             untouched: two runs writing one remote root?); rank 0 waited
@@ -137,6 +155,10 @@ def copy_checkpoint(
                 _copy_file(src, dst, rel, meta)
         if on_file_copied is not None:
             on_file_copied(meta.size_bytes)
+    if rank == 0 or world_size == 1:  # before the commit: a committed replica always resolves its base
+        for carried in carry_references(manifest.references, src, dst):
+            if on_carried is not None:
+                on_carried(carried)
     if world_size > 1:
         marker = {"manifest": checksum_bytes(raw), "files": mine}
         if rank != 0:

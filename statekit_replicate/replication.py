@@ -9,7 +9,18 @@ background thread:
 1. every data file listed in the local manifest, streamed local -> remote (no staging
    copy), then read back from the remote and checked against the manifest's size and
    XXH3-64 checksum (:class:`statekit.plugin_api.VerifyingReader`);
-2. the manifest last, byte for byte, with the same single-PUT / atomic-rename commit as a
+2. for a checkpoint that references a pretrained folder's frozen tensors instead of
+   holding them (the manifest's ``references``), that folder's files, carried once per
+   ``base_id`` to ``<remote root>/.statekit-bases/<base_id>/`` (a file already there with
+   the recorded size and header checksum is not copied again), checked there against the
+   recorded size and header checksum; the load of a remote copy falls back to it when the
+   recorded folder is gone (:func:`statekit.plugin_api.carry_references`). It is carried
+   always, not only when the folder looks unreachable from the remote tier: a replica
+   must survive the primary machine, and the folder on it, and where the replica will be
+   loaded from is not known when it is copied. A carried copy no committed remote
+   checkpoint references any more is removed by ``statekit gc`` of the remote root, never
+   by retention;
+3. the manifest last, byte for byte, with the same single-PUT / atomic-rename commit as a
    save (:meth:`statekit.plugin_api.Storage.commit`), so the remote copy is committed
    atomically too: a copy interrupted anywhere before this step has no manifest and is
    never loaded.
@@ -45,6 +56,7 @@ from typing import Any
 
 from statekit.plugin_api import (
     MANIFEST_NAME,
+    CarriedCopy,
     CheckpointDir,
     InvalidOptionError,
     Manifest,
@@ -178,8 +190,11 @@ class Replicator(Tier):
         self.hedged = 0
         """File uploads raced by a second attempt (this process)."""
         self.hedges_won = 0
-        self._exit_deadline: float | None = None
         """Of those, the ones the second attempt won."""
+        self.carried_bytes = 0
+        """Bytes of referenced pretrained folders carried to the remote root (this process;
+        a folder carried already is not copied again)."""
+        self._exit_deadline: float | None = None
         self.max_backlog = max_backlog
         self.dropped = 0
         """Queued checkpoints dropped because the backlog was full (this process)."""
@@ -316,6 +331,10 @@ class Replicator(Tier):
     def _file_copied(self, size: int) -> None:
         with self._lock:
             self._copied = (self._copied[0] + 1, self._copied[1] + size)
+
+    def _base_carried(self, carried: CarriedCopy) -> None:
+        with self._lock:
+            self.carried_bytes += carried.copied_bytes
 
     def _hedge_ended(self, rel: str, winner: int | None) -> None:
         with self._lock:
@@ -486,6 +505,7 @@ class Replicator(Tier):
                     source, self.remote.child(name), manifest,
                     rank=self.rank, world_size=self.world_size, peer_timeout_seconds=self.peer_timeout_seconds,
                     on_file_copied=self._file_copied, hedge_after_s=self.hedge_after_s, on_hedge=self._hedge_ended,
+                    on_carried=self._base_carried,
                 )
                 return None
             except Exception as exc:  # noqa: BLE001 - any failure is one failed try; the thread lives on

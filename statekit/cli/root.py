@@ -7,9 +7,10 @@ from typing import Any
 import click
 
 from statekit.manager import lineage
+from statekit.manager.bases import carried_bases
 from statekit.manager.listing import delete_checkpoint, list_checkpoints
 from statekit.cli.output import console, emit, fail, human, rich_table, storage_option, storage_options_of
-from statekit.engine.locking import live_save_lock
+from statekit.engine.locking import live_save_lock, remove_owned
 from statekit.errors import CheckpointInUseError, CheckpointNotFoundError, StatekitError
 from statekit.foreign.detect import describe_folder
 from statekit.format import MANIFEST_NAME
@@ -207,7 +208,9 @@ def _tier_text(entry: dict[str, Any], words: CopyListing) -> str:
 @storage_option
 def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> None:
     """Remove incomplete statekit saves (statekit's save lock, no manifest) under a manager
-    root; folders statekit did not write (a Trainer, Accelerate or DCP checkpoint, other
+    root, and the copies of pretrained folders a replica tier carried there
+    (``.statekit-bases/<base_id>``) that no committed checkpoint references any more;
+    folders statekit did not write (a Trainer, Accelerate or DCP checkpoint, other
     contents) are kept and named (a root that does not exist, or a checkpoint given instead
     of its root, is an error, exit 1)."""
     removed, kept = [], []
@@ -236,6 +239,13 @@ def gc(url: str, dry_run: bool, as_json: bool, raw_storage: tuple[str, ...]) -> 
                 removed.append(info.url)
             except CheckpointInUseError as exc:
                 kept.append({"url": info.url, "reason": str(exc), "kind": info.kind})
+        for base in carried_bases(Storage(url, storage_options), infos):
+            if not base.removable:
+                kept.append({"url": base.url, "reason": base.reason, "kind": "carried base"})
+                continue
+            if not dry_run:
+                remove_owned(Storage(base.url, storage_options))
+            removed.append(base.url)
     except StatekitError as exc:
         fail(exc)
     verb = "would remove" if dry_run else "removed"

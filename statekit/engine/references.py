@@ -4,14 +4,16 @@ as references (:class:`statekit.format.Reference`: folder, file, name, checksum)
 written; a load reads them from that folder, each tensor checked against its checksum.
 
 The save side is :func:`reference_frozen`; the load side :class:`ResolvedReference`; the
-folder's files and headers :class:`SourceFolder`. Why a reference is safe and what it
-costs: docs/export.md, "A frozen base is referenced"; the format: docs/format.md,
-``references``.
+folder's files and headers :class:`SourceFolder`; a copy carried beside the checkpoints of
+another root (a replica tier: :func:`carry_references`) lives under :data:`BASES_DIR`. Why
+a reference is safe and what it costs: docs/export.md, "A frozen base is referenced"; the
+format: docs/format.md, ``references``; replication: docs/tiers.md, "A referenced frozen base".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -23,9 +25,10 @@ import torch
 import xxhash
 
 from statekit import format as fmt
-from statekit.errors import ChangedBaseError, InvalidOptionError, MissingBaseError, StorageError
+from statekit.errors import ChangedBaseError, CorruptCheckpointError, InvalidOptionError, MissingBaseError, StorageError
 from statekit.format.header import view_identity
 from statekit.engine.incremental import frozen_names
+from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
 from statekit.format.manifest_types import Reference, SourceFile, SourceTensor
 from statekit.storage import Storage
 
@@ -35,6 +38,15 @@ BASES_DIR = ".statekit-bases"
 """The folder of a checkpoint root that holds carried copies of referenced folders
 (``<root>/.statekit-bases/<base_id>/<file>``: a replica tier's copy, or a materialized one);
 a load looks there when the recorded folder is gone."""
+
+CARRIED_RECORD = "statekit-base.json"
+"""The record statekit writes in a carried copy (``<root>/.statekit-bases/<base_id>/``) once
+every file it copied there verified: JSON ``{"base_id", "source", "files": {name:
+{size_bytes, header_checksum}}}``. It (or statekit's lock, left by an interrupted carry or
+deletion) is what shows statekit wrote the folder: ``statekit gc`` removes only such a folder,
+and only when no committed checkpoint of the root references its ``base_id``."""
+
+_COPY_CHUNK = 16 * 1024**2  # bytes per read/write while carrying a base file
 
 INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 """The sharded-folder indexes of transformers and diffusers (``weight_map``: name -> file)."""
@@ -497,6 +509,101 @@ def carried_url(checkpoint: Storage, reference: Reference) -> str:
     return f"{parent}/{BASES_DIR}/{reference.base_id}"
 
 
+@dataclasses.dataclass(frozen=True)
+class CarriedCopy:
+    """What :func:`carry_references` did for one referenced folder.
+
+    Attributes:
+        base_id: the folder's :attr:`Reference.base_id`.
+        url: the carried copy (``<root>/.statekit-bases/<base_id>``).
+        copied_files: files copied now (0: every file was there already, verified).
+        copied_bytes: bytes copied now.
+    """
+
+    base_id: str
+    url: str
+    copied_files: int
+    copied_bytes: int
+
+
+def carry_references(references: Mapping[str, Reference] | None, source: Storage, destination: Storage) -> list[CarriedCopy]:
+    """Carry a copy of every folder a checkpoint references beside its copy at another root,
+    once per ``base_id``: ``<destination's parent>/.statekit-bases/<base_id>/`` (where
+    :class:`ResolvedReference` looks when the recorded folder is gone), so that the copy at
+    ``destination`` loads without the original folder. Call it before the destination's
+    manifest is committed.
+
+    A file already there with the recorded size and header checksum is not copied again.
+    The others are read from the folder the source checkpoint resolves (the recorded one,
+    else the source root's own carried copy), streamed, and checked at the destination
+    against the recorded size and header checksum (each tensor's checksum is checked when
+    it is loaded); then :data:`CARRIED_RECORD` is written. The copy holds statekit's lock
+    while it fills, so ``statekit gc`` of the destination root keeps it.
+
+    Args:
+        references: the manifest's ``references`` (None or empty: nothing to do).
+        source: the checkpoint copied (its references resolve from here).
+        destination: its copy's directory (the carried copy goes beside it).
+
+    Returns:
+        One :class:`CarriedCopy` per ``base_id``, in ``base_id`` order.
+
+    Raises:
+        MissingBaseError: neither the recorded folder nor a copy carried beside ``source``
+            exists.
+        ChangedBaseError: the folder's files differ from the record.
+        CorruptCheckpointError: a copied file differs from the record at the destination.
+        StorageError: reading or writing failed.
+    """
+    by_base: dict[str, tuple[str, Reference]] = {}
+    for key, ref in sorted((references or {}).items()):
+        by_base.setdefault(ref.base_id, (key, ref))
+    out = []
+    for base, (key, ref) in sorted(by_base.items()):
+        carried = Storage(carried_url(destination, ref), fs=destination.fs)
+        carried.invalidate()
+        todo = [name for name, recorded in sorted(ref.files.items()) if not _holds(carried, name, recorded)]
+        if not todo:
+            out.append(CarriedCopy(base, carried.url, 0, 0))
+            continue
+        folder = ResolvedReference(ref, source, key, source.storage_options).folder  # checks sizes and headers
+        mark_copy_in_progress(carried)  # statekit gc keeps a copy being filled
+        copied = 0
+        for name in todo:
+            copied += _carry_file(folder.storage, carried, name)
+            if not _holds(carried, name, ref.files[name]):
+                raise CorruptCheckpointError(
+                    f"{carried.url_of(name)}: differs from {folder.storage.url_of(name)} after the copy (size or header)",
+                    path=carried.url_of(name))
+        record = {"base_id": base, "source": ref.source,
+                  "files": {n: dataclasses.asdict(f) for n, f in sorted(ref.files.items())}}
+        carried.write_bytes(CARRIED_RECORD, json.dumps(record, indent=1).encode("utf-8"))
+        end_copy_in_progress(carried)
+        logger.info("carried %d file(s) (%.1f MB) of %s to %s", len(todo), copied / 1e6, folder.url, carried.url)
+        out.append(CarriedCopy(base, carried.url, len(todo), copied))
+    return out
+
+
+def _holds(carried: Storage, name: str, recorded: SourceFile) -> bool:
+    """Whether the carried copy holds file ``name`` with its recorded size and header checksum."""
+    try:
+        if carried.size(name) != recorded.size_bytes:
+            return False
+        return SourceFolder(carried, only=[name]).files[name].header_checksum == recorded.header_checksum
+    except (FileNotFoundError, CorruptCheckpointError, MissingBaseError, StorageError):
+        return False
+
+
+def _carry_file(source: Storage, carried: Storage, name: str) -> int:
+    """Stream one file of a referenced folder into its carried copy; returns the bytes copied."""
+    size = 0
+    with source.open_read(name, bulk=True) as f, carried.open_write(name) as out:
+        while chunk := f.read(_COPY_CHUNK):
+            out.write(chunk)
+            size += len(chunk)
+    return size
+
+
 def _same_protocol(url: str, storage: Storage) -> bool:
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     return protocol == storage.protocol or (protocol == "file" and storage.is_local)
@@ -512,5 +619,5 @@ def resolve_all(references: Mapping[str, Reference] | None, checkpoint: Storage,
     return {key: ResolvedReference(references[key], checkpoint, key, checkpoint.storage_options) for key in sorted(wanted)}
 
 
-__all__ = ["BASES_DIR", "ResolvedReference", "carried_url", "Source", "SourceFolder", "base_id", "candidate_names", "folder_for",
+__all__ = ["BASES_DIR", "CARRIED_RECORD", "CarriedCopy", "ResolvedReference", "carried_url", "carry_references", "Source", "SourceFolder", "base_id", "candidate_names", "folder_for",
            "live_checksum", "reference_frozen", "reference_pretrained", "resolve_all", "source_of"]

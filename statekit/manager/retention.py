@@ -78,6 +78,11 @@ def apply_retention(manager: Any, newest_url: str) -> list[str]:
     ``keep_last`` (or, without ``keep_last``, one) committed checkpoints of its own, then
     deleted.
 
+    Only ``checkpoint-<step>`` folders are deleted: a pretrained folder a checkpoint
+    references, and a copy of it carried under the root (``.statekit-bases``, a replica
+    tier's), are never touched; ``statekit gc`` removes a carried copy no committed
+    checkpoint references (:mod:`statekit.manager.bases`).
+
     Args:
         manager: the :class:`statekit.CheckpointManager` (its ``retention``).
         newest_url: the checkpoint just committed.
