@@ -14,10 +14,11 @@ def config() -> GPT2Config:
     return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0)
 
 
-def base_folder(path) -> str:
-    """A pretrained folder (``save_pretrained``: one safetensors file, lm_head tied)."""
+def base_folder(path, **save_kwargs) -> str:
+    """A pretrained folder (``save_pretrained``: one safetensors file unless ``save_kwargs``
+    shard it, lm_head tied)."""
     torch.manual_seed(0)
-    GPT2LMHeadModel(config()).save_pretrained(str(path))
+    GPT2LMHeadModel(config()).save_pretrained(str(path), **save_kwargs)
     return str(path)
 
 

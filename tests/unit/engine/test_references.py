@@ -18,48 +18,14 @@ import statekit
 from statekit import ChangedBaseError, CheckpointExistsError, InvalidOptionError, MissingBaseError
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 
-
-def config() -> GPT2Config:
-    return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0)
-
-
-def base_folder(path, seed: int = 0, **save_kwargs) -> str:
-    """A pretrained folder of a tiny GPT-2 (``save_pretrained``: safetensors, lm_head tied)."""
-    torch.manual_seed(seed)
-    GPT2LMHeadModel(config()).save_pretrained(str(path), **save_kwargs)
-    return str(path)
-
-
-def fine_tune(folder: str, trainable: str = "h.1") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """``from_pretrained`` of ``folder``, every parameter frozen but those named ``trainable``, one step."""
-    model = GPT2LMHeadModel.from_pretrained(folder)
-    for name, p in model.named_parameters():
-        p.requires_grad_(trainable in name)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    step(model, optim)
-    return model, optim
-
-
-def step(model, optim) -> None:
-    torch.manual_seed(1)
-    ids = torch.randint(0, 128, (2, 8))
-    model(ids, labels=ids).loss.backward()
-    optim.step()
-    optim.zero_grad()
+from reference_helpers import assert_same, base_folder, config, fine_tune, step  # noqa: E402
 
 
 def manifest(ckpt: str) -> dict:
     with open(os.path.join(ckpt, "statekit.json")) as f:
         return json.load(f)
-
-
-def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
 
 
 def frozen_bytes(model) -> int:
@@ -92,7 +58,7 @@ def test_the_manager_resumes_a_referencing_run_exactly_and_keeps_referencing(tmp
     model, optim = fine_tune(folder)
     manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "run"), keep_last=2)
     for s in range(1, 4):
-        step(model, optim)
+        step(model, optim, 1)
         manager.save(s)
     manager.wait()
     names = sorted(os.listdir(tmp_path / "run"))
@@ -102,7 +68,7 @@ def test_the_manager_resumes_a_referencing_run_exactly_and_keeps_referencing(tmp
     resumed = statekit.CheckpointManager({"model": model2, "optim": optim2}, str(tmp_path / "run")).resume()
     assert resumed == 3
     assert_same(model, model2)
-    step(model, optim), step(model2, optim2)
+    step(model, optim, 9), step(model2, optim2, 9)
     assert_same(model, model2)
 
 
@@ -112,7 +78,7 @@ def test_a_peft_lora_model_references_its_base_under_the_base_layer_names(tmp_pa
     lora = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
     model = peft.get_peft_model(GPT2LMHeadModel.from_pretrained(folder), lora)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    step(model, optim)
+    step(model, optim, 1)
     ckpt = str(tmp_path / "ckpt")
     statekit.save(ckpt, {"model": model, "optim": optim})
     tensors = manifest(ckpt)["references"]["model"]["tensors"]
