@@ -17,7 +17,7 @@ from statekit import format as fmt
 from statekit.engine.file_reader import FileReader
 from statekit.engine.file_writer import FileWriter, WrittenFile
 from statekit.engine.incremental import ReuseBase
-from statekit.engine.references import ResolvedReference
+from statekit.engine.references import ResolvedReference, source_of
 from statekit.engine.staging import StagingPool
 from statekit.format.manifest_types import FileEntry, Manifest, Reference
 from statekit.errors import StatekitError
@@ -115,12 +115,14 @@ class Checkpoint:
         if mode == "save":
             self._writer = FileWriter(storage, rank=rank, mode=mode, **self._writer_args)
 
-    def referenced(self, key: str) -> ResolvedReference | None:
+    def referenced(self, key: str, model: torch.nn.Module | None = None) -> ResolvedReference | None:
         """On load, the pretrained folder of model ``key``'s referenced frozen tensors,
         found and its headers checked once per load.
 
         Args:
             key: the model's stable key.
+            model: the model being loaded, on the first call: the folder it declares or
+                learned from ``from_pretrained`` is tried after the recorded one.
 
         Returns:
             Its :class:`~statekit.engine.references.ResolvedReference`, or None when the
@@ -134,7 +136,8 @@ class Checkpoint:
         if reference is None:
             return None
         if key not in self._resolved:
-            self._resolved[key] = ResolvedReference(reference, self.storage, key, self.storage.storage_options)
+            also = source_of([model]) if model is not None else None
+            self._resolved[key] = ResolvedReference(reference, self.storage, key, self.storage.storage_options, also)
         return self._resolved[key]
 
     @property

@@ -294,7 +294,7 @@ def _fit_model(
             shapes[e.name] = (e.shape, e.dtype)
         for alias, name in header.aliases.items():
             shapes[alias] = shapes[name]
-    referenced = checkpoint.referenced(key)  # frozen tensors a pretrained folder holds (engine/references.py)
+    referenced = checkpoint.referenced(key, model)  # frozen tensors a pretrained folder holds (engine/references.py)
     if referenced is not None:
         shapes.update(referenced.shapes())
     return targets, set(shapes), _check_model_state(checkpoint, key, rels[0], targets, shapes, set(shapes), strict)

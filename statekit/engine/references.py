@@ -361,7 +361,8 @@ def _matching(name: str, t: torch.Tensor, model: torch.nn.Module | None, folder:
 
 class ResolvedReference:
     """A checkpoint's reference of one model, its folder found and its files' headers checked
-    (the recorded folder, else a copy carried beside the checkpoints: :data:`BASES_DIR`).
+    (the recorded folder, else the one the loading model names, else a copy carried beside
+    the checkpoints: :data:`BASES_DIR`).
 
     Args:
         reference: the manifest's :class:`Reference`.
@@ -369,6 +370,9 @@ class ResolvedReference:
         key: the model's key, named in errors.
         storage_options: fsspec options for a remote folder (the checkpoint's, when on the
             same filesystem).
+        also: the folder the loading model declares or learned (:func:`source_of`), tried
+            after the recorded one: a base that moved loads from where the model now comes
+            from (every file and tensor is checked the same way).
 
     Raises:
         MissingBaseError: neither the folder nor a carried copy exists (names the folder).
@@ -376,11 +380,11 @@ class ResolvedReference:
     """
 
     def __init__(self, reference: Reference, checkpoint: Storage, key: str,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, also: Source | None = None) -> None:
         self.reference = reference
         self.key = key
         problems: list[BaseException] = []
-        for storage in self._places(reference, checkpoint, storage_options):
+        for storage in self._places(reference, checkpoint, storage_options, also):
             try:
                 self.folder = self._checked(storage)
                 self.url = storage.url
@@ -392,19 +396,28 @@ class ResolvedReference:
             f"model {key!r} of {checkpoint.url} references frozen tensors in {reference.source}: {first}"
             + (f"; no carried copy at {carried_url(checkpoint, reference)} either" if len(problems) < 2 else
                f"; the carried copy: {problems[1]}")
-            + " (restore the folder, or load a checkpoint made self-contained with "
+            + " (restore the folder; if it moved, load into a model from_pretrained of its new place or name it with "
+              "statekit.reference_pretrained(model, folder); or load a copy made self-contained with "
               "`statekit convert CKPT OUT --to statekit --materialize`)",
             getattr(first, "url", reference.source),
         ) from None
 
     @staticmethod
-    def _places(reference: Reference, checkpoint: Storage, storage_options: dict[str, Any] | None) -> list[Storage]:
+    def _places(reference: Reference, checkpoint: Storage, storage_options: dict[str, Any] | None,
+                also: Source | None) -> list[Storage]:
+        """Where to look, in order: the recorded folder, the folder the loading model names
+        (``from_pretrained``'s or :func:`reference_pretrained`'s: a moved base), a carried copy."""
         places = []
         try:
             source = Storage(reference.source, storage_options if _same_protocol(reference.source, checkpoint) else None)
             places.append(source)
         except StorageError:
             pass
+        if also is not None and also.url.rstrip("/") != reference.source.rstrip("/"):
+            try:
+                places.append(Storage(also.url, also.storage_options))
+            except StorageError:
+                pass
         carried = Storage(carried_url(checkpoint, reference), fs=checkpoint.fs)
         if carried.exists():
             places.append(carried)

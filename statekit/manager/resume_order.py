@@ -29,6 +29,7 @@ from statekit.errors import (
     StatekitError,
     StatekitWarning,
     StateMismatchError,
+    BaseReferenceError,
     warn_user,
 )
 from statekit.hooks.registry import call_each, get_plugin_manager
@@ -162,9 +163,11 @@ def skippable(info: CheckpointDir, exc: StatekitError) -> bool:
     """Whether ``resume()`` passes over ``info`` after ``exc`` and tries the previous
     checkpoint: a damaged checkpoint is passed over; an error of the run's settings is
     raised (an older checkpoint fits no better), and so is a state mismatch, unless it is
-    an Accelerate folder missing keys only (an interrupted Accelerate save looks like that)."""
-    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError)):
-        return False
+    an Accelerate folder missing keys only (an interrupted Accelerate save looks like that),
+    and a referenced frozen base that is gone or changed (resuming an older checkpoint
+    would drop the run's progress for a fault of the folder's)."""
+    if isinstance(exc, (PickleNotAllowedError, ResumeMismatchError, BaseReferenceError)):
+        return False  # (a moved or edited frozen base: the older checkpoints reference it too)
     if isinstance(exc, StateMismatchError):
         return info.accelerate and bool(exc.missing) and not exc.mismatched
     return True

@@ -312,3 +312,47 @@ def test_a_pretrained_folder_given_as_a_checkpoint_is_named_as_one(tmp_path):
         statekit.verify(folder)
     with pytest.raises(statekit.IncompleteCheckpointError, match="is a Hugging Face pretrained folder"):
         statekit.export_pretrained(folder, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("budget", [None, 0.25])
+def test_an_async_save_references_the_base_too(tmp_path, budget):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = str(tmp_path / "ckpt")
+    pending = statekit.save(ckpt, {"model": model, "optim": optim}, blocking=False, host_memory_budget=budget)
+    step(model, optim, 2)  # training goes on while the save runs
+    committed = pending.wait()
+    assert committed.format == "statekit/3" and "transformer.wte.weight" in committed.references["model"].tensors
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert all(torch.equal(expected[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_resume_with_the_base_gone_raises_instead_of_resuming_an_older_checkpoint(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "run"))
+    for s in (1, 2):
+        manager.save(s)
+    manager.wait()
+    os.rename(folder, tmp_path / "moved")
+    built = GPT2LMHeadModel(config())  # from a config: names no folder
+    with pytest.raises(MissingBaseError, match="checkpoint-00000002 references frozen tensors"):
+        statekit.CheckpointManager({"model": built}, str(tmp_path / "run")).resume()
+
+
+def test_a_moved_base_loads_from_where_the_resuming_model_comes_from(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, optim = fine_tune(folder)
+    manager = statekit.CheckpointManager({"model": model, "optim": optim}, str(tmp_path / "run"))
+    manager.save(1)
+    manager.wait()
+    os.rename(folder, tmp_path / "moved")
+    model2, optim2 = fine_tune(str(tmp_path / "moved"))  # from_pretrained of the new place
+    assert statekit.CheckpointManager({"model": model2, "optim": optim2}, str(tmp_path / "run")).resume() == 1
+    assert_same(model, model2)
+    built = GPT2LMHeadModel(config())
+    statekit.reference_pretrained(built, tmp_path / "moved")  # or named
+    statekit.load(str(tmp_path / "run" / "checkpoint-00000001"), {"model": built})
+    assert_same(model, built)
