@@ -77,7 +77,9 @@ def save(
             64 KiB) or a fraction of the state (float in (0, 1]); None (default): one buffer
             the size of the state (``docs/concepts.md``, Async saves). Parameters and
             optimizer state are then staged after the call; ``optimizer.step()`` waits for
-            them, and an in-place write to one before it is staged fails the save.
+            them, and an in-place write to one before it is staged fails the save; a
+            write that bumps no version counter (through ``p.data``, NumPy or
+            ``untyped_storage()``) is not seen: make none before ``wait()``.
         **options: options for plugins (``checkpoint.options``); one that no registered
             plugin reads warns (:meth:`~statekit.hooks.registry.PluginManager.check_options`).
 

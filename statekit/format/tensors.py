@@ -339,6 +339,9 @@ def _read_one(
         view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
         read_exactly_into(f, view, source, e.name, hasher)
     if direct:
+        # bytes written through a NumPy view bump no version counter: bump it as copy_ would,
+        # so a pending async save's version check (checks/versions.py) sees this load
+        torch.autograd.graph.increment_version(buffer)
         return target  # type: ignore[return-value]
     result = buffer.view(e.dtype).reshape(e.shape) if e.dtype not in NATIVE_DTYPES else buffer
     if target is not None:

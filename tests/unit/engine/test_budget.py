@@ -176,6 +176,28 @@ def test_an_in_place_write_before_staging_fails_the_save_and_keeps_the_last_chec
     _train(model, optim)  # no optimizer step is left waiting
 
 
+def test_a_statekit_load_into_the_model_before_staging_fails_the_save(tmp_path, plugin_manager, gate):
+    """statekit's own loads fill tensors through a NumPy view, which bumps no version
+    counter by itself: the reader bumps it (format/tensors.py), so a load into the live
+    model while a budgeted save is pending is seen like any in-place write (found by a
+    docs-only trial: the checkpoint held the loaded weights)."""
+    model, optim = _model()
+    other, _ = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    gate.set()
+    statekit.save(str(tmp_path / "other"), {"model": other})
+    gate.clear()
+    pending = statekit.save(str(tmp_path / "a"), {"model": model, "optim": optim}, blocking=False,
+                            host_memory_budget=MIN_BUDGET_BYTES)
+    statekit.load(str(tmp_path / "other"), {"model": model})  # the writer is held: nothing is staged yet
+    gate.set()
+    with pytest.raises(AsyncSaveError, match=r"model\.safetensors: tensor .* was modified in place after the async save"):
+        pending.wait()
+    assert not (tmp_path / "a" / "statekit.json").exists()
+
+
 def test_a_write_through_data_is_the_blind_spot(tmp_path, plugin_manager, gate):
     """``.data`` has a version counter of its own: such a write is not seen (docs/design-notes.md,
     "Async saves"); the checkpoint holds whatever the stager copied."""
