@@ -380,10 +380,17 @@ def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_nam
             raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url} needs a LoRA adapter config "
                                      "(config=peft_model.peft_config['default'], or an adapter_config.json)")
         names, merges = _merged_names(names, files["adapter_config.json"], adapter_name, key, url)
+        dropped = [_base_name(n) for n in dropped]
         return _Plan(names, weights_name, single, source.state_paths, dropped, merges)
     if "adapter_config.json" in files and source.weights_name == "model":
         names = _adapter_names(names, files["adapter_config.json"], adapter_name, key, url)
         weights_name, single = "adapter_model", True
+    elif source.weights_name == "model" and any(n.startswith(_PEFT_PREFIX) and ".lora_" in n for n in names):
+        raise InvalidOptionError(
+            f"model {key!r} of {url} is a peft LoRA model (its tensors are named {_PEFT_PREFIX}...base_layer / lora_*), "
+            "which from_pretrained of a base model cannot read: pass its adapter config beside the base's "
+            "(config=[base_config, peft_model.peft_config['default']]) for the adapter folder, and add "
+            "merge_adapter=True (--merge-adapter) for the base with the adapter merged")
     return _Plan(names, weights_name, single, source.state_paths, dropped)
 
 
@@ -450,6 +457,11 @@ def _adapter_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter
 _PEFT_PREFIX = "base_model.model."
 
 
+def _base_name(name: str) -> str:
+    """A saved ``PeftModel``'s state-dict name under the base model's (``base_model.model.x.base_layer.weight`` -> ``x.weight``)."""
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
 def _merged_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter: str, key: str,
                   url: str) -> tuple[OrderedDict[str, ExportTensor], dict[str, _Merge]]:
     """A saved ``PeftModel``'s base tensors under the base model's names
@@ -471,8 +483,7 @@ def _merged_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter:
     for name, t in names.items():
         if ".lora_" in name:
             continue
-        plain = name.removeprefix(_PEFT_PREFIX)
-        module, _, leaf = plain.rpartition(".")
+        module, _, leaf = name.removeprefix(_PEFT_PREFIX).rpartition(".")
         if module.endswith(".base_layer"):
             module = module.removesuffix(".base_layer")
             a, b = (f"{name.rsplit('.base_layer.', 1)[0]}.lora_{x}.{adapter}.weight" for x in ("A", "B"))

@@ -136,11 +136,13 @@ class IncrementalReuse:
         )
 
 
-def frozen_names(weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None) -> set[str]:
+def frozen_names(weights: Mapping[str, torch.Tensor], model: torch.nn.Module | None, *,
+                 all_frozen: bool = False) -> set[str]:
     """The names of ``weights`` whose storage only frozen parameters of ``model`` hold
     (``requires_grad=False``; a storage a trainable parameter also holds is not frozen): the
     one test of "frozen" for incremental splits and references. Empty without a model, or
-    when no parameter is trainable or none frozen."""
+    when none is frozen, or (unless ``all_frozen``: references take a wholly frozen model,
+    a split does not) when none is trainable."""
     if model is None:
         return set()
     frozen_storages, trainable_storages = set(), set()
@@ -149,7 +151,7 @@ def frozen_names(weights: Mapping[str, torch.Tensor], model: torch.nn.Module | N
             continue
         (trainable_storages if p.requires_grad else frozen_storages).add(p.untyped_storage().data_ptr())
     frozen_storages -= trainable_storages
-    if not frozen_storages or not trainable_storages:
+    if not frozen_storages or (not trainable_storages and not all_frozen):
         return set()
     return {name for name, t in weights.items()
             if t.device.type != "meta" and t.numel() and t.untyped_storage().data_ptr() in frozen_storages}

@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from statekit import format as fmt
-from statekit.errors import ChangedBaseError, CorruptCheckpointError, InvalidOptionError, MissingBaseError, StorageError
+from statekit.errors import ChangedBaseError, CorruptCheckpointError, InvalidOptionError, MissingBaseError, StatekitWarning, StorageError, warn_user
 from statekit.format.header import view_identity
 from statekit.engine.incremental import frozen_names
 from statekit.engine.locking import end_copy_in_progress, mark_copy_in_progress
@@ -60,6 +60,7 @@ class Source:
 
     url: str
     storage_options: dict[str, Any] | None = None
+    declared: bool = False  # named by reference_pretrained (not learned): a folder that matches nothing warns
 
 
 _NOT_REFERENCED = Source("")  # a model the user opted out (reference_pretrained(model, None))
@@ -86,7 +87,8 @@ def reference_pretrained(
         storage_options: fsspec options of ``source``'s filesystem (also used by the load).
 
     Raises:
-        InvalidOptionError: ``model`` is not an ``nn.Module``, or ``source`` an empty string.
+        InvalidOptionError: ``model`` is not an ``nn.Module``, ``source`` an empty string, or
+            a local path that is not a folder (a relative path is recorded absolute).
     """
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(f"reference_pretrained: model must be an nn.Module, not {type(model).__name__}")
@@ -96,7 +98,12 @@ def reference_pretrained(
     url = os.fspath(source)
     if not url:
         raise InvalidOptionError("reference_pretrained: source is an empty string; pass a folder, or None to opt out")
-    _declared[model] = Source(url, storage_options)
+    if "://" not in url:  # a local path: recorded absolute, so a load from another directory finds it
+        url = os.path.abspath(url)
+        if not os.path.isdir(url):
+            raise InvalidOptionError(f"reference_pretrained: {url} is not a folder (a pretrained folder holds "
+                                     "*.safetensors files and their index)")
+    _declared[model] = Source(url, storage_options, declared=True)
 
 
 def source_of(models: Iterable[torch.nn.Module]) -> Source | None:
@@ -304,13 +311,16 @@ def reference_frozen(
         StorageError: reading the folder failed.
         A missing folder is not an error here: nothing is referenced (logged).
     """
-    frozen = frozen_names(weights, model)
+    frozen = frozen_names(weights, model, all_frozen=True)
     if not frozen:
         return None, dict(weights)
     try:
         folder, checksums = folder_for(source)
     except MissingBaseError as exc:
-        logger.warning("model %r: not referencing its frozen tensors: %s; they are written", key, exc)
+        if source.declared:
+            warn_user(f"model {key!r}: not referencing its frozen tensors: {exc}; they are written", StatekitWarning)
+        else:
+            logger.warning("model %r: not referencing its frozen tensors: %s; they are written", key, exc)
         return None, dict(weights)
     referenced: dict[str, SourceTensor] = {}
     by_view: dict[Any, SourceTensor] = {}
@@ -326,6 +336,10 @@ def reference_frozen(
         if found is not None:
             referenced[name] = by_view[_view(t)] = found
     if not referenced:
+        if source.declared:
+            warn_user(f"model {key!r}: none of its {len(frozen)} frozen tensors equals a tensor of {source.url} "
+                      "(reference_pretrained): they are written; is it the folder the model was loaded from?",
+                      StatekitWarning)
         return None, dict(weights)
     used = {s.file for s in referenced.values()}
     files = {n: f for n, f in folder.files.items() if n in used}
@@ -386,7 +400,9 @@ class ResolvedReference:
         problems: list[BaseException] = []
         for storage in self._places(reference, checkpoint, storage_options, also):
             try:
-                self.folder = self._checked(storage)
+                # a folder other than the recorded one is taken only when every referenced
+                # tensor's bytes match (else a load would overwrite part of the model first)
+                self.folder = self._checked(storage, tensors=storage.url.rstrip("/") != reference.source.rstrip("/"))
                 self.url = storage.url
                 return
             except (MissingBaseError, ChangedBaseError) as exc:
@@ -395,7 +411,7 @@ class ResolvedReference:
         raise type(first)(
             f"model {key!r} of {checkpoint.url} references frozen tensors in {reference.source}: {first}"
             + (f"; no carried copy at {carried_url(checkpoint, reference)} either" if len(problems) < 2 else
-               f"; the carried copy: {problems[1]}")
+               f"; also tried: {'; '.join(str(p) for p in problems[1:])}")
             + " (restore the folder; if it moved, load into a model from_pretrained of its new place or name it with "
               "statekit.reference_pretrained(model, folder); or load a copy made self-contained with "
               "`statekit convert CKPT OUT --to statekit --materialize`)",
@@ -423,7 +439,9 @@ class ResolvedReference:
             places.append(carried)
         return places
 
-    def _checked(self, storage: Storage) -> SourceFolder:
+    def _checked(self, storage: Storage, tensors: bool = False) -> SourceFolder:
+        """The folder at ``storage`` when its files' sizes and headers (and with ``tensors``,
+        every referenced tensor's bytes) are as recorded."""
         ref = self.reference
         for name, recorded in ref.files.items():
             url = storage.url_of(name)
@@ -438,6 +456,11 @@ class ResolvedReference:
             if folder.files[name].header_checksum != recorded.header_checksum:
                 raise ChangedBaseError(f"{storage.url_of(name)}: its header (tensor names, dtypes, shapes or offsets) "
                                        "changed since the checkpoint was saved", storage.url_of(name))
+        if tensors:
+            for name, src in ref.tensors.items():
+                if folder.checksum(src.name) != src.checksum:
+                    raise ChangedBaseError(f"{storage.url_of(src.file)}: tensor {src.name!r} differs from the "
+                                           "checkpoint's record", storage.url_of(src.file))
         return folder
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

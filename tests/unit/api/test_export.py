@@ -186,10 +186,24 @@ def test_a_peft_lora_model_exports_merged_into_its_base_as_merge_and_unload_comp
     assert sorted(os.listdir(tmp_path / "merged")) == ["config.json", "model.safetensors"]
     expected = copy.deepcopy(model).merge_and_unload()
     assert result.tensors == len(expected.state_dict()) - 1  # lm_head tied: once
+    assert result.dropped_ties == ("lm_head.weight",)  # the base's name
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged"), dtype=dtype)
     assert_same_model(expected, loaded)
     unmerged = model.base_model.model.transformer.h[0].attn.c_attn.base_layer.weight
     assert not torch.equal(loaded.transformer.h[0].attn.c_attn.weight, unmerged)  # the adapter is in it
+
+
+def test_a_peft_model_exported_with_the_base_config_only_is_refused_naming_the_two_ways(tmp_path):
+    """(found by a docs-only trial: the folder held peft's names under a GPT-2 config.json,
+    and from_pretrained returned a randomly initialised model)"""
+    peft = pytest.importorskip("peft")
+    base, config = gpt2()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    statekit.save(str(tmp_path / "ckpt"), {"model": model})
+    for given in (config, None):
+        with pytest.raises(InvalidOptionError, match=r"is a peft LoRA model .* merge_adapter=True"):
+            statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"), config=given)
+    assert not (tmp_path / "hf").exists() or not os.listdir(tmp_path / "hf")
 
 
 def test_merge_adapter_without_an_adapter_config_or_with_dora_is_refused(tmp_path):

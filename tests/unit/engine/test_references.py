@@ -356,3 +356,53 @@ def test_a_moved_base_loads_from_where_the_resuming_model_comes_from(tmp_path):
     statekit.reference_pretrained(built, tmp_path / "moved")  # or named
     statekit.load(str(tmp_path / "run" / "checkpoint-00000001"), {"model": built})
     assert_same(model, built)
+
+
+def test_another_folder_the_loading_model_names_is_taken_only_when_every_tensor_matches(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    model, _ = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    shutil.rmtree(folder)
+    torch.manual_seed(5)
+    GPT2LMHeadModel(config()).save_pretrained(str(tmp_path / "other"))  # same architecture, other weights
+    target = GPT2LMHeadModel.from_pretrained(str(tmp_path / "other"))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(MissingBaseError, match=r"base/model.safetensors does not exist; also tried: .*other.*differs"):
+        statekit.load(ckpt, {"model": target})
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())  # nothing was loaded
+
+
+def test_a_wholly_frozen_model_is_referenced_whole(tmp_path):
+    folder = base_folder(tmp_path / "base")
+    teacher = GPT2LMHeadModel.from_pretrained(folder).requires_grad_(False)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"teacher": teacher})
+    m = manifest(ckpt)
+    assert set(m["references"]["teacher"]["tensors"]) == set(teacher.state_dict())
+    assert m["files"]["teacher.safetensors"]["size_bytes"] < 1024  # a header only
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"teacher": fresh})
+    assert_same(teacher, fresh)
+
+
+def test_a_relative_or_wrong_folder_given_to_reference_pretrained(tmp_path, monkeypatch):
+    base_folder(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model = GPT2LMHeadModel(config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(3.0).requires_grad_("h.1" in name)  # equal to no tensor of the base (not even a LayerNorm's ones)
+    with pytest.raises(InvalidOptionError, match=r"reference_pretrained: .*base-typo is not a folder"):
+        statekit.reference_pretrained(model, "base-typo")
+    statekit.reference_pretrained(model, "base")  # recorded absolute
+    with pytest.warns(statekit.StatekitWarning, match=r"none of its \d+ frozen tensors equals a tensor of .*base"):
+        statekit.save(str(tmp_path / "ckpt"), {"model": model})  # a model of other weights: nothing matches
+    assert "references" not in manifest(str(tmp_path / "ckpt"))
+    torch.manual_seed(0)
+    same = GPT2LMHeadModel(config())  # base_folder's weights
+    for name, p in same.named_parameters():
+        p.requires_grad_("h.1" in name)
+    statekit.reference_pretrained(same, "base")
+    statekit.save(str(tmp_path / "ckpt2"), {"model": same})
+    assert manifest(str(tmp_path / "ckpt2"))["references"]["model"]["source"] == str(tmp_path / "base")
