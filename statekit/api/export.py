@@ -284,6 +284,10 @@ def export_pretrained(
     for rel in sorted(stale - set(result.files)):  # an earlier export's weights: from_pretrained would read them
         logger.info("export to %s: removed %s, the weights of an earlier export (overwrite=True)", out.url, rel)
         out.remove(rel)
+    mismatch = _config_mismatch(files.get("config.json"), plan)
+    if mismatch:
+        warn_user(f"exported {key!r} to {out.url}: {mismatch}; from_pretrained would initialise what is missing "
+                  "at random: is config.json the config of this model?", StatekitWarning)
     if config is None and "config.json" not in result.files and "adapter_config.json" not in result.files:
         warn_user(f"exported {key!r} to {out.url} without a config.json: from_pretrained needs one "
                   "(pass config=, or --config on the command line)", StatekitWarning)
@@ -413,6 +417,39 @@ def _recorded_ties(source: ModelSource, manifest: Any, key: str) -> ModelSource:
     if aliases == source.aliases:
         return source
     return dataclasses.replace(source, tensors=[t for t in source.tensors if t.name not in aliases], aliases=aliases)
+
+
+def _config_mismatch(config_json: bytes | None, plan: _Plan) -> str | None:
+    """What the model class ``config.json`` names (``architectures``, built on the meta
+    device from it) expects that the exported weights lack or shape otherwise, in words;
+    None when they agree, or when transformers or the class is not available."""
+    if config_json is None:
+        return None
+    try:
+        import transformers
+
+        body = json.loads(config_json.decode("utf-8"))
+        cls = getattr(transformers, (body.get("architectures") or [None])[0] or "", None)
+        if cls is None or "model_type" not in body:
+            return None
+        built = transformers.AutoConfig.for_model(**body)
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in cls(built).state_dict().items()}
+    except Exception:  # noqa: BLE001 - an exotic config or class: from_pretrained will say
+        return None
+    written = {name: t.shape for name, t in plan.names.items()}
+    missing = sorted(set(expected) - set(written) - set(plan.dropped))
+    shapes = sorted(n for n in set(expected) & set(written) if tuple(written[n]) != expected[n])
+    if not missing and not shapes:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensors {cls.__name__} expects are not in the weights (first {missing[0]!r})")
+    if shapes:
+        n = shapes[0]
+        parts.append(f"{len(shapes)} tensors have other shapes than {cls.__name__} expects (first {n!r}: "
+                     f"{list(written[n])} written, {list(expected[n])} expected)")
+    return "; ".join(parts)
 
 
 def _tie_targets(files: Mapping[str, bytes]) -> dict[str, str]:

@@ -309,7 +309,8 @@ def reference_frozen(
     Raises:
         CorruptCheckpointError: a file of the folder has a malformed header.
         StorageError: reading the folder failed.
-        A missing folder is not an error here: nothing is referenced (logged).
+        A missing folder is not an error here: nothing is referenced (logged; a warning
+        when the folder was declared with :func:`reference_pretrained`).
     """
     frozen = frozen_names(weights, model, all_frozen=True)
     if not frozen:
@@ -328,13 +329,13 @@ def reference_frozen(
         if name not in frozen:
             continue
         t = weights[name]
-        tied = by_view.get(_view(t))
+        tied = by_view.get(view_identity(t))
         if tied is not None:  # a tied name (lm_head = wte): the same source tensor
             referenced[name] = tied
             continue
         found = _matching(name, t, model, folder, checksums)
         if found is not None:
-            referenced[name] = by_view[_view(t)] = found
+            referenced[name] = by_view[view_identity(t)] = found
     if not referenced:
         if source.declared:
             warn_user(f"model {key!r}: none of its {len(frozen)} frozen tensors equals a tensor of {source.url} "
@@ -348,10 +349,6 @@ def reference_frozen(
     logger.info("model %r: %d frozen tensors (%.1f MB) referenced in %s, not written", key, len(referenced), nbytes / 1e6,
                 source.url)
     return reference, {n: t for n, t in weights.items() if n not in referenced}
-
-
-def _view(t: torch.Tensor) -> Any:
-    return view_identity(t)
 
 
 def _matching(name: str, t: torch.Tensor, model: torch.nn.Module | None, folder: SourceFolder,
@@ -501,7 +498,7 @@ class ResolvedReference:
                 first = read[src]
                 for name in own:
                     target = into.get(name) if into is not None else None
-                    if target is not None and target is not first and _view(target) != _view(first):
+                    if target is not None and target is not first and view_identity(target) != view_identity(first):
                         with torch.no_grad():
                             target.copy_(first)
                     out[name] = target if target is not None else first

@@ -380,3 +380,24 @@ def test_a_model_of_a_missing_plugin_in_its_own_layout_names_what_to_install(tmp
     rewrite_manifest(tmp_path / "ckpt", owned_by_a_missing_plugin)
     with pytest.raises(PluginMissingError, match=r"model 'model' was saved by plugin 'ghost', which is not installed: pip install statekit-ghost"):
         statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+
+
+def test_a_config_of_another_model_warns_naming_what_from_pretrained_would_miss(tmp_path):
+    import warnings
+
+    from transformers import GPT2Config
+
+    model, config = gpt2()
+    config.architectures = ["GPT2LMHeadModel"]  # as from_pretrained's configs say (one built in code names none)
+    statekit.save(str(tmp_path / "ckpt"), {"model": model})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "right"), config=config)
+    assert not [w for w in caught if issubclass(w.category, statekit.StatekitWarning)]
+    deeper = GPT2Config(**{**config.to_dict(), "n_layer": 3})
+    with pytest.warns(statekit.StatekitWarning, match=r"tensors GPT2LMHeadModel expects are not in the weights "
+                                                      r"\(first 'transformer\.h\.2\."):
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "deeper"), config=deeper)
+    wider = GPT2Config(**{**config.to_dict(), "n_embd": 32})
+    with pytest.warns(statekit.StatekitWarning, match=r"have other shapes than GPT2LMHeadModel expects"):
+        statekit.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "wider"), config=wider)
