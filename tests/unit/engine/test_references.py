@@ -23,13 +23,26 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 from reference_helpers import assert_same, base_folder, config, fine_tune, step  # noqa: E402
 
 
+def rewrite_base(folder: str, change) -> None:
+    """Write the base's ``model.safetensors`` again with ``change(tensors)`` applied (an edit by hand)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    save_file(change(tensors), path, metadata={"format": "pt"})
+
+
 def manifest(ckpt: str) -> dict:
     with open(os.path.join(ckpt, "statekit.json")) as f:
         return json.load(f)
 
 
-def frozen_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+def assert_loads_as(ckpt: str, model: torch.nn.Module) -> torch.nn.Module:
+    """``ckpt`` loaded into a GPT-2 built from the config (random weights) equals ``model``; returns it."""
+    fresh = GPT2LMHeadModel(config())
+    statekit.load(ckpt, {"model": fresh})
+    assert_same(model, fresh)
+    return fresh
 
 
 def test_a_from_pretrained_fine_tune_writes_only_what_trains_and_loads_bit_for_bit(tmp_path):
@@ -46,9 +59,7 @@ def test_a_from_pretrained_fine_tune_writes_only_what_trains_and_loads_bit_for_b
     assert ref["tensors"]["lm_head.weight"] == ref["tensors"]["transformer.wte.weight"]
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert m["files"]["model.safetensors"]["size_bytes"] < trainable + 64 * 1024  # none of the base's bytes
-    fresh = GPT2LMHeadModel(config())
-    statekit.load(ckpt, {"model": fresh})
-    assert_same(model, fresh)
+    fresh = assert_loads_as(ckpt, model)
     assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
     statekit.verify(ckpt)
 
@@ -112,9 +123,7 @@ def test_opting_out_writes_the_whole_model(tmp_path):
     statekit.save(ckpt, {"model": model})
     assert manifest(ckpt)["format"] != "statekit/3" and "references" not in manifest(ckpt)
     shutil.rmtree(folder)
-    fresh = GPT2LMHeadModel(config())
-    statekit.load(ckpt, {"model": fresh})
-    assert_same(model, fresh)
+    assert_loads_as(ckpt, model)
     with pytest.raises(InvalidOptionError, match="nn.Module"):
         statekit.reference_pretrained(torch.zeros(2), folder)
 
@@ -128,9 +137,7 @@ def test_a_frozen_tensor_that_no_longer_equals_the_folder_is_written(tmp_path):
     statekit.save(ckpt, {"model": model})
     tensors = manifest(ckpt)["references"]["model"]["tensors"]
     assert "transformer.h.0.mlp.c_fc.weight" not in tensors and "transformer.h.0.attn.c_attn.weight" in tensors
-    fresh = GPT2LMHeadModel(config())
-    statekit.load(ckpt, {"model": fresh})
-    assert_same(model, fresh)
+    assert_loads_as(ckpt, model)
 
 
 def test_a_sharded_folder_is_referenced_across_its_files(tmp_path):
@@ -140,9 +147,7 @@ def test_a_sharded_folder_is_referenced_across_its_files(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     statekit.save(ckpt, {"model": model, "optim": optim})
     assert len(manifest(ckpt)["references"]["model"]["files"]) > 1
-    fresh = GPT2LMHeadModel(config())
-    statekit.load(ckpt, {"model": fresh})
-    assert_same(model, fresh)
+    assert_loads_as(ckpt, model)
 
 
 # ---------------------------------------------------------------------- failure modes
@@ -165,16 +170,16 @@ def test_a_moved_base_is_a_missing_base_error_and_the_model_is_untouched(tmp_pat
 
 
 def test_an_edited_tensor_in_the_base_is_a_changed_base_error_naming_it(tmp_path):
-    from safetensors.torch import load_file, save_file
-
     folder = base_folder(tmp_path / "base")
     model, optim = fine_tune(folder)
     ckpt = str(tmp_path / "ckpt")
     statekit.save(ckpt, {"model": model})
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    tensors["transformer.h.0.attn.c_attn.weight"][0, 0] += 1  # same header, other bytes
-    save_file(tensors, path, metadata={"format": "pt"})
+
+    def edit(tensors):
+        tensors["transformer.h.0.attn.c_attn.weight"][0, 0] += 1  # same header, other bytes
+        return tensors
+
+    rewrite_base(folder, edit)
     with pytest.raises(ChangedBaseError, match=r"model.safetensors: tensor 'transformer.h.0.attn.c_attn.weight'.*differs"):
         statekit.verify(ckpt)
     with pytest.raises(ChangedBaseError, match="partly overwritten"):
@@ -182,15 +187,11 @@ def test_an_edited_tensor_in_the_base_is_a_changed_base_error_naming_it(tmp_path
 
 
 def test_a_base_whose_header_changed_is_refused_before_anything_is_loaded(tmp_path):
-    from safetensors.torch import load_file, save_file
-
     folder = base_folder(tmp_path / "base")
     model, optim = fine_tune(folder)
     ckpt = str(tmp_path / "ckpt")
     statekit.save(ckpt, {"model": model})
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    save_file({k: v.to(torch.float16) for k, v in tensors.items()}, path, metadata={"format": "pt"})  # retyped
+    rewrite_base(folder, lambda tensors: {k: v.to(torch.float16) for k, v in tensors.items()})  # retyped
     fresh = GPT2LMHeadModel(config())
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(ChangedBaseError, match=r"model.safetensors is \d+ bytes, \d+ when the checkpoint was saved"):
@@ -232,9 +233,7 @@ def test_a_copy_carried_beside_the_checkpoints_is_used_when_the_folder_is_gone(t
     base_id = manifest(ckpt)["references"]["model"]["base_id"]
     shutil.copytree(folder, tmp_path / "root" / ".statekit-bases" / base_id)
     shutil.rmtree(folder)
-    fresh = GPT2LMHeadModel(config())
-    statekit.load(ckpt, {"model": fresh})
-    assert_same(model, fresh)
+    assert_loads_as(ckpt, model)
 
 
 # ---------------------------------------------------------------------- self-contained again
