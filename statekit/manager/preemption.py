@@ -317,11 +317,17 @@ class SignalSave:
         self.step_seconds = max(self.step_seconds or 0.0, seconds)
         if seconds > self.grace_s and not self._warned_step:
             self._warned_step = True
+            if self.watcher is not None:  # a stretch that changed nothing is covered: say what is not
+                risk = ("a signal in such a stretch is saved by the watcher only when nothing changed the state since "
+                        "the last step boundary (an evaluation under no_grad, a stalled loader); one inside training "
+                        "work would be acted on after the deadline and only the newest committed checkpoint would "
+                        "remain; call step_boundary() after each optimizer step")
+            else:
+                risk = ("a signal arriving now would be acted on after the deadline and only the newest committed "
+                        "checkpoint would remain; call step_boundary() more often (inside long evaluations too)")
             warn_user(
                 f"save_on_signal: {seconds:.1f} s passed between two safe points (step_boundary calls), more than "
-                f"grace_s={self.grace_s:g} s: a signal arriving now would be acted on after the deadline and only "
-                "the newest committed checkpoint would remain; call step_boundary() more often (inside long "
-                "evaluations too) or ask the scheduler for a longer grace period",
+                f"grace_s={self.grace_s:g} s: {risk}, or ask the scheduler for a longer grace period",
                 StatekitWarning,
             )
 

@@ -390,6 +390,15 @@ def test_a_safe_point_later_than_the_grace_period_warns_with_the_step_time(tmp_p
     assert manager.latest().endswith("checkpoint-00000003")
 
 
+def test_with_the_watcher_the_long_stretch_warning_says_what_the_watcher_does_not_cover(tmp_path):
+    with statekit.CheckpointManager(_objects(), str(tmp_path / "root"), save_on_signal=statekit.PreemptionPolicy(
+            on_signal="return", grace_s=1e-9)) as manager:  # the watcher on (the default); no signal is sent
+        manager.step_boundary(1)
+        with pytest.warns(statekit.StatekitWarning, match=r"more than grace_s=1e-09 s: a signal in such a stretch is "
+                                                          r"saved by the watcher only when nothing changed the state"):
+            manager.step_boundary(2)
+
+
 @pytest.mark.parametrize("save_on_signal, message", [
     (lambda: ("SIGKILL",), "save_on_signal: SIGKILL cannot be handled by any process"),
     (lambda: ("SIGNOPE",), "save_on_signal: 'SIGNOPE' is not a signal"),
