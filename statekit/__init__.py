@@ -21,7 +21,7 @@ from statekit.format.manifest_types import Manifest
 from statekit.api.loading import load
 from statekit.api.saveload import save
 from statekit.engine.read import verify
-from statekit.engine.references import reference_pretrained
+from statekit.engine.pretrained import reference_pretrained
 from statekit.api.materialize import materialize
 from statekit.errors import (
     AsyncSaveError,

@@ -17,7 +17,8 @@ from statekit import format as fmt
 from statekit.engine.file_reader import FileReader
 from statekit.engine.file_writer import FileWriter, WrittenFile
 from statekit.engine.incremental import ReuseBase
-from statekit.engine.references import ResolvedReference, source_of
+from statekit.engine.pretrained import source_of
+from statekit.engine.references import ResolvedReference
 from statekit.engine.staging import StagingPool
 from statekit.format.manifest_types import FileEntry, Manifest, Reference
 from statekit.errors import StatekitError

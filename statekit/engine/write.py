@@ -13,7 +13,7 @@ import torch
 from statekit import format as fmt
 from statekit.engine.context import Checkpoint
 from statekit.engine.entries import Entry, LazyStateDict
-from statekit.engine import references
+from statekit.engine import pretrained, references
 from statekit.engine.incremental import split_model
 from statekit.loaders import data
 
@@ -36,7 +36,7 @@ def write_core_state(
             key = checkpoint.key_of(model)
             state = weight if weight is not None else LazyStateDict(core_model)
             if all(isinstance(v, torch.Tensor) for v in state.values()):
-                source = references.source_of((model, core_model))
+                source = pretrained.source_of((model, core_model))
                 if source is not None:  # a frozen base recorded as references, not written
                     reference, state = references.reference_frozen(key, state, core_model, source)
                     if reference is not None:
