@@ -380,6 +380,10 @@ def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_nam
         dropped += [m for m in members if m != out_name]
     weights_name, single = source.weights_name, source.weights_name == "adapter_model"
     if merge_adapter:
+        if source.weights_name == "adapter_model":
+            raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url} holds a LoRA adapter only (a Trainer "
+                                     "checkpoint of a peft model), not its base: export the adapter, then "
+                                     "PeftModel.from_pretrained(base, OUT).merge_and_unload()")
         if "adapter_config.json" not in files or source.weights_name != "model":
             raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url} needs a LoRA adapter config "
                                      "(config=peft_model.peft_config['default'], or an adapter_config.json)")

@@ -350,3 +350,5 @@ def test_a_trainer_checkpoint_of_a_peft_model_exports_as_its_adapter_folder(tmp_
     exported = peft.get_peft_model_state_dict(loaded)
     assert exported.keys() == live.keys()
     assert all(torch.equal(v, live[k]) for k, v in exported.items())
+    with pytest.raises(statekit.InvalidOptionError, match="holds a LoRA adapter only .* not its base"):
+        statekit.export_pretrained(str(tmp_path / "checkpoint-3"), str(tmp_path / "merged"), merge_adapter=True)
