@@ -85,7 +85,9 @@ def source_of(models: Iterable[torch.nn.Module]) -> Source | None:
     """The pretrained folder of the first of ``models`` (the model as passed, then what it
     wraps) that declares or learned one: :func:`reference_pretrained`, else the local
     folder ``from_pretrained`` recorded in ``config._name_or_path`` (transformers,
-    diffusers, peft's base model) when it holds safetensors files; None when none does."""
+    diffusers, peft's base model) when it holds safetensors files, or its one subfolder whose
+    config names the model's class (a pipeline's ``unet``, ``text_encoder``); None when none
+    does."""
     for m in models:
         declared = _declared.get(m)
         if declared is not None:
@@ -93,9 +95,37 @@ def source_of(models: Iterable[torch.nn.Module]) -> Source | None:
     for m in models:
         for inner in (m, getattr(m, "base_model", None), getattr(getattr(m, "base_model", None), "model", None)):
             path = getattr(getattr(inner, "config", None), "_name_or_path", None)
-            if isinstance(path, str) and path and os.path.isdir(path) and _has_safetensors(path):
+            if not (isinstance(path, str) and path and os.path.isdir(path)):
+                continue
+            if _has_safetensors(path):
                 return Source(os.path.abspath(path))
+            sub = _component_folder(path, type(inner).__name__)
+            if sub is not None:
+                return Source(os.path.abspath(sub))
     return None
+
+
+def _component_folder(root: str, class_name: str) -> str | None:
+    """The subfolder of a pipeline folder (``from_pretrained(root, subfolder="unet")``
+    records ``root``) whose ``config.json`` names ``class_name`` (diffusers' ``_class_name``,
+    transformers' ``architectures``) and holds safetensors files; None when there is none
+    or several."""
+    found = []
+    try:
+        subs = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for sub in subs:
+        folder = os.path.join(root, sub)
+        try:
+            with open(os.path.join(folder, "config.json")) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            continue
+        names = {config.get("_class_name"), *(config.get("architectures") or [])} if isinstance(config, dict) else set()
+        if class_name in names and _has_safetensors(folder):
+            found.append(folder)
+    return found[0] if len(found) == 1 else None
 
 
 def _has_safetensors(path: str) -> bool:

@@ -405,3 +405,21 @@ def test_a_relative_or_wrong_folder_given_to_reference_pretrained(tmp_path, monk
     statekit.reference_pretrained(same, "base")
     statekit.save(str(tmp_path / "ckpt2"), {"model": same})
     assert manifest(str(tmp_path / "ckpt2"))["references"]["model"]["source"] == str(tmp_path / "base")
+
+
+def test_a_pipeline_component_loaded_with_subfolder_is_referenced_in_that_subfolder(tmp_path):
+    """``from_pretrained(root, subfolder="text_encoder")`` records ``root``: the component's
+    folder is the subfolder whose config names the model's class."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    diffusers.UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16), layers_per_block=1,
+                          down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                          norm_num_groups=4).save_pretrained(str(tmp_path / "pipeline" / "unet"))  # another component
+    base_folder(tmp_path / "pipeline" / "text_encoder")
+    model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "pipeline"), subfolder="text_encoder")
+    assert model.config._name_or_path == str(tmp_path / "pipeline")
+    model.requires_grad_(False)  # a frozen text encoder
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    assert manifest(ckpt)["references"]["model"]["source"] == str(tmp_path / "pipeline" / "text_encoder")
+    assert_loads_as(ckpt, model)
