@@ -138,7 +138,7 @@ for a, b in zip(optimizer.state_dict()["state"].values(), fresh_optimizer.state_
 assert epoch == {"n": 3}, epoch
 statekit.verify(url)
 schema = json.loads(resources.files("statekit").joinpath("manifest.schema.json").read_text())
-assert schema["properties"]["format"]["enum"] == ["statekit/1", "statekit/2"], schema["properties"]["format"]
+assert schema["properties"]["format"]["enum"] == ["statekit/1", "statekit/2", "statekit/3"], schema["properties"]["format"]
 plugins = json.loads((pathlib.Path(url) / "statekit.json").read_text())["plugins"]
 print(f"round trip ok: {url} (plugins in manifest: {plugins})")
 EOF
