@@ -106,6 +106,9 @@ def _statekit_lines(url: str, manifest: Manifest) -> list[str]:
     ]
     if manifest.metadata:
         lines.append(f"metadata    {json.dumps(manifest.metadata)}")
+    for key, ref in sorted((manifest.references or {}).items()):  # a frozen base kept in its folder, not here
+        lines.append(f"references  model {key!r}: {len(ref.tensors)} frozen tensors in {ref.source} "
+                     f"({', '.join(sorted(ref.files))}), not in this checkpoint")
     for i, line in enumerate(describe_fingerprint(manifest.fingerprint) if manifest.fingerprint is not None else []):
         lines.append(f"{'fingerprint' if i == 0 else '':<12}{line}")
     return lines + _state_digest_line(manifest) + _resume_audit_lines(manifest.resume_audit)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -423,3 +424,17 @@ def test_a_pipeline_component_loaded_with_subfolder_is_referenced_in_that_subfol
     statekit.save(ckpt, {"model": model})
     assert manifest(ckpt)["references"]["model"]["source"] == str(tmp_path / "pipeline" / "text_encoder")
     assert_loads_as(ckpt, model)
+
+
+def test_inspect_names_the_referenced_folder(tmp_path):
+    from statekit.cli import main
+
+    folder = base_folder(tmp_path / "base")
+    model, _ = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    result = CliRunner().invoke(main, ["inspect", ckpt])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # (the console may wrap a long line)
+    assert re.search(r"references model 'model': \d+ frozen tensors in \S*base \(model\.safetensors\), not in this "
+                     r"checkpoint", text), text
