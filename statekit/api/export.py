@@ -27,6 +27,7 @@ import torch
 
 from statekit.checks import digest as sd
 from statekit.engine.context import CORE, Checkpoint
+from statekit.api.export_peft import PEFT_PREFIX, LoraMerge, adapter_names, base_name, merged_names
 from statekit.engine.export_source import ExportTensor, ModelSource, TensorFiles
 from statekit.engine.read import model_tensor_files
 from statekit.errors import (
@@ -332,33 +333,7 @@ class _Plan:
     single_file: bool
     state_paths: bool
     dropped: list[str]
-    merges: dict[str, _Merge] = dataclasses.field(default_factory=dict)  # output name -> the adapter merged into it
-
-
-@dataclasses.dataclass(frozen=True)
-class _Merge:
-    """A LoRA adapter merged into one base weight: ``weight + transpose(B @ A) * scaling``."""
-
-    lora_a: str
-    lora_b: str
-    scaling: float
-    fan_in_fan_out: bool
-
-    def apply(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``weight`` with the adapter added in place, as peft's ``lora.Linear.merge``
-        (``safe_merge=False``) and ``get_delta_weight`` compute it
-        (https://github.com/huggingface/peft/blob/main/src/peft/tuners/lora/layer.py)."""
-        dtype = b.dtype
-        half_on_cpu = dtype in (torch.float16, torch.bfloat16)  # peft casts to fp32 on the CPU
-        if half_on_cpu:
-            a, b = a.float(), b.float()
-        delta = b @ a
-        delta = delta.T if self.fan_in_fan_out else delta
-        delta.mul_(self.scaling)
-        if half_on_cpu:
-            delta = delta.to(dtype)
-        weight += delta
-        return weight
+    merges: dict[str, LoraMerge] = dataclasses.field(default_factory=dict)  # output name -> the adapter merged into it
 
 
 def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_name: str, url: str, manifest: Any,
@@ -387,15 +362,15 @@ def _plan(source: ModelSource, files: Mapping[str, bytes], key: str, adapter_nam
         if "adapter_config.json" not in files or source.weights_name != "model":
             raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url} needs a LoRA adapter config "
                                      "(config=peft_model.peft_config['default'], or an adapter_config.json)")
-        names, merges = _merged_names(names, files["adapter_config.json"], adapter_name, key, url)
-        dropped = [_base_name(n) for n in dropped]
+        names, merges = merged_names(names, files["adapter_config.json"], adapter_name, key, url)
+        dropped = [base_name(n) for n in dropped]
         return _Plan(names, weights_name, single, source.state_paths, dropped, merges)
     if "adapter_config.json" in files and source.weights_name == "model":
-        names = _adapter_names(names, files["adapter_config.json"], adapter_name, key, url)
+        names = adapter_names(names, files["adapter_config.json"], adapter_name, key, url)
         weights_name, single = "adapter_model", True
-    elif source.weights_name == "model" and any(n.startswith(_PEFT_PREFIX) and ".lora_" in n for n in names):
+    elif source.weights_name == "model" and any(n.startswith(PEFT_PREFIX) and ".lora_" in n for n in names):
         raise InvalidOptionError(
-            f"model {key!r} of {url} is a peft LoRA model (its tensors are named {_PEFT_PREFIX}...base_layer / lora_*), "
+            f"model {key!r} of {url} is a peft LoRA model (its tensors are named {PEFT_PREFIX}...base_layer / lora_*), "
             "which from_pretrained of a base model cannot read: pass its adapter config beside the base's "
             "(config=[base_config, peft_model.peft_config['default']]) for the adapter folder, and add "
             "merge_adapter=True (--merge-adapter) for the base with the adapter merged")
@@ -471,74 +446,6 @@ def _tie_targets(files: Mapping[str, bytes]) -> dict[str, str]:
         return {}
     tied = getattr(cls, "_tied_weights_keys", None)
     return {str(k): str(v) for k, v in tied.items()} if isinstance(tied, Mapping) else {}
-
-
-def _adapter_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter: str, key: str, url: str) -> OrderedDict[str, ExportTensor]:
-    """A saved ``PeftModel``'s adapter tensors under the names peft's ``save_pretrained``
-    writes (``...lora_A.default.weight`` -> ``...lora_A.weight``); LoRA without bias or
-    ``modules_to_save`` only."""
-    body = json.loads(config.decode("utf-8"))
-    peft_type = body.get("peft_type")
-    if peft_type != "LORA" or body.get("bias", "none") != "none" or body.get("modules_to_save"):
-        raise InvalidOptionError(
-            f"config: an adapter export supports LoRA with bias='none' and no modules_to_save (got peft_type={peft_type!r}, "
-            f"bias={body.get('bias')!r}, modules_to_save={body.get('modules_to_save')!r}); save such a model with "
-            "StatekitTrainer, whose checkpoint is peft's own adapter folder"
-        )
-    marker = f".{adapter}."
-    out: OrderedDict[str, ExportTensor] = OrderedDict()
-    for name, t in names.items():
-        if "lora_" in name and marker in name:
-            out[name.replace(f".{adapter}", "", 1)] = t
-    if not out:
-        raise InvalidOptionError(f"adapter_name={adapter!r}: model {key!r} of {url} has no LoRA tensor of that adapter")
-    return out
-
-
-_PEFT_PREFIX = "base_model.model."
-
-
-def _base_name(name: str) -> str:
-    """A saved ``PeftModel``'s state-dict name under the base model's (``base_model.model.x.base_layer.weight`` -> ``x.weight``)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
-
-
-def _merged_names(names: OrderedDict[str, ExportTensor], config: bytes, adapter: str, key: str,
-                  url: str) -> tuple[OrderedDict[str, ExportTensor], dict[str, _Merge]]:
-    """A saved ``PeftModel``'s base tensors under the base model's names
-    (``base_model.model.x.base_layer.weight`` -> ``x.weight``), each LoRA-adapted weight with
-    the adapter ``adapter`` to merge into it; the adapters' tensors left out."""
-    body = json.loads(config.decode("utf-8"))
-    unsupported = [what for what, bad in (
-        (f"peft_type={body.get('peft_type')!r}", body.get("peft_type") != "LORA"),
-        ("use_dora=True", bool(body.get("use_dora"))), ("alpha_pattern", bool(body.get("alpha_pattern"))),
-        ("lora_bias=True", bool(body.get("lora_bias"))), (f"bias={body.get('bias')!r}", body.get("bias", "none") != "none"),
-        ("modules_to_save", bool(body.get("modules_to_save"))),
-        ("an embedding adapter", any("lora_embedding_" in n for n in names))) if bad]
-    if unsupported:
-        raise InvalidOptionError(f"merge_adapter=True: model {key!r} of {url}: merging supports plain LoRA on linear "
-                                 f"layers; this adapter has {', '.join(unsupported)} (export the adapter instead)")
-    alpha, rslora, fan_in_fan_out = body.get("lora_alpha", 8), bool(body.get("use_rslora")), bool(body.get("fan_in_fan_out"))
-    out: OrderedDict[str, ExportTensor] = OrderedDict()
-    merges: dict[str, _Merge] = {}
-    for name, t in names.items():
-        if ".lora_" in name:
-            continue
-        module, _, leaf = name.removeprefix(_PEFT_PREFIX).rpartition(".")
-        if module.endswith(".base_layer"):
-            module = module.removesuffix(".base_layer")
-            a, b = (f"{name.rsplit('.base_layer.', 1)[0]}.lora_{x}.{adapter}.weight" for x in ("A", "B"))
-            if leaf == "weight" and a in names and b in names:
-                ta = names[a]
-                if len(ta.shape) != 2:
-                    raise InvalidOptionError(f"merge_adapter=True: {a} of {url} is a {len(ta.shape)}-d adapter "
-                                             "(a convolution): merging supports linear layers")
-                r = ta.shape[0]
-                merges[f"{module}.{leaf}"] = _Merge(a, b, alpha / (r ** 0.5) if rslora else alpha / r, fan_in_fan_out)
-        out[f"{module}.{leaf}" if module else leaf] = t
-    if not merges:
-        raise InvalidOptionError(f"adapter_name={adapter!r}: model {key!r} of {url} has no LoRA tensor of that adapter to merge")
-    return out, merges
 
 
 def _shards(plan: _Plan, shard_bytes: int) -> list[tuple[str, list[str]]]:

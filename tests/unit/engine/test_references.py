@@ -24,6 +24,16 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 from reference_helpers import assert_same, base_folder, config, fine_tune, step  # noqa: E402
 
 
+def saved_fine_tune(tmp_path) -> tuple[str, torch.nn.Module, str]:
+    """``(folder, model, ckpt)``: the base folder, the fine-tune of it, and its checkpoint
+    saved with ``statekit.save`` (the model alone) at ``tmp_path / "ckpt"``."""
+    folder = base_folder(tmp_path / "base")
+    model, _ = fine_tune(folder)
+    ckpt = str(tmp_path / "ckpt")
+    statekit.save(ckpt, {"model": model})
+    return folder, model, ckpt
+
+
 def rewrite_base(folder: str, change) -> None:
     """Write the base's ``model.safetensors`` again with ``change(tensors)`` applied (an edit by hand)."""
     from safetensors.torch import load_file, save_file
@@ -171,10 +181,7 @@ def test_a_moved_base_is_a_missing_base_error_and_the_model_is_untouched(tmp_pat
 
 
 def test_an_edited_tensor_in_the_base_is_a_changed_base_error_naming_it(tmp_path):
-    folder = base_folder(tmp_path / "base")
-    model, optim = fine_tune(folder)
-    ckpt = str(tmp_path / "ckpt")
-    statekit.save(ckpt, {"model": model})
+    folder, model, ckpt = saved_fine_tune(tmp_path)
 
     def edit(tensors):
         tensors["transformer.h.0.attn.c_attn.weight"][0, 0] += 1  # same header, other bytes
@@ -188,10 +195,7 @@ def test_an_edited_tensor_in_the_base_is_a_changed_base_error_naming_it(tmp_path
 
 
 def test_a_base_whose_header_changed_is_refused_before_anything_is_loaded(tmp_path):
-    folder = base_folder(tmp_path / "base")
-    model, optim = fine_tune(folder)
-    ckpt = str(tmp_path / "ckpt")
-    statekit.save(ckpt, {"model": model})
+    folder, model, ckpt = saved_fine_tune(tmp_path)
     rewrite_base(folder, lambda tensors: {k: v.to(torch.float16) for k, v in tensors.items()})  # retyped
     fresh = GPT2LMHeadModel(config())
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
@@ -277,10 +281,7 @@ def test_convert_to_statekit_with_materialize_on_the_command_line(tmp_path):
 
 
 def test_export_of_a_referencing_checkpoint_writes_the_base_too(tmp_path):
-    folder = base_folder(tmp_path / "base")
-    model, _ = fine_tune(folder)
-    ckpt = str(tmp_path / "ckpt")
-    statekit.save(ckpt, {"model": model})
+    folder, model, ckpt = saved_fine_tune(tmp_path)
     statekit.export_pretrained(ckpt, str(tmp_path / "hf"), config=model.config)
     assert_same(model, GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")))
 
@@ -359,10 +360,7 @@ def test_a_moved_base_loads_from_where_the_resuming_model_comes_from(tmp_path):
 
 
 def test_another_folder_the_loading_model_names_is_taken_only_when_every_tensor_matches(tmp_path):
-    folder = base_folder(tmp_path / "base")
-    model, _ = fine_tune(folder)
-    ckpt = str(tmp_path / "ckpt")
-    statekit.save(ckpt, {"model": model})
+    folder, model, ckpt = saved_fine_tune(tmp_path)
     shutil.rmtree(folder)
     torch.manual_seed(5)
     GPT2LMHeadModel(config()).save_pretrained(str(tmp_path / "other"))  # same architecture, other weights
@@ -429,10 +427,7 @@ def test_a_pipeline_component_loaded_with_subfolder_is_referenced_in_that_subfol
 def test_inspect_names_the_referenced_folder(tmp_path):
     from statekit.cli import main
 
-    folder = base_folder(tmp_path / "base")
-    model, _ = fine_tune(folder)
-    ckpt = str(tmp_path / "ckpt")
-    statekit.save(ckpt, {"model": model})
+    folder, model, ckpt = saved_fine_tune(tmp_path)
     result = CliRunner().invoke(main, ["inspect", ckpt])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # (the console may wrap a long line)
